@@ -1,0 +1,49 @@
+/* Declarations shared by the C sources and the cffi cdef (kept cdef-parsable:
+ * no macros, no includes). */
+
+typedef struct tm_engine tm_engine;
+
+/* One transfer submitted from Python. The engine splits it into block_size
+ * pieces; Python owns the struct and keeps it alive until `done` is set. */
+typedef struct tm_request {
+    int op;                 /* 0 = read, 1 = write */
+    int fd;                 /* fixed-file slot when fixed_file, else a plain fd */
+    int fixed_file;
+    int buf_index;          /* registered-buffer index, or -1 */
+    char *buf;
+    uint64_t len;
+    uint64_t offset;
+    /* written by the engine, read by Python once done != 0 */
+    int done;
+    int error;              /* 0, or the negative errno of the first failed piece */
+    uint64_t error_offset;
+    uint64_t error_length;
+    uint64_t bytes_done;
+    uint32_t resubmits;     /* short transfers and EAGAINs requeued */
+    /* engine-private */
+    uint64_t next;          /* bytes handed to the ring so far */
+    uint32_t inflight;      /* pieces in the ring */
+    struct tm_request *link;
+} tm_request;
+
+int tm_uring_probe(void);
+int tm_engine_create(unsigned queue_depth, unsigned block_size,
+                     unsigned file_slots, tm_engine **out);
+int tm_engine_register_buffers(tm_engine *e, void **addrs, size_t *lens, unsigned n);
+int tm_engine_unregister_buffers(tm_engine *e);
+int tm_engine_register_file(tm_engine *e, int fd);
+int tm_engine_unregister_file(tm_engine *e, int slot);
+int tm_engine_submit(tm_engine *e, tm_request *r);
+int tm_engine_wait(tm_engine *e, tm_request *r, int timeout_ms);
+int tm_engine_inflight(tm_engine *e);
+void tm_engine_destroy(tm_engine *e);
+
+/* Memory for I/O buffers. kind: 0 = plain pages, 1 = transparent huge pages
+ * (madvise), 2 = hugetlb pages. */
+void *tm_mem_alloc(size_t nbytes, int want_huge, int want_lock,
+                   int *kind_out, int *locked_out, int *lock_errno_out);
+void tm_mem_free(void *p, size_t nbytes);
+size_t tm_mem_mapped_size(size_t nbytes, int kind);
+long tm_mem_live_count(void);
+size_t tm_mem_live_bytes(void);
+long tm_mem_free_count(void);

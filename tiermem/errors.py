@@ -1,0 +1,43 @@
+"""Exception types every layer raises; kept in one leaf module so that no layer imports upward."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class TierMemError(Exception):
+    """Base class of tiermem's own errors."""
+
+
+class TierMemWarning(UserWarning):
+    """A degraded but working set-up: a fallback backend, unlocked buffers, buffered I/O."""
+
+
+class TierMemIOError(TierMemError, OSError):
+    """An I/O operation failed: names the operation, file, offset, length and errno."""
+
+    def __init__(self, message: str, *, op: str | None = None, path: str | None = None,
+                 offset: int | None = None, length: int | None = None,
+                 errno: int | None = None) -> None:
+        OSError.__init__(self, message)
+        self.op = op
+        self.path = path
+        self.offset = offset
+        self.length = length
+        # OSError's own errno slot, so `except OSError as e: e.errno` works.
+        self.errno = errno
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    @classmethod
+    def from_failure(cls, *, op: str, path: str, offset: int, length: int,
+                     err: int) -> "TierMemIOError":
+        """Build the error for a failed transfer; err is a positive errno."""
+        if op == "read" and err == _errno.ENODATA:
+            why = "unexpected end of file (was the file truncated while in use?)"
+        else:
+            why = f"{os.strerror(err)} ({_errno.errorcode.get(err, err)})"
+        return cls(f"{op} of {length} bytes at offset {offset} in {path} failed: {why}",
+                   op=op, path=path, offset=offset, length=length, errno=err)

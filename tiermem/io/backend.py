@@ -1,0 +1,46 @@
+"""The interface both I/O backends implement, so IOEngine never cares which one runs.
+
+A backend moves bytes and reports failures; validation, file bookkeeping and
+error messages live in IOEngine, above it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+
+class Transfer(Protocol):
+    """One submitted read or write, as the backend tracks it."""
+
+    def done(self) -> bool:
+        """True once every byte moved or the transfer failed."""
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block (GIL released) until done; False on timeout."""
+
+    def failure(self) -> tuple[int, int, int] | None:
+        """(positive errno, offset, length) of the first failed piece, or None."""
+
+    @property
+    def resubmits(self) -> int:
+        """Short transfers and EAGAINs the backend requeued."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
+        """Register (address, length) regions for fixed-buffer I/O; False if not supported."""
+
+    def unregister_buffers(self) -> None: ...
+
+    def add_file(self, fd: int) -> int:
+        """A token for `fd` to pass to submit (a fixed-file slot or the fd itself)."""
+
+    def remove_file(self, token: int) -> None: ...
+
+    def submit(self, *, op: str, file: int, addr: int, nbytes: int, offset: int,
+               buf_index: int) -> Transfer: ...
+
+    def close(self) -> None:
+        """Finish every submitted transfer, then release the backend's resources."""

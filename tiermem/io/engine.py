@@ -1,0 +1,375 @@
+"""IOEngine: asynchronous reads and writes of whole buffers at file offsets.
+
+It validates every request before anything reaches the kernel (alignment under
+O_DIRECT, bounds, buffer kind, open/closed state), tracks what is in flight per
+file, and turns a backend's raw failure into a TierMemIOError that names the
+operation, file, offset, length and errno. The bytes are moved by a backend:
+io_uring (native/io_engine.c) or a pread/pwrite thread pool.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import threading
+import warnings
+from typing import Any, Literal, Sequence
+
+from tiermem.errors import TierMemIOError, TierMemWarning
+from tiermem.io import uring_backend
+from tiermem.io.buffer_ref import BufferRef, buffer_ref
+from tiermem.io.thread_backend import ThreadBackend
+from tiermem.io.uring_backend import UringBackend
+from tiermem.sysinfo import mount_of
+
+DIRECT_ALIGN = 4096
+MiB = 1 << 20
+BackendName = Literal["auto", "io_uring", "threads"]
+Direct = bool | Literal["auto"]
+MODES = {
+    "r": os.O_RDONLY,
+    "r+": os.O_RDWR,
+    "w": os.O_RDWR | os.O_CREAT | os.O_TRUNC,  # read-write so a swap file can be read back
+}
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, TierMemWarning, stacklevel=4)
+
+
+def io_uring_status() -> tuple[bool, str]:
+    """Whether io_uring works in this process, decided by a real io_uring_setup, and why not."""
+    err = uring_backend.probe()
+    if err == 0:
+        return True, "io_uring_setup works"
+    hints = {
+        _errno.ENOSYS: "the kernel has no io_uring",
+        _errno.EPERM: "denied: kernel.io_uring_disabled or a seccomp filter",
+        _errno.EACCES: "denied by a security module",
+    }
+    return False, f"io_uring_setup failed: {os.strerror(err)} ({hints.get(err, 'unexpected')})"
+
+
+class File:
+    """A file opened through an IOEngine; pass it to read() and write()."""
+
+    def __init__(self, engine: "IOEngine", path: str, fd: int, token: int, mode: str,
+                 direct: bool) -> None:
+        self.engine = engine
+        self.path = path
+        self.fd = fd
+        self.mode = mode
+        self.direct = direct
+        self._token = token
+        self._inflight: set[Request] = set()
+        self.closed = False
+
+    def size(self) -> int:
+        """Current size in bytes (fstat)."""
+        self._check_open()
+        return os.fstat(self.fd).st_size
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"I/O on closed file {self.path}")
+
+    def close(self) -> None:
+        """Wait for this file's transfers, then close it. Idempotent."""
+        if self.closed:
+            return
+        for req in list(self._inflight):
+            req._settle()
+        self.closed = True
+        self.engine._forget_file(self)
+        # Safe to close: nothing in flight references this fd any more.
+        os.close(self.fd)
+
+    def __enter__(self) -> "File":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fd={self.fd}"
+        return f"<tiermem.io.File {self.path!r} mode={self.mode} direct={self.direct} {state}>"
+
+
+class Request:
+    """Handle of one submitted read or write."""
+
+    def __init__(self, engine: "IOEngine", op: str, file: File, ref: BufferRef, offset: int,
+                 transfer: Any) -> None:
+        self.op = op
+        self.file = file
+        self.offset = offset
+        self.nbytes = ref.nbytes
+        self._engine = engine
+        self._ref = ref  # keeps the buffer alive while the kernel may touch it
+        self._transfer = transfer
+        self._error: TierMemIOError | None = None
+        self._settled = False
+        self._raised = False
+
+    def done(self) -> bool:
+        """True once the transfer finished (successfully or not); never raises."""
+        if not self._settled and self._transfer.done():
+            self._settle()
+        return self._settled
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until done and return the bytes moved; raise TierMemIOError on failure.
+
+        With a `timeout` (seconds) that runs out, raise TimeoutError; the
+        request stays in flight.
+        """
+        if not self._settled and not self._transfer.wait(timeout):
+            raise TimeoutError(f"{self.op} of {self.nbytes} bytes at offset {self.offset} in "
+                               f"{self.file.path} still in flight after {timeout} s")
+        self._settle()
+        if self._error is not None:
+            self._raised = True
+            raise self._error
+        return self.nbytes
+
+    @property
+    def resubmits(self) -> int:
+        """Pieces of this transfer requeued after a short transfer or EAGAIN."""
+        return self._transfer.resubmits
+
+    def _settle(self) -> None:
+        """Wait without raising and drop the engine's bookkeeping for this request."""
+        if self._settled:
+            return
+        self._transfer.wait(None)
+        failure = self._transfer.failure()
+        if failure is not None:
+            err, off, length = failure
+            self._error = TierMemIOError.from_failure(
+                op=self.op, path=self.file.path, offset=off, length=length, err=err)
+        self._settled = True
+        self._engine._retire(self)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return (f"<tiermem.io.Request {self.op} {self.nbytes} B @ {self.offset} "
+                f"{self.file.path!r} {state}>")
+
+
+class IOEngine:
+    """Asynchronous file I/O over io_uring, or a thread pool where io_uring is unavailable.
+
+    backend: "auto" probes io_uring_setup and falls back to "threads" with one
+    warning; "io_uring" fails when it is unavailable; "threads" always works.
+    Transfers are split into `block_size` pieces with up to `queue_depth` in
+    flight.
+    """
+
+    def __init__(self, backend: BackendName = "auto", queue_depth: int = 32,
+                 block_size: int = MiB) -> None:
+        if backend not in ("auto", "io_uring", "threads"):
+            raise ValueError(f"IOEngine: backend={backend!r}; allowed: 'auto', 'io_uring', "
+                             "'threads'")
+        if not 1 <= queue_depth <= 4096:
+            raise ValueError(f"IOEngine: queue_depth={queue_depth} must be in 1..4096")
+        if block_size < DIRECT_ALIGN or block_size % DIRECT_ALIGN or block_size > 1 << 30:
+            raise ValueError(f"IOEngine: block_size={block_size} must be a multiple of "
+                             f"{DIRECT_ALIGN} between {DIRECT_ALIGN} and 1 GiB")
+        self.queue_depth = queue_depth
+        self.block_size = block_size
+        self._backend = self._start_backend(backend)
+        self.backend: str = self._backend.name
+        self._lock = threading.Lock()
+        self._inflight: set[Request] = set()
+        self._files: set[File] = set()
+        self._regions: list[tuple[int, int]] = []
+        self._registered_owners: list[Any] = []
+        self.closed = False
+
+    def _start_backend(self, backend: str):
+        if backend == "threads":
+            return ThreadBackend(self.queue_depth, self.block_size)
+        ok, why = io_uring_status()
+        if ok:
+            return UringBackend(self.queue_depth, self.block_size)
+        if backend == "io_uring":
+            raise TierMemIOError(f"io_uring backend asked for but unavailable: {why}",
+                                 op="io_uring_setup")
+        _warn_once("no-io-uring", f"tiermem: {why}; using the threads backend "
+                                  "(pread/pwrite on a thread pool)")
+        return ThreadBackend(self.queue_depth, self.block_size)
+
+    # -- files -----------------------------------------------------------------
+
+    def open(self, path: str | os.PathLike, mode: str = "r", direct: Direct = True) -> File:
+        """Open `path` for transfers.
+
+        mode: "r" read-only, "r+" read-write, "w" create/truncate (read-write).
+        direct: True requires O_DIRECT (error where the filesystem refuses it),
+        "auto" falls back to buffered I/O with one warning, False is buffered.
+        """
+        self._check_open()
+        if mode not in MODES:
+            raise ValueError(f"IOEngine.open: mode={mode!r}; allowed: {', '.join(MODES)}")
+        if direct not in (True, False, "auto"):
+            raise ValueError(f"IOEngine.open: direct={direct!r}; allowed: True, False, 'auto'")
+        path = os.fspath(path)
+        flags = MODES[mode] | os.O_CLOEXEC
+        use_direct = bool(direct)
+        try:
+            fd = os.open(path, flags | (os.O_DIRECT if use_direct else 0), 0o600)
+        except OSError as exc:
+            if not (use_direct and exc.errno == _errno.EINVAL):
+                raise TierMemIOError(f"open {path} (mode {mode!r}) failed: {exc.strerror}",
+                                     op="open", path=path, errno=exc.errno) from None
+            fs = mount_of(path).fstype
+            if direct is True:
+                raise TierMemIOError(
+                    f"open {path}: the {fs} filesystem refuses O_DIRECT; put swap files on a "
+                    "local disk filesystem (ext4, xfs) or open with direct='auto'/False",
+                    op="open", path=path, errno=exc.errno) from None
+            _warn_once(f"buffered:{fs}", f"tiermem: {path} is on a {fs} filesystem, which "
+                       "refuses O_DIRECT; using buffered I/O there (slower, and the page "
+                       "cache holds a second copy of the data)")
+            use_direct = False
+            fd = os.open(path, flags, 0o600)
+        token = self._backend.add_file(fd)
+        f = File(self, path, fd, token, mode, use_direct)
+        with self._lock:
+            self._files.add(f)
+        return f
+
+    def _forget_file(self, f: File) -> None:
+        self._backend.remove_file(f._token)
+        with self._lock:
+            self._files.discard(f)
+
+    # -- buffers ---------------------------------------------------------------
+
+    def register_buffers(self, buffers: Sequence[Any]) -> bool:
+        """Register buffers with the ring as fixed buffers (io_uring only).
+
+        Returns whether the backend registered them. Requests on memory inside
+        a registered buffer then skip the kernel's per-request page mapping.
+        The engine keeps the buffers alive until unregistered or closed.
+        """
+        self._check_open()
+        with self._lock:
+            if self._inflight:
+                raise ValueError("IOEngine.register_buffers: requests are in flight; "
+                                 "register buffers before submitting I/O")
+        refs = [buffer_ref(b, for_read=True) for b in buffers]
+        self._backend.unregister_buffers()
+        ok = self._backend.register_buffers([(r.addr, r.nbytes) for r in refs])
+        self._regions = [(r.addr, r.nbytes) for r in refs] if ok else []
+        self._registered_owners = [r.owner for r in refs] if ok else []
+        return ok
+
+    def _buffer_index(self, addr: int, nbytes: int) -> int:
+        for i, (start, length) in enumerate(self._regions):
+            if start <= addr and addr + nbytes <= start + length:
+                return i
+        return -1
+
+    # -- transfers -------------------------------------------------------------
+
+    def read(self, file: File, buffer: Any, offset: int) -> Request:
+        """Start reading len(buffer) bytes of `file` at `offset` into `buffer`."""
+        return self._submit("read", file, buffer, offset)
+
+    def write(self, file: File, buffer: Any, offset: int) -> Request:
+        """Start writing all of `buffer` to `file` at `offset`."""
+        return self._submit("write", file, buffer, offset)
+
+    def _submit(self, op: str, file: File, buffer: Any, offset: int) -> Request:
+        self._check_open()
+        if not isinstance(file, File) or file.engine is not self:
+            raise ValueError(f"{op}: {file!r} was not opened by this engine")
+        file._check_open()
+        if op == "write" and file.mode == "r":
+            raise ValueError(f"write: {file.path} is open read-only (mode 'r')")
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"{op}: offset={offset!r} must be a non-negative int")
+        ref = buffer_ref(buffer, for_read=op == "read")
+        if file.direct:
+            self._check_direct(op, file, ref, offset)
+        if op == "read" and ref.nbytes and offset + ref.nbytes > file.size():
+            raise TierMemIOError(
+                f"read of {ref.nbytes} bytes at offset {offset} runs past the end of "
+                f"{file.path} (size {file.size()})", op="read", path=file.path,
+                offset=offset, length=ref.nbytes, errno=_errno.ENODATA)
+        transfer = self._backend.submit(op=op, file=file._token, addr=ref.addr,
+                                        nbytes=ref.nbytes, offset=offset,
+                                        buf_index=self._buffer_index(ref.addr, ref.nbytes))
+        req = Request(self, op, file, ref, offset, transfer)
+        with self._lock:
+            self._inflight.add(req)
+        file._inflight.add(req)
+        return req
+
+    @staticmethod
+    def _check_direct(op: str, file: File, ref: BufferRef, offset: int) -> None:
+        bad = [f"{name} {val} ({val % DIRECT_ALIGN} past a {DIRECT_ALIGN}-byte boundary)"
+               for name, val in (("buffer address", ref.addr), ("offset", offset),
+                                 ("length", ref.nbytes)) if val % DIRECT_ALIGN]
+        if bad:
+            raise ValueError(f"{op} on {file.path} with O_DIRECT needs {DIRECT_ALIGN}-byte "
+                             f"alignment; unaligned: {', '.join(bad)}. Use buffers from "
+                             "tiermem.buffers.aligned_empty and aligned offsets/lengths.")
+
+    def _retire(self, req: Request) -> None:
+        with self._lock:
+            self._inflight.discard(req)
+        req.file._inflight.discard(req)
+
+    def inflight(self) -> int:
+        """Requests submitted and not yet waited for or seen done."""
+        with self._lock:
+            return len(self._inflight)
+
+    def wait_all(self) -> None:
+        """Wait for every request in flight; raise the first failure no one has seen yet."""
+        with self._lock:
+            pending = list(self._inflight)
+        first: TierMemIOError | None = None
+        for req in pending:
+            req._settle()
+            if req._error is not None and not req._raised and first is None:
+                req._raised = True
+                first = req._error
+        if first is not None:
+            raise first
+
+    # -- lifetime --------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("I/O on a closed IOEngine")
+
+    def close(self) -> None:
+        """Let every in-flight transfer finish, close files, free the ring. Idempotent."""
+        if self.closed:
+            return
+        with self._lock:
+            pending = list(self._inflight)
+        for req in pending:
+            req._settle()
+        for f in list(self._files):
+            f.close()
+        self._backend.close()
+        self._regions, self._registered_owners = [], []
+        self.closed = True
+
+    def __enter__(self) -> "IOEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<tiermem.io.IOEngine backend={self.backend} queue_depth={self.queue_depth} "
+                f"block_size={self.block_size}{' closed' if self.closed else ''}>")
