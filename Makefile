@@ -1,0 +1,42 @@
+# The two commands of the README:
+#   make run    the main job (for now: `tiermem probe` on the default swap directory)
+#   make test   the test suite
+# Both first install whatever is missing (see `setup`), so they work on a fresh
+# Debian machine. Override PYTHON to use another interpreter.
+
+PYTHON ?= python3
+# torch is installed only when it is not importable, pinned to the CPU wheel:
+# an unpinned `torch` pulls a multi-GB CUDA build onto machines without a GPU.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+STAMP := build/.installed
+NATIVE := $(wildcard native/*.c native/*.h) native/build_native.py setup.py pyproject.toml
+
+.PHONY: setup run test clean
+setup: $(STAMP)
+
+$(STAMP): $(NATIVE)
+	@if [ -z "$$TIERMEM_LIBURING_PREFIX" ] && [ ! -e /usr/include/liburing.h ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "setup: installing liburing-dev"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev; \
+	  else \
+	    echo "setup: liburing-dev is missing; install it (sudo apt-get install liburing-dev) and rerun"; \
+	    exit 1; \
+	  fi; \
+	fi
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "setup: installing $(TORCH_SPEC)"; \
+	  $(PYTHON) -m pip install -q "$(TORCH_SPEC)"; }
+	@$(PYTHON) -m pip install -q "setuptools>=77" wheel "cffi>=1.15"
+	@echo "setup: building tiermem (native io_uring engine) and its test extras"
+	@$(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
+	@mkdir -p build && touch $(STAMP)
+
+run: setup
+	$(PYTHON) -m tiermem.cli probe
+
+test: setup
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf build tiermem/_native*.so tiermem/_native.c tiermem/_native.o *.egg-info

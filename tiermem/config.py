@@ -1,0 +1,198 @@
+"""YAML config -> typed, validated settings.
+
+One dataclass per section, each field with a one-line doc, `Literal` for
+choices and `Size` for byte counts that accept "512MiB"-style strings. The
+dataclass defaults are the embedded default config (`configs/default.yaml`
+spells them out with comments). Every problem is a ConfigError naming the key
+path, the value found and what is allowed, raised before anything is pinned or
+written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Union
+
+import yaml
+
+from tiermem.errors import TierMemError
+from tiermem.sizes import parse_size
+
+
+class ConfigError(TierMemError, ValueError):
+    """A config value is wrong; the message names the key path, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        super().__init__(f"config key '{key}': got {value!r}; {allowed}")
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+
+
+class _SizeMarker:
+    """Annotated marker: a byte count, accepting '512MiB'-style strings."""
+
+
+Size = Annotated[int, _SizeMarker()]
+
+
+def doc(text: str, *, lo: float | None = None, hi: float | None = None,
+        multiple_of: int | None = None, **kw: Any) -> Any:
+    """A dataclass field carrying its one-line doc and bounds."""
+    meta = {"doc": text, "lo": lo, "hi": hi, "multiple_of": multiple_of}
+    return field(metadata=meta, **kw)
+
+
+DEFAULT_SWAP_DIR = "~/.cache/tiermem/swap"
+
+
+@dataclass(frozen=True)
+class SwapSettings:
+    """Where NVMe-tier state lives."""
+
+    paths: list[str] = doc("Swap directories on local NVMe drives; several are striped over.",
+                           default_factory=lambda: [DEFAULT_SWAP_DIR])
+
+    def validate(self) -> None:
+        if not self.paths:
+            raise ConfigError("swap.paths", self.paths, "give at least one directory")
+
+
+@dataclass(frozen=True)
+class IOSettings:
+    """How the I/O engine moves bytes."""
+
+    backend: Literal["auto", "io_uring", "threads"] = doc(
+        "I/O backend; auto probes io_uring and falls back to threads with a warning.",
+        default="auto")
+    queue_depth: int = doc("Block requests kept in flight per engine.", lo=1, hi=4096,
+                           default=32)
+    block_size: Size = doc("Bytes per block request; transfers are split into these.",
+                           lo=4096, hi=1 << 30, multiple_of=4096, default=1 << 20)
+    o_direct: Literal["auto", True, False] = doc(
+        "O_DIRECT on swap files: true requires it, auto falls back to buffered I/O with a "
+        "warning on filesystems that refuse it.", default="auto")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A whole tiermem config."""
+
+    swap: SwapSettings = doc("Swap locations.", default_factory=SwapSettings)
+    io: IOSettings = doc("I/O engine.", default_factory=IOSettings)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Annotated:
+        return "a size (bytes, or a string like '512MiB')"
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, str(tp))
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for c in choices:  # `True == 1` in Python: compare types too
+            if value == c and type(value) is type(c):
+                return c
+        raise ConfigError(key, value, f"allowed: {_describe(tp)}")
+    if origin is Annotated:
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(key, value, f"expected {_describe(tp)} ({exc})") from None
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, value, f"expected {_describe(tp)}")
+        (item,) = typing.get_args(tp)
+        return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _convert(arm, value, key)
+            except ConfigError:
+                pass
+        raise ConfigError(key, value, f"expected {_describe(tp)}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and not (type(value) is tp):
+        raise ConfigError(key, value, f"expected {_describe(tp)}")
+    return value
+
+
+def _check_bounds(f: dataclasses.Field, value: Any, key: str) -> None:
+    lo, hi, mult = f.metadata.get("lo"), f.metadata.get("hi"), f.metadata.get("multiple_of")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ConfigError(key, value, f"allowed range {lo}..{hi}")
+    if mult and value % mult:
+        raise ConfigError(key, value, f"must be a multiple of {mult}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix or "<root>", data, f"expected {_describe(cls)}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in fields:
+            where = f"{prefix}.{k}" if prefix else str(k)
+            raise ConfigError(where, data[k], f"unknown key; allowed here: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        key = f"{prefix}.{name}" if prefix else name
+        values[name] = _convert(hints[name], data[name], key)
+        _check_bounds(f, values[name], key)
+    out = cls(**values)
+    check = getattr(out, "validate", None)
+    if check is not None:
+        check()
+    return out
+
+
+def load_config(source: "str | os.PathLike | Mapping[str, Any] | Settings | None" = None
+                ) -> Settings:
+    """Validated Settings from a YAML path, a dict of the same shape, Settings, or None (defaults)."""
+    if isinstance(source, Settings):
+        return source
+    if source is None:
+        return Settings()
+    if isinstance(source, Mapping):
+        return _build(Settings, source, "")
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError("<root>", source, "expected a YAML path, a mapping or Settings")
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("<file>", str(path), f"cannot read it: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", str(path), f"not valid YAML: {exc}") from None
+    return _build(Settings, data, "")
+
+
+def swap_dir(settings: Settings) -> str:
+    """The first swap directory, with ~ and $VARS expanded."""
+    return os.path.expandvars(os.path.expanduser(settings.swap.paths[0]))

@@ -1,0 +1,52 @@
+"""Byte sizes as people write them in configs and on command lines: "512MiB", "1.5GB", 4096."""
+
+from __future__ import annotations
+
+import re
+
+UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes in `value`: an int, or a number with a unit (KiB/MiB/GiB/TiB binary,
+    KB/MB/GB/TB decimal, K/M/G/T binary). Raises ValueError saying what is accepted."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{value} is negative")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a size (an int or a string like '512MiB')")
+    m = _PATTERN.match(value)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in UNITS:
+        raise ValueError(f"{value!r} is not a size; write e.g. 4096, '512MiB', '2GiB' or '1.5GB'")
+    number = float(m.group(1)) * UNITS[unit]
+    if number != int(number):
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return int(number)
+
+
+def format_size(nbytes: float) -> str:
+    """Short binary form for tables and messages: 1536 -> '1.5 KiB'."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= scale:
+            text = f"{nbytes / scale:.2f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def yaml_size(nbytes: int) -> str:
+    """Exact form for writing back into a YAML config: 1048576 -> '1MiB'."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
