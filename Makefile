@@ -9,6 +9,7 @@ PYTHON ?= python3
 # an unpinned `torch` pulls a multi-GB CUDA build onto machines without a GPU.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+export PIP_ROOT_USER_ACTION := ignore
 STAMP := build/.installed
 NATIVE := $(wildcard native/*.c native/*.h) native/build_native.py setup.py pyproject.toml
 
