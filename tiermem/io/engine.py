@@ -13,6 +13,7 @@ import errno as _errno
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Literal, Sequence
 
 from tiermem.errors import TierMemIOError, TierMemWarning
@@ -183,6 +184,9 @@ class IOEngine:
         self.block_size = block_size
         self._backend = self._start_backend(backend)
         self.backend: str = self._backend.name
+        # An engine dropped without close() still drains and frees its ring;
+        # weakref callbacks run before the GC frees the buffers of its requests.
+        self._finalizer = weakref.finalize(self, self._backend.close)
         self._lock = threading.Lock()
         self._inflight: set[Request] = set()
         self._files: set[File] = set()
@@ -360,7 +364,7 @@ class IOEngine:
             req._settle()
         for f in list(self._files):
             f.close()
-        self._backend.close()
+        self._finalizer()  # backend.close(): every transfer has finished above
         self._regions, self._registered_owners = [], []
         self.closed = True
 

@@ -10,6 +10,7 @@ from tiermem.errors import TierMemIOError
 
 FILE_SLOTS = 256
 OPS = {"read": 0, "write": 1}
+WAIT_SLICE_MS = 200
 
 
 def probe() -> int:
@@ -30,8 +31,12 @@ class UringTransfer:
         return bool(self._req.done)
 
     def wait(self, timeout: float | None) -> bool:
-        ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        return lib.tm_engine_wait(self._engine, self._req, ms) == 0
+        if timeout is not None:
+            return lib.tm_engine_wait(self._engine, self._req, max(0, int(timeout * 1000))) == 0
+        # Sleep in slices so Python runs signal handlers (Ctrl-C) between them.
+        while lib.tm_engine_wait(self._engine, self._req, WAIT_SLICE_MS) != 0:
+            pass
+        return True
 
     def failure(self) -> tuple[int, int, int] | None:
         r = self._req
