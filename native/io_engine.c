@@ -72,8 +72,16 @@ static void arm_wake(tm_engine *e)
     io_uring_sqe_set_data64(sqe, WAKE_TAG);
 }
 
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 static void finish_request(tm_engine *e, tm_request *r)
 {
+    r->done_ns = now_ns();
     pthread_mutex_lock(&e->lock);
     __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
     e->inflight_requests--;
@@ -369,6 +377,8 @@ int tm_engine_submit(tm_engine *e, tm_request *r)
     r->next = 0;
     r->inflight = 0;
     r->link = NULL;
+    r->submit_ns = now_ns();
+    r->done_ns = 0;
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
         pthread_mutex_unlock(&e->lock);

@@ -20,6 +20,8 @@ typedef struct tm_request {
     uint64_t error_length;
     uint64_t bytes_done;
     uint32_t resubmits;     /* short transfers and EAGAINs requeued */
+    uint64_t submit_ns;     /* CLOCK_MONOTONIC when submitted */
+    uint64_t done_ns;       /* CLOCK_MONOTONIC when the last piece landed */
     /* engine-private */
     uint64_t next;          /* bytes handed to the ring so far */
     uint32_t inflight;      /* pieces in the ring */

@@ -63,3 +63,20 @@ def lockable_bytes() -> int | None:
         return None
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_memory() -> int:
+    """Bytes the kernel thinks can be allocated without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -25,6 +25,9 @@ class Transfer(Protocol):
     def resubmits(self) -> int:
         """Short transfers and EAGAINs the backend requeued."""
 
+    def interval_ns(self) -> tuple[int, int]:
+        """CLOCK_MONOTONIC ns at submission and at completion (valid once done)."""
+
 
 class Backend(Protocol):
     name: str

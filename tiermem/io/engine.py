@@ -142,6 +142,11 @@ class Request:
         """Pieces of this transfer requeued after a short transfer or EAGAIN."""
         return self._transfer.resubmits
 
+    def interval(self) -> tuple[float, float]:
+        """time.monotonic() seconds when submitted and when completed (once done)."""
+        t0, t1 = self._transfer.interval_ns()
+        return t0 / 1e9, t1 / 1e9
+
     def _settle(self) -> None:
         """Wait without raising and drop the engine's bookkeeping for this request."""
         if self._settled:

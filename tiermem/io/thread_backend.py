@@ -11,6 +11,7 @@ import ctypes
 import errno as _errno
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -18,9 +19,10 @@ MAX_THREADS = 16
 
 
 class ThreadTransfer:
-    __slots__ = ("_lock", "_event", "_pending", "_failure", "_resubmits")
+    __slots__ = ("_lock", "_event", "_pending", "_failure", "_resubmits", "_t0", "_t1")
 
     def __init__(self, pieces: int) -> None:
+        self._t0 = self._t1 = time.monotonic_ns()
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._pending = pieces
@@ -42,6 +44,9 @@ class ThreadTransfer:
     def resubmits(self) -> int:
         return self._resubmits
 
+    def interval_ns(self) -> tuple[int, int]:
+        return self._t0, self._t1
+
     def _finish_piece(self, failure: tuple[int, int, int] | None, resubmits: int) -> None:
         with self._lock:
             if failure and self._failure is None:
@@ -49,6 +54,7 @@ class ThreadTransfer:
             self._resubmits += resubmits
             self._pending -= 1
             if self._pending == 0:
+                self._t1 = time.monotonic_ns()
                 self._event.set()
 
 

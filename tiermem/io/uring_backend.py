@@ -48,6 +48,9 @@ class UringTransfer:
     def resubmits(self) -> int:
         return self._req.resubmits
 
+    def interval_ns(self) -> tuple[int, int]:
+        return self._req.submit_ns, self._req.done_ns
+
 
 class UringBackend:
     name = "io_uring"
