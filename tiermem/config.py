@@ -21,7 +21,8 @@ from typing import Annotated, Any, Literal, Mapping, Union
 import yaml
 
 from tiermem.errors import TierMemError
-from tiermem.sizes import parse_size
+from tiermem.sizes import format_size, parse_size
+from tiermem.sysinfo import lockable_bytes, physical_memory
 
 
 class ConfigError(TierMemError, ValueError):
@@ -80,11 +81,90 @@ class IOSettings:
 
 
 @dataclass(frozen=True)
+class TierSettings:
+    """One memory tier's budget."""
+
+    capacity: Size = doc("Bytes of optimizer state this tier may hold.", default=0)
+
+
+@dataclass(frozen=True)
+class TiersSettings:
+    """Budgets per tier; what fits in neither lives on NVMe."""
+
+    gpu: TierSettings = doc("State kept on the compute device (needs CUDA when > 0).",
+                            default_factory=TierSettings)
+    host: TierSettings = doc("State kept resident in pinned host memory.",
+                             default_factory=lambda: TierSettings(2 << 30))
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """How NVMe-homed partitions stream through pinned buffers."""
+
+    partition_size: Size = doc("Bytes of state per partition (its record on its tier).",
+                               lo=64 << 10, hi=16 << 30, default=64 << 20)
+    buffer_count: int = doc("Pinned host buffers that NVMe partitions stream through.",
+                            lo=2, hi=4096, default=4)
+    prefetch_depth: int = doc("Partitions read ahead of the one being computed.",
+                              lo=1, hi=4095, default=2)
+    zigzag: bool = doc("Reverse the partition order every step so the partitions still in "
+                       "buffers come first and need no read.", default=True)
+
+    def validate(self) -> None:
+        if self.buffer_count < self.prefetch_depth + 1:
+            raise ConfigError(
+                "pipeline.buffer_count", self.buffer_count,
+                f"must be at least prefetch_depth + 1 = {self.prefetch_depth + 1} (one buffer "
+                "computes while prefetch_depth are read; +2 also overlaps the write-back)")
+
+
+@dataclass(frozen=True)
+class PlacementRule:
+    """Sends the state of parameters whose name matches to one tier."""
+
+    match: str = doc("fnmatch pattern on parameter names (needs model= in offload()).",
+                     default="*")
+    tier: Literal["gpu", "host", "nvme"] = doc("Tier for matching parameters' state.",
+                                               default="nvme")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """How the update runs."""
+
+    kernel: Literal["fused", "match"] = doc(
+        "fused: torch's fused Adam kernel on each partition (fastest); match: the same "
+        "implementation the wrapped optimizer would run (bitwise parity).", default="fused")
+
+
+@dataclass(frozen=True)
 class Settings:
     """A whole tiermem config."""
 
     swap: SwapSettings = doc("Swap locations.", default_factory=SwapSettings)
     io: IOSettings = doc("I/O engine.", default_factory=IOSettings)
+    tiers: TiersSettings = doc("Tier budgets.", default_factory=TiersSettings)
+    pipeline: PipelineSettings = doc("NVMe streaming.", default_factory=PipelineSettings)
+    placement: list[PlacementRule] = doc("Rules, first match wins; unmatched state fills "
+                                         "gpu -> host -> nvme within budgets.",
+                                         default_factory=list)
+    optimizer: OptimizerSettings = doc("Update kernel.", default_factory=OptimizerSettings)
+
+    def validate(self) -> None:
+        pinned = self.tiers.host.capacity + self.pipeline.buffer_count * self.pipeline.partition_size
+        limit = lockable_bytes()
+        if limit is not None and pinned > limit:
+            raise ConfigError(
+                "tiers.host.capacity", self.tiers.host.capacity,
+                f"host tier + pipeline buffers ({format_size(pinned)}) exceed what this process "
+                f"may page-lock (RLIMIT_MEMLOCK {format_size(limit)}); lower them or raise the "
+                "limit (ulimit -l, LimitMEMLOCK=)")
+        total = physical_memory()
+        if pinned > total * 0.9:
+            raise ConfigError(
+                "tiers.host.capacity", self.tiers.host.capacity,
+                f"host tier + pipeline buffers ({format_size(pinned)}) exceed 90% of this "
+                f"machine's memory ({format_size(total)})")
 
 
 def _describe(tp: Any) -> str:

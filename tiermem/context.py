@@ -1,0 +1,144 @@
+"""`tiermem.offload(optimizer, config)`: the user's door.
+
+Inside the block the optimizer's state lives in the tiers. On leaving (normally
+or by an exception) every write-back is completed first; then the state goes
+back into the optimizer as ordinary tensors when it fits in host memory, and
+the swap files are removed. When it does not fit, it stays on disk with a
+manifest, and a warning says where and how to resume. Swap files are never
+removed before the state is safe elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from tiermem.config import Settings, load_config
+from tiermem.errors import TierMemError, TierMemWarning
+from tiermem.optim import OffloadedOptimizer
+from tiermem.sizes import format_size
+from tiermem.sysinfo import available_memory
+from tiermem.telemetry import StepStats
+
+MANIFEST = "manifest.json"
+RESIDENT_FILE = "resident.swap"
+
+
+class Offload:
+    """What `with tiermem.offload(...) as tm` gives: stats, the plan, and where state is."""
+
+    def __init__(self, off: OffloadedOptimizer) -> None:
+        self._off = off
+        self.kept_on_disk: str | None = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._off.opt
+
+    def plan(self) -> dict[str, Any]:
+        """Bytes of optimizer state per tier, pinned bytes, swap bytes, partition count."""
+        tiers = self._off.tiers
+        return {"state_bytes": tiers.tier_bytes(), "pinned_bytes": tiers.pinned_bytes,
+                "swap_bytes": tiers.store.total_bytes if tiers.store else 0,
+                "swap_dirs": tiers.store.dirs if tiers.store else [],
+                "partitions": len(self._off.parts)}
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap)."""
+        self._off.tiers.flush()  # completes the last step's writes and their timings
+        return [s.as_dict() for s in self._off.history]
+
+    @property
+    def last_step(self) -> StepStats | None:
+        return self._off.history[-1] if self._off.history else None
+
+    def _state_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() * 2 for p in self._off.params)
+
+    def _exit(self) -> None:
+        off = self._off
+        try:
+            off.tiers.flush()
+        except BaseException as exc:
+            off.detach()
+            dirs = off.tiers.store.dirs if off.tiers.store else []
+            raise TierMemError(f"optimizer state could not be written back ({exc}); swap "
+                               f"files were kept in {', '.join(dirs)}") from exc
+        need = self._state_nbytes()
+        if need <= available_memory() * 0.8:
+            state = off.export_state(model_dtype=True)
+            off.detach()
+            off.opt.state.clear()
+            off.opt.state.update(state)
+            off.tiers.close(remove_swap=True)
+            return
+        self.kept_on_disk = self._keep_on_disk()
+        off.detach()
+        warnings.warn(
+            f"tiermem: the optimizer state ({format_size(need)}) does not fit in free host "
+            f"memory ({format_size(available_memory())}), so it stays on disk in "
+            f"{self.kept_on_disk}. Resume with tiermem.offload(optimizer, config, "
+            "resume=True) and the same model, optimizer and config.", TierMemWarning,
+            stacklevel=3)
+
+    def _keep_on_disk(self) -> str:
+        """Save resident records next to the swap files and write the manifest."""
+        off = self._off
+        tiers = off.tiers
+        if tiers.store is None:
+            raise TierMemError("state does not fit in host memory and there are no swap files")
+        run_dir = tiers.store.dirs[0]
+        resident = []
+        pos = 0
+        with open(os.path.join(run_dir, RESIDENT_FILE), "wb") as f:
+            for p in off.parts:
+                if p.tier == "nvme":
+                    continue
+                data = tiers.resident[p.id].cpu().numpy().tobytes()
+                f.write(data)
+                resident.append({"id": p.id, "offset": pos, "nbytes": len(data),
+                                 "fresh": p.id in tiers.fresh})
+                pos += len(data)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = {
+            "version": 1,
+            "partitions": [{"id": p.id, "tier": p.tier, "numel": p.numel,
+                            "record_bytes": p.record_bytes, "kinds": list(p.kinds)}
+                           for p in off.parts],
+            "fresh": sorted(tiers.pipeline.fresh) if tiers.pipeline else [],
+            "resident": resident,
+            "steps": [float(s) for s in off.steps],
+            "history_len": len(off.history),
+        }
+        tmp = os.path.join(run_dir, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(run_dir, MANIFEST))
+        tiers.close(remove_swap=False)
+        return run_dir
+
+
+@contextmanager
+def offload(optimizer: torch.optim.Optimizer,
+            config: "str | os.PathLike | dict | Settings | None" = None, *,
+            model: torch.nn.Module | None = None, name: str = "default") -> Iterator[Offload]:
+    """Keep `optimizer`'s state (torch Adam/AdamW) in tiers for the duration of the block.
+
+    config: YAML path, dict of the same shape, Settings, or None for the defaults.
+    model: gives parameter names to placement rules. name: the swap
+    sub-directory (`<swap path>/tiermem-<name>`), so concurrent runs can share a path.
+    """
+    settings = load_config(config)
+    handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name))
+    try:
+        yield handle
+    finally:
+        handle._exit()

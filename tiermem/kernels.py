@@ -1,0 +1,71 @@
+"""The Adam/AdamW update on one partition's segments: one signature, several kernels.
+
+Like torch/optim/adam.py, each kernel is a plain function with one keyword-only
+signature, picked by `adam_update(kernel=...)`. Tensors come as lists of
+segment views: fp32 parameters (the model's own, or master copies in the
+record), gradients of the same dtype and device, and the state views. `steps`
+hold each segment's step count *after* this step's increment; several
+segments of one parameter share one step tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.optim import adam as _torch_adam
+
+
+def adam_fused(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+               exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
+               lr: float | Tensor, beta1: float, beta2: float, eps: float,
+               weight_decay: float, amsgrad: bool, maximize: bool,
+               decoupled_weight_decay: bool) -> None:
+    """torch's fused Adam kernel (one pass per tensor, vectorised, threaded)."""
+    fn = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
+       amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+       maximize=maximize, grad_scale=None, found_inf=None)
+
+
+def _torch_impl(impl: Callable) -> Callable:
+    def run(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+            exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
+            lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+            amsgrad: bool, maximize: bool, decoupled_weight_decay: bool) -> None:
+        # torch's own loops increment the steps they are given: hand them
+        # private copies of the count before this step.
+        before = [s - 1 for s in steps]
+        impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], before,
+             grad_scale=None, found_inf=None, amsgrad=amsgrad, has_complex=False, beta1=beta1,
+             beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
+             capturable=False, differentiable=False,
+             decoupled_weight_decay=decoupled_weight_decay)
+    run.__doc__ = f"torch's {impl.__name__} on the segments (what an unfused optimizer runs)."
+    return run
+
+
+adam_single_tensor = _torch_impl(_torch_adam._single_tensor_adam)
+adam_multi_tensor = _torch_impl(_torch_adam._multi_tensor_adam)
+
+KERNELS: dict[str, Callable[..., None]] = {
+    "fused": adam_fused,
+    "single_tensor": adam_single_tensor,
+    "multi_tensor": adam_multi_tensor,
+}
+
+
+def kernel_matching(group: dict, device: torch.device) -> str:
+    """The kernel a plain torch Adam/AdamW with this group's flags would run on `device`."""
+    if group.get("fused"):
+        return "fused"
+    foreach = group.get("foreach")
+    if foreach is None:  # torch defaults to foreach on CUDA only
+        foreach = device.type == "cuda"
+    return "multi_tensor" if foreach else "single_tensor"
+
+
+def adam_update(*, kernel: str, **kwargs) -> None:
+    """Run `kernel` ("fused", "single_tensor" or "multi_tensor") on one partition."""
+    KERNELS[kernel](**kwargs)

@@ -1,0 +1,342 @@
+"""OffloadedOptimizer: a torch Adam/AdamW whose state lives in tiers.
+
+It validates the optimizer, gathers its parameters into partitions, and hooks
+the optimizer *instance* (step, state_dict, load_state_dict, add_param_group)
+so the user's object keeps behaving as a torch.optim.Optimizer: param_groups,
+lr schedulers and zero_grad are untouched. `detach()` puts everything back.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+
+from tiermem.config import Settings
+from tiermem.errors import TierMemError
+from tiermem.kernels import adam_update, kernel_matching
+from tiermem.partition import Partition, assign_tiers, build_partitions
+from tiermem.pipeline import Views
+from tiermem.telemetry import StepStats, timed
+from tiermem.tiers import TierManager
+
+HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
+
+
+class UnsupportedOptimizer(TierMemError, TypeError):
+    """tiermem offloads torch.optim.Adam and torch.optim.AdamW only."""
+
+
+def _check_optimizer(opt: torch.optim.Optimizer) -> None:
+    if not isinstance(opt, torch.optim.Adam):
+        raise UnsupportedOptimizer(
+            f"tiermem.offload supports torch.optim.Adam and torch.optim.AdamW (and their "
+            f"subclasses), not {type(opt).__module__}.{type(opt).__qualname__}")
+    for g, group in enumerate(opt.param_groups):
+        if group.get("differentiable"):
+            raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not supported")
+        for p in group["params"]:
+            if not p.is_floating_point() or p.is_complex():
+                raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
+                                           f"floating point, got {p.dtype}")
+            if not p.is_contiguous():
+                raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
+                                           f"{tuple(p.shape)} is not contiguous")
+
+
+class OffloadedOptimizer:
+    """The tiered state of one Adam/AdamW instance, and the hooks that route to it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, settings: Settings, *,
+                 model: torch.nn.Module | None = None, swap_name: str = "default") -> None:
+        _check_optimizer(optimizer)
+        self.opt = optimizer
+        self.settings = settings
+        self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        if model is None and any(r.match != "*" for r in settings.placement):
+            raise TierMemError("placement rules match parameter names: pass model= to "
+                               "tiermem.offload so tiermem knows them")
+        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.steps = [torch.tensor(0.0) for _ in self.params]
+        self.history: list[StepStats] = []
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self.parts = build_partitions(optimizer.param_groups, self.names,
+                                      settings.pipeline.partition_size, settings.placement)
+        self._left = {"gpu": settings.tiers.gpu.capacity, "host": settings.tiers.host.capacity}
+        self._assign(self.parts)
+        self.tiers = TierManager(self.parts, settings, swap_name=swap_name)
+        try:
+            existing = {p: s for p, s in optimizer.state.items() if s}
+            if existing:
+                self._import(existing)
+                optimizer.state.clear()  # the tiers hold it now; free the RAM
+        except BaseException:
+            self.tiers.close(remove_swap=True)
+            raise
+        self._originals: dict[str, Any] = {}
+        self._hook()
+
+    # -- set-up ----------------------------------------------------------------
+
+    def _assign(self, parts: list[Partition]) -> None:
+        for p in parts:
+            devices = {s.param.device.type for s in p.segments}
+            if p.forced == "gpu" or (p.forced is None and self._left["gpu"] >= p.record_bytes):
+                if not torch.cuda.is_available():
+                    raise TierMemError("tiers.gpu.capacity > 0 (or a rule sends state to the "
+                                       "gpu tier) but no CUDA device is available")
+                if devices != {"cuda"}:
+                    raise TierMemError("the gpu tier holds state of CUDA parameters only; "
+                                       "this model's parameters are on the CPU")
+        assign_tiers(parts, self._left["gpu"], self._left["host"])
+        for p in parts:
+            if p.tier in self._left:
+                self._left[p.tier] -= p.record_bytes
+
+    def _hook(self) -> None:
+        opt, me = self.opt, self
+        for name in HOOKED:
+            self._originals[name] = opt.__dict__.get(name)
+        # Plain functions bound to the optimizer, so an lr scheduler that wraps
+        # opt.step (it re-binds step.__func__ to opt) still lands here.
+        def step(opt_self, closure=None):
+            return opt_self._tiermem.step(closure)
+
+        def state_dict(opt_self):
+            return opt_self._tiermem.state_dict()
+
+        def load_state_dict(opt_self, state_dict):
+            return opt_self._tiermem.load_state_dict(state_dict)
+
+        def add_param_group(opt_self, param_group):
+            return opt_self._tiermem.add_param_group(param_group)
+
+        opt._tiermem = me
+        for fn in (step, state_dict, load_state_dict, add_param_group):
+            setattr(opt, fn.__name__, types.MethodType(fn, opt))
+
+    def detach(self) -> None:
+        """Remove the hooks (state must have been exported or kept on disk first)."""
+        for name, orig in self._originals.items():
+            if orig is None:
+                self.opt.__dict__.pop(name, None)
+            else:
+                setattr(self.opt, name, orig)
+        self.opt.__dict__.pop("_tiermem", None)
+
+    # -- the step --------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stats = StepStats(step=len(self.history) + 1)
+        with timed(stats, "step_seconds"), torch.no_grad():
+            stepped = set()
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise TierMemError("Adam does not support sparse gradients")
+                    self.steps[i] += 1
+                    stepped.add(i)
+            self._check_groups()
+
+            def active(part: Partition) -> bool:
+                return any(s.index in stepped for s in part.segments)
+
+            self.tiers.step(stats, active, self._init_record,
+                            lambda part, views: self._update(part, views, stats))
+        self.history.append(stats)
+        self.opt._opt_called = True  # what torch's lr schedulers check for
+        return loss
+
+    def _check_groups(self) -> None:
+        for part in self.parts:
+            group = self.opt.param_groups[part.group]
+            if bool(group.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
+                raise TierMemError(f"param_groups[{part.group}]: amsgrad changed after "
+                                   "tiermem.offload laid out the state; set it before")
+
+    def _scratch_for(self, device: torch.device, numel: int) -> torch.Tensor:
+        buf = self._scratch.get(device)
+        if buf is None or buf.numel() < numel:
+            # One fp32 staging area per device for upcast/copied grads, kept for reuse.
+            buf = torch.empty(max(numel, max(p.numel for p in self.parts)),
+                              dtype=torch.float32, device=device)
+            self._scratch[device] = buf
+        return buf
+
+    def _update(self, part: Partition, views: Views, stats: StepStats) -> None:
+        group = self.opt.param_groups[part.group]
+        master = views.get("master")
+        lists: dict[str, list[torch.Tensor]] = {k: [] for k in
+                                                 ("params", "grads", "steps", *MOMENTS)}
+        copies_back = []
+        scratch = None
+        off = 0
+        with timed(stats, "transfer_seconds"):
+            for s in part.segments:
+                sl = slice(off, off + s.length)
+                off += s.length
+                g = s.param.grad
+                if g is None:
+                    continue
+                g = g.reshape(-1)[s.start: s.start + s.length]
+                if master is not None:
+                    target = master[sl]
+                    if g.dtype != torch.float32 or g.device != target.device:
+                        if scratch is None:
+                            scratch = self._scratch_for(target.device, part.numel)
+                        g = scratch[sl].copy_(g)
+                    copies_back.append((s, target))
+                else:
+                    target = s.param.detach().view(-1)[s.start: s.start + s.length]
+                lists["params"].append(target)
+                lists["grads"].append(g)
+                lists["steps"].append(self.steps[s.index])
+                for k in MOMENTS:
+                    if k in views:
+                        lists[k].append(views[k][sl])
+        lr = group["lr"]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        kernel = ("fused" if self.settings.optimizer.kernel == "fused"
+                  else kernel_matching(group, part.segments[0].param.device))
+        with timed(stats, "update_seconds"):
+            adam_update(kernel=kernel, params=lists["params"], grads=lists["grads"],
+                        exp_avgs=lists["exp_avg"], exp_avg_sqs=lists["exp_avg_sq"],
+                        max_exp_avg_sqs=lists["max_exp_avg_sq"], steps=lists["steps"],
+                        lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], amsgrad=bool(group["amsgrad"]),
+                        maximize=bool(group["maximize"]),
+                        decoupled_weight_decay=bool(group.get("decoupled_weight_decay",
+                                                              False)))
+        with timed(stats, "transfer_seconds"):
+            for s, target in copies_back:
+                # Refresh the model's (low-precision or device) weights from the master.
+                s.param.detach().view(-1)[s.start: s.start + s.length].copy_(target)
+
+    def _init_record(self, part: Partition, views: Views) -> None:
+        """A never-written record: zero moments, master weights from the model."""
+        for k in MOMENTS:
+            if k in views:
+                views[k].zero_()
+        if "master" in views:
+            off = 0
+            for s in part.segments:
+                views["master"][off: off + s.length].copy_(
+                    s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                off += s.length
+
+    # -- state in torch's format ------------------------------------------------
+
+    def _import(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Scatter per-parameter state (torch's layout) into the partition records."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for p, st in state.items():
+            if "step" in st:
+                self.steps[index[id(p)]] = torch.as_tensor(st["step"], dtype=torch.float32
+                                                           ).detach().clone().cpu()
+        for part in self.parts:
+            def fill(views: Views, fresh: bool, part=part) -> None:
+                off = 0
+                for s in part.segments:
+                    st = state.get(s.param, {})
+                    sl = slice(off, off + s.length)
+                    off += s.length
+                    for k in views:
+                        src = st.get(MASTER_KEY if k == "master" else k)
+                        if src is None:
+                            src = s.param.detach() if k == "master" else None
+                        dst = views[k][sl]
+                        if src is None:
+                            dst.zero_()
+                        else:
+                            dst.copy_(src.reshape(-1)[s.start: s.start + s.length])
+            self.tiers.with_record(part, fill, write=True)
+
+    def export_state(self, *, model_dtype: bool) -> dict[torch.Tensor, dict[str, Any]]:
+        """Gather every record into per-parameter tensors (torch's layout), partition by partition.
+
+        model_dtype: moments in each parameter's dtype (what a plain torch
+        optimizer keeps); else fp32, plus the fp32 master weight of
+        low-precision parameters under 'master_param'.
+        """
+        out: dict[torch.Tensor, dict[str, Any]] = {}
+        for i, p in enumerate(self.params):
+            if self.steps[i].item() == 0:
+                continue  # never stepped: torch keeps no state for it either
+            dtype = p.dtype if model_dtype else torch.float32
+            st: dict[str, Any] = {"step": self.steps[i].clone()}
+            group = self.opt.param_groups[self._group_of(i)]
+            for k in MOMENTS:
+                if k != "max_exp_avg_sq" or group.get("amsgrad"):
+                    st[k] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            if not model_dtype and p.dtype != torch.float32:
+                st[MASTER_KEY] = p.detach().float().clone()
+            out[p] = st
+        for part in self.parts:
+            def copy_out(views: Views, fresh: bool, part=part) -> None:
+                if fresh:
+                    return
+                off = 0
+                for s in part.segments:
+                    sl = slice(off, off + s.length)
+                    off += s.length
+                    st = out.get(s.param)
+                    if st is None:
+                        continue
+                    for k, src in views.items():
+                        key = MASTER_KEY if k == "master" else k
+                        if key in st:
+                            st[key].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+            self.tiers.with_record(part, copy_out, write=False)
+        return out
+
+    def _group_of(self, index: int) -> int:
+        n = 0
+        for g, group in enumerate(self.opt.param_groups):
+            n += len(group["params"])
+            if index < n:
+                return g
+        raise IndexError(index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state_dict, gathered from the tiers (fp32 moments)."""
+        exported = self.export_state(model_dtype=False)
+        saved = self.opt.state
+        try:
+            self.opt.state = type(saved)(exported)
+            return type(self.opt).state_dict(self.opt)
+        finally:
+            self.opt.state = saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's format into the tiers without casting moments to the model dtype."""
+        groups_only = {"state": {}, "param_groups": state_dict["param_groups"]}
+        type(self.opt).load_state_dict(self.opt, groups_only)
+        by_index = dict(enumerate(self.params))
+        state = {by_index[int(k)]: v for k, v in state_dict["state"].items()}
+        for i in range(len(self.params)):
+            self.steps[i] = torch.tensor(0.0)
+        self._import(state)
+        self.opt.state.clear()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        first_group = len(self.opt.param_groups)
+        type(self.opt).add_param_group(self.opt, param_group)
+        group = self.opt.param_groups[-1]
+        _check_optimizer(self.opt)
+        new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
+                               self.settings.placement, first_id=len(self.parts),
+                               first_index=len(self.params))
+        for part in new:
+            part.group = first_group
+        self._assign(new)
+        self.params.extend(group["params"])
+        self.steps.extend(torch.tensor(0.0) for _ in group["params"])
+        self.tiers.add(new)
+        self.parts.extend(new)

@@ -1,0 +1,155 @@
+"""Cut the optimizer's parameters into partitions and lay out each partition's record.
+
+A partition is a run of (param, start, length) segments from one param group,
+in parameter order, holding at most `partition_size` bytes of state. Its record
+is the state tensors of its elements back to back (fp32 master weight when the
+model is low-precision, exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad), each
+starting on a 4 KiB boundary so a record moves with O_DIRECT as one transfer.
+
+A parameter is cut only at element offsets that are multiples of CUT_ALIGN:
+torch's vectorised Adam kernels then see the same vector/tail split on a
+segment as on the whole tensor, which keeps updates bitwise equal to an
+un-partitioned optimizer.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+RECORD_ALIGN = 4096
+CUT_ALIGN = 1024  # elements; a multiple of every SIMD width torch uses
+STATE_BYTES = 4  # every state tensor is fp32
+
+
+def align_up(n: int, to: int = RECORD_ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass
+class Segment:
+    """Elements [start, start+length) of one parameter (flattened)."""
+
+    param: torch.Tensor
+    index: int  # the param's position in the optimizer's flattened param order
+    start: int
+    length: int
+
+
+@dataclass
+class Partition:
+    """One unit of placement and transfer."""
+
+    id: int
+    group: int
+    segments: list[Segment]
+    kinds: tuple[str, ...]  # state tensors in the record, in order
+    tier: str = "nvme"
+    forced: str | None = None  # tier named by a placement rule, if any
+    numel: int = 0
+    offsets: dict[str, int] = field(default_factory=dict)  # kind -> byte offset
+    record_bytes: int = 0
+
+    def layout(self) -> None:
+        self.numel = sum(s.length for s in self.segments)
+        off = 0
+        for kind in self.kinds:
+            self.offsets[kind] = off
+            off = align_up(off + self.numel * STATE_BYTES)
+        self.record_bytes = off
+
+    def views(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
+        """fp32 views of each state kind inside a uint8 record buffer."""
+        return {k: record[o: o + self.numel * STATE_BYTES].view(torch.float32)
+                for k, o in self.offsets.items()}
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [s.param for s in self.segments]
+
+
+def state_kinds(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
+    """Record contents for `param`: an fp32 master copy unless the update can run in place
+    on the parameter itself (fp32, in host memory)."""
+    in_place = param.dtype == torch.float32 and param.device.type == "cpu"
+    kinds = () if in_place else ("master",)
+    kinds += ("exp_avg", "exp_avg_sq")
+    return kinds + (("max_exp_avg_sq",) if amsgrad else ())
+
+
+def rule_tier(name: str | None, rules: Sequence) -> str | None:
+    """Tier of the first placement rule matching `name`."""
+    if name is None:
+        return None
+    for rule in rules:
+        if fnmatch.fnmatchcase(name, rule.match):
+            return rule.tier
+    return None
+
+
+def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
+                     partition_size: int, rules: Sequence = (), first_id: int = 0,
+                     first_index: int = 0) -> list[Partition]:
+    """Partitions of every parameter in `param_groups`, in group and parameter order.
+
+    `names` maps id(param) to its name for placement rules. A partition never
+    spans two groups, two forced tiers or two record layouts.
+    """
+    parts: list[Partition] = []
+    index = first_index
+    for g, group in enumerate(param_groups):
+        current: Partition | None = None
+        cap = 0
+        for p in group["params"]:
+            kinds = state_kinds(p, bool(group.get("amsgrad", False)))
+            forced = rule_tier(names.get(id(p)), rules)
+            start, n = 0, p.numel()
+            while start < n:
+                if current is None or current.kinds != kinds or current.forced != forced:
+                    current = Partition(first_id + len(parts), g, [], kinds, forced=forced)
+                    parts.append(current)
+                    per_elem = STATE_BYTES * len(kinds)
+                    cap = max(CUT_ALIGN, partition_size // per_elem // CUT_ALIGN * CUT_ALIGN)
+                room = cap - sum(s.length for s in current.segments)
+                take = min(n - start, room)
+                if take < n - start:  # cutting inside the param: keep the cut aligned
+                    take = (start + take) // CUT_ALIGN * CUT_ALIGN - start
+                if take <= 0:
+                    current = None
+                    continue
+                current.segments.append(Segment(p, index, start, take))
+                start += take
+                if start < n:
+                    current = None  # full: the rest goes to a new partition
+            index += 1
+    for part in parts:
+        part.layout()
+    return parts
+
+
+def assign_tiers(parts: Sequence[Partition], gpu_capacity: int, host_capacity: int) -> None:
+    """Forced partitions keep their tier; the rest fill gpu -> host -> nvme in order.
+
+    Raises ValueError when rules alone put more on a tier than its capacity."""
+    left = {"gpu": gpu_capacity, "host": host_capacity}
+    for part in parts:
+        if part.forced is not None:
+            part.tier = part.forced
+            if part.tier in left:
+                left[part.tier] -= part.record_bytes
+    for tier, room in left.items():
+        if room < 0:
+            raise ValueError(f"placement rules put {-room} bytes more state on the {tier} tier "
+                             f"than tiers.{tier}.capacity allows")
+    for part in parts:
+        if part.forced is not None:
+            continue
+        part.tier = "nvme"
+        for tier in ("gpu", "host"):
+            if part.record_bytes <= left[tier]:
+                left[tier] -= part.record_bytes
+                part.tier = tier
+                break

@@ -1,0 +1,197 @@
+"""StepPipeline: the order in which NVMe-homed partitions are read, updated and written back.
+
+With B pool buffers and prefetch depth k < B:
+1. before partition i is computed, reads of the next k partitions are in
+   flight (and the first k of a step were issued when the previous step ended);
+2. partition i is computed in its buffer;
+3. its write-back is issued and the loop goes on; a buffer is reused (or its
+   record changed again) only after that write completed.
+The order reverses every step (zig-zag), so the partitions still in buffers
+at the end of a step are the first of the next and are not read again. A
+buffer to refill is chosen by next use (Belady): the partition needed last.
+A partition never written yet is initialised in its buffer instead of read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from tiermem.io import Request
+from tiermem.partition import Partition
+from tiermem.swap import SwapStore
+from tiermem.telemetry import StepStats, busy_seconds, timed
+
+Views = dict[str, torch.Tensor]
+
+
+@dataclass
+class _Slot:
+    """One pool buffer and the partition record it holds."""
+
+    buf: torch.Tensor
+    part: Partition | None = None
+    read: Request | None = None  # in flight into buf
+    write: Request | None = None  # in flight out of buf
+    needs_init: bool = False  # part was never written: build its record, do not read
+
+
+class StepPipeline:
+    """Streams NVMe partitions through a BufferPool's buffers, reads ahead, writes behind."""
+
+    def __init__(self, store: SwapStore, buffers: Sequence[torch.Tensor],
+                 parts: Sequence[Partition], *, prefetch_depth: int, zigzag: bool) -> None:
+        if len(buffers) < prefetch_depth + 1:
+            raise ValueError(f"{len(buffers)} buffers cannot hold prefetch_depth + 1 = "
+                             f"{prefetch_depth + 1} partitions")
+        self.store = store
+        self.parts = list(parts)
+        self.k = prefetch_depth
+        self.zigzag = zigzag
+        self.slots = [_Slot(b) for b in buffers]
+        self.where: dict[int, _Slot] = {}
+        self.fresh = {p.id for p in parts}
+        self.steps_done = 0
+        self._open_stats: list[tuple[StepStats, list[Request]]] = []
+        # I/O and counts of the step being run, or run ahead into.
+        self._ahead = StepStats()
+        self._reqs: list[Request] = []
+        self._reads = self._inits = 0
+
+    def add_partitions(self, parts: Sequence[Partition]) -> None:
+        self.parts.extend(parts)
+        self.fresh.update(p.id for p in parts)
+
+    def order(self, step: int) -> list[Partition]:
+        return self.parts[::-1] if self.zigzag and step % 2 else list(self.parts)
+
+    # -- the step --------------------------------------------------------------
+
+    def run_step(self, stats: StepStats, active: Callable[[Partition], bool],
+                 init: Callable[[Partition, Views], None],
+                 compute: Callable[[Partition, Views], None]) -> None:
+        order = [p for p in self.order(self.steps_done) if active(p)]
+        for tier, n in self._ahead.read_bytes.items():
+            stats.add_bytes("read", tier, n)
+        for i, part in enumerate(order):
+            window = order[i: i + self.k + 1]
+            for q in window:
+                self._load(q, window, order, i, stats)
+            slot = self.where[part.id]
+            with timed(stats, "stall_seconds"):
+                self._finish_read(slot)
+                self._finish_write(slot)
+            views = part.views(slot.buf)
+            if slot.needs_init:
+                init(part, views)
+                slot.needs_init = False
+                self._inits += 1
+            compute(part, views)
+            self._issue_write(slot, stats)
+            stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
+        stats.reads_skipped = max(0, len(order) - self._reads - self._inits)
+        self.steps_done += 1
+        self._open_stats.append((stats, self._reqs))
+        self._reqs, self._reads, self._inits = [], 0, 0
+        self._close_old_stats(keep=1)
+        self._ahead = StepStats()
+        self.run_ahead()
+
+    def run_ahead(self) -> None:
+        """Issue the reads of the next step's first partitions now, before step() is called."""
+        nxt = self.order(self.steps_done)
+        window = nxt[: self.k + 1]
+        for q in window:
+            self._load(q, window, nxt, 0, self._ahead)
+
+    # -- buffers ---------------------------------------------------------------
+
+    def _load(self, part: Partition, window: Sequence[Partition], order: Sequence[Partition],
+              i: int, stats: StepStats) -> _Slot:
+        """Make sure `part`'s record is in a buffer or on its way there."""
+        slot = self.where.get(part.id)
+        if slot is not None:
+            return slot
+        slot = self._victim(window, order, i)
+        with timed(stats, "stall_seconds"):
+            self._finish_read(slot)
+            self._finish_write(slot)  # the old record must be on disk before it is overwritten
+        if slot.part is not None:
+            del self.where[slot.part.id]
+        slot.part = part
+        self.where[part.id] = slot
+        if part.id in self.fresh:
+            slot.needs_init = True
+        else:
+            slot.needs_init = False
+            slot.read = self.store.read(part, slot.buf)
+            self._reqs.append(slot.read)
+            self._reads += 1
+            stats.add_bytes("read", "nvme", part.record_bytes)
+        return slot
+
+    def _victim(self, window: Sequence[Partition], order: Sequence[Partition], i: int) -> _Slot:
+        keep = {p.id for p in window}
+        pos = {p.id: j for j, p in enumerate(order) if j >= i}
+        nxt = {p.id: len(order) + j for j, p in enumerate(self.order(self.steps_done + 1))}
+
+        def next_use(slot: _Slot) -> float:
+            if slot.part is None:
+                return float("inf")
+            return pos.get(slot.part.id, nxt.get(slot.part.id, float("inf")))
+
+        free = [s for s in self.slots if s.part is None or s.part.id not in keep]
+        return max(free, key=next_use)
+
+    def _finish_read(self, slot: _Slot) -> None:
+        if slot.read is not None:
+            req, slot.read = slot.read, None
+            try:
+                req.wait()
+            except BaseException:
+                # The buffer holds a partial record: forget it so nothing uses it.
+                del self.where[slot.part.id]
+                slot.part = None
+                raise
+
+    def _finish_write(self, slot: _Slot) -> None:
+        if slot.write is not None:
+            req, slot.write = slot.write, None
+            req.wait()
+
+    def _issue_write(self, slot: _Slot, stats: StepStats) -> None:
+        slot.write = self.store.write(slot.part, slot.buf)
+        self.fresh.discard(slot.part.id)
+        self._reqs.append(slot.write)
+        stats.add_bytes("write", "nvme", slot.part.record_bytes)
+
+    # -- whole-record access (checkpoints, import/export) -----------------------
+
+    def with_record(self, part: Partition, fn: Callable[[Views, bool], None], *,
+                    write: bool) -> None:
+        """Call fn(views, fresh) on `part`'s record in a buffer; write it back if `write`."""
+        stats = StepStats()
+        slot = self._load(part, [part], [part], 0, stats)
+        self._finish_read(slot)
+        self._finish_write(slot)
+        fresh = slot.needs_init
+        fn(part.views(slot.buf), fresh)
+        if write:
+            slot.needs_init = False
+            self._issue_write(slot, stats)
+
+    def flush(self) -> None:
+        """Wait for every transfer in flight; raise the first failure."""
+        for slot in self.slots:
+            self._finish_read(slot)
+            self._finish_write(slot)
+        self._close_old_stats(keep=0)
+
+    def _close_old_stats(self, keep: int) -> None:
+        while len(self._open_stats) > keep:
+            stats, reqs = self._open_stats.pop(0)
+            for r in reqs:
+                r._settle()
+            stats.io_seconds = busy_seconds([r.interval() for r in reqs if r.nbytes])

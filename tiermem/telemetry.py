@@ -1,0 +1,69 @@
+"""Per-step counters and timers: what moved, how fast, and how long the step waited."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+
+@dataclass
+class StepStats:
+    """Figures of one optimizer step."""
+
+    step: int = 0
+    step_seconds: float = 0.0
+    update_seconds: float = 0.0  # host/device Adam arithmetic
+    transfer_seconds: float = 0.0  # host<->device copies (grads in, weights out)
+    stall_seconds: float = 0.0  # waiting on NVMe reads/writes
+    read_bytes: dict[str, int] = field(default_factory=dict)  # per tier
+    write_bytes: dict[str, int] = field(default_factory=dict)
+    io_seconds: float = 0.0  # wall time NVMe transfers of this step were in flight
+    partitions: dict[str, int] = field(default_factory=dict)  # updated, per tier
+    reads_skipped: int = 0  # NVMe partitions found still in a buffer
+
+    @property
+    def read_gbps(self) -> float:
+        return sum(self.read_bytes.values()) / self.io_seconds / 1e9 if self.io_seconds else 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        return sum(self.write_bytes.values()) / self.io_seconds / 1e9 if self.io_seconds else 0.0
+
+    @property
+    def overlap(self) -> float:
+        """1 - stall / I/O time: the share of NVMe transfer time hidden behind work."""
+        if not self.io_seconds:
+            return 1.0
+        return max(0.0, 1.0 - self.stall_seconds / self.io_seconds)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(read_gbps=self.read_gbps, write_gbps=self.write_gbps, overlap=self.overlap)
+        return d
+
+    def add_bytes(self, kind: str, tier: str, n: int) -> None:
+        table = self.read_bytes if kind == "read" else self.write_bytes
+        table[tier] = table.get(tier, 0) + n
+
+
+@contextmanager
+def timed(stats: StepStats, name: str) -> Iterator[None]:
+    """Add the wall time of the block to `stats.<name>`."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(stats, name, getattr(stats, name) + time.perf_counter() - t0)
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: time with at least one transfer in flight."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total

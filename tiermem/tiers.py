@@ -1,0 +1,138 @@
+"""TierManager: where each partition's record lives, and the order a step visits them.
+
+Records of GPU- and host-tier partitions stay resident (device memory; pinned
+host memory). NVMe-tier records live in swap files and stream through a
+BufferPool driven by a StepPipeline. A step updates the resident partitions
+first, while the reads the pipeline issued at the end of the previous step
+are landing, then streams the NVMe partitions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from tiermem.buffers import BufferPool, aligned_empty
+from tiermem.config import Settings
+from tiermem.io import IOEngine
+from tiermem.partition import Partition
+from tiermem.pipeline import StepPipeline, Views
+from tiermem.swap import SwapStore
+from tiermem.telemetry import StepStats
+
+Fn = Callable[[Partition, Views], None]
+
+
+class TierManager:
+    """Owns every partition record: resident ones, swap files, buffers and the pipeline."""
+
+    def __init__(self, parts: Sequence[Partition], settings: Settings, *,
+                 swap_name: str) -> None:
+        self.settings = settings
+        self.swap_name = swap_name
+        self.parts: list[Partition] = []
+        self.resident: dict[int, torch.Tensor] = {}
+        self.fresh: set[int] = set()
+        self.engine: IOEngine | None = None
+        self.store: SwapStore | None = None
+        self.pool: BufferPool | None = None
+        self.pipeline: StepPipeline | None = None
+        try:
+            self.add(parts)
+        except BaseException:
+            self.close(remove_swap=True)
+            raise
+
+    # -- placement -------------------------------------------------------------
+
+    def add(self, parts: Sequence[Partition]) -> None:
+        """Give records to new partitions (tiers already assigned)."""
+        nvme = [p for p in parts if p.tier == "nvme"]
+        for p in parts:
+            if p.tier == "host":
+                # Pinned so a device copy from it is async; allocated once, kept.
+                self.resident[p.id] = aligned_empty(p.record_bytes)
+            elif p.tier == "gpu":
+                self.resident[p.id] = torch.empty(p.record_bytes, dtype=torch.uint8,
+                                                  device="cuda")
+            self.fresh.add(p.id)
+        if nvme:
+            self._add_nvme(nvme)
+        self.parts.extend(parts)
+
+    def _add_nvme(self, nvme: Sequence[Partition]) -> None:
+        s = self.settings
+        if self.store is None:
+            self.engine = IOEngine(s.io.backend, s.io.queue_depth, s.io.block_size)
+            self.store = SwapStore(self.engine, s.swap.paths, self.swap_name, nvme,
+                                   direct=s.io.o_direct)
+            size = max(p.record_bytes for p in nvme)
+            self.pool = BufferPool(s.pipeline.buffer_count, size, engine=self.engine)
+            self.pipeline = StepPipeline(self.store, self.pool.buffers, nvme,
+                                         prefetch_depth=s.pipeline.prefetch_depth,
+                                         zigzag=s.pipeline.zigzag)
+            self.pipeline.run_ahead()
+            return
+        if max(p.record_bytes for p in nvme) > self.pool.nbytes:
+            raise ValueError("a new param group's partitions are larger than the pipeline "
+                             "buffers; keep pipeline.partition_size unchanged")
+        self.pipeline.flush()
+        self.store.add(nvme)
+        self.pipeline.add_partitions(nvme)
+
+    def tier_bytes(self) -> dict[str, int]:
+        out = {"gpu": 0, "host": 0, "nvme": 0}
+        for p in self.parts:
+            out[p.tier] += p.record_bytes
+        return out
+
+    @property
+    def pinned_bytes(self) -> int:
+        host = sum(t.numel() for t in self.resident.values() if t.device.type == "cpu")
+        return host + (self.pool.mapped_bytes if self.pool else 0)
+
+    # -- steps -----------------------------------------------------------------
+
+    def step(self, stats: StepStats, active: Callable[[Partition], bool], init: Fn,
+             compute: Fn) -> None:
+        for p in self.parts:
+            if p.tier == "nvme" or not active(p):
+                continue
+            views = p.views(self.resident[p.id])
+            if p.id in self.fresh:
+                init(p, views)
+                self.fresh.discard(p.id)
+            compute(p, views)
+            stats.partitions[p.tier] = stats.partitions.get(p.tier, 0) + 1
+        if self.pipeline is not None:
+            self.pipeline.run_step(stats, active, init, compute)
+
+    def with_record(self, part: Partition, fn: Callable[[Views, bool], None], *,
+                    write: bool) -> None:
+        """fn(views, fresh) on `part`'s record; `write` keeps the changes (and clears fresh)."""
+        if part.tier == "nvme":
+            self.pipeline.with_record(part, fn, write=write)
+            return
+        fn(part.views(self.resident[part.id]), part.id in self.fresh)
+        if write:
+            self.fresh.discard(part.id)
+
+    def flush(self) -> None:
+        """Every write-back on disk (raises the first I/O failure)."""
+        if self.pipeline is not None:
+            self.pipeline.flush()
+
+    def close(self, *, remove_swap: bool) -> None:
+        """Release buffers and the engine; delete swap files only if `remove_swap`."""
+        if self.pipeline is not None:
+            self.pipeline.flush()
+        if self.store is not None:
+            if remove_swap:
+                self.store.remove()
+            else:
+                self.store.close()
+        if self.engine is not None:
+            self.engine.close()
+        self.resident.clear()
+        self.pipeline = self.pool = self.store = self.engine = None
