@@ -110,8 +110,13 @@ static void queue_piece(tm_engine *e, piece *p)
     e->pieces_in_ring++;
 }
 
-/* Drop finished requests from the head of the active list and hand out new
- * pieces, retries first, until the ring holds queue_depth pieces. */
+static void fill_op(tm_engine *e, int op);
+
+/* Hand out pieces until the ring holds queue_depth: retries first, then reads,
+ * then writes, each in submission order. Reads go first because a read is what
+ * the next computation waits for, while a write only has to finish before its
+ * buffer is reused; FIFO order would park the next partition's read behind
+ * the write-backs of the ones before it. */
 static void fill_ring(tm_engine *e)
 {
     while (e->retry && e->pieces_in_ring < e->queue_depth) {
@@ -119,9 +124,15 @@ static void fill_ring(tm_engine *e)
         e->retry = p->next;
         queue_piece(e, p);
     }
+    for (int op = 0; op < 2; op++)
+        fill_op(e, op);
+}
+
+static void fill_op(tm_engine *e, int op)
+{
     tm_request *r = e->active_head;
     while (r && e->pieces_in_ring < e->queue_depth) {
-        if (r->next >= r->len) {
+        if (r->op != op || r->next >= r->len) {
             r = r->link;
             continue;
         }

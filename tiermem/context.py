@@ -35,6 +35,12 @@ class Offload:
     def __init__(self, off: OffloadedOptimizer) -> None:
         self._off = off
         self.kept_on_disk: str | None = None
+        self._discard = False
+
+    def discard(self) -> None:
+        """Throw the optimizer state away at exit instead of returning it (benchmarks,
+        stress runs): swap files are removed and the optimizer is left with no state."""
+        self._discard = True
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -69,6 +75,10 @@ class Offload:
             dirs = off.tiers.store.dirs if off.tiers.store else []
             raise TierMemError(f"optimizer state could not be written back ({exc}); swap "
                                f"files were kept in {', '.join(dirs)}") from exc
+        if self._discard:
+            off.detach()
+            off.tiers.close(remove_swap=True)
+            return
         need = self._state_nbytes()
         if need <= available_memory() * 0.8:
             state = off.export_state(model_dtype=True)

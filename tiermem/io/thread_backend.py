@@ -2,7 +2,9 @@
 
 Used where io_uring is unavailable (old kernels, kernel.io_uring_disabled,
 container seccomp) or when asked for. os.preadv/pwritev release the GIL, so the
-threads overlap with Python compute just as the io_uring worker does.
+threads overlap with Python compute just as the io_uring worker does. Like the
+io_uring worker, pieces of reads are served before pieces of writes, each in
+submission order.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import errno as _errno
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import itertools
+import queue
 from typing import Sequence
 
 MAX_THREADS = 16
@@ -90,8 +93,20 @@ class ThreadBackend:
 
     def __init__(self, queue_depth: int, block_size: int) -> None:
         self._block = block_size
-        self._pool = ThreadPoolExecutor(max_workers=min(queue_depth, MAX_THREADS),
-                                        thread_name_prefix="tiermem-io")
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=self._worker, name=f"tiermem-io-{i}",
+                                          daemon=True)
+                         for i in range(min(queue_depth, MAX_THREADS))]
+        for t in self._threads:
+            t.start()
+
+    def _worker(self) -> None:
+        while True:
+            _prio, _seq, piece = self._queue.get()
+            if piece is None:
+                return
+            _move(*piece)
 
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
         return False
@@ -109,11 +124,16 @@ class ThreadBackend:
                buf_index: int) -> ThreadTransfer:
         starts = range(0, nbytes, self._block)
         xfer = ThreadTransfer(len(starts))
+        prio = 0 if op == "read" else 1
         for s in starts:
-            self._pool.submit(_move, op, file, addr + s, min(self._block, nbytes - s),
-                              offset + s, xfer)
+            self._queue.put((prio, next(self._seq),
+                             (op, file, addr + s, min(self._block, nbytes - s), offset + s, xfer)))
         return xfer
 
     def close(self) -> None:
-        # wait=True: every queued piece runs before the pool goes away.
-        self._pool.shutdown(wait=True)
+        # The stop markers sort after every queued piece, so all of them run first.
+        for _ in self._threads:
+            self._queue.put((2, next(self._seq), None))
+        for t in self._threads:
+            t.join()
+        self._threads = []

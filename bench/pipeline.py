@@ -1,0 +1,224 @@
+"""The offloaded step against its floors, measured in one run.
+
+A synthetic fp32 model (default 1B parameters, 8 GB of Adam moments) keeps all
+its optimizer state on NVMe (host tier 0, pinned buffers <= 1 GiB). Reported:
+
+- tiermem step time (median of the steps after the first, which only writes);
+- the I/O floor: fio reading and writing the same bytes as one step,
+  concurrently, same block size and queue depth, huge-page buffers;
+- the compute floor: the same step with all state in memory
+  (torch.optim.AdamW(fused=True));
+- step / max(floors), goal <= 1.10, and peak RSS against
+  weights + grads + host tier + buffers + 10%.
+
+Each phase runs in its own process so peak RSS and page cache are its own.
+Usage: python bench/pipeline.py [--params 1B] [--steps 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _report import markdown_table, parse_size, write_json  # noqa: E402
+
+TENSOR_ELEMS = 1 << 24  # 16M-element parameters: large enough that per-tensor overhead is nil
+
+
+def _model(n_params: int, seed: int = 0):
+    """fp32 parameters with fixed gradients; the values do not change the timing."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    left = n_params
+    while left > 0:
+        n = min(TENSOR_ELEMS, left)
+        p = torch.nn.Parameter(torch.empty(n).uniform_(-1, 1, generator=g))
+        p.grad = torch.empty(n).uniform_(-1e-3, 1e-3, generator=g)
+        params.append(p)
+        left -= n
+    return params
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def phase_memory(args: argparse.Namespace) -> dict:
+    """Compute floor: torch's fused AdamW with all state in RAM."""
+    import torch
+
+    params = _model(args.params)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return {"step_seconds": times, "steady": statistics.median(times[1:] or times)}
+
+
+def phase_tiermem(args: argparse.Namespace) -> dict:
+    """The offloaded step, state on NVMe."""
+    import torch
+
+    import tiermem
+
+    params = _model(args.params)
+    base_rss = _peak_rss()
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+    cfg = {
+        "swap": {"paths": [args.swap_dir]},
+        "io": {"backend": args.backend, "queue_depth": args.queue_depth,
+               "block_size": args.block_size},
+        "tiers": {"host": {"capacity": 0}},
+        "pipeline": {"partition_size": args.partition_size, "buffer_count": args.buffers,
+                     "prefetch_depth": args.prefetch},
+        "optimizer": {"kernel": "fused"},
+    }
+    with tiermem.offload(opt, cfg, name="bench-pipeline") as tm:
+        plan = tm.plan()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        stats = tm.stats()
+        peak = _peak_rss()
+        tm.discard()  # the state is not needed: skip gathering 8 GB back into RAM
+    steady = stats[1:] or stats
+    return {
+        "plan": plan, "step_seconds": times, "stats": stats,
+        "steady": statistics.median(times[1:] or times),
+        "read_bytes": statistics.median(sum(s["read_bytes"].values()) for s in steady),
+        "write_bytes": statistics.median(sum(s["write_bytes"].values()) for s in steady),
+        "stall": statistics.median(s["stall_seconds"] for s in steady),
+        "update": statistics.median(s["update_seconds"] for s in steady),
+        "overlap": statistics.median(s["overlap"] for s in steady),
+        "peak_rss": peak, "rss_before_offload": base_rss,
+    }
+
+
+def phase_fio(args: argparse.Namespace, read_bytes: int, write_bytes: int) -> dict:
+    """I/O floor: fio reads `read_bytes` and writes `write_bytes` concurrently."""
+    from io_vs_fio import HugePageReservation, pages_for
+
+    d = Path(args.swap_dir) / "fio-floor"
+    d.mkdir(parents=True, exist_ok=True)
+    rfile, wfile = d / "read.bin", d / "write.bin"
+    # bytes, not "1MiB": fio reads "MiB" with a base of 1000 by default.
+    common = ["--ioengine=io_uring", "--direct=1", f"--bs={parse_size(args.block_size)}",
+              f"--iodepth={args.queue_depth}", "--mem=mmaphuge"]
+    pages = 2 * pages_for(parse_size(args.block_size) * args.queue_depth, 2 << 20) + 8
+    try:
+        subprocess.run(["fio", "--name=prep", f"--filename={rfile}", "--rw=write",
+                        f"--size={read_bytes}", "--ioengine=io_uring", "--direct=1",
+                        "--bs=4M", "--iodepth=8", "--output-format=json"],
+                       check=True, capture_output=True)
+        with HugePageReservation(pages):
+            out = subprocess.run(
+                ["fio", "--output-format=json", *common,
+                 "--name=read", f"--filename={rfile}", "--rw=read", f"--size={read_bytes}",
+                 "--name=write", f"--filename={wfile}", "--rw=write", f"--size={write_bytes}"],
+                check=True, capture_output=True, text=True).stdout
+    finally:
+        for f in (rfile, wfile):
+            f.unlink(missing_ok=True)
+        d.rmdir()
+    jobs = json.loads(out[out.index("{"):])["jobs"]
+    runtimes = {j["jobname"]: j["read" if j["jobname"] == "read" else "write"]["runtime"] / 1e3
+                for j in jobs}
+    return {"seconds": max(runtimes.values()), "per_job_seconds": runtimes,
+            "read_gbps": read_bytes / runtimes["read"] / 1e9,
+            "write_gbps": write_bytes / runtimes["write"] / 1e9}
+
+
+def _run_phase(name: str, argv: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, __file__, "--phase", name, "--phase-out", out.name,
+                        *argv], check=True)
+        return json.loads(Path(out.name).read_text())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--params", default="1B", help="parameter count, e.g. 1B, 250M")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--swap-dir", default="/var/tmp/tiermem-bench")
+    p.add_argument("--backend", default="io_uring", choices=["io_uring", "threads"])
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--block-size", default="1MiB")
+    p.add_argument("--partition-size", default="128MiB")
+    p.add_argument("--buffers", type=int, default=8)
+    p.add_argument("--prefetch", type=int, default=4)
+    p.add_argument("--json", default=str(HERE / "results" / "pipeline.json"))
+    p.add_argument("--phase", help=argparse.SUPPRESS)
+    p.add_argument("--phase-out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.params_text, a.params = a.params, parse_count(a.params)
+    return a
+
+
+def parse_count(text: str) -> int:
+    """'1B' -> 10**9, '250M' -> 250 * 10**6, '1.5B', '4096'."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+    t = text.strip().upper()
+    if t and t[-1] in scale:
+        return int(float(t[:-1]) * scale[t[-1]])
+    return int(t)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.phase:
+        result = {"memory": phase_memory, "tiermem": phase_tiermem}[args.phase](args)
+        Path(args.phase_out).write_text(json.dumps(result, default=str))
+        return 0
+    raw = sys.argv[1:] if argv is None else list(argv)
+    os.makedirs(args.swap_dir, exist_ok=True)
+    tm = _run_phase("tiermem", raw)
+    mem = _run_phase("memory", raw)
+    fio = phase_fio(args, int(tm["read_bytes"]), int(tm["write_bytes"]))
+    floor = max(fio["seconds"], mem["steady"])
+    ratio = tm["steady"] / floor
+    weights = grads = args.params * 4
+    buffers = tm["plan"]["pinned_bytes"]
+    rss_bound = (weights + grads + buffers) * 1.10
+    rows = [
+        ["tiermem step (NVMe)", f"{tm['steady']:.2f} s",
+         f"read {tm['read_bytes'] / tm['steady'] / 1e9:.2f} GB/s, write "
+         f"{tm['write_bytes'] / tm['steady'] / 1e9:.2f} GB/s, stall {tm['stall']:.2f} s, "
+         f"update {tm['update']:.2f} s, overlap {tm['overlap']:.2f}"],
+        ["I/O floor (fio, concurrent r+w)", f"{fio['seconds']:.2f} s",
+         f"read {fio['read_gbps']:.2f} GB/s, write {fio['write_gbps']:.2f} GB/s"],
+        ["compute floor (in-memory fused AdamW)", f"{mem['steady']:.2f} s", ""],
+        ["step / max(floors)", f"{ratio:.3f}", "goal <= 1.10: " + ("met" if ratio <= 1.10 else "NOT met")],
+        ["peak RSS", f"{tm['peak_rss'] / 2**30:.2f} GiB",
+         f"bound weights+grads+buffers+10% = {rss_bound / 2**30:.2f} GiB: "
+         + ("met" if tm["peak_rss"] <= rss_bound else "NOT met")],
+    ]
+    print(f"\n{args.params_text} fp32 parameters, state on NVMe: "
+          f"{tm['plan']['state_bytes']['nvme'] / 1e9:.2f} GB in {tm['plan']['partitions']} "
+          f"partitions, pinned {buffers / 2**30:.2f} GiB, {args.backend}, "
+          f"bs {args.block_size}, qd {args.queue_depth}\n")
+    print(markdown_table(["what", "time", "detail"], rows))
+    write_json(args.json, {"args": vars(args), "tiermem": tm, "memory": mem, "fio": fio,
+                           "ratio": ratio, "rss_bound": rss_bound})
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
