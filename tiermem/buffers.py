@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -116,10 +116,12 @@ class BufferPool:
             raise ValueError(f"BufferPool: count={count} must be at least 1")
         if nbytes < PAGE or nbytes % PAGE:
             raise ValueError(f"BufferPool: nbytes={nbytes} must be a positive multiple of {PAGE}")
-        total = count * nbytes
+        # What gets locked is whole pages: a 4 KiB buffer on huge pages pins 2 MiB.
+        total = count * lib.tm_mem_mapped_size(nbytes, 1 if huge_pages else 0)
         if budget is not None and total > budget:
-            raise ValueError(f"BufferPool: {count} buffers x {nbytes} bytes = {total} bytes "
-                             f"exceeds the pinned-memory budget of {budget} bytes")
+            raise ValueError(f"BufferPool: {count} buffers x {nbytes} bytes map {total} bytes "
+                             f"({'2 MiB' if huge_pages else '4 KiB'} pages), above the "
+                             f"pinned-memory budget of {budget} bytes")
         self.count = count
         self.nbytes = nbytes
         self.buffers: list[torch.Tensor] = [
@@ -172,6 +174,3 @@ class BufferPool:
                 f"locked={locked}, registered={self.registered}")
 
 
-def buffers_nbytes(buffers: Sequence[torch.Tensor]) -> int:
-    """Total bytes of a list of tensors."""
-    return sum(b.numel() * b.element_size() for b in buffers)

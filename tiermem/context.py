@@ -10,7 +10,6 @@ removed before the state is safe elsewhere.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from contextlib import contextmanager
@@ -25,9 +24,6 @@ from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.telemetry import StepStats
 
-MANIFEST = "manifest.json"
-RESIDENT_FILE = "resident.swap"
-
 
 class Offload:
     """What `with tiermem.offload(...) as tm` gives: stats, the plan, and where state is."""
@@ -41,6 +37,11 @@ class Offload:
         """Throw the optimizer state away at exit instead of returning it (benchmarks,
         stress runs): swap files are removed and the optimizer is left with no state."""
         self._discard = True
+
+    @property
+    def resumed_step(self) -> int | None:
+        """With resume=True, the step the kept state had reached; else None."""
+        return self._off.resumed_step
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -87,7 +88,7 @@ class Offload:
             off.opt.state.update(state)
             off.tiers.close(remove_swap=True)
             return
-        self.kept_on_disk = self._keep_on_disk()
+        self.kept_on_disk = off.tiers.keep_on_disk([float(t) for t in off.steps])
         off.detach()
         warnings.warn(
             f"tiermem: the optimizer state ({format_size(need)}) does not fit in free host "
@@ -96,58 +97,23 @@ class Offload:
             "resume=True) and the same model, optimizer and config.", TierMemWarning,
             stacklevel=3)
 
-    def _keep_on_disk(self) -> str:
-        """Save resident records next to the swap files and write the manifest."""
-        off = self._off
-        tiers = off.tiers
-        if tiers.store is None:
-            raise TierMemError("state does not fit in host memory and there are no swap files")
-        run_dir = tiers.store.dirs[0]
-        resident = []
-        pos = 0
-        with open(os.path.join(run_dir, RESIDENT_FILE), "wb") as f:
-            for p in off.parts:
-                if p.tier == "nvme":
-                    continue
-                data = tiers.resident[p.id].cpu().numpy().tobytes()
-                f.write(data)
-                resident.append({"id": p.id, "offset": pos, "nbytes": len(data),
-                                 "fresh": p.id in tiers.fresh})
-                pos += len(data)
-            f.flush()
-            os.fsync(f.fileno())
-        manifest = {
-            "version": 1,
-            "partitions": [{"id": p.id, "tier": p.tier, "numel": p.numel,
-                            "record_bytes": p.record_bytes, "kinds": list(p.kinds)}
-                           for p in off.parts],
-            "fresh": sorted(tiers.pipeline.fresh) if tiers.pipeline else [],
-            "resident": resident,
-            "steps": [float(s) for s in off.steps],
-            "history_len": len(off.history),
-        }
-        tmp = os.path.join(run_dir, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(run_dir, MANIFEST))
-        tiers.close(remove_swap=False)
-        return run_dir
-
 
 @contextmanager
 def offload(optimizer: torch.optim.Optimizer,
             config: "str | os.PathLike | dict | Settings | None" = None, *,
-            model: torch.nn.Module | None = None, name: str = "default") -> Iterator[Offload]:
+            model: torch.nn.Module | None = None, name: str = "default",
+            resume: bool = False) -> Iterator[Offload]:
     """Keep `optimizer`'s state (torch Adam/AdamW) in tiers for the duration of the block.
 
     config: YAML path, dict of the same shape, Settings, or None for the defaults.
     model: gives parameter names to placement rules. name: the swap
     sub-directory (`<swap path>/tiermem-<name>`), so concurrent runs can share a path.
+    resume: continue from state an earlier block kept on disk (its exit said so);
+    `tm.resumed_step` tells the step it had reached.
     """
     settings = load_config(config)
-    handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name))
+    handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name,
+                                        resume=resume))
     try:
         yield handle
     finally:

@@ -9,6 +9,7 @@ lr schedulers and zero_grad are untouched. `detach()` puts everything back.
 from __future__ import annotations
 
 import types
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -16,9 +17,11 @@ import torch
 from tiermem.config import Settings
 from tiermem.errors import TierMemError
 from tiermem.kernels import adam_update, kernel_matching
+from tiermem.manifest import read_manifest
 from tiermem.partition import Partition, assign_tiers, build_partitions
 from tiermem.pipeline import Views
 from tiermem.telemetry import StepStats, timed
+from tiermem.swap import run_dirs
 from tiermem.tiers import TierManager
 
 HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
@@ -51,7 +54,8 @@ class OffloadedOptimizer:
     """The tiered state of one Adam/AdamW instance, and the hooks that route to it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, settings: Settings, *,
-                 model: torch.nn.Module | None = None, swap_name: str = "default") -> None:
+                 model: torch.nn.Module | None = None, swap_name: str = "default",
+                 resume: bool = False) -> None:
         _check_optimizer(optimizer)
         self.opt = optimizer
         self.settings = settings
@@ -67,10 +71,17 @@ class OffloadedOptimizer:
                                       settings.pipeline.partition_size, settings.placement)
         self._left = {"gpu": settings.tiers.gpu.capacity, "host": settings.tiers.host.capacity}
         self._assign(self.parts)
-        self.tiers = TierManager(self.parts, settings, swap_name=swap_name)
+        manifest = None
+        if resume:
+            manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts)
+            self.steps = [torch.tensor(float(s)) for s in manifest.steps]
+        self.resumed_step = int(max(manifest.steps, default=0)) if manifest else None
+        self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest)
         try:
             existing = {p: s for p, s in optimizer.state.items() if s}
-            if existing:
+            if resume:
+                optimizer.state.clear()  # the kept state is the one to continue from
+            elif existing:
                 self._import(existing)
                 optimizer.state.clear()  # the tiers hold it now; free the RAM
         except BaseException:
@@ -309,7 +320,7 @@ class OffloadedOptimizer:
         exported = self.export_state(model_dtype=False)
         saved = self.opt.state
         try:
-            self.opt.state = type(saved)(exported)
+            self.opt.state = defaultdict(dict, exported)
             return type(self.opt).state_dict(self.opt)
         finally:
             self.opt.state = saved

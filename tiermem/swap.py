@@ -59,43 +59,61 @@ def run_dirs(paths: Sequence[str], name: str) -> list[str]:
                          f"tiermem-{name}") for p in paths]
 
 
+def _owner(run_dir: str) -> dict:
+    try:
+        with open(os.path.join(run_dir, OWNER_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def live_owner(run_dir: str) -> int | None:
+    """The pid of another live process on this host that owns `run_dir`, if any."""
+    owner = _owner(run_dir)
+    pid, host = owner.get("pid"), owner.get("host")
+    if pid and host == socket.gethostname() and pid != os.getpid() and _pid_alive(pid):
+        return pid
+    return None
+
+
 def check_not_stale(run_dir: str) -> None:
     """Raise StaleSwapError if `run_dir` exists: in use by a live process, or left by a crash."""
     if not os.path.lexists(run_dir):
         return
-    owner = {}
-    try:
-        with open(os.path.join(run_dir, OWNER_FILE)) as f:
-            owner = json.load(f)
-    except (OSError, ValueError):
-        pass
-    pid, host = owner.get("pid"), owner.get("host")
-    if pid and host == socket.gethostname() and _pid_alive(pid) and pid != os.getpid():
-        raise StaleSwapError(f"swap directory {run_dir} is in use by process {pid}; give this "
-                             "run another swap.name or swap path")
+    holder = live_owner(run_dir)
+    if holder:
+        raise StaleSwapError(f"swap directory {run_dir} is in use by process {holder}; give "
+                             "this run another name (tiermem.offload(..., name=)) or swap path")
+    owner = _owner(run_dir)
+    pid = owner.get("pid")
     started = owner.get("started", "an unknown time")
     raise StaleSwapError(
         f"swap directory {run_dir} holds state of an earlier run (pid {pid or '?'}, started "
-        f"{started}) that did not finish cleanly. Nothing was touched. Resume from it, or "
-        f"remove it (rm -r {run_dir}) once you are sure it is not needed.")
+        f"{started}) that did not finish cleanly or kept its state on disk. Nothing was "
+        f"touched. Resume from it (tiermem.offload(..., resume=True)) or remove it "
+        f"(rm -r {run_dir}) once you are sure it is not needed.")
 
 
 class SwapStore:
     """Preallocated swap files for a list of NVMe partitions, read and written through an engine."""
 
     def __init__(self, engine: IOEngine, paths: Sequence[str], name: str,
-                 parts: Sequence[Partition], direct: bool | str = "auto") -> None:
+                 parts: Sequence[Partition], direct: bool | str = "auto",
+                 resume: bool = False) -> None:
         self.engine = engine
         self.dirs = run_dirs(paths, name)
         self.slots: dict[int, Slot] = {}
         self.sizes = [0] * len(self.dirs)
         self._place(parts)
         sizes = self.sizes
+        self.files: list[File] = []
+        self._created: list[str] = []
+        if resume:
+            self._reopen(direct)
+            return
         for d in self.dirs:
             check_not_stale(d)
         self._check_space()
-        self.files: list[File] = []
-        self._created: list[str] = []
         try:
             for d, size in zip(self.dirs, sizes):
                 self._create_dir(d)
@@ -103,6 +121,28 @@ class SwapStore:
         except BaseException:
             self.remove()
             raise
+
+    def _reopen(self, direct: bool | str) -> None:
+        """Adopt the files a previous run kept on disk (resume).
+
+        Nothing is marked as ours to delete until every file checked out: a
+        failed resume leaves the kept state exactly as it was."""
+        for d, size in zip(self.dirs, self.sizes):
+            holder = live_owner(d)
+            if holder:
+                raise StaleSwapError(f"cannot resume from {d}: process {holder} is using it")
+            path = os.path.join(d, STATE_FILE)
+            try:
+                f = self.engine.open(path, "r+", direct=direct)
+            except TierMemIOError as exc:
+                raise TierMemError(f"cannot resume: {exc}") from None
+            self.files.append(f)
+            if f.size() < size:
+                raise TierMemError(f"cannot resume: {path} holds {f.size()} bytes, the kept "
+                                   f"state needs {size} (truncated?)")
+        for d in self.dirs:
+            self._write_owner(d)
+        self._created = list(self.dirs)
 
     def _place(self, parts: Sequence[Partition]) -> list[int]:
         """Stripe `parts` round-robin over the files, after what they hold; bytes added per file."""
@@ -140,6 +180,10 @@ class SwapStore:
     def _create_dir(self, d: str) -> None:
         os.makedirs(d, mode=0o700)
         self._created.append(d)
+        self._write_owner(d)
+
+    @staticmethod
+    def _write_owner(d: str) -> None:
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         with open(os.path.join(d, OWNER_FILE), "w") as f:

@@ -9,6 +9,8 @@ are landing, then streams the NVMe partitions.
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Callable, Sequence
 
 import torch
@@ -18,7 +20,9 @@ from tiermem.config import Settings
 from tiermem.io import IOEngine
 from tiermem.partition import Partition
 from tiermem.pipeline import StepPipeline, Views
-from tiermem.swap import SwapStore
+from tiermem.errors import TierMemError
+from tiermem.manifest import RESIDENT_FILE, Manifest, layout_of, write_manifest
+from tiermem.swap import SwapStore, run_dirs
 from tiermem.telemetry import StepStats
 
 Fn = Callable[[Partition, Views], None]
@@ -28,9 +32,10 @@ class TierManager:
     """Owns every partition record: resident ones, swap files, buffers and the pipeline."""
 
     def __init__(self, parts: Sequence[Partition], settings: Settings, *,
-                 swap_name: str) -> None:
+                 swap_name: str, resume: Manifest | None = None) -> None:
         self.settings = settings
         self.swap_name = swap_name
+        self._resume = resume
         self.parts: list[Partition] = []
         self.resident: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()
@@ -40,8 +45,11 @@ class TierManager:
         self.pipeline: StepPipeline | None = None
         try:
             self.add(parts)
+            if resume is not None:
+                self._load_resident(resume)
         except BaseException:
-            self.close(remove_swap=True)
+            # A failed resume must leave the kept state untouched.
+            self.close(remove_swap=resume is None)
             raise
 
     # -- placement -------------------------------------------------------------
@@ -56,7 +64,8 @@ class TierManager:
             elif p.tier == "gpu":
                 self.resident[p.id] = torch.empty(p.record_bytes, dtype=torch.uint8,
                                                   device="cuda")
-            self.fresh.add(p.id)
+            if p.tier != "nvme":
+                self.fresh.add(p.id)  # NVMe partitions: the pipeline tracks its own
         if nvme:
             self._add_nvme(nvme)
         self.parts.extend(parts)
@@ -66,12 +75,14 @@ class TierManager:
         if self.store is None:
             self.engine = IOEngine(s.io.backend, s.io.queue_depth, s.io.block_size)
             self.store = SwapStore(self.engine, s.swap.paths, self.swap_name, nvme,
-                                   direct=s.io.o_direct)
+                                   direct=s.io.o_direct, resume=self._resume is not None)
             size = max(p.record_bytes for p in nvme)
             self.pool = BufferPool(s.pipeline.buffer_count, size, engine=self.engine)
             self.pipeline = StepPipeline(self.store, self.pool.buffers, nvme,
                                          prefetch_depth=s.pipeline.prefetch_depth,
                                          zigzag=s.pipeline.zigzag)
+            if self._resume is not None:
+                self.pipeline.fresh &= set(self._resume.fresh)
             self.pipeline.run_ahead()
             return
         if max(p.record_bytes for p in nvme) > self.pool.nbytes:
@@ -123,6 +134,51 @@ class TierManager:
         if self.pipeline is not None:
             self.pipeline.flush()
 
+    # -- state kept on disk ------------------------------------------------------
+
+    def run_dir(self) -> str | None:
+        """Where kept state goes: the first swap path's run directory."""
+        return run_dirs(self.settings.swap.paths, self.swap_name)[0]
+
+    def keep_on_disk(self, steps: Sequence[float]) -> str:
+        """Write resident records and the manifest next to the swap files; close, keep them."""
+        self.flush()
+        run_dir = self.run_dir()
+        if self.store is None:
+            os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        resident = []
+        pos = 0
+        with open(os.path.join(run_dir, RESIDENT_FILE), "wb") as f:
+            for p in self.parts:
+                if p.tier == "nvme":
+                    continue
+                data = self.resident[p.id].cpu().numpy().tobytes()
+                f.write(data)
+                resident.append({"id": p.id, "offset": pos, "nbytes": len(data)})
+                pos += len(data)
+            f.flush()
+            os.fsync(f.fileno())
+        fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
+        write_manifest(run_dir, Manifest(partitions=layout_of(self.parts), steps=list(steps),
+                                         fresh=sorted(fresh), resident=resident))
+        self.close(remove_swap=False)
+        return run_dir
+
+    def _load_resident(self, m: Manifest) -> None:
+        self.fresh = {p.id for p in self.parts if p.tier != "nvme"} & set(m.fresh)
+        if not m.resident:
+            return
+        path = os.path.join(self.run_dir(), RESIDENT_FILE)
+        with open(path, "rb") as f:
+            for entry in m.resident:
+                rec = self.resident[entry["id"]]
+                f.seek(entry["offset"])
+                data = f.read(entry["nbytes"])
+                if len(data) != entry["nbytes"] or entry["nbytes"] != rec.numel():
+                    raise TierMemError(f"cannot resume: {path} is truncated or does not match "
+                                       f"partition {entry['id']}")
+                rec.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
     def close(self, *, remove_swap: bool) -> None:
         """Release buffers and the engine; delete swap files only if `remove_swap`."""
         if self.pipeline is not None:
@@ -132,6 +188,8 @@ class TierManager:
                 self.store.remove()
             else:
                 self.store.close()
+        elif remove_swap and self._resume is not None:
+            shutil.rmtree(self.run_dir(), ignore_errors=True)  # resumed, resident records only
         if self.engine is not None:
             self.engine.close()
         self.resident.clear()

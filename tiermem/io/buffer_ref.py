@@ -37,11 +37,16 @@ def buffer_ref(buf: Any, *, for_read: bool) -> BufferRef:
     except TypeError:
         raise TypeError(f"I/O buffer must be a CPU torch.Tensor or support the buffer "
                         f"protocol, not {type(buf).__name__}") from None
-    if not view.c_contiguous:
-        raise ValueError("I/O buffer is not C-contiguous")
-    if for_read and view.readonly:
-        raise ValueError(f"cannot read into a read-only buffer ({type(buf).__name__})")
-    if view.nbytes == 0:
-        return BufferRef(0, 0, view)
-    cdata = ffi.from_buffer("char[]", view, require_writable=for_read)
-    return BufferRef(int(ffi.cast("uintptr_t", cdata)), view.nbytes, (view, cdata))
+    with view:  # released at once: only the cffi object below may hold the export
+        if not view.c_contiguous:
+            raise ValueError("I/O buffer is not C-contiguous")
+        if for_read and view.readonly:
+            raise ValueError(f"cannot read into a read-only buffer ({type(buf).__name__})")
+        nbytes = view.nbytes
+    if nbytes == 0:
+        return BufferRef(0, 0, buf)
+    # One owner of the buffer export (the cffi object, which also keeps `buf`
+    # alive): a memoryview held beside it could be cleared first by the cycle
+    # collector and crash the interpreter when the cffi object is freed.
+    cdata = ffi.from_buffer("char[]", buf, require_writable=for_read)
+    return BufferRef(int(ffi.cast("uintptr_t", cdata)), nbytes, cdata)

@@ -44,7 +44,10 @@ def _warn_once(key: str, message: str) -> None:
 
 def io_uring_status() -> tuple[bool, str]:
     """Whether io_uring works in this process, decided by a real io_uring_setup, and why not."""
-    err = uring_backend.probe()
+    return _uring_status(uring_backend.probe())
+
+
+def _uring_status(err: int) -> tuple[bool, str]:
     if err == 0:
         return True, "io_uring_setup works"
     hints = {
@@ -194,6 +197,7 @@ class IOEngine:
         self._finalizer = weakref.finalize(self, self._backend.close)
         self._lock = threading.Lock()
         self._inflight: set[Request] = set()
+        self._unseen: list[Request] = []  # failed, and no wait() has raised it yet
         self._files: set[File] = set()
         self._regions: list[tuple[int, int]] = []
         self._registered_owners: list[Any] = []
@@ -202,12 +206,13 @@ class IOEngine:
     def _start_backend(self, backend: str):
         if backend == "threads":
             return ThreadBackend(self.queue_depth, self.block_size)
-        ok, why = io_uring_status()
+        err = uring_backend.probe()
+        ok, why = _uring_status(err)
         if ok:
             return UringBackend(self.queue_depth, self.block_size)
         if backend == "io_uring":
             raise TierMemIOError(f"io_uring backend asked for but unavailable: {why}",
-                                 op="io_uring_setup")
+                                 op="io_uring_setup", errno=err)
         _warn_once("no-io-uring", f"tiermem: {why}; using the threads backend "
                                   "(pread/pwrite on a thread pool)")
         return ThreadBackend(self.queue_depth, self.block_size)
@@ -333,7 +338,18 @@ class IOEngine:
     def _retire(self, req: Request) -> None:
         with self._lock:
             self._inflight.discard(req)
+            if req._error is not None:
+                self._unseen.append(req)
         req.file._inflight.discard(req)
+
+    def _raise_unseen(self) -> None:
+        """Raise the first failure that no wait() has raised (one seen only via done())."""
+        with self._lock:
+            pending = [r for r in self._unseen if not r._raised]
+            self._unseen = pending[1:]
+        if pending:
+            pending[0]._raised = True
+            raise pending[0]._error
 
     def inflight(self) -> int:
         """Requests submitted and not yet waited for or seen done."""
@@ -344,14 +360,9 @@ class IOEngine:
         """Wait for every request in flight; raise the first failure no one has seen yet."""
         with self._lock:
             pending = list(self._inflight)
-        first: TierMemIOError | None = None
         for req in pending:
             req._settle()
-            if req._error is not None and not req._raised and first is None:
-                req._raised = True
-                first = req._error
-        if first is not None:
-            raise first
+        self._raise_unseen()
 
     # -- lifetime --------------------------------------------------------------
 
@@ -360,7 +371,9 @@ class IOEngine:
             raise ValueError("I/O on a closed IOEngine")
 
     def close(self) -> None:
-        """Let every in-flight transfer finish, close files, free the ring. Idempotent."""
+        """Let every in-flight transfer finish, close files, free the ring. Idempotent.
+
+        Then raise the first transfer failure nobody has seen (no wait() raised it)."""
         if self.closed:
             return
         with self._lock:
@@ -372,12 +385,17 @@ class IOEngine:
         self._finalizer()  # backend.close(): every transfer has finished above
         self._regions, self._registered_owners = [], []
         self.closed = True
+        self._raise_unseen()
 
     def __enter__(self) -> "IOEngine":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            self.close()
+        except TierMemIOError:
+            if exc_type is None:  # never mask the exception already on its way out
+                raise
 
     def __repr__(self) -> str:
         return (f"<tiermem.io.IOEngine backend={self.backend} queue_depth={self.queue_depth} "

@@ -11,6 +11,7 @@ from tiermem.errors import TierMemIOError
 FILE_SLOTS = 256
 OPS = {"read": 0, "write": 1}
 WAIT_SLICE_MS = 200
+MAX_WAIT_MS = 2**31 - 1
 
 
 def probe() -> int:
@@ -32,7 +33,8 @@ class UringTransfer:
 
     def wait(self, timeout: float | None) -> bool:
         if timeout is not None:
-            return lib.tm_engine_wait(self._engine, self._req, max(0, int(timeout * 1000))) == 0
+            ms = min(max(0, int(timeout * 1000)), MAX_WAIT_MS)  # the C side takes an int
+            return lib.tm_engine_wait(self._engine, self._req, ms) == 0
         # Sleep in slices so Python runs signal handlers (Ctrl-C) between them.
         while lib.tm_engine_wait(self._engine, self._req, WAIT_SLICE_MS) != 0:
             pass

@@ -1,0 +1,143 @@
+"""Shared fixtures: engines on both backends, aligned buffers, scratch mounts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tiermem  # noqa: F401
+except ImportError:  # running from a checkout without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import tiermem  # noqa: F401
+
+import torch
+from hypothesis import HealthCheck, settings
+
+from tiermem.buffers import aligned_empty
+from tiermem.io import IOEngine, io_uring_status
+
+settings.register_profile(
+    "tiermem", deadline=None, max_examples=100, print_blob=True,
+    # The examples reuse one tmp_path file, rewritten (mode "w") by every example.
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.load_profile("tiermem")
+
+REPO = Path(__file__).resolve().parent.parent
+BACKENDS = ["io_uring", "threads"]
+IS_ROOT = os.geteuid() == 0
+
+
+def backend_param(name: str):
+    """A pytest param for `name` that skips io_uring where the kernel refuses it."""
+    if name == "io_uring":
+        ok, why = io_uring_status()
+        return pytest.param(name, marks=pytest.mark.skipif(not ok, reason=why))
+    return pytest.param(name)
+
+
+BACKEND_PARAMS = [backend_param(b) for b in BACKENDS]
+_URING_OK, _URING_WHY = io_uring_status()
+needs_io_uring = pytest.mark.skipif(not _URING_OK, reason=_URING_WHY)
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
+def backend(request) -> str:
+    """Each backend name in turn."""
+    return request.param
+
+
+@pytest.fixture
+def engine(backend):
+    """An engine with a small block size so that modest transfers are split into pieces."""
+    eng = IOEngine(backend, queue_depth=8, block_size=16384)
+    assert eng.backend == backend
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def direct(request) -> bool:
+    return request.param
+
+
+def aligned(nbytes: int, dtype=torch.uint8) -> torch.Tensor:
+    """A small page-aligned test buffer (4 KiB pages, not locked)."""
+    return aligned_empty(nbytes, dtype, huge_pages=False, lock=False)
+
+
+def pattern(nbytes: int, seed: int) -> torch.Tensor:
+    """`nbytes` reproducible random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def filled(nbytes: int, seed: int) -> torch.Tensor:
+    """An aligned buffer holding pattern(nbytes, seed)."""
+    buf = aligned(nbytes)
+    buf.copy_(pattern(nbytes, seed))
+    return buf
+
+
+def read_file(path, offset: int = 0, nbytes: int | None = None) -> bytes:
+    """The file's bytes, read with plain Python I/O (the oracle the engine is checked against)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read() if nbytes is None else f.read(nbytes)
+
+
+@pytest.fixture
+def reset_once_warnings(monkeypatch):
+    """Forget which once-per-process TierMemWarnings were already issued."""
+    import tiermem.buffers as buffers_mod
+    import tiermem.io.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "_warned", set())
+    monkeypatch.setattr(buffers_mod, "_warned_unlocked", False)
+
+
+@contextlib.contextmanager
+def mounted(where: Path, fstype: str, options: str | None = None):
+    """Mount a fresh `fstype` on `where` for the duration; skip when that is not possible."""
+    if not IS_ROOT:
+        pytest.skip(f"mounting {fstype} needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(where)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount {fstype}: {proc.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        # Lazy, so that a file an engine still holds open cannot leave the mount behind.
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
+def ramfs_dir(tmp_path):
+    """A ramfs mount (a filesystem that refuses O_DIRECT)."""
+    with mounted(tmp_path / "ramfs", "ramfs") as d:
+        yield d
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, for running out of space."""
+    with mounted(tmp_path / "tiny", "tmpfs", "size=1m") as d:
+        yield d
+
+
+@pytest.fixture
+def readonly_dir(tmp_path):
+    """A directory on a read-only mount (root ignores chmod, so remount a tmpfs ro)."""
+    with mounted(tmp_path / "ro", "tmpfs", "size=1m") as d:
+        (d / "existing").write_bytes(b"x" * 4096)
+        proc = subprocess.run(["mount", "-o", "remount,ro", str(d)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot remount tmpfs read-only: {proc.stderr.strip()}")
+        yield d
