@@ -54,6 +54,24 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0 if report.measurements else 1
 
 
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from tiermem.config import ConfigError, load_config, reference_markdown
+
+    if args.reference:
+        print(reference_markdown())
+        return 0
+    if not args.config:
+        print("tiermem validate: give a config file (or --reference)", file=sys.stderr)
+        return 2
+    try:
+        settings = load_config(args.config)
+    except ConfigError as exc:
+        print(f"tiermem validate: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.config}: valid\n{settings}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiermem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure one backend only (default: every one that works)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' = stdout only)")
     p.set_defaults(func=_cmd_probe)
+    v = sub.add_parser("validate", help="check a YAML config; --reference prints every key")
+    v.add_argument("config", nargs="?", help="YAML config file")
+    v.add_argument("--reference", action="store_true",
+                   help="print the config reference (markdown) instead")
+    v.set_defaults(func=_cmd_validate)
     return parser
 
 

@@ -11,6 +11,7 @@ written.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -21,7 +22,7 @@ from typing import Annotated, Any, Literal, Mapping, Union
 import yaml
 
 from tiermem.errors import TierMemError
-from tiermem.sizes import format_size, parse_size
+from tiermem.sizes import format_size, parse_size, yaml_size
 from tiermem.sysinfo import lockable_bytes, physical_memory
 
 
@@ -276,3 +277,38 @@ def load_config(source: "str | os.PathLike | Mapping[str, Any] | Settings | None
 def swap_dir(settings: Settings) -> str:
     """The first swap directory, with ~ and $VARS expanded."""
     return os.path.expandvars(os.path.expanduser(settings.swap.paths[0]))
+
+
+def reference(cls: type = Settings, prefix: str = "",
+              defaults: Any = None) -> list[tuple[str, str, str, str]]:
+    """(key path, allowed values, default, doc) for every config key, in file order."""
+    rows = []
+    hints = typing.get_type_hints(cls, include_extras=True)
+    defaults = cls() if defaults is None else defaults
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(tp):
+            rows += reference(tp, key, value)
+            continue
+        allowed = _describe(tp)
+        lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
+        if lo is not None or hi is not None:
+            allowed += f", {lo}..{hi}"
+        if f.metadata.get("multiple_of"):
+            allowed += f", multiple of {f.metadata['multiple_of']}"
+        shown = yaml_size(value) if typing.get_origin(tp) is Annotated else json.dumps(value)
+        rows.append((key, allowed, shown, f.metadata.get("doc", "")))
+        origin_args = typing.get_args(tp)
+        if typing.get_origin(tp) is list and dataclasses.is_dataclass(origin_args[0]):
+            rows += reference(origin_args[0], f"{key}[]")
+    return rows
+
+
+def reference_markdown() -> str:
+    """The config reference as a markdown table (docs/config.md is generated from it)."""
+    lines = ["| key | allowed | default | meaning |", "|---|---|---|---|"]
+    for key, allowed, default, text in reference():
+        lines.append(f"| `{key}` | {allowed} | `{default}` | {text} |")
+    return "\n".join(lines)
