@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+from torch.optim import optimizer as _optimizer_module
 
 from tiermem.config import Settings
 from tiermem.errors import TierMemError
@@ -48,6 +49,25 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> None:
             if not p.is_contiguous():
                 raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
                                            f"{tuple(p.shape)} is not contiguous")
+
+
+def _run_pre_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple:
+    """Global and per-optimizer step pre-hooks, as torch's own step wrapper runs them."""
+    for hook in (*_optimizer_module._global_optimizer_pre_hooks.values(),
+                 *opt._optimizer_step_pre_hooks.values()):
+        result = hook(opt, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"{hook} must return None or a tuple of (new_args, "
+                                   f"new_kwargs), but got {result}.")
+            args, kwargs = result
+    return args, kwargs
+
+
+def _run_post_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for hook in (*opt._optimizer_step_post_hooks.values(),
+                 *_optimizer_module._global_optimizer_post_hooks.values()):
+        hook(opt, args, kwargs)
 
 
 class OffloadedOptimizer:
@@ -116,6 +136,10 @@ class OffloadedOptimizer:
         def step(opt_self, closure=None):
             return opt_self._tiermem.step(closure)
 
+        # torch's lr schedulers look for this mark to know opt.step reports
+        # its calls (our step sets opt._opt_called, as their wrapper would).
+        step._wrapped_by_lr_sched = True
+
         def state_dict(opt_self):
             return opt_self._tiermem.state_dict()
 
@@ -141,20 +165,23 @@ class OffloadedOptimizer:
     # -- the step --------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        args, kwargs = _run_pre_hooks(self.opt, (closure,), {})
+        closure = args[0] if args else kwargs.get("closure")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         stats = StepStats(step=len(self.history) + 1)
         with timed(stats, "step_seconds"), torch.no_grad():
+            self._check_groups()
             stepped = set()
             for i, p in enumerate(self.params):
                 if p.grad is not None:
                     if p.grad.is_sparse:
                         raise TierMemError("Adam does not support sparse gradients")
-                    self.steps[i] += 1
                     stepped.add(i)
-            self._check_groups()
+            for i in stepped:  # only once nothing can refuse the step
+                self.steps[i] += 1
 
             def active(part: Partition) -> bool:
                 return any(s.index in stepped for s in part.segments)
@@ -163,6 +190,7 @@ class OffloadedOptimizer:
                             lambda part, views: self._update(part, views, stats))
         self.history.append(stats)
         self.opt._opt_called = True  # what torch's lr schedulers check for
+        _run_post_hooks(self.opt, args, kwargs)
         return loss
 
     def _check_groups(self) -> None:
@@ -327,6 +355,13 @@ class OffloadedOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format into the tiers without casting moments to the model dtype."""
+        for part in self.parts:
+            saved = state_dict["param_groups"][part.group] if part.group < len(
+                state_dict["param_groups"]) else {}
+            if bool(saved.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
+                raise TierMemError(f"param_groups[{part.group}]: the checkpoint has amsgrad="
+                                   f"{saved.get('amsgrad')}, the state laid out by "
+                                   "tiermem.offload has not; load it before entering offload")
         groups_only = {"state": {}, "param_groups": state_dict["param_groups"]}
         type(self.opt).load_state_dict(self.opt, groups_only)
         by_index = dict(enumerate(self.params))

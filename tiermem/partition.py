@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from tiermem.config import ConfigError
+
 RECORD_ALIGN = 4096
 CUT_ALIGN = 1024  # elements; a multiple of every SIMD width torch uses
 STATE_BYTES = 4  # every state tensor is fp32
@@ -80,10 +82,8 @@ def state_kinds(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
     return kinds + (("max_exp_avg_sq",) if amsgrad else ())
 
 
-def rule_tier(name: str | None, rules: Sequence) -> str | None:
-    """Tier of the first placement rule matching `name`."""
-    if name is None:
-        return None
+def rule_tier(name: str, rules: Sequence) -> str | None:
+    """Tier of the first placement rule matching `name` ("" when unnamed: only '*' matches)."""
     for rule in rules:
         if fnmatch.fnmatchcase(name, rule.match):
             return rule.tier
@@ -105,7 +105,7 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
         cap = 0
         for p in group["params"]:
             kinds = state_kinds(p, bool(group.get("amsgrad", False)))
-            forced = rule_tier(names.get(id(p)), rules)
+            forced = rule_tier(names.get(id(p), ""), rules)
             start, n = 0, p.numel()
             while start < n:
                 if current is None or current.kinds != kinds or current.forced != forced:
@@ -133,7 +133,7 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
 def assign_tiers(parts: Sequence[Partition], gpu_capacity: int, host_capacity: int) -> None:
     """Forced partitions keep their tier; the rest fill gpu -> host -> nvme in order.
 
-    Raises ValueError when rules alone put more on a tier than its capacity."""
+    Raises ConfigError when rules alone put more on a tier than its capacity."""
     left = {"gpu": gpu_capacity, "host": host_capacity}
     for part in parts:
         if part.forced is not None:
@@ -142,8 +142,9 @@ def assign_tiers(parts: Sequence[Partition], gpu_capacity: int, host_capacity: i
                 left[part.tier] -= part.record_bytes
     for tier, room in left.items():
         if room < 0:
-            raise ValueError(f"placement rules put {-room} bytes more state on the {tier} tier "
-                             f"than tiers.{tier}.capacity allows")
+            raise ConfigError("placement", f"rules with tier: {tier}",
+                              f"they put {-room} bytes more state on the {tier} tier than "
+                              f"tiers.{tier}.capacity allows")
     for part in parts:
         if part.forced is not None:
             continue

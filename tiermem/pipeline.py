@@ -60,6 +60,11 @@ class StepPipeline:
         self._reqs: list[Request] = []
         self._reads = self._inits = 0
 
+    def replace_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Stream through new buffers; call after flush() (nothing in flight, disk current)."""
+        self.slots = [_Slot(b) for b in buffers]
+        self.where.clear()
+
     def add_partitions(self, parts: Sequence[Partition]) -> None:
         self.parts.extend(parts)
         self.fresh.update(p.id for p in parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 UNITS = {
     "": 1, "b": 1,
@@ -29,8 +30,8 @@ def parse_size(value: int | str) -> int:
     unit = m.group(2).lower() if m else None
     if not m or unit not in UNITS:
         raise ValueError(f"{value!r} is not a size; write e.g. 4096, '512MiB', '2GiB' or '1.5GB'")
-    number = float(m.group(1)) * UNITS[unit]
-    if number != int(number):
+    number = Fraction(m.group(1)) * UNITS[unit]  # exact: no float rounding of big sizes
+    if number.denominator != 1:
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return int(number)
 

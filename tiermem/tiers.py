@@ -85,10 +85,12 @@ class TierManager:
                 self.pipeline.fresh &= set(self._resume.fresh)
             self.pipeline.run_ahead()
             return
-        if max(p.record_bytes for p in nvme) > self.pool.nbytes:
-            raise ValueError("a new param group's partitions are larger than the pipeline "
-                             "buffers; keep pipeline.partition_size unchanged")
-        self.pipeline.flush()
+        self.pipeline.flush()  # every buffer idle: the disk copy of each record is current
+        size = max(p.record_bytes for p in nvme)
+        if size > self.pool.nbytes:
+            # Bigger records than the first groups had: new, larger buffers.
+            self.pool = BufferPool(s.pipeline.buffer_count, size, engine=self.engine)
+            self.pipeline.replace_buffers(self.pool.buffers)
         self.store.add(nvme)
         self.pipeline.add_partitions(nvme)
 
