@@ -97,19 +97,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="bytes per I/O (default 1MiB)")
     p.add_argument("--depths", type=_int_list, default="8,32",
                    help="comma-separated queue depths (default 8,32)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved rounds; the median is reported (default 3)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds; the median is reported (default 5)")
     p.add_argument("--directory", type=Path, default=Path("/var/tmp/tiermem-bench"),
                    help="where the data file goes; a local disk filesystem that takes "
                         "O_DIRECT (default /var/tmp/tiermem-bench)")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "io_vs_fio.json",
                    help="where the results go (default bench/results/io_vs_fio.json)")
-    p.add_argument("--chunk", type=_report.parse_size, default="64MiB",
+    p.add_argument("--chunk", type=_report.parse_size, default=None,
                    help="bytes per engine request; the engine cuts it into block-size "
-                        "pieces (default 64MiB)")
-    p.add_argument("--inflight", type=int, default=3,
+                        "pieces (default: depth x block size / inflight, so the engine's "
+                        "buffers span as much memory as fio's, depth x block size: this "
+                        "VM's disk reads ~10%% slower into a working set of hundreds of "
+                        "MiB than into one of a few MiB, for fio and the engine alike)")
+    p.add_argument("--inflight", type=int, default=4,
                    help="engine requests kept outstanding so the queue never drains "
                         "between them; also the number of buffers (default 3)")
+    p.add_argument("--deepspeed-chunk", type=_report.parse_size, default="64MiB",
+                   help="bytes per aio_handle request (default 64MiB: it submits each "
+                        "request whole, and small ones cost it dearly)")
     p.add_argument("--no-deepspeed", action="store_true",
                    help="skip DeepSpeed's aio_handle even when it is installed")
     p.add_argument("--deepspeed-threads", type=int, default=1,
@@ -136,15 +142,24 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--block-size must be a positive multiple of {align}")
     if a.size % a.block_size or a.size <= 0:
         p.error("--size must be a positive multiple of --block-size")
-    if a.chunk % a.block_size or a.chunk <= 0:
+    if a.chunk is not None and (a.chunk % a.block_size or a.chunk <= 0):
         p.error("--chunk must be a positive multiple of --block-size")
     if not a.depths or min(a.depths) < 1:
         p.error("--depths needs at least one depth >= 1")
     if a.rounds < 1 or a.inflight < 1 or a.deepspeed_threads < 1:
         p.error("--rounds, --inflight and --deepspeed-threads must be >= 1")
-    a.chunk = min(a.chunk, a.size)
-    if a.chunk % a.deepspeed_threads:
-        p.error("--chunk must divide evenly among --deepspeed-threads")
+    if a.deepspeed_chunk % a.deepspeed_threads or a.deepspeed_chunk % a.block_size:
+        p.error("--deepspeed-chunk must be a multiple of --block-size and divide evenly "
+                "among --deepspeed-threads")
+
+
+def chunk_for(a: argparse.Namespace, depth: int) -> int:
+    """Bytes per engine request at `depth`: --chunk, or depth x block size split over the
+    requests in flight (fio's memory footprint), whole blocks, at most the file."""
+    if a.chunk is not None:
+        return min(a.chunk, a.size)
+    blocks = max(1, depth // a.inflight)
+    return min(blocks * a.block_size, a.size)
 
 
 # -- huge pages ------------------------------------------------------------------------------
@@ -279,9 +294,9 @@ def data_file(directory: Path, size: int) -> Iterator[Path]:
 
 
 def engine_pass(engine: IOEngine, path: Path, op: str, size: int,
-                buffers: Sequence[torch.Tensor]) -> float:
-    """Seconds to move `size` bytes sequentially, `len(buffers)` requests outstanding."""
-    chunk = buffers[0].numel()
+                buffers: Sequence[torch.Tensor], chunk: int) -> float:
+    """Seconds to move `size` bytes sequentially in `chunk`-byte requests, `len(buffers)`
+    outstanding (only the first `chunk` bytes of each buffer are used)."""
     with engine.open(path, "r+", direct=True) as f:
         submit = engine.read if op == "read" else engine.write
         pending: deque = deque()
@@ -395,7 +410,7 @@ def load_deepspeed_aio() -> tuple[Any, dict[str, Any]]:
 
 
 def open_deepspeed(stack: contextlib.ExitStack, aio: Any, depths: Sequence[int],
-                   block_size: int, chunk: int, count: int,
+                   block_size: int, chunks: dict[int, int], count: int,
                    threads: int) -> dict[int, tuple[Any, list[torch.Tensor]]]:
     """One aio_handle per depth (DeepSpeed's defaults otherwise: single_submit off,
     overlap_events on) with its own page-locked buffers from new_cpu_locked_tensor, so
@@ -404,7 +419,7 @@ def open_deepspeed(stack: contextlib.ExitStack, aio: Any, depths: Sequence[int],
     for depth in depths:
         handle = aio.aio_handle(block_size, depth, False, True, threads)
         example = torch.empty(0, dtype=torch.uint8)
-        bufs = [handle.new_cpu_locked_tensor(chunk, example) for _ in range(count)]
+        bufs = [handle.new_cpu_locked_tensor(chunks[depth], example) for _ in range(count)]
         for b in bufs:
             stack.callback(handle.free_cpu_locked_tensor, b)
         out[depth] = handle, bufs
@@ -459,7 +474,8 @@ def build_tools(args: argparse.Namespace, path: Path, engines: dict, deepspeed: 
 
     def engine(tool: str) -> Measure:
         return lambda op, depth: (args.size, engine_pass(engines[tool, depth], path, op,
-                                                         args.size, buffers))
+                                                         args.size, buffers,
+                                                         chunk_for(args, depth)))
 
     tools: dict[str, Measure] = {FIO: fio, URING: engine(URING), THREADS: engine(THREADS)}
     if deepspeed is not None:
@@ -534,7 +550,7 @@ def fill_file(engine: IOEngine, path: Path, size: int,
               buffers: Sequence[torch.Tensor]) -> dict[str, Any]:
     """Write the file once, untimed in the results, so every measured write overwrites
     written blocks rather than converting preallocated ones."""
-    seconds = engine_pass(engine, path, "write", size, buffers)
+    seconds = engine_pass(engine, path, "write", size, buffers, buffers[0].numel())
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     return {"tool": URING, "depth": engine.queue_depth, "gbps": size / seconds / 1e9}
@@ -554,11 +570,15 @@ def thp_setting() -> str | None:
         return None
 
 
+def max_chunk(args: argparse.Namespace) -> int:
+    return max(chunk_for(args, d) for d in args.depths)
+
+
 def measure_all(args: argparse.Namespace, aio: Any, facts: dict[str, Any]) -> list[Measurement]:
     """Reserve huge pages and the data file around the run; the count is restored even
     when the run fails or is interrupted."""
     hp = meminfo_hugepages()["size"]
-    engine_pages = pages_for(args.chunk, hp) * args.inflight
+    engine_pages = pages_for(max_chunk(args), hp) * args.inflight
     fio_pages = pages_for(args.block_size * max(args.depths), hp) + FIO_SLACK_PAGES
     reservation = HugePageReservation(engine_pages + fio_pages)
     facts["nr_hugepages_before"] = read_nr_hugepages()
@@ -579,16 +599,18 @@ def run_with_tools(args: argparse.Namespace, aio: Any, path: Path,
     """Allocate buffers (while the huge pages are reserved), open every tool, fill the
     file, run the rounds; buffers and engines are gone when this returns."""
     with contextlib.ExitStack() as stack:
-        buffers = allocate_engine_buffers(args.inflight, args.chunk)
+        buffers = allocate_engine_buffers(args.inflight, max_chunk(args))
         engines, registered = open_engines(stack, args.depths, args.block_size, buffers)
         facts["engine_buffers"] = {**describe_buffers(buffers), "registered_io_uring": registered}
         deepspeed = None
         if aio is not None:
-            deepspeed = open_deepspeed(stack, aio, args.depths, args.block_size, args.chunk,
+            deepspeed = open_deepspeed(stack, aio, args.depths, args.block_size,
+                                       {d: min(args.deepspeed_chunk, args.size)
+                                        for d in args.depths},
                                        args.inflight, args.deepspeed_threads)
             facts["deepspeed_buffers"] = ("new_cpu_locked_tensor: posix_memalign + mlock, "
                                           "4 KiB pages")
-        print(f"engine buffers: {args.inflight} x {_report.format_size(args.chunk)}, "
+        print(f"engine buffers: {args.inflight} x {_report.format_size(max_chunk(args))}, "
               f"pages={facts['engine_buffers']['pages']}, registered={registered}", flush=True)
         facts["fill"] = fill_file(engines[URING, max(args.depths)], path, args.size, buffers)
         tools = build_tools(args, path, engines, deepspeed, buffers, reservation)
