@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "tiermem_native.h"
+#include "completion.h"
 
 #define WAKE_TAG ((uint64_t)1) /* user_data of the eventfd read; pieces are
                                    pointers, never 1 */
@@ -72,20 +73,11 @@ static void arm_wake(tm_engine *e)
     io_uring_sqe_set_data64(sqe, WAKE_TAG);
 }
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static void finish_request(tm_engine *e, tm_request *r)
 {
-    r->done_ns = now_ns();
     pthread_mutex_lock(&e->lock);
-    __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
     e->inflight_requests--;
-    pthread_cond_broadcast(&e->cond);
+    tm_mark_done(&e->cond, r);
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -381,15 +373,7 @@ int tm_engine_unregister_file(tm_engine *e, int slot)
 
 int tm_engine_submit(tm_engine *e, tm_request *r)
 {
-    r->done = 0;
-    r->error = 0;
-    r->bytes_done = 0;
-    r->resubmits = 0;
-    r->next = 0;
-    r->inflight = 0;
-    r->link = NULL;
-    r->submit_ns = now_ns();
-    r->done_ns = 0;
+    tm_reset_request(r);
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
         pthread_mutex_unlock(&e->lock);
@@ -415,26 +399,7 @@ int tm_engine_submit(tm_engine *e, tm_request *r)
 
 int tm_engine_wait(tm_engine *e, tm_request *r, int timeout_ms)
 {
-    int ret = 0;
-    pthread_mutex_lock(&e->lock);
-    if (timeout_ms < 0) {
-        while (!r->done)
-            pthread_cond_wait(&e->cond, &e->lock);
-    } else {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += timeout_ms / 1000;
-        ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        while (!r->done && ret == 0)
-            ret = pthread_cond_timedwait(&e->cond, &e->lock, &ts);
-        ret = r->done ? 0 : -ETIME;
-    }
-    pthread_mutex_unlock(&e->lock);
-    return ret;
+    return tm_wait_done(&e->lock, &e->cond, r, timeout_ms);
 }
 
 int tm_engine_inflight(tm_engine *e)

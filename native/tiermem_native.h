@@ -40,6 +40,12 @@ int tm_engine_wait(tm_engine *e, tm_request *r, int timeout_ms);
 int tm_engine_inflight(tm_engine *e);
 void tm_engine_destroy(tm_engine *e);
 
+typedef struct tm_pool tm_pool;
+int tm_pool_create(unsigned nthreads, unsigned block_size, tm_pool **out);
+int tm_pool_submit(tm_pool *p, tm_request *r);
+int tm_pool_wait(tm_pool *p, tm_request *r, int timeout_ms);
+void tm_pool_destroy(tm_pool *p);
+
 /* Memory for I/O buffers. kind: 0 = plain pages, 1 = transparent huge pages
  * (madvise), 2 = hugetlb pages. */
 void *tm_mem_alloc(size_t nbytes, int want_huge, int want_lock,

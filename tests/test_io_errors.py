@@ -257,44 +257,29 @@ def test_wait_all_raises_a_failure_only_polled_with_done(engine, tiny_tmpfs):
 
 
 @pytest.fixture
-def stalled(backend, tmp_path, monkeypatch):
+def stalled(backend, tmp_path):
     """(engine, request, release): a queue_depth-1 engine whose only slot is stuck in a write.
 
-    io_uring: a 256 KiB write into a FIFO nobody reads (the pipe holds 64 KiB).
+    Both backends: a 256 KiB write into a FIFO nobody reads (the pipe holds 64 KiB)
+    blocks the ring's only slot, or the pool's only thread, until release() drains it.
     (Aligned tensors, not bytearrays: see test_request_on_bytearray_in_a_gc_cycle.)
-    threads: the pool's only thread is held inside pwritev until release().
     """
     eng = IOEngine(backend, queue_depth=1, block_size=4096)
-    gate = threading.Event()
-    if backend == "threads":
-        real_pwritev = os.pwritev
+    os.mkfifo(tmp_path / "fifo")
+    f = eng.open(tmp_path / "fifo", "r+", direct=False)
+    req = eng.write(f, aligned(256 * KiB), 0)
 
-        def gated_pwritev(*args):
-            gate.wait()
-            return real_pwritev(*args)
-
-        monkeypatch.setattr(thread_backend.os, "pwritev", gated_pwritev)
-        f = eng.open(tmp_path / "scratch", "w", direct=False)
-        req = eng.write(f, aligned(8192), 0)
-
-        def release():
-            gate.set()
-    else:
-        os.mkfifo(tmp_path / "fifo")
-        f = eng.open(tmp_path / "fifo", "r+", direct=False)
-        req = eng.write(f, aligned(256 * KiB), 0)
-
-        def release():
-            fd = os.open(tmp_path / "fifo", os.O_RDONLY | os.O_NONBLOCK)
-            try:
-                for _ in range(200_000):
-                    if req.done():
-                        return
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(fd, 1 << 16)
-                    time.sleep(0.0005)
-            finally:
-                os.close(fd)
+    def release():
+        fd = os.open(tmp_path / "fifo", os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            for _ in range(200_000):
+                if req.done():
+                    return
+                with contextlib.suppress(BlockingIOError):
+                    os.read(fd, 1 << 16)
+                time.sleep(0.0005)
+        finally:
+            os.close(fd)
     try:
         yield eng, req, release
     finally:

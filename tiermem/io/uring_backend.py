@@ -7,51 +7,15 @@ from typing import Sequence
 
 from tiermem._lib import ffi, lib
 from tiermem.errors import TierMemIOError
+from tiermem.io.native_transfer import NativeTransfer, new_request
 
 FILE_SLOTS = 256
 OPS = {"read": 0, "write": 1}
-WAIT_SLICE_MS = 200
-MAX_WAIT_MS = 2**31 - 1
 
 
 def probe() -> int:
     """0 when io_uring_setup works here, else the positive errno it failed with."""
     return -lib.tm_uring_probe()
-
-
-class UringTransfer:
-    """A tm_request struct owned by Python until the worker marks it done."""
-
-    __slots__ = ("_engine", "_req")
-
-    def __init__(self, engine, req) -> None:
-        self._engine = engine
-        self._req = req
-
-    def done(self) -> bool:
-        return bool(self._req.done)
-
-    def wait(self, timeout: float | None) -> bool:
-        if timeout is not None:
-            ms = min(max(0, int(timeout * 1000)), MAX_WAIT_MS)  # the C side takes an int
-            return lib.tm_engine_wait(self._engine, self._req, ms) == 0
-        # Sleep in slices so Python runs signal handlers (Ctrl-C) between them.
-        while lib.tm_engine_wait(self._engine, self._req, WAIT_SLICE_MS) != 0:
-            pass
-        return True
-
-    def failure(self) -> tuple[int, int, int] | None:
-        r = self._req
-        if r.error == 0:
-            return None
-        return -r.error, r.error_offset, r.error_length
-
-    @property
-    def resubmits(self) -> int:
-        return self._req.resubmits
-
-    def interval_ns(self) -> tuple[int, int]:
-        return self._req.submit_ns, self._req.done_ns
 
 
 class UringBackend:
@@ -84,19 +48,14 @@ class UringBackend:
             lib.tm_engine_unregister_file(self._engine, token)
 
     def submit(self, *, op: str, file: int, addr: int, nbytes: int, offset: int,
-               buf_index: int) -> UringTransfer:
-        req = ffi.new("tm_request *")
-        req.op = OPS[op]
-        req.fixed_file = int(file >= 0)
-        req.fd = file if file >= 0 else -1 - file
-        req.buf_index = buf_index
-        req.buf = ffi.cast("char *", addr)
-        req.len = nbytes
-        req.offset = offset
+               buf_index: int) -> NativeTransfer:
+        req = new_request(ffi, op=OPS[op], fd=file if file >= 0 else -1 - file,
+                          fixed_file=file >= 0, buf_index=buf_index, addr=addr,
+                          nbytes=nbytes, offset=offset)
         rc = lib.tm_engine_submit(self._engine, req)
         if rc < 0:
             raise TierMemIOError(f"io_uring submit failed: {os.strerror(-rc)}", op=op, errno=-rc)
-        return UringTransfer(self._engine, req)
+        return NativeTransfer(self._engine, req, lib.tm_engine_wait)
 
     def close(self) -> None:
         if self._engine is not None:

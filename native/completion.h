@@ -1,0 +1,67 @@
+/* Completion bookkeeping shared by the io_uring engine and the thread pool:
+ * timestamps and the condition-variable wait Python sleeps in. */
+#ifndef TIERMEM_COMPLETION_H
+#define TIERMEM_COMPLETION_H
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <time.h>
+
+/* Include after tiermem_native.h (which cannot carry an include guard: cffi parses it). */
+
+static inline uint64_t tm_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Mark r done and wake its waiters; the caller holds `lock`. */
+static inline void tm_mark_done(pthread_cond_t *cond, tm_request *r)
+{
+    r->done_ns = tm_now_ns();
+    __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(cond);
+}
+
+/* Sleep until r is done (timeout_ms < 0: no limit). 0, or -ETIME. */
+static inline int tm_wait_done(pthread_mutex_t *lock, pthread_cond_t *cond, tm_request *r,
+                               int timeout_ms)
+{
+    int ret = 0;
+    pthread_mutex_lock(lock);
+    if (timeout_ms < 0) {
+        while (!r->done)
+            pthread_cond_wait(cond, lock);
+    } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += timeout_ms / 1000;
+        ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        while (!r->done && ret == 0)
+            ret = pthread_cond_timedwait(cond, lock, &ts);
+        ret = r->done ? 0 : -ETIME;
+    }
+    pthread_mutex_unlock(lock);
+    return ret;
+}
+
+static inline void tm_reset_request(tm_request *r)
+{
+    r->done = 0;
+    r->error = 0;
+    r->bytes_done = 0;
+    r->resubmits = 0;
+    r->next = 0;
+    r->inflight = 0;
+    r->link = NULL;
+    r->submit_ns = tm_now_ns();
+    r->done_ns = 0;
+}
+
+#endif

@@ -1,0 +1,214 @@
+/* The threads backend: pread/pwrite of block_size pieces on a pool of pthreads.
+ *
+ * Used where io_uring is unavailable. Same request struct and the same order
+ * as the io_uring engine (pieces of reads before pieces of writes, each in
+ * submission order); short transfers continue where they stopped and
+ * EAGAIN/EINTR are retried. No Python and no GIL per piece. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "tiermem_native.h"
+#include "completion.h"
+
+struct tm_pool {
+    unsigned nthreads;
+    unsigned block_size;
+    pthread_t *threads;
+    pthread_mutex_t lock;  /* guards the request list, request fields, stopping */
+    pthread_cond_t work;   /* signalled when pieces or a stop arrive */
+    pthread_cond_t done;   /* broadcast when a request completes */
+    tm_request *head, *tail;
+    int stopping;
+    int inflight_requests;
+};
+
+/* Under lock: hand out the next piece, reads first. */
+static tm_request *take_piece(tm_pool *p, uint64_t *off, uint64_t *len)
+{
+    for (int op = 0; op < 2; op++) {
+        for (tm_request *r = p->head; r; r = r->link) {
+            if (r->op != op || r->next >= r->len)
+                continue;
+            uint64_t left = r->len - r->next;
+            *off = r->next;
+            *len = left < p->block_size ? left : p->block_size;
+            r->next += *len;
+            r->inflight++;
+            return r;
+        }
+    }
+    return NULL;
+}
+
+static ssize_t transfer(tm_request *r, char *buf, size_t len, off_t pos, int stream)
+{
+    if (stream) /* pipes and sockets have no offset, as io_uring treats them */
+        return r->op == 0 ? read(r->fd, buf, len) : write(r->fd, buf, len);
+    return r->op == 0 ? pread(r->fd, buf, len, pos) : pwrite(r->fd, buf, len, pos);
+}
+
+/* Without lock: move one piece whole. 0, or a negative errno. */
+static int move_piece(tm_request *r, uint64_t off, uint64_t len, uint32_t *resubmits)
+{
+    uint64_t done = 0;
+    int stream = 0;
+    while (done < len) {
+        ssize_t n = transfer(r, r->buf + off + done, len - done,
+                             (off_t)(r->offset + off + done), stream);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN) {
+                (*resubmits)++;
+                continue;
+            }
+            if (errno == ESPIPE && !stream) {
+                stream = 1;
+                continue;
+            }
+            return -errno;
+        }
+        if (n == 0)
+            return r->op == 0 ? -ENODATA : -EIO;
+        done += (uint64_t)n;
+        if (done < len)
+            (*resubmits)++;
+    }
+    return 0;
+}
+
+static void unlink_request(tm_pool *p, tm_request *r)
+{
+    tm_request **pp = &p->head, *prev = NULL;
+    while (*pp && *pp != r) {
+        prev = *pp;
+        pp = &(*pp)->link;
+    }
+    if (!*pp)
+        return;
+    *pp = r->link;
+    if (p->tail == r)
+        p->tail = prev;
+    r->link = NULL;
+}
+
+static void *pool_worker(void *arg)
+{
+    tm_pool *p = arg;
+    pthread_mutex_lock(&p->lock);
+    for (;;) {
+        uint64_t off, len;
+        tm_request *r = take_piece(p, &off, &len);
+        if (!r) {
+            if (p->stopping && !p->head)
+                break;
+            pthread_cond_wait(&p->work, &p->lock);
+            continue;
+        }
+        pthread_mutex_unlock(&p->lock);
+        uint32_t resubmits = 0;
+        int res = move_piece(r, off, len, &resubmits);
+        pthread_mutex_lock(&p->lock);
+        r->resubmits += resubmits;
+        r->inflight--;
+        if (res < 0) {
+            if (r->error == 0) {
+                r->error = res;
+                r->error_offset = r->offset + off;
+                r->error_length = len;
+            }
+            r->next = r->len; /* stop handing out pieces of a failed request */
+        } else {
+            r->bytes_done += len;
+        }
+        if (r->inflight == 0 && r->next >= r->len) {
+            unlink_request(p, r);
+            p->inflight_requests--;
+            tm_mark_done(&p->done, r);
+        }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
+
+int tm_pool_create(unsigned nthreads, unsigned block_size, tm_pool **out)
+{
+    if (nthreads == 0 || block_size == 0)
+        return -EINVAL;
+    tm_pool *p = calloc(1, sizeof *p);
+    if (!p)
+        return -ENOMEM;
+    p->threads = calloc(nthreads, sizeof(pthread_t));
+    if (!p->threads) {
+        free(p);
+        return -ENOMEM;
+    }
+    p->block_size = block_size;
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->done, NULL);
+    for (unsigned i = 0; i < nthreads; i++) {
+        int ret = pthread_create(&p->threads[i], NULL, pool_worker, p);
+        if (ret) {
+            p->nthreads = i;
+            tm_pool_destroy(p);
+            return -ret;
+        }
+    }
+    p->nthreads = nthreads;
+    *out = p;
+    return 0;
+}
+
+int tm_pool_submit(tm_pool *p, tm_request *r)
+{
+    tm_reset_request(r);
+    pthread_mutex_lock(&p->lock);
+    if (p->stopping) {
+        pthread_mutex_unlock(&p->lock);
+        return -ESHUTDOWN;
+    }
+    if (r->len == 0) {
+        tm_mark_done(&p->done, r);
+        pthread_mutex_unlock(&p->lock);
+        return 0;
+    }
+    if (p->tail)
+        p->tail->link = r;
+    else
+        p->head = r;
+    p->tail = r;
+    p->inflight_requests++;
+    /* One waiter per piece of work, at most every thread. */
+    uint64_t pieces = (r->len + p->block_size - 1) / p->block_size;
+    if (pieces >= p->nthreads)
+        pthread_cond_broadcast(&p->work);
+    else
+        for (uint64_t i = 0; i < pieces; i++)
+            pthread_cond_signal(&p->work);
+    pthread_mutex_unlock(&p->lock);
+    return 0;
+}
+
+int tm_pool_wait(tm_pool *p, tm_request *r, int timeout_ms)
+{
+    return tm_wait_done(&p->lock, &p->done, r, timeout_ms);
+}
+
+void tm_pool_destroy(tm_pool *p)
+{
+    /* Workers finish every queued piece before they see the stop. */
+    pthread_mutex_lock(&p->lock);
+    p->stopping = 1;
+    pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->lock);
+    for (unsigned i = 0; i < p->nthreads; i++)
+        pthread_join(p->threads[i], NULL);
+    pthread_mutex_destroy(&p->lock);
+    pthread_cond_destroy(&p->work);
+    pthread_cond_destroy(&p->done);
+    free(p->threads);
+    free(p);
+}
