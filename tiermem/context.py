@@ -33,6 +33,16 @@ class Offload:
         self.kept_on_disk: str | None = None
         self._discard = False
 
+    def record_events(self, on: bool = True) -> None:
+        """Keep a timeline of every step (`tm.events()`): NVMe reads and writes, updates,
+        copies and stalls per partition, for traces and plots."""
+        self._off.record_events = on
+
+    def events(self) -> list:
+        """Timeline spans (telemetry.Event) of the steps recorded so far."""
+        self._off.tiers.flush()  # the last step's write spans are known once they land
+        return [e for s in self._off.history for e in (s.events or [])]
+
     def discard(self) -> None:
         """Throw the optimizer state away at exit instead of returning it (benchmarks,
         stress runs): swap files are removed and the optimizer is left with no state."""

@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+from torch.autograd.profiler import record_function
 from torch.optim import optimizer as _optimizer_module
 
 from tiermem.config import Settings
@@ -86,6 +87,7 @@ class OffloadedOptimizer:
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = [torch.tensor(0.0) for _ in self.params]
         self.history: list[StepStats] = []
+        self.record_events = False  # timeline spans per step (tracing, plots)
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self.parts = build_partitions(optimizer.param_groups, self.names,
                                       settings.pipeline.partition_size, settings.placement)
@@ -171,7 +173,8 @@ class OffloadedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stats = StepStats(step=len(self.history) + 1)
+        stats = StepStats(step=len(self.history) + 1,
+                          events=[] if self.record_events else None)
         with timed(stats, "step_seconds"), torch.no_grad():
             self._check_groups()
             stepped = set()
@@ -217,7 +220,7 @@ class OffloadedOptimizer:
         copies_back = []
         scratch = None
         off = 0
-        with timed(stats, "transfer_seconds"):
+        with timed(stats, "transfer_seconds", f"grads in p{part.id}", part.id):
             for s in part.segments:
                 sl = slice(off, off + s.length)
                 off += s.length
@@ -244,7 +247,8 @@ class OffloadedOptimizer:
         beta1, beta2 = (float(b) for b in group["betas"])
         kernel = ("fused" if self.settings.optimizer.kernel == "fused"
                   else kernel_matching(group, part.segments[0].param.device))
-        with timed(stats, "update_seconds"):
+        with timed(stats, "update_seconds", f"adam p{part.id}", part.id), \
+                record_function(f"tiermem.adam p{part.id}"):
             adam_update(kernel=kernel, params=lists["params"], grads=lists["grads"],
                         exp_avgs=lists["exp_avg"], exp_avg_sqs=lists["exp_avg_sq"],
                         max_exp_avg_sqs=lists["max_exp_avg_sq"], steps=lists["steps"],
@@ -253,7 +257,7 @@ class OffloadedOptimizer:
                         maximize=bool(group["maximize"]),
                         decoupled_weight_decay=bool(group.get("decoupled_weight_decay",
                                                               False)))
-        with timed(stats, "transfer_seconds"):
+        with timed(stats, "transfer_seconds", f"weights out p{part.id}", part.id):
             for s, target in copies_back:
                 # Refresh the model's (low-precision or device) weights from the master.
                 s.param.detach().view(-1)[s.start: s.start + s.length].copy_(target)

@@ -22,7 +22,7 @@ import torch
 from tiermem.io import Request
 from tiermem.partition import Partition
 from tiermem.swap import SwapStore
-from tiermem.telemetry import StepStats, busy_seconds, timed
+from tiermem.telemetry import Event, StepStats, busy_seconds, timed
 
 Views = dict[str, torch.Tensor]
 
@@ -54,10 +54,10 @@ class StepPipeline:
         self.where: dict[int, _Slot] = {}
         self.fresh = {p.id for p in parts}
         self.steps_done = 0
-        self._open_stats: list[tuple[StepStats, list[Request]]] = []
+        self._open_stats: list[tuple[StepStats, list[tuple[Request, int]]]] = []
         # I/O and counts of the step being run, or run ahead into.
         self._ahead = StepStats()
-        self._reqs: list[Request] = []
+        self._reqs: list[tuple[Request, int]] = []  # with the partition each moves
         self._reads = self._inits = 0
 
     def replace_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
@@ -80,12 +80,14 @@ class StepPipeline:
         order = [p for p in self.order(self.steps_done) if active(p)]
         for tier, n in self._ahead.read_bytes.items():
             stats.add_bytes("read", tier, n)
+        if stats.events is not None and self._ahead.events:
+            stats.events.extend(self._ahead.events)
         for i, part in enumerate(order):
             window = order[i: i + self.k + 1]
             for q in window:
                 self._load(q, window, order, i, stats)
             slot = self.where[part.id]
-            with timed(stats, "stall_seconds"):
+            with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
                 self._finish_read(slot)
                 self._finish_write(slot)
             views = part.views(slot.buf)
@@ -101,7 +103,8 @@ class StepPipeline:
         self._open_stats.append((stats, self._reqs))
         self._reqs, self._reads, self._inits = [], 0, 0
         self._close_old_stats(keep=1)
-        self._ahead = StepStats()
+        self._ahead = StepStats(step=stats.step + 1,
+                                events=[] if stats.events is not None else None)
         self.run_ahead()
 
     def run_ahead(self) -> None:
@@ -120,7 +123,7 @@ class StepPipeline:
         if slot is not None:
             return slot
         slot = self._victim(window, order, i)
-        with timed(stats, "stall_seconds"):
+        with timed(stats, "stall_seconds", f"free buffer for p{part.id}", part.id):
             self._finish_read(slot)
             self._finish_write(slot)  # the old record must be on disk before it is overwritten
         if slot.part is not None:
@@ -132,7 +135,7 @@ class StepPipeline:
         else:
             slot.needs_init = False
             slot.read = self.store.read(part, slot.buf)
-            self._reqs.append(slot.read)
+            self._reqs.append((slot.read, part.id))
             self._reads += 1
             stats.add_bytes("read", "nvme", part.record_bytes)
         return slot
@@ -169,7 +172,7 @@ class StepPipeline:
     def _issue_write(self, slot: _Slot, stats: StepStats) -> None:
         slot.write = self.store.write(slot.part, slot.buf)
         self.fresh.discard(slot.part.id)
-        self._reqs.append(slot.write)
+        self._reqs.append((slot.write, slot.part.id))
         stats.add_bytes("write", "nvme", slot.part.record_bytes)
 
     # -- whole-record access (checkpoints, import/export) -----------------------
@@ -197,6 +200,10 @@ class StepPipeline:
     def _close_old_stats(self, keep: int) -> None:
         while len(self._open_stats) > keep:
             stats, reqs = self._open_stats.pop(0)
-            for r in reqs:
+            for r, _ in reqs:
                 r._settle()
-            stats.io_seconds = busy_seconds([r.interval() for r in reqs if r.nbytes])
+            spans = [(r, pid, *r.interval()) for r, pid in reqs if r.nbytes]
+            stats.io_seconds = busy_seconds([(a, b) for _, _, a, b in spans])
+            if stats.events is not None:
+                stats.events.extend(Event(f"nvme {r.op}", f"{r.op} p{pid}", a, b, stats.step, pid)
+                                    for r, pid, a, b in spans)

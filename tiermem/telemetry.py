@@ -8,6 +8,26 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 
+TRACKS = {
+    "step_seconds": "step",
+    "update_seconds": "host optimizer",
+    "transfer_seconds": "host<->device",
+    "stall_seconds": "stall",
+}
+
+
+@dataclass
+class Event:
+    """One span on a timeline track (time.monotonic() seconds)."""
+
+    track: str  # "nvme read", "nvme write", "host optimizer", "host<->device", "stall", "step"
+    name: str  # e.g. "read p12"
+    start: float
+    end: float
+    step: int
+    partition: int | None = None
+
+
 @dataclass
 class StepStats:
     """Figures of one optimizer step."""
@@ -22,6 +42,7 @@ class StepStats:
     io_seconds: float = 0.0  # wall time NVMe transfers of this step were in flight
     partitions: dict[str, int] = field(default_factory=dict)  # updated, per tier
     reads_skipped: int = 0  # NVMe partitions found still in a buffer
+    events: list[Event] | None = None  # timeline spans, when recording was asked for
 
     @property
     def read_gbps(self) -> float:
@@ -40,6 +61,7 @@ class StepStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d.pop("events")
         d.update(read_gbps=self.read_gbps, write_gbps=self.write_gbps, overlap=self.overlap)
         return d
 
@@ -49,13 +71,18 @@ class StepStats:
 
 
 @contextmanager
-def timed(stats: StepStats, name: str) -> Iterator[None]:
-    """Add the wall time of the block to `stats.<name>`."""
-    t0 = time.perf_counter()
+def timed(stats: StepStats, name: str, label: str | None = None,
+          partition: int | None = None) -> Iterator[None]:
+    """Add the wall time of the block to `stats.<name>`; with recording on, also an Event."""
+    t0 = time.monotonic()
     try:
         yield
     finally:
-        setattr(stats, name, getattr(stats, name) + time.perf_counter() - t0)
+        t1 = time.monotonic()
+        setattr(stats, name, getattr(stats, name) + t1 - t0)
+        if stats.events is not None:
+            stats.events.append(Event(TRACKS[name], label or TRACKS[name], t0, t1, stats.step,
+                                      partition))
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
