@@ -54,6 +54,67 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0 if report.measurements else 1
 
 
+def _count(text: str) -> int:
+    """'1.5B' -> 1_500_000_000; K, M, B (or G), T are powers of 1000."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+    t = text.strip().upper()
+    try:
+        n = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 50M, 1.5B)") from None
+    if n < 1 or n != int(n):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole count")
+    return int(n)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return n
+
+
+def _cmd_stress(args: argparse.Namespace) -> int:
+    from tiermem.config import load_config
+    from tiermem.stress import StressArgs, run_stress, step_table, to_json
+
+    if args.params is None and (args.layers is None or args.hidden is None):
+        print("tiermem stress: error: give --params, or both --layers and --hidden",
+              file=sys.stderr)
+        return 2
+    settings = load_config(args.config)
+    result = run_stress(StressArgs(
+        settings=settings, params=args.params, layers=args.layers, hidden=args.hidden,
+        dtype=args.dtype, steps=args.steps, grad_accum=args.grad_accum, verify=args.verify,
+        synthetic_grads=args.synthetic_grads, seed=args.seed,
+        record_events=bool(args.trace or args.plot), progress=not args.no_progress))
+    print(step_table(result["steps"]))
+    print(f"peak RSS {result['peak_rss'] / 2**30:.2f} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(to_json(result) + "\n")
+    if args.trace:
+        from tiermem.trace import write_chrome_trace
+        write_chrome_trace(args.trace, result["events"])
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
+    if args.plot:
+        from tiermem.plot import plot_run
+        plot_run(args.plot, result["events"], result["steps"])
+        print(f"plot: {args.plot}")
+    verify = result.get("verify")
+    if verify is not None:
+        if not verify["ok"]:
+            for line in verify["mismatches"]:
+                print(f"tiermem stress: verification failed: {line}", file=sys.stderr)
+            return 1
+        print(f"verified {verify['partitions_checked']} partition updates: bitwise equal to "
+              "the in-memory reference")
+    return 0
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from tiermem.config import ConfigError, load_config, reference_markdown
 
@@ -72,9 +133,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors: one line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiermem", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="tiermem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("probe", help="check a swap directory and measure its throughput")
     p.add_argument("path", nargs="?", help="swap directory (default: the config's first swap path)")
     p.add_argument("--config", help="YAML config whose swap path to probe (default: built-in)")
@@ -87,6 +155,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure one backend only (default: every one that works)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' = stdout only)")
     p.set_defaults(func=_cmd_probe)
+    s = sub.add_parser("stress", help="train a synthetic model through tiermem and check it")
+    s.add_argument("--config", help="YAML config (default: built-in)")
+    s.add_argument("--params", type=_count, help="parameter count, e.g. 50M, 1.5B")
+    s.add_argument("--layers", type=_positive, help="transformer-like blocks")
+    s.add_argument("--hidden", type=_positive, help="block width")
+    s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="model weights and grads (state is fp32 either way)")
+    s.add_argument("--steps", type=_positive, default=3)
+    s.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
+    s.add_argument("--verify", action="store_true",
+                   help="recompute sampled partitions in memory and compare bit for bit")
+    s.add_argument("--synthetic-grads", action="store_true",
+                   help="fill gradients from a seeded generator instead of forward/backward")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", metavar="OUT", help="write plan, per-step stats, verification")
+    s.add_argument("--trace", metavar="OUT.json", help="Chrome/Perfetto trace of every step")
+    s.add_argument("--plot", metavar="OUT.png", help="timeline and throughput plot")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(func=_cmd_stress)
     v = sub.add_parser("validate", help="check a YAML config; --reference prints every key")
     v.add_argument("config", nargs="?", help="YAML config file")
     v.add_argument("--reference", action="store_true",

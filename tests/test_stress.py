@@ -1,0 +1,129 @@
+"""`tiermem stress`: argument errors, the plan, a verified small run on both backends,
+its JSON, and verification catching a deliberately corrupted partition."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tiermem import cli
+from tiermem.config import load_config
+from tiermem.stress import StressArgs, Verifier, run_stress
+
+
+def _config(tmp_path, backend="io_uring", host="8MiB"):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"""
+swap: {{paths: [{tmp_path / 'swap'}]}}
+io: {{backend: {backend}}}
+tiers: {{host: {{capacity: {host}}}}}
+pipeline: {{partition_size: 4MiB, buffer_count: 3, prefetch_depth: 2}}
+""")
+    return path
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "tiermem.cli", "stress", "--no-progress", *args],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--params", "1.5X"], "is not a count"),
+    (["--params", "10M", "--dtype", "fp64"], "invalid choice"),
+    (["--params", "10M", "--steps", "0"], "must be at least 1"),
+    (["--layers", "2"], "give --params, or both --layers and --hidden"),
+    (["--params", "5T", "--synthetic-grads"], "host memory overflows by"),
+])
+def test_argument_errors_are_one_line_and_exit_2(args, needle):
+    """Bad sizes, unknown dtypes and plans that cannot fit: one line on stderr, exit 2."""
+    proc = _run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_config_error_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pipeline: {buffer_count: 1}\n")
+    proc = _run_cli("--config", str(bad), "--params", "1M")
+    assert proc.returncode == 2 and "pipeline.buffer_count" in proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+def test_small_verified_run(tmp_path, backend):
+    """A 20M-parameter model, 3 steps, forward/backward, --verify: passes, JSON complete."""
+    out = tmp_path / "out.json"
+    proc = _run_cli("--config", str(_config(tmp_path, backend)), "--params", "20M",
+                    "--steps", "3", "--verify", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "verified" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["plan"]["params"] == 20_000_000
+    assert result["tiermem_plan"]["state_bytes"]["nvme"] > 0
+    assert [s["step"] for s in result["steps"]] == [1, 2, 3]
+    for s in result["steps"][1:]:
+        assert s["read_bytes"]["nvme"] > 0 and s["write_bytes"]["nvme"] > 0
+        assert s["io_seconds"] > 0
+    assert result["verify"]["ok"] and result["verify"]["partitions_checked"] >= 3
+    assert not (tmp_path / "swap" / "tiermem-stress").exists()  # removed at the end
+
+
+def test_layers_and_hidden_and_bf16_with_accumulation(tmp_path):
+    settings = load_config(_config(tmp_path))
+    result = run_stress(StressArgs(settings=settings, layers=2, hidden=256, dtype="bf16",
+                                   steps=2, grad_accum=2, verify=True, progress=False),
+                        out=lambda *_: None)
+    assert result["shape"]["layers"] == 2 and result["verify"]["ok"]
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_verification_catches_a_corrupted_partition(tmp_path, monkeypatch, tier):
+    """Corrupt one sampled partition's record after the reference copy was taken: the
+    run reports a mismatch naming that partition, its tier and the step."""
+    settings = load_config(_config(tmp_path))
+    original = Verifier.before
+    hit = {}
+
+    def before_then_corrupt(self, step):
+        original(self, step)
+        if step == 2 and not hit:
+            part = next(p for p, _ in self._pending if p.tier == tier)
+
+            def corrupt(views, fresh):
+                views["exp_avg"][:16] += 1.0
+
+            self.tm._off.tiers.with_record(part, corrupt, write=True)
+            hit.update(step=step, partition=part.id)
+
+    monkeypatch.setattr(Verifier, "before", before_then_corrupt)
+    result = run_stress(StressArgs(settings=settings, params=5_000_000, steps=3, verify=True,
+                                   synthetic_grads=True, progress=False), out=lambda *_: None)
+    assert not result["verify"]["ok"]
+    first = result["verify"]["mismatches"][0]
+    assert f"step {hit['step']}: partition {hit['partition']} ({tier} tier)" in first
+
+
+def test_cli_exits_1_on_verification_failure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(Verifier, "_check", lambda self, step, part, name, got, want:
+                        self.mismatches.append(__import__("tiermem.stress").stress.Mismatch(
+                            step, part.id, part.tier, name, 1.0)))
+    rc = cli.main(["stress", "--config", str(_config(tmp_path)), "--params", "2M", "--steps",
+                   "1", "--synthetic-grads", "--verify", "--no-progress"])
+    assert rc == 1
+    assert "verification failed: step 1: partition" in capsys.readouterr().err
+
+
+def test_synthetic_model_size_is_exact():
+    from tiermem.synthetic import build_model, choose_shape
+    for n in (1, 1000, 123_457, 5_000_000):
+        assert choose_shape(n).params == n
+    m = build_model(300_001)
+    assert sum(p.numel() for p in m.parameters()) == 300_001
+    loss = m(torch.randint(0, 100, (2, 8)))
+    loss.backward()
+    assert all(p.grad is not None for p in m.parameters())

@@ -1,0 +1,356 @@
+"""`tiermem stress`: train a synthetic model through tiermem.offload and check every step.
+
+Before the first step it prints the memory plan and refuses one that cannot
+fit. With --verify, a seeded sample of partitions (all of them when there are
+few) is recomputed each step from copies taken just before the step, with the
+same kernel, in memory, and compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from tiermem.config import Settings, swap_dir
+from tiermem.context import Offload, offload
+from tiermem.errors import TierMemError
+from tiermem.kernels import adam_update, kernel_matching
+from tiermem.optim import MOMENTS
+from tiermem.partition import Partition
+from tiermem.sizes import format_size
+from tiermem.synthetic import SyntheticModel, build_model, fill_synthetic_grads
+from tiermem.sysinfo import available_memory, free_bytes
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BATCH, SEQ = 2, 64
+VERIFY_ALL_UP_TO = 8  # partitions; above this a sample is checked each step
+VERIFY_SAMPLE = 4
+
+
+class PlanError(TierMemError, ValueError):
+    """The run cannot fit on this machine; the message says which part overflows."""
+
+
+# -- the plan ---------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    params: int
+    dtype: str
+    weights: int
+    grads: int
+    state: int
+    state_per_param: int
+    tiers: dict[str, int]
+    pinned: int
+    swap: int
+    activations: int
+    host_need: int
+    host_available: int
+    disk_free: int
+
+    def lines(self) -> list[str]:
+        f = format_size
+        return [
+            f"model: {self.params:,} parameters, {self.dtype}",
+            f"weights {f(self.weights)} + grads {f(self.grads)} + optimizer state "
+            f"{f(self.state)} ({self.state_per_param} B/param)",
+            "optimizer state per tier: " + ", ".join(f"{k} {f(v)}" for k, v in self.tiers.items()),
+            f"pinned host memory {f(self.pinned)}, swap {f(self.swap)} "
+            f"(free on disk {f(self.disk_free)})",
+            f"host memory needed {f(self.host_need)} of {f(self.host_available)} available "
+            f"(activations ~{f(self.activations)})",
+        ]
+
+
+def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: bool,
+              hidden: int, layers: int) -> Plan:
+    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    per_param = 8 if dtype == "fp32" else 12  # moments, plus an fp32 master when low-precision
+    state = params * per_param
+    gpu = min(state, settings.tiers.gpu.capacity)
+    host = min(state - gpu, settings.tiers.host.capacity)
+    nvme = state - gpu - host
+    buffers = settings.pipeline.buffer_count * settings.pipeline.partition_size if nvme else 0
+    activations = 0 if synthetic_grads else BATCH * SEQ * hidden * max(1, layers) * 24 * 4
+    weights = grads = params * itemsize
+    path = swap_dir(settings)
+    return Plan(params, dtype, weights, grads, state, per_param,
+                {"gpu": gpu, "host": host, "nvme": nvme}, host + buffers, nvme, activations,
+                weights + grads + host + buffers + activations, available_memory(),
+                _free_disk(path))
+
+
+def _free_disk(path: str) -> int:
+    import os
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return free_bytes(path or "/")
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise PlanError naming the tier that overflows and by how much."""
+    if plan.tiers["gpu"] and not torch.cuda.is_available():
+        raise PlanError("the plan puts optimizer state on the gpu tier but no CUDA device "
+                        "is available; set tiers.gpu.capacity: 0")
+    if plan.host_need > plan.host_available:
+        raise PlanError(
+            f"host memory overflows by {format_size(plan.host_need - plan.host_available)}: "
+            f"weights {format_size(plan.weights)} + grads {format_size(plan.grads)} + host "
+            f"tier and buffers {format_size(plan.pinned)} + activations "
+            f"{format_size(plan.activations)} > {format_size(plan.host_available)} available. "
+            "Offloading the optimizer state does not shrink weights, gradients or "
+            "activations: use fewer parameters, lower tiers.host.capacity, or "
+            "--synthetic-grads to skip the forward pass.")
+    if plan.swap > plan.disk_free:
+        raise PlanError(f"the nvme tier overflows by {format_size(plan.swap - plan.disk_free)}: "
+                        f"{format_size(plan.swap)} of swap, {format_size(plan.disk_free)} free "
+                        "on the swap path")
+
+
+# -- verification -----------------------------------------------------------------
+
+
+@dataclass
+class Mismatch:
+    step: int
+    partition: int
+    tier: str
+    tensor: str
+    max_abs_diff: float
+
+    def __str__(self) -> str:
+        return (f"step {self.step}: partition {self.partition} ({self.tier} tier) {self.tensor} "
+                f"differs from the in-memory reference (max |diff| {self.max_abs_diff:.3g})")
+
+
+@dataclass
+class Verifier:
+    """Recomputes sampled partitions in memory and compares them bit for bit."""
+
+    tm: Offload
+    seed: int = 0
+    checked: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    _pending: list[tuple[Partition, dict]] = field(default_factory=list)
+
+    def sample(self, step: int) -> list[Partition]:
+        parts = self.tm._off.parts
+        if len(parts) <= VERIFY_ALL_UP_TO:
+            return list(parts)
+        rng = random.Random(self.seed * 7919 + step)
+        by_tier: dict[str, list[Partition]] = {}
+        for p in parts:
+            by_tier.setdefault(p.tier, []).append(p)
+        picked: dict[int, Partition] = {}
+        for ps in by_tier.values():  # at least one per tier in use
+            p = rng.choice(ps)
+            picked[p.id] = p
+        while len(picked) < min(VERIFY_SAMPLE, len(parts)):
+            p = rng.choice(parts)
+            picked[p.id] = p
+        return sorted(picked.values(), key=lambda p: p.id)
+
+    def before(self, step: int) -> None:
+        """Copy the sampled partitions' records, weights and grads, and compute the reference."""
+        off = self.tm._off
+        self._pending = []
+        for part in self.sample(step):
+            taken: dict[str, torch.Tensor] = {}
+
+            def grab(views, fresh, taken=taken, part=part):
+                for k, v in views.items():
+                    taken[k] = v.clone()
+                if fresh:  # a never-written record starts as zeros and the model's weights
+                    for k in MOMENTS:
+                        if k in taken:
+                            taken[k].zero_()
+                    if "master" in taken:
+                        off._init_record(part, {"master": taken["master"]})
+
+            off.tiers.with_record(part, grab, write=False)
+            self._pending.append((part, self._reference(part, taken)))
+
+    def _reference(self, part: Partition, rec: dict[str, torch.Tensor]) -> dict:
+        off = self.tm._off
+        group = off.opt.param_groups[part.group]
+        lists: dict[str, list] = {k: [] for k in ("params", "grads", "steps", *MOMENTS)}
+        weights = []
+        pos = 0
+        for s in part.segments:
+            sl = slice(pos, pos + s.length)
+            pos += s.length
+            p = s.param
+            cur = p.detach().reshape(-1)[s.start: s.start + s.length].clone()
+            weights.append((s, cur))
+            if p.grad is None:
+                continue
+            g = p.grad.reshape(-1)[s.start: s.start + s.length].float().clone()
+            lists["params"].append(rec["master"][sl] if "master" in rec else cur)
+            lists["grads"].append(g)
+            lists["steps"].append(off.steps[s.index] + 1)
+            for k in MOMENTS:
+                if k in rec:
+                    lists[k].append(rec[k][sl])
+        if lists["params"]:
+            kernel = ("fused" if off.settings.optimizer.kernel == "fused"
+                      else kernel_matching(group, part.segments[0].param.device))
+            adam_update(kernel=kernel, params=lists["params"], grads=lists["grads"],
+                        exp_avgs=lists["exp_avg"], exp_avg_sqs=lists["exp_avg_sq"],
+                        max_exp_avg_sqs=lists["max_exp_avg_sq"], steps=lists["steps"],
+                        lr=group["lr"], beta1=float(group["betas"][0]),
+                        beta2=float(group["betas"][1]), eps=group["eps"],
+                        weight_decay=group["weight_decay"], amsgrad=bool(group["amsgrad"]),
+                        maximize=bool(group["maximize"]),
+                        decoupled_weight_decay=bool(group.get("decoupled_weight_decay")))
+        if "master" in rec:
+            pos = 0
+            for s, cur in weights:
+                if s.param.grad is not None:
+                    cur.copy_(rec["master"][pos: pos + s.length])
+                pos += s.length
+        return {"record": rec, "weights": weights}
+
+    def after(self, step: int) -> None:
+        """Compare each sampled partition with its reference."""
+        off = self.tm._off
+        for part, ref in self._pending:
+            def compare(views, fresh, part=part, ref=ref):
+                for k, v in views.items():
+                    self._check(step, part, k, v, ref["record"][k])
+
+            off.tiers.with_record(part, compare, write=False)
+            for s, expected in ref["weights"]:
+                got = s.param.detach().reshape(-1)[s.start: s.start + s.length]
+                self._check(step, part, f"weights of param {s.index}", got, expected)
+            self.checked += 1
+        self._pending = []
+
+    def _check(self, step: int, part: Partition, name: str, got: torch.Tensor,
+               want: torch.Tensor) -> None:
+        if not torch.equal(got, want):
+            diff = (got.float() - want.float()).abs().max().item()
+            self.mismatches.append(Mismatch(step, part.id, part.tier, name, diff))
+
+
+# -- the run ----------------------------------------------------------------------
+
+
+@dataclass
+class StressArgs:
+    settings: Settings
+    params: int | None = None
+    layers: int | None = None
+    hidden: int | None = None
+    dtype: str = "fp32"
+    steps: int = 3
+    grad_accum: int = 1
+    verify: bool = False
+    synthetic_grads: bool = False
+    seed: int = 0
+    lr: float = 1e-4
+    record_events: bool = False
+    progress: bool = True
+
+
+def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
+    """The whole run; returns what --json writes. Raises PlanError before allocating anything
+    when the plan cannot fit."""
+    from tiermem.synthetic import choose_shape
+
+    shape = choose_shape(a.params, a.layers, a.hidden)
+    plan = make_plan(shape.params, a.dtype, a.settings, synthetic_grads=a.synthetic_grads,
+                     hidden=shape.hidden, layers=shape.layers)
+    for line in plan.lines():
+        out(line)
+    check_plan(plan)
+    model = build_model(a.params, layers=a.layers, hidden=a.hidden, dtype=DTYPES[a.dtype],
+                        seed=a.seed)
+    out(f"synthetic model: {shape.layers} blocks of hidden {shape.hidden}, embedding "
+        f"{shape.embed_rows} x {shape.hidden}, extra {shape.extra}")
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+    result: dict[str, Any] = {"plan": asdict(plan), "shape": asdict(shape), "steps": []}
+    with offload(opt, a.settings, model=model, name="stress") as tm:
+        tm.discard()  # a stress run's state is not kept
+        tm.record_events(a.record_events)
+        result["tiermem_plan"] = tm.plan()
+        verifier = Verifier(tm, a.seed) if a.verify else None
+        bar = _progress(a.steps, a.progress)
+        try:
+            for step in range(1, a.steps + 1):
+                t0 = time.perf_counter()
+                _gradients(model, a, step)
+                if verifier:
+                    verifier.before(step)
+                opt.step()
+                if verifier:
+                    verifier.after(step)
+                opt.zero_grad(set_to_none=False)
+                last = tm.last_step
+                seconds = time.perf_counter() - t0
+                row = {"seconds": seconds, **last.as_dict()}
+                result["steps"].append(row)
+                if bar is not None:
+                    # Live figures over the step's wall time; the table at the end has
+                    # them over the time transfers were in flight (known once they land).
+                    rd = sum(last.read_bytes.values()) / last.step_seconds / 1e9
+                    wr = sum(last.write_bytes.values()) / last.step_seconds / 1e9
+                    bar.set_postfix_str(f"step {step}: read {rd:.2f} GB/s, write {wr:.2f} "
+                                        f"GB/s, stall {last.stall_seconds:.2f} s")
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        final = tm.stats()  # flushes: io_seconds and GB/s of the last step are now known
+        for row, stats in zip(result["steps"], final):
+            row.update(stats)
+        result["events"] = tm.events() if a.record_events else []
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if verifier:
+        result["verify"] = {"partitions_checked": verifier.checked,
+                            "mismatches": [str(m) for m in verifier.mismatches],
+                            "ok": not verifier.mismatches}
+    return result
+
+
+def _gradients(model: SyntheticModel, a: StressArgs, step: int) -> None:
+    if a.synthetic_grads:
+        fill_synthetic_grads(model, step, a.seed)
+        return
+    gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+    for _ in range(a.grad_accum):
+        tokens = torch.randint(0, 1 << 30, (BATCH, SEQ), generator=gen)
+        (model(tokens) / a.grad_accum).backward()
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="step", dynamic_ncols=True)
+
+
+def step_table(rows: list[dict]) -> str:
+    """The per-step table printed at the end."""
+    head = (f"{'step':>4} {'time s':>7} {'update s':>9} {'stall s':>8} {'read GB':>8} "
+            f"{'write GB':>9} {'read GB/s':>10} {'write GB/s':>11} {'overlap':>8}")
+    lines = [head]
+    for r in rows:
+        rd = sum(r["read_bytes"].values()) / 1e9
+        wr = sum(r["write_bytes"].values()) / 1e9
+        lines.append(f"{r['step']:>4} {r['step_seconds']:>7.2f} {r['update_seconds']:>9.2f} "
+                     f"{r['stall_seconds']:>8.2f} {rd:>8.2f} {wr:>9.2f} {r['read_gbps']:>10.2f} "
+                     f"{r['write_gbps']:>11.2f} {r['overlap']:>8.2f}")
+    return "\n".join(lines)
+
+
+def to_json(result: dict) -> str:
+    clean = {k: v for k, v in result.items() if k != "events"}
+    return json.dumps(clean, indent=2, default=str)
