@@ -1,5 +1,5 @@
 # The two commands of the README:
-#   make run    the main job (for now: `tiermem probe` on the default swap directory)
+#   make run    the main job: a short stress run on the built-in default config
 #   make test   the test suite
 # Both first install whatever is missing (see `setup`), so they work on a fresh
 # Debian machine. Override PYTHON to use another interpreter.
@@ -33,8 +33,11 @@ $(STAMP): $(NATIVE)
 	@$(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
 	@mkdir -p build && touch $(STAMP)
 
+# 500M fp32 parameters: 4 GB of optimizer state, 2 GiB of it in the default host
+# tier and the rest streamed from ~/.cache/tiermem/swap; every step verified.
+STRESS_ARGS ?= --params 500M --steps 3 --synthetic-grads --verify
 run: setup
-	$(PYTHON) -m tiermem.cli probe
+	$(PYTHON) -m tiermem.cli stress $(STRESS_ARGS)
 
 test: setup
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
