@@ -56,15 +56,16 @@ def choose_shape(params: int | None, layers: int | None = None,
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.heads = heads
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
+        kw = {"dtype": dtype}  # built in the model's dtype: no fp32 copy of a big model
+        self.ln1 = nn.LayerNorm(hidden, **kw)
+        self.qkv = nn.Linear(hidden, 3 * hidden, **kw)
+        self.proj = nn.Linear(hidden, hidden, **kw)
+        self.ln2 = nn.LayerNorm(hidden, **kw)
+        self.fc1 = nn.Linear(hidden, 4 * hidden, **kw)
+        self.fc2 = nn.Linear(4 * hidden, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
@@ -80,15 +81,15 @@ class SyntheticModel(nn.Module):
         super().__init__()
         self.shape = shape
         heads = max(1, shape.hidden // 64)
-        self.blocks = nn.ModuleList(Block(shape.hidden, heads) for _ in range(shape.layers))
-        self.embed = nn.Parameter(torch.empty(shape.embed_rows, shape.hidden)) \
+        self.blocks = nn.ModuleList(Block(shape.hidden, heads, dtype)
+                                    for _ in range(shape.layers))
+        self.embed = nn.Parameter(torch.empty(shape.embed_rows, shape.hidden, dtype=dtype)) \
             if shape.embed_rows else None
-        self.extra = nn.Parameter(torch.empty(shape.extra)) if shape.extra else None
+        self.extra = nn.Parameter(torch.empty(shape.extra, dtype=dtype)) if shape.extra else None
         with torch.no_grad():
             for p in (self.embed, self.extra):
                 if p is not None:
                     p.normal_(0, 0.02)
-        self.to(dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.shape.hidden
