@@ -127,3 +127,19 @@ def test_synthetic_model_size_is_exact():
     loss = m(torch.randint(0, 100, (2, 8)))
     loss.backward()
     assert all(p.grad is not None for p in m.parameters())
+
+
+def test_trace_and_plot_files(tmp_path):
+    """--trace writes a valid Chrome trace with NVMe, optimizer and stall tracks; --plot a PNG."""
+    pytest.importorskip("matplotlib")
+    from tiermem.trace import validate_chrome_trace
+
+    trace, png = tmp_path / "t.json", tmp_path / "p.png"
+    proc = _run_cli("--config", str(_config(tmp_path)), "--params", "5M", "--steps", "3",
+                    "--synthetic-grads", "--trace", str(trace), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(trace.read_text())
+    validate_chrome_trace(doc)
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"nvme read", "nvme write", "host optimizer", "stall"} <= names
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
