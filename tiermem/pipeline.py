@@ -36,6 +36,7 @@ class _Slot:
     read: Request | None = None  # in flight into buf
     write: Request | None = None  # in flight out of buf
     needs_init: bool = False  # part was never written: build its record, do not read
+    fetched: bool = False  # read (or built) for the step being run, not left from before
 
 
 class StepPipeline:
@@ -58,7 +59,6 @@ class StepPipeline:
         # I/O and counts of the step being run, or run ahead into.
         self._ahead = StepStats()
         self._reqs: list[tuple[Request, int]] = []  # with the partition each moves
-        self._reads = self._inits = 0
 
     def replace_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Stream through new buffers; call after flush() (nothing in flight, disk current)."""
@@ -94,14 +94,14 @@ class StepPipeline:
             if slot.needs_init:
                 init(part, views)
                 slot.needs_init = False
-                self._inits += 1
+            stats.reads_skipped += not slot.fetched
+            slot.fetched = False
             compute(part, views)
             self._issue_write(slot, stats)
             stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
-        stats.reads_skipped = max(0, len(order) - self._reads - self._inits)
         self.steps_done += 1
         self._open_stats.append((stats, self._reqs))
-        self._reqs, self._reads, self._inits = [], 0, 0
+        self._reqs = []
         self._close_old_stats(keep=1)
         self._ahead = StepStats(step=stats.step + 1,
                                 events=[] if stats.events is not None else None)
@@ -129,6 +129,7 @@ class StepPipeline:
         if slot.part is not None:
             del self.where[slot.part.id]
         slot.part = part
+        slot.fetched = True
         self.where[part.id] = slot
         if part.id in self.fresh:
             slot.needs_init = True
@@ -136,7 +137,6 @@ class StepPipeline:
             slot.needs_init = False
             slot.read = self.store.read(part, slot.buf)
             self._reqs.append((slot.read, part.id))
-            self._reads += 1
             stats.add_bytes("read", "nvme", part.record_bytes)
         return slot
 
