@@ -127,14 +127,14 @@ def ramfs_dir(tmp_path):
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 1 MiB tmpfs, for running out of space."""
-    with mounted(tmp_path / "tiny", "tmpfs", "size=1m") as d:
+    with mounted(tmp_path / "tiny", "tmpfs", "size=1m,mode=0700") as d:
         yield d
 
 
 @pytest.fixture
 def readonly_dir(tmp_path):
     """A directory on a read-only mount (root ignores chmod, so remount a tmpfs ro)."""
-    with mounted(tmp_path / "ro", "tmpfs", "size=1m") as d:
+    with mounted(tmp_path / "ro", "tmpfs", "size=1m,mode=0700") as d:
         (d / "existing").write_bytes(b"x" * 4096)
         proc = subprocess.run(["mount", "-o", "remount,ro", str(d)], capture_output=True,
                               text=True)

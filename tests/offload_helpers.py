@@ -239,7 +239,9 @@ def tmpfs(where: Path, size: str = "1m"):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+    # mode=0700: tiermem refuses swap paths others can write (a tmpfs root is 1777).
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                           str(where)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount tmpfs: {proc.stderr.strip()}")

@@ -172,10 +172,19 @@ def test_stale_swap_dir(tmp_path, owner):
 
 
 def test_swap_dir_in_use_by_live_process(tmp_path):
+    """A directory whose lock is held (here by another open file description, as another
+    process would) is reported in use, naming the holder's pid from owner.json."""
+    import fcntl
+
     d, snap = _stale(tmp_path, {"pid": 1, "host": socket.gethostname(), "started": "now"})
-    opt = torch.optim.Adam(Synthetic().parameters())
-    with pytest.raises(StaleSwapError, match="in use by process 1") as info:
-        entered(opt, config(tmp_path, host=0))
+    holder = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        opt = torch.optim.Adam(Synthetic().parameters())
+        with pytest.raises(StaleSwapError, match="in use by process 1") as info:
+            entered(opt, config(tmp_path, host=0))
+    finally:
+        os.close(holder)
     assert str(d) in str(info.value)
     _assert_same_dir(d, snap)
 

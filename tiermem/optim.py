@@ -23,7 +23,7 @@ from tiermem.manifest import read_manifest
 from tiermem.partition import Partition, assign_tiers, build_partitions
 from tiermem.pipeline import Views
 from tiermem.telemetry import StepStats, timed
-from tiermem.swap import run_dirs
+from tiermem.swapdir import run_dirs
 from tiermem.tiers import TierManager
 
 HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")

@@ -22,7 +22,8 @@ from tiermem.partition import Partition
 from tiermem.pipeline import StepPipeline, Views
 from tiermem.errors import TierMemError
 from tiermem.manifest import RESIDENT_FILE, Manifest, layout_of, write_manifest
-from tiermem.swap import SwapStore, run_dirs
+from tiermem.swap import SwapStore
+from tiermem.swapdir import run_dirs
 from tiermem.telemetry import StepStats
 
 Fn = Callable[[Partition, Views], None]

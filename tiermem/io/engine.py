@@ -219,12 +219,14 @@ class IOEngine:
 
     # -- files -----------------------------------------------------------------
 
-    def open(self, path: str | os.PathLike, mode: str = "r", direct: Direct = True) -> File:
+    def open(self, path: str | os.PathLike, mode: str = "r", direct: Direct = True, *,
+             follow_symlinks: bool = True) -> File:
         """Open `path` for transfers.
 
-        mode: "r" read-only, "r+" read-write, "w" create/truncate (read-write).
-        direct: True requires O_DIRECT (error where the filesystem refuses it),
-        "auto" falls back to buffered I/O with one warning, False is buffered.
+        mode: "r" read-only, "r+" read-write, "w" create/truncate (read-write),
+        new files 0600. direct: True requires O_DIRECT (error where the filesystem
+        refuses it), "auto" falls back to buffered I/O with one warning, False is
+        buffered. follow_symlinks=False refuses a path whose last part is a link.
         """
         self._check_open()
         if mode not in MODES:
@@ -232,13 +234,15 @@ class IOEngine:
         if direct not in (True, False, "auto"):
             raise ValueError(f"IOEngine.open: direct={direct!r}; allowed: True, False, 'auto'")
         path = os.fspath(path)
-        flags = MODES[mode] | os.O_CLOEXEC
+        flags = MODES[mode] | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
         use_direct = bool(direct)
         try:
             fd = os.open(path, flags | (os.O_DIRECT if use_direct else 0), 0o600)
         except OSError as exc:
             if not (use_direct and exc.errno == _errno.EINVAL):
-                raise TierMemIOError(f"open {path} (mode {mode!r}) failed: {exc.strerror}",
+                why = ("it is a symbolic link, and links are refused here"
+                       if exc.errno == _errno.ELOOP and not follow_symlinks else exc.strerror)
+                raise TierMemIOError(f"open {path} (mode {mode!r}) failed: {why}",
                                      op="open", path=path, errno=exc.errno) from None
             fs = mount_of(path).fstype
             if direct is True:
