@@ -80,7 +80,7 @@ def phase_tiermem(args: argparse.Namespace) -> dict:
     base_rss = _peak_rss()
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
     cfg = {
-        "swap": {"paths": [args.swap_dir]},
+        "swap": {"paths": [args.swap_dir], "checksums": args.checksums == "on"},
         "io": {"backend": args.backend, "queue_depth": args.queue_depth,
                "block_size": args.block_size},
         "tiers": {"host": {"capacity": 0}},
@@ -177,6 +177,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--partition-size", default="128MiB")
     p.add_argument("--buffers", type=int, default=8)
     p.add_argument("--prefetch", type=int, default=4)
+    p.add_argument("--checksums", choices=["on", "off"], default="on",
+                   help="swap.checksums for the tiermem step (default on, as shipped)")
+    p.add_argument("--checksum-cost", action="store_true",
+                   help="also run the tiermem step with checksums off and report the cost")
     p.add_argument("--json", default=str(HERE / "results" / "pipeline.json"))
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--phase-out", help=argparse.SUPPRESS)
@@ -204,6 +208,12 @@ def main(argv=None) -> int:
     os.makedirs(args.swap_dir, exist_ok=True)
     tm = _run_phase("tiermem", raw)
     print(f"tiermem steps: {[round(t, 2) for t in tm['step_seconds']]} s", flush=True)
+    bare = None
+    if args.checksum_cost:
+        bare = _run_phase("tiermem", [a for a in raw if a != "--checksum-cost"]
+                          + ["--checksums", "off"])
+        print(f"tiermem steps, checksums off: {[round(t, 2) for t in bare['step_seconds']]} s",
+              flush=True)
     mem = _run_phase("memory", raw)
     print(f"in-memory steps: {[round(t, 2) for t in mem['step_seconds']]} s", flush=True)
     fio = phase_fio(args, int(tm["read_bytes"]), int(tm["write_bytes"]))
@@ -223,6 +233,9 @@ def main(argv=None) -> int:
                                             for k, v in fio["variants"].items()) + ")"],
         ["compute floor (in-memory fused AdamW)", f"{mem['steady']:.2f} s", ""],
         ["step / max(floors)", f"{ratio:.3f}", "goal <= 1.10: " + ("met" if ratio <= 1.10 else "NOT met")],
+        *([["checksums cost", f"{tm['steady'] / bare['steady'] - 1:+.1%}",
+            f"step {bare['steady']:.2f} s with checksums off, {tm['steady']:.2f} s on "
+            f"(goal < 5%)"]] if bare else []),
         ["peak RSS", f"{tm['peak_rss'] / 2**30:.2f} GiB",
          f"bound weights+grads+buffers+10% = {rss_bound / 2**30:.2f} GiB: "
          + ("met" if tm["peak_rss"] <= rss_bound else "NOT met")],
@@ -232,7 +245,8 @@ def main(argv=None) -> int:
           f"partitions, pinned {buffers / 2**30:.2f} GiB, {args.backend}, "
           f"bs {args.block_size}, qd {args.queue_depth}\n")
     print(markdown_table(["what", "time", "detail"], rows))
-    write_json(args.json, {"args": vars(args), "tiermem": tm, "memory": mem, "fio": fio,
+    write_json(args.json, {"args": vars(args), "tiermem": tm, "tiermem_no_checksums": bare,
+                           "memory": mem, "fio": fio,
                            "ratio": ratio, "rss_bound": rss_bound})
     print(f"\nwrote {args.json}")
     return 0

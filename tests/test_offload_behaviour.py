@@ -14,6 +14,7 @@ import torch
 import yaml
 
 import tiermem
+from tiermem.integrity import FOOTER_BYTES
 from tiermem.partition import build_partitions
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, compare_runs,
@@ -360,7 +361,8 @@ def test_stats_and_plan_nvme(tmp_path, backend):
     assert plan["state_bytes"] == {"gpu": 0, "host": 0,
                                    "nvme": sum(p.record_bytes for p in expected)}
     assert plan["partitions"] == len(expected) > 3
-    assert plan["swap_bytes"] == nvme
+    # each NVMe record is followed by its checksum footer (swap.checksums defaults on)
+    assert plan["swap_bytes"] == nvme + FOOTER_BYTES * len(expected)
     assert dirs == [swap_dir(tmp_path)] and existed == [True]
     assert not dirs[0].exists()
     assert plan["pinned_bytes"] >= 3 * max(p.record_bytes for p in expected)
@@ -368,7 +370,8 @@ def test_stats_and_plan_nvme(tmp_path, backend):
     for i, s in enumerate(stats):
         assert STAT_KEYS <= set(s), STAT_KEYS - set(s)
         assert s["partitions"] == {"nvme": len(expected)}
-        assert s["write_bytes"] == {"nvme": nvme}  # every record written back once per step
+        # every record (and its checksum footer) written back once per step
+        assert s["write_bytes"] == {"nvme": plan["swap_bytes"]}
         assert s["update_seconds"] > 0 and s["stall_seconds"] >= 0 and s["io_seconds"] > 0
         assert s["write_gbps"] > 0 and 0.0 <= s["overlap"] <= 1.0
         if i == 0:  # nothing on disk yet: records are built in the buffers, not read
@@ -376,7 +379,7 @@ def test_stats_and_plan_nvme(tmp_path, backend):
         else:
             # zig-zag: the partitions still in the 3 buffers are not read again
             assert 1 <= s["reads_skipped"] <= 3
-            assert 0 < s["read_bytes"]["nvme"] < nvme
+            assert 0 < s["read_bytes"]["nvme"] < plan["swap_bytes"]
             assert s["read_gbps"] > 0
 
 
@@ -385,7 +388,7 @@ def test_stats_without_zigzag_read_everything(tmp_path):
                                              prefetch_depth=1, zigzag=False)
     for s in stats[1:]:
         assert s["reads_skipped"] == 0
-        assert s["read_bytes"] == {"nvme": plan["state_bytes"]["nvme"]}
+        assert s["read_bytes"] == {"nvme": plan["swap_bytes"]}
 
 
 def test_stats_and_plan_host_only(tmp_path):
@@ -408,10 +411,11 @@ def test_plan_mixed_respects_host_capacity(tmp_path):
     sb = plan["state_bytes"]
     assert 0 < sb["host"] <= cap and sb["nvme"] > 0
     assert sb["host"] + sb["nvme"] == sum(p.record_bytes for p in expected)
-    assert plan["swap_bytes"] == sb["nvme"]
+    n_nvme = plan["partitions"] - stats[0]["partitions"]["host"]
+    assert plan["swap_bytes"] == sb["nvme"] + FOOTER_BYTES * n_nvme
     for s in stats:
         assert s["partitions"]["host"] + s["partitions"]["nvme"] == len(expected)
-        assert s["write_bytes"] == {"nvme": sb["nvme"]}
+        assert s["write_bytes"] == {"nvme": plan["swap_bytes"]}
 
 
 def test_swap_dir_is_named_and_concurrent_names_coexist(tmp_path):

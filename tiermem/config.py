@@ -59,6 +59,8 @@ class SwapSettings:
 
     paths: list[str] = doc("Swap directories on local NVMe drives; several are striped over.",
                            default_factory=lambda: [DEFAULT_SWAP_DIR])
+    checksums: bool = doc("XXH3 checksum, partition id and generation on every NVMe record, "
+                          "checked on every read.", default=True)
 
     def validate(self) -> None:
         if not self.paths:

@@ -92,7 +92,15 @@ class Offload:
             return
         need = self._state_nbytes()
         if need <= available_memory() * 0.8:
-            state = off.export_state(model_dtype=True)
+            try:
+                state = off.export_state(model_dtype=True)
+            except BaseException as exc:
+                # A record that cannot be read back (I/O error, failed checksum) must not
+                # take the others with it: keep everything on disk and say where.
+                off.detach()
+                kept = off.tiers.keep_on_disk([float(t) for t in off.steps])
+                raise TierMemError(f"optimizer state could not be gathered back ({exc}); "
+                                   f"everything was kept on disk in {kept}") from exc
             off.detach()
             off.opt.state.clear()
             off.opt.state.update(state)

@@ -28,6 +28,7 @@ class Manifest:
     steps: list[float]
     fresh: list[int]  # partitions never written (their records hold nothing yet)
     resident: list[dict] = field(default_factory=list)  # id, offset, nbytes in RESIDENT_FILE
+    generations: dict = field(default_factory=dict)  # partition id -> last generation written
     version: int = VERSION
 
 

@@ -137,7 +137,7 @@ class StepPipeline:
             slot.needs_init = False
             slot.read = self.store.read(part, slot.buf)
             self._reqs.append((slot.read, part.id))
-            stats.add_bytes("read", "nvme", part.record_bytes)
+            stats.add_bytes("read", "nvme", self.store.slots[part.id].nbytes)
         return slot
 
     def _victim(self, window: Sequence[Partition], order: Sequence[Partition], i: int) -> _Slot:
@@ -158,6 +158,7 @@ class StepPipeline:
             req, slot.read = slot.read, None
             try:
                 req.wait()
+                self.store.verify(slot.part, slot.buf)
             except BaseException:
                 # The buffer holds a partial record: forget it so nothing uses it.
                 del self.where[slot.part.id]
@@ -173,7 +174,7 @@ class StepPipeline:
         slot.write = self.store.write(slot.part, slot.buf)
         self.fresh.discard(slot.part.id)
         self._reqs.append((slot.write, slot.part.id))
-        stats.add_bytes("write", "nvme", slot.part.record_bytes)
+        stats.add_bytes("write", "nvme", self.store.slots[slot.part.id].nbytes)
 
     # -- whole-record access (checkpoints, import/export) -----------------------
 

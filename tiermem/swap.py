@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from tiermem.errors import TierMemError, TierMemIOError
+from tiermem.integrity import FOOTER_BYTES, check, seal
 from tiermem.io import File, IOEngine, Request
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
@@ -44,8 +45,11 @@ class SwapStore:
 
     def __init__(self, engine: IOEngine, paths: Sequence[str], name: str,
                  parts: Sequence[Partition], direct: bool | str = "auto",
-                 resume: bool = False) -> None:
+                 resume: bool = False, checksums: bool = True) -> None:
         self.engine = engine
+        self.checksums = checksums
+        self.footer = FOOTER_BYTES if checksums else 0
+        self.generation: dict[int, int] = {}  # last generation written, per partition
         self.dirs = run_dirs(paths, name)
         self.slots: dict[int, Slot] = {}
         self.sizes = [0] * len(self.dirs)
@@ -97,9 +101,11 @@ class SwapStore:
         added = [0] * len(self.dirs)
         for part in parts:
             k = len(self.slots) % len(self.dirs)
-            self.slots[part.id] = Slot(k, self.sizes[k], part.record_bytes)
-            self.sizes[k] += part.record_bytes
-            added[k] += part.record_bytes
+            nbytes = part.record_bytes + self.footer
+            self.slots[part.id] = Slot(k, self.sizes[k], nbytes)
+            self.sizes[k] += nbytes
+            added[k] += nbytes
+            self.generation[part.id] = 0
         return added
 
     def add(self, parts: Sequence[Partition]) -> None:
@@ -150,7 +156,19 @@ class SwapStore:
 
     def write(self, part: Partition, buf: torch.Tensor) -> Request:
         s = self.slots[part.id]
+        if self.checksums:
+            # The generation moves on when the write is issued: if the write is lost,
+            # the next read finds the older one and says so.
+            self.generation[part.id] += 1
+            seal(buf, part.record_bytes, part.id, self.generation[part.id])
         return self.engine.write(self.files[s.file], buf[: s.nbytes], s.offset)
+
+    def verify(self, part: Partition, buf: torch.Tensor) -> None:
+        """Check a record that a read() brought into `buf` (raises IntegrityError)."""
+        if self.checksums:
+            s = self.slots[part.id]
+            check(buf, part.record_bytes, part.id, self.generation[part.id],
+                  path=self.files[s.file].path, offset=s.offset)
 
     @property
     def total_bytes(self) -> int:

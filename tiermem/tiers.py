@@ -76,8 +76,12 @@ class TierManager:
         if self.store is None:
             self.engine = IOEngine(s.io.backend, s.io.queue_depth, s.io.block_size)
             self.store = SwapStore(self.engine, s.swap.paths, self.swap_name, nvme,
-                                   direct=s.io.o_direct, resume=self._resume is not None)
-            size = max(p.record_bytes for p in nvme)
+                                   direct=s.io.o_direct, resume=self._resume is not None,
+                                   checksums=s.swap.checksums)
+            if self._resume is not None:
+                self.store.generation.update(
+                    {int(k): v for k, v in self._resume.generations.items()})
+            size = max(p.record_bytes for p in nvme) + self.store.footer
             self.pool = BufferPool(s.pipeline.buffer_count, size, engine=self.engine)
             self.pipeline = StepPipeline(self.store, self.pool.buffers, nvme,
                                          prefetch_depth=s.pipeline.prefetch_depth,
@@ -87,7 +91,7 @@ class TierManager:
             self.pipeline.run_ahead()
             return
         self.pipeline.flush()  # every buffer idle: the disk copy of each record is current
-        size = max(p.record_bytes for p in nvme)
+        size = max(p.record_bytes for p in nvme) + self.store.footer
         if size > self.pool.nbytes:
             # Bigger records than the first groups had: new, larger buffers.
             self.pool = BufferPool(s.pipeline.buffer_count, size, engine=self.engine)
@@ -162,8 +166,9 @@ class TierManager:
             f.flush()
             os.fsync(f.fileno())
         fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
-        write_manifest(run_dir, Manifest(partitions=layout_of(self.parts), steps=list(steps),
-                                         fresh=sorted(fresh), resident=resident))
+        write_manifest(run_dir, Manifest(
+            partitions=layout_of(self.parts), steps=list(steps), fresh=sorted(fresh),
+            resident=resident, generations=dict(self.store.generation) if self.store else {}))
         self.close(remove_swap=False)
         return run_dir
 
