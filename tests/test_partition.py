@@ -32,25 +32,25 @@ def test_state_kinds():
 
 
 def test_split_example():
-    """One fp32 param of 10000 elements, 64 KiB partitions (8 bytes of state per element):
-    8192 elements, then the remaining 1808."""
+    """One fp32 param of 10000 elements, 64 KiB partitions (8 bytes of state per element,
+    one page kept for the swap footer): 7168 elements, then the remaining 2832."""
     p = torch.empty(10000)
     parts = build_partitions([{"params": [p]}], {}, 64 << 10)
-    assert [[(s.start, s.length) for s in q.segments] for q in parts] == [[(0, 8192)],
-                                                                        [(8192, 1808)]]
-    assert parts[0].offsets == {"exp_avg": 0, "exp_avg_sq": 32768}
-    assert parts[0].record_bytes == 65536
-    assert parts[1].offsets == {"exp_avg": 0, "exp_avg_sq": align_up(1808 * 4)}
-    assert parts[1].record_bytes == 2 * align_up(1808 * 4)
+    assert [[(s.start, s.length) for s in q.segments] for q in parts] == [[(0, 7168)],
+                                                                        [(7168, 2832)]]
+    assert parts[0].offsets == {"exp_avg": 0, "exp_avg_sq": 28672}
+    assert parts[0].record_bytes == 57344 <= (64 << 10) - RECORD_ALIGN
+    assert parts[1].offsets == {"exp_avg": 0, "exp_avg_sq": align_up(2832 * 4)}
+    assert parts[1].record_bytes == 2 * align_up(2832 * 4)
 
 
 def test_small_params_share_a_partition_and_cut_on_alignment():
     ps = [torch.empty(100), torch.empty(3000), torch.empty(9000)]
-    parts = build_partitions([{"params": ps}], {}, 64 << 10)  # 8192 elements per partition
+    parts = build_partitions([{"params": ps}], {}, 64 << 10)  # 7168 elements per partition
     segs = [[(s.index, s.start, s.length) for s in q.segments] for q in parts]
-    # 100 + 3000 fit; the third param starts in the same partition but is cut at 4096
-    # elements (the largest multiple of 1024 that fits the 5092 elements of room)
-    assert segs == [[(0, 0, 100), (1, 0, 3000), (2, 0, 4096)], [(2, 4096, 4904)]]
+    # 100 + 3000 fit; the third param starts in the same partition but is cut at 3072
+    # elements (the largest multiple of 1024 that fits the 4068 elements of room)
+    assert segs == [[(0, 0, 100), (1, 0, 3000), (2, 0, 3072)], [(2, 3072, 5928)]]
 
 
 def test_views_are_disjoint_fp32_windows():
@@ -125,7 +125,7 @@ def test_build_partitions_invariants(layout):
         group = groups[q.group]
         amsgrad = bool(group.get("amsgrad"))
         per_elem = STATE_BYTES * len(q.kinds)
-        cap = max(CUT_ALIGN, size // per_elem // CUT_ALIGN * CUT_ALIGN)
+        cap = max(CUT_ALIGN, (size - RECORD_ALIGN) // per_elem // CUT_ALIGN * CUT_ALIGN)
         assert 0 < q.numel == sum(s.length for s in q.segments) <= cap
         for s in q.segments:
             i = s.index - first_index
@@ -159,7 +159,8 @@ def test_build_partitions_invariants(layout):
     for i, segs in covered.items():
         for (pid, start, length), _next in zip(segs, segs[1:]):
             q = by_id[pid]
-            cap = max(CUT_ALIGN, size // (STATE_BYTES * len(q.kinds)) // CUT_ALIGN * CUT_ALIGN)
+            cap = max(CUT_ALIGN, (size - RECORD_ALIGN) // (STATE_BYTES * len(q.kinds))
+                      // CUT_ALIGN * CUT_ALIGN)
             assert q.numel > cap - CUT_ALIGN, f"param {i} cut in a partition with room"
     # segment indices follow the flattened parameter order
     idx = [s.index for q in parts for s in q.segments]

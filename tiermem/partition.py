@@ -112,7 +112,10 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                     current = Partition(first_id + len(parts), g, [], kinds, forced=forced)
                     parts.append(current)
                     per_elem = STATE_BYTES * len(kinds)
-                    cap = max(CUT_ALIGN, partition_size // per_elem // CUT_ALIGN * CUT_ALIGN)
+                    # One page of the budget is left for the swap record's integrity footer,
+                    # so buffer_count x partition_size bounds the pinned pool exactly.
+                    room_bytes = partition_size - RECORD_ALIGN
+                    cap = max(CUT_ALIGN, room_bytes // per_elem // CUT_ALIGN * CUT_ALIGN)
                 room = cap - sum(s.length for s in current.segments)
                 take = min(n - start, room)
                 if take < n - start:  # cutting inside the param: keep the cut aligned
