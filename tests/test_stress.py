@@ -54,6 +54,25 @@ def test_config_error_exits_2(tmp_path):
     assert proc.returncode == 2 and "pipeline.buffer_count" in proc.stderr
 
 
+def _assert_documented_shape(result):
+    """The --json file has the keys and types docs/stress.md lists."""
+    plan_keys = {"params", "dtype", "weights", "grads", "state", "state_per_param", "tiers",
+                 "pinned", "swap", "activations", "host_need", "host_available", "disk_free"}
+    step_keys = {"step", "seconds", "step_seconds", "update_seconds", "transfer_seconds",
+                 "stall_seconds", "io_seconds", "read_bytes", "write_bytes", "read_gbps",
+                 "write_gbps", "overlap", "partitions", "reads_skipped"}
+    assert plan_keys <= set(result["plan"]) and set(result["plan"]["tiers"]) == {"gpu", "host",
+                                                                                "nvme"}
+    assert set(result["shape"]) == {"layers", "hidden", "embed_rows", "extra"}
+    assert {"state_bytes", "pinned_bytes", "swap_bytes", "swap_dirs",
+            "partitions"} <= set(result["tiermem_plan"])
+    for s in result["steps"]:
+        assert step_keys <= set(s), step_keys - set(s)
+        assert all(isinstance(v, int) for v in s["read_bytes"].values())
+    assert isinstance(result["peak_rss"], int)
+    assert set(result["verify"]) == {"ok", "partitions_checked", "mismatches"}
+
+
 @pytest.mark.parametrize("backend", ["io_uring", "threads"])
 def test_small_verified_run(tmp_path, backend):
     """A 20M-parameter model, 3 steps, forward/backward, --verify: passes, JSON complete."""
@@ -63,6 +82,7 @@ def test_small_verified_run(tmp_path, backend):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "verified" in proc.stdout
     result = json.loads(out.read_text())
+    _assert_documented_shape(result)
     assert result["plan"]["params"] == 20_000_000
     assert result["tiermem_plan"]["state_bytes"]["nvme"] > 0
     assert [s["step"] for s in result["steps"]] == [1, 2, 3]
