@@ -104,3 +104,14 @@ def test_engine_refuses_a_symlinked_file_when_asked(tmp_path):
         with pytest.raises(tiermem.TierMemIOError, match="symbolic link"):
             eng.open(tmp_path / "link", "r+", direct=False, follow_symlinks=False)
         eng.open(tmp_path / "link", "r", direct=False).close()  # the default follows
+
+
+def test_read_only_swap_directory_is_a_clear_error(readonly_dir):
+    """A swap path on a read-only filesystem: TierMemIOError naming the directory, before
+    training, and the optimizer untouched."""
+    m, o = _opt()
+    with pytest.raises(tiermem.TierMemIOError, match="cannot create swap directory") as info:
+        with tiermem.offload(o, _cfg(readonly_dir)):
+            pass
+    assert str(readonly_dir) in str(info.value)
+    assert "_tiermem" not in o.__dict__ and "step" not in o.__dict__

@@ -20,7 +20,7 @@ import stat
 import time
 from typing import Sequence
 
-from tiermem.errors import TierMemError
+from tiermem.errors import TierMemError, TierMemIOError
 
 OWNER_FILE = "owner.json"
 
@@ -58,10 +58,18 @@ def check_swap_path(path: str) -> None:
             f"only you can write (chmod go-w {path}, or a subdirectory created 0700)")
 
 
+def _mkdir_error(path: str, exc: OSError) -> TierMemIOError:
+    return TierMemIOError(f"cannot create swap directory {path}: {exc.strerror}",
+                          op="mkdir", path=path, errno=exc.errno)
+
+
 def make_swap_path(path: str) -> None:
     """Create `path` 0700 if missing, then check it."""
     check_swap_path(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise _mkdir_error(path, exc) from None
     check_swap_path(path)
 
 
@@ -127,7 +135,13 @@ class RunDir:
         """mkdir 0700 (atomic: fails if it exists), lock it, record the owner."""
         make_swap_path(os.path.dirname(path))
         check_not_stale(path)
-        os.mkdir(path, 0o700)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            check_not_stale(path)  # another process made it a moment ago: say which case
+            raise
+        except OSError as exc:
+            raise _mkdir_error(path, exc) from None
         # Between mkdir and flock another process could probe it unlocked: it then
         # reports a stale directory and touches nothing, which is safe.
         fd = _try_lock(path)
