@@ -1,7 +1,7 @@
 """Small helpers every benchmark script shares: sizes, a markdown table, JSON, machine facts.
 
-Kept free of tiermem imports so a benchmark can report on a machine where the
-package under test fails to load.
+Sizes use tiermem's own parser; everything else is free of tiermem imports, so
+a benchmark can still report on a machine where the package fails to load.
 """
 
 from __future__ import annotations
@@ -15,38 +15,20 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
-
-
 def parse_size(text: str) -> int:
-    """Bytes in a size such as "4GiB", "512MiB", "1M" or "4096".
-
-    K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024 (as in fio and dd);
-    kB/MB/GB/TB are powers of 1000. Case does not matter.
-    """
-    m = _SIZE_RE.fullmatch(text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1M, 4096)")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value != int(value):
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
+    """Bytes in "4GiB", "512MiB", "1M" or "4096" (tiermem's own parser, one rule everywhere)."""
+    return _tiermem_sizes().parse_size(text)
 
 
 def format_size(nbytes: int) -> str:
     """The shortest exact IEC spelling of `nbytes`, e.g. 4294967296 -> "4GiB"."""
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= factor and nbytes % factor == 0:
-            return f"{nbytes // factor}{unit}"
-    return f"{nbytes}B"
+    return _tiermem_sizes().yaml_size(nbytes)
+
+
+def _tiermem_sizes():
+    # Imported on use, so the table and JSON helpers still work where tiermem does not load.
+    from tiermem import sizes
+    return sizes
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -51,6 +51,22 @@ static inline int tm_wait_done(pthread_mutex_t *lock, pthread_cond_t *cond, tm_r
     return ret;
 }
 
+/* Remove r from a singly linked list (head, tail), if it is there. */
+static inline void tm_unlink(tm_request **head, tm_request **tail, tm_request *r)
+{
+    tm_request **pp = head, *prev = NULL;
+    while (*pp && *pp != r) {
+        prev = *pp;
+        pp = &(*pp)->link;
+    }
+    if (!*pp)
+        return;
+    *pp = r->link;
+    if (*tail == r)
+        *tail = prev;
+    r->link = NULL;
+}
+
 static inline void tm_reset_request(tm_request *r)
 {
     r->done = 0;

@@ -141,21 +141,6 @@ static void fill_op(tm_engine *e, int op)
     }
 }
 
-static void unlink_active(tm_engine *e, tm_request *r)
-{
-    tm_request **pp = &e->active_head, *prev = NULL;
-    while (*pp && *pp != r) {
-        prev = *pp;
-        pp = &(*pp)->link;
-    }
-    if (!*pp)
-        return;
-    *pp = r->link;
-    if (e->active_tail == r)
-        e->active_tail = prev;
-    r->link = NULL;
-}
-
 static void complete_piece(tm_engine *e, piece *p, int res)
 {
     tm_request *r = p->req;
@@ -193,7 +178,7 @@ static void complete_piece(tm_engine *e, piece *p, int res)
     p->next = e->free_pieces;
     e->free_pieces = p;
     if (r->inflight == 0 && r->next >= r->len) {
-        unlink_active(e, r);
+        tm_unlink(&e->active_head, &e->active_tail, r);
         finish_request(e, r);
     }
 }

@@ -79,21 +79,6 @@ static int move_piece(tm_request *r, uint64_t off, uint64_t len, uint32_t *resub
     return 0;
 }
 
-static void unlink_request(tm_pool *p, tm_request *r)
-{
-    tm_request **pp = &p->head, *prev = NULL;
-    while (*pp && *pp != r) {
-        prev = *pp;
-        pp = &(*pp)->link;
-    }
-    if (!*pp)
-        return;
-    *pp = r->link;
-    if (p->tail == r)
-        p->tail = prev;
-    r->link = NULL;
-}
-
 static void *pool_worker(void *arg)
 {
     tm_pool *p = arg;
@@ -124,7 +109,7 @@ static void *pool_worker(void *arg)
             r->bytes_done += len;
         }
         if (r->inflight == 0 && r->next >= r->len) {
-            unlink_request(p, r);
+            tm_unlink(&p->head, &p->tail, r);
             p->inflight_requests--;
             tm_mark_done(&p->done, r);
         }

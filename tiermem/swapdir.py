@@ -144,12 +144,7 @@ class RunDir:
             raise _mkdir_error(path, exc) from None
         # Between mkdir and flock another process could probe it unlocked: it then
         # reports a stale directory and touches nothing, which is safe.
-        fd = _try_lock(path)
-        if fd is None:
-            raise _in_use(path)
-        rd = cls(path, fd)
-        rd.write_owner()
-        return rd
+        return cls._hold(path)
 
     @classmethod
     def adopt(cls, path: str) -> "RunDir":
@@ -157,6 +152,10 @@ class RunDir:
         check_swap_path(os.path.dirname(path))
         if os.path.islink(path) or not os.path.isdir(path):
             raise StaleSwapError(f"cannot resume: {path} is not a directory")
+        return cls._hold(path)
+
+    @classmethod
+    def _hold(cls, path: str) -> "RunDir":
         fd = _try_lock(path)
         if fd is None:
             raise _in_use(path)
