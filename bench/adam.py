@@ -1,0 +1,352 @@
+"""One Adam/AdamW step on the CPU, in ns per parameter: tiermem's update path against
+torch's fused and foreach AdamW, DeepSpeed's CPU Adam, and the memory-bandwidth bound.
+
+Every implementation runs AdamW (lr 1e-4, weight decay 0.1) on one flat tensor of N
+parameters. They share one set of weights, gradients and moments (values do not
+change the timing) and take turns step by step, so drift and noisy neighbours on the
+machine hit all of them alike; 400M parameters need 8 GB of buffers (about 10 GB
+peak RSS with foreach's temporaries).
+
+- tiermem fused: `tiermem.kernels.adam_update(kernel="fused")` on one flat partition,
+  with a post-increment step tensor, as tiermem runs it per partition.
+- torch fused / torch foreach: `torch.optim.AdamW(fused=True)` / `(foreach=True)`.
+- DeepSpeed CPU Adam: `deepspeed.ops.adam.DeepSpeedCPUAdam` (AdamW mode) when it
+  imports and builds; otherwise the row says why not.
+- bandwidth bound: the bytes one step must move (fp32: read p, g, m, v and write
+  p, m, v = 28 B/param; bf16-mixed: read a bf16 grad and fp32 master, m, v, write
+  master, m, v and a bf16 weight = also 28 B/param) divided by the bandwidth of an
+  in-place triad, a += alpha * b, over two fp32 arrays of N elements (12 B/element).
+
+dtype fp32: fp32 parameters and gradients, updated in place.
+dtype bf16-mixed: bf16 gradients in, fp32 master weights and moments, bf16 weights
+out. Every implementation pays the same casts: the bf16 gradient is copied into an
+fp32 buffer, the update runs on the fp32 master, and the bf16 weight is refreshed
+with param_bf16.copy_(master) (tiermem's path does exactly this today).
+
+Each figure is the median of --reps timed steps after one untimed warm-up step; each
+round of steps starts with one timed triad pass, and the bound uses their median.
+Quick smoke test:  python3 bench/adam.py --params 10M --reps 2
+Full run:          python3 bench/adam.py            (100M and 400M, fp32 and bf16-mixed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import io
+import os
+import resource
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import _report  # noqa: E402
+from pipeline import parse_count  # noqa: E402
+
+DTYPES = ("fp32", "bf16-mixed")
+LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
+BYTES_PER_PARAM = {"fp32": 28, "bf16-mixed": 28}  # what an ideal one-pass kernel moves
+TRIAD_BYTES_PER_ELEM = 12  # a += alpha * b: read a, read b, write a (fp32)
+TIERMEM, FUSED, FOREACH, DEEPSPEED, BOUND = (
+    "tiermem fused (adam_update)", "torch AdamW fused", "torch AdamW foreach",
+    "DeepSpeedCPUAdam", "bandwidth bound")
+IMPLS = (TIERMEM, FUSED, FOREACH, DEEPSPEED)
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def _filled(n: int, lo: float, hi: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """n values uniform in [lo, hi); values do not change the timing, so one 4M-element
+    random block is tiled rather than drawing n numbers."""
+    block = torch.empty(min(n, 1 << 22)).uniform_(lo, hi,
+                                                  generator=torch.Generator().manual_seed(seed))
+    out = torch.empty(n, dtype=dtype)
+    for start in range(0, n, block.numel()):
+        stop = min(n, start + block.numel())
+        out[start:stop].copy_(block[: stop - start])
+    return out
+
+
+class Problem:
+    """One step's buffers for `n` parameters of one dtype, shared by every implementation
+    (the values do not change the timing, so each one updates the same weights and
+    moments; this keeps 400M parameters at 8 GB of buffers and lets the implementations take
+    turns step by step, so a noisy neighbour on the machine hits all of them alike).
+
+    fp32: the model's weights and gradients are fp32 and the update runs on them in
+    place. bf16-mixed: they are bf16; the update runs on an fp32 master with an fp32
+    gradient buffer, filled by `cast_in` and copied back to the weights by `cast_out`."""
+
+    def __init__(self, n: int, dtype: str):
+        self.n, self.dtype = n, dtype
+        self.mixed = dtype != "fp32"
+        low = torch.bfloat16 if self.mixed else torch.float32
+        self.weight = _filled(n, -1.0, 1.0, low, seed=0)
+        self.grad = _filled(n, -1e-3, 1e-3, low, seed=1)
+        self.master = self.weight.float() if self.mixed else self.weight
+        self.grad32 = torch.empty(n, dtype=torch.float32) if self.mixed else self.grad
+        self.exp_avg = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
+        self.param = torch.nn.Parameter(self.master, requires_grad=True)  # shares storage
+        self.param.grad = self.grad32
+
+    def cast_in(self) -> None:
+        if self.mixed:
+            self.grad32.copy_(self.grad)  # bf16 gradient -> fp32 buffer
+
+    def cast_out(self) -> None:
+        if self.mixed:
+            self.weight.copy_(self.master)  # fp32 master -> bf16 weight
+
+
+# -- implementations: each returns a step() closure, or raises -------------------------------
+
+
+def setup_tiermem(prob: Problem) -> Callable[[], None]:
+    from tiermem.kernels import adam_update
+
+    step = torch.tensor(0.0)
+
+    def run() -> None:
+        prob.cast_in()
+        step.add_(1)  # tiermem hands the kernel post-increment step counts
+        adam_update(kernel="fused", params=[prob.master], grads=[prob.grad32],
+                    exp_avgs=[prob.exp_avg], exp_avg_sqs=[prob.exp_avg_sq], max_exp_avg_sqs=[],
+                    steps=[step], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                    weight_decay=WD, amsgrad=False, maximize=False,
+                    decoupled_weight_decay=True)
+        prob.cast_out()
+    return run
+
+
+def _optimizer_run(prob: Problem, opt: Any, step: Any) -> Callable[[], None]:
+    # Hand the optimizer the shared moments, as if it had made them on its first step.
+    opt.state[prob.param] = {"step": step, "exp_avg": prob.exp_avg,
+                             "exp_avg_sq": prob.exp_avg_sq}
+
+    def run() -> None:
+        prob.cast_in()
+        opt.step()
+        prob.cast_out()
+    return run
+
+
+def setup_torch_fused(prob: Problem) -> Callable[[], None]:
+    opt = torch.optim.AdamW([prob.param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            fused=True)
+    return _optimizer_run(prob, opt, torch.zeros((), dtype=torch.float32))
+
+
+def setup_torch_foreach(prob: Problem) -> Callable[[], None]:
+    opt = torch.optim.AdamW([prob.param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            foreach=True)
+    return _optimizer_run(prob, opt, torch.tensor(0.0))
+
+
+def setup_deepspeed(prob: Problem) -> Callable[[], None]:
+    # DeepSpeed logs at import, and builds its C++ op (minutes) on first use.
+    with contextlib.redirect_stdout(io.StringIO()):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        opt = DeepSpeedCPUAdam([prob.param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                               adamw_mode=True)
+    return _optimizer_run(prob, opt, 0)
+
+
+SETUPS = {TIERMEM: setup_tiermem, FUSED: setup_torch_fused, FOREACH: setup_torch_foreach,
+          DEEPSPEED: setup_deepspeed}
+
+
+# -- timing ----------------------------------------------------------------------------------
+
+
+class Triad:
+    """a += alpha * b over two fp32 arrays of n elements, 12 bytes moved per element, in
+    place like the Adam update, on torch's threads (the ones its kernels use).
+
+    The arrays are the problem's first moment and fp32 gradient buffer: same size, no
+    extra memory, and their values do not change the timing (alpha alternates in sign,
+    so the moment stays bounded however many passes run)."""
+
+    def __init__(self, prob: Problem):
+        self.n = prob.n
+        self.a, self.b = prob.exp_avg, prob.grad32
+        self.alpha = 1e-3
+
+    def __call__(self) -> None:
+        torch.add(self.a, self.b, alpha=self.alpha, out=self.a)
+        self.alpha = -self.alpha
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _failure(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0][:200] if text else ""
+    return f"not available: {type(exc).__name__}" + (f": {first}" if first else "")
+
+
+def measure_group(prob: Problem, reps: int,
+                  skip: dict[str, str]) -> tuple[dict[str, dict], list[float]]:
+    """Set up every implementation, run each once untimed (warm-up: first touch, lazy
+    builds), then `reps` rounds of: one triad pass, one step of each implementation
+    (order rotated each round). Returns {implementation: result} and the triad times."""
+    triad = Triad(prob)
+    results: dict[str, dict] = {}
+    runs: dict[str, Callable[[], None]] = {}
+    for name in IMPLS:
+        if name in skip:
+            results[name] = {"status": skip[name]}
+            continue
+        try:
+            run = SETUPS[name](prob)
+            run()
+        except Exception as exc:  # noqa: BLE001 - any failure is reported, not fatal
+            results[name] = {"status": _failure(exc)}
+            continue
+        runs[name] = run
+        results[name] = {"status": "measured", "seconds": []}
+    triad()
+    triad_times = []
+    order = list(runs)
+    for rep in range(reps):
+        triad_times.append(_timed(triad))
+        k = rep % len(order) if order else 0
+        for name in order[k:] + order[:k]:
+            try:
+                results[name]["seconds"].append(_timed(runs[name]))
+            except Exception as exc:  # noqa: BLE001
+                results[name] = {"status": _failure(exc)}
+                order.remove(name)
+    for r in results.values():
+        if r["status"] == "measured":
+            r["seconds_median"] = statistics.median(r["seconds"])
+            r["seconds_min"] = min(r["seconds"])
+            r["ns_per_param"] = r["seconds_median"] / prob.n * 1e9
+    return results, triad_times
+
+
+def measure(sizes: Sequence[tuple[str, int]], reps: int,
+            skip: dict[str, str]) -> list[dict]:
+    """Rows for every (size, dtype, implementation) plus one bandwidth-bound row per
+    (size, dtype), with ratios to torch fused and to the bound of the same group."""
+    rows = []
+    for label, n in sizes:
+        for dtype in DTYPES:
+            prob = Problem(n, dtype)
+            results, triad_times = measure_group(prob, reps, skip)
+            del prob
+            gc.collect()
+            bps = TRIAD_BYTES_PER_ELEM * n / statistics.median(triad_times)
+            bound_ns = BYTES_PER_PARAM[dtype] / bps * 1e9
+            group = [{"implementation": name, "dtype": dtype, "params": label, "n": n, **r}
+                     for name, r in results.items()]
+            group.append({"implementation": BOUND, "dtype": dtype, "params": label, "n": n,
+                          "status": "measured", "ns_per_param": bound_ns,
+                          "bytes_per_param": BYTES_PER_PARAM[dtype],
+                          "triad_bytes_per_second": bps, "triad_seconds": triad_times})
+            ref = results.get(FUSED, {}).get("ns_per_param")
+            for r in group:
+                ok = r["status"] == "measured"
+                r["vs_torch_fused"] = r["ns_per_param"] / ref if ok and ref else None
+                r["vs_bound"] = r["ns_per_param"] / bound_ns if ok else None
+                shown = (f"{r['ns_per_param']:.3f} ns/param" if ok else r["status"])
+                print(f"{label:>6} {dtype:<10} {r['implementation']:<28} {shown}", flush=True)
+            rows.extend(group)
+    return rows
+
+
+def render_table(rows: Sequence[dict]) -> str:
+    def ratio(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+    body = [[r["implementation"], r["dtype"], r["params"],
+             f"{r['ns_per_param']:.3f}" if r["status"] == "measured" else r["status"],
+             ratio(r["vs_torch_fused"]), ratio(r["vs_bound"])] for r in rows]
+    return _report.markdown_table(
+        ["implementation", "dtype", "params", "ns/param (median)", "vs torch fused",
+         "vs bandwidth bound"], body)
+
+
+def deepspeed_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("deepspeed")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", default="100M,400M",
+                   help="comma-separated parameter counts, e.g. 10M or 100M,400M "
+                        "(default 100M,400M)")
+    p.add_argument("--reps", type=int, default=7,
+                   help="timed steps per implementation after one warm-up; the median "
+                        "is reported (default 7)")
+    p.add_argument("--no-deepspeed", action="store_true",
+                   help="skip DeepSpeedCPUAdam even when it is installed")
+    p.add_argument("--json", type=Path, default=HERE / "results" / "adam.json",
+                   help="where the results go (default bench/results/adam.json)")
+    a = p.parse_args(argv)
+    if a.reps < 1:
+        p.error("--reps must be at least 1")
+    try:
+        a.sizes = [(t.strip(), parse_count(t)) for t in a.params.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--params: not a list of counts: {a.params!r} (example: 100M,400M)")
+    if not a.sizes or any(n < 1 for _, n in a.sizes):
+        p.error("--params needs at least one positive count")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    skip = {DEEPSPEED: "skipped (--no-deepspeed)"} if args.no_deepspeed else {}
+    rows = measure(args.sizes, args.reps, skip)
+    table = render_table(rows)
+    print()
+    print(table)
+    print(f"\nns/param: median of {args.reps} step(s) after a warm-up, "
+          f"{torch.get_num_threads()} torch threads; bound = 28 B/param / in-place triad "
+          "bandwidth of the same run")
+    facts = {**_report.machine_facts(), "torch": torch.__version__,
+             "torch_threads": torch.get_num_threads(), "deepspeed": deepspeed_version(),
+             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+             "tiermem_git": _report.git_revision(REPO),
+             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    settings = {"params": args.params, "sizes": dict(args.sizes), "reps": args.reps,
+                "no_deepspeed": args.no_deepspeed, "json": str(args.json),
+                "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
+    out = _report.write_json(args.json, {
+        "benchmark": "adam",
+        "started": started.isoformat(timespec="seconds"),
+        "command": shlex.join(sys.argv if argv is None else ["adam.py", *argv]),
+        "settings": settings,
+        "bytes_per_param": BYTES_PER_PARAM,
+        "machine": facts,
+        "rows": rows,
+        "table": table,
+    })
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Run every tiermem benchmark, then write one report of the run.
+
+Runs bench/io_vs_fio.py, bench/pipeline.py and bench/adam.py one after the other,
+each as its own process with its --json pointed into one results folder (default
+bench/results/<UTC timestamp>/), its output shown and kept in <name>.log. Then
+writes there:
+
+- report.md: per benchmark, the command, its table, and each figure beside its
+  reference from the same run with the ratio;
+- report.json: the three JSON results combined, with machine facts, commands,
+  exit codes and durations.
+
+Exits non-zero, naming them, when any benchmark fails (the others still run).
+
+Full run (root):   python3 bench/run_all.py
+Smoke test:        python3 bench/run_all.py --quick      (small sizes, a few minutes)
+Some only:         python3 bench/run_all.py --only adam,pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import _report  # noqa: E402
+
+BENCHMARKS = ("io", "pipeline", "adam")
+SCRIPTS = {"io": "io_vs_fio.py", "pipeline": "pipeline.py", "adam": "adam.py"}
+TITLES = {"io": "I/O engine against fio (bench/io_vs_fio.py)",
+          "pipeline": "Offloaded step against its floors (bench/pipeline.py)",
+          "adam": "Adam step on the CPU (bench/adam.py)"}
+# Each script's own flags (read from its argparse), full run = the script's defaults.
+QUICK_ARGS = {"io": ["--size", "512MiB", "--rounds", "1"],
+              "pipeline": ["--params", "200M", "--steps", "3"],
+              "adam": ["--params", "10M"]}
+VARIES = ("Figures vary by up to 25% from run to run on this shared machine; only ratios "
+          "between figures of one run mean anything.")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes: io 512MiB 1 round, pipeline 200M params 3 steps, "
+                        "adam 10M params")
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help="comma-separated subset of io,pipeline,adam (default all)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default bench/results/<UTC timestamp>/)")
+    a = p.parse_args(argv)
+    a.only = [b.strip() for b in a.only.split(",") if b.strip()]
+    unknown = [b for b in a.only if b not in BENCHMARKS]
+    if unknown or not a.only:
+        p.error(f"--only: unknown {unknown or a.only}; choose from {','.join(BENCHMARKS)}")
+    a.only = [b for b in BENCHMARKS if b in a.only]  # always in the same order
+    return a
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+def run_one(name: str, quick: bool, out: Path) -> dict[str, Any]:
+    """Run one benchmark script, echoing its output and keeping it in <out>/<name>.log."""
+    json_path = out / f"{Path(SCRIPTS[name]).stem}.json"
+    argv = [sys.executable, str(HERE / SCRIPTS[name]), *(QUICK_ARGS[name] if quick else []),
+            "--json", str(json_path)]
+    shown_json = (os.path.relpath(json_path, REPO) if json_path.resolve().is_relative_to(REPO)
+                  else str(json_path))
+    shown = shlex.join(["python3", f"bench/{SCRIPTS[name]}", *argv[2:-2], "--json", shown_json])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "PYTHONUNBUFFERED": "1"}
+    log_path = out / f"{name}.log"
+    print(f"\n=== {name}: {shown}", flush=True)
+    t0 = time.monotonic()
+    tail: list[str] = []
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
+        except OSError as exc:
+            log.write(f"could not start: {exc}\n")
+            return {"name": name, "command": shown, "returncode": None,
+                    "error": f"could not start: {exc}", "seconds": 0.0, "log": str(log_path),
+                    "json_path": str(json_path), "data": None, "output_tail": []}
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            log.write(line)
+            tail = (tail + [line.rstrip("\n")])[-400:]
+        rc = proc.wait()
+    seconds = time.monotonic() - t0
+    data, error = None, None
+    if rc != 0:
+        error = f"exit status {rc}"
+    else:
+        try:
+            data = json.loads(json_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            error = f"exit status 0 but no readable JSON at {json_path}: {exc}"
+    print(f"=== {name}: {'ok' if error is None else 'FAILED: ' + error} "
+          f"in {seconds:.0f} s", flush=True)
+    return {"name": name, "command": shown, "returncode": rc, "error": error,
+            "seconds": seconds, "log": str(log_path), "json_path": str(json_path),
+            "data": data, "output_tail": tail}
+
+
+# -- figures beside their references ---------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or not b else f"{a / b:.2f}"
+
+
+def io_figures(d: dict) -> list[list[str]]:
+    """Each tiermem backend beside fio (and DeepSpeed aio) at the same depth and op."""
+    med = {(r["tool"], r["depth"], r["op"]): r["gbps_median"] for r in d["medians"]}
+    rows = []
+    for r in d["medians"]:
+        if not r["tool"].startswith("tiermem"):
+            continue
+        for ref in ("fio", "deepspeed aio"):
+            ref_v = med.get((ref, r["depth"], r["op"]))
+            if ref_v is None:
+                continue
+            rows.append([f"{r['tool']} qd{r['depth']} {r['op']}", f"{r['gbps_median']:.2f} GB/s",
+                         f"{ref} qd{r['depth']} {r['op']}", f"{ref_v:.2f} GB/s",
+                         _ratio(r["gbps_median"], ref_v)])
+    return rows
+
+
+def pipeline_figures(d: dict) -> list[list[str]]:
+    """The offloaded step beside each floor and their max; peak RSS beside its bound."""
+    tm, fio, mem = d["tiermem"]["steady"], d["fio"]["seconds"], d["memory"]["steady"]
+    floor = max(fio, mem)
+    step = f"{tm:.2f} s"
+    return [
+        ["tiermem step (NVMe)", step, "I/O floor (fio, concurrent r+w)", f"{fio:.2f} s",
+         _ratio(tm, fio)],
+        ["tiermem step (NVMe)", step, "compute floor (in-memory fused AdamW)", f"{mem:.2f} s",
+         _ratio(tm, mem)],
+        ["tiermem step (NVMe)", step, "max(floors), goal ratio <= 1.10", f"{floor:.2f} s",
+         _ratio(tm, floor)],
+        ["peak RSS", f"{d['tiermem']['peak_rss'] / 2**30:.2f} GiB",
+         "weights + grads + buffers + 10%", f"{d['rss_bound'] / 2**30:.2f} GiB",
+         _ratio(d["tiermem"]["peak_rss"], d["rss_bound"])],
+    ]
+
+
+def adam_figures(d: dict) -> list[list[str]]:
+    """tiermem's update beside torch fused, DeepSpeed and the bandwidth bound, per
+    (params, dtype)."""
+    rows = []
+    groups: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in d["rows"]:
+        groups.setdefault((r["params"], r["dtype"]), {})[r["implementation"]] = r
+    for (params, dtype), g in groups.items():
+        tm = next((r for k, r in g.items() if k.startswith("tiermem")), None)
+        if tm is None or tm["status"] != "measured":
+            continue
+        for ref_name, ref in g.items():
+            if ref is tm or ref_name == "torch AdamW foreach" or ref["status"] != "measured":
+                continue
+            rows.append([f"{tm['implementation']} {dtype} {params}",
+                         f"{tm['ns_per_param']:.3f} ns/param", f"{ref_name}",
+                         f"{ref['ns_per_param']:.3f} ns/param",
+                         _ratio(tm["ns_per_param"], ref["ns_per_param"])])
+    return rows
+
+
+FIGURES = {"io": io_figures, "pipeline": pipeline_figures, "adam": adam_figures}
+
+
+def last_table(lines: Sequence[str]) -> str | None:
+    """The last markdown table a script printed (pipeline.py does not put it in its JSON)."""
+    blocks, cur = [], []
+    for line in lines:
+        if line.startswith("|"):
+            cur.append(line)
+        elif cur:
+            blocks.append(cur)
+            cur = []
+    if cur:
+        blocks.append(cur)
+    return "\n".join(blocks[-1]) if blocks else None
+
+
+def table_of(res: dict) -> str | None:
+    data = res["data"] or {}
+    return data.get("table") or last_table(res["output_tail"])
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def render_report(run: dict, results: list[dict]) -> str:
+    m = run["machine"]
+    mem = m.get("mem_total_bytes")
+    out = [
+        "# tiermem benchmarks",
+        "",
+        f"Run {run['started']} to {run['finished']} (UTC), {run['seconds'] / 60:.1f} min, "
+        f"{'--quick' if run['quick'] else 'full sizes'}; command `{run['command']}`; "
+        f"tiermem {run['tiermem_git']}.",
+        "",
+        f"Machine: {m.get('cpu_model')}, {m.get('cpus')} CPUs, "
+        f"{mem / 2**30:.1f} GiB RAM, {m.get('os')}, kernel {m.get('kernel')}, "
+        f"Python {m.get('python')}." if mem else f"Machine: {m}",
+        "",
+        VARIES,
+    ]
+    failed = [r for r in results if r["error"]]
+    if failed:
+        out += ["", "**Failed:** " + ", ".join(f"{r['name']} ({r['error']})" for r in failed)]
+    for res in results:
+        out += ["", f"## {TITLES[res['name']]}", "",
+                f"`{res['command']}` ({res['seconds']:.0f} s)", ""]
+        if res["error"]:
+            out += [f"FAILED: {res['error']}. Last lines of its output "
+                    f"({os.path.basename(res['log'])}):", "", "```",
+                    *res["output_tail"][-30:], "```"]
+            continue
+        table = table_of(res)
+        out += [table if table else "(no table printed)", ""]
+        try:
+            rows = FIGURES[res["name"]](res["data"])
+        except (KeyError, TypeError, ValueError) as exc:
+            rows, note = [], f"(figures not found in its JSON: {type(exc).__name__}: {exc})"
+        else:
+            note = "" if rows else "(no figure with a reference in this run)"
+        out += ["Each figure beside its reference from the same run:", ""]
+        out += [_report.markdown_table(["figure", "value", "reference", "value", "ratio"], rows)
+                if rows else note]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    out = (args.out or HERE / "results" / started.strftime("%Y%m%dT%H%M%SZ")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    results = [run_one(name, args.quick, out) for name in args.only]
+    finished = _dt.datetime.now(_dt.timezone.utc)
+    run = {
+        "benchmark": "run_all",
+        "started": started.isoformat(timespec="seconds"),
+        "finished": finished.isoformat(timespec="seconds"),
+        "seconds": time.monotonic() - t0,
+        "command": shlex.join(["python3", "bench/run_all.py",
+                               *(sys.argv[1:] if argv is None else argv)]),
+        "quick": args.quick,
+        "only": args.only,
+        "tiermem_git": _report.git_revision(REPO),
+        "machine": _report.machine_facts(),
+    }
+    report = render_report(run, results)
+    (out / "report.md").write_text(report)
+    _report.write_json(out / "report.json", {
+        **run,
+        "benchmarks": {r["name"]: {k: v for k, v in r.items() if k not in ("name", "output_tail")}
+                       for r in results},
+        "failed": [r["name"] for r in results if r["error"]],
+    })
+    print("\n" + report)
+    print(f"report: {out / 'report.md'}\n        {out / 'report.json'}")
+    failed = [r for r in results if r["error"]]
+    if failed:
+        print("FAILED: " + ", ".join(f"{r['name']} ({r['error']})" for r in failed),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
