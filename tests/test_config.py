@@ -38,7 +38,9 @@ def test_shipped_configs_load(path):
 
 def test_defaults():
     s = Settings()
-    assert s.io == IOSettings("auto", 32, 1 << 20, "auto")
+    assert s.io == IOSettings(backend="auto", queue_depth=32, block_size=1 << 20, retries=2,
+                              o_direct="auto")
+    assert s.swap.checksums is True
     assert s.tiers.gpu.capacity == 0 and s.tiers.host.capacity == 2 << 30
     assert s.pipeline == PipelineSettings(64 << 20, 4, 2, True)
     assert s.placement == [] and s.optimizer.kernel == "fused"

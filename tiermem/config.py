@@ -78,6 +78,9 @@ class IOSettings:
                            default=32)
     block_size: Size = doc("Bytes per block request; transfers are split into these.",
                            lo=4096, hi=1 << 30, multiple_of=4096, default=1 << 20)
+    retries: int = doc("Times a failed NVMe read or write is reissued before it is an error "
+                       "(the disk copy, or the buffer, still holds the record).", lo=0, hi=10,
+                       default=2)
     o_direct: Literal["auto", True, False] = doc(
         "O_DIRECT on swap files: true requires it, auto falls back to buffered I/O with a "
         "warning on filesystems that refuse it.", default="auto")

@@ -49,6 +49,12 @@ class Offload:
         self._discard = True
 
     @property
+    def faults_survived(self) -> int:
+        """NVMe transfers that failed and succeeded when reissued (io.retries)."""
+        pipeline = self._off.tiers.pipeline
+        return pipeline.faults_survived if pipeline else 0
+
+    @property
     def resumed_step(self) -> int | None:
         """With resume=True, the step the kept state had reached; else None."""
         return self._off.resumed_step

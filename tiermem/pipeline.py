@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.io import Request
 from tiermem.partition import Partition
 from tiermem.swap import SwapStore
@@ -43,7 +44,8 @@ class StepPipeline:
     """Streams NVMe partitions through a BufferPool's buffers, reads ahead, writes behind."""
 
     def __init__(self, store: SwapStore, buffers: Sequence[torch.Tensor],
-                 parts: Sequence[Partition], *, prefetch_depth: int, zigzag: bool) -> None:
+                 parts: Sequence[Partition], *, prefetch_depth: int, zigzag: bool,
+                 retries: int = 0) -> None:
         if len(buffers) < prefetch_depth + 1:
             raise ValueError(f"{len(buffers)} buffers cannot hold prefetch_depth + 1 = "
                              f"{prefetch_depth + 1} partitions")
@@ -55,6 +57,8 @@ class StepPipeline:
         self.where: dict[int, _Slot] = {}
         self.fresh = {p.id for p in parts}
         self.steps_done = 0
+        self.retries = retries  # times a failed transfer is reissued before it is an error
+        self.faults_survived = 0
         self._open_stats: list[tuple[StepStats, list[tuple[Request, int]]]] = []
         # I/O and counts of the step being run, or run ahead into.
         self._ahead = StepStats()
@@ -154,21 +158,44 @@ class StepPipeline:
         return max(free, key=next_use)
 
     def _finish_read(self, slot: _Slot) -> None:
-        if slot.read is not None:
-            req, slot.read = slot.read, None
+        if slot.read is None:
+            return
+        req, slot.read = slot.read, None
+        for attempt in range(self.retries + 1):
             try:
                 req.wait()
                 self.store.verify(slot.part, slot.buf)
+                self.faults_survived += attempt
+                return
+            except TierMemError:
+                if attempt == self.retries:
+                    self._forget(slot)
+                    raise
+                # The record on disk is still the good one: read it again.
+                req = self.store.read(slot.part, slot.buf)
             except BaseException:
-                # The buffer holds a partial record: forget it so nothing uses it.
-                del self.where[slot.part.id]
-                slot.part = None
+                self._forget(slot)
                 raise
 
+    def _forget(self, slot: _Slot) -> None:
+        """The buffer holds a partial record: make sure nothing uses it."""
+        del self.where[slot.part.id]
+        slot.part = None
+
     def _finish_write(self, slot: _Slot) -> None:
-        if slot.write is not None:
-            req, slot.write = slot.write, None
-            req.wait()
+        if slot.write is None:
+            return
+        req, slot.write = slot.write, None
+        for attempt in range(self.retries + 1):
+            try:
+                req.wait()
+                self.faults_survived += attempt
+                return
+            except TierMemIOError:
+                if attempt == self.retries:
+                    # The buffer keeps the record (slot.part stays): nothing is dropped.
+                    raise
+                req = self.store.rewrite(slot.part, slot.buf)
 
     def _issue_write(self, slot: _Slot, stats: StepStats) -> None:
         slot.write = self.store.write(slot.part, slot.buf)

@@ -163,6 +163,11 @@ class SwapStore:
             seal(buf, part.record_bytes, part.id, self.generation[part.id])
         return self.engine.write(self.files[s.file], buf[: s.nbytes], s.offset)
 
+    def rewrite(self, part: Partition, buf: torch.Tensor) -> Request:
+        """Issue a failed write again, footer and generation unchanged."""
+        s = self.slots[part.id]
+        return self.engine.write(self.files[s.file], buf[: s.nbytes], s.offset)
+
     def verify(self, part: Partition, buf: torch.Tensor) -> None:
         """Check a record that a read() brought into `buf` (raises IntegrityError)."""
         if self.checksums:
