@@ -80,6 +80,29 @@ class Offload:
     def last_step(self) -> StepStats | None:
         return self._off.history[-1] if self._off.history else None
 
+    def _exit_after_failed_writes(self, exc: TierMemError) -> None:
+        """Some write-backs failed for good: the records they carried are in buffers only.
+        Hand everything back into the optimizer from memory if it fits; else keep what the
+        disk has. Either way, raise saying which."""
+        off = self._off
+        dirs = off.tiers.store.dirs if off.tiers.store else []
+        off.detach()
+        if not self._discard and self._state_nbytes() <= available_memory() * 0.8:
+            try:
+                state = off.export_state(model_dtype=True)
+            except TierMemError:
+                pass
+            else:
+                off.opt.state.clear()
+                off.opt.state.update(state)
+                off.tiers.close(remove_swap=True)
+                raise TierMemError(f"writing optimizer state to swap failed ({exc}); the state "
+                                   "was gathered from memory and handed back to the optimizer, "
+                                   "and the swap files were removed") from exc
+        raise TierMemError(f"optimizer state could not be written back ({exc}); swap files "
+                           f"were kept in {', '.join(dirs)}, and the records that failed "
+                           "were lost with this process") from exc
+
     def _state_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() * 2 for p in self._off.params)
 
@@ -87,11 +110,9 @@ class Offload:
         off = self._off
         try:
             off.tiers.flush()
-        except BaseException as exc:
-            off.detach()
-            dirs = off.tiers.store.dirs if off.tiers.store else []
-            raise TierMemError(f"optimizer state could not be written back ({exc}); swap "
-                               f"files were kept in {', '.join(dirs)}") from exc
+        except TierMemError as exc:
+            self._exit_after_failed_writes(exc)
+            return
         if self._discard:
             off.detach()
             off.tiers.close(remove_swap=True)

@@ -49,10 +49,26 @@ def _torch_impl(impl: Callable) -> Callable:
 adam_single_tensor = _torch_impl(_torch_adam._single_tensor_adam)
 adam_multi_tensor = _torch_impl(_torch_adam._multi_tensor_adam)
 
+
+def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
+                lr: float | Tensor, beta1: float, beta2: float, eps: float,
+                weight_decay: float, amsgrad: bool, maximize: bool,
+                decoupled_weight_decay: bool) -> None:
+    """tiermem's own C kernel (tiermem.native_adam): torch fused's arithmetic in one
+    SIMD pass per contiguous run, on CPU tensors; grads may also be bf16 or fp16."""
+    from tiermem.native_adam import adam_native as impl  # imported on first use
+
+    impl(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+         max_exp_avg_sqs=max_exp_avg_sqs, steps=steps, lr=lr, beta1=beta1, beta2=beta2,
+         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+         decoupled_weight_decay=decoupled_weight_decay)
+
 KERNELS: dict[str, Callable[..., None]] = {
     "fused": adam_fused,
     "single_tensor": adam_single_tensor,
     "multi_tensor": adam_multi_tensor,
+    "native": adam_native,
 }
 
 
@@ -67,5 +83,5 @@ def kernel_matching(group: dict, device: torch.device) -> str:
 
 
 def adam_update(*, kernel: str, **kwargs) -> None:
-    """Run `kernel` ("fused", "single_tensor" or "multi_tensor") on one partition."""
+    """Run `kernel` ("fused", "single_tensor", "multi_tensor" or "native") on one partition."""
     KERNELS[kernel](**kwargs)

@@ -38,6 +38,7 @@ class _Slot:
     write: Request | None = None  # in flight out of buf
     needs_init: bool = False  # part was never written: build its record, do not read
     fetched: bool = False  # read (or built) for the step being run, not left from before
+    dirty: bool = False  # its write-back failed: this buffer holds the only current copy
 
 
 class StepPipeline:
@@ -59,6 +60,7 @@ class StepPipeline:
         self.steps_done = 0
         self.retries = retries  # times a failed transfer is reissued before it is an error
         self.faults_survived = 0
+        self._write_errors: list[TierMemIOError] = []
         self._open_stats: list[tuple[StepStats, list[tuple[Request, int]]]] = []
         # I/O and counts of the step being run, or run ahead into.
         self._ahead = StepStats()
@@ -93,7 +95,7 @@ class StepPipeline:
             slot = self.where[part.id]
             with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
                 self._finish_read(slot)
-                self._finish_write(slot)
+                self._settle_write(slot)  # a failure leaves it dirty: it is the latest copy
             views = part.views(slot.buf)
             if slot.needs_init:
                 init(part, views)
@@ -103,6 +105,14 @@ class StepPipeline:
             compute(part, views)
             self._issue_write(slot, stats)
             stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
+        errors, self._write_errors = self._write_errors, []
+        self._finish_step(stats)
+        if errors:
+            # The whole step ran and its records are in buffers; say now that some of
+            # them could not be written back.
+            raise errors[0]
+
+    def _finish_step(self, stats: StepStats) -> None:
         self.steps_done += 1
         self._open_stats.append((stats, self._reqs))
         self._reqs = []
@@ -126,10 +136,14 @@ class StepPipeline:
         slot = self.where.get(part.id)
         if slot is not None:
             return slot
-        slot = self._victim(window, order, i)
         with timed(stats, "stall_seconds", f"free buffer for p{part.id}", part.id):
-            self._finish_read(slot)
-            self._finish_write(slot)  # the old record must be on disk before it is overwritten
+            while True:
+                slot = self._victim(window, order, i)
+                self._finish_read(slot)
+                # The old record must be on disk before the buffer takes another; if its
+                # write failed for good the buffer stays with it and another is chosen.
+                if self._settle_write(slot):
+                    break
         if slot.part is not None:
             del self.where[slot.part.id]
         slot.part = part
@@ -154,7 +168,11 @@ class StepPipeline:
                 return float("inf")
             return pos.get(slot.part.id, nxt.get(slot.part.id, float("inf")))
 
-        free = [s for s in self.slots if s.part is None or s.part.id not in keep]
+        free = [s for s in self.slots
+                if (s.part is None or s.part.id not in keep) and not s.dirty]
+        if not free:
+            raise TierMemError("no pipeline buffer can be reused: the records they hold could "
+                               "not be written back (see the earlier I/O error)")
         return max(free, key=next_use)
 
     def _finish_read(self, slot: _Slot) -> None:
@@ -190,12 +208,24 @@ class StepPipeline:
             try:
                 req.wait()
                 self.faults_survived += attempt
+                slot.dirty = False
                 return
             except TierMemIOError:
                 if attempt == self.retries:
-                    # The buffer keeps the record (slot.part stays): nothing is dropped.
+                    # The buffer keeps the only current copy; it is never reused for
+                    # another partition and flush() tries the write again.
+                    slot.dirty = True
                     raise
                 req = self.store.rewrite(slot.part, slot.buf)
+
+    def _settle_write(self, slot: _Slot) -> bool:
+        """Finish slot's write-back; a failure is kept for the end of the step. True if the
+        slot's record is on disk."""
+        try:
+            self._finish_write(slot)
+        except TierMemIOError as exc:
+            self._write_errors.append(exc)
+        return not slot.dirty
 
     def _issue_write(self, slot: _Slot, stats: StepStats) -> None:
         slot.write = self.store.write(slot.part, slot.buf)
@@ -219,9 +249,15 @@ class StepPipeline:
             self._issue_write(slot, stats)
 
     def flush(self) -> None:
-        """Wait for every transfer in flight; raise the first failure."""
+        """Every write-back on disk (raises the first that fails); reads in flight are
+        finished, and a failed one only dropped: its record is still on disk."""
         for slot in self.slots:
-            self._finish_read(slot)
+            try:
+                self._finish_read(slot)
+            except TierMemError:
+                pass  # _finish_read forgot the slot; nothing of the state was in it
+            if slot.dirty and slot.write is None:
+                slot.write = self.store.rewrite(slot.part, slot.buf)  # the disk may be back
             self._finish_write(slot)
         self._close_old_stats(keep=0)
 

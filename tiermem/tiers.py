@@ -20,7 +20,7 @@ from tiermem.config import Settings
 from tiermem.io import IOEngine
 from tiermem.partition import Partition
 from tiermem.pipeline import StepPipeline, Views
-from tiermem.errors import TierMemError
+from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.manifest import RESIDENT_FILE, Manifest, layout_of, write_manifest
 from tiermem.swap import SwapStore
 from tiermem.swapdir import run_dirs
@@ -188,8 +188,12 @@ class TierManager:
                 rec.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def close(self, *, remove_swap: bool) -> None:
-        """Release buffers and the engine; delete swap files only if `remove_swap`."""
-        if self.pipeline is not None:
+        """Release buffers and the engine; delete swap files only if `remove_swap`.
+
+        Keeping them, every write-back must land first (flush raises otherwise). Removing
+        them, the state is already safe elsewhere: transfers still in flight are waited
+        for (the engine never frees a ring under them) and their failures do not matter."""
+        if self.pipeline is not None and not remove_swap:
             self.pipeline.flush()
         if self.store is not None:
             if remove_swap:
@@ -199,6 +203,10 @@ class TierManager:
         elif remove_swap and self._resume is not None:
             shutil.rmtree(self.run_dir(), ignore_errors=True)  # resumed, resident records only
         if self.engine is not None:
-            self.engine.close()
+            try:
+                self.engine.close()
+            except TierMemIOError:
+                if not remove_swap:
+                    raise
         self.resident.clear()
         self.pipeline = self.pool = self.store = self.engine = None

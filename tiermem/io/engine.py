@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+import stat
 import threading
 import warnings
 import weakref
@@ -71,6 +72,8 @@ class File:
         self._token = token
         self._inflight: set[Request] = set()
         self.closed = False
+        # Sizes bound reads of regular files only: a pipe or device has no fixed end.
+        self.regular = stat.S_ISREG(os.fstat(fd).st_mode)
 
     def size(self) -> int:
         """Current size in bytes (fstat)."""
@@ -315,7 +318,7 @@ class IOEngine:
         ref = buffer_ref(buffer, for_read=op == "read")
         if file.direct:
             self._check_direct(op, file, ref, offset)
-        if op == "read" and ref.nbytes and offset + ref.nbytes > file.size():
+        if op == "read" and ref.nbytes and file.regular and offset + ref.nbytes > file.size():
             raise TierMemIOError(
                 f"read of {ref.nbytes} bytes at offset {offset} runs past the end of "
                 f"{file.path} (size {file.size()})", op="read", path=file.path,

@@ -1,0 +1,198 @@
+"""tiermem's own CPU Adam/AdamW kernel (native/adam.c), called through cffi on raw pointers.
+
+One fused pass per call reads the gradient (fp32, bf16 or fp16, upcast in registers),
+updates the fp32 parameters and moments in place, and can write a bf16 or fp16 copy of
+the updated parameters (round to nearest even) in the same pass. Its arithmetic is that
+of torch's fused CPU AdamW (`torch.optim.AdamW(fused=True)`); the AVX-512, AVX2 and
+scalar paths give bitwise the same results.
+
+- `adam_native(...)`: the kernel signature of tiermem.kernels (registered there as
+  "native"); gradients may be fp32, bf16 or fp16.
+- `adam_fused_mixed(...)`: one flat fp32 master with its moments, a gradient of any of
+  those dtypes and an optional bf16/fp16 weight written in the same pass.
+- `set_isa` / `isa` / `supported_isas`: which SIMD path runs ("avx512", "avx2",
+  "scalar", or "auto" for the best the CPU has). The environment variable
+  TIERMEM_ADAM_ISA picks one before the first call.
+
+The C code splits large calls across a small pool of pthreads, as many as
+`torch.get_num_threads()` unless `num_threads` says otherwise; the GIL is released
+for the duration of each call.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from tiermem._lib import ffi, lib
+
+ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+_ISA_NAMES = {v: k for k, v in ISAS.items()}
+GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+ENV_ISA = "TIERMEM_ADAM_ISA"
+
+_env_applied = False
+
+
+def supported_isas() -> list[str]:
+    """The paths this CPU can run, best last (always includes "scalar")."""
+    return [name for name, code in ISAS.items() if code >= 0 and lib.tm_adam_isa_supported(code)]
+
+
+def set_isa(name: str) -> None:
+    """Force one path ("avx512", "avx2", "scalar"), or "auto" for the best available."""
+    global _env_applied
+    _env_applied = True  # an explicit choice overrides the environment
+    code = ISAS.get(name)
+    if code is None:
+        raise ValueError(f"unknown ISA {name!r}; expected one of {', '.join(ISAS)}")
+    if not lib.tm_adam_set_isa(code):
+        raise ValueError(f"ISA {name!r} is not supported by this CPU "
+                         f"(supported: {', '.join(supported_isas())})")
+
+
+def isa() -> str:
+    """The path the next call will run."""
+    _apply_env()
+    return _ISA_NAMES[lib.tm_adam_get_isa()]
+
+
+def _apply_env() -> None:
+    global _env_applied
+    if _env_applied:
+        return
+    _env_applied = True
+    name = os.environ.get(ENV_ISA, "").strip().lower()
+    if name:
+        try:
+            set_isa(name)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_ISA}={name!r}: {exc}") from None
+
+
+def _check(t: Tensor, what: str, dtypes: Sequence[torch.dtype], n: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: the native Adam kernel runs on CPU tensors, "
+                         f"got one on {t.device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{what}: dtype {t.dtype} not supported here "
+                        f"(expected {' or '.join(str(d) for d in dtypes)})")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: must be contiguous (got strides {tuple(t.stride())})")
+    if t.numel() != n:
+        raise ValueError(f"{what}: has {t.numel()} elements, the parameters have {n}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{what}: updated in place outside autograd; call under "
+                           "torch.no_grad() or pass a detached tensor")
+
+
+def _ptr(t: Tensor | None, ctype: str):
+    return ffi.NULL if t is None else ffi.cast(ctype, t.data_ptr())
+
+
+def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                     max_exp_avg_sq: Tensor | None = None, weight_out: Tensor | None = None,
+                     step: float | int | Tensor, lr: float | Tensor, beta1: float,
+                     beta2: float, eps: float, weight_decay: float = 0.0,
+                     amsgrad: bool = False, maximize: bool = False,
+                     decoupled_weight_decay: bool = True,
+                     num_threads: int | None = None) -> None:
+    """One Adam/AdamW step on one contiguous run, in one pass.
+
+    master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad): fp32, updated in
+    place. grad: fp32, bf16 or fp16. weight_out: None, or a bf16/fp16 tensor of the same
+    length that receives the updated master rounded to nearest even. step: the step
+    count after this step's increment. All tensors: CPU, contiguous, same numel (shapes
+    may differ)."""
+    _apply_env()
+    n = master.numel()
+    _check(master, "master", (torch.float32,), n)
+    _check(grad, "grad", tuple(GRAD_DTYPES), n)
+    _check(exp_avg, "exp_avg", (torch.float32,), n)
+    _check(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError("amsgrad needs max_exp_avg_sq")
+        _check(max_exp_avg_sq, "max_exp_avg_sq", (torch.float32,), n)
+    if weight_out is not None:
+        _check(weight_out, "weight_out", tuple(OUT_DTYPES), n)
+    _run(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, weight_out,
+         n, float(step), float(lr), beta1, beta2, eps, weight_decay, amsgrad, maximize,
+         decoupled_weight_decay, num_threads)
+
+
+def _run(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, out: Tensor | None,
+         n: int, step: float, lr: float, beta1: float, beta2: float, eps: float,
+         weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+         num_threads: int | None) -> None:
+    if n == 0:
+        return
+    if step < 1:
+        raise ValueError(f"step must be the count after this step's increment (>= 1), "
+                         f"got {step}")
+    threads = torch.get_num_threads() if num_threads is None else int(num_threads)
+    rc = lib.tm_adam_step(
+        _ptr(p, "float *"), _ptr(m, "float *"), _ptr(v, "float *"), _ptr(vmax, "float *"),
+        _ptr(g, "void *"), GRAD_DTYPES[g.dtype], _ptr(out, "void *"),
+        OUT_DTYPES[out.dtype] if out is not None else 0, n, lr, float(beta1),
+        float(beta2), float(eps), float(weight_decay), step, int(amsgrad), int(maximize),
+        int(decoupled), max(1, threads))
+    if rc != 0:
+        raise RuntimeError(f"tm_adam_step failed: {os.strerror(-rc)}")
+
+
+def _next_to(a: Tensor, b: Tensor) -> bool:
+    """b starts where a ends, in the same storage dtype."""
+    return b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+
+
+def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
+                lr: float | Tensor, beta1: float, beta2: float, eps: float,
+                weight_decay: float, amsgrad: bool, maximize: bool,
+                decoupled_weight_decay: bool) -> None:
+    """tiermem's native kernel (native/adam.c): one pass per contiguous run, SIMD, threaded.
+
+    Same arithmetic as torch's fused CPU kernel; grads may be fp32, bf16 or fp16.
+    Segments that lie end to end in every list (and share a step count) go to the C
+    kernel as one run."""
+    _apply_env()
+    k = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    for name, lst in lists.items():
+        if len(lst) != k:
+            raise ValueError(f"{name}: {len(lst)} tensors for {k} params")
+    lr = float(lr)
+    step_values = []
+    for i in range(k):
+        n = params[i].numel()
+        _check(params[i], f"params[{i}]", (torch.float32,), n)
+        _check(grads[i], f"grads[{i}]", tuple(GRAD_DTYPES), n)
+        _check(exp_avgs[i], f"exp_avgs[{i}]", (torch.float32,), n)
+        _check(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", (torch.float32,), n)
+        if amsgrad:
+            _check(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", (torch.float32,), n)
+        s = steps[i]
+        step_values.append(float(s.item() if isinstance(s, Tensor) else s))
+    i = 0
+    while i < k:
+        j = i + 1  # extend the run [i, j) while every list continues end to end
+        while (j < k and step_values[j] == step_values[i]
+               and grads[j].dtype == grads[i].dtype
+               and all(_next_to(lst[j - 1], lst[j]) for lst in
+                       (params, grads, exp_avgs, exp_avg_sqs,
+                        *((max_exp_avg_sqs,) if amsgrad else ())))):
+            j += 1
+        n = sum(params[t].numel() for t in range(i, j))
+        _run(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+             max_exp_avg_sqs[i] if amsgrad else None, None, n, step_values[i], lr, beta1,
+             beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, None)
+        i = j
