@@ -72,7 +72,8 @@ class Offload:
                 "partitions": len(self._off.parts)}
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap)."""
+        """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap) of the
+        last 1000 steps."""
         self._off.tiers.flush()  # completes the last step's writes and their timings
         return [s.as_dict() for s in self._off.history]
 

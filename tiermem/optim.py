@@ -9,7 +9,7 @@ lr schedulers and zero_grad are untouched. `detach()` puts everything back.
 from __future__ import annotations
 
 import types
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable
 
 import torch
@@ -28,7 +28,8 @@ from tiermem.tiers import TierManager
 
 HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
+MASTER_KEY = "master_param"
+HISTORY = 1000  # steps of StepStats kept for tm.stats()  # fp32 master weight of a low-precision param, in state_dict()
 
 
 class UnsupportedOptimizer(TierMemError, TypeError):
@@ -86,7 +87,9 @@ class OffloadedOptimizer:
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = [torch.tensor(0.0) for _ in self.params]
-        self.history: list[StepStats] = []
+        # The last HISTORY steps' figures: a long run keeps a bounded amount of them.
+        self.history: deque[StepStats] = deque(maxlen=HISTORY)
+        self.steps_taken = 0
         self.record_events = False  # timeline spans per step (tracing, plots)
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self.parts = build_partitions(optimizer.param_groups, self.names,
@@ -173,7 +176,7 @@ class OffloadedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stats = StepStats(step=len(self.history) + 1,
+        stats = StepStats(step=self.steps_taken + 1,
                           events=[] if self.record_events else None)
         with timed(stats, "step_seconds"), torch.no_grad():
             self._check_groups()
@@ -192,6 +195,7 @@ class OffloadedOptimizer:
             self.tiers.step(stats, active, self._init_record,
                             lambda part, views: self._update(part, views, stats))
         self.history.append(stats)
+        self.steps_taken += 1
         self.opt._opt_called = True  # what torch's lr schedulers check for
         _run_post_hooks(self.opt, args, kwargs)
         return loss

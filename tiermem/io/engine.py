@@ -140,6 +140,7 @@ class Request:
         self._settle()
         if self._error is not None:
             self._raised = True
+            self._engine._seen(self)
             raise self._error
         return self.nbytes
 
@@ -348,6 +349,12 @@ class IOEngine:
             if req._error is not None:
                 self._unseen.append(req)
         req.file._inflight.discard(req)
+
+    def _seen(self, req: Request) -> None:
+        """A wait() raised req's failure: it no longer needs reporting (nor keeping)."""
+        with self._lock:
+            if req in self._unseen:
+                self._unseen.remove(req)
 
     def _raise_unseen(self) -> None:
         """Raise the first failure that no wait() has raised (one seen only via done())."""
