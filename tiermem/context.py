@@ -11,6 +11,7 @@ removed before the state is safe elsewhere.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -20,6 +21,7 @@ import torch
 from tiermem.config import Settings, load_config
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim import OffloadedOptimizer
+from tiermem.signals import held, terminate_as_exception
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.telemetry import StepStats
@@ -80,6 +82,16 @@ class Offload:
     @property
     def last_step(self) -> StepStats | None:
         return self._off.history[-1] if self._off.history else None
+
+    def where_state_is(self) -> str:
+        """One sentence for the user: where the optimizer state is now."""
+        if self.kept_on_disk:
+            return (f"the optimizer state stays on disk in {self.kept_on_disk}; resume with "
+                    "tiermem.offload(..., resume=True)")
+        if self._discard:
+            return "the optimizer state was discarded (stress/benchmark run)"
+        return (f"the optimizer state of step {self._off.steps_taken} was handed back to the "
+                "optimizer and the swap files were removed")
 
     def _exit_after_failed_writes(self, exc: TierMemError) -> None:
         """Some write-backs failed for good: the records they carried are in buffers only.
@@ -160,7 +172,19 @@ def offload(optimizer: torch.optim.Optimizer,
     settings = load_config(config)
     handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name,
                                         resume=resume))
-    try:
-        yield handle
-    finally:
-        handle._exit()
+    with terminate_as_exception():
+        try:
+            yield handle
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM as Terminated
+            with held():
+                handle._exit()
+            print(f"tiermem: interrupted ({exc or 'SIGINT'}); {handle.where_state_is()}",
+                  file=sys.stderr)
+            raise
+        except BaseException:
+            with held():
+                handle._exit()
+            raise
+        else:
+            with held():
+                handle._exit()
