@@ -228,24 +228,13 @@ def listdir(path: Path | str) -> list[str]:
 
 
 import contextlib
-import subprocess
 
 
 @contextlib.contextmanager
 def tmpfs(where: Path, size: str = "1m"):
-    """A fresh tmpfs of `size` on `where` for the duration; skips when it cannot be mounted."""
-    import pytest
+    """A fresh tmpfs of `size` on `where` for the duration; skips when it cannot be mounted.
+    mode=0700: tiermem refuses swap paths others can write (a tmpfs root is 1777)."""
+    from conftest import mounted
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    where.mkdir(parents=True, exist_ok=True)
-    # mode=0700: tiermem refuses swap paths others can write (a tmpfs root is 1777).
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
-                           str(where)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs: {proc.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+    with mounted(where, "tmpfs", f"size={size},mode=0700") as d:
+        yield d
