@@ -9,6 +9,10 @@ peak RSS with foreach's temporaries).
 
 - tiermem fused: `tiermem.kernels.adam_update(kernel="fused")` on one flat partition,
   with a post-increment step tensor, as tiermem runs it per partition.
+- tiermem native: tiermem's own C kernel (`tiermem.native_adam`, native/adam.c). fp32:
+  `adam_update(kernel="native")` like the row above. bf16-mixed: `adam_fused_mixed`
+  reads the bf16 gradient and writes the bf16 weights in the same pass as the update,
+  so it pays none of the casts below.
 - torch fused / torch foreach: `torch.optim.AdamW(fused=True)` / `(foreach=True)`.
 - DeepSpeed CPU Adam: `deepspeed.ops.adam.DeepSpeedCPUAdam` (AdamW mode) when it
   imports and builds; otherwise the row says why not.
@@ -19,9 +23,9 @@ peak RSS with foreach's temporaries).
 
 dtype fp32: fp32 parameters and gradients, updated in place.
 dtype bf16-mixed: bf16 gradients in, fp32 master weights and moments, bf16 weights
-out. Every implementation pays the same casts: the bf16 gradient is copied into an
-fp32 buffer, the update runs on the fp32 master, and the bf16 weight is refreshed
-with param_bf16.copy_(master) (tiermem's path does exactly this today).
+out. Every implementation but tiermem native pays the same casts: the bf16 gradient is
+copied into an fp32 buffer, the update runs on the fp32 master, and the bf16 weight is
+refreshed with param_bf16.copy_(master) (tiermem's fused path does exactly this today).
 
 Each figure is the median of --reps timed steps after one untimed warm-up step; each
 round of steps starts with one timed triad pass, and the bound uses their median.
@@ -58,10 +62,10 @@ DTYPES = ("fp32", "bf16-mixed")
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
 BYTES_PER_PARAM = {"fp32": 28, "bf16-mixed": 28}  # what an ideal one-pass kernel moves
 TRIAD_BYTES_PER_ELEM = 12  # a += alpha * b: read a, read b, write a (fp32)
-TIERMEM, FUSED, FOREACH, DEEPSPEED, BOUND = (
-    "tiermem fused (adam_update)", "torch AdamW fused", "torch AdamW foreach",
-    "DeepSpeedCPUAdam", "bandwidth bound")
-IMPLS = (TIERMEM, FUSED, FOREACH, DEEPSPEED)
+TIERMEM, NATIVE, FUSED, FOREACH, DEEPSPEED, BOUND = (
+    "tiermem fused (adam_update)", "tiermem native", "torch AdamW fused",
+    "torch AdamW foreach", "DeepSpeedCPUAdam", "bandwidth bound")
+IMPLS = (TIERMEM, NATIVE, FUSED, FOREACH, DEEPSPEED)
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -131,6 +135,28 @@ def setup_tiermem(prob: Problem) -> Callable[[], None]:
     return run
 
 
+def setup_native(prob: Problem) -> Callable[[], None]:
+    from tiermem.kernels import adam_update
+    from tiermem.native_adam import adam_fused_mixed
+
+    step = torch.tensor(0.0)
+
+    def run() -> None:
+        step.add_(1)
+        if prob.mixed:  # bf16 gradient in, bf16 weights out, in the update's one pass
+            adam_fused_mixed(master=prob.master, grad=prob.grad, exp_avg=prob.exp_avg,
+                             exp_avg_sq=prob.exp_avg_sq, weight_out=prob.weight, step=step,
+                             lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
+                             decoupled_weight_decay=True)
+            return
+        adam_update(kernel="native", params=[prob.master], grads=[prob.grad32],
+                    exp_avgs=[prob.exp_avg], exp_avg_sqs=[prob.exp_avg_sq], max_exp_avg_sqs=[],
+                    steps=[step], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                    weight_decay=WD, amsgrad=False, maximize=False,
+                    decoupled_weight_decay=True)
+    return run
+
+
 def _optimizer_run(prob: Problem, opt: Any, step: Any) -> Callable[[], None]:
     # Hand the optimizer the shared moments, as if it had made them on its first step.
     opt.state[prob.param] = {"step": step, "exp_avg": prob.exp_avg,
@@ -164,7 +190,8 @@ def setup_deepspeed(prob: Problem) -> Callable[[], None]:
     return _optimizer_run(prob, opt, 0)
 
 
-SETUPS = {TIERMEM: setup_tiermem, FUSED: setup_torch_fused, FOREACH: setup_torch_foreach,
+SETUPS = {TIERMEM: setup_tiermem, NATIVE: setup_native, FUSED: setup_torch_fused,
+          FOREACH: setup_torch_foreach,
           DEEPSPEED: setup_deepspeed}
 
 

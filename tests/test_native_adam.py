@@ -1,0 +1,442 @@
+"""tiermem's native Adam/AdamW kernel (native/adam.c via tiermem.native_adam).
+
+- parity: 100 steps against torch.optim.Adam/AdamW(fused=True) over the flag table
+  (Adam/AdamW, amsgrad, maximize, weight decay, grad dtype, low-precision output);
+- ISA paths: every SIMD path this CPU runs gives bitwise the scalar path's result,
+  including ragged tails, the threaded path and special values;
+- conversions: bf16/fp16 grads are upcast exactly, the weight output is the updated
+  master rounded to nearest even (master.to(dtype));
+- hypothesis: lengths 1..70000 and random hyperparameters;
+- the "native" entry in tiermem.kernels, argument checks, threads, fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiermem import kernels
+from tiermem import native_adam as na
+
+RTOL, ATOL = 1e-6, 1e-7
+ISAS = na.supported_isas()
+SIMD_ISAS = [i for i in ISAS if i != "scalar"]
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD = {"fp32": torch.float32, **LOW}
+
+
+@contextlib.contextmanager
+def isa(name: str):
+    na.set_isa(name)
+    try:
+        yield
+    finally:
+        na.set_isa("auto")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so NaNs and signed zeros compare exactly."""
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    diff = (bits(a) != bits(b)).nonzero()
+    assert diff.numel() == 0, (f"{what}: {diff.numel()} elements differ, first at "
+                               f"{diff[0].item()}: {a[diff[0]].item()!r} vs {b[diff[0]].item()!r}")
+
+
+class State:
+    """Flat fp32 master and moments plus a model weight, for the native kernel."""
+
+    def __init__(self, p0: torch.Tensor, amsgrad: bool, out: torch.dtype | None):
+        n = p0.numel()
+        self.p = p0.clone()
+        self.m = torch.zeros(n)
+        self.v = torch.zeros(n)
+        self.vmax = torch.zeros(n) if amsgrad else None
+        self.out = torch.empty(n, dtype=out) if out is not None else None
+
+    def step(self, grad: torch.Tensor, step: int, hp: dict) -> None:
+        na.adam_fused_mixed(master=self.p, grad=grad, exp_avg=self.m, exp_avg_sq=self.v,
+                            max_exp_avg_sq=self.vmax, weight_out=self.out, step=step, **hp)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.p, self.m, self.v, self.vmax, self.out) if t is not None]
+
+
+def reference(p0: torch.Tensor, hp: dict):
+    """torch's fused optimizer on a copy of p0, with hp in tiermem's keyword form."""
+    param = torch.nn.Parameter(p0.clone())
+    cls = torch.optim.AdamW if hp["decoupled_weight_decay"] else torch.optim.Adam
+    opt = cls([param], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+              weight_decay=hp["weight_decay"], amsgrad=hp["amsgrad"],
+              maximize=hp["maximize"], fused=True)
+    return param, opt
+
+
+def hyper(**kw) -> dict:
+    hp = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False,
+              maximize=False, decoupled_weight_decay=True)
+    hp.update(kw)
+    return hp
+
+
+def grads_for(n: int, dtype: torch.dtype, steps: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=g) * 0.05).to(dtype) for _ in range(steps)]
+
+
+# -- parity with torch's fused optimizer over the flag table --------------------------------
+
+TABLE = [pytest.param(dict(decoupled_weight_decay=dec, amsgrad=ams, maximize=mx,
+                           weight_decay=wd), gdt, out,
+                      id=f"{'adamw' if dec else 'adam'}-ams{int(ams)}-max{int(mx)}-wd{wd}"
+                         f"-g{gdt}-out{out}")
+         for dec in (False, True) for ams in (False, True) for mx in (False, True)
+         for wd in (0.0, 0.1) for gdt in GRAD for out in (None, "bf16")]
+
+
+@pytest.mark.parametrize("flags,gdt,out", TABLE)
+def test_matches_torch_fused_100_steps(flags, gdt, out):
+    n, steps = 1000 + 37, 100  # a ragged tail for every SIMD width
+    hp = hyper(**flags)
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    param, opt = reference(p0, hp)
+    mine = State(p0, hp["amsgrad"], LOW.get(out))
+    for k, g in enumerate(grads_for(n, GRAD[gdt], steps, seed=2), start=1):
+        param.grad = g.float()
+        opt.step()
+        mine.step(g, k, hp)
+        if mine.out is not None:
+            assert_bitwise(mine.out, mine.p.to(mine.out.dtype), f"weight out, step {k}")
+    ref = opt.state[param]
+    torch.testing.assert_close(mine.p, param.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(mine.m, ref["exp_avg"], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(mine.v, ref["exp_avg_sq"], rtol=RTOL, atol=ATOL)
+    if hp["amsgrad"]:
+        torch.testing.assert_close(mine.vmax, ref["max_exp_avg_sq"], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_kernel_entry_matches_fused_entry(decoupled):
+    """kernels.adam_update(kernel="native") on segment lists (merged into runs where
+    they lie end to end, separate where not) against kernel="fused" on the same ones."""
+    n = 5000
+    hp = hyper(weight_decay=0.1, amsgrad=True, decoupled_weight_decay=decoupled)
+    cuts = [0, 700, 1800, 1801, 4000, n]
+
+    def lists(base: torch.Tensor, holes: bool) -> list[torch.Tensor]:
+        # views of one buffer (end to end: one run), or each segment a tensor of its own
+        views = [base[a:b] for a, b in zip(cuts, cuts[1:])]
+        return [v.clone() for v in views] if holes else views
+
+    g = torch.Generator().manual_seed(3)
+    p0 = torch.randn(n, generator=g)
+    results = {}
+    for kernel in ("fused", "native"):
+        for holes in (False, True):
+            p = lists(p0.clone(), holes)
+            moms = [lists(torch.zeros(n), holes) for _ in range(3)]
+            stepv = [torch.tensor(0.0), torch.tensor(0.0)]
+            steps = [stepv[0]] * 3 + [stepv[1]] * (len(cuts) - 4)
+            gen = torch.Generator().manual_seed(4)
+            for _ in range(5):
+                grads = [torch.randn(t.numel(), generator=gen) for t in p]
+                for s in stepv:
+                    s.add_(1)
+                kernels.adam_update(kernel=kernel, params=p, grads=grads, exp_avgs=moms[0],
+                                    exp_avg_sqs=moms[1], max_exp_avg_sqs=moms[2],
+                                    steps=steps, **hp)
+            results[kernel, holes] = [torch.cat(x) for x in (p, *moms)]
+    for holes in (False, True):
+        for a, b in zip(results["native", holes], results["fused", holes]):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    for a, b in zip(results["native", False], results["native", True]):
+        assert_bitwise(a, b, "adjacent vs separate segments")
+
+
+def test_threaded_path_matches_torch():
+    n = 600_001  # above the single-thread cut-off, ragged
+    hp = hyper(weight_decay=0.1)
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    param, opt = reference(p0, hp)
+    mine = State(p0, False, torch.bfloat16)
+    for k, g in enumerate(grads_for(n, torch.bfloat16, 5, seed=6), start=1):
+        param.grad = g.float()
+        opt.step()
+        mine.step(g, k, hp)
+    torch.testing.assert_close(mine.p, param.detach(), rtol=RTOL, atol=ATOL)
+    assert_bitwise(mine.out, mine.p.to(torch.bfloat16), "bf16 weight out")
+
+
+# -- every ISA path gives the scalar path's bits ----------------------------------------------
+
+def run_isa(name: str, n: int, hp: dict, gdt: torch.dtype, out: torch.dtype | None,
+            steps: int = 3, seed: int = 0, threads: int | None = None) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mine = State(torch.randn(n, generator=g), hp["amsgrad"], out)
+    grads = grads_for(n, gdt, steps, seed + 1)
+    with isa(name):
+        for k, grad in enumerate(grads, start=1):
+            na.adam_fused_mixed(master=mine.p, grad=grad, exp_avg=mine.m, exp_avg_sq=mine.v,
+                                max_exp_avg_sq=mine.vmax, weight_out=mine.out, step=k,
+                                num_threads=threads, **hp)
+    return mine.tensors()
+
+
+ISA_CASES = [
+    (hyper(), "fp32", None),
+    (hyper(weight_decay=0.1, decoupled_weight_decay=False, amsgrad=True), "bf16", "bf16"),
+    (hyper(weight_decay=0.1, maximize=True, beta1=0.3), "fp16", "fp16"),
+    (hyper(weight_decay=0.01, amsgrad=True, maximize=True, beta2=0.95), "bf16", "fp16"),
+    (hyper(beta1=0.0, eps=1e-6), "fp16", "bf16"),
+]
+
+
+@pytest.mark.skipif(not SIMD_ISAS, reason="this CPU has no SIMD path for the kernel")
+@pytest.mark.parametrize("simd", SIMD_ISAS)
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 31, 33, 1000 + 13, 300_007])
+@pytest.mark.parametrize("case", range(len(ISA_CASES)))
+def test_simd_paths_match_scalar_bitwise(simd, n, case):
+    hp, gdt, out = ISA_CASES[case]
+    want = run_isa("scalar", n, hp, GRAD[gdt], LOW.get(out), seed=case)
+    got = run_isa(simd, n, hp, GRAD[gdt], LOW.get(out), seed=case)
+    for name, a, b in zip(("p", "m", "v", "vmax/out", "out"), got, want):
+        assert_bitwise(a, b, f"{simd} vs scalar, {name}")
+
+
+def _specials() -> torch.Tensor:
+    """Every bf16 and fp16 value as fp32, rounding ties and near-ties for both, the
+    edges of fp16's range, subnormal fp32, infinities and NaNs with payloads."""
+    allh = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    vals = [allh.view(torch.bfloat16).float(), allh.view(torch.float16).float()]
+    r = torch.randint(-2**31, 2**31 - 1, (20000,), generator=torch.Generator().manual_seed(7),
+                      dtype=torch.int64).to(torch.int32)
+    vals.append(r.view(torch.float32))
+    ties = (r & ~0xFFFF) | 0x8000  # exact bf16 halfway points, and one ulp either side
+    vals += [ties.view(torch.float32), (ties + 1).view(torch.float32),
+             (ties - 1).view(torch.float32)]
+    h = (r & ~0x1FFF) | 0x1000  # exact fp16 halfway points (in fp16's normal range or not)
+    vals += [h.view(torch.float32), (h + 1).view(torch.float32)]
+    vals.append(torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 1e-8, 2.0**-25, 2.0**-24,
+                              3 * 2.0**-26, 1e-45, -1e-40, float("inf"), -float("inf"),
+                              0.0, -0.0]))
+    vals.append(torch.tensor([0x7FC00001, 0x7F800001, 0xFFC12345 - 2**32, 0x7FFFFFFF],
+                             dtype=torch.int32).view(torch.float32))
+    return torch.cat(vals)
+
+
+@pytest.mark.parametrize("out", ["bf16", "fp16"])
+def test_weight_out_rounds_like_torch_on_special_values(out):
+    """lr 0 leaves the master as it is, so the output is exactly the conversion."""
+    p0 = _specials()
+    n = p0.numel()
+    hp = hyper(lr=0.0)
+    results = {}
+    for name in ISAS:
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        o = torch.empty(n, dtype=LOW[out])
+        with isa(name):
+            na.adam_fused_mixed(master=p, grad=torch.zeros(n), exp_avg=m, exp_avg_sq=v,
+                                weight_out=o, step=1, **hp)
+        finite = ~p0.isnan()
+        assert_bitwise(p[finite], p0[finite], f"{name}: master moved with lr 0")
+        results[name] = o
+        assert_bitwise(o[finite], p0[finite].to(LOW[out]), f"{name}: {out} rounding")
+        assert o[~finite].isnan().all()
+    for name in SIMD_ISAS:
+        assert_bitwise(results[name], results["scalar"], f"{name} vs scalar {out} output")
+
+
+@pytest.mark.parametrize("gdt", ["bf16", "fp16"])
+def test_low_precision_grads_upcast_exactly(gdt):
+    """beta1 = 0 makes exp_avg the gradient itself: every bf16/fp16 bit pattern."""
+    allh = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(GRAD[gdt])
+    n = allh.numel()
+    results = {}
+    for name in ISAS:
+        p, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        with isa(name):
+            na.adam_fused_mixed(master=p, grad=allh, exp_avg=m, exp_avg_sq=v, step=1,
+                                **hyper(beta1=0.0))
+        finite = allh.isfinite()
+        assert_bitwise(m[finite], allh[finite].float(), f"{name}: {gdt} upcast")
+        results[name] = (p, m, v)
+    for name in SIMD_ISAS:
+        for a, b in zip(results[name], results["scalar"]):
+            assert_bitwise(a, b, f"{name} vs scalar with every {gdt} gradient")
+
+
+# -- hypothesis: lengths and hyperparameters ----------------------------------------------------
+
+@settings(max_examples=50)
+@given(n=st.integers(1, 70000),
+       lr=st.floats(1e-5, 1e-1), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.5, 0.9999),
+       eps=st.sampled_from([1e-8, 1e-6, 1e-3]), weight_decay=st.sampled_from([0.0, 0.01, 0.3]),
+       amsgrad=st.booleans(), maximize=st.booleans(), decoupled=st.booleans(),
+       gdt=st.sampled_from(sorted(GRAD)), out=st.sampled_from([None, *sorted(LOW)]),
+       seed=st.integers(0, 2**16))
+def test_hypothesis_lengths_and_hyperparameters(n, lr, beta1, beta2, eps, weight_decay,
+                                                amsgrad, maximize, decoupled, gdt, out, seed):
+    hp = hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+               amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled)
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    param, opt = reference(p0, hp)
+    mine = State(p0, amsgrad, LOW.get(out))
+    for k, g in enumerate(grads_for(n, GRAD[gdt], 4, seed + 1), start=1):
+        param.grad = g.float()
+        opt.step()
+        mine.step(g, k, hp)
+    torch.testing.assert_close(mine.p, param.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(mine.v, opt.state[param]["exp_avg_sq"], rtol=RTOL, atol=ATOL)
+    if mine.out is not None:
+        assert_bitwise(mine.out, mine.p.to(mine.out.dtype), "weight out")
+    if SIMD_ISAS:  # and the scalar path agrees bit for bit
+        scalar = State(p0, amsgrad, LOW.get(out))
+        with isa("scalar"):
+            for k, g in enumerate(grads_for(n, GRAD[gdt], 4, seed + 1), start=1):
+                scalar.step(g, k, hp)
+        for a, b in zip(mine.tensors(), scalar.tensors()):
+            assert_bitwise(a, b, "auto vs scalar")
+
+
+# -- registration, checks, threads ----------------------------------------------------------
+
+def test_registered_with_the_same_signature():
+    assert "native" in kernels.KERNELS
+    assert kernels.KERNELS["fused"] is kernels.adam_fused  # the default is unchanged
+    want = inspect.signature(kernels.adam_fused).parameters
+    for fn in (kernels.KERNELS["native"], na.adam_native):
+        got = inspect.signature(fn).parameters
+        assert list(got) == list(want)
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in got.values())
+
+
+def test_isa_selection():
+    assert ISAS[0] == "scalar"
+    with isa("scalar"):
+        assert na.isa() == "scalar"
+    assert na.isa() == ISAS[-1]
+    with pytest.raises(ValueError, match="unknown ISA"):
+        na.set_isa("sse9")
+    for name in ("avx2", "avx512"):
+        if name not in ISAS:
+            with pytest.raises(ValueError, match="not supported"):
+                na.set_isa(name)
+
+
+def test_isa_from_environment(tmp_path):
+    code = ("import tiermem.native_adam as na, torch\n"
+            "p = torch.zeros(3); na.adam_fused_mixed(master=p, grad=torch.ones(3), "
+            "exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3), step=1, lr=1e-3, beta1=0.9, "
+            "beta2=0.999, eps=1e-8)\nprint(na.isa())\n")
+    env = {**os.environ, na.ENV_ISA: "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "scalar"
+    env[na.ENV_ISA] = "sse9"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "TIERMEM_ADAM_ISA" in out.stderr
+
+
+def _call(**over):
+    n = 8
+    kw = dict(master=torch.zeros(n), grad=torch.zeros(n), exp_avg=torch.zeros(n),
+              exp_avg_sq=torch.zeros(n), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    kw.update(over)
+    na.adam_fused_mixed(**kw)
+
+
+@pytest.mark.parametrize("over,err,match", [
+    (dict(master=torch.zeros(8, dtype=torch.float64)), TypeError, "master: dtype"),
+    (dict(grad=torch.zeros(8, dtype=torch.int32)), TypeError, "grad: dtype"),
+    (dict(exp_avg=torch.zeros(8, dtype=torch.bfloat16)), TypeError, "exp_avg: dtype"),
+    (dict(weight_out=torch.zeros(8)), TypeError, "weight_out: dtype"),
+    (dict(grad=torch.zeros(16)[::2]), ValueError, "grad: must be contiguous"),
+    (dict(exp_avg_sq=torch.zeros(9)), ValueError, "exp_avg_sq: has 9 elements"),
+    (dict(grad=torch.zeros(8, device="meta")), ValueError, "CPU tensors"),
+    (dict(amsgrad=True), ValueError, "amsgrad needs max_exp_avg_sq"),
+    (dict(step=0), ValueError, "step must be"),
+    (dict(master=torch.zeros(8, requires_grad=True)), RuntimeError, "no_grad"),
+    (dict(grad=[0.0] * 8), TypeError, "expected a tensor"),
+])
+def test_argument_checks(over, err, match):
+    with pytest.raises(err, match=match):
+        _call(**over)
+
+
+def test_kernel_entry_checks_list_lengths():
+    t = [torch.zeros(4)]
+    with pytest.raises(ValueError, match="exp_avgs: 0 tensors for 1 params"):
+        na.adam_native(params=t, grads=t, exp_avgs=[], exp_avg_sqs=t, max_exp_avg_sqs=[],
+                       steps=[torch.tensor(1.0)], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.0, amsgrad=False, maximize=False,
+                       decoupled_weight_decay=True)
+
+
+def test_thread_counts_and_concurrent_callers_agree():
+    n, hp = 700_003, hyper(weight_decay=0.1, amsgrad=True)
+    want = run_isa(ISAS[-1], n, hp, torch.bfloat16, torch.bfloat16, threads=1)
+    for threads in (2, 5):
+        got = run_isa(ISAS[-1], n, hp, torch.bfloat16, torch.bfloat16, threads=threads)
+        for a, b in zip(got, want):
+            assert_bitwise(a, b, f"{threads} threads vs 1")
+    results = [None] * 3
+
+    def worker(i):
+        results[i] = run_isa(ISAS[-1], n, hp, torch.bfloat16, torch.bfloat16, threads=2)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for r in results:
+        for a, b in zip(r, want):
+            assert_bitwise(a, b, "concurrent callers")
+
+
+FORK_N = 1 << 20
+_FORK_BUFS: list[torch.Tensor] = []
+
+
+def _child(q):
+    # Only the kernel runs here: torch's own OpenMP pool does not survive fork, so the
+    # buffers come from the parent.
+    try:
+        p, g, m, v = _FORK_BUFS
+        na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=1, lr=1e-3,
+                            beta1=0.9, beta2=0.999, eps=1e-8, num_threads=2)
+        q.put(float(p[0]))
+    except BaseException as exc:  # noqa: BLE001
+        q.put(repr(exc))
+
+
+def test_pool_survives_fork():
+    _call(master=torch.zeros(FORK_N), grad=torch.ones(FORK_N), exp_avg=torch.zeros(FORK_N),
+          exp_avg_sq=torch.zeros(FORK_N), num_threads=2)  # the pool exists before fork
+    _FORK_BUFS[:] = [torch.zeros(FORK_N), torch.ones(FORK_N), torch.zeros(FORK_N),
+                     torch.zeros(FORK_N)]
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(q,))
+    proc.start()
+    try:
+        result = q.get(timeout=60)
+    finally:
+        proc.join(5)
+        if proc.exitcode is None:
+            proc.kill()
+        _FORK_BUFS.clear()
+    assert result == pytest.approx(-1e-3)
+    assert proc.exitcode == 0
