@@ -249,8 +249,9 @@ class OffloadedOptimizer:
                         lists[k].append(views[k][sl])
         lr = group["lr"]
         beta1, beta2 = (float(b) for b in group["betas"])
-        kernel = ("fused" if self.settings.optimizer.kernel == "fused"
-                  else kernel_matching(group, part.segments[0].param.device))
+        kernel = self.settings.optimizer.kernel
+        if kernel == "match":
+            kernel = kernel_matching(group, part.segments[0].param.device)
         with timed(stats, "update_seconds", f"adam p{part.id}", part.id), \
                 record_function(f"tiermem.adam p{part.id}"):
             adam_update(kernel=kernel, params=lists["params"], grads=lists["grads"],

@@ -200,8 +200,9 @@ class Verifier:
                 if k in rec:
                     lists[k].append(rec[k][sl])
         if lists["params"]:
-            kernel = ("fused" if off.settings.optimizer.kernel == "fused"
-                      else kernel_matching(group, part.segments[0].param.device))
+            kernel = off.settings.optimizer.kernel
+            if kernel == "match":
+                kernel = kernel_matching(group, part.segments[0].param.device)
             adam_update(kernel=kernel, params=lists["params"], grads=lists["grads"],
                         exp_avgs=lists["exp_avg"], exp_avg_sqs=lists["exp_avg_sq"],
                         max_exp_avg_sqs=lists["max_exp_avg_sq"], steps=lists["steps"],
