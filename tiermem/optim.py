@@ -29,7 +29,8 @@ from tiermem.tiers import TierManager
 HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"
-HISTORY = 1000  # steps of StepStats kept for tm.stats()  # fp32 master weight of a low-precision param, in state_dict()
+HISTORY = 1000  # steps of StepStats kept for tm.stats()
+MIXED_OUT = (torch.bfloat16, torch.float16)  # model dtypes the native kernel writes directly  # fp32 master weight of a low-precision param, in state_dict()
 
 
 class UnsupportedOptimizer(TierMemError, TypeError):
@@ -219,6 +220,11 @@ class OffloadedOptimizer:
     def _update(self, part: Partition, views: Views, stats: StepStats) -> None:
         group = self.opt.param_groups[part.group]
         master = views.get("master")
+        if master is not None and self.settings.optimizer.kernel == "native" and all(
+                s.param.device.type == "cpu" and s.param.dtype in MIXED_OUT
+                for s in part.segments):
+            self._update_mixed_native(part, views, group, stats)
+            return
         lists: dict[str, list[torch.Tensor]] = {k: [] for k in
                                                  ("params", "grads", "steps", *MOMENTS)}
         copies_back = []
@@ -266,6 +272,33 @@ class OffloadedOptimizer:
             for s, target in copies_back:
                 # Refresh the model's (low-precision or device) weights from the master.
                 s.param.detach().view(-1)[s.start: s.start + s.length].copy_(target)
+
+    def _update_mixed_native(self, part: Partition, views: Views, group: dict,
+                             stats: StepStats) -> None:
+        """Low-precision CPU model, native kernel: one pass per segment reads the bf16/fp16
+        gradient, updates master and moments in the record, and writes the model's
+        low-precision weights, with no staging copy before or after."""
+        from tiermem.native_adam import adam_fused_mixed
+
+        beta1, beta2 = (float(b) for b in group["betas"])
+        off = 0
+        with timed(stats, "update_seconds", f"adam p{part.id}", part.id), \
+                record_function(f"tiermem.adam p{part.id}"):
+            for s in part.segments:
+                sl = slice(off, off + s.length)
+                off += s.length
+                if s.param.grad is None:
+                    continue
+                adam_fused_mixed(
+                    master=views["master"][sl],
+                    grad=s.param.grad.reshape(-1)[s.start: s.start + s.length],
+                    exp_avg=views["exp_avg"][sl], exp_avg_sq=views["exp_avg_sq"][sl],
+                    max_exp_avg_sq=views["max_exp_avg_sq"][sl] if group["amsgrad"] else None,
+                    weight_out=s.param.detach().view(-1)[s.start: s.start + s.length],
+                    step=self.steps[s.index], lr=group["lr"], beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
+                    decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)))
 
     def _init_record(self, part: Partition, views: Views) -> None:
         """A never-written record: zero moments, master weights from the model."""
