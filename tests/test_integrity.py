@@ -3,6 +3,7 @@ is caught on read, named, and never fed into an update."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -104,8 +105,9 @@ def test_a_flipped_byte_on_disk_stops_the_step(tmp_path, backend):
     assert isinstance(outer.value.__cause__, IntegrityError)
 
 
-def test_an_older_copy_of_a_record_is_caught(tmp_path):
-    """A lost write: the slot holds the record of an earlier step."""
+@contextlib.contextmanager
+def _after_one_step(tmp_path):
+    """(tm, model, opt) inside a discarded block, one step done and on disk."""
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.AdamW(model.parameters())
@@ -113,6 +115,12 @@ def test_an_older_copy_of_a_record_is_caught(tmp_path):
         tm.discard()
         _train(model, opt, 1)
         tm._off.tiers.flush()
+        yield tm, model, opt
+
+
+def test_an_older_copy_of_a_record_is_caught(tmp_path):
+    """A lost write: the slot holds the record of an earlier step."""
+    with _after_one_step(tmp_path) as (tm, model, opt):
         part, path, offset, nbytes = _slot(tm)
         with open(path, "rb") as f:
             f.seek(offset)
@@ -127,13 +135,7 @@ def test_an_older_copy_of_a_record_is_caught(tmp_path):
 
 
 def test_a_truncated_swap_file_is_an_io_error(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(256, 256)
-    opt = torch.optim.AdamW(model.parameters())
-    with tiermem.offload(opt, _cfg(tmp_path)) as tm:
-        tm.discard()
-        _train(model, opt, 1)
-        tm._off.tiers.flush()
+    with _after_one_step(tmp_path) as (tm, model, opt):
         _, path, _, _ = _slot(tm)
         os.truncate(path, 4096)
         with pytest.raises(tiermem.TierMemIOError, match="past the end|end of file"):

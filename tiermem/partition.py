@@ -68,10 +68,6 @@ class Partition:
         return {k: record[o: o + self.numel * STATE_BYTES].view(torch.float32)
                 for k, o in self.offsets.items()}
 
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [s.param for s in self.segments]
-
 
 def state_kinds(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
     """Record contents for `param`: an fp32 master copy unless the update can run in place
