@@ -61,6 +61,11 @@ class SwapSettings:
                            default_factory=lambda: [DEFAULT_SWAP_DIR])
     checksums: bool = doc("XXH3 checksum, partition id and generation on every NVMe record, "
                           "checked on every read.", default=True)
+    durability: Literal["scratch", "crash_consistent"] = doc(
+        "scratch: swap files are working space, lost with a crashed run; crash_consistent: "
+        "every step is committed to disk (two slots per record, a manifest, fp32 weights "
+        "too), so a resume after kill -9 restores the last committed step.",
+        default="scratch")
 
     def validate(self) -> None:
         if not self.paths:

@@ -34,6 +34,7 @@ class Offload:
         self._off = off
         self.kept_on_disk: str | None = None
         self._discard = False
+        self._committed_only = False  # kept_on_disk holds the last committed step only
 
     def record_events(self, on: bool = True) -> None:
         """Keep a timeline of every step (`tm.events()`): NVMe reads and writes, updates,
@@ -62,6 +63,11 @@ class Offload:
         return self._off.resumed_step
 
     @property
+    def committed_step(self) -> int | None:
+        """swap.durability crash_consistent: the step a resume after a crash would restore."""
+        return self._off.committed_step
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._off.opt
 
@@ -86,8 +92,10 @@ class Offload:
     def where_state_is(self) -> str:
         """One sentence for the user: where the optimizer state is now."""
         if self.kept_on_disk:
-            return (f"the optimizer state stays on disk in {self.kept_on_disk}; resume with "
-                    "tiermem.offload(..., resume=True)")
+            which = (f"of committed step {self._off.committed_step} "
+                     if self._off.committed_step is not None else "")
+            return (f"the optimizer state {which}stays on disk in {self.kept_on_disk}; resume "
+                    "with tiermem.offload(..., resume=True)")
         if self._discard:
             return "the optimizer state was discarded (stress/benchmark run)"
         return (f"the optimizer state of step {self._off.steps_taken} was handed back to the "
@@ -121,6 +129,14 @@ class Offload:
 
     def _exit(self) -> None:
         off = self._off
+        if off.broken:
+            # A failed step could not be rolled back: memory holds a half-applied step, the
+            # disk the last committed one. Keep the disk's, untouched.
+            self.kept_on_disk = off.tiers.run_dir()
+            off.detach()
+            off.tiers.close(remove_swap=False, flush=False)
+            self._committed_only = True
+            return
         try:
             off.tiers.flush()
         except TierMemError as exc:
@@ -138,7 +154,7 @@ class Offload:
                 # A record that cannot be read back (I/O error, failed checksum) must not
                 # take the others with it: keep everything on disk and say where.
                 off.detach()
-                kept = off.tiers.keep_on_disk([float(t) for t in off.steps])
+                kept = off.keep_on_disk()
                 raise TierMemError(f"optimizer state could not be gathered back ({exc}); "
                                    f"everything was kept on disk in {kept}") from exc
             off.detach()
@@ -146,7 +162,7 @@ class Offload:
             off.opt.state.update(state)
             off.tiers.close(remove_swap=True)
             return
-        self.kept_on_disk = off.tiers.keep_on_disk([float(t) for t in off.steps])
+        self.kept_on_disk = off.keep_on_disk()
         off.detach()
         warnings.warn(
             f"tiermem: the optimizer state ({format_size(need)}) does not fit in free host "

@@ -28,9 +28,20 @@ from tiermem.tiers import TierManager
 
 HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-MASTER_KEY = "master_param"
+MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
 HISTORY = 1000  # steps of StepStats kept for tm.stats()
-MIXED_OUT = (torch.bfloat16, torch.float16)  # model dtypes the native kernel writes directly  # fp32 master weight of a low-precision param, in state_dict()
+MIXED_OUT = (torch.bfloat16, torch.float16)  # model dtypes the native kernel writes directly
+
+
+def _jsonable(value: Any) -> Any:
+    """A param-group value as JSON keeps it (a tensor lr as its number)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
 
 
 class UnsupportedOptimizer(TierMemError, TypeError):
@@ -82,6 +93,10 @@ class OffloadedOptimizer:
         _check_optimizer(optimizer)
         self.opt = optimizer
         self.settings = settings
+        self.swap_name = swap_name
+        self.crash = settings.swap.durability == "crash_consistent"
+        # Set when a failed step could not be rolled back: why no step may run any more.
+        self.broken: str | None = None
         self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         if model is None and any(r.match != "*" for r in settings.placement):
             raise TierMemError("placement rules match parameter names: pass model= to "
@@ -94,24 +109,33 @@ class OffloadedOptimizer:
         self.record_events = False  # timeline spans per step (tracing, plots)
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self.parts = build_partitions(optimizer.param_groups, self.names,
-                                      settings.pipeline.partition_size, settings.placement)
+                                      settings.pipeline.partition_size, settings.placement,
+                                      keep_master=self.crash)
         self._left = {"gpu": settings.tiers.gpu.capacity, "host": settings.tiers.host.capacity}
         self._assign(self.parts)
+        self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
         if resume:
             manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts)
-            self.steps = [torch.tensor(float(s)) for s in manifest.steps]
-        self.resumed_step = int(max(manifest.steps, default=0)) if manifest else None
+            self._adopt_counts(manifest)
+        self.resumed_step = manifest.step if manifest else None
         self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest)
         try:
             existing = {p: s for p, s in optimizer.state.items() if s}
             if resume:
+                if self.crash:
+                    self._restore_weights()
                 optimizer.state.clear()  # the kept state is the one to continue from
             elif existing:
                 self._import(existing)
                 optimizer.state.clear()  # the tiers hold it now; free the RAM
+            if self.crash and not resume:
+                # Step 0 committed: every record, weights included, on disk before training.
+                self._initialise(self.parts)
+                self._commit()
         except BaseException:
-            self.tiers.close(remove_swap=True)
+            # A failed resume must leave the kept state exactly as it was.
+            self.tiers.close(remove_swap=not resume)
             raise
         self._originals: dict[str, Any] = {}
         self._hook()
@@ -171,6 +195,8 @@ class OffloadedOptimizer:
     # -- the step --------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self.broken:
+            raise TierMemError(self.broken)
         args, kwargs = _run_pre_hooks(self.opt, (closure,), {})
         closure = args[0] if args else kwargs.get("closure")
         loss = None
@@ -193,8 +219,15 @@ class OffloadedOptimizer:
             def active(part: Partition) -> bool:
                 return any(s.index in stepped for s in part.segments)
 
-            self.tiers.step(stats, active, self._init_record,
-                            lambda part, views: self._update(part, views, stats))
+            try:
+                self.tiers.step(stats, active, self._init_record,
+                                lambda part, views: self._update(part, views, stats))
+            except BaseException as exc:
+                if self.crash:
+                    self._roll_back(exc, stats.step)
+                raise
+            if self.crash:
+                self._commit_step(stats.step)
         self.history.append(stats)
         self.steps_taken += 1
         self.opt._opt_called = True  # what torch's lr schedulers check for
@@ -312,6 +345,85 @@ class OffloadedOptimizer:
                     s.param.detach().reshape(-1)[s.start: s.start + s.length])
                 off += s.length
 
+    # -- crash-consistent commits --------------------------------------------------
+
+    def _meta(self, step: int | None = None) -> dict[str, Any]:
+        """What a manifest says besides the records: step counts, parameters, groups."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        groups = [{**{k: _jsonable(v) for k, v in g.items() if k != "params"},
+                   "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.opt.param_groups]
+        params = [{"name": self.names.get(id(p), ""), "shape": list(p.shape),
+                   "dtype": str(p.dtype).removeprefix("torch.")} for p in self.params]
+        return {"step": self.steps_taken if step is None else step,
+                "steps": [float(t) for t in self.steps], "params": params, "groups": groups}
+
+    def _commit(self, step: int | None = None) -> None:
+        meta = self._meta(step)
+        self.tiers.commit(**meta)
+        self.committed_step = meta["step"]
+
+    def _commit_step(self, step: int) -> None:
+        try:
+            self._commit(step)
+        except TierMemError as exc:
+            # The step itself is complete in memory and in the swap files; only its commit
+            # is missing, so nothing is rolled back and the next commit may succeed.
+            raise TierMemError(
+                f"step {step} completed but could not be committed to disk ({exc}); a crash "
+                f"now would resume at step {self.committed_step}") from exc
+
+    def _roll_back(self, exc: BaseException, step: int) -> None:
+        """A step failed part-way: reopen the last committed step, as a resume would, so the
+        optimizer and the model are back where that step left them."""
+        run_dir = self.tiers.run_dir()
+        try:
+            # The failed step's writes went to copies no manifest names: drop them.
+            self.tiers.close(remove_swap=False, flush=False)
+            manifest = read_manifest(run_dir, self.parts)
+            self.tiers = TierManager(self.parts, self.settings, swap_name=self.swap_name,
+                                     resume=manifest)
+            self._adopt_counts(manifest)
+            self._restore_weights()
+        except BaseException as err:
+            self.broken = (f"step {step} failed part-way and rolling back to committed step "
+                           f"{self.committed_step} failed too ({err}); that step stays on disk "
+                           f"in {run_dir}: leave the offload block and resume from it")
+            exc.add_note(f"tiermem: {self.broken}")
+            return
+        exc.add_note(f"tiermem: step {step} failed part-way; the optimizer state and the "
+                     f"model's weights were rolled back to committed step {manifest.step}")
+
+    def _adopt_counts(self, manifest: Any) -> None:
+        self.steps = [torch.tensor(float(s)) for s in manifest.steps]
+        self.steps_taken = manifest.step
+        self.committed_step = manifest.step if manifest.durability == "crash_consistent" else None
+
+    def _restore_weights(self) -> None:
+        """The model's weights from the committed fp32 masters."""
+        for part in self.parts:
+            def put(views: Views, fresh: bool, part=part) -> None:
+                if fresh:
+                    return  # never stepped nor initialised: the model's weights are its own
+                off = 0
+                for s in part.segments:
+                    s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
+                        views["master"][off: off + s.length])
+                    off += s.length
+            self.tiers.with_record(part, put, write=False)
+
+    def _initialise(self, parts: list[Partition]) -> None:
+        """Build every never-written record (zero moments, master from the model) in place."""
+        for part in parts:
+            if self.tiers.is_fresh(part):
+                self.tiers.with_record(
+                    part, lambda views, fresh, part=part: self._init_record(part, views),
+                    write=True)
+
+    def keep_on_disk(self) -> str:
+        """Leave the state on disk with a manifest; returns the directory."""
+        return self.tiers.keep_on_disk(**self._meta())
+
     # -- state in torch's format ------------------------------------------------
 
     def _import(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
@@ -412,6 +524,8 @@ class OffloadedOptimizer:
             self.steps[i] = torch.tensor(0.0)
         self._import(state)
         self.opt.state.clear()
+        if self.crash:
+            self._commit()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         first_group = len(self.opt.param_groups)
@@ -420,7 +534,7 @@ class OffloadedOptimizer:
         _check_optimizer(self.opt)
         new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
                                self.settings.placement, first_id=len(self.parts),
-                               first_index=len(self.params))
+                               first_index=len(self.params), keep_master=self.crash)
         for part in new:
             part.group = first_group
         self._assign(new)
@@ -428,3 +542,6 @@ class OffloadedOptimizer:
         self.steps.extend(torch.tensor(0.0) for _ in group["params"])
         self.tiers.add(new)
         self.parts.extend(new)
+        if self.crash:
+            self._initialise(new)
+            self._commit()

@@ -69,10 +69,13 @@ class Partition:
                 for k, o in self.offsets.items()}
 
 
-def state_kinds(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
+def state_kinds(param: torch.Tensor, amsgrad: bool, keep_master: bool = False
+                ) -> tuple[str, ...]:
     """Record contents for `param`: an fp32 master copy unless the update can run in place
-    on the parameter itself (fp32, in host memory)."""
-    in_place = param.dtype == torch.float32 and param.device.type == "cpu"
+    on the parameter itself (fp32, in host memory) and `keep_master` is off (a
+    crash-consistent run keeps the weights in the record so they are committed with it)."""
+    in_place = (param.dtype == torch.float32 and param.device.type == "cpu"
+                and not keep_master)
     kinds = () if in_place else ("master",)
     kinds += ("exp_avg", "exp_avg_sq")
     return kinds + (("max_exp_avg_sq",) if amsgrad else ())
@@ -88,7 +91,7 @@ def rule_tier(name: str, rules: Sequence) -> str | None:
 
 def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                      partition_size: int, rules: Sequence = (), first_id: int = 0,
-                     first_index: int = 0) -> list[Partition]:
+                     first_index: int = 0, keep_master: bool = False) -> list[Partition]:
     """Partitions of every parameter in `param_groups`, in group and parameter order.
 
     `names` maps id(param) to its name for placement rules. A partition never
@@ -100,7 +103,7 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
         current: Partition | None = None
         cap = 0
         for p in group["params"]:
-            kinds = state_kinds(p, bool(group.get("amsgrad", False)))
+            kinds = state_kinds(p, bool(group.get("amsgrad", False)), keep_master)
             forced = rule_tier(names.get(id(p), ""), rules)
             start, n = 0, p.numel()
             while start < n:

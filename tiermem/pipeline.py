@@ -248,6 +248,14 @@ class StepPipeline:
             slot.needs_init = False
             self._issue_write(slot, stats)
 
+    def settle_writes(self) -> None:
+        """Every write-back issued so far is on disk (raises the first that fails); reads
+        in flight, the next step's run-ahead, go on."""
+        for slot in self.slots:
+            if slot.dirty and slot.write is None:
+                slot.write = self.store.rewrite(slot.part, slot.buf)  # the disk may be back
+            self._finish_write(slot)
+
     def flush(self) -> None:
         """Every write-back on disk (raises the first that fails); reads in flight are
         finished, and a failed one only dropped: its record is still on disk."""

@@ -5,13 +5,18 @@ preallocated file in each (`state.swap`); partitions are striped round-robin
 over the paths, each at an aligned offset of its path's file. Preallocating at
 start makes a full disk fail before training, not halfway through a step. A
 directory left by a crashed run is reported, never silently reused or deleted.
+
+With `copies=2` (crash-consistent mode) each record has two places side by
+side: a write always goes to the copy that does not hold the last committed
+version, so a crash in the middle of a write can only tear a copy that no
+manifest points to. `latest` is where reads find a record now, `committed`
+where the last manifest says it is.
 """
 
 from __future__ import annotations
 
 import errno as _errno
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -23,7 +28,7 @@ from tiermem.io import File, IOEngine, Request
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
 from tiermem.swapdir import (RunDir, StaleSwapError, SwapPathError, check_not_stale,
-                              check_swap_path, make_swap_path, run_dirs)
+                              check_swap_path, make_swap_path, remove_run_dir, run_dirs)
 from tiermem.sysinfo import free_bytes
 
 __all__ = ["STATE_FILE", "SwapStore", "StaleSwapError", "SwapPathError", "run_dirs"]
@@ -33,7 +38,7 @@ STATE_FILE = "state.swap"
 
 @dataclass
 class Slot:
-    """Where one partition's record lives."""
+    """Where one partition's record lives (copy k at offset + k * nbytes)."""
 
     file: int  # index into SwapStore.files
     offset: int
@@ -45,11 +50,14 @@ class SwapStore:
 
     def __init__(self, engine: IOEngine, paths: Sequence[str], name: str,
                  parts: Sequence[Partition], direct: bool | str = "auto",
-                 resume: bool = False, checksums: bool = True) -> None:
+                 resume: bool = False, checksums: bool = True, copies: int = 1) -> None:
         self.engine = engine
         self.checksums = checksums
+        self.copies = copies
         self.footer = FOOTER_BYTES if checksums else 0
-        self.generation: dict[int, int] = {}  # last generation written, per partition
+        self.generation: dict[int, int] = {}  # generation of the latest record, per partition
+        self.latest: dict[int, int] = {}  # copy holding the latest record
+        self.committed: dict[int, tuple[int, int]] = {}  # (copy, generation) last committed
         self.dirs = run_dirs(paths, name)
         self.slots: dict[int, Slot] = {}
         self.sizes = [0] * len(self.dirs)
@@ -103,9 +111,11 @@ class SwapStore:
             k = len(self.slots) % len(self.dirs)
             nbytes = part.record_bytes + self.footer
             self.slots[part.id] = Slot(k, self.sizes[k], nbytes)
-            self.sizes[k] += nbytes
-            added[k] += nbytes
+            self.sizes[k] += nbytes * self.copies
+            added[k] += nbytes * self.copies
             self.generation[part.id] = 0
+            self.latest[part.id] = 0
+            self.committed[part.id] = (0, 0)
         return added
 
     def add(self, parts: Sequence[Partition]) -> None:
@@ -150,30 +160,66 @@ class SwapStore:
                                  f"{exc.strerror}", op="preallocate", path=f.path, offset=0,
                                  length=size, errno=exc.errno) from None
 
+    def _offset(self, part: Partition) -> int:
+        s = self.slots[part.id]
+        return s.offset + self.latest[part.id] * s.nbytes
+
     def read(self, part: Partition, buf: torch.Tensor) -> Request:
         s = self.slots[part.id]
-        return self.engine.read(self.files[s.file], buf[: s.nbytes], s.offset)
+        return self.engine.read(self.files[s.file], buf[: s.nbytes], self._offset(part))
 
     def write(self, part: Partition, buf: torch.Tensor) -> Request:
         s = self.slots[part.id]
+        # Never over the committed copy: a write torn by a crash must leave it whole.
+        self.latest[part.id] = (self.committed[part.id][0] + 1) % self.copies
         if self.checksums:
             # The generation moves on when the write is issued: if the write is lost,
             # the next read finds the older one and says so.
             self.generation[part.id] += 1
             seal(buf, part.record_bytes, part.id, self.generation[part.id])
-        return self.engine.write(self.files[s.file], buf[: s.nbytes], s.offset)
+        return self.engine.write(self.files[s.file], buf[: s.nbytes], self._offset(part))
 
     def rewrite(self, part: Partition, buf: torch.Tensor) -> Request:
-        """Issue a failed write again, footer and generation unchanged."""
+        """Issue a failed write again, to the same copy, footer and generation unchanged."""
         s = self.slots[part.id]
-        return self.engine.write(self.files[s.file], buf[: s.nbytes], s.offset)
+        return self.engine.write(self.files[s.file], buf[: s.nbytes], self._offset(part))
 
     def verify(self, part: Partition, buf: torch.Tensor) -> None:
         """Check a record that a read() brought into `buf` (raises IntegrityError)."""
         if self.checksums:
             s = self.slots[part.id]
             check(buf, part.record_bytes, part.id, self.generation[part.id],
-                  path=self.files[s.file].path, offset=s.offset)
+                  path=self.files[s.file].path, offset=self._offset(part))
+
+    # -- commits (crash-consistent mode) ------------------------------------------
+
+    def sync(self) -> None:
+        """Every completed write is on stable storage (the disk's cache flushed too)."""
+        for f in self.files:
+            try:
+                os.fdatasync(f.fd)
+            except OSError as exc:
+                raise TierMemIOError(f"fdatasync of {f.path} failed: {exc.strerror}",
+                                     op="fdatasync", path=f.path, errno=exc.errno) from None
+
+    def latest_records(self) -> dict[int, tuple[int, int]]:
+        """(copy, generation) of every partition's latest record, for a manifest."""
+        return {pid: (self.latest[pid], self.generation[pid]) for pid in self.slots}
+
+    def mark_committed(self, records: dict[int, tuple[int, int]]) -> None:
+        """A manifest naming `records` is on disk: later writes must spare those copies."""
+        self.committed.update(records)
+
+    def restore(self, records: dict[int, tuple[int, int]]) -> None:
+        """Make the committed records of a manifest the latest (resume)."""
+        for pid, (copy, gen) in records.items():
+            self.latest[pid] = copy
+            self.generation[pid] = gen
+        self.committed.update(records)
+
+    def locations(self) -> dict[int, list[int]]:
+        """file, offset, nbytes of copy 0 of each record (copy k is k * nbytes further)."""
+        return {pid: [s.file, s.offset, s.nbytes] for pid, s in self.slots.items()}
 
     @property
     def total_bytes(self) -> int:
@@ -191,6 +237,6 @@ class SwapStore:
         for f in self.files:
             f.close()
         for rd in self._held:
-            shutil.rmtree(rd.path, ignore_errors=True)  # still locked: nobody else adopts it
+            remove_run_dir(rd.path)  # still locked: nobody else adopts it meanwhile
             rd.release()
         self._held = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import stat
 import time
@@ -23,6 +24,7 @@ from typing import Sequence
 from tiermem.errors import TierMemError, TierMemIOError
 
 OWNER_FILE = "owner.json"
+REMOVING = ".removing-"  # suffix of a run directory being deleted: no state in it
 
 
 class SwapPathError(TierMemError):
@@ -178,3 +180,17 @@ class RunDir:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def remove_run_dir(path: str) -> None:
+    """Delete a run directory whose state is safe elsewhere, so that no crash can leave it
+    half deleted under its own name: it is renamed first (atomic), then emptied. A
+    leftover `*.removing-<pid>` directory holds nothing anyone needs."""
+    doomed = f"{path}{REMOVING}{os.getpid()}"
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return  # already gone (removed by hand mid-run)
+    except OSError:
+        doomed = path  # cannot rename (read-only parent?): delete in place, as before
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -5,25 +5,30 @@ host memory). NVMe-tier records live in swap files and stream through a
 BufferPool driven by a StepPipeline. A step updates the resident partitions
 first, while the reads the pipeline issued at the end of the previous step
 are landing, then streams the NVMe partitions.
+
+In crash-consistent mode every record also lives on disk, resident ones too:
+a host-tier record is written through after its update, and `commit()` ends a
+step by waiting for every write, flushing the disk and writing the manifest
+that names the copy of each record making up that step.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from tiermem.buffers import BufferPool, aligned_empty
 from tiermem.config import Settings
-from tiermem.io import IOEngine
+from tiermem.integrity import FOOTER_BYTES
+from tiermem.io import IOEngine, Request
 from tiermem.partition import Partition
 from tiermem.pipeline import StepPipeline, Views
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.manifest import RESIDENT_FILE, Manifest, layout_of, write_manifest
 from tiermem.swap import SwapStore
-from tiermem.swapdir import run_dirs
+from tiermem.swapdir import remove_run_dir, run_dirs
 from tiermem.telemetry import StepStats
 
 Fn = Callable[[Partition, Views], None]
@@ -37,6 +42,11 @@ class TierManager:
         self.settings = settings
         self.swap_name = swap_name
         self._resume = resume
+        self.crash = settings.swap.durability == "crash_consistent"
+        # Crash-consistent mode: resident records written since the last commit, and
+        # resident records changed outside a step that still need writing.
+        self._resident_writes: dict[int, Request] = {}
+        self._unwritten: set[int] = set()
         self.parts: list[Partition] = []
         self.resident: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()
@@ -57,31 +67,47 @@ class TierManager:
 
     def add(self, parts: Sequence[Partition]) -> None:
         """Give records to new partitions (tiers already assigned)."""
-        nvme = [p for p in parts if p.tier == "nvme"]
+        if self.crash and any(p.tier == "gpu" for p in parts):
+            raise TierMemError("swap.durability: crash_consistent does not support the gpu tier "
+                               "yet (its records would need a host copy every step); set "
+                               "tiers.gpu.capacity: 0 or use durability scratch")
+        # Crash-consistent resident records carry their footer too: they are written as is.
+        footer = FOOTER_BYTES if self.crash and self.settings.swap.checksums else 0
         for p in parts:
             if p.tier == "host":
                 # Pinned so a device copy from it is async; allocated once, kept.
-                self.resident[p.id] = aligned_empty(p.record_bytes)
+                self.resident[p.id] = aligned_empty(p.record_bytes + footer)
             elif p.tier == "gpu":
                 self.resident[p.id] = torch.empty(p.record_bytes, dtype=torch.uint8,
                                                   device="cuda")
             if p.tier != "nvme":
                 self.fresh.add(p.id)  # NVMe partitions: the pipeline tracks its own
+        nvme = [p for p in parts if p.tier == "nvme"]
+        on_disk = list(parts) if self.crash else nvme
+        if on_disk:
+            self._add_to_store(on_disk)
         if nvme:
-            self._add_nvme(nvme)
+            self._add_to_pipeline(nvme)
         self.parts.extend(parts)
 
-    def _add_nvme(self, nvme: Sequence[Partition]) -> None:
+    def _add_to_store(self, parts: Sequence[Partition]) -> None:
         s = self.settings
         if self.store is None:
             self.engine = IOEngine(s.io.backend, s.io.queue_depth, s.io.block_size)
-            self.store = SwapStore(self.engine, s.swap.paths, self.swap_name, nvme,
+            self.store = SwapStore(self.engine, s.swap.paths, self.swap_name, parts,
                                    direct=s.io.o_direct, resume=self._resume is not None,
-                                   checksums=s.swap.checksums)
+                                   checksums=s.swap.checksums, copies=2 if self.crash else 1)
             if self._resume is not None:
-                self.store.generation.update(
-                    {int(k): v for k, v in self._resume.generations.items()})
-            size = max(p.record_bytes for p in nvme) + self.store.footer
+                self.store.restore(records_of(self._resume))
+            return
+        if self.pipeline is not None:
+            self.pipeline.flush()  # every buffer idle: the disk copy of each record is current
+        self.store.add(parts)
+
+    def _add_to_pipeline(self, nvme: Sequence[Partition]) -> None:
+        s = self.settings
+        size = max(p.record_bytes for p in nvme) + self.store.footer
+        if self.pipeline is None:
             self.pool = BufferPool(s.pipeline.buffer_count, size, engine=self.engine)
             self.pipeline = StepPipeline(self.store, self.pool.buffers, nvme,
                                          prefetch_depth=s.pipeline.prefetch_depth,
@@ -90,13 +116,11 @@ class TierManager:
                 self.pipeline.fresh &= set(self._resume.fresh)
             self.pipeline.run_ahead()
             return
-        self.pipeline.flush()  # every buffer idle: the disk copy of each record is current
-        size = max(p.record_bytes for p in nvme) + self.store.footer
         if size > self.pool.nbytes:
-            # Bigger records than the first groups had: new, larger buffers.
+            # Bigger records than the first groups had: new, larger buffers (the pipeline
+            # was flushed when the store grew, so nothing is in flight in the old ones).
             self.pool = BufferPool(s.pipeline.buffer_count, size, engine=self.engine)
             self.pipeline.replace_buffers(self.pool.buffers)
-        self.store.add(nvme)
         self.pipeline.add_partitions(nvme)
 
     def tier_bytes(self) -> dict[str, int]:
@@ -117,14 +141,23 @@ class TierManager:
         for p in self.parts:
             if p.tier == "nvme" or not active(p):
                 continue
+            self._settle_resident(p.id)  # never change a record while it is being written
             views = p.views(self.resident[p.id])
             if p.id in self.fresh:
                 init(p, views)
                 self.fresh.discard(p.id)
             compute(p, views)
+            if self.crash:
+                self._write_resident(p, stats)
             stats.partitions[p.tier] = stats.partitions.get(p.tier, 0) + 1
         if self.pipeline is not None:
             self.pipeline.run_step(stats, active, init, compute)
+
+    def is_fresh(self, part: Partition) -> bool:
+        """True while `part`'s record was never initialised or written."""
+        if part.tier == "nvme":
+            return part.id in self.pipeline.fresh
+        return part.id in self.fresh
 
     def with_record(self, part: Partition, fn: Callable[[Views, bool], None], *,
                     write: bool) -> None:
@@ -132,9 +165,68 @@ class TierManager:
         if part.tier == "nvme":
             self.pipeline.with_record(part, fn, write=write)
             return
+        self._settle_resident(part.id)
         fn(part.views(self.resident[part.id]), part.id in self.fresh)
         if write:
             self.fresh.discard(part.id)
+            if self.crash:
+                self._unwritten.add(part.id)  # on disk by the next commit
+
+    # -- crash-consistent commits ------------------------------------------------
+
+    def _write_resident(self, part: Partition, stats: StepStats | None = None) -> None:
+        self._unwritten.discard(part.id)
+        self._resident_writes[part.id] = self.store.write(part, self.resident[part.id])
+        if stats is not None:
+            stats.add_bytes("write", "nvme", self.store.slots[part.id].nbytes)
+
+    def _settle_resident(self, pid: int) -> None:
+        """Wait for the write-through of a resident record, reissuing it on failure."""
+        req = self._resident_writes.pop(pid, None)
+        if req is None:
+            return
+        part = next(p for p in self.parts if p.id == pid)
+        for attempt in range(self.settings.io.retries + 1):
+            try:
+                req.wait()
+                return
+            except TierMemIOError:
+                if attempt == self.settings.io.retries:
+                    self._unwritten.add(pid)  # the next commit tries again
+                    raise
+                req = self.store.rewrite(part, self.resident[pid])
+
+    def commit(self, *, step: int, **meta: Any) -> str:
+        """Make the state as it is now the one a resume finds: every record written, the
+        disk flushed, then the manifest naming each record's copy. Raises (and the
+        previous commit stays the valid one) if any of it fails."""
+        for p in self.parts:
+            if p.id in self._unwritten:
+                self._write_resident(p)
+        for pid in list(self._resident_writes):
+            self._settle_resident(pid)
+        if self.pipeline is not None:
+            self.pipeline.settle_writes()
+        self.store.sync()
+        records = self.store.latest_records()
+        path = write_manifest(self.run_dir(), self._manifest(step=step, records=records, **meta))
+        self.store.mark_committed(records)
+        return path
+
+    def _manifest(self, *, step: int, steps: Sequence[float], params: list[dict],
+                  groups: list[dict], records: dict[int, tuple[int, int]] | None = None,
+                  resident: list[dict] | None = None) -> Manifest:
+        store = self.store
+        fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
+        records = records if records is not None else (store.latest_records() if store else {})
+        return Manifest(
+            partitions=layout_of(self.parts), steps=list(steps), fresh=sorted(fresh),
+            resident=resident or [], generations={k: g for k, (_, g) in records.items()},
+            durability=self.settings.swap.durability, step=step,
+            copies={k: c for k, (c, _) in records.items()},
+            records=store.locations() if store else {},
+            files=[f.path for f in store.files] if store else [],
+            checksums=self.settings.swap.checksums, params=params, groups=groups)
 
     def flush(self) -> None:
         """Every write-back on disk (raises the first I/O failure)."""
@@ -147,8 +239,12 @@ class TierManager:
         """Where kept state goes: the first swap path's run directory."""
         return run_dirs(self.settings.swap.paths, self.swap_name)[0]
 
-    def keep_on_disk(self, steps: Sequence[float]) -> str:
-        """Write resident records and the manifest next to the swap files; close, keep them."""
+    def keep_on_disk(self, *, step: int, **meta: Any) -> str:
+        """Leave the state on disk with a manifest (resident records too); close, keep them."""
+        if self.crash:
+            self.commit(step=step, **meta)
+            self.close(remove_swap=False)
+            return self.run_dir()
         self.flush()
         run_dir = self.run_dir()
         if self.store is None:
@@ -165,15 +261,19 @@ class TierManager:
                 pos += len(data)
             f.flush()
             os.fsync(f.fileno())
-        fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
-        write_manifest(run_dir, Manifest(
-            partitions=layout_of(self.parts), steps=list(steps), fresh=sorted(fresh),
-            resident=resident, generations=dict(self.store.generation) if self.store else {}))
+        write_manifest(run_dir, self._manifest(step=step, resident=resident, **meta))
         self.close(remove_swap=False)
         return run_dir
 
     def _load_resident(self, m: Manifest) -> None:
         self.fresh = {p.id for p in self.parts if p.tier != "nvme"} & set(m.fresh)
+        if m.durability == "crash_consistent":
+            for p in self.parts:
+                if p.tier != "nvme" and p.id not in self.fresh:
+                    # The committed copy, checked like any NVMe record.
+                    self.store.read(p, self.resident[p.id]).wait()
+                    self.store.verify(p, self.resident[p.id])
+            return
         if not m.resident:
             return
         path = os.path.join(self.run_dir(), RESIDENT_FILE)
@@ -187,13 +287,14 @@ class TierManager:
                                        f"partition {entry['id']}")
                 rec.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
-    def close(self, *, remove_swap: bool) -> None:
+    def close(self, *, remove_swap: bool, flush: bool = True) -> None:
         """Release buffers and the engine; delete swap files only if `remove_swap`.
 
-        Keeping them, every write-back must land first (flush raises otherwise). Removing
-        them, the state is already safe elsewhere: transfers still in flight are waited
-        for (the engine never frees a ring under them) and their failures do not matter."""
-        if self.pipeline is not None and not remove_swap:
+        Keeping them, every write-back must land first (flush raises otherwise), unless
+        `flush` is off: abandoning a failed step whose writes no manifest names. Removing
+        them, the state is already safe elsewhere. Either way transfers still in flight
+        are waited for (the engine never frees a ring under them)."""
+        if self.pipeline is not None and not remove_swap and flush:
             self.pipeline.flush()
         if self.store is not None:
             if remove_swap:
@@ -201,12 +302,18 @@ class TierManager:
             else:
                 self.store.close()
         elif remove_swap and self._resume is not None:
-            shutil.rmtree(self.run_dir(), ignore_errors=True)  # resumed, resident records only
+            remove_run_dir(self.run_dir())  # resumed, resident records only
         if self.engine is not None:
             try:
                 self.engine.close()
             except TierMemIOError:
-                if not remove_swap:
+                if not remove_swap and flush:
                     raise
         self.resident.clear()
+        self._resident_writes.clear()
         self.pipeline = self.pool = self.store = self.engine = None
+
+
+def records_of(m: Manifest) -> dict[int, tuple[int, int]]:
+    """(copy, generation) of every record a manifest names."""
+    return {int(k): (int(m.copies.get(k, 0)), int(g)) for k, g in m.generations.items()}
