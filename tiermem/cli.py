@@ -133,6 +133,25 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_recover(args: argparse.Namespace) -> int:
+    import os
+
+    from tiermem.recover import recover
+    from tiermem.sizes import format_size
+
+    run_dir = os.path.abspath(args.dir)
+    out = args.output or os.path.join(os.getcwd(),
+                                      f"{os.path.basename(run_dir)}-recovered.pt")
+    info = recover(run_dir, out)
+    weights = "model weights and " if info["has_model"] else ""
+    print(f"{run_dir}: step {info['step']} ({info['durability']}), {weights}optimizer state "
+          f"of {info['with_state']}/{info['parameters']} parameters, "
+          f"{format_size(info['bytes'])} -> {info['path']}")
+    if not info["has_model"]:
+        print("  (no model weights: a scratch-mode run keeps fp32 weights in the model itself)")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """Argument errors: one line and exit status 2."""
 
@@ -179,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--reference", action="store_true",
                    help="print the config reference (markdown) instead")
     v.set_defaults(func=_cmd_validate)
+    r = sub.add_parser("recover", help="write a run directory's committed state to a torch "
+                       "checkpoint file")
+    r.add_argument("dir", help="run directory (<swap path>/tiermem-<name>) with a manifest.json")
+    r.add_argument("-o", "--output", help="checkpoint file (default: ./<dir name>-recovered.pt)")
+    r.set_defaults(func=_cmd_recover)
     return parser
 
 

@@ -1,0 +1,159 @@
+"""`tiermem recover DIR`: a run directory's committed state as a torch checkpoint file.
+
+Reads the manifest and the records it names straight from the swap files
+(no model, optimizer or config needed), checks every record's footer, and
+gathers the state into what `torch.save` writes:
+
+    {"format": "tiermem-recover-1", "step": N, "durability": ...,
+     "optimizer": <torch Adam/AdamW state_dict: fp32 moments, "master_param"
+                   for low-precision parameters, param_groups>,
+     "model": {name: fp32 weight}}   # when the records hold every weight
+
+"model" is there when every parameter's fp32 weight is in the records: always
+with `swap.durability: crash_consistent`, for low-precision parameters only
+otherwise (scratch-mode fp32 models update their weights in place, so the
+weights live in the model's own checkpoint). Parameters are named as the model
+named them when `model=` was given to `tiermem.offload`, else `param.<index>`.
+The checkpoint is built in host memory: it needs as much RAM as the state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tiermem.errors import TierMemError
+from tiermem.integrity import check
+from tiermem.manifest import RESIDENT_FILE, Manifest, read_manifest
+from tiermem.partition import Partition, Segment
+
+FORMAT = "tiermem-recover-1"
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TierMemError(f"manifest names an unknown parameter dtype {name!r}")
+    return dtype
+
+
+def _partition(entry: dict) -> Partition:
+    segs = [Segment(None, index, start, length) for index, start, length in entry["segments"]]
+    part = Partition(entry["id"], entry["group"], segs, tuple(entry["kinds"]), tier=entry["tier"])
+    part.layout()
+    if part.record_bytes != entry["record_bytes"]:
+        raise TierMemError(f"manifest partition {part.id}: record of {entry['record_bytes']} "
+                           f"bytes, its layout gives {part.record_bytes}")
+    return part
+
+
+class _Records:
+    """Reads one partition's committed record, checked against its footer."""
+
+    def __init__(self, run_dir: str, m: Manifest) -> None:
+        self.run_dir = run_dir
+        self.m = m
+        self.fds: dict[str, int] = {}
+        self.resident = {e["id"]: e for e in m.resident}
+
+    def _fd(self, path: str) -> int:
+        if path not in self.fds:
+            try:
+                self.fds[path] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as exc:
+                raise TierMemError(f"cannot recover: {path}: {exc.strerror}") from None
+        return self.fds[path]
+
+    def read(self, part: Partition) -> torch.Tensor:
+        pid = str(part.id)
+        if part.id in self.resident:  # scratch mode, kept at exit: host/GPU-tier records
+            entry = self.resident[part.id]
+            path, offset, nbytes = os.path.join(self.run_dir, RESIDENT_FILE), \
+                entry["offset"], entry["nbytes"]
+            footer = False
+        else:
+            file, offset, nbytes = self.m.records[pid]
+            path = self.m.files[file]
+            offset += int(self.m.copies.get(pid, 0)) * nbytes
+            footer = self.m.checksums
+        data = os.pread(self._fd(path), nbytes, offset)
+        if len(data) != nbytes:
+            raise TierMemError(f"cannot recover: {path} ends before the record of partition "
+                               f"{part.id} ({nbytes} bytes at offset {offset}): truncated?")
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if footer:
+            check(buf, part.record_bytes, part.id, int(self.m.generations[pid]), path=path,
+                  offset=offset)
+        return buf
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def gather(run_dir: str) -> dict[str, Any]:
+    """The checkpoint dict of the state committed in `run_dir` (see the module doc)."""
+    m = read_manifest(run_dir, None)
+    if not m.params:
+        raise TierMemError(f"cannot recover: the manifest in {run_dir} lists no parameters")
+    names = [p["name"] or f"param.{i}" for i, p in enumerate(m.params)]
+    stepped = [i for i, s in enumerate(m.steps) if s > 0]
+    state: dict[int, dict[str, Any]] = {}
+    weights: dict[int, torch.Tensor] = {}
+    parts = [_partition(e) for e in m.partitions]
+    kinds_of = {s.index: part.kinds for part in parts for s in part.segments}
+    for i in stepped:
+        shape = m.params[i]["shape"]
+        st: dict[str, Any] = {"step": torch.tensor(float(m.steps[i]))}
+        for k in kinds_of.get(i, ()):
+            if k != "master":
+                st[k] = torch.zeros(shape, dtype=torch.float32)
+        if m.params[i]["dtype"] != "float32" and "master" in kinds_of.get(i, ()):
+            st["master_param"] = torch.zeros(shape, dtype=torch.float32)
+        state[i] = st
+    for i, p in enumerate(m.params):
+        if "master" in kinds_of.get(i, ()):
+            weights[i] = torch.zeros(p["shape"], dtype=torch.float32)
+    fresh = set(m.fresh)
+    records = _Records(run_dir, m)
+    try:
+        for part in parts:
+            if part.id in fresh:
+                continue
+            views = part.views(records.read(part))
+            off = 0
+            for s in part.segments:
+                sl = slice(off, off + s.length)
+                off += s.length
+                for k, src in views.items():
+                    if k == "master" and s.index in weights:
+                        weights[s.index].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+                    st = state.get(s.index, {})
+                    key = "master_param" if k == "master" else k
+                    if key in st:
+                        st[key].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+    finally:
+        records.close()
+    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g) for g in m.groups]
+    out: dict[str, Any] = {"format": FORMAT, "step": m.step, "durability": m.durability,
+                           "optimizer": {"state": state, "param_groups": groups}}
+    if len(weights) == len(m.params):
+        out["model"] = {names[i]: weights[i] for i in range(len(m.params))}
+    return out
+
+
+def recover(run_dir: str, out_path: str) -> dict[str, Any]:
+    """Write the checkpoint of `run_dir` to `out_path` (atomically); returns a summary."""
+    ckpt = gather(run_dir)
+    tmp = out_path + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, out_path)
+    nbytes = sum(t.numel() * t.element_size() for st in ckpt["optimizer"]["state"].values()
+                 for t in st.values() if isinstance(t, torch.Tensor))
+    nbytes += sum(t.numel() * t.element_size() for t in ckpt.get("model", {}).values())
+    return {"step": ckpt["step"], "durability": ckpt["durability"],
+            "parameters": sum(len(g["params"]) for g in ckpt["optimizer"]["param_groups"]),
+            "with_state": len(ckpt["optimizer"]["state"]), "has_model": "model" in ckpt,
+            "bytes": nbytes, "path": out_path}
