@@ -2,7 +2,7 @@
 
 Run as a script by tests/test_crash.py:
 
-    python crash_run.py SWAP BACKEND POINT:N STEPS
+    python crash_run.py SWAP BACKEND POINT:N STEPS [bf16]
 
 POINT is where the N-th (1-based) event of its kind sends SIGKILL:
   write-before   before a swap record write is issued
@@ -52,7 +52,7 @@ def crash_config(swap: str, backend: str) -> dict:
     return {"swap": {"paths": [swap], "durability": "crash_consistent"},
             "io": {"backend": backend, "block_size": "16KiB", "queue_depth": 8},
             "tiers": {"host": {"capacity": "160KiB"}},
-            "pipeline": {"partition_size": "128KiB", "buffer_count": 3, "prefetch_depth": 1},
+            "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 1},
             "optimizer": {"kernel": "match"}}
 
 
@@ -107,12 +107,12 @@ def _arm(point: str, n: int) -> None:
         raise SystemExit(f"unknown kill point {point!r}")
 
 
-def main(swap: str, backend: str, spec: str, steps: int) -> None:
+def main(swap: str, backend: str, spec: str, steps: int, dtype: str = "fp32") -> None:
     import tiermem
 
     point, n = spec.split(":")
     _arm(point, int(n))
-    model = make_model()
+    model = make_model(torch.bfloat16 if dtype == "bf16" else torch.float32)
     opt = make_optimizer(model)
     with tiermem.offload(opt, crash_config(swap, backend), model=model):
         for k in range(1, steps + 1):
@@ -125,4 +125,4 @@ def main(swap: str, backend: str, spec: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:])

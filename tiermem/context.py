@@ -34,7 +34,6 @@ class Offload:
         self._off = off
         self.kept_on_disk: str | None = None
         self._discard = False
-        self._committed_only = False  # kept_on_disk holds the last committed step only
 
     def record_events(self, on: bool = True) -> None:
         """Keep a timeline of every step (`tm.events()`): NVMe reads and writes, updates,
@@ -135,7 +134,8 @@ class Offload:
             self.kept_on_disk = off.tiers.run_dir()
             off.detach()
             off.tiers.close(remove_swap=False, flush=False)
-            self._committed_only = True
+            warnings.warn(f"tiermem: a failed step could not be rolled back; "
+                          f"{self.where_state_is()}", TierMemWarning, stacklevel=3)
             return
         try:
             off.tiers.flush()

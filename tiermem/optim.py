@@ -226,10 +226,11 @@ class OffloadedOptimizer:
                 if self.crash:
                     self._roll_back(exc, stats.step)
                 raise
+            # The step happened, whether or not its commit below succeeds.
+            self.history.append(stats)
+            self.steps_taken += 1
             if self.crash:
                 self._commit_step(stats.step)
-        self.history.append(stats)
-        self.steps_taken += 1
         self.opt._opt_called = True  # what torch's lr schedulers check for
         _run_post_hooks(self.opt, args, kwargs)
         return loss

@@ -1,0 +1,283 @@
+"""swap.durability: crash_consistent inside one process — parity, roll-back of a failed
+step, a commit that cannot be written (full disk, swap directory removed), and
+RLIMIT_MEMLOCK at the offload level. Crashes of a whole process: tests/test_crash.py."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import tiermem
+from conftest import BACKEND_PARAMS, REPO
+from crash_run import crash_config, make_model, make_optimizer, set_grads
+from faults import inject
+from offload_helpers import (assert_same_tensor, compare_runs, compare_state_dicts, swap_dir,
+                             tmpfs)
+from tiermem.errors import TierMemError, TierMemIOError
+from tiermem.manifest import MANIFEST, read_manifest
+
+STEPS = 4
+
+
+def trajectory(dtype: torch.dtype = torch.float32):
+    """(model, optimizer) copies of plain fp32 AdamW after 0..STEPS steps, from the
+    weights a `dtype` model starts with and the gradients it would give."""
+    ref = make_model(dtype).float()
+    opt = make_optimizer(ref)
+    out = [copy.deepcopy((ref, opt))]
+    for k in range(1, STEPS + 1):
+        set_grads(ref, k)
+        for p in ref.parameters():
+            p.grad = p.grad.to(dtype).float()
+        opt.step()
+        out.append(copy.deepcopy((ref, opt)))  # one memo: the copy keys state by its params
+    return out
+
+
+REF = trajectory()
+
+
+def ref_at(k: int):
+    return REF[k]
+
+
+def assert_at(model, opt, k: int) -> None:
+    """Weights and the state handed back equal plain AdamW after k steps."""
+    ref_model, ref_opt = ref_at(k)
+    compare_runs(model, opt, ref_model, ref_opt)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("host", ["0", "160KiB", "1MiB"], ids=["nvme", "mixed", "host"])
+def test_parity_and_commits(tmp_path, backend, host):
+    """Bitwise AdamW for every placement; every step leaves a manifest naming it."""
+    cfg = crash_config(str(tmp_path), backend)
+    cfg["tiers"]["host"]["capacity"] = host
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        assert tm.committed_step == 0
+        plan = tm.plan()
+        # Two copies of every record, resident ones too, each with its 4 KiB footer.
+        records = sum(plan["state_bytes"].values()) + 4096 * plan["partitions"]
+        assert plan["swap_bytes"] == 2 * records
+        for k in range(1, STEPS + 1):
+            set_grads(model, k)
+            opt.step()
+            assert tm.committed_step == k
+            m = read_manifest(str(swap_dir(tmp_path)), None)
+            assert (m.step, m.durability) == (k, "crash_consistent")
+            assert set(m.copies.values()) <= {0, 1}
+    assert_at(model, opt, STEPS)
+    assert not swap_dir(tmp_path).exists()
+
+
+def test_bf16_model_resumes_from_master(tmp_path):
+    """A bf16 model killed after step 2: the resume puts back bf16(master) of step 2, and
+    the optimizer state (fp32 master and moments) is bitwise fp32 AdamW's on bf16 grads."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_run.py"), str(tmp_path),
+                           "threads", "after-step:2", "3", "bf16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    ref_model, ref_opt = trajectory(torch.bfloat16)[2]
+    model = make_model(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, crash_config(str(tmp_path), "threads"), model=model,
+                         resume=True) as tm:
+        assert tm.resumed_step == 2
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert_same_tensor(p.detach(), q.detach().to(torch.bfloat16), "bf16 weight")
+        sd = opt.state_dict()
+        for i, q in enumerate(ref_model.parameters()):
+            assert_same_tensor(sd["state"][i]["master_param"], q.detach(), "master")
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert_same_tensor(sd["state"][i][k], ref_opt.state[q][k], k)
+        tm.discard()
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_failed_step_rolls_back(tmp_path, backend, op):
+    """A transfer failing for good in step 3: the step raises, the optimizer and the model
+    are back at step 2, and training goes on from there."""
+    cfg = crash_config(str(tmp_path), backend)
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        for k in (1, 2):
+            set_grads(model, k)
+            opt.step()
+        parts = tm.plan()["partitions"]
+        inject(tm, op, 0 if op == "read" else parts // 2, times=10)
+        set_grads(model, 3)
+        with pytest.raises(TierMemIOError) as info:
+            opt.step()
+        assert "rolled back to committed step 2" in "".join(info.value.__notes__)
+        assert tm.committed_step == 2
+        compare_state_dicts(opt.state_dict(), ref_at(2)[1].state_dict())
+        for p, q in zip(model.parameters(), ref_at(2)[0].parameters()):
+            assert_same_tensor(p.detach(), q.detach(), "weights after roll-back")
+        for k in (3, 4):  # the new engine has no fault
+            set_grads(model, k)
+            opt.step()
+    assert_at(model, opt, 4)
+
+
+def test_rollback_impossible_keeps_committed_state(tmp_path, monkeypatch):
+    """The roll-back itself fails (here: its manifest cannot be read): further steps are
+    refused, the exit keeps the last committed step on disk and warns, and a resume
+    continues from it."""
+    cfg = crash_config(str(tmp_path), "threads")
+    model = make_model()
+    opt = make_optimizer(model)
+    with pytest.warns(tiermem.TierMemWarning, match="committed step 1 stays on disk"):
+        with tiermem.offload(opt, cfg, model=model) as tm:
+            set_grads(model, 1)
+            opt.step()
+
+            def unreadable(*a, **kw):
+                raise TierMemError("manifest unreadable")
+            monkeypatch.setattr(tiermem.optim, "read_manifest", unreadable)
+            inject(tm, "read", 0, times=10)
+            set_grads(model, 2)
+            with pytest.raises(TierMemIOError) as info:
+                opt.step()
+            assert "rolling back to committed step 1 failed too" in "".join(
+                info.value.__notes__)
+            with pytest.raises(TierMemError, match="leave the offload block and resume"):
+                opt.step()
+            monkeypatch.undo()
+    assert "stays on disk" in tm.where_state_is()
+    model2 = make_model()
+    opt2 = make_optimizer(model2)
+    with tiermem.offload(opt2, cfg, model=model2, resume=True) as tm2:
+        assert tm2.resumed_step == 1
+        for k in (2, 3):
+            set_grads(model2, k)
+            opt2.step()
+    assert_at(model2, opt2, 3)
+
+
+def test_commit_fails_on_full_disk(tmp_path):
+    """The disk fills between steps: the step's commit fails naming the manifest and
+    ENOSPC, the previous commit stays valid, and the next commit succeeds once space is
+    back (nothing is rolled back: the step itself was complete)."""
+    with tmpfs(tmp_path / "fs", "4m") as fs:
+        cfg = crash_config(str(fs), "threads")
+        cfg["io"]["o_direct"] = False
+        model = make_model()
+        opt = make_optimizer(model)
+        with tiermem.offload(opt, cfg, model=model) as tm:
+            set_grads(model, 1)
+            opt.step()
+            filler = fs / "filler"
+            with open(filler, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC
+            set_grads(model, 2)
+            with pytest.raises(TierMemError) as info:
+                opt.step()
+            msg = str(info.value)
+            assert "step 2 completed but could not be committed" in msg
+            assert MANIFEST in msg and "ENOSPC" in msg and "resume at step 1" in msg
+            run = swap_dir(fs)
+            assert read_manifest(str(run), None).step == 1
+            assert not (run / (MANIFEST + ".tmp")).exists()
+            os.unlink(filler)
+            for k in (3, 4):
+                set_grads(model, k)
+                opt.step()
+            assert tm.committed_step == 4
+        assert_at(model, opt, 4)
+
+
+@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
+def test_swap_directory_removed_mid_run(tmp_path, durability):
+    """rm -r of the run directory between steps. The open files keep the records, so the
+    state is never lost: scratch mode trains on and hands it back; crash-consistent mode
+    says the step cannot be committed (the directory is gone) and hands back the state of
+    the completed step at exit."""
+    cfg = crash_config(str(tmp_path), "threads")
+    cfg["swap"]["durability"] = durability
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, cfg, model=model):
+        set_grads(model, 1)
+        opt.step()
+        shutil.rmtree(swap_dir(tmp_path))
+        set_grads(model, 2)
+        if durability == "scratch":
+            opt.step()
+        else:
+            with pytest.raises(TierMemError, match="swap directory was removed"):
+                opt.step()
+    assert_at(model, opt, 2)
+
+
+MEMLOCK_SCRIPT = """
+import json, resource, sys, warnings
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
+sys.path.insert(0, "tests")
+import torch, tiermem
+from crash_run import crash_config, make_model, make_optimizer, set_grads
+from tiermem.errors import TierMemWarning
+from tiermem.sysinfo import has_cap_ipc_lock
+out = {"cap": has_cap_ipc_lock()}
+cfg = crash_config(sys.argv[1], "threads")
+cfg["swap"]["durability"] = "scratch"
+cfg["tiers"]["host"]["capacity"] = "2MiB"
+try:
+    tiermem.load_config(cfg)
+except tiermem.ConfigError as exc:
+    out["host_error"] = str(exc)
+cfg["tiers"]["host"]["capacity"] = 0
+model = make_model()
+opt = make_optimizer(model)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with tiermem.offload(opt, cfg, model=model):
+        for k in (1, 2):
+            set_grads(model, k)
+            opt.step()
+out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, TierMemWarning)]
+out["weights"] = [p.detach().tolist() for p in model.parameters()]
+print(json.dumps(out))
+"""
+
+
+def test_memlock_limit_at_offload_level(tmp_path):
+    """RLIMIT_MEMLOCK of 1 MiB, no CAP_IPC_LOCK: a pinned budget above it is a ConfigError
+    naming the limit; within it, buffers that cannot all be locked stay pageable with one
+    warning, and training is still exact."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
+    cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock",
+           sys.executable, "-c", MEMLOCK_SCRIPT, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    if proc.returncode != 0 and "setpriv" in proc.stderr:
+        pytest.skip(f"setpriv cannot drop CAP_IPC_LOCK here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out["cap"]:
+        pytest.skip("the child kept CAP_IPC_LOCK")
+    assert "tiers.host.capacity" in out["host_error"] and "RLIMIT_MEMLOCK" in out["host_error"]
+    assert len(out["warnings"]) == 1 and "RLIMIT_MEMLOCK" in out["warnings"][0]
+    ref_model = ref_at(2)[0]
+    for p, w in zip(ref_model.parameters(), out["weights"]):
+        assert_same_tensor(torch.tensor(w, dtype=torch.float32), p.detach(), "weights")
