@@ -16,7 +16,7 @@ import sys, torch, tiermem
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
 o = torch.optim.AdamW(m.parameters())
-cfg = {"swap": {"paths": [sys.argv[1]]}, "tiers": {"host": {"capacity": 0}},
+cfg = {"swap": {"paths": [sys.argv[1]], "durability": sys.argv[2]}, "tiers": {"host": {"capacity": 0}},
        "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 2}}
 try:
     with tiermem.offload(o, cfg):
@@ -32,9 +32,12 @@ except KeyboardInterrupt as e:
 """
 
 
+@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_mid_training_hands_state_back(tmp_path, sig):
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path)],
+def test_signal_mid_training_hands_state_back(tmp_path, sig, durability):
+    """Scratch mode abandons the step where it stood; crash-consistent mode rolls it back
+    to the last commit. Either way the state comes back whole and the directory goes."""
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path), durability],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.05)
