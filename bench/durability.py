@@ -24,9 +24,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _report import markdown_table, parse_size, write_json  # noqa: E402
+from pipeline import _model  # noqa: E402  (bench/pipeline.py: the same synthetic params)
 
 MODES = ("scratch", "crash_consistent")
-TENSOR_ELEMS = 1 << 24
 
 
 def phase(args: argparse.Namespace) -> dict:
@@ -36,14 +36,7 @@ def phase(args: argparse.Namespace) -> dict:
     import tiermem
     import tiermem.tiers
 
-    g = torch.Generator().manual_seed(0)
-    params, left = [], args.params
-    while left > 0:
-        n = min(TENSOR_ELEMS, left)
-        p = torch.nn.Parameter(torch.empty(n).uniform_(-1, 1, generator=g))
-        p.grad = torch.empty(n).uniform_(-1e-3, 1e-3, generator=g)
-        params.append(p)
-        left -= n
+    params = _model(args.params)
     opt = torch.optim.AdamW(params, lr=1e-3)
     cfg = {"swap": {"paths": [args.swap], "durability": args.mode},
            "tiers": {"host": {"capacity": args.host}},

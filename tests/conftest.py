@@ -141,3 +141,23 @@ def readonly_dir(tmp_path):
         if proc.returncode != 0:
             pytest.skip(f"cannot remount tmpfs read-only: {proc.stderr.strip()}")
         yield d
+
+
+def run_without_ipc_lock(script: str, *args: str) -> dict:
+    """Run `script` (python -c) without CAP_IPC_LOCK, so RLIMIT_MEMLOCK binds even for root;
+    returns the JSON object its last stdout line prints. Skips where that is impossible."""
+    import json
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
+    cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock",
+           sys.executable, "-c", script, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    if proc.returncode != 0 and "setpriv" in proc.stderr:
+        pytest.skip(f"setpriv cannot drop CAP_IPC_LOCK here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out.get("cap"):
+        pytest.skip("the child kept CAP_IPC_LOCK")
+    return out

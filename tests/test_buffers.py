@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import gc
-import json
-import shutil
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import run_without_ipc_lock
 from tiermem._lib import lib
 from tiermem.buffers import BufferPool, aligned_empty
 from tiermem.errors import TierMemWarning
@@ -155,17 +151,7 @@ print(json.dumps({"cap": has_cap_ipc_lock(), "warnings": ours, "pinned": pool.pi
 
 def test_unlockable_memory_warns_once():
     """Without CAP_IPC_LOCK and with a 64 KiB memlock limit: one TierMemWarning, locked=False."""
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
-    cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock",
-           sys.executable, "-c", UNLOCKED_SCRIPT]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-    if proc.returncode != 0 and "setpriv" in proc.stderr:
-        pytest.skip(f"setpriv cannot drop CAP_IPC_LOCK here: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if out["cap"]:
-        pytest.skip("the child kept CAP_IPC_LOCK")
+    out = run_without_ipc_lock(UNLOCKED_SCRIPT)
     assert out["locked"] == [False, False]
     assert out["pinned"] == 0
     assert len(out["warnings"]) == 1

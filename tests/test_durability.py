@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import copy
 import errno
-import json
 import os
 import shutil
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 
 import tiermem
-from conftest import BACKEND_PARAMS, REPO
+from conftest import BACKEND_PARAMS, REPO, run_without_ipc_lock
 from crash_run import crash_config, make_model, make_optimizer, set_grads
 from faults import inject
 from offload_helpers import (assert_same_tensor, compare_runs, compare_state_dicts, swap_dir,
@@ -265,17 +263,7 @@ def test_memlock_limit_at_offload_level(tmp_path):
     """RLIMIT_MEMLOCK of 1 MiB, no CAP_IPC_LOCK: a pinned budget above it is a ConfigError
     naming the limit; within it, buffers that cannot all be locked stay pageable with one
     warning, and training is still exact."""
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
-    cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock",
-           sys.executable, "-c", MEMLOCK_SCRIPT, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-    if proc.returncode != 0 and "setpriv" in proc.stderr:
-        pytest.skip(f"setpriv cannot drop CAP_IPC_LOCK here: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if out["cap"]:
-        pytest.skip("the child kept CAP_IPC_LOCK")
+    out = run_without_ipc_lock(MEMLOCK_SCRIPT, str(tmp_path))
     assert "tiers.host.capacity" in out["host_error"] and "RLIMIT_MEMLOCK" in out["host_error"]
     assert len(out["warnings"]) == 1 and "RLIMIT_MEMLOCK" in out["warnings"][0]
     ref_model = ref_at(2)[0]
