@@ -236,36 +236,35 @@ import torch, tiermem
 from crash_run import crash_config, make_model, make_optimizer, set_grads
 from tiermem.errors import TierMemWarning
 from tiermem.sysinfo import has_cap_ipc_lock
-out = {"cap": has_cap_ipc_lock()}
-cfg = crash_config(sys.argv[1], "threads")
-cfg["swap"]["durability"] = "scratch"
-cfg["tiers"]["host"]["capacity"] = "2MiB"
-try:
-    tiermem.load_config(cfg)
-except tiermem.ConfigError as exc:
-    out["host_error"] = str(exc)
-cfg["tiers"]["host"]["capacity"] = 0
-model = make_model()
-opt = make_optimizer(model)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    with tiermem.offload(opt, cfg, model=model):
-        for k in (1, 2):
-            set_grads(model, k)
-            opt.step()
-out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, TierMemWarning)]
-out["weights"] = [p.detach().tolist() for p in model.parameters()]
+out = {"cap": has_cap_ipc_lock(), "runs": []}
+for host in ("2MiB", 0):  # beyond the limit with the host tier; the pipeline's buffers alone
+    cfg = crash_config(sys.argv[1], "threads")
+    cfg["swap"]["durability"] = "scratch"
+    cfg["tiers"]["host"]["capacity"] = host
+    model = make_model()
+    opt = make_optimizer(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tiermem.offload(opt, cfg, model=model):
+            for k in (1, 2):
+                set_grads(model, k)
+                opt.step()
+    out["runs"].append({
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, TierMemWarning)],
+        "weights": [p.detach().tolist() for p in model.parameters()]})
 print(json.dumps(out))
 """
 
 
 def test_memlock_limit_at_offload_level(tmp_path):
-    """RLIMIT_MEMLOCK of 1 MiB, no CAP_IPC_LOCK: a pinned budget above it is a ConfigError
-    naming the limit; within it, buffers that cannot all be locked stay pageable with one
-    warning, and training is still exact."""
+    """RLIMIT_MEMLOCK of 1 MiB, no CAP_IPC_LOCK, a pinned budget (host tier + buffers) above
+    it: what cannot be locked stays pageable with one warning (per process) naming the
+    limit, and training is exact."""
     out = run_without_ipc_lock(MEMLOCK_SCRIPT, str(tmp_path))
-    assert "tiers.host.capacity" in out["host_error"] and "RLIMIT_MEMLOCK" in out["host_error"]
-    assert len(out["warnings"]) == 1 and "RLIMIT_MEMLOCK" in out["warnings"][0]
     ref_model = ref_at(2)[0]
-    for p, w in zip(ref_model.parameters(), out["weights"]):
-        assert_same_tensor(torch.tensor(w, dtype=torch.float32), p.detach(), "weights")
+    first, second = (run["warnings"] for run in out["runs"])
+    assert len(first) == 1 and "RLIMIT_MEMLOCK" in first[0], first
+    assert second == []  # one warning per process
+    for run in out["runs"]:
+        for p, w in zip(ref_model.parameters(), run["weights"]):
+            assert_same_tensor(torch.tensor(w, dtype=torch.float32), p.detach(), "weights")

@@ -23,7 +23,7 @@ import yaml
 
 from tiermem.errors import TierMemError
 from tiermem.sizes import format_size, parse_size, yaml_size
-from tiermem.sysinfo import lockable_bytes, physical_memory
+from tiermem.sysinfo import physical_memory
 
 
 class ConfigError(TierMemError, ValueError):
@@ -163,14 +163,9 @@ class Settings:
     optimizer: OptimizerSettings = doc("Update kernel.", default_factory=OptimizerSettings)
 
     def validate(self) -> None:
+        # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,
+        # with one warning (tiermem.buffers), so the defaults work for any user.
         pinned = self.tiers.host.capacity + self.pipeline.buffer_count * self.pipeline.partition_size
-        limit = lockable_bytes()
-        if limit is not None and pinned > limit:
-            raise ConfigError(
-                "tiers.host.capacity", self.tiers.host.capacity,
-                f"host tier + pipeline buffers ({format_size(pinned)}) exceed what this process "
-                f"may page-lock (RLIMIT_MEMLOCK {format_size(limit)}); lower them or raise the "
-                "limit (ulimit -l, LimitMEMLOCK=)")
         total = physical_memory()
         if pinned > total * 0.9:
             raise ConfigError(
