@@ -9,10 +9,14 @@ its optimizer state on NVMe (host tier 0, pinned buffers <= 1 GiB). Reported:
 - the compute floor: the same step with all state in memory
   (torch.optim.AdamW(fused=True));
 - step / max(floors), goal <= 1.10, and peak RSS against
-  weights + grads + host tier + buffers + 10%.
+  weights + grads + host tier + buffers + 10%;
+- with `--state-dtype fp32,bf16`, the same step with each optimizer.state_dtype
+  (the floors are measured for the first) and each one's step time against the
+  first's: bf16 moments halve the bytes an fp32 model's step moves, goal <= 0.6.
 
 Each phase runs in its own process so peak RSS and page cache are its own.
-Usage: python bench/pipeline.py [--params 1B] [--steps 4] [--json out.json]
+Usage: python bench/pipeline.py [--params 1B] [--steps 4] [--state-dtype fp32,bf16]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ def phase_tiermem(args: argparse.Namespace) -> dict:
         "tiers": {"host": {"capacity": 0}},
         "pipeline": {"partition_size": args.partition_size, "buffer_count": args.buffers,
                      "prefetch_depth": args.prefetch},
-        "optimizer": {"kernel": "fused"},
+        "optimizer": {"kernel": args.kernel, "state_dtype": args.state_dtype[0]},
     }
     with tiermem.offload(opt, cfg, name="bench-pipeline") as tm:
         plan = tm.plan()
@@ -101,6 +105,7 @@ def phase_tiermem(args: argparse.Namespace) -> dict:
     steady = stats[1:] or stats
     return {
         "plan": plan, "step_seconds": times, "stats": stats,
+        "state_bytes": plan["state_bytes"]["nvme"],
         "steady": statistics.median(times[1:] or times),
         "read_bytes": statistics.median(sum(s["read_bytes"].values()) for s in steady),
         "write_bytes": statistics.median(sum(s["write_bytes"].values()) for s in steady),
@@ -146,12 +151,17 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
                     depth: int) -> dict:
     common = ["--ioengine=io_uring", "--direct=1", f"--bs={bs}", f"--iodepth={depth}",
               "--mem=mmaphuge"]
-    out = subprocess.run(
-        ["fio", "--output-format=json", *common,
-         "--name=read", f"--filename={rfile}", "--rw=read", f"--size={read_bytes}",
-         "--name=write", f"--filename={wfile}", "--rw=write", f"--size={write_bytes}"],
-        check=True, capture_output=True, text=True).stdout
-    jobs = json.loads(out[out.index("{"):])["jobs"]
+    cmd = ["fio", "--output-format=json", *common,
+           "--name=read", f"--filename={rfile}", "--rw=read", f"--size={read_bytes}",
+           "--name=write", f"--filename={wfile}", "--rw=write", f"--size={write_bytes}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = proc.stdout
+    try:
+        jobs = json.loads(out[out.index("{"):])["jobs"]
+    except ValueError:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, out, proc.stderr) from None
+    # fio 3.33 can abort in its exit path with --mem=mmaphuge ("double free") after it
+    # printed complete results: those still count; a run without them does not.
     runtimes = {j["jobname"]: j["read" if j["jobname"] == "read" else "write"]["runtime"] / 1e3
                 for j in jobs}
     return {"seconds": max(runtimes.values()), "per_job_seconds": runtimes, "depth": depth,
@@ -181,11 +191,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="swap.checksums for the tiermem step (default on, as shipped)")
     p.add_argument("--checksum-cost", action="store_true",
                    help="also run the tiermem step with checksums off and report the cost")
+    p.add_argument("--kernel", default="fused", choices=["fused", "native"],
+                   help="optimizer.kernel (bf16 state always runs the native kernel)")
+    p.add_argument("--state-dtype", default="fp32",
+                   help="optimizer.state_dtype, or a comma list (fp32,bf16) to time each in "
+                        "this run; the floors are measured for the first")
     p.add_argument("--json", default=str(HERE / "results" / "pipeline.json"))
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--phase-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.params_text, a.params = a.params, parse_count(a.params)
+    a.state_dtype = a.state_dtype.split(",")
+    for dt in a.state_dtype:
+        if dt not in ("fp32", "bf16"):
+            p.error(f"--state-dtype: {dt!r} is not fp32 or bf16")
     return a
 
 
@@ -206,12 +225,17 @@ def main(argv=None) -> int:
         return 0
     raw = sys.argv[1:] if argv is None else list(argv)
     os.makedirs(args.swap_dir, exist_ok=True)
-    tm = _run_phase("tiermem", raw)
-    print(f"tiermem steps: {[round(t, 2) for t in tm['step_seconds']]} s", flush=True)
+    by_dtype = {}
+    for dt in args.state_dtype:
+        by_dtype[dt] = _run_phase("tiermem", raw + ["--state-dtype", dt])
+        print(f"tiermem steps, {dt} state: "
+              f"{[round(t, 2) for t in by_dtype[dt]['step_seconds']]} s", flush=True)
+    first = args.state_dtype[0]
+    tm = by_dtype[first]
     bare = None
     if args.checksum_cost:
         bare = _run_phase("tiermem", [a for a in raw if a != "--checksum-cost"]
-                          + ["--checksums", "off"])
+                          + ["--checksums", "off", "--state-dtype", first])
         print(f"tiermem steps, checksums off: {[round(t, 2) for t in bare['step_seconds']]} s",
               flush=True)
     mem = _run_phase("memory", raw)
@@ -222,11 +246,23 @@ def main(argv=None) -> int:
     weights = grads = args.params * 4
     buffers = tm["plan"]["pinned_bytes"]
     rss_bound = (weights + grads + buffers) * 1.10
+    def step_row(what: str, r: dict) -> list[str]:
+        return [what, f"{r['steady']:.2f} s",
+                f"read {r['read_bytes'] / r['steady'] / 1e9:.2f} GB/s, write "
+                f"{r['write_bytes'] / r['steady'] / 1e9:.2f} GB/s "
+                f"({(r['read_bytes'] + r['write_bytes']) / 1e9:.2f} GB moved), "
+                f"stall {r['stall']:.2f} s, update {r['update']:.2f} s, "
+                f"overlap {r['overlap']:.2f}"]
+
+    dtype_ratios = {dt: r["steady"] / tm["steady"] for dt, r in by_dtype.items() if dt != first}
     rows = [
-        ["tiermem step (NVMe)", f"{tm['steady']:.2f} s",
-         f"read {tm['read_bytes'] / tm['steady'] / 1e9:.2f} GB/s, write "
-         f"{tm['write_bytes'] / tm['steady'] / 1e9:.2f} GB/s, stall {tm['stall']:.2f} s, "
-         f"update {tm['update']:.2f} s, overlap {tm['overlap']:.2f}"],
+        step_row(f"tiermem step (NVMe, {first} state)", tm),
+        *(row for dt, ratio in dtype_ratios.items() for row in (
+            step_row(f"tiermem step (NVMe, {dt} state)", by_dtype[dt]),
+            [f"{dt} / {first} state step", f"{ratio:.3f}",
+             f"state bytes {by_dtype[dt]['state_bytes'] / tm['state_bytes']:.2f}x"
+             + ("; goal <= 0.6: " + ("met" if ratio <= 0.6 else "NOT met")
+                if (first, dt) == ("fp32", "bf16") else "")])),
         ["I/O floor (fio, concurrent r+w)", f"{fio['seconds']:.2f} s",
          f"read {fio['read_gbps']:.2f} GB/s, write {fio['write_gbps']:.2f} GB/s "
          f"({fio['variant']}; " + ", ".join(f"{k}: {v['seconds']:.2f} s"
@@ -240,13 +276,14 @@ def main(argv=None) -> int:
          f"bound weights+grads+buffers+10% = {rss_bound / 2**30:.2f} GiB: "
          + ("met" if tm["peak_rss"] <= rss_bound else "NOT met")],
     ]
-    print(f"\n{args.params_text} fp32 parameters, state on NVMe: "
+    print(f"\n{args.params_text} fp32 parameters, {first} state on NVMe: "
           f"{tm['plan']['state_bytes']['nvme'] / 1e9:.2f} GB in {tm['plan']['partitions']} "
           f"partitions, pinned {buffers / 2**30:.2f} GiB, {args.backend}, "
           f"bs {args.block_size}, qd {args.queue_depth}\n")
     print(markdown_table(["what", "time", "detail"], rows))
     write_json(args.json, {"args": vars(args), "tiermem": tm, "tiermem_no_checksums": bare,
-                           "memory": mem, "fio": fio,
+                           "tiermem_by_state_dtype": by_dtype,
+                           "state_dtype_ratios": dtype_ratios, "memory": mem, "fio": fio,
                            "ratio": ratio, "rss_bound": rss_bound})
     print(f"\nwrote {args.json}")
     return 0

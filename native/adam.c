@@ -5,6 +5,16 @@
  * amsgrad) in place, and optionally writes a bf16 or fp16 copy of the updated
  * parameters (round to nearest even) in the same pass.
  *
+ * The moments may be stored in bf16 (state_mode 1 and 2): they are loaded into
+ * fp32 registers, updated with exactly the arithmetic below, the parameter step
+ * uses those fp32 values, and only the stores round them to bf16, to nearest
+ * even (mode 1) or stochastically (mode 2). Stochastic rounding adds 16 random
+ * bits below the bf16 mantissa and truncates: x rounds up with probability equal
+ * to its distance from the bf16 value below, so the rounding is unbiased. The bits
+ * come from a counter-based hash of (seed, element index), not from a generator
+ * with state, so every path and every split of the work across threads draws
+ * the same bits for the same element (see sr_bits).
+ *
  * Arithmetic follows the vectorised body of torch's fused CPU Adam
  * (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, as torch 2.13's AVX-512 build
  * computes it): coefficients are formed in double and rounded to float once,
@@ -51,6 +61,7 @@
 
 enum { ISA_AUTO = -1, ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { ST_F32 = 0, ST_BF16_RNE = 1, ST_BF16_SR = 2 };  /* how the moments are stored */
 
 #define TM_ADAM_PAR_MIN (256 * 1024)   /* below this, no threads */
 #define TM_ADAM_PAR_UNIT (128 * 1024)  /* at least this many elements per thread */
@@ -58,10 +69,14 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define TM_ADAM_MAX_THREADS 256
 
 typedef struct adam_job {
-    float *p, *m, *v, *vmax;
+    float *p;
+    void *m, *v, *vmax;       /* float, or uint16_t (bf16) when s_mode != ST_F32 */
     const void *g;
     void *out;
     int g_dtype, out_dtype;   /* out_dtype only meaningful when out != NULL */
+    int s_mode;               /* ST_*: moment storage and rounding */
+    uint32_t idx0;            /* stream index of element 0 (low 32 bits; ST_BF16_SR) */
+    uint32_t k0, k1;          /* hash key for this job's 2^32-element window */
     int amsgrad, maximize;
     int wd_mode;              /* 0 none, 1 L2 (Adam), 2 decoupled (AdamW) */
     int small;                /* |1 - beta1| < 0.5: lerp from m, else from g */
@@ -103,6 +118,48 @@ static inline uint16_t f32_to_bf16(float f)
     if ((u & 0x7FFFFFFFu) > 0x7F800000u)
         return 0x7FC0;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Stochastic rounding with 16 random bits r: truncation of x + r. The same NaN
+ * rule as f32_to_bf16; infinities and bf16 values (low half zero) stay exact. No
+ * carry leaves the 32 bits: the largest non-NaN pattern is 0xFF800000. */
+static inline uint16_t f32_to_bf16_sr(float f, uint32_t r)
+{
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return 0x7FC0;
+    return (uint16_t)((u + r) >> 16);
+}
+
+/* The random bits of one element: a keyed 32-bit integer hash of its index (a Weyl
+ * step, then Wellons' lowbias32 finaliser with the second key word mixed in before
+ * the last multiply). For a fixed key it is a bijection of the index, so no two
+ * elements of a 2^32 window share their bits. exp_avg takes the low 16 bits, the
+ * second moments the high 16: exp_avg_sq and max_exp_avg_sq share them, so
+ * rounding keeps max_exp_avg_sq >= exp_avg_sq as the fp32 values had it. Only
+ * 32-bit multiplies, which every path has (AVX2 and AVX-512F vpmulld). */
+#define SR_W 0x9E3779B1u
+#define SR_M1 0x7FEB352Du
+#define SR_M2 0x846CA68Bu
+
+static inline uint32_t sr_bits(uint32_t idx, uint32_t k0, uint32_t k1)
+{
+    uint32_t x = idx * SR_W + k0;
+    x ^= x >> 16;
+    x *= SR_M1;
+    x ^= x >> 15;
+    x ^= k1;
+    x *= SR_M2;
+    x ^= x >> 16;
+    return x;
+}
+
+static uint64_t splitmix64(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
 }
 
 /* Round to nearest even with overflow to infinity and subnormal results, as
@@ -154,9 +211,14 @@ static void adam_scalar(const adam_job *jin, int64_t begin, int64_t end)
 {
     adam_job c = *jin;  /* fields in registers, not reloaded after each store */
     const adam_job *j = &c;
+    int bf = j->s_mode != ST_F32;
+    float *m32 = (float *)j->m, *v32 = (float *)j->v, *vm32 = (float *)j->vmax;
+    uint16_t *m16 = (uint16_t *)j->m, *v16 = (uint16_t *)j->v, *vm16 = (uint16_t *)j->vmax;
     for (int64_t i = begin; i < end; i++) {
         float g = load_g(j, i);
-        float p = j->p[i], m = j->m[i], v = j->v[i];
+        float p = j->p[i];
+        float m = bf ? bf16_to_f32(m16[i]) : m32[i];
+        float v = bf ? bf16_to_f32(v16[i]) : v32[i];
         if (j->maximize)
             g = -g;
         if (j->wd_mode == 1)
@@ -169,16 +231,29 @@ static void adam_scalar(const adam_job *jin, int64_t begin, int64_t end)
         float vb = v * j->b2;
         v = fmaf(cg, g, vb);
         float vv = v;
-        if (j->amsgrad) {
-            vv = max_nan(j->vmax[i], v);
-            j->vmax[i] = vv;
-        }
+        if (j->amsgrad)
+            vv = max_nan(bf ? bf16_to_f32(vm16[i]) : vm32[i], v);
         float denom = sqrtf(vv) / j->bc2s + j->eps;
         float upd = (j->nss * m) / denom;
         p = p + upd;
         j->p[i] = p;
-        j->m[i] = m;
-        j->v[i] = v;
+        if (j->s_mode == ST_F32) {
+            m32[i] = m;
+            v32[i] = v;
+            if (j->amsgrad)
+                vm32[i] = vv;
+        } else if (j->s_mode == ST_BF16_RNE) {
+            m16[i] = f32_to_bf16(m);
+            v16[i] = f32_to_bf16(v);
+            if (j->amsgrad)
+                vm16[i] = f32_to_bf16(vv);
+        } else {
+            uint32_t r = sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1);
+            m16[i] = f32_to_bf16_sr(m, r & 0xFFFFu);
+            v16[i] = f32_to_bf16_sr(v, r >> 16);
+            if (j->amsgrad)
+                vm16[i] = f32_to_bf16_sr(vv, r >> 16);
+        }
         if (j->out) {
             uint16_t *o = (uint16_t *)j->out;
             o[i] = j->out_dtype == DT_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
@@ -192,10 +267,81 @@ static void adam_scalar(const adam_job *jin, int64_t begin, int64_t end)
 
 #define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-static inline TGT_AVX2 __attribute__((always_inline)) void
-adam8(const adam_job *j, float *pp, float *mp, float *vp, float *vmp, const void *gp,
-      void *op)
+/* Moments: 8 fp32, or 8 bf16 widened (exact). */
+static inline TGT_AVX2 __attribute__((always_inline)) __m256
+load8(const void *src, int sdt)
 {
+    if (sdt == ST_F32)
+        return _mm256_loadu_ps((const float *)src);
+    __m128i h = _mm_loadu_si128((const __m128i *)src);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* 32-bit results (each < 2^16) packed to 8 uint16 with NaN lanes set to 0x7FC0. */
+static inline TGT_AVX2 __attribute__((always_inline)) __m128i
+pack_bf16_8(__m256i r, __m256 x)
+{
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+static inline TGT_AVX2 __attribute__((always_inline)) __m128i
+bf16_rne8(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return pack_bf16_8(_mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16), x);
+}
+
+static inline TGT_AVX2 __attribute__((always_inline)) __m128i
+bf16_sr8(__m256 x, __m256i r)
+{
+    __m256i u = _mm256_castps_si256(x);
+    return pack_bf16_8(_mm256_srli_epi32(_mm256_add_epi32(u, r), 16), x);
+}
+
+/* sr_bits for the 8 indices idx .. idx+7 (mod 2^32). */
+static inline TGT_AVX2 __attribute__((always_inline)) __m256i
+sr_bits8(uint32_t idx, uint32_t k0, uint32_t k1)
+{
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)idx),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    x = _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_W)),
+                         _mm256_set1_epi32((int)k0));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M1));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_xor_si256(x, _mm256_set1_epi32((int)k1));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M2));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* Store 8 moments as the job stores them; r: sr_bits lanes (ST_BF16_SR), `hi`
+ * picks which 16 of them. */
+static inline TGT_AVX2 __attribute__((always_inline)) void
+store8(void *dst, __m256 x, int sdt, __m256i r, int hi)
+{
+    if (sdt == ST_F32) {
+        _mm256_storeu_ps((float *)dst, x);
+        return;
+    }
+    __m128i h;
+    if (sdt == ST_BF16_RNE)
+        h = bf16_rne8(x);
+    else
+        h = bf16_sr8(x, hi ? _mm256_srli_epi32(r, 16)
+                           : _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)));
+    _mm_storeu_si128((__m128i *)dst, h);
+}
+
+/* idx: stream index (low 32 bits) of the first of the 8 elements. */
+static inline TGT_AVX2 __attribute__((always_inline)) void
+adam8(const adam_job *j, float *pp, void *mp, void *vp, void *vmp, const void *gp, void *op,
+      uint32_t idx)
+{
+    int sdt = j->s_mode;
     __m256 g;
     if (j->g_dtype == DT_F32) {
         g = _mm256_loadu_ps((const float *)gp);
@@ -206,7 +352,7 @@ adam8(const adam_job *j, float *pp, float *mp, float *vp, float *vmp, const void
         else
             g = _mm256_cvtph_ps(h);
     }
-    __m256 p = _mm256_loadu_ps(pp), m = _mm256_loadu_ps(mp), v = _mm256_loadu_ps(vp);
+    __m256 p = _mm256_loadu_ps(pp), m = load8(mp, sdt), v = load8(vp, sdt);
     if (j->maximize)
         g = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
     if (j->wd_mode == 1)
@@ -221,88 +367,163 @@ adam8(const adam_job *j, float *pp, float *mp, float *vp, float *vmp, const void
     v = _mm256_fmadd_ps(cg, g, vb);
     __m256 vv = v;
     if (j->amsgrad) {
-        __m256 a = _mm256_loadu_ps(vmp);
+        __m256 a = load8(vmp, sdt);
         vv = _mm256_or_ps(_mm256_max_ps(a, v), _mm256_cmp_ps(a, v, _CMP_UNORD_Q));
-        _mm256_storeu_ps(vmp, vv);
     }
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(j->bc2s)),
                                  _mm256_set1_ps(j->eps));
     __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(j->nss), m), denom);
     p = _mm256_add_ps(p, upd);
     _mm256_storeu_ps(pp, p);
-    _mm256_storeu_ps(mp, m);
-    _mm256_storeu_ps(vp, v);
+    __m256i r = sdt == ST_BF16_SR ? sr_bits8(idx, j->k0, j->k1) : _mm256_setzero_si256();
+    store8(mp, m, sdt, r, 0);
+    store8(vp, v, sdt, r, 1);
+    if (j->amsgrad)
+        store8(vmp, vv, sdt, r, 1);
     if (op) {
-        __m128i h;
-        if (j->out_dtype == DT_BF16) {
-            __m256i u = _mm256_castps_si256(p);
-            __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-            __m256i r = _mm256_srli_epi32(
-                _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-            __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-            r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-            h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-        } else {
-            h = _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT);
-        }
+        __m128i h = j->out_dtype == DT_BF16 ? bf16_rne8(p)
+                                             : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT);
         _mm_storeu_si128((__m128i *)op, h);
     }
 }
 
 static inline TGT_AVX2 __attribute__((always_inline)) void
-loop256(const adam_job *jin, int64_t begin, int64_t end, int gdt, int odt)
+loop256(const adam_job *jin, int64_t begin, int64_t end, int gdt, int odt, int sdt)
 {
     adam_job c = *jin;  /* see loop512 */
     adam_job *j = &c;
     j->g_dtype = gdt;
     j->out_dtype = odt;
+    j->s_mode = sdt;
     if (odt < 0)
         j->out = NULL;
     size_t gsz = j->g_dtype == DT_F32 ? 4 : 2;
+    size_t ssz = sdt == ST_F32 ? 4 : 2;
+    char *mb = (char *)j->m, *vb = (char *)j->v, *vmb = (char *)j->vmax;
     int64_t i = begin;
     for (; i + 8 <= end; i += 8)
-        adam8(j, j->p + i, j->m + i, j->v + i, j->amsgrad ? j->vmax + i : NULL,
-              (const char *)j->g + i * gsz, j->out ? (char *)j->out + i * 2 : NULL);
+        adam8(j, j->p + i, mb + i * ssz, vb + i * ssz, j->amsgrad ? vmb + i * ssz : NULL,
+              (const char *)j->g + i * gsz, j->out ? (char *)j->out + i * 2 : NULL,
+              j->idx0 + (uint32_t)i);
     int64_t rem = end - i;
     if (rem > 0) {
         float p[8] = {0}, m[8] = {0}, v[8] = {0}, vm[8] = {0}, g[8] = {0};
         uint16_t o[8];
-        size_t fb = (size_t)rem * 4;
+        size_t fb = (size_t)rem * 4, sb = (size_t)rem * ssz;
         memcpy(p, j->p + i, fb);
-        memcpy(m, j->m + i, fb);
-        memcpy(v, j->v + i, fb);
+        memcpy(m, mb + i * ssz, sb);
+        memcpy(v, vb + i * ssz, sb);
         if (j->amsgrad)
-            memcpy(vm, j->vmax + i, fb);
+            memcpy(vm, vmb + i * ssz, sb);
         memcpy(g, (const char *)j->g + i * gsz, (size_t)rem * gsz);
-        adam8(j, p, m, v, vm, g, j->out ? o : NULL);
+        adam8(j, p, m, v, vm, g, j->out ? o : NULL, j->idx0 + (uint32_t)i);
         memcpy(j->p + i, p, fb);
-        memcpy(j->m + i, m, fb);
-        memcpy(j->v + i, v, fb);
+        memcpy(mb + i * ssz, m, sb);
+        memcpy(vb + i * ssz, v, sb);
         if (j->amsgrad)
-            memcpy(j->vmax + i, vm, fb);
+            memcpy(vmb + i * ssz, vm, sb);
         if (j->out)
             memcpy((char *)j->out + i * 2, o, (size_t)rem * 2);
     }
 }
 
+/* Every (grad dtype, output dtype, state mode) gets its own loop with the three
+ * as constants, so the per-element branches on them fold away. */
+#define TM_CASES(LOOP)                                                              \
+    TM_CASE(LOOP, DT_F32, -1) TM_CASE(LOOP, DT_F32, DT_BF16) TM_CASE(LOOP, DT_F32, DT_F16) \
+    TM_CASE(LOOP, DT_BF16, -1) TM_CASE(LOOP, DT_BF16, DT_BF16)                          \
+    TM_CASE(LOOP, DT_BF16, DT_F16) TM_CASE(LOOP, DT_F16, -1)                            \
+    TM_CASE(LOOP, DT_F16, DT_BF16) TM_CASE(LOOP, DT_F16, DT_F16)
+#define TM_CASE(LOOP, G, O)                                                         \
+    if (j->g_dtype == G && odt == O) {                                              \
+        if (j->s_mode == ST_F32)                                                    \
+            LOOP(j, begin, end, G, O, ST_F32);                                      \
+        else if (j->s_mode == ST_BF16_RNE)                                          \
+            LOOP(j, begin, end, G, O, ST_BF16_RNE);                                 \
+        else                                                                        \
+            LOOP(j, begin, end, G, O, ST_BF16_SR);                                  \
+        return;                                                                     \
+    }
+
 static TGT_AVX2 void adam_avx2(const adam_job *j, int64_t begin, int64_t end)
 {
     int odt = j->out ? j->out_dtype : -1;
-#define TM_CASE(G, O) \
-    if (j->g_dtype == G && odt == O) { loop256(j, begin, end, G, O); return; }
-    TM_CASE(DT_F32, -1) TM_CASE(DT_F32, DT_BF16) TM_CASE(DT_F32, DT_F16)
-    TM_CASE(DT_BF16, -1) TM_CASE(DT_BF16, DT_BF16) TM_CASE(DT_BF16, DT_F16)
-    TM_CASE(DT_F16, -1) TM_CASE(DT_F16, DT_BF16) TM_CASE(DT_F16, DT_F16)
-#undef TM_CASE
+    TM_CASES(loop256)
 }
 
 /* -- AVX-512 path (16 lanes; the ragged tail uses masked loads and stores) ------- */
 
 #define TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 
+static inline TGT_AVX512 __attribute__((always_inline)) __m512
+load16(const void *base, int64_t i, __mmask16 k, int sdt)
+{
+    if (sdt == ST_F32)
+        return _mm512_maskz_loadu_ps(k, (const float *)base + i);
+    __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)base + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline TGT_AVX512 __attribute__((always_inline)) __m256i
+pack_bf16_16(__m512i r, __m512 x)
+{
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline TGT_AVX512 __attribute__((always_inline)) __m256i
+bf16_rne16(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return pack_bf16_16(_mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16), x);
+}
+
+static inline TGT_AVX512 __attribute__((always_inline)) __m256i
+bf16_sr16(__m512 x, __m512i r)
+{
+    __m512i u = _mm512_castps_si512(x);
+    return pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, r), 16), x);
+}
+
+static inline TGT_AVX512 __attribute__((always_inline)) __m512i
+sr_bits16(uint32_t idx, uint32_t k0, uint32_t k1)
+{
+    __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)idx),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                   12, 13, 14, 15));
+    x = _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_W)),
+                         _mm512_set1_epi32((int)k0));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_M1));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_xor_si512(x, _mm512_set1_epi32((int)k1));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_M2));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+static inline TGT_AVX512 __attribute__((always_inline)) void
+store16(void *base, int64_t i, __mmask16 k, __m512 x, int sdt, __m512i r, int hi)
+{
+    if (sdt == ST_F32) {
+        _mm512_mask_storeu_ps((float *)base + i, k, x);
+        return;
+    }
+    __m256i h;
+    if (sdt == ST_BF16_RNE)
+        h = bf16_rne16(x);
+    else
+        h = bf16_sr16(x, hi ? _mm512_srli_epi32(r, 16)
+                            : _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
+    _mm256_mask_storeu_epi16((uint16_t *)base + i, k, h);
+}
+
 static inline TGT_AVX512 __attribute__((always_inline)) void
 adam16(const adam_job *j, int64_t i, __mmask16 k, int nt)
 {
+    int sdt = j->s_mode;
     __m512 g;
     if (j->g_dtype == DT_F32) {
         g = _mm512_maskz_loadu_ps(k, (const float *)j->g + i);
@@ -314,8 +535,8 @@ adam16(const adam_job *j, int64_t i, __mmask16 k, int nt)
             g = _mm512_cvtph_ps(h);
     }
     __m512 p = _mm512_maskz_loadu_ps(k, j->p + i);
-    __m512 m = _mm512_maskz_loadu_ps(k, j->m + i);
-    __m512 v = _mm512_maskz_loadu_ps(k, j->v + i);
+    __m512 m = load16(j->m, i, k, sdt);
+    __m512 v = load16(j->v, i, k, sdt);
     if (j->maximize)
         g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g),
                                                  _mm512_set1_epi32((int)0x80000000u)));
@@ -331,32 +552,28 @@ adam16(const adam_job *j, int64_t i, __mmask16 k, int nt)
     v = _mm512_fmadd_ps(cg, g, vb);
     __m512 vv = v;
     if (j->amsgrad) {
-        __m512 a = _mm512_maskz_loadu_ps(k, j->vmax + i);
+        __m512 a = load16(j->vmax, i, k, sdt);
         __mmask16 un = _mm512_cmp_ps_mask(a, v, _CMP_UNORD_Q);
         vv = _mm512_mask_mov_ps(_mm512_max_ps(a, v), un,
                                 _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
-        _mm512_mask_storeu_ps(j->vmax + i, k, vv);
     }
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), _mm512_set1_ps(j->bc2s)),
                                  _mm512_set1_ps(j->eps));
     __m512 upd = _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(j->nss), m), denom);
     p = _mm512_add_ps(p, upd);
     _mm512_mask_storeu_ps(j->p + i, k, p);
-    _mm512_mask_storeu_ps(j->m + i, k, m);
-    _mm512_mask_storeu_ps(j->v + i, k, v);
+    __m512i r = sdt == ST_BF16_SR ? sr_bits16(j->idx0 + (uint32_t)i, j->k0, j->k1)
+                                  : _mm512_setzero_si512();
+    store16(j->m, i, k, m, sdt, r, 0);
+    store16(j->v, i, k, v, sdt, r, 1);
+    if (j->amsgrad)
+        store16(j->vmax, i, k, vv, sdt, r, 1);
     if (j->out) {
         __m256i h;
-        if (j->out_dtype == DT_BF16) {
-            __m512i u = _mm512_castps_si512(p);
-            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_srli_epi32(
-                _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q),
-                                      _mm512_set1_epi32(0x7FC0));
-            h = _mm512_cvtepi32_epi16(r);
-        } else {
+        if (j->out_dtype == DT_BF16)
+            h = bf16_rne16(p);
+        else
             h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        }
         if (nt)
             _mm256_stream_si256((__m256i *)((uint16_t *)j->out + i), h);
         else
@@ -366,14 +583,15 @@ adam16(const adam_job *j, int64_t i, __mmask16 k, int nt)
 
 /* The job is copied to a local whose address never escapes, so its fields live
  * in registers rather than being reloaded after every store through a float
- * pointer; gdt/odt are literal constants at each call site below. */
+ * pointer; gdt/odt/sdt are literal constants at each call site below. */
 static inline TGT_AVX512 __attribute__((always_inline)) void
-loop512(const adam_job *jin, int64_t begin, int64_t end, int gdt, int odt)
+loop512(const adam_job *jin, int64_t begin, int64_t end, int gdt, int odt, int sdt)
 {
     adam_job c = *jin;
     adam_job *j = &c;
     j->g_dtype = gdt;
     j->out_dtype = odt;
+    j->s_mode = sdt;
     if (odt < 0)
         j->out = NULL;
     int64_t i = begin;
@@ -404,13 +622,11 @@ loop512(const adam_job *jin, int64_t begin, int64_t end, int gdt, int odt)
 static TGT_AVX512 void adam_avx512(const adam_job *j, int64_t begin, int64_t end)
 {
     int odt = j->out ? j->out_dtype : -1;
-#define TM_CASE(G, O) \
-    if (j->g_dtype == G && odt == O) { loop512(j, begin, end, G, O); return; }
-    TM_CASE(DT_F32, -1) TM_CASE(DT_F32, DT_BF16) TM_CASE(DT_F32, DT_F16)
-    TM_CASE(DT_BF16, -1) TM_CASE(DT_BF16, DT_BF16) TM_CASE(DT_BF16, DT_F16)
-    TM_CASE(DT_F16, -1) TM_CASE(DT_F16, DT_BF16) TM_CASE(DT_F16, DT_F16)
-#undef TM_CASE
+    TM_CASES(loop512)
 }
+
+#undef TM_CASE
+#undef TM_CASES
 
 #endif /* TM_X86 */
 
@@ -609,14 +825,30 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads)
 
 /* -- entry point ------------------------------------------------------------------ */
 
-int tm_adam_step(float *p, float *exp_avg, float *exp_avg_sq, float *max_exp_avg_sq,
+static void advance(adam_job *j, int64_t k)
+{
+    size_t ssz = j->s_mode == ST_F32 ? 4 : 2;
+    j->p += k;
+    j->m = (char *)j->m + k * ssz;
+    j->v = (char *)j->v + k * ssz;
+    if (j->vmax)
+        j->vmax = (char *)j->vmax + k * ssz;
+    j->g = (const char *)j->g + k * (j->g_dtype == DT_F32 ? 4 : 2);
+    if (j->out)
+        j->out = (char *)j->out + k * 2;
+}
+
+int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
                  const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
-                 double step, int amsgrad, int maximize, int decoupled, int nthreads)
+                 double step, int amsgrad, int maximize, int decoupled, int state_mode,
+                 uint64_t seed, uint64_t index0, int nthreads)
 {
     if (n < 0 || grad_dtype < DT_F32 || grad_dtype > DT_F16)
         return -EINVAL;
     if (out && out_dtype != DT_BF16 && out_dtype != DT_F16)
+        return -EINVAL;
+    if (state_mode < ST_F32 || state_mode > ST_BF16_SR)
         return -EINVAL;
     if (n == 0)
         return 0;
@@ -630,6 +862,7 @@ int tm_adam_step(float *p, float *exp_avg, float *exp_avg_sq, float *max_exp_avg
     adam_job j = {
         .p = p, .m = exp_avg, .v = exp_avg_sq, .vmax = amsgrad ? max_exp_avg_sq : NULL,
         .g = grad, .out = out, .g_dtype = grad_dtype, .out_dtype = out_dtype,
+        .s_mode = state_mode,
         .amsgrad = !!amsgrad, .maximize = !!maximize,
         .wd_mode = weight_decay != 0.0 ? (decoupled ? 2 : 1) : 0,
         .wd = (float)weight_decay, .decay = (float)(1.0 - lr * weight_decay),
@@ -641,6 +874,26 @@ int tm_adam_step(float *p, float *exp_avg, float *exp_avg_sq, float *max_exp_avg
     /* Stream the low-precision copy past the caches when it is far bigger than
      * them: it is not read again in this step. */
     j.nt_out = out != NULL && n >= (int64_t)8 * 1024 * 1024;
-    run_threaded(&j, fn_for(tm_adam_get_isa()), n, nthreads);
+    adam_fn fn = fn_for(tm_adam_get_isa());
+    /* Element i draws its rounding bits from stream index index0 + i. The hash
+     * takes 32 bits of index, so the stream is cut into 2^32-element windows, each
+     * with its own key from (seed, window number); a call that crosses a window
+     * boundary runs once per window. */
+    for (int64_t done = 0; done < n;) {
+        uint64_t at = index0 + (uint64_t)done;
+        int64_t len = n - done;
+        if (state_mode == ST_BF16_SR) {
+            uint64_t room = ((uint64_t)1 << 32) - (at & 0xFFFFFFFFu);
+            if ((uint64_t)len > room)
+                len = (int64_t)room;
+            uint64_t key = splitmix64(seed ^ splitmix64(at >> 32));
+            j.k0 = (uint32_t)key;
+            j.k1 = (uint32_t)(key >> 32);
+        }
+        j.idx0 = (uint32_t)at;
+        run_threaded(&j, fn, len, nthreads);
+        advance(&j, len);
+        done += len;
+    }
     return 0;
 }

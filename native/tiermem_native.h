@@ -59,11 +59,14 @@ long tm_mem_free_count(void);
 /* The fused Adam/AdamW update (adam.c). isa: -1 = best available, 0 = scalar,
  * 1 = AVX2+FMA+F16C, 2 = AVX-512. dtypes: 0 = fp32, 1 = bf16, 2 = fp16 (grad:
  * any; out: 1 or 2, or out = NULL for none). step is the count after this
- * step's increment. Returns 0, or -EINVAL. */
+ * step's increment. state_mode: 0 = fp32 moments, 1 = bf16 moments rounded to
+ * nearest even, 2 = bf16 moments rounded stochastically with the bits of stream
+ * (seed, index0 + i) for element i. Returns 0, or -EINVAL. */
 int tm_adam_isa_supported(int isa);
 int tm_adam_set_isa(int isa);
 int tm_adam_get_isa(void);
-int tm_adam_step(float *p, float *exp_avg, float *exp_avg_sq, float *max_exp_avg_sq,
+int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
                  const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
-                 double step, int amsgrad, int maximize, int decoupled, int nthreads);
+                 double step, int amsgrad, int maximize, int decoupled, int state_mode,
+                 uint64_t seed, uint64_t index0, int nthreads);

@@ -2,7 +2,7 @@
 
 Run as a script by tests/test_crash.py:
 
-    python crash_run.py SWAP BACKEND POINT:N STEPS [bf16]
+    python crash_run.py SWAP BACKEND POINT:N STEPS [MODEL_DTYPE [STATE_DTYPE]]
 
 POINT is where the N-th (1-based) event of its kind sends SIGKILL:
   write-before   before a swap record write is issued
@@ -47,8 +47,12 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
 
 
-def crash_config(swap: str, backend: str) -> dict:
+def crash_config(swap: str, backend: str, state_dtype: str = "fp32") -> dict:
     """Mixed placement (one host-tier record, the rest on NVMe), tiny partitions."""
+    if state_dtype == "bf16":  # no kernel reproduces torch's bitwise with bf16 moments
+        cfg = crash_config(swap, backend)
+        cfg["optimizer"] = {"kernel": "native", "state_dtype": "bf16"}
+        return cfg
     return {"swap": {"paths": [swap], "durability": "crash_consistent"},
             "io": {"backend": backend, "block_size": "16KiB", "queue_depth": 8},
             "tiers": {"host": {"capacity": "160KiB"}},
@@ -107,14 +111,15 @@ def _arm(point: str, n: int) -> None:
         raise SystemExit(f"unknown kill point {point!r}")
 
 
-def main(swap: str, backend: str, spec: str, steps: int, dtype: str = "fp32") -> None:
+def main(swap: str, backend: str, spec: str, steps: int, dtype: str = "fp32",
+         state_dtype: str = "fp32") -> None:
     import tiermem
 
     point, n = spec.split(":")
     _arm(point, int(n))
     model = make_model(torch.bfloat16 if dtype == "bf16" else torch.float32)
     opt = make_optimizer(model)
-    with tiermem.offload(opt, crash_config(swap, backend), model=model):
+    with tiermem.offload(opt, crash_config(swap, backend, state_dtype), model=model):
         for k in range(1, steps + 1):
             print(f"begin {k}", flush=True)
             set_grads(model, k)

@@ -219,12 +219,13 @@ def test_huge_size_int_is_range_error():
 SCHEMA_KEYS = ["swap", "io", "tiers", "pipeline", "placement", "optimizer", "paths", "backend",
                "queue_depth", "block_size", "o_direct", "gpu", "host", "capacity",
                "partition_size", "buffer_count", "prefetch_depth", "zigzag", "match", "tier",
-               "kernel"]
+               "kernel", "state_dtype", "state_rounding"]
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
     st.sampled_from(["auto", "io_uring", "threads", "fused", "match", "host", "nvme", "gpu",
+                     "fp32", "bf16", "stochastic", "nearest",
                      "64KiB", "1.5GB", "512MiB", "4096", "0", "-1", "1e3", "9" * 40, "nan",
                      "inf", "1.5", ".", "KiB", "10TB", "*", "~/x", "$HOME"]))
 keys = st.one_of(st.sampled_from(SCHEMA_KEYS), st.text(max_size=8))
@@ -243,7 +244,7 @@ def shaped_documents(draw):
                                                        "o_direct"],
                             "pipeline": ["partition_size", "buffer_count", "prefetch_depth",
                                          "zigzag"],
-                            "optimizer": ["kernel"]}.items():
+                            "optimizer": ["kernel", "state_dtype", "state_rounding"]}.items():
         if draw(st.booleans()):
             doc[section] = {f: draw(documents) for f in fields if draw(st.booleans())}
     if draw(st.booleans()):

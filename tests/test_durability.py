@@ -105,6 +105,35 @@ def test_bf16_model_resumes_from_master(tmp_path):
         tm.discard()
 
 
+def test_bf16_state_resumes_bitwise(tmp_path):
+    """optimizer.state_dtype bf16 (stochastic rounding, seeded per step and partition): a
+    run killed after step 2 resumes to exactly what an uninterrupted run holds then."""
+    cfg = crash_config(str(tmp_path / "ref"), "threads", "bf16")
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        for k in (1, 2):
+            set_grads(model, k)
+            opt.step()
+        weights = [p.detach().clone() for p in model.parameters()]
+        state = opt.state_dict()
+        tm.discard()
+    swap = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_run.py"), str(swap),
+                           "threads", "after-step:2", "3", "fp32", "bf16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, crash_config(str(swap), "threads", "bf16"), model=model,
+                         resume=True) as tm:
+        assert tm.resumed_step == 2
+        for p, w in zip(model.parameters(), weights):
+            assert_same_tensor(p.detach(), w, "weights")
+        compare_state_dicts(opt.state_dict(), state)
+        tm.discard()
+
+
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_failed_step_rolls_back(tmp_path, backend, op):

@@ -1,7 +1,8 @@
 """Partitions: every element of every parameter is covered exactly once, in order; cuts
 inside a parameter fall on multiples of CUT_ALIGN elements; each state tensor of a record
 starts on a 4 KiB boundary; a partition never spans groups, layouts or forced tiers; and
-assign_tiers fills the budgets in order."""
+assign_tiers fills the budgets in order. With bf16 state the moments take 2 bytes per
+element (the master 4), and a record, padding included, still fits partition_size."""
 
 from __future__ import annotations
 
@@ -51,6 +52,49 @@ def test_small_params_share_a_partition_and_cut_on_alignment():
     # 100 + 3000 fit; the third param starts in the same partition but is cut at 3072
     # elements (the largest multiple of 1024 that fits the 4068 elements of room)
     assert segs == [[(0, 0, 100), (1, 0, 3000), (2, 0, 3072)], [(2, 3072, 5928)]]
+
+
+def test_split_example_bf16_state():
+    """The same param with bf16 moments (4 bytes of state per element): 14336 elements per
+    64 KiB partition, twice as many as with fp32 moments."""
+    p = torch.empty(20000)
+    parts = build_partitions([{"params": [p]}], {}, 64 << 10, state_dtype="bf16")
+    assert [[(s.start, s.length) for s in q.segments] for q in parts] == [[(0, 14336)],
+                                                                        [(14336, 5664)]]
+    assert parts[0].offsets == {"exp_avg": 0, "exp_avg_sq": 28672}
+    assert parts[0].record_bytes == 57344 <= (64 << 10) - RECORD_ALIGN
+    assert parts[1].offsets == {"exp_avg": 0, "exp_avg_sq": align_up(5664 * 2)}
+
+
+def test_bf16_capacity_counts_page_padding():
+    """bf16 model with bf16 state: master 4 + two moments 2 = 8 bytes per element, but
+    an odd multiple of 1024 elements leaves each bf16 kind 2 KiB short of a page. 76 KiB
+    partitions: 72 KiB of room holds 9216 elements by the byte count, yet that record
+    would be 36864 + 2 x 20480 = 77824 bytes, over the room; 8192 elements fit."""
+    p = torch.empty(20000, dtype=torch.bfloat16)
+    parts = build_partitions([{"params": [p]}], {}, 76 << 10, state_dtype="bf16")
+    assert parts[0].numel == 8192
+    assert parts[0].record_bytes == 8192 * 8
+    assert all(q.record_bytes <= (76 << 10) - RECORD_ALIGN for q in parts)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_bf16_state_views(amsgrad):
+    p = torch.empty(5000, dtype=torch.bfloat16)
+    (part,) = build_partitions([{"params": [p], "amsgrad": amsgrad}], {}, 1 << 20,
+                               state_dtype="bf16")
+    rec = torch.zeros(part.record_bytes, dtype=torch.uint8)
+    views = part.views(rec)
+    expected = {"master": torch.float32, "exp_avg": torch.bfloat16,
+                "exp_avg_sq": torch.bfloat16}
+    if amsgrad:
+        expected["max_exp_avg_sq"] = torch.bfloat16
+    assert {k: v.dtype for k, v in views.items()} == expected
+    for i, v in enumerate(views.values()):
+        assert v.numel() == 5000
+        v.fill_(i + 1)
+    for i, (k, v) in enumerate(views.items()):
+        assert bool((v == i + 1).all()), k
 
 
 def test_views_are_disjoint_fp32_windows():
@@ -104,15 +148,33 @@ def layouts(draw):
         rules.append(PlacementRule(f"g{draw(st.integers(0, 3))}.*", draw(st.sampled_from(TIERS))))
     size = draw(st.one_of(st.just(64 << 10), st.integers(16, 256).map(lambda x: x * 4096),
                           st.integers(1, 1 << 20)))  # also unaligned / below the minimum
-    return groups, names, rules, size, draw(st.integers(0, 50)), draw(st.integers(0, 50))
+    return (groups, names, rules, size, draw(st.integers(0, 50)), draw(st.integers(0, 50)),
+            draw(st.sampled_from(["fp32", "bf16"])))
+
+
+def elem_bytes(kind: str, state_dtype: str) -> int:
+    return 4 if kind == "master" or state_dtype == "fp32" else 2
+
+
+def record_bytes_of(numel: int, kinds, state_dtype: str) -> int:
+    return sum(align_up(numel * elem_bytes(k, state_dtype)) for k in kinds)
+
+
+def capacity(kinds, state_dtype: str, size: int) -> int:
+    """The largest multiple of CUT_ALIGN whose record fits size less one page (or one
+    CUT_ALIGN when none does)."""
+    cap = CUT_ALIGN
+    while record_bytes_of(cap + CUT_ALIGN, kinds, state_dtype) <= size - RECORD_ALIGN:
+        cap += CUT_ALIGN
+    return cap
 
 
 @FAST
 @given(layouts())
 def test_build_partitions_invariants(layout):
-    groups, names, rules, size, first_id, first_index = layout
+    groups, names, rules, size, first_id, first_index, state_dtype = layout
     parts = build_partitions(groups, names, size, rules, first_id=first_id,
-                             first_index=first_index)
+                             first_index=first_index, state_dtype=state_dtype)
     flat = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
     assert [q.id for q in parts] == list(range(first_id, first_id + len(parts)))
     covered = {i: [] for i in range(len(flat))}
@@ -124,9 +186,10 @@ def test_build_partitions_invariants(layout):
         last_group = q.group
         group = groups[q.group]
         amsgrad = bool(group.get("amsgrad"))
-        per_elem = STATE_BYTES * len(q.kinds)
-        cap = max(CUT_ALIGN, (size - RECORD_ALIGN) // per_elem // CUT_ALIGN * CUT_ALIGN)
+        cap = capacity(q.kinds, state_dtype, size)
         assert 0 < q.numel == sum(s.length for s in q.segments) <= cap
+        if q.numel > CUT_ALIGN:
+            assert q.record_bytes <= size - RECORD_ALIGN
         for s in q.segments:
             i = s.index - first_index
             g, p = flat[i]
@@ -141,8 +204,12 @@ def test_build_partitions_invariants(layout):
         for kind in q.kinds:
             assert q.offsets[kind] % RECORD_ALIGN == 0
             assert q.offsets[kind] >= off
-            off = q.offsets[kind] + q.numel * STATE_BYTES
+            off = q.offsets[kind] + q.numel * elem_bytes(kind, state_dtype)
         assert q.record_bytes == align_up(off) and q.record_bytes % RECORD_ALIGN == 0
+        assert q.record_bytes == record_bytes_of(q.numel, q.kinds, state_dtype)
+        assert {k: v.element_size() for k, v in q.views(
+            torch.empty(q.record_bytes, dtype=torch.uint8)).items()} == {
+                k: elem_bytes(k, state_dtype) for k in q.kinds}
     for i, segs in covered.items():
         p = flat[i][1]
         pos = 0
@@ -159,8 +226,7 @@ def test_build_partitions_invariants(layout):
     for i, segs in covered.items():
         for (pid, start, length), _next in zip(segs, segs[1:]):
             q = by_id[pid]
-            cap = max(CUT_ALIGN, (size - RECORD_ALIGN) // (STATE_BYTES * len(q.kinds))
-                      // CUT_ALIGN * CUT_ALIGN)
+            cap = capacity(q.kinds, state_dtype, size)
             assert q.numel > cap - CUT_ALIGN, f"param {i} cut in a partition with room"
     # segment indices follow the flattened parameter order
     idx = [s.index for q in parts for s in q.segments]

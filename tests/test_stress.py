@@ -163,3 +163,25 @@ def test_trace_and_plot_files(tmp_path):
     names = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
     assert {"nvme read", "nvme write", "host optimizer", "stall"} <= names
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_verified_run_with_bf16_state(tmp_path, dtype, rounding):
+    """optimizer.state_dtype bf16: the plan counts 2-byte moments and the verifier
+    recomputes with the pipeline's rounding and seeds (bitwise equal)."""
+    cfg = load_config(_config(tmp_path, backend="threads", host="1MiB"))
+    settings = load_config({**_as_dict(cfg), "optimizer": {"state_dtype": "bf16",
+                                                          "state_rounding": rounding}})
+    result = run_stress(StressArgs(settings=settings, params=3_000_000, dtype=dtype, steps=3,
+                                   verify=True, progress=False), out=lambda *_: None)
+    assert result["plan"]["state_per_param"] == (4 if dtype == "fp32" else 8)
+    assert result["verify"]["ok"] and result["verify"]["partitions_checked"] >= 3
+
+
+def _as_dict(settings) -> dict:
+    import dataclasses
+
+    d = dataclasses.asdict(settings)
+    d.pop("optimizer")
+    return d

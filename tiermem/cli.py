@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", type=_positive, help="transformer-like blocks")
     s.add_argument("--hidden", type=_positive, help="block width")
     s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="model weights and grads (state is fp32 either way)")
+                   help="model weights and grads (state: fp32, or bf16 moments with optimizer.state_dtype)")
     s.add_argument("--steps", type=_positive, default=3)
     s.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
     s.add_argument("--verify", action="store_true",

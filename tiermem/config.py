@@ -147,6 +147,24 @@ class OptimizerSettings:
         "fused: torch's fused Adam kernel on each partition; match: the same implementation "
         "the wrapped optimizer would run (bitwise parity); native: tiermem's SIMD kernel "
         "(native/adam.c, within 1e-6 of fused).", default="fused")
+    state_dtype: Literal["fp32", "bf16"] = doc(
+        "Storage dtype of exp_avg, exp_avg_sq (and max_exp_avg_sq): bf16 keeps 2 bytes per "
+        "moment instead of 4 (a master weight stays fp32) and runs the update in tiermem's "
+        "native CPU kernel whatever optimizer.kernel says (docs/numerics.md).",
+        default="fp32")
+    state_rounding: Literal["stochastic", "nearest"] = doc(
+        "How bf16 state is rounded when stored: stochastic (unbiased, seeded by step and "
+        "partition) or nearest (even); ignored with fp32 state.", default="stochastic")
+
+    def validate(self) -> None:
+        if self.state_dtype == "bf16" and self.kernel == "match":
+            # match promises bitwise parity with the wrapped optimizer, which keeps
+            # fp32 moments: no bf16 store can keep that promise.
+            raise ConfigError(
+                "optimizer.kernel", self.kernel,
+                "with optimizer.state_dtype bf16 use fused or native (the update then runs "
+                "tiermem's native kernel); match promises bitwise parity with the wrapped "
+                "optimizer's fp32 state")
 
 
 @dataclass(frozen=True)
@@ -160,7 +178,8 @@ class Settings:
     placement: list[PlacementRule] = doc("Rules, first match wins; unmatched state fills "
                                          "gpu -> host -> nvme within budgets.",
                                          default_factory=list)
-    optimizer: OptimizerSettings = doc("Update kernel.", default_factory=OptimizerSettings)
+    optimizer: OptimizerSettings = doc("Update kernel and state dtype.",
+                                       default_factory=OptimizerSettings)
 
     def validate(self) -> None:
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,

@@ -116,6 +116,6 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None) -> Manifest:
             f"cannot resume from {run_dir}: the kept state has {len(m.partitions)} partitions "
             f"and this optimizer/config lays out {len(expected)}; they first differ at "
             f"partition {diff}. Resume with the same model, optimizer param groups and "
-            "config (partition_size, tier capacities, placement, swap.durability: "
-            f"the kept state was written with {m.durability!r}).")
+            "config (partition_size, tier capacities, placement, optimizer.state_dtype, "
+            f"swap.durability: the kept state was written with {m.durability!r}).")
     return m

@@ -9,7 +9,10 @@ scalar paths give bitwise the same results.
 - `adam_native(...)`: the kernel signature of tiermem.kernels (registered there as
   "native"); gradients may be fp32, bf16 or fp16.
 - `adam_fused_mixed(...)`: one flat fp32 master with its moments, a gradient of any of
-  those dtypes and an optional bf16/fp16 weight written in the same pass.
+  those dtypes and an optional bf16/fp16 weight written in the same pass. The moments
+  may be bf16 (optimizer.state_dtype: bf16): upcast in registers, updated in fp32,
+  stored rounded to nearest even or stochastically (`rounding`, `seed`, `offset`).
+- `state_seed(step=, partition=)`: the stochastic-rounding seed the pipeline uses.
 - `set_isa` / `isa` / `supported_isas`: which SIMD path runs ("avx512", "avx2",
   "scalar", or "auto" for the best the CPU has). The environment variable
   TIERMEM_ADAM_ISA picks one before the first call.
@@ -33,6 +36,11 @@ ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_MODES = {(torch.float32, "nearest"): 0, (torch.bfloat16, "nearest"): 1,
+               (torch.bfloat16, "stochastic"): 2}
+ROUNDINGS = ("nearest", "stochastic")
+U64 = (1 << 64) - 1
 ENV_ISA = "TIERMEM_ADAM_ISA"
 
 _env_applied = False
@@ -96,41 +104,68 @@ def _ptr(t: Tensor | None, ctype: str):
     return ffi.NULL if t is None else ffi.cast(ctype, t.data_ptr())
 
 
+def state_seed(*, step: int | float | Tensor, partition: int) -> int:
+    """The stochastic-rounding seed of one partition's update at one step count: every
+    step and partition draws a different stream, and a rerun draws the same one. The
+    kernel hashes it (splitmix64), so plain packing loses nothing."""
+    step = int(step.item() if isinstance(step, Tensor) else step)
+    return ((step << 32) ^ int(partition)) & U64
+
+
 def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
                      max_exp_avg_sq: Tensor | None = None, weight_out: Tensor | None = None,
                      step: float | int | Tensor, lr: float | Tensor, beta1: float,
                      beta2: float, eps: float, weight_decay: float = 0.0,
                      amsgrad: bool = False, maximize: bool = False,
-                     decoupled_weight_decay: bool = True,
+                     decoupled_weight_decay: bool = True, rounding: str = "nearest",
+                     seed: int = 0, offset: int = 0,
                      num_threads: int | None = None) -> None:
     """One Adam/AdamW step on one contiguous run, in one pass.
 
-    master, exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad): fp32, updated in
-    place. grad: fp32, bf16 or fp16. weight_out: None, or a bf16/fp16 tensor of the same
-    length that receives the updated master rounded to nearest even. step: the step
-    count after this step's increment. All tensors: CPU, contiguous, same numel (shapes
-    may differ)."""
+    master: fp32, updated in place. exp_avg, exp_avg_sq (and max_exp_avg_sq with
+    amsgrad): all fp32, or all bf16, updated in place; bf16 moments are computed in fp32
+    (the parameter update uses those values) and stored rounded as `rounding` says:
+    "nearest" (even; what `.to(torch.bfloat16)` does) or "stochastic" (x + 16 random bits,
+    truncated; element i draws the bits of stream index offset + i of `seed`, whatever
+    the ISA or thread split). grad: fp32, bf16 or fp16. weight_out: None, or a bf16/fp16
+    tensor of the same length that receives the updated master rounded to nearest even.
+    step: the step count after this step's increment. All tensors: CPU, contiguous, same
+    numel (shapes may differ)."""
     _apply_env()
     n = master.numel()
     _check(master, "master", (torch.float32,), n)
     _check(grad, "grad", tuple(GRAD_DTYPES), n)
-    _check(exp_avg, "exp_avg", (torch.float32,), n)
-    _check(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    _check(exp_avg, "exp_avg", STATE_DTYPES, n)
+    _check(exp_avg_sq, "exp_avg_sq", (exp_avg.dtype,), n)
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("amsgrad needs max_exp_avg_sq")
-        _check(max_exp_avg_sq, "max_exp_avg_sq", (torch.float32,), n)
+        _check(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg.dtype,), n)
     if weight_out is not None:
         _check(weight_out, "weight_out", tuple(OUT_DTYPES), n)
+    mode = _state_mode(exp_avg.dtype, rounding, seed, offset)
     _run(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, weight_out,
          n, float(step), float(lr), beta1, beta2, eps, weight_decay, amsgrad, maximize,
-         decoupled_weight_decay, num_threads)
+         decoupled_weight_decay, num_threads, mode, seed, offset)
+
+
+def _state_mode(dtype: torch.dtype, rounding: str, seed: int, offset: int) -> int:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: {rounding!r}; expected one of {', '.join(ROUNDINGS)}")
+    if (dtype, rounding) not in STATE_MODES:
+        raise ValueError(f"rounding={rounding!r} rounds bf16 moments; these are {dtype} "
+                         "and are stored as computed")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= U64:
+            raise ValueError(f"{name}: expected an integer in 0..2**64-1, got {value!r}")
+    return STATE_MODES[dtype, rounding]
 
 
 def _run(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, out: Tensor | None,
          n: int, step: float, lr: float, beta1: float, beta2: float, eps: float,
          weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
-         num_threads: int | None) -> None:
+         num_threads: int | None, state_mode: int = 0, seed: int = 0,
+         offset: int = 0) -> None:
     if n == 0:
         return
     if step < 1:
@@ -138,11 +173,11 @@ def _run(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, out: T
                          f"got {step}")
     threads = torch.get_num_threads() if num_threads is None else int(num_threads)
     rc = lib.tm_adam_step(
-        _ptr(p, "float *"), _ptr(m, "float *"), _ptr(v, "float *"), _ptr(vmax, "float *"),
+        _ptr(p, "float *"), _ptr(m, "void *"), _ptr(v, "void *"), _ptr(vmax, "void *"),
         _ptr(g, "void *"), GRAD_DTYPES[g.dtype], _ptr(out, "void *"),
         OUT_DTYPES[out.dtype] if out is not None else 0, n, lr, float(beta1),
         float(beta2), float(eps), float(weight_decay), step, int(amsgrad), int(maximize),
-        int(decoupled), max(1, threads))
+        int(decoupled), state_mode, seed, offset, max(1, threads))
     if rc != 0:
         raise RuntimeError(f"tm_adam_step failed: {os.strerror(-rc)}")
 

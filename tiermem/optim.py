@@ -65,6 +65,23 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> None:
                                            f"{tuple(p.shape)} is not contiguous")
 
 
+def _check_state_dtype(opt: torch.optim.Optimizer, settings: Settings) -> None:
+    """bf16 moments are updated by the native CPU kernel only: refuse what it cannot run."""
+    if settings.optimizer.state_dtype != "bf16":
+        return
+    for g, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            if p.device.type != "cpu":
+                raise TierMemError(
+                    f"param_groups[{g}]: optimizer.state_dtype bf16 needs the Adam step on "
+                    f"the CPU for now, and a parameter is on {p.device}; use state_dtype "
+                    "fp32 for models off the CPU")
+            if p.dtype not in (torch.float32, *MIXED_OUT):
+                raise TierMemError(
+                    f"param_groups[{g}]: optimizer.state_dtype bf16 supports fp32, bf16 and "
+                    f"fp16 parameters, not {p.dtype}")
+
+
 def _run_pre_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple:
     """Global and per-optimizer step pre-hooks, as torch's own step wrapper runs them."""
     for hook in (*_optimizer_module._global_optimizer_pre_hooks.values(),
@@ -91,6 +108,7 @@ class OffloadedOptimizer:
                  model: torch.nn.Module | None = None, swap_name: str = "default",
                  resume: bool = False) -> None:
         _check_optimizer(optimizer)
+        _check_state_dtype(optimizer, settings)
         self.opt = optimizer
         self.settings = settings
         self.swap_name = swap_name
@@ -110,7 +128,8 @@ class OffloadedOptimizer:
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self.parts = build_partitions(optimizer.param_groups, self.names,
                                       settings.pipeline.partition_size, settings.placement,
-                                      keep_master=self.crash)
+                                      keep_master=self.crash,
+                                      state_dtype=settings.optimizer.state_dtype)
         self._left = {"gpu": settings.tiers.gpu.capacity, "host": settings.tiers.host.capacity}
         self._assign(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
@@ -254,9 +273,10 @@ class OffloadedOptimizer:
     def _update(self, part: Partition, views: Views, stats: StepStats) -> None:
         group = self.opt.param_groups[part.group]
         master = views.get("master")
-        if master is not None and self.settings.optimizer.kernel == "native" and all(
-                s.param.device.type == "cpu" and s.param.dtype in MIXED_OUT
-                for s in part.segments):
+        if self.settings.optimizer.state_dtype == "bf16" or (
+                master is not None and self.settings.optimizer.kernel == "native" and all(
+                    s.param.device.type == "cpu" and s.param.dtype in MIXED_OUT
+                    for s in part.segments)):
             self._update_mixed_native(part, views, group, stats)
             return
         lists: dict[str, list[torch.Tensor]] = {k: [] for k in
@@ -311,10 +331,18 @@ class OffloadedOptimizer:
                              stats: StepStats) -> None:
         """Low-precision CPU model, native kernel: one pass per segment reads the bf16/fp16
         gradient, updates master and moments in the record, and writes the model's
-        low-precision weights, with no staging copy before or after."""
-        from tiermem.native_adam import adam_fused_mixed
+        low-precision weights, with no staging copy before or after.
+
+        With bf16 state (optimizer.state_dtype) every CPU model comes here: an fp32 model
+        is its own master (no weight output), and the moments are stored rounded as
+        optimizer.state_rounding says. Stochastic rounding draws the bits of stream
+        (step, partition id) at each element's position in the record, so a rerun, or
+        another cut of the same partition into segments, rounds the same way."""
+        from tiermem.native_adam import adam_fused_mixed, state_seed
 
         beta1, beta2 = (float(b) for b in group["betas"])
+        bf16 = self.settings.optimizer.state_dtype == "bf16"
+        master = views.get("master")
         off = 0
         with timed(stats, "update_seconds", f"adam p{part.id}", part.id), \
                 record_function(f"tiermem.adam p{part.id}"):
@@ -323,16 +351,28 @@ class OffloadedOptimizer:
                 off += s.length
                 if s.param.grad is None:
                     continue
+                weights = s.param.detach().view(-1)[s.start: s.start + s.length]
+                # An fp32 model with a master (crash-consistent runs): the kernel writes
+                # low-precision weights only, so the model copies its weights after.
+                fp32_model = master is not None and weights.dtype == torch.float32
+                rounding = {}
+                if bf16:
+                    rounding = dict(rounding=self.settings.optimizer.state_rounding,
+                                    seed=state_seed(step=self.steps[s.index],
+                                                    partition=part.id), offset=sl.start)
                 adam_fused_mixed(
-                    master=views["master"][sl],
+                    master=weights if master is None else master[sl],
                     grad=s.param.grad.reshape(-1)[s.start: s.start + s.length],
                     exp_avg=views["exp_avg"][sl], exp_avg_sq=views["exp_avg_sq"][sl],
                     max_exp_avg_sq=views["max_exp_avg_sq"][sl] if group["amsgrad"] else None,
-                    weight_out=s.param.detach().view(-1)[s.start: s.start + s.length],
+                    weight_out=None if master is None or fp32_model else weights,
                     step=self.steps[s.index], lr=group["lr"], beta1=beta1, beta2=beta2,
                     eps=group["eps"], weight_decay=group["weight_decay"],
                     amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-                    decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)))
+                    decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
+                    **rounding)
+                if fp32_model:
+                    weights.copy_(master[sl])
 
     def _init_record(self, part: Partition, views: Views) -> None:
         """A never-written record: zero moments, master weights from the model."""
@@ -428,7 +468,9 @@ class OffloadedOptimizer:
     # -- state in torch's format ------------------------------------------------
 
     def _import(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Scatter per-parameter state (torch's layout) into the partition records."""
+        """Scatter per-parameter state (torch's layout) into the partition records.
+
+        copy_ casts: with bf16 state the moments are rounded to nearest even here."""
         index = {id(p): i for i, p in enumerate(self.params)}
         for p, st in state.items():
             if "step" in st:
@@ -457,7 +499,8 @@ class OffloadedOptimizer:
 
         model_dtype: moments in each parameter's dtype (what a plain torch
         optimizer keeps); else fp32, plus the fp32 master weight of
-        low-precision parameters under 'master_param'.
+        low-precision parameters under 'master_param'. bf16 moments (state_dtype) are
+        widened exactly to those dtypes.
         """
         out: dict[torch.Tensor, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
@@ -533,9 +576,11 @@ class OffloadedOptimizer:
         type(self.opt).add_param_group(self.opt, param_group)
         group = self.opt.param_groups[-1]
         _check_optimizer(self.opt)
+        _check_state_dtype(self.opt, self.settings)
         new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
                                self.settings.placement, first_id=len(self.parts),
-                               first_index=len(self.params), keep_master=self.crash)
+                               first_index=len(self.params), keep_master=self.crash,
+                               state_dtype=self.settings.optimizer.state_dtype)
         for part in new:
             part.group = first_group
         self._assign(new)

@@ -5,6 +5,8 @@ in parameter order, holding at most `partition_size` bytes of state. Its record
 is the state tensors of its elements back to back (fp32 master weight when the
 model is low-precision, exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad), each
 starting on a 4 KiB boundary so a record moves with O_DIRECT as one transfer.
+The moments are fp32, or bf16 with `optimizer.state_dtype: bf16`; the master
+is always fp32.
 
 A parameter is cut only at element offsets that are multiples of CUT_ALIGN:
 torch's vectorised Adam kernels then see the same vector/tail split on a
@@ -24,7 +26,8 @@ from tiermem.config import ConfigError
 
 RECORD_ALIGN = 4096
 CUT_ALIGN = 1024  # elements; a multiple of every SIMD width torch uses
-STATE_BYTES = 4  # every state tensor is fp32
+STATE_BYTES = 4  # bytes of an fp32 state element (the master; moments unless bf16)
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.state_dtype
 
 
 def align_up(n: int, to: int = RECORD_ALIGN) -> int:
@@ -49,6 +52,7 @@ class Partition:
     group: int
     segments: list[Segment]
     kinds: tuple[str, ...]  # state tensors in the record, in order
+    moment_dtype: torch.dtype = torch.float32  # of every kind but "master"
     tier: str = "nvme"
     forced: str | None = None  # tier named by a placement rule, if any
     numel: int = 0
@@ -57,16 +61,49 @@ class Partition:
 
     def layout(self) -> None:
         self.numel = sum(s.length for s in self.segments)
-        off = 0
-        for kind in self.kinds:
-            self.offsets[kind] = off
-            off = align_up(off + self.numel * STATE_BYTES)
-        self.record_bytes = off
+        self.offsets, self.record_bytes = record_layout(self.numel, self.kinds,
+                                                        self.moment_dtype)
+
+    def dtype(self, kind: str) -> torch.dtype:
+        return kind_dtype(kind, self.moment_dtype)
 
     def views(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
-        """fp32 views of each state kind inside a uint8 record buffer."""
-        return {k: record[o: o + self.numel * STATE_BYTES].view(torch.float32)
-                for k, o in self.offsets.items()}
+        """Views of each state kind, in its dtype, inside a uint8 record buffer."""
+        out = {}
+        for k, o in self.offsets.items():
+            dt = self.dtype(k)
+            out[k] = record[o: o + self.numel * dt.itemsize].view(dt)
+        return out
+
+
+def kind_dtype(kind: str, moment_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if kind == "master" else moment_dtype
+
+
+def record_layout(numel: int, kinds: Sequence[str],
+                  moment_dtype: torch.dtype) -> tuple[dict[str, int], int]:
+    """(byte offset of each kind, record bytes) for `numel` elements."""
+    offsets, off = {}, 0
+    for kind in kinds:
+        offsets[kind] = off
+        off = align_up(off + numel * kind_dtype(kind, moment_dtype).itemsize)
+    return offsets, off
+
+
+def partition_capacity(kinds: Sequence[str], moment_dtype: torch.dtype,
+                       partition_size: int) -> int:
+    """Elements a partition of this layout holds: a multiple of CUT_ALIGN (at least one)
+    whose record, padding included, fits `partition_size` less one page.
+
+    The page is left for the swap record's integrity footer, so buffer_count x
+    partition_size bounds the pinned pool exactly. bf16 kinds of an odd multiple of
+    CUT_ALIGN elements end mid-page, so the padding is counted, not assumed away."""
+    room = partition_size - RECORD_ALIGN
+    per_elem = sum(kind_dtype(k, moment_dtype).itemsize for k in kinds)
+    cap = room // per_elem // CUT_ALIGN * CUT_ALIGN
+    while cap > CUT_ALIGN and record_layout(cap, kinds, moment_dtype)[1] > room:
+        cap -= CUT_ALIGN
+    return max(CUT_ALIGN, cap)
 
 
 def state_kinds(param: torch.Tensor, amsgrad: bool, keep_master: bool = False
@@ -91,12 +128,16 @@ def rule_tier(name: str, rules: Sequence) -> str | None:
 
 def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                      partition_size: int, rules: Sequence = (), first_id: int = 0,
-                     first_index: int = 0, keep_master: bool = False) -> list[Partition]:
+                     first_index: int = 0, keep_master: bool = False,
+                     state_dtype: str = "fp32") -> list[Partition]:
     """Partitions of every parameter in `param_groups`, in group and parameter order.
 
-    `names` maps id(param) to its name for placement rules. A partition never
+    `names` maps id(param) to its name for placement rules; `state_dtype` is
+    optimizer.state_dtype ("fp32" or "bf16": the moments' dtype); `keep_master` puts an
+    fp32 master weight in every record (crash-consistent runs). A partition never
     spans two groups, two forced tiers or two record layouts.
     """
+    moment_dtype = MOMENT_DTYPES[state_dtype]
     parts: list[Partition] = []
     index = first_index
     for g, group in enumerate(param_groups):
@@ -108,13 +149,10 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
             start, n = 0, p.numel()
             while start < n:
                 if current is None or current.kinds != kinds or current.forced != forced:
-                    current = Partition(first_id + len(parts), g, [], kinds, forced=forced)
+                    current = Partition(first_id + len(parts), g, [], kinds, moment_dtype,
+                                        forced=forced)
                     parts.append(current)
-                    per_elem = STATE_BYTES * len(kinds)
-                    # One page of the budget is left for the swap record's integrity footer,
-                    # so buffer_count x partition_size bounds the pinned pool exactly.
-                    room_bytes = partition_size - RECORD_ALIGN
-                    cap = max(CUT_ALIGN, room_bytes // per_elem // CUT_ALIGN * CUT_ALIGN)
+                    cap = partition_capacity(kinds, moment_dtype, partition_size)
                 room = cap - sum(s.length for s in current.segments)
                 take = min(n - start, room)
                 if take < n - start:  # cutting inside the param: keep the cut aligned

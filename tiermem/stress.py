@@ -73,7 +73,10 @@ class Plan:
 def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: bool,
               hidden: int, layers: int) -> Plan:
     itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    per_param = 8 if dtype == "fp32" else 12  # moments, plus an fp32 master when low-precision
+    # two moments (4 bytes each, 2 with optimizer.state_dtype bf16), plus an fp32 master
+    # when the model is low-precision
+    per_param = 2 * (2 if settings.optimizer.state_dtype == "bf16" else 4)
+    per_param += 0 if dtype == "fp32" else 4
     state = params * per_param
     gpu = min(state, settings.tiers.gpu.capacity)
     host = min(state - gpu, settings.tiers.host.capacity)
@@ -199,7 +202,9 @@ class Verifier:
             for k in MOMENTS:
                 if k in rec:
                     lists[k].append(rec[k][sl])
-        if lists["params"]:
+        if lists["params"] and off.settings.optimizer.state_dtype == "bf16":
+            self._reference_bf16_state(part, rec, lists["params"], lists["steps"], group)
+        elif lists["params"]:
             kernel = off.settings.optimizer.kernel
             if kernel == "match":
                 kernel = kernel_matching(group, part.segments[0].param.device)
@@ -218,6 +223,35 @@ class Verifier:
                     cur.copy_(rec["master"][pos: pos + s.length])
                 pos += s.length
         return {"record": rec, "weights": weights}
+
+    def _reference_bf16_state(self, part: Partition, rec: dict[str, torch.Tensor],
+                              params: list, steps: list, group: dict) -> None:
+        """bf16 moments: the native kernel per segment, rounded and seeded as the pipeline
+        does (optimizer.state_rounding; the stream of (step, partition) at the element's
+        record position). params: per stepped segment, the record's master or a copy of
+        the fp32 weights, updated here."""
+        from tiermem.native_adam import adam_fused_mixed, state_seed
+
+        opt = self.tm._off.settings.optimizer
+        pos, k = 0, 0
+        for s in part.segments:
+            sl = slice(pos, pos + s.length)
+            pos += s.length
+            if s.param.grad is None:
+                continue
+            master, step, k = params[k], steps[k], k + 1
+            adam_fused_mixed(
+                master=master,
+                grad=s.param.grad.reshape(-1)[s.start: s.start + s.length],
+                exp_avg=rec["exp_avg"][sl], exp_avg_sq=rec["exp_avg_sq"][sl],
+                max_exp_avg_sq=rec["max_exp_avg_sq"][sl] if group["amsgrad"] else None,
+                step=step, lr=group["lr"], beta1=float(group["betas"][0]),
+                beta2=float(group["betas"][1]), eps=group["eps"],
+                weight_decay=group["weight_decay"], amsgrad=bool(group["amsgrad"]),
+                maximize=bool(group["maximize"]),
+                decoupled_weight_decay=bool(group.get("decoupled_weight_decay")),
+                rounding=opt.state_rounding, seed=state_seed(step=step, partition=part.id),
+                offset=sl.start)
 
     def after(self, step: int) -> None:
         """Compare each sampled partition with its reference."""
