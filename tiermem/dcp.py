@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -196,8 +197,10 @@ def save(tm: Any, path: str) -> dict[str, int]:
     planner = _SavePlanner(src)
     # One writer thread: items are resolved in plan order, one at a time.
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
-    dcp.save({}, storage_writer=writer, planner=planner, process_group=src.group,
-             no_dist=src.coll is None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=src.group,
+                 no_dist=src.coll is None)
     return {"records_read": planner.records_read, "peak_live_bytes": planner.peak_live_bytes}
 
 
@@ -331,8 +334,11 @@ def load(tm: Any, path: str) -> dict[str, int]:
     src = _source(tm)
     src.off.tiers.flush()
     planner = _LoadPlanner(src)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner,
-             process_group=src.group, no_dist=src.coll is None)
+    with warnings.catch_warnings():
+        # One process: DCP warns that it assumes so, which no_dist=True already says.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner,
+                 process_group=src.group, no_dist=src.coll is None)
     if planner._staging:
         raise TierMemError(f"checkpoint {path} lacks pieces of partitions "
                            f"{sorted(planner._staging)}")
