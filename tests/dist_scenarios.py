@@ -179,10 +179,12 @@ def dcp_save(rank: int, world: int, tmp: str, ckpt: str) -> None:
         parts = tm._off.parts
         share = sum(p.record_bytes for p in parts)
         biggest = max(p.record_bytes for p in parts)
-    # Streamed: every record read once, and never more than about one record held at once,
-    # well below this rank's share of the state.
+        item = 4 * max(s.length for p in parts for s in p.segments)
+    # Streamed: every record read once, and at most one record copy plus the one item DCP
+    # is writing alive at once (what DCP's writer still references holds no bytes), well
+    # below this rank's share of the state.
     assert figures["records_read"] == len(parts), figures
-    assert figures["peak_live_bytes"] <= 2 * biggest < share, (figures, biggest, share)
+    assert figures["peak_live_bytes"] <= biggest + item < share, (figures, biggest, share)
     compare_runs(model, opt, ref_model, ref_opt, exact=world == 2)
     if rank == 0:
         torch.save(type(opt).state_dict(opt), ckpt + ".expected.pt")

@@ -115,7 +115,9 @@ class _SavePlanner(DefaultSavePlanner):
         self.src = src
         self._where: dict[tuple[str, int], tuple[Any, str, int, int]] = {}
         self._cache: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._handed: list[weakref.ref] = []  # every tensor given to DCP, to measure them
+        # The storage of every tensor given to DCP (alive while anyone, DCP's writer
+        # included, references it), to measure what the checkpoint really holds.
+        self._handed: list[weakref.ref] = []
         self._last: torch.Tensor | None = None
         self.peak_live_bytes = 0  # most bytes held at once: the record copy + handed tensors
         self.records_read = 0
@@ -154,7 +156,7 @@ class _SavePlanner(DefaultSavePlanner):
         views = self._record(part)
         out = views[kind][off: off + length].clone()
         self._last = out
-        self._handed.append(weakref.ref(out))
+        self._handed.append(weakref.ref(out.untyped_storage()))
         self._measure(views)
         return out
 
@@ -181,8 +183,7 @@ class _SavePlanner(DefaultSavePlanner):
         return self._cache[1]
 
     def _measure(self, views: dict[str, torch.Tensor]) -> None:
-        handed = sum(t.untyped_storage().nbytes() for r in self._handed
-                     if (t := r()) is not None)
+        handed = sum(st.nbytes() for r in self._handed if (st := r()) is not None)
         self._handed = [r for r in self._handed if r() is not None]
         live = handed + sum(v.nbytes for v in views.values())
         self.peak_live_bytes = max(self.peak_live_bytes, live)
