@@ -100,7 +100,7 @@ class ZeroLayout:
 
     def grads_in(self, present: set[int], stats: dict) -> None:
         """Give every view its averaged gradient (None when no rank has one)."""
-        if self.grads_mode == "allreduced":
+        if self.grads_mode == "allreduced" or self.coll.world == 1:  # nothing to average
             for pcs, views in zip(self.pieces, self.views):
                 for pc, v in zip(pcs, views):
                     g = self.params[pc.index].grad
@@ -148,6 +148,8 @@ class ZeroLayout:
     def weights_out(self, stats: dict) -> None:
         """Every rank's updated pieces into every rank's parameters."""
         world, me = self.coll.world, self.coll.rank
+        if world == 1:
+            return  # the only share was updated in place
         pending: tuple | None = None  # the window gathered last, unpacked while the next flies
         for j, (g, a, b) in enumerate(self.windows):
             n = b - a
