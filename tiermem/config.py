@@ -168,6 +168,22 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class DistributedSettings:
+    """How ranks share the optimizer state under torch.distributed (docs/distributed.md)."""
+
+    grads: Literal["reduce_scatter", "allreduced"] = doc(
+        "reduce_scatter: tiermem averages the gradients over the ranks, each receiving its "
+        "share; allreduced: they are already averaged on every rank (DDP), each rank reads "
+        "its share in place. FSDP2 (DTensor) parameters ignore it.", default="reduce_scatter")
+    bucket_size: Size = doc("Bytes of one rank's gradients (or updated weights) per "
+                            "collective; two buckets are in flight at a time.",
+                            lo=4096, hi=16 << 30, default=32 << 20)
+    timeout: float = doc("Seconds a rank waits for the others in a collective before it "
+                         "raises an error naming the ranks that failed or fell behind.",
+                         lo=0.1, hi=86400, default=600.0)
+
+
+@dataclass(frozen=True)
 class Settings:
     """A whole tiermem config."""
 
@@ -180,6 +196,8 @@ class Settings:
                                          default_factory=list)
     optimizer: OptimizerSettings = doc("Update kernel and state dtype.",
                                        default_factory=OptimizerSettings)
+    distributed: DistributedSettings = doc("Sharding under torch.distributed.",
+                                           default_factory=DistributedSettings)
 
     def validate(self) -> None:
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,

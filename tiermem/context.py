@@ -176,7 +176,7 @@ class Offload:
 def offload(optimizer: torch.optim.Optimizer,
             config: "str | os.PathLike | dict | Settings | None" = None, *,
             model: torch.nn.Module | None = None, name: str = "default",
-            resume: bool = False) -> Iterator[Offload]:
+            resume: bool = False, process_group: Any = None) -> Iterator[Offload]:
     """Keep `optimizer`'s state (torch Adam/AdamW) in tiers for the duration of the block.
 
     config: YAML path, dict of the same shape, Settings, or None for the defaults.
@@ -184,8 +184,20 @@ def offload(optimizer: torch.optim.Optimizer,
     sub-directory (`<swap path>/tiermem-<name>`), so concurrent runs can share a path.
     resume: continue from state an earlier block kept on disk (its exit said so);
     `tm.resumed_step` tells the step it had reached.
+    process_group: under torch.distributed (this group, else the default one when it is
+    initialised, or FSDP2 DTensor parameters) each rank tiers only its share of the state
+    (docs/distributed.md).
     """
     settings = load_config(config)
+    # -- distributed (tiermem/distributed.py, issue #7) --
+    from tiermem import distributed
+    if distributed.wanted(optimizer, process_group):
+        with distributed.offload(optimizer, settings, model=model, name=name, resume=resume,
+                                 process_group=process_group) as handle:
+            yield handle
+        return
+    settings = distributed.rank_paths(settings, 0, 0)  # {rank} / {local_rank} in one process
+    # -- end distributed --
     handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name,
                                         resume=resume))
     with terminate_as_exception():

@@ -1,0 +1,85 @@
+"""Run a function in `world` spawned processes joined by a gloo process group, with deadlines.
+
+Spawning costs seconds per process (importing torch), so a test module starts one
+group and runs all its scenarios in it (`run_scenarios`), each rank reporting, per
+scenario, "ok" or the traceback. A rank that hangs is killed at the deadline; its
+scenarios report that instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+PG_TIMEOUT = 60  # seconds; gloo's own bound on any collective the tests issue directly
+
+
+def _entry(rank: int, world: int, init: str, module: str, fn: str, args: tuple,
+           results: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=PG_TIMEOUT))
+    try:
+        out = getattr(importlib.import_module(module), fn)(rank, world, *args)
+        results.put((rank, "ok", out))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    results.close()
+    results.join_thread()  # the report is in the pipe before the process ends
+    # No destroy_process_group: after a scenario that breaks the group on purpose it could
+    # wait on peers that are gone; the process ends here either way.
+    os._exit(0)
+
+
+def launch(world: int, module: str, fn: str, *args: Any, deadline: float = 300
+           ) -> dict[int, tuple[str, Any]]:
+    """fn(rank, world, *args) on every rank; {rank: ("ok", result) | ("error", traceback) |
+    ("lost", why)}."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(r, world, init, module, fn, args, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        out: dict[int, tuple[str, Any]] = {}
+        import time
+
+        end = time.monotonic() + deadline
+        while len(out) < world and time.monotonic() < end:
+            try:
+                rank, status, value = results.get(timeout=1)
+                out[rank] = (status, value)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+        for r, p in enumerate(procs):
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            if r not in out:
+                out[r] = ("lost", f"rank {r} reported nothing (exit code {p.exitcode})")
+    return out
+
+
+def scenario_results(rank: int, scenarios: dict[str, Any], *args: Any) -> dict[str, str]:
+    """Run every scenario in order on this rank: {name: "ok" | traceback}."""
+    out = {}
+    for name, fn in scenarios.items():
+        try:
+            fn(rank, *args)
+            out[name] = "ok"
+        except BaseException:
+            out[name] = traceback.format_exc()
+    return out

@@ -1,0 +1,300 @@
+"""What each rank runs in the distributed tests (imported by the spawned processes).
+
+The reference on every rank is a plain torch optimizer on a copy of the model, fed
+the same local batches, whose gradients are averaged with an all-reduce: one
+process's AdamW on the global batch's mean gradient. tiermem's run on the same
+rank must match it (bitwise with 2 ranks, where a sum of two does not depend on
+the order; within assert_close_tensor with 3).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tiermem
+from tiermem.collectives import PeerError
+
+from offload_helpers import (Synthetic, assert_close_tensor, assert_same_tensor,
+                             compare_runs, config, loss_of, make_batches, side_used)
+
+STEPS = 4
+
+
+def groups_of(model: Synthetic) -> list[dict]:
+    """Two groups; the second holds one 33-element bias, so some rank owns none of it."""
+    return [{"params": [model.emb.weight, model.fc1.weight, model.fc1.bias, model.fc2.weight,
+                        model.fc2.bias, model.side.weight]},
+            {"params": [model.side.bias], "lr": 5e-3}]
+
+
+def used_side(step: int, rank: int) -> bool:
+    # Step 2 uses the side branch on rank 0 only: its grads are None on the other ranks.
+    return side_used(step) or (step == 2 and rank == 0)
+
+
+def local_backward(model: Synthetic, micro, step: int, rank: int) -> None:
+    for tokens, target in micro:
+        loss_of(model, tokens, target, used_side(step, rank)).backward()
+
+
+def averaged(ref_model: torch.nn.Module, world: int) -> None:
+    """The mean of every rank's gradients into ref_model's grads (None where no rank has one)."""
+    params = list(ref_model.parameters())
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    for p, has in zip(params, present.tolist()):
+        if not has:
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        p.grad = g.div_(world)
+
+
+def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="reduce_scatter",
+           ddp: bool = False, amsgrad: bool = False) -> None:
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.05, amsgrad=amsgrad,
+                            foreach=False)
+    ref_opt = torch.optim.AdamW(groups_of(ref_model), lr=1e-2, weight_decay=0.05,
+                                amsgrad=amsgrad, foreach=False)
+    batches = make_batches(model, STEPS, seed=10 + rank)
+    # find_unused_parameters: the side branch is unused in some steps (else DDP never syncs).
+    net = (torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+           if ddp else model)
+    cfg = config(tmp, backend=backend, host=host, partition_size="64KiB")
+    cfg["distributed"] = {"grads": grads, "bucket_size": "32KiB", "timeout": 120}
+    check = assert_same_tensor if world == 2 and not ddp else assert_close_tensor
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        plan = tm.plan()
+        for i, micro in enumerate(batches):
+            if ddp:
+                for tokens, target in micro:
+                    y = net(tokens, used_side(i, rank) or side_used(i))
+                    (y.float() - target).square().mean().backward()
+            else:
+                local_backward(model, micro, i, rank)
+            opt.step()
+            opt.zero_grad()
+            for tokens, target in micro:
+                loss_of(ref_model, tokens, target,
+                        used_side(i, rank) or (ddp and side_used(i))).backward()
+            averaged(ref_model, world)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+                check(p.detach(), q.detach(), f"rank {rank} step {i} {n}")
+        stats = tm.stats()
+    # The plan is per rank and lists every rank; the shares cover the model exactly once.
+    total = sum(p.numel() for p in model.parameters())
+    assert plan["world"] == world and plan["rank"] == rank
+    assert sum(r["share_elements"] for r in plan["ranks"]) == total
+    assert plan["ranks"][rank]["share_elements"] == plan["share_elements"]
+    assert len(stats) == STEPS
+    if grads == "reduce_scatter":
+        assert all(s["comm_bytes"] > 0 for s in stats)
+    # At exit every rank holds the whole state again, as the plain optimizer does.
+    compare_runs(model, opt, ref_model, ref_opt, exact=check is assert_same_tensor)
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def small_cfg(tmp: str, backend: str = "threads", **kw) -> dict:
+    cfg = config(tmp, backend=backend, host=kw.pop("host", "0"), partition_size="64KiB")
+    cfg["distributed"] = {"bucket_size": "32KiB", "timeout": kw.pop("timeout", 120), **kw}
+    return cfg
+
+
+def train_pair(rank, world, model, opt, ref_model, ref_opt, steps, first=0):
+    batches = make_batches(model, first + steps, seed=10 + rank)[first:]
+    for i, micro in enumerate(batches, start=first):
+        local_backward(model, micro, i, rank)
+        opt.step()
+        opt.zero_grad()
+        local_backward(ref_model, micro, i, rank)
+        averaged(ref_model, world)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
+def pair(amsgrad=False):
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    mk = lambda m: torch.optim.AdamW(groups_of(m), lr=1e-2, weight_decay=0.05,  # noqa: E731
+                                     amsgrad=amsgrad, foreach=False)
+    return model, mk(model), ref_model, mk(ref_model)
+
+
+def state_dict_roundtrip(rank: int, world: int, tmp: str) -> None:
+    """opt.state_dict() inside the block gathers torch's format from every share (collective);
+    load_state_dict puts each rank's pieces back; training goes on equal to the reference."""
+    from offload_helpers import compare_state_dicts
+
+    model, opt, ref_model, ref_opt = pair(amsgrad=True)
+    with tiermem.offload(opt, small_cfg(tmp)):
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+        sd = opt.state_dict()
+        compare_state_dicts(sd, ref_opt.state_dict(), exact=True)
+        for st in sd["state"].values():  # scramble, then load the saved copy back
+            st["exp_avg"] = st["exp_avg"].clone()
+        opt.load_state_dict(sd)
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=2)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
+def placeholders(rank: int, world: int, tmp: str) -> None:
+    """{rank} / {local_rank} pick a directory per rank; ranks sharing one path never collide
+    (run directories tiermem-<name>-rank<r>)."""
+    model, opt, *_ = pair()
+    cfg = small_cfg(os.path.join(tmp, "drive{rank}"))
+    cfg["swap"]["paths"].append(os.path.join(tmp, "local{local_rank}"))
+    with tiermem.offload(opt, cfg, name="ph") as tm:
+        assert tm.plan()["local_rank"] == rank  # one host: local rank = rank
+        for d in (f"drive{rank}", f"local{rank}"):
+            assert os.path.isdir(os.path.join(tmp, d, f"tiermem-ph-rank{rank}")), d
+        barrier()
+    shared = os.path.join(tmp, "shared")
+    with tiermem.offload(opt, small_cfg(shared), name="sh"):
+        barrier()
+        assert sorted(os.listdir(shared)) == [f"tiermem-sh-rank{r}" for r in range(world)]
+        barrier()
+
+
+def dcp_save(rank: int, world: int, tmp: str, ckpt: str) -> None:
+    """Save after 2 steps; the expected whole state goes to ckpt + '.expected.pt'."""
+    from tiermem import dcp
+
+    model, opt, ref_model, ref_opt = pair(amsgrad=True)
+    with tiermem.offload(opt, small_cfg(tmp, host="128KiB")) as tm:
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+        figures = dcp.save(tm, ckpt)
+        parts = tm._off.parts
+        share = sum(p.record_bytes for p in parts)
+        biggest = max(p.record_bytes for p in parts)
+        item = 4 * max(s.length for p in parts for s in p.segments)
+    # Streamed: every record read once, and at most one record copy plus the one item DCP
+    # is writing alive at once (what DCP's writer still references holds no bytes), well
+    # below this rank's share of the state.
+    assert figures["records_read"] == len(parts), figures
+    assert figures["peak_live_bytes"] <= biggest + item < share, (figures, biggest, share)
+    compare_runs(model, opt, ref_model, ref_opt, exact=world == 2)
+    if rank == 0:
+        torch.save(type(opt).state_dict(opt), ckpt + ".expected.pt")
+    barrier()
+
+
+def dcp_load(rank: int, world: int, tmp: str, ckpt: str) -> None:
+    """Load a checkpoint written with another world size (different partitions too) and get
+    exactly the state that was saved."""
+    from offload_helpers import compare_state_dicts
+    from tiermem import dcp
+
+    model, opt, *_ = pair(amsgrad=True)
+    cfg = small_cfg(tmp, host="64KiB")
+    cfg["pipeline"]["partition_size"] = "128KiB"
+    with tiermem.offload(opt, cfg) as tm:
+        figures = dcp.load(tm, ckpt)
+        sd = opt.state_dict()
+    assert figures["peak_staged"] <= len(opt.param_groups) + 1, figures
+    compare_state_dicts(sd, torch.load(ckpt + ".expected.pt"), exact=True)
+
+
+def fsdp2(rank: int, world: int, tmp: str) -> None:
+    """fully_shard parameters (DTensors): tiermem tiers each rank's local shard; weights and
+    state equal a plain AdamW on the mean gradient."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(61, 1031), torch.nn.Tanh(),
+                                torch.nn.Linear(1031, 33))
+    ref_model = copy.deepcopy(model)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.05,
+                                foreach=False)
+    g = torch.Generator().manual_seed(20 + rank)
+    with tiermem.offload(opt, small_cfg(tmp)) as tm:
+        assert tm.plan()["mode"] == "fsdp2"
+        local = sum(p.to_local().numel() for p in model.parameters())
+        assert tm.plan()["share_elements"] == local
+        for _ in range(3):
+            x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            (ref_model(x) - y).square().mean().backward()
+            averaged(ref_model, world)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert_close_tensor(p.full_tensor().detach(), q.detach(), f"rank {rank} {n}")
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        st, sr = opt.state[p], ref_opt.state[q]
+        assert isinstance(st["exp_avg"], DTensor)
+        assert float(st["step"]) == float(sr["step"])
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_close_tensor(st[k].full_tensor(), sr[k], f"rank {rank} state {k}")
+
+
+def rank_raises(rank: int, world: int, tmp: str) -> None:
+    """The last rank raises before its second step: the others get, within
+    distributed.timeout, an error naming it and its exception."""
+    model, opt, *_ = pair()
+    batches = make_batches(model, 2, seed=10 + rank)
+    started = time.monotonic()
+    try:
+        with tiermem.offload(opt, small_cfg(tmp, timeout=3)):
+            for i, micro in enumerate(batches):
+                if i == 1 and rank == world - 1:
+                    raise ValueError(f"boom on rank {rank}")
+                local_backward(model, micro, i, rank)
+                opt.step()
+                opt.zero_grad()
+    except ValueError as exc:
+        assert rank == world - 1 and "boom" in str(exc)
+        return
+    except PeerError as exc:
+        assert rank != world - 1
+        assert f"rank {world - 1} failed: ValueError: boom on rank {world - 1}" in str(exc), exc
+        assert "step 2" in str(exc), exc
+        assert time.monotonic() - started < 100  # bounded (the test would hang otherwise)
+        return
+    raise AssertionError(f"rank {rank}: no error")
+
+
+def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
+    from dist_harness import scenario_results
+
+    table = {
+        "parity-threads": lambda r, d: parity(r, world, d, "threads"),
+        "parity-io_uring-mixed-amsgrad": lambda r, d: parity(r, world, d, "io_uring",
+                                                             host="256KiB", amsgrad=True),
+        "ddp-allreduced": lambda r, d: parity(r, world, d, "threads", grads="allreduced",
+                                              ddp=True),
+        "state-dict": lambda r, d: state_dict_roundtrip(r, world, d),
+        "placeholders": lambda r, d: placeholders(r, world, d),
+        "dcp-save": lambda r, d: dcp_save(r, world, d, extra["ckpt"]),
+        "dcp-load": lambda r, d: dcp_load(r, world, d, extra["ckpt"]),
+        "fsdp2": lambda r, d: fsdp2(r, world, d),
+        "rank-raises": lambda r, d: rank_raises(r, world, d),
+    }
+
+    def run(name):
+        def go(r):
+            d = os.path.join(base, name)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            barrier()  # every rank starts each scenario together
+            table[name](r, d)
+        return go
+
+    return scenario_results(rank, {n: run(n) for n in names})

@@ -1,0 +1,136 @@
+"""tiermem under torch.distributed: sharded state, FSDP2, distributed checkpoints, failures.
+
+Process groups are expensive to start (each rank imports torch), so this module starts
+one gloo group of 2 ranks and one of 3, runs all of their scenarios (tests/dist_scenarios.py)
+in them, and each test below reports one scenario. The 2-rank group writes a DCP
+checkpoint that the 3-rank group and this process (1 rank) load.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.config import ConfigError, load_config
+from tiermem.shard import CUT_ALIGN, pieces_in, share_cuts
+
+from dist_harness import launch
+from offload_helpers import available_backends, compare_state_dicts, config
+
+URING = "io_uring" in available_backends()
+TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "ddp-allreduced", "state-dict",
+       "placeholders", "dcp-save", "fsdp2", "rank-raises"]  # rank-raises breaks the group: last
+THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load"]
+
+
+def _runnable(names: list[str]) -> list[str]:
+    return [n for n in names if URING or "io_uring" not in n]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist")
+    os.chmod(d, 0o700)  # tiermem refuses swap paths others can write
+    return d
+
+
+@pytest.fixture(scope="module")
+def two(base):
+    return launch(2, "dist_scenarios", "run_named", str(base / "w2"), _runnable(TWO),
+                  {"ckpt": str(base / "ckpt")}, deadline=600)
+
+
+@pytest.fixture(scope="module")
+def three(base, two):
+    return launch(3, "dist_scenarios", "run_named", str(base / "w3"), _runnable(THREE),
+                  {"ckpt": str(base / "ckpt")}, deadline=600)
+
+
+def _outcome(results: dict, name: str) -> None:
+    if "io_uring" in name and not URING:
+        pytest.skip("io_uring is unavailable here")
+    for rank, (status, value) in sorted(results.items()):
+        if status != "ok":
+            pytest.fail(f"rank {rank} {status}: {value}")
+        if value[name] != "ok":
+            pytest.fail(f"rank {rank}:\n{value[name]}")
+
+
+@pytest.mark.parametrize("name", TWO)
+def test_two_ranks(two, name):
+    _outcome(two, name)
+
+
+@pytest.mark.parametrize("name", THREE)
+def test_three_ranks(three, name):
+    _outcome(three, name)
+
+
+def test_dcp_checkpoint_of_two_ranks_loads_in_one_process(two, base, tmp_path):
+    """The 2-rank checkpoint loads into a single process (no process group) exactly."""
+    from dist_scenarios import pair
+    from tiermem import dcp
+
+    _outcome(two, "dcp-save")
+    model, opt, *_ = pair(amsgrad=True)
+    with tiermem.offload(opt, config(tmp_path, host="96KiB")) as tm:
+        figures = dcp.load(tm, str(base / "ckpt"))
+        sd = opt.state_dict()
+    assert figures["peak_staged"] <= 2
+    compare_state_dicts(sd, torch.load(str(base / "ckpt") + ".expected.pt"), exact=True)
+
+
+# -- shares ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("numels,world", [
+    ([31049, 62891, 1031, 34023, 33, 2013], 2), ([31049, 62891, 1031, 34023, 33, 2013], 3),
+    ([33], 2), ([5000, 0, 7], 4), ([4096, 4096], 2), ([3000], 7)])
+def test_shares_cover_each_element_once_cut_on_alignment(numels, world):
+    cuts = share_cuts(numels, world)
+    assert cuts[0] == 0 and cuts[-1] == sum(numels) and cuts == sorted(cuts)
+    covered = [0] * len(numels)
+    for r in range(world):
+        pcs = pieces_in(numels, 0, cuts[r], cuts[r + 1])
+        assert len({pc.index for pc in pcs}) == len(pcs)  # at most one piece per parameter
+        for pc in pcs:
+            covered[pc.index] += pc.length
+            # a piece starts and ends at an aligned offset or at its parameter's end
+            assert pc.start % CUT_ALIGN == 0
+            assert (pc.start + pc.length) % CUT_ALIGN == 0 or pc.start + pc.length == \
+                numels[pc.index]
+    assert covered == list(numels)
+
+
+def test_shares_are_balanced_when_parameters_are_large():
+    cuts = share_cuts([1 << 20, 3 << 20], 3)
+    sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+    assert max(sizes) - min(sizes) <= 2 * CUT_ALIGN
+
+
+def test_small_group_leaves_a_rank_without_a_share():
+    cuts = share_cuts([33], 2)
+    assert cuts == [0, 0, 33]  # the only cut would be inside 1024 elements: rank 0 owns none
+
+
+# -- one process -------------------------------------------------------------------------
+
+
+def test_rank_placeholder_is_zero_in_one_process(tmp_path):
+    """A config written for distributed runs works in one process: {rank} is 0."""
+    os.chmod(tmp_path, 0o700)
+    model = torch.nn.Linear(40, 30)
+    opt = torch.optim.AdamW(model.parameters())
+    cfg = config(str(tmp_path / "d{rank}"))
+    with tiermem.offload(opt, cfg):
+        assert os.path.isdir(tmp_path / "d0" / "tiermem-default")
+
+
+def test_distributed_config_is_validated():
+    with pytest.raises(ConfigError, match="distributed.grads"):
+        load_config({"distributed": {"grads": "sum"}})
+    with pytest.raises(ConfigError, match="distributed.timeout"):
+        load_config({"distributed": {"timeout": 0}})

@@ -1,0 +1,356 @@
+"""Distributed checkpoints (torch.distributed.checkpoint, DCP) of the tiered state, streamed.
+
+    tiermem.dcp.save(tm, "ckpt/step1000")   # every rank, inside the offload block
+    tiermem.dcp.load(tm, "ckpt/step1000")   # any world size: DCP reshards
+
+What the checkpoint holds (DCP keys):
+- `tiermem.state.<i>.<kind>`: the fp32 state of parameter i (its position in the
+  optimizer's flattened param order), flattened to 1-D: kind exp_avg, exp_avg_sq,
+  max_exp_avg_sq (amsgrad), master (the fp32 master weight of a low-precision
+  parameter, or of any parameter under crash_consistent). Each rank writes its
+  pieces as chunks of that 1-D tensor, one chunk per partition segment; a load asks
+  for its own pieces and DCP reads whatever stored chunks overlap them, so a
+  checkpoint written by N ranks loads into M ranks, or one process.
+- `tiermem.steps`: every parameter's step count; `tiermem.meta`: JSON with each
+  parameter's shape and dtype and the param groups' hyperparameters.
+
+Never the whole state in RAM: save resolves DCP's write items lazily, in partition
+order (a single writer thread keeps that order), reading one partition record at a
+time into a copy and handing DCP one segment of one kind at a time; load fills one
+partition's staging record at a time and writes it to its tier as soon as its last
+piece arrived. DCP's file writer keeps a reference to every tensor it wrote until
+the file is closed; the storage of each handed-out tensor is released (resized to
+zero bytes) once DCP has serialised it, so those references hold no memory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan,
+                                                  TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
+                                                          create_read_items_for_chunk_list)
+
+from tiermem.errors import TierMemError
+from tiermem.optim import _jsonable
+
+FORMAT = "tiermem-dcp-1"
+META, STEPS = "tiermem.meta", "tiermem.steps"
+
+
+def _fqn(index: int, kind: str) -> str:
+    return f"tiermem.state.{index}.{kind}"
+
+
+@dataclass
+class _Source:
+    """What a checkpoint needs from an offload handle, one process or one rank of many."""
+
+    off: Any  # the OffloadedOptimizer holding this process's records
+    opt: torch.optim.Optimizer  # the user's optimizer
+    params: list[torch.Tensor]  # the user's parameters, in optimizer order
+    locate: Callable[[Any], tuple[int, int]]  # segment -> (param index, first element)
+    group: Any = None  # the process group; None in one process
+    coll: Any = None
+
+    def steps(self) -> torch.Tensor:
+        """Every parameter's step count (collective under a process group)."""
+        out = torch.full((len(self.params),), -1.0)
+        for part in self.off.parts:
+            for s in part.segments:
+                out[self.locate(s)[0]] = float(self.off.steps[s.index])
+        if self.coll is not None and len(out):
+            self.coll.wait(self.coll.all_reduce(out, torch.distributed.ReduceOp.MAX),
+                           "agreeing on step counts for a checkpoint")
+        return out.clamp_(min=0)
+
+
+def _source(tm: Any) -> _Source:
+    from tiermem.distributed import DistributedOffload
+
+    if isinstance(tm, DistributedOffload):
+        flat = [pc for pcs in tm.layout.pieces for pc in pcs]
+        return _Source(tm._off, tm.opt, tm.layout.params,
+                       lambda s: (flat[s.index].index, flat[s.index].start + s.start),
+                       tm.coll.group, tm.coll)
+    off = tm._off
+    return _Source(off, off.opt, off.params, lambda s: (s.index, s.start))
+
+
+def _meta(src: _Source) -> dict:
+    groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"}
+              for g in src.opt.param_groups]
+    return {"format": FORMAT, "groups": groups,
+            "params": [{"numel": p.numel(), "shape": list(p.shape),
+                        "dtype": str(p.dtype).removeprefix("torch.")} for p in src.params]}
+
+
+def _chunk(fqn: str, start: int, length: int, numel: int) -> WriteItem:
+    return WriteItem(index=MetadataIndex(fqn, torch.Size([start])), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(
+                         chunk=ChunkStorageMetadata(torch.Size([start]), torch.Size([length])),
+                         properties=TensorProperties(dtype=torch.float32),
+                         size=torch.Size([numel])))
+
+
+# -- save ------------------------------------------------------------------------------------
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Write items for this rank's partition segments, resolved lazily from the tiers."""
+
+    def __init__(self, src: _Source) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.src = src
+        self._where: dict[tuple[str, int], tuple[Any, str, int, int]] = {}
+        self._cache: tuple[int, dict[str, torch.Tensor]] | None = None
+        # The storage of every tensor given to DCP (alive while anyone, DCP's writer
+        # included, references it), to measure what the checkpoint really holds.
+        self._handed: list[weakref.ref] = []
+        self._last: torch.Tensor | None = None
+        self.peak_live_bytes = 0  # most bytes held at once: the record copy + handed tensors
+        self.records_read = 0
+
+    def create_local_plan(self) -> SavePlan:
+        self._steps = self.src.steps()
+        n = len(self.src.params)
+        # Replicated on every rank: DCP keeps one copy of each.
+        items = [WriteItem(index=MetadataIndex(META), type=WriteItemType.BYTE_IO),
+                 WriteItem(index=MetadataIndex(STEPS, torch.Size([0])),
+                           type=WriteItemType.TENSOR, tensor_data=_chunk(STEPS, 0, n, n).tensor_data)]
+        for part in self.src.off.parts:  # partition order: one record read per partition
+            for kind in part.kinds:
+                off = 0
+                for s in part.segments:
+                    i, start = self.src.locate(s)
+                    fqn = _fqn(i, kind)
+                    items.append(_chunk(fqn, start, s.length, self.src.params[i].numel()))
+                    self._where[(fqn, start)] = (part, kind, off, s.length)
+                    off += s.length
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if self._last is not None:
+            # DCP wrote it out (serially) before asking for the next item; its file writer
+            # keeps a reference until the file closes, but needs none of the bytes.
+            self._last.untyped_storage().resize_(0)
+            self._last = None
+        fqn = write_item.index.fqn
+        if fqn == META:
+            return io.BytesIO(json.dumps(_meta(self.src)).encode())
+        if fqn == STEPS:
+            return self._steps.clone()
+        part, kind, off, length = self._where[(fqn, write_item.index.offset[0])]
+        views = self._record(part)
+        out = views[kind][off: off + length].clone()
+        self._last = out
+        self._handed.append(weakref.ref(out.untyped_storage()))
+        self._measure(views)
+        return out
+
+    def _record(self, part: Any) -> dict[str, torch.Tensor]:
+        """A copy of `part`'s record (one at a time)."""
+        if self._cache is not None and self._cache[0] == part.id:
+            return self._cache[1]
+        self._cache = None  # the previous partition's copy goes before the next is read
+
+        def copy(views: dict, fresh: bool) -> None:
+            got = {}
+            for k, v in views.items():
+                got[k] = torch.zeros_like(v) if fresh else v.clone()
+            if fresh and "master" in got:  # never stepped: the weights are the model's
+                o = 0
+                for s in part.segments:
+                    got["master"][o: o + s.length].copy_(
+                        s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                    o += s.length
+            self._cache = (part.id, got)
+
+        self.src.off.tiers.with_record(part, copy, write=False)
+        self.records_read += 1
+        return self._cache[1]
+
+    def _measure(self, views: dict[str, torch.Tensor]) -> None:
+        handed = sum(st.nbytes() for r in self._handed if (st := r()) is not None)
+        self._handed = [r for r in self._handed if r() is not None]
+        live = handed + sum(v.nbytes for v in views.values())
+        self.peak_live_bytes = max(self.peak_live_bytes, live)
+
+
+def save(tm: Any, path: str) -> dict[str, int]:
+    """Write the tiered optimizer state of `tm` (inside its offload block) to a DCP checkpoint
+    directory; under a process group every rank calls it. Returns figures of this rank
+    (records_read, peak_live_bytes: the most checkpoint bytes this rank held at once)."""
+    src = _source(tm)
+    src.off.tiers.flush()
+    planner = _SavePlanner(src)
+    # One writer thread: items are resolved in plan order, one at a time.
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=src.group,
+                 no_dist=src.coll is None)
+    return {"records_read": planner.records_read, "peak_live_bytes": planner.peak_live_bytes}
+
+
+# -- load --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Staging:
+    """A partition's record being assembled from the checkpoint."""
+
+    views: dict[str, torch.Tensor]
+    pending: int = 0
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Read items for this rank's partition segments; each partition written to its tier as
+    soon as all of its pieces arrived."""
+
+    def __init__(self, src: _Source) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.src = src
+        self._dest: dict[tuple[str, int], tuple[Any, str, int]] = {}
+        self._counts: dict[int, int] = {}
+        self._staging: dict[int, _Staging] = {}
+        self.meta: dict | None = None
+        self.steps: torch.Tensor | None = None
+        self.peak_staged = 0  # most partitions assembled at once
+        self.missing_master: set[int] = set()
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata
+        if META not in md:
+            raise TierMemError("this DCP checkpoint was not written by tiermem.dcp.save "
+                               f"(it has no {META!r})")
+        n = len(self.src.params)
+        self._steps_buf = torch.zeros(n)
+        items: list[ReadItem] = [*_create_read_items(META, md[META], None),
+                                 *_create_read_items(STEPS, md[STEPS], self._steps_buf)]
+        for part in self.src.off.parts:
+            for kind in part.kinds:
+                off = 0
+                for s in part.segments:
+                    i, start = self.src.locate(s)
+                    fqn = _fqn(i, kind)
+                    self._dest[(fqn, start)] = (part, kind, off)
+                    off += s.length
+                    if fqn not in md:
+                        if kind == "master":
+                            self.missing_master.add(part.id)  # filled from the model
+                            continue
+                        raise TierMemError(f"the checkpoint has no {kind} for parameter {i} "
+                                           "(saved with amsgrad off, loaded with it on?)")
+                    got = create_read_items_for_chunk_list(
+                        fqn, md[fqn], [ChunkStorageMetadata(torch.Size([start]),
+                                                            torch.Size([s.length]))])
+                    self._counts[part.id] = self._counts.get(part.id, 0) + len(got)
+                    items += got
+        self._fill_unread()
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def _fill_unread(self) -> None:
+        """Partitions with nothing to read (a master only the model has): write them now."""
+        for part in self.src.off.parts:
+            if part.id not in self._counts:
+                self._stage(part)
+                self._write(part)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.meta = json.loads(value.read().decode())
+        if self.meta.get("format") != FORMAT:
+            raise TierMemError(f"checkpoint format {self.meta.get('format')!r}, this tiermem "
+                               f"reads {FORMAT!r}")
+        ours = [p.numel() for p in self.src.params]
+        theirs = [p["numel"] for p in self.meta["params"]]
+        if ours != theirs:
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                         min(len(ours), len(theirs)))
+            raise TierMemError(f"the checkpoint has {len(theirs)} parameters and this optimizer "
+                               f"{len(ours)}; they first differ at parameter {first}")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        fqn = read_item.dest_index.fqn
+        if fqn == STEPS:
+            return self._steps_buf
+        start = read_item.dest_index.offset[0]
+        part, kind, off = self._dest[(fqn, start)]
+        st = self._staging.get(part.id) or self._stage(part)
+        a = off + read_item.dest_offsets[0]
+        return st.views[kind][a: a + read_item.lengths[0]]
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        fqn = read_item.dest_index.fqn
+        if fqn == STEPS:
+            self.steps = self._steps_buf
+            return
+        part = self._dest[(fqn, read_item.dest_index.offset[0])][0]
+        st = self._staging[part.id]
+        st.pending -= 1
+        if st.pending == 0:
+            self._write(part)
+
+    def _stage(self, part: Any) -> _Staging:
+        views = {k: torch.zeros(part.numel, dtype=torch.float32) for k in part.kinds}
+        if part.id in self.missing_master:
+            o = 0
+            for s in part.segments:
+                views["master"][o: o + s.length].copy_(
+                    s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                o += s.length
+        st = _Staging(views, self._counts.get(part.id, 0))
+        self._staging[part.id] = st
+        self.peak_staged = max(self.peak_staged, len(self._staging))
+        return st
+
+    def _write(self, part: Any) -> None:
+        st = self._staging.pop(part.id)
+
+        def put(views: dict, fresh: bool) -> None:
+            for k, v in views.items():
+                v.copy_(st.views[k])
+
+        self.src.off.tiers.with_record(part, put, write=True)
+
+
+def load(tm: Any, path: str) -> dict[str, int]:
+    """Load a checkpoint written by `save` (with any world size) into `tm`'s tiers, inside
+    its offload block; under a process group every rank calls it. Hyperparameters of the
+    param groups are restored too, as torch's load_state_dict does. Returns figures of this
+    rank (peak_staged: the most partitions assembled in memory at once)."""
+    src = _source(tm)
+    src.off.tiers.flush()
+    planner = _LoadPlanner(src)
+    with warnings.catch_warnings():
+        # One process: DCP warns that it assumes so, which no_dist=True already says.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner,
+                 process_group=src.group, no_dist=src.coll is None)
+    if planner._staging:
+        raise TierMemError(f"checkpoint {path} lacks pieces of partitions "
+                           f"{sorted(planner._staging)}")
+    steps = planner.steps
+    for part in src.off.parts:
+        for s in part.segments:
+            src.off.steps[s.index] = torch.tensor(float(steps[src.locate(s)[0]]))
+    for group, saved in zip(src.opt.param_groups, planner.meta["groups"]):
+        for k, v in saved.items():
+            if k in group:
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    if src.off.crash:
+        src.off._commit()
+    return {"peak_staged": planner.peak_staged}

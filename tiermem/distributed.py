@@ -1,0 +1,428 @@
+"""`tiermem.offload` under torch.distributed: each rank tiers only its share of the state.
+
+The user's optimizer is left holding the whole model's parameters; tiermem builds
+a *shadow* torch Adam over this rank's pieces (zero.py: 1-D views of each rank's
+share of replicated parameters; fsdp.py: the local shards of FSDP2 DTensors) and
+wraps it in an ordinary OffloadedOptimizer, so partitions, tiers, the pipeline,
+durability and resume work on a share exactly as they do on a whole model. The
+user's optimizer is hooked to run, per step: the gradients in (reduce-scatter or
+views), the shadow's tiered step, the weights out (all-gather); its param groups
+(lr schedules) are copied into the shadow's before each step.
+
+Swap paths may say `{rank}` and `{local_rank}`; every rank's run directory is
+`tiermem-<name>-rank<global rank>`, so ranks sharing a path never collide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import socket
+import sys
+import time
+import types
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from tiermem.collectives import Collectives
+from tiermem.config import Settings
+from tiermem.context import Offload
+from tiermem.errors import TierMemError, TierMemWarning
+from tiermem.fsdp import FsdpLayout, is_dtensor
+from tiermem.optim import (HOOKED, MASTER_KEY, MOMENTS, HISTORY, OffloadedOptimizer,
+                           _check_optimizer, _run_post_hooks, _run_pre_hooks)
+from tiermem.signals import held, terminate_as_exception
+from tiermem.sizes import format_size
+from tiermem.sysinfo import available_memory
+from tiermem.zero import ZeroLayout
+
+
+def wanted(optimizer: torch.optim.Optimizer, process_group: Any) -> bool:
+    """Shard when a group is given, torch.distributed is initialised, or the parameters are
+    DTensors."""
+    if process_group is not None:
+        return True
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"])
+
+
+def rank_paths(settings: Settings, rank: int, local_rank: int) -> Settings:
+    """`settings` with `{rank}` / `{local_rank}` in swap paths replaced (0 and 0 in a single
+    process), so one config can put each rank's state on its own drive."""
+    paths = [p.replace("{rank}", str(rank)).replace("{local_rank}", str(local_rank))
+             for p in settings.swap.paths]
+    if paths == list(settings.swap.paths):
+        return settings
+    return dataclasses.replace(settings, swap=dataclasses.replace(settings.swap, paths=paths))
+
+
+def _local_rank(coll: Collectives) -> int:
+    """LOCAL_RANK (torchrun), else this rank's position among the ranks on this host."""
+    if os.environ.get("LOCAL_RANK", "").isdigit():
+        return int(os.environ["LOCAL_RANK"])
+    host = int.from_bytes(hashlib.sha1(socket.gethostname().encode()).digest()[:6], "big")
+    hosts = [row[0] for row in coll.table([float(host)], "finding the ranks on this host")]
+    return sum(1 for r in range(coll.rank) if hosts[r] == host)
+
+
+class _Names:
+    """What OffloadedOptimizer reads placement-rule names from: a piece is named after its
+    parameter, so rules written for the whole model match its pieces."""
+
+    def __init__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        self._pairs = pairs
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._pairs)
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class DistributedOffload(Offload):
+    """`with tiermem.offload(...) as tm` under a process group: this rank's share."""
+
+    def __init__(self, opt: torch.optim.Optimizer, settings: Settings, *,
+                 model: torch.nn.Module | None, name: str, resume: bool,
+                 process_group: Any) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise TierMemError("tiermem shards the optimizer state over a process group, but "
+                               "torch.distributed is not initialised (init_process_group)")
+        _check_optimizer(opt)
+        self.opt = opt
+        d = settings.distributed
+        self.coll = Collectives(process_group, d.timeout, name)
+        fsdp = any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
+        self.layout = (FsdpLayout(opt, self.coll) if fsdp
+                       else ZeroLayout(opt, self.coll, d.grads, d.bucket_size))
+        self.rank = self.coll.global_rank(self.coll.rank)
+        self.local_rank = _local_rank(self.coll)
+        self._at = {pc.index: (g, k) for g, pcs in enumerate(self.layout.pieces)
+                    for k, pc in enumerate(pcs)}
+        self.comm: dict[int, dict[str, float]] = {}  # step -> communication figures
+        self.steps_called = 0
+        off, error = None, None
+        try:
+            off = self._build(settings, model, name, resume)
+        except BaseException as exc:  # the others must hear of it, not wait for it
+            error = exc
+            self.coll.post_failure(exc)
+        flags = self.coll.table([float(error is None), float(off.resumed_step or 0)
+                                 if off else 0.0], "setting up tiermem.offload")
+        if error is not None:
+            raise error
+        bad = [self.coll.global_rank(r) for r, row in enumerate(flags) if not row[0]]
+        if bad:
+            off.tiers.close(remove_swap=not resume)
+            raise self.coll.failure("set-up", TierMemError(f"rank(s) {bad} failed to set up"))
+        super().__init__(off)
+        opt.state.clear()  # each rank's share of it is in the tiers now
+        if resume and len({row[1] for row in flags}) > 1:
+            steps = {self.coll.global_rank(r): int(row[1]) for r, row in enumerate(flags)}
+            self._off.detach()
+            self._off.tiers.close(remove_swap=False)
+            raise TierMemError(f"cannot resume: the ranks kept different steps {steps}; a "
+                               "crash-consistent run commits each rank's share on its own, so "
+                               "a crash between two ranks' commits leaves them a step apart")
+        self.rank_plans = self._gather_plans()
+        self._originals: dict[str, Any] = {}
+        self._hook()
+        if resume and off.crash:
+            # Each rank restored its own pieces' weights from its masters: share them.
+            self.layout.weights_out(self._fresh_comm())
+
+    def _build(self, settings: Settings, model: Any, name: str,
+               resume: bool) -> OffloadedOptimizer:
+        opt, lay = self.opt, self.layout
+        self.shadow = torch.optim.Adam([{**_hyper(g), "params": views}
+                                        for g, views in zip(opt.param_groups, lay.views)])
+        self._seed(opt.state)
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
+                        for pcs, vs in zip(lay.pieces, lay.views) for pc, v in zip(pcs, vs)])
+        return OffloadedOptimizer(self.shadow, rank_paths(settings, self.rank, self.local_rank),
+                                  model=named if model is not None else None,
+                                  swap_name=f"{name}-rank{self.rank}", resume=resume)
+
+    def _seed(self, state: dict) -> None:
+        """State already in the user's optimizer (a checkpoint loaded before offload): its
+        pieces become the shadow's, which OffloadedOptimizer imports into the tiers."""
+        index = {id(p): i for i, p in enumerate(self.layout.params)}
+        for p, st in state.items():
+            i = index.get(id(p))
+            if not st or i is None or i not in self._at:
+                continue
+            g, k = self._at[i]
+            pc = self.layout.pieces[g][k]
+            self.shadow.state[self.layout.views[g][k]] = {
+                key: (self.layout.piece_of(v, pc).clone()
+                      if isinstance(v, torch.Tensor) and key != "step" else v)
+                for key, v in st.items()}
+
+    def _gather_plans(self) -> list[dict[str, Any]]:
+        tiers = self._off.tiers
+        b = tiers.tier_bytes()
+        row = [float(self.layout.share_elements), b["gpu"], b["host"], b["nvme"],
+               tiers.pinned_bytes, tiers.store.total_bytes if tiers.store else 0]
+        table = self.coll.table(row, "sharing the memory plans")
+        return [{"rank": self.coll.global_rank(r), "share_elements": int(t[0]),
+                 "state_bytes": {"gpu": int(t[1]), "host": int(t[2]), "nvme": int(t[3])},
+                 "pinned_bytes": int(t[4]), "swap_bytes": int(t[5])}
+                for r, t in enumerate(table)]
+
+    # -- hooks on the user's optimizer ---------------------------------------------------
+
+    def _hook(self) -> None:
+        opt = self.opt
+        for name in HOOKED:
+            self._originals[name] = opt.__dict__.get(name)
+
+        def step(opt_self, closure=None):
+            return opt_self._tiermem_dist.step(closure)
+
+        step._wrapped_by_lr_sched = True  # torch's lr schedulers look for this mark
+
+        def state_dict(opt_self):
+            return opt_self._tiermem_dist.state_dict()
+
+        def load_state_dict(opt_self, state_dict):
+            return opt_self._tiermem_dist.load_state_dict(state_dict)
+
+        def add_param_group(opt_self, param_group):
+            raise TierMemError("add_param_group inside tiermem.offload under a process group "
+                               "is not supported: add the group before entering the block")
+
+        opt._tiermem_dist = self
+        for fn in (step, state_dict, load_state_dict, add_param_group):
+            setattr(opt, fn.__name__, types.MethodType(fn, opt))
+
+    def _unhook(self) -> None:
+        for name, orig in self._originals.items():
+            if orig is None:
+                self.opt.__dict__.pop(name, None)
+            else:
+                setattr(self.opt, name, orig)
+        self.opt.__dict__.pop("_tiermem_dist", None)
+        self._originals = {}
+
+    def _sync_groups(self) -> None:
+        """Hyperparameters (an lr scheduler's lr, ...) from the user's groups to the shadow's."""
+        for ug, sg in zip(self.opt.param_groups, self.shadow.param_groups):
+            sg.update(_hyper(ug))
+
+    @staticmethod
+    def _fresh_comm() -> dict[str, float]:
+        return {"comm_seconds": 0.0, "comm_wait_seconds": 0.0, "comm_bytes": 0}
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        opt = self.opt
+        args, kwargs = _run_pre_hooks(opt, (closure,), {})
+        closure = args[0] if args else kwargs.get("closure")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.steps_called += 1
+        self.coll.arrive(self.steps_called)
+        comm = self._fresh_comm()
+        with torch.no_grad():
+            self._sync_groups()
+            t0 = time.monotonic()
+            self.layout.grads_in(self.layout.present(), comm)
+            comm["comm_seconds"] += time.monotonic() - t0
+            try:
+                self.shadow.step()  # the OffloadedOptimizer's tiered step over this share
+            except BaseException as exc:
+                self.coll.post_failure(exc)  # the others are about to wait for this rank
+                raise
+            finally:
+                self.layout.release_grads()
+            t0 = time.monotonic()
+            self.layout.weights_out(comm)
+            comm["comm_seconds"] += time.monotonic() - t0
+        self.comm[self._off.steps_taken] = comm
+        self.comm.pop(self._off.steps_taken - HISTORY, None)
+        opt._opt_called = True  # what torch's lr schedulers check for
+        _run_post_hooks(opt, args, kwargs)
+        return loss
+
+    # -- state in torch's layout ---------------------------------------------------------
+
+    def _kinds(self, *, model_dtype: bool) -> list[list[str]]:
+        """State keys of every parameter, as export_state gives them."""
+        out = []
+        for group in self.opt.param_groups:
+            moments = [k for k in MOMENTS if k != "max_exp_avg_sq" or group.get("amsgrad")]
+            for p in group["params"]:
+                extra = [MASTER_KEY] if not model_dtype and p.dtype != torch.float32 else []
+                out.append(moments + extra)
+        return out
+
+    def _whole_state(self, shadow_state: dict, *, model_dtype: bool
+                     ) -> dict[torch.Tensor, dict[str, Any]]:
+        """The user's per-parameter state from every rank's shares (collective)."""
+        by_view = {id(v): i for i, (g, k) in self._at.items()
+                   for v in [self.layout.views[g][k]]}
+        mine = {by_view[id(v)]: st for v, st in shadow_state.items()}
+        whole = self.layout.gather_state(mine, self._kinds(model_dtype=model_dtype),
+                                         model_dtype=model_dtype)
+        return {self.layout.params[i]: st for i, st in whole.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state_dict of the whole model (fp32 moments), gathered from every
+        rank's share: a collective every rank must call; each gets the whole state (DTensors
+        under FSDP2). For states larger than RAM use tiermem.dcp.save."""
+        state = self._whole_state(self._off.export_state(model_dtype=False), model_dtype=False)
+        saved = self.opt.state
+        try:
+            self.opt.state = defaultdict(dict, state)
+            return type(self.opt).state_dict(self.opt)
+        finally:
+            self.opt.state = saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's format (every rank given the whole state, or DTensors under FSDP2): each
+        rank loads its pieces. Not a collective."""
+        type(self.opt).load_state_dict(self.opt, {"state": {},
+                                                  "param_groups": state_dict["param_groups"]})
+        self._sync_groups()
+        shadow_state: dict[int, dict[str, Any]] = {}
+        order = [i for g, pcs in enumerate(self.layout.pieces) for i in (pc.index for pc in pcs)]
+        for j, i in enumerate(order):
+            st = state_dict["state"].get(i, state_dict["state"].get(str(i)))
+            if not st:
+                continue
+            g, k = self._at[i]
+            pc = self.layout.pieces[g][k]
+            shadow_state[j] = {key: (self.layout.piece_of(v, pc).clone()
+                                     if isinstance(v, torch.Tensor) and key != "step" else v)
+                               for key, v in st.items()}
+        groups, j = [], 0
+        for sg in self.shadow.param_groups:
+            groups.append({**_hyper(sg), "params": list(range(j, j + len(sg["params"])))})
+            j += len(sg["params"])
+        self.shadow.load_state_dict({"state": shadow_state, "param_groups": groups})
+
+    # -- the handle ------------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.opt
+
+    def plan(self) -> dict[str, Any]:
+        """This rank's figures (as in one process), plus every rank's in `ranks`."""
+        out = super().plan()
+        out.update(rank=self.rank, local_rank=self.local_rank, world=self.coll.world,
+                   mode="fsdp2" if self.layout.fsdp else "zero",
+                   grads=self.layout.grads_mode, share_elements=self.layout.share_elements,
+                   ranks=self.rank_plans)
+        return out
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per step as in one process, plus communication: comm_seconds (packing and
+        collectives of the gradients in and weights out), comm_wait_seconds (blocked on
+        them), comm_bytes (sent and received by this rank, padding included)."""
+        out = super().stats()
+        for d in out:
+            d.update(self.comm.get(d["step"], self._fresh_comm()))
+        return out
+
+    # -- leaving the block -----------------------------------------------------------------
+
+    def _full_state_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() * 2 for p in self.layout.params)
+
+    def _exit_on_error(self, exc: BaseException) -> None:
+        """No collective: the other ranks may be gone. This rank's share stays on disk."""
+        self.coll.post_failure(exc)
+        off = self._off
+        self._unhook()
+        off.detach()
+        try:
+            if self._discard:
+                off.tiers.close(remove_swap=True)
+                return
+            if off.broken:
+                self.kept_on_disk = off.tiers.run_dir()
+                off.tiers.close(remove_swap=False, flush=False)
+            else:
+                self.kept_on_disk = off.keep_on_disk()
+        except BaseException as err:
+            exc.add_note(f"tiermem: rank {self.rank} could not keep its share on disk ({err})")
+            return
+        exc.add_note(f"tiermem: rank {self.rank} left on {type(exc).__name__}; "
+                     f"{self.where_state_is()}")
+
+    def _exit(self) -> None:
+        off = self._off
+        self._unhook()
+        if self._discard:
+            off.detach()
+            off.tiers.close(remove_swap=True)
+            return
+        state, failed = None, None
+        fits = self._full_state_nbytes() <= available_memory() * 0.8
+        try:
+            if off.broken:
+                raise TierMemError(off.broken)
+            off.tiers.flush()
+            if fits:
+                state = off.export_state(model_dtype=True)
+        except TierMemError as exc:
+            failed = exc
+            self.coll.post_failure(exc)
+        flags = self.coll.table([float(failed is None), float(fits)], "leaving tiermem.offload")
+        off.detach()
+        if all(row[0] for row in flags) and all(row[1] for row in flags):
+            whole = self._whole_state(state, model_dtype=True)
+            self.opt.state.clear()
+            self.opt.state.update(whole)
+            off.tiers.close(remove_swap=True)
+            return
+        if failed is not None:
+            dirs = ", ".join(off.tiers.store.dirs) if off.tiers.store else "-"
+            off.tiers.close(remove_swap=False, flush=False)
+            raise TierMemError(f"rank {self.rank}: the optimizer state could not be written "
+                               f"back or gathered ({failed}); the swap files were kept in "
+                               f"{dirs}") from failed
+        self.kept_on_disk = off.keep_on_disk()
+        bad = [self.coll.global_rank(r) for r, row in enumerate(flags) if not row[0]]
+        if bad:
+            raise TierMemError(f"rank(s) {bad} could not write back their share of the "
+                               f"optimizer state; rank {self.rank} kept its share on disk in "
+                               f"{self.kept_on_disk}")
+        warnings.warn(
+            f"tiermem: the whole optimizer state ({format_size(self._full_state_nbytes())}) "
+            f"does not fit in the free host memory of every rank, so each rank keeps its "
+            f"share on disk (rank {self.rank}: {self.kept_on_disk}). Resume with "
+            "tiermem.offload(optimizer, config, resume=True) on the same world size.",
+            TierMemWarning, stacklevel=4)
+
+
+@contextmanager
+def offload(optimizer: torch.optim.Optimizer, settings: Settings, *,
+            model: torch.nn.Module | None, name: str, resume: bool,
+            process_group: Any) -> Iterator[DistributedOffload]:
+    """context.offload's distributed branch (same contract; see docs/distributed.md)."""
+    handle = DistributedOffload(optimizer, settings, model=model, name=name, resume=resume,
+                                process_group=process_group)
+    with terminate_as_exception():
+        try:
+            yield handle
+        except BaseException as exc:
+            with held():
+                handle._exit_on_error(exc)
+            if isinstance(exc, KeyboardInterrupt):
+                print(f"tiermem: interrupted; {handle.where_state_is()}", file=sys.stderr)
+            raise
+        else:
+            with held():
+                handle._exit()

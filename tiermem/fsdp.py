@@ -1,0 +1,119 @@
+"""FSDP2 parameters (DTensors from `torch.distributed.fsdp.fully_shard`): tier the local shard.
+
+fully_shard already gives each rank a dim-0 shard of every parameter, reduce-scatters
+the gradients into the shards during backward and all-gathers the weights before
+the next forward. So the piece a rank tiers is simply its local shard (flattened: rows
+[r0, r1) of a parameter are elements [r0 * row, r1 * row)), updated in place, and a step
+moves nothing between ranks. State goes back to the optimizer as DTensors sharded like
+their parameters, which is what torch's optimizer keeps under FSDP2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from tiermem.collectives import Collectives
+from tiermem.errors import TierMemError
+from tiermem.shard import Piece
+
+
+def is_dtensor(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
+class FsdpLayout:
+    """This rank's local shards of DTensor parameters."""
+
+    fsdp = True
+    grads_mode = "fsdp"
+
+    def __init__(self, opt: torch.optim.Optimizer, coll: Collectives) -> None:
+        self.coll = coll
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.pieces: list[list[Piece]] = []
+        self.views: list[list[torch.Tensor]] = []
+        index = 0
+        for g, group in enumerate(opt.param_groups):
+            pcs, views = [], []
+            for p in group["params"]:
+                start = self._start(p, g)
+                local = p._local_tensor  # the shard's own storage: updated in place
+                if local.numel():
+                    pcs.append(Piece(index, start, local.numel(), 0))
+                    views.append(local.detach().view(-1))
+                index += 1
+            self.pieces.append(pcs)
+            self.views.append(views)
+        self.share_elements = sum(pc.length for pcs in self.pieces for pc in pcs)
+
+    @staticmethod
+    def _start(p: Any, g: int) -> int:
+        if not is_dtensor(p):
+            raise TierMemError(f"param_groups[{g}] mixes DTensor and plain parameters; "
+                               "tiermem shards either all FSDP2 parameters or none")
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise TierMemError(
+                f"param_groups[{g}]: a DTensor parameter placed {tuple(p.placements)} on a "
+                f"{p.device_mesh.ndim}-D mesh; tiermem supports fully_shard's dim-0 shards on "
+                "a 1-D mesh (HSDP and tensor parallelism are not supported yet)")
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        row = math.prod(p.shape[1:]) if p.dim() > 1 else 1
+        return offset[0] * row if p.dim() else 0
+
+    # -- a step: FSDP moved the gradients and moves the weights ----------------------------
+
+    def present(self) -> set[int]:
+        return {i for i, p in enumerate(self.params) if p.grad is not None}
+
+    def grads_in(self, present: set[int], stats: dict) -> None:
+        for pcs, views in zip(self.pieces, self.views):
+            for pc, v in zip(pcs, views):
+                g = self.params[pc.index].grad
+                v.grad = None if g is None else g._local_tensor.reshape(-1)
+
+    def release_grads(self) -> None:
+        for views in self.views:
+            for v in views:
+                v.grad = None
+
+    def weights_out(self, stats: dict) -> None:
+        """Nothing to do: fully_shard all-gathers the updated shards before the next forward."""
+
+    # -- state between the shards and torch's layout ---------------------------------------
+
+    def piece_of(self, t: torch.Tensor, pc: Piece) -> torch.Tensor:
+        if is_dtensor(t):
+            return t.to_local().reshape(-1)
+        return t.reshape(-1)[pc.start: pc.start + pc.length]
+
+    def gather_state(self, shadow: dict[int, dict[str, Any]], kinds_of: Sequence[Sequence[str]],
+                     *, model_dtype: bool) -> dict[int, dict[str, Any]]:
+        """State as DTensors sharded like their parameters; only the step counts are agreed
+        on (a rank whose shard of a parameter is empty has no state of its own for it)."""
+        n = len(self.params)
+        steps = torch.full((n,), -1.0)
+        for i, st in shadow.items():
+            steps[i] = float(st["step"])
+        if n:
+            self.coll.wait(self.coll.all_reduce(steps, torch.distributed.ReduceOp.MAX),
+                           "agreeing on step counts")
+        out: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(self.params):
+            if steps[i] <= 0:
+                continue
+            local_shape = p._local_tensor.shape
+            st: dict[str, Any] = {"step": torch.tensor(float(steps[i]))}
+            for kind in kinds_of[i]:
+                dtype = p.dtype if model_dtype and kind != "master_param" else torch.float32
+                mine = shadow.get(i, {}).get(kind)
+                local = (mine.reshape(local_shape).to(dtype) if mine is not None
+                         else torch.zeros(local_shape, dtype=dtype))
+                st[kind] = DTensor.from_local(local, p.device_mesh, p.placements,
+                                              run_check=False, shape=p.shape, stride=p.stride())
+            out[i] = st
+        return out

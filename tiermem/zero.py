@@ -1,0 +1,227 @@
+"""ZeRO-style sharding of replicated parameters: what each rank updates and what moves.
+
+Every rank holds the whole model; shard.py gives each rank a share of every param
+group. One step:
+1. gradients: reduce-scatter, window by window (`distributed.bucket_size` per rank,
+   two windows in flight), sums every rank's gradient and leaves this rank's share
+   in a flat buffer, which is then divided by the world size (the mean, as DDP
+   takes it). With `grads: allreduced` the gradients are already averaged (DDP)
+   and the share is read in place from `param.grad`: no communication;
+2. the share is updated by an ordinary OffloadedOptimizer whose parameters are
+   1-D views of the pieces (so the update writes the model's weights in place);
+3. weights: all-gather, window by window, every rank's updated pieces into every
+   rank's parameters.
+Collectives need equal sizes on every rank, so every window is padded to the widest
+share; the padding is never read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+from tiermem.collectives import Collectives
+from tiermem.errors import TierMemError
+from tiermem.shard import GroupShares, Piece, plan_shares, spans
+
+
+class ZeroLayout:
+    """This rank's pieces of replicated parameters, and the collectives of a step."""
+
+    fsdp = False
+
+    def __init__(self, opt: torch.optim.Optimizer, coll: Collectives, grads: str,
+                 bucket_bytes: int) -> None:
+        self.coll = coll
+        self.grads_mode = grads
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.shares: list[GroupShares] = plan_shares(opt.param_groups, coll.world)
+        self.dtypes = []
+        for g, group in enumerate(opt.param_groups):
+            kinds = {p.dtype for p in group["params"]}
+            if len(kinds) > 1:
+                raise TierMemError(
+                    f"param_groups[{g}] mixes dtypes ({sorted(map(str, kinds))}); under a "
+                    "process group tiermem communicates a group's gradients in one dtype: put "
+                    "parameters of different dtypes in different param groups")
+            self.dtypes.append(next(iter(kinds), torch.float32))
+        me = coll.rank
+        self.pieces: list[list[Piece]] = [s.pieces(me) for s in self.shares]
+        # The views the shadow optimizer updates: slices of the model's own storage.
+        self.views: list[list[torch.Tensor]] = [
+            [self.params[pc.index].detach().view(-1)[pc.start: pc.start + pc.length]
+             for pc in pcs] for pcs in self.pieces]
+        self.share_elements = sum(s.size(me) for s in self.shares)
+        # This rank's averaged gradient share per group, padded to the widest share (the
+        # reduce-scatter writes whole windows); allocated at the first reduce-scatter.
+        self._share_grad: list[torch.Tensor | None] = [None] * len(self.shares)
+        self.windows: list[tuple[int, int, int]] = []  # (group, a, b) share offsets
+        for s, dtype in zip(self.shares, self.dtypes):
+            width = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+            self.windows += [(s.group, a, min(a + width, s.widest))
+                             for a in range(0, s.widest, width)]
+        self._staging: dict[tuple[torch.dtype, int, str], torch.Tensor] = {}
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def owners(self, index: int) -> list[tuple[int, Piece]]:
+        """(rank, piece) of every piece of parameter `index`, in rank order."""
+        g = next(s for s in self.shares
+                 if s.first_index <= index < s.first_index + len(s.numels))
+        return [(r, pc) for r in range(self.coll.world) for pc in g.pieces(r)
+                if pc.index == index]
+
+    def _buffer(self, dtype: torch.dtype, slot: int, kind: str, n: int) -> torch.Tensor:
+        """Staging for window collectives, kept between steps (two slots: one in flight while
+        the other is packed or unpacked)."""
+        key = (dtype, slot, kind)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype)
+            self._staging[key] = buf
+        return buf[:n]
+
+    def _flat(self, index: int) -> torch.Tensor:
+        return self.params[index].detach().view(-1)
+
+    # -- gradients in ------------------------------------------------------------------
+
+    def present(self) -> set[int]:
+        """Parameters with a gradient on any rank (the others treated as zero); with
+        allreduced grads, on this rank (DDP gives every rank the same set)."""
+        local = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32)
+        if self.grads_mode == "reduce_scatter" and len(local):
+            self.coll.wait(self.coll.all_reduce(local, torch.distributed.ReduceOp.MAX),
+                           "agreeing on which parameters have gradients")
+        return {i for i, v in enumerate(local.tolist()) if v}
+
+    def grads_in(self, present: set[int], stats: dict) -> None:
+        """Give every view its averaged gradient (None when no rank has one)."""
+        if self.grads_mode == "allreduced" or self.coll.world == 1:  # nothing to average
+            for pcs, views in zip(self.pieces, self.views):
+                for pc, v in zip(pcs, views):
+                    g = self.params[pc.index].grad
+                    v.grad = None if g is None else g.reshape(-1)[pc.start: pc.start + pc.length]
+            return
+        world, me = self.coll.world, self.coll.rank
+        inflight: deque = deque()
+        for j, (g, a, b) in enumerate(self.windows):
+            n = b - a
+            if len(inflight) == 2:  # the window that used this staging slot must be done
+                self._wait_timed(inflight.popleft(), "the gradient reduce-scatter", stats)
+            send = self._buffer(self.dtypes[g], j % 2, "send", world * n)
+            shares = self.shares[g]
+            for r in range(world):
+                slot = send[r * n: (r + 1) * n]
+                # Past the end of a shorter share the slot is padding: summed but never read.
+                for index, start, length, o in spans(shares.pieces(r), a, b):
+                    grad = self.params[index].grad
+                    if grad is None:
+                        slot[o: o + length].zero_()
+                    else:
+                        slot[o: o + length].copy_(grad.reshape(-1)[start: start + length])
+            if self._share_grad[g] is None:
+                self._share_grad[g] = torch.empty(shares.widest, dtype=self.dtypes[g])
+            inflight.append(self.coll.reduce_scatter(self._share_grad[g][a:b], send))
+            stats["comm_bytes"] += send.numel() * send.element_size()
+        while inflight:
+            self._wait_timed(inflight.popleft(), "the gradient reduce-scatter", stats)
+        for g, (pcs, views) in enumerate(zip(self.pieces, self.views)):
+            if not pcs:
+                continue
+            share = self._share_grad[g][: self.shares[g].size(me)]
+            share.div_(world)  # the sum -> the mean over ranks, as DDP averages
+            for pc, v in zip(pcs, views):
+                v.grad = (share[pc.offset: pc.offset + pc.length] if pc.index in present
+                          else None)
+
+    def release_grads(self) -> None:
+        for views in self.views:
+            for v in views:
+                v.grad = None
+
+    # -- weights out -------------------------------------------------------------------
+
+    def weights_out(self, stats: dict) -> None:
+        """Every rank's updated pieces into every rank's parameters."""
+        world, me = self.coll.world, self.coll.rank
+        if world == 1:
+            return  # the only share was updated in place
+        pending: tuple | None = None  # the window gathered last, unpacked while the next flies
+        for j, (g, a, b) in enumerate(self.windows):
+            n = b - a
+            send = self._buffer(self.dtypes[g], j % 2, "wsend", n)
+            recv = self._buffer(self.dtypes[g], j % 2, "wrecv", world * n)
+            for index, start, length, o in spans(self.pieces[g], a, b):
+                send[o: o + length].copy_(self._flat(index)[start: start + length])
+            work = self.coll.all_gather(recv, send)
+            stats["comm_bytes"] += recv.numel() * recv.element_size()
+            if pending is not None:
+                self._unpack(*pending, stats)
+            pending = (work, g, a, b, recv)
+        if pending is not None:
+            self._unpack(*pending, stats)
+
+    def _unpack(self, work: Any, g: int, a: int, b: int, recv: torch.Tensor,
+                stats: dict) -> None:
+        self._wait_timed(work, "the weight all-gather", stats)
+        n = b - a
+        for r in range(self.coll.world):
+            if r == self.coll.rank:
+                continue  # its own pieces were updated in place
+            slot = recv[r * n: (r + 1) * n]
+            for index, start, length, o in spans(self.shares[g].pieces(r), a, b):
+                self._flat(index)[start: start + length].copy_(slot[o: o + length])
+
+    def _wait_timed(self, work: Any, what: str, stats: dict) -> None:
+        t0 = time.monotonic()
+        self.coll.wait(work, what)
+        stats["comm_wait_seconds"] += time.monotonic() - t0
+
+    # -- state between the shares and torch's per-parameter layout ------------------------
+
+    def piece_of(self, t: torch.Tensor, pc: Piece) -> torch.Tensor:
+        """The elements of piece `pc` in a whole-parameter tensor `t`."""
+        return t.reshape(-1)[pc.start: pc.start + pc.length]
+
+    def gather_state(self, shadow: dict[int, dict[str, Any]], kinds_of: Sequence[Sequence[str]],
+                     *, model_dtype: bool) -> dict[int, dict[str, Any]]:
+        """Whole-parameter state from every rank's pieces (collective: every rank calls it
+        with its own pieces' state, `shadow`: param index -> {step, kind: flat tensor}).
+
+        kinds_of[i]: the state keys parameter i has on its owners; model_dtype: moments in
+        the parameter's dtype (else fp32), as OffloadedOptimizer.export_state. Every rank ends up with
+        the whole state; one all-gather per parameter and kind, so at most one parameter's
+        state is in flight."""
+        n = len(self.params)
+        steps = torch.full((n,), -1.0)
+        for i, st in shadow.items():
+            steps[i] = float(st["step"])
+        if n:
+            self.coll.wait(self.coll.all_reduce(steps, torch.distributed.ReduceOp.MAX),
+                           "gathering the optimizer state")
+        out: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(self.params):
+            if steps[i] <= 0:
+                continue  # never stepped on any rank: torch keeps no state for it either
+            owners = self.owners(i)
+            width = max(pc.length for _, pc in owners)
+            st: dict[str, Any] = {"step": torch.tensor(float(steps[i]))}
+            for kind in kinds_of[i]:
+                mine = shadow.get(i, {}).get(kind)
+                dtype = p.dtype if model_dtype and kind != "master_param" else torch.float32
+                send = torch.zeros(width, dtype=dtype)
+                if mine is not None:
+                    send[: mine.numel()].copy_(mine.reshape(-1))
+                recv = torch.empty(width * self.coll.world, dtype=dtype)
+                self.coll.wait(self.coll.all_gather(recv, send), "gathering the optimizer state")
+                whole = torch.empty(p.numel(), dtype=dtype)
+                for r, pc in owners:
+                    whole[pc.start: pc.start + pc.length].copy_(recv[r * width: r * width +
+                                                                     pc.length])
+                st[kind] = whole.view(p.shape)
+            out[i] = st
+        return out
