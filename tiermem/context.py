@@ -189,15 +189,13 @@ def offload(optimizer: torch.optim.Optimizer,
     (docs/distributed.md).
     """
     settings = load_config(config)
-    # -- distributed (tiermem/distributed.py, issue #7) --
     from tiermem import distributed
-    if distributed.wanted(optimizer, process_group):
+    if distributed.wanted(optimizer, process_group):  # each rank tiers its share only
         with distributed.offload(optimizer, settings, model=model, name=name, resume=resume,
                                  process_group=process_group) as handle:
             yield handle
         return
     settings = distributed.rank_paths(settings, 0, 0)  # {rank} / {local_rank} in one process
-    # -- end distributed --
     handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name,
                                         resume=resume))
     with terminate_as_exception():
