@@ -115,6 +115,10 @@ class PipelineSettings:
                               lo=1, hi=4095, default=2)
     zigzag: bool = doc("Reverse the partition order every step so the partitions still in "
                        "buffers come first and need no read.", default=True)
+    overlap_backward: bool = doc(
+        "Start each partition's update during backward, as soon as its gradients are final "
+        "(docs/overlap.md); the order then follows the gradients and zigzag has no effect.",
+        default=False)
 
     def validate(self) -> None:
         if self.buffer_count < self.prefetch_depth + 1:

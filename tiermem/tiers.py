@@ -115,16 +115,19 @@ class TierManager:
     def step(self, stats: StepStats, active: Callable[[Partition], bool], init: Fn,
              compute: Fn) -> None:
         for p in self.parts:
-            if p.tier == "nvme" or not active(p):
-                continue
-            views = p.views(self.resident[p.id])
-            if p.id in self.fresh:
-                init(p, views)
-                self.fresh.discard(p.id)
-            compute(p, views)
-            stats.partitions[p.tier] = stats.partitions.get(p.tier, 0) + 1
+            if p.tier != "nvme" and active(p):
+                self.step_resident(p, stats, init, compute)
         if self.pipeline is not None:
             self.pipeline.run_step(stats, active, init, compute)
+
+    def step_resident(self, p: Partition, stats: StepStats, init: Fn, compute: Fn) -> None:
+        """Update one GPU- or host-tier partition in place."""
+        views = p.views(self.resident[p.id])
+        if p.id in self.fresh:
+            init(p, views)
+            self.fresh.discard(p.id)
+        compute(p, views)
+        stats.partitions[p.tier] = stats.partitions.get(p.tier, 0) + 1
 
     def with_record(self, part: Partition, fn: Callable[[Views, bool], None], *,
                     write: bool) -> None:
