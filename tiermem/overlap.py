@@ -107,10 +107,12 @@ class BackwardOverlap:
         if self._accumulating:  # set by the user's thread before it called backward
             return
         grad = param.grad
+        if grad is None:  # autograd sets it before this hook; never seen, never counted
+            return
         with self._lock:
             if self._error is not None or self._stopping:
                 return  # step() raises the error; nothing more starts
-            if grad is not None and grad.is_sparse:
+            if grad.is_sparse:
                 self._error = TierMemError("Adam does not support sparse gradients")
                 return
             if index in self._fired:
@@ -205,6 +207,8 @@ class BackwardOverlap:
         from tiermem.optim import _run_post_hooks, _run_pre_hooks
 
         off = self.off
+        t0 = time.monotonic()
+        self._queue.join()  # the worker is idle: the pipeline is this thread's now
         args, kwargs = _run_pre_hooks(off.opt, (closure,), {})
         if (args[0] if args else kwargs.get("closure")) is not None:
             raise TierMemError(
@@ -212,8 +216,6 @@ class BackwardOverlap:
                 "the update runs during backward, before the closure could compute the "
                 "gradients. Call backward yourself and step() without a closure, or set "
                 "pipeline.overlap_backward: false")
-        t0 = time.monotonic()
-        self._queue.join()  # the worker is idle: the pipeline is this thread's now
         try:
             with self._lock:
                 error = self._error
