@@ -105,7 +105,7 @@ class Loop:
 
     def config(self, overlap: bool) -> dict:
         a = self.args
-        return {"swap": {"paths": [a.swap_dir]},
+        return {"swap": {"paths": [a.swap_dir], "checksums": a.checksums == "on"},
                 "io": {"backend": a.backend, "queue_depth": a.queue_depth,
                        "block_size": a.block_size},
                 "tiers": {"host": {"capacity": 0}},
@@ -203,6 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--buffers", type=int, default=8)
     p.add_argument("--prefetch", type=int, default=3)
     p.add_argument("--kernel", default="fused", choices=["fused", "native", "match"])
+    p.add_argument("--checksums", choices=["on", "off"], default="on",
+                   help="swap.checksums (default on, as shipped)")
     p.add_argument("--trace", help="write a Perfetto trace of the overlapped iterations here")
     p.add_argument("--json", default=str(HERE / "results" / "train_loop.json"))
     return p.parse_args(argv)
@@ -256,7 +258,7 @@ def main(argv=None) -> int:
           f"{args.dim}, vocab {args.vocab}), state on NVMe: "
           f"{plan['state_bytes']['nvme'] / 1e9:.2f} GB in {plan['partitions']} partitions, "
           f"pinned {plan['pinned_bytes'] / 2**30:.2f} GiB, {args.backend}, kernel "
-          f"{args.kernel}, torch threads {torch.get_num_threads()}\n")
+          f"{args.kernel}, checksums {args.checksums}, torch threads {torch.get_num_threads()}\n")
     print(markdown_table(["what", "per iteration (median)", "detail"], rows))
     write_json(args.json, {"args": vars(args), "machine": machine_facts(),
                            "revision": git_revision(HERE.parent), "params": loop.n_params,
