@@ -120,6 +120,10 @@ class PipelineSettings:
                               lo=1, hi=4095, default=2)
     zigzag: bool = doc("Reverse the partition order every step so the partitions still in "
                        "buffers come first and need no read.", default=True)
+    overlap_backward: bool = doc(
+        "Start each partition's update during backward, as soon as its gradients are final "
+        "(docs/overlap.md); the order then follows the gradients and zigzag has no effect.",
+        default=False)
 
     def validate(self) -> None:
         if self.buffer_count < self.prefetch_depth + 1:
@@ -200,6 +204,12 @@ class Settings:
                                            default_factory=DistributedSettings)
 
     def validate(self) -> None:
+        if self.pipeline.overlap_backward and self.swap.durability == "crash_consistent":
+            # A step then runs partly in the worker during backward; its commit and its
+            # roll-back on failure are not wired to that path yet.
+            raise ConfigError(
+                "pipeline.overlap_backward", True,
+                "not supported with swap.durability: crash_consistent yet; turn one off")
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,
         # with one warning (tiermem.buffers), so the defaults work for any user.
         pinned = self.tiers.host.capacity + self.pipeline.buffer_count * self.pipeline.partition_size

@@ -10,6 +10,7 @@ removed before the state is safe elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -40,8 +41,18 @@ class Offload:
         copies and stalls per partition, for traces and plots."""
         self._off.record_events = on
 
+    def accumulating(self):
+        """`with tm.accumulating(): loss.backward()`: gradients accumulate, no update starts.
+
+        With pipeline.overlap_backward every other backward starts the step's update, so
+        wrap the backward of every micro-batch but the last in it (docs/overlap.md). Without
+        overlap it does nothing, so a loop may use it either way."""
+        overlap = self._off.overlap
+        return overlap.accumulating() if overlap is not None else contextlib.nullcontext()
+
     def events(self) -> list:
         """Timeline spans (telemetry.Event) of the steps recorded so far."""
+        self._wait_overlap()
         self._off.tiers.flush()  # the last step's write spans are known once they land
         return [e for s in self._off.history for e in (s.events or [])]
 
@@ -81,6 +92,7 @@ class Offload:
     def stats(self) -> list[dict[str, Any]]:
         """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap) of the
         last 1000 steps."""
+        self._wait_overlap()
         self._off.tiers.flush()  # completes the last step's writes and their timings
         return [s.as_dict() for s in self._off.history]
 
@@ -126,7 +138,25 @@ class Offload:
     def _state_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() * 2 for p in self._off.params)
 
+    def _wait_overlap(self) -> None:
+        if self._off.overlap is not None:
+            self._off.overlap.wait_idle()  # nothing may touch the tiers under its worker
+
     def _exit(self) -> None:
+        """Stop updates during backward before any state moves; an error the worker hit that
+        no step() raised is raised once the state is safe (or noted on the exit's own)."""
+        pending = self._off.end_overlap()
+        try:
+            self._exit_state()
+        except BaseException as exc:
+            if pending is not None:
+                exc.add_note(f"tiermem: an update run during backward had failed too: "
+                             f"{pending!r}")
+            raise
+        if pending is not None:
+            raise pending
+
+    def _exit_state(self) -> None:
         off = self._off
         if off.broken:
             # A failed step could not be rolled back: memory holds a half-applied step, the

@@ -412,6 +412,12 @@ def offload(optimizer: torch.optim.Optimizer, settings: Settings, *,
             model: torch.nn.Module | None, name: str, resume: bool,
             process_group: Any) -> Iterator[DistributedOffload]:
     """context.offload's distributed branch (same contract; see docs/distributed.md)."""
+    if settings.pipeline.overlap_backward:
+        # Each rank's share is updated through views that backward's hooks never see, and
+        # only after the gradients are reduce-scattered in step().
+        raise TierMemError("pipeline.overlap_backward is not supported under "
+                           "torch.distributed yet (process_group= or DTensor parameters); "
+                           "set it to false")
     handle = DistributedOffload(optimizer, settings, model=model, name=name, resume=resume,
                                 process_group=process_group)
     with terminate_as_exception():

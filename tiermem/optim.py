@@ -20,6 +20,7 @@ from tiermem.config import Settings
 from tiermem.errors import TierMemError
 from tiermem.kernels import adam_update, kernel_matching
 from tiermem.manifest import read_manifest
+from tiermem.overlap import BackwardOverlap
 from tiermem.partition import Partition, assign_tiers, build_partitions
 from tiermem.pipeline import Views
 from tiermem.telemetry import StepStats, timed
@@ -158,6 +159,15 @@ class OffloadedOptimizer:
             raise
         self._originals: dict[str, Any] = {}
         self._hook()
+        # Updates that start during backward (pipeline.overlap_backward; tiermem/overlap.py).
+        self.overlap: BackwardOverlap | None = None
+        if settings.pipeline.overlap_backward:
+            try:
+                self.overlap = BackwardOverlap(self, model)
+            except BaseException:
+                self.detach()
+                self.tiers.close(remove_swap=True)
+                raise
 
     # -- set-up ----------------------------------------------------------------
 
@@ -204,6 +214,7 @@ class OffloadedOptimizer:
 
     def detach(self) -> None:
         """Remove the hooks (state must have been exported or kept on disk first)."""
+        self.end_overlap()
         for name, orig in self._originals.items():
             if orig is None:
                 self.opt.__dict__.pop(name, None)
@@ -213,9 +224,17 @@ class OffloadedOptimizer:
 
     # -- the step --------------------------------------------------------------
 
+    def end_overlap(self) -> BaseException | None:
+        """Stop updating during backward (hooks off, worker done); return an error the worker
+        hit that no step() raised."""
+        overlap, self.overlap = self.overlap, None
+        return overlap.close() if overlap is not None else None
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if self.broken:
             raise TierMemError(self.broken)
+        if self.overlap is not None:
+            return self.overlap.step(closure)
         args, kwargs = _run_pre_hooks(self.opt, (closure,), {})
         closure = args[0] if args else kwargs.get("closure")
         loss = None
@@ -543,6 +562,8 @@ class OffloadedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state_dict, gathered from the tiers (fp32 moments)."""
+        if self.overlap is not None:
+            self.overlap.require_idle("optimizer.state_dict()")
         exported = self.export_state(model_dtype=False)
         saved = self.opt.state
         try:
@@ -553,6 +574,8 @@ class OffloadedOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format into the tiers without casting moments to the model dtype."""
+        if self.overlap is not None:
+            self.overlap.require_idle("optimizer.load_state_dict()")
         for part in self.parts:
             saved = state_dict["param_groups"][part.group] if part.group < len(
                 state_dict["param_groups"]) else {}
@@ -572,6 +595,8 @@ class OffloadedOptimizer:
             self._commit()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.overlap is not None:
+            self.overlap.require_idle("optimizer.add_param_group()")
         first_group = len(self.opt.param_groups)
         type(self.opt).add_param_group(self.opt, param_group)
         group = self.opt.param_groups[-1]
@@ -591,3 +616,5 @@ class OffloadedOptimizer:
         if self.crash:
             self._initialise(new)
             self._commit()
+        if self.overlap is not None:
+            self.overlap.add(new)

@@ -10,6 +10,9 @@ The order reverses every step (zig-zag), so the partitions still in buffers
 at the end of a step are the first of the next and are not read again. A
 buffer to refill is chosen by next use (Belady): the partition needed last.
 A partition never written yet is initialised in its buffer instead of read.
+With pipeline.overlap_backward the order is the one gradients complete in
+instead (`planned`, set by tiermem/overlap.py), fed partition by partition
+through compute_one.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class StepPipeline:
         # I/O and counts of the step being run, or run ahead into.
         self._ahead = StepStats()
         self._reqs: list[tuple[Request, int]] = []  # with the partition each moves
+        # Set by tiermem.overlap: the visiting order the gradients dictate, in place of
+        # the zig-zag one.
+        self.planned: list[Partition] | None = None
 
     def replace_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Stream through new buffers; call after flush() (nothing in flight, disk current)."""
@@ -76,6 +82,11 @@ class StepPipeline:
         self.fresh.update(p.id for p in parts)
 
     def order(self, step: int) -> list[Partition]:
+        if self.planned is not None:
+            # The order gradients became final last step (pipeline.overlap_backward);
+            # partitions not seen there yet come after, last parameter first.
+            seen = {p.id for p in self.planned}
+            return list(self.planned) + [p for p in reversed(self.parts) if p.id not in seen]
         return self.parts[::-1] if self.zigzag and step % 2 else list(self.parts)
 
     # -- the step --------------------------------------------------------------
@@ -84,27 +95,44 @@ class StepPipeline:
                  init: Callable[[Partition, Views], None],
                  compute: Callable[[Partition, Views], None]) -> None:
         order = [p for p in self.order(self.steps_done) if active(p)]
+        self.begin_step(stats)
+        for i, part in enumerate(order):
+            self.compute_one(part, order[i: i + self.k + 1], order, i, stats, init, compute)
+        self.end_step(stats)
+
+    def begin_step(self, stats: StepStats) -> None:
+        """Count in `stats` the reads run ahead of this step (issued as the last one ended)."""
         for tier, n in self._ahead.read_bytes.items():
             stats.add_bytes("read", tier, n)
         if stats.events is not None and self._ahead.events:
             stats.events.extend(self._ahead.events)
-        for i, part in enumerate(order):
-            window = order[i: i + self.k + 1]
-            for q in window:
-                self._load(q, window, order, i, stats)
-            slot = self.where[part.id]
-            with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
-                self._finish_read(slot)
-                self._settle_write(slot)  # a failure leaves it dirty: it is the latest copy
-            views = part.views(slot.buf)
-            if slot.needs_init:
-                init(part, views)
-                slot.needs_init = False
-            stats.reads_skipped += not slot.fetched
-            slot.fetched = False
-            compute(part, views)
-            self._issue_write(slot, stats)
-            stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
+
+    def compute_one(self, part: Partition, window: Sequence[Partition],
+                    order: Sequence[Partition], i: int, stats: StepStats,
+                    init: Callable[[Partition, Views], None],
+                    compute: Callable[[Partition, Views], None]) -> None:
+        """Update `part` (= order[i]) in its buffer and issue its write-back.
+
+        window: `part` and the partitions to read ahead of it; order[i:]: what this step
+        still visits, in that order (a buffer to reuse is chosen by it)."""
+        for q in window:
+            self._load(q, window, order, i, stats)
+        slot = self.where[part.id]
+        with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
+            self._finish_read(slot)
+            self._settle_write(slot)  # a failure leaves it dirty: it is the latest copy
+        views = part.views(slot.buf)
+        if slot.needs_init:
+            init(part, views)
+            slot.needs_init = False
+        stats.reads_skipped += not slot.fetched
+        slot.fetched = False
+        compute(part, views)
+        self._issue_write(slot, stats)
+        stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
+
+    def end_step(self, stats: StepStats) -> None:
+        """Close the step, run the next one's reads ahead, and raise a failed write-back."""
         errors, self._write_errors = self._write_errors, []
         self._finish_step(stats)
         if errors:

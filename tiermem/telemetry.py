@@ -42,6 +42,7 @@ class StepStats:
     io_seconds: float = 0.0  # wall time NVMe transfers of this step were in flight
     partitions: dict[str, int] = field(default_factory=dict)  # updated, per tier
     reads_skipped: int = 0  # NVMe partitions found still in a buffer
+    early_partitions: int = 0  # updated during backward, before step() (overlap_backward)
     events: list[Event] | None = None  # timeline spans, when recording was asked for
 
     @property

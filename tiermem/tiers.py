@@ -139,19 +139,23 @@ class TierManager:
     def step(self, stats: StepStats, active: Callable[[Partition], bool], init: Fn,
              compute: Fn) -> None:
         for p in self.parts:
-            if p.tier == "nvme" or not active(p):
-                continue
-            self._settle_resident(p.id)  # never change a record while it is being written
-            views = p.views(self.resident[p.id])
-            if p.id in self.fresh:
-                init(p, views)
-                self.fresh.discard(p.id)
-            compute(p, views)
-            if self.crash:
-                self._write_resident(p, stats)
-            stats.partitions[p.tier] = stats.partitions.get(p.tier, 0) + 1
+            if p.tier != "nvme" and active(p):
+                self.step_resident(p, stats, init, compute)
         if self.pipeline is not None:
             self.pipeline.run_step(stats, active, init, compute)
+
+    def step_resident(self, p: Partition, stats: StepStats, init: Fn, compute: Fn) -> None:
+        """Update one GPU- or host-tier partition in place (and write it through when
+        crash-consistent)."""
+        self._settle_resident(p.id)  # never change a record while it is being written
+        views = p.views(self.resident[p.id])
+        if p.id in self.fresh:
+            init(p, views)
+            self.fresh.discard(p.id)
+        compute(p, views)
+        if self.crash:
+            self._write_resident(p, stats)
+        stats.partitions[p.tier] = stats.partitions.get(p.tier, 0) + 1
 
     def is_fresh(self, part: Partition) -> bool:
         """True while `part`'s record was never initialised or written."""

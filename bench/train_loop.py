@@ -1,0 +1,285 @@
+"""A training iteration with the update overlapped with backward, against its floors.
+
+A transformer-like synthetic model (embedding, N blocks of attention and MLP
+Linear layers, an untied output head; CPU, fp32 or bf16) keeps all its
+optimizer state on NVMe. One process measures, in rounds so that a slow spell
+of the machine hits every variant alike, the per-iteration median of:
+
+- fwd+bwd alone (zero_grad, forward, backward: no update);
+- plain in-memory AdamW (fused=True): fwd+bwd+step;
+- the tiermem step alone, back to back with gradients in place: update + I/O;
+- tiermem without overlap: fwd+bwd+step;
+- tiermem with pipeline.overlap_backward: fwd+bwd+step, the update running
+  during backward.
+
+and reports overlap / max(fwd+bwd, update+I/O) against the goal 1.15. Size
+the model (--dim, --layers) and the batch (--batch, --seq) so that the two
+floors are comparable on your machine; --trace writes a Perfetto trace of the
+overlapped iterations (docs/tracing.md).
+
+Usage: python bench/train_loop.py [--dim 1024 --layers 8 --tokens 2x64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from _report import git_revision, machine_facts, markdown_table, write_json  # noqa: E402
+
+GOAL = 1.15
+
+
+def build_model(args: argparse.Namespace):
+    """Embedding -> `layers` pre-norm blocks (causal self-attention, 4x GELU MLP) -> head."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Block(nn.Module):
+        def __init__(self, d: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads
+                                                  ).transpose(1, 3).unbind(2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(args.vocab, args.dim)
+            self.blocks = nn.ModuleList(Block(args.dim, args.heads) for _ in range(args.layers))
+            self.ln = nn.LayerNorm(args.dim)
+            self.head = nn.Linear(args.dim, args.vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.emb(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+    torch.manual_seed(0)
+    model = Model()
+    return model.to(torch.bfloat16) if args.dtype == "bf16" else model
+
+
+class Loop:
+    """One model and a fixed batch; each variant is a fresh optimizer over it."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.args = args
+        self.model = build_model(args)
+        g = torch.Generator().manual_seed(1)
+        self.tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+    def fwd_bwd(self) -> None:
+        import torch.nn.functional as F
+
+        self.model.zero_grad(set_to_none=True)
+        x, y = self.tokens[:, :-1], self.tokens[:, 1:]
+        logits = self.model(x)
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+
+    def optimizer(self, **kw):
+        import torch
+
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.1, **kw)
+
+    def config(self, overlap: bool) -> dict:
+        a = self.args
+        return {"swap": {"paths": [a.swap_dir], "checksums": a.checksums == "on"},
+                "io": {"backend": a.backend, "queue_depth": a.queue_depth,
+                       "block_size": a.block_size},
+                "tiers": {"host": {"capacity": 0}},
+                "pipeline": {"partition_size": a.partition_size, "buffer_count": a.buffers,
+                             "prefetch_depth": a.prefetch, "overlap_backward": overlap},
+                "optimizer": {"kernel": a.kernel}}
+
+    # -- variants: each returns per-iteration seconds (warm-up dropped) ------------
+
+    def run_fwd_bwd(self, n: int) -> dict:
+        return _timed(n, self.args.warmup, self.fwd_bwd)
+
+    def run_plain(self, n: int) -> dict:
+        opt = self.optimizer(fused=True)
+
+        def it():
+            self.fwd_bwd()
+            opt.step()
+        out = _timed(n, self.args.warmup, it)
+        opt.state.clear()
+        return out
+
+    def run_tiermem(self, n: int, *, overlap: bool, step_only: bool = False,
+                    trace: str | None = None) -> dict:
+        import tiermem
+
+        opt = self.optimizer()
+        split = []  # (fwd+bwd, step) seconds of each iteration
+        with tiermem.offload(opt, self.config(overlap), model=self.model,
+                             name="bench-train-loop") as tm:
+            if trace:
+                tm.record_events()
+            if step_only:
+                self.fwd_bwd()  # gradients in place; the step alone, back to back
+                out = _timed(n, self.args.warmup, opt.step)
+            else:
+                def it():
+                    t0 = time.perf_counter()
+                    self.fwd_bwd()
+                    t1 = time.perf_counter()
+                    opt.step()
+                    split.append((t1 - t0, time.perf_counter() - t1))
+                out = _timed(n, self.args.warmup, it)
+            stats = tm.stats()[self.args.warmup:]
+            if trace:
+                from tiermem.trace import write_chrome_trace
+                write_chrome_trace(trace, tm.events())
+            plan = tm.plan()
+            tm.discard()
+        steady = split[self.args.warmup:]
+        out.update(
+            plan=plan,
+            read_bytes=statistics.median(sum(s["read_bytes"].values()) for s in stats),
+            write_bytes=statistics.median(sum(s["write_bytes"].values()) for s in stats),
+            update=statistics.median(s["update_seconds"] for s in stats),
+            stall=statistics.median(s["stall_seconds"] for s in stats),
+            io=statistics.median(s["io_seconds"] for s in stats),
+            early=statistics.median(s["early_partitions"] for s in stats),
+            partitions=plan["partitions"],
+            fwd_bwd_part=statistics.median(a for a, _ in steady) if steady else None,
+            step_part=statistics.median(b for _, b in steady) if steady else None)
+        return out
+
+
+def _timed(n: int, warmup: int, fn) -> dict:
+    times = []
+    for _ in range(warmup + n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": times[warmup:]}
+
+
+VARIANTS = ("fwd_bwd", "plain", "step_only", "no_overlap", "overlap")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--iters", type=int, default=4, help="timed iterations per variant and round")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="iterations dropped per variant and round (the first step only writes)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--swap-dir", default="/var/tmp/tiermem-train-loop")
+    p.add_argument("--backend", default="io_uring", choices=["io_uring", "threads"])
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--block-size", default="1MiB")
+    p.add_argument("--partition-size", default="32MiB")
+    p.add_argument("--buffers", type=int, default=8)
+    p.add_argument("--prefetch", type=int, default=3)
+    p.add_argument("--kernel", default="fused", choices=["fused", "native", "match"])
+    p.add_argument("--checksums", choices=["on", "off"], default="on",
+                   help="swap.checksums (default on, as shipped)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default, one per core)")
+    p.add_argument("--trace", help="write a Perfetto trace of the overlapped iterations here")
+    p.add_argument("--json", default=str(HERE / "results" / "train_loop.json"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    loop = Loop(args)
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for r in range(args.rounds):
+        runs["fwd_bwd"].append(loop.run_fwd_bwd(args.iters))
+        runs["plain"].append(loop.run_plain(args.iters))
+        runs["step_only"].append(loop.run_tiermem(args.iters, overlap=False, step_only=True))
+        runs["no_overlap"].append(loop.run_tiermem(args.iters, overlap=False))
+        last = r == args.rounds - 1
+        runs["overlap"].append(loop.run_tiermem(args.iters, overlap=True,
+                                                trace=args.trace if last else None))
+        print(f"round {r + 1} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
+            f"{v} {statistics.median(runs[v][-1]['seconds']):.3f} s" for v in VARIANTS),
+            flush=True)
+    med = {v: statistics.median(t for run in runs[v] for t in run["seconds"]) for v in VARIANTS}
+
+    def detail(v: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[v])
+
+    # The machine is shared: each round's ratio compares figures taken minutes apart at
+    # most; the headline is their median.
+    per_round = [statistics.median(runs["overlap"][r]["seconds"])
+                 / max(statistics.median(runs["fwd_bwd"][r]["seconds"]),
+                       statistics.median(runs["step_only"][r]["seconds"]))
+                 for r in range(args.rounds)]
+    ratio = statistics.median(per_round)
+    plan = runs["overlap"][-1]["plan"]
+    rows = [
+        ["fwd+bwd alone", f"{med['fwd_bwd']:.3f} s", f"{args.batch}x{args.seq} tokens"],
+        ["plain AdamW (fused, in memory)", f"{med['plain']:.3f} s", "fwd+bwd+step"],
+        ["tiermem step alone (update+I/O)", f"{med['step_only']:.3f} s",
+         f"read {detail('step_only', 'read_bytes') / 1e9:.2f} GB, write "
+         f"{detail('step_only', 'write_bytes') / 1e9:.2f} GB, update "
+         f"{detail('step_only', 'update'):.3f} s, stall {detail('step_only', 'stall'):.3f} s"],
+        ["tiermem, no overlap", f"{med['no_overlap']:.3f} s",
+         f"fwd+bwd {detail('no_overlap', 'fwd_bwd_part'):.3f} s + step "
+         f"{detail('no_overlap', 'step_part'):.3f} s"],
+        ["tiermem, overlap_backward", f"{med['overlap']:.3f} s",
+         f"fwd+bwd {detail('overlap', 'fwd_bwd_part'):.3f} s + rest of step "
+         f"{detail('overlap', 'step_part'):.3f} s; {detail('overlap', 'early'):.0f} of "
+         f"{plan['partitions']} partitions updated during backward"],
+        ["overlap / max(fwd+bwd, update+I/O)", f"{ratio:.3f}",
+         f"goal <= {GOAL}: " + ("met" if ratio <= GOAL else "NOT met")
+         + f"; median of the rounds' {', '.join(f'{x:.3f}' for x in per_round)}"],
+        ["overlap / no overlap", f"{med['overlap'] / med['no_overlap']:.3f}", ""],
+    ]
+    print(f"\n{loop.n_params / 1e6:.0f}M {args.dtype} parameters ({args.layers} blocks, d "
+          f"{args.dim}, vocab {args.vocab}), state on NVMe: "
+          f"{plan['state_bytes']['nvme'] / 1e9:.2f} GB in {plan['partitions']} partitions, "
+          f"pinned {plan['pinned_bytes'] / 2**30:.2f} GiB, {args.backend}, kernel "
+          f"{args.kernel}, checksums {args.checksums}, torch threads {torch.get_num_threads()}\n")
+    print(markdown_table(["what", "per iteration (median)", "detail"], rows))
+    write_json(args.json, {"args": vars(args), "machine": machine_facts(),
+                           "revision": git_revision(HERE.parent), "params": loop.n_params,
+                           "median_seconds": med, "ratio": ratio, "ratio_per_round": per_round,
+                           "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                           "goal": GOAL, "runs": runs})
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

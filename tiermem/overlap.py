@@ -1,0 +1,353 @@
+"""BackwardOverlap: each partition's update starts during backward (pipeline.overlap_backward).
+
+A post-accumulate-grad hook on every parameter says when backward has finished
+its gradient. A partition is ready once every parameter of its segments that
+requires grad has fired; it is queued to one worker thread, which runs the step's
+own per-partition path (wait for its read, update, issue its write-back) while
+backward goes on. The NVMe order is the order gradients completed in the step
+before, so the reads of the first partitions are issued as the previous step()
+ends, before backward starts, and each partition's read is issued while the
+ones before it are updated.
+
+optimizer.step() waits for the worker, raises the first error it hit, checks
+that no gradient changed after its hook fired, updates the partitions no hook
+made ready (parameters unused in this step, frozen ones) and closes the step. A
+backward inside `accumulating()` only accumulates. docs/overlap.md has the rules.
+
+Threads. Autograd's thread runs the hooks: they only mark and enqueue, under
+`_lock`. Everything else (the pipeline, the tiers, the round's bookkeeping, the
+step counts) belongs to the worker while it holds a queued partition, and to the
+user's thread once `_queue.join()` returned; between the end of one backward and
+the next nothing is queued, so the two never run it at the same time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import torch
+
+from tiermem.errors import TierMemError, TierMemWarning
+from tiermem.partition import Partition
+from tiermem.telemetry import Event, StepStats
+
+if TYPE_CHECKING:
+    from tiermem.optim import OffloadedOptimizer
+
+_STOP = None  # queued by close(): the worker returns
+
+
+class BackwardOverlap:
+    """Hooks, the worker thread, and the bookkeeping of the step being run ahead."""
+
+    def __init__(self, off: "OffloadedOptimizer", model: torch.nn.Module | None) -> None:
+        self.off = off
+        self._handles: list[Any] = []
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(self._forward_check))
+        self._hooked: set[int] = set()  # parameter indices with a hook
+        self._accumulating = 0  # depth of accumulating() blocks
+        self._stopping = False
+        # Guards what the hooks write (_fired, _remaining, _error): hooks may run on an
+        # autograd thread while the worker reads _error; held only for dict updates.
+        self._lock = threading.Lock()
+        # Ready partitions, autograd thread -> worker. Queue's own lock makes put/get
+        # safe; join() (every item task_done) is how the user's thread takes the
+        # pipeline back, and it orders the worker's writes before what step() reads.
+        self._queue: queue.Queue[Partition | None] = queue.Queue()
+        self._reset_round()
+        self.add(off.parts)
+        self._worker = threading.Thread(target=self._run, name="tiermem-overlap", daemon=True)
+        self._worker.start()
+
+    # -- set-up ----------------------------------------------------------------
+
+    def add(self, parts: Sequence[Partition]) -> None:
+        """Hook the parameters of new partitions (called between steps)."""
+        for part in parts:
+            for s in part.segments:
+                if s.index not in self._hooked and s.param.requires_grad:
+                    self._handles.append(
+                        s.param.register_post_accumulate_grad_hook(self._hook_for(s.index)))
+                    self._hooked.add(s.index)
+        self._reset_round()
+        pipeline = self.off.tiers.pipeline
+        if pipeline is not None and pipeline.planned is None:
+            # Before any step is seen, guess backward's order: last parameter first. The
+            # reads run ahead at start-up followed the zig-zag order; redo them.
+            pipeline.planned = [p for p in reversed(pipeline.parts)]
+            pipeline.run_ahead()
+
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def grad_final(param: torch.Tensor) -> None:
+            self._grad_final(index, param)
+        return grad_final
+
+    def _forward_check(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward of the model while backward's updates run would read weights being
+        written (the next micro-batch's, outside tm.accumulating()): refuse it."""
+        with self._lock:
+            started = bool(self._fired)
+        if started:
+            raise TierMemError(
+                "the model's forward ran between a backward and optimizer.step(): with "
+                "pipeline.overlap_backward: true that backward started updating the weights. "
+                "Call optimizer.step() first, or, accumulating gradients, run the backward of "
+                "every micro-batch but the last inside `with tm.accumulating():`")
+
+    # -- autograd's thread -----------------------------------------------------
+
+    def _grad_final(self, index: int, param: torch.Tensor) -> None:
+        """param's gradient is final for this backward: mark it, queue what became ready."""
+        if self._accumulating:  # set by the user's thread before it called backward
+            return
+        grad = param.grad
+        if grad is None:  # autograd sets it before this hook; never seen, never counted
+            return
+        with self._lock:
+            if self._error is not None or self._stopping:
+                return  # step() raises the error; nothing more starts
+            if grad.is_sparse:
+                self._error = TierMemError("Adam does not support sparse gradients")
+                return
+            if index in self._fired:
+                self._error = TierMemError(
+                    f"{self._name(index)} received a second gradient before "
+                    "optimizer.step(): with pipeline.overlap_backward: true every backward "
+                    "outside tm.accumulating() starts the update, so wrap the backward of all "
+                    "micro-batches but the last in `with tm.accumulating():`")
+                return
+            self._fired[index] = (grad, grad._version)
+            for part in self._parts_of.get(index, ()):
+                self._remaining[part.id] -= 1
+                if self._remaining[part.id] == 0:
+                    self._queue.put(part)
+
+    # -- the worker ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            part = self._queue.get()
+            try:
+                if part is _STOP:
+                    return
+                if self._stopping or self._failed():
+                    continue  # step() raises the first error; later partitions wait for it
+                with torch.no_grad():  # grad mode is per thread
+                    stats = self._process(part, self._upcoming())
+                stats.early_partitions += 1
+            except BaseException as exc:  # handed to step() (or the exit), never lost
+                with self._lock:
+                    if self._error is None:
+                        self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _failed(self) -> bool:
+        with self._lock:
+            return self._error is not None
+
+    def _upcoming(self) -> list[Partition]:
+        """NVMe partitions expected next: the planned order less those done this step."""
+        pipeline = self.off.tiers.pipeline
+        if pipeline is None:
+            return []
+        return [p for p in pipeline.order(pipeline.steps_done) if p.id not in self._done_ids]
+
+    # -- one partition (the worker's or the user's thread) ------------------------
+
+    def _process(self, part: Partition, upcoming: Sequence[Partition]) -> StepStats:
+        """Update one partition the way the step would; `upcoming`: NVMe partitions likely
+        next, in order, read ahead of this one."""
+        off = self.off
+        stats = self._round_stats()
+        for s in part.segments:
+            # Several segments (partitions) of one parameter share its count: once a step.
+            if s.index not in self._stepped and s.param.grad is not None:
+                off.steps[s.index] += 1
+                self._stepped.add(s.index)
+
+        def compute(p: Partition, views: dict) -> None:
+            off._update(p, views, stats)
+
+        if part.tier == "nvme":
+            pipeline = off.tiers.pipeline
+            rest = [p for p in upcoming if p.id != part.id]
+            order = self._done_nvme + [part] + rest
+            i = len(self._done_nvme)
+            pipeline.compute_one(part, order[i: i + pipeline.k + 1], order, i, stats,
+                                 off._init_record, compute)
+            self._done_nvme.append(part)
+        else:
+            off.tiers.step_resident(part, stats, off._init_record, compute)
+        self._done_ids.add(part.id)
+        return stats
+
+    def _round_stats(self) -> StepStats:
+        """This step's StepStats, made when its first partition is updated."""
+        if self._stats is None:
+            off = self.off
+            off._check_groups()
+            stats = StepStats(step=off.steps_taken + 1,
+                              events=[] if off.record_events else None)
+            if off.tiers.pipeline is not None:
+                off.tiers.pipeline.begin_step(stats)
+            self._stats = stats
+        return self._stats
+
+    # -- optimizer.step() --------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None) -> None:
+        """The rest of the step, in the caller's thread, once the worker is idle."""
+        from tiermem.optim import _run_post_hooks, _run_pre_hooks
+
+        off = self.off
+        t0 = time.monotonic()
+        self._queue.join()  # the worker is idle: the pipeline is this thread's now
+        args, kwargs = _run_pre_hooks(off.opt, (closure,), {})
+        if (args[0] if args else kwargs.get("closure")) is not None:
+            raise TierMemError(
+                "optimizer.step(closure) cannot run with pipeline.overlap_backward: true: "
+                "the update runs during backward, before the closure could compute the "
+                "gradients. Call backward yourself and step() without a closure, or set "
+                "pipeline.overlap_backward: false")
+        try:
+            with self._lock:
+                error = self._error
+            if error is not None:
+                raise error
+            self._check_grads_unchanged()
+            for p in off.params:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise TierMemError("Adam does not support sparse gradients")
+            with torch.no_grad():
+                stats = self._round_stats()
+                rest = self._rest()
+                nvme = [p for p in rest if p.tier == "nvme"]
+                for part in rest:
+                    self._process(part, nvme[nvme.index(part):] if part in nvme else nvme)
+                self._close_round(stats)
+        finally:
+            self._reset_round()
+        # What timed() does, from before the wait for the worker.
+        t1 = time.monotonic()
+        stats.step_seconds += t1 - t0
+        if stats.events is not None:
+            stats.events.append(Event("step", "step", t0, t1, stats.step))
+        off.history.append(stats)
+        off.steps_taken += 1
+        off.opt._opt_called = True  # what torch's lr schedulers check for
+        _run_post_hooks(off.opt, args, kwargs)
+
+    def _rest(self) -> list[Partition]:
+        """Partitions with a gradient that no hook made ready: resident ones, then NVMe ones
+        in the planned order."""
+        pipeline = self.off.tiers.pipeline
+        nvme = pipeline.order(pipeline.steps_done) if pipeline is not None else []
+        resident = [p for p in self.off.parts if p.tier != "nvme"]
+        return [p for p in resident + nvme if p.id not in self._done_ids
+                and any(s.param.grad is not None for s in p.segments)]
+
+    def _check_grads_unchanged(self) -> None:
+        """A gradient edited after its hook fired (clip_grad_norm_, GradScaler.unscale_, a
+        pre-hook) would make this step mix edited and unedited gradients: refuse it."""
+        for index, (grad, version) in self._fired.items():
+            p = self.off.params[index]
+            if p.grad is not grad or grad._version != version:
+                raise TierMemError(
+                    f"the gradient of {self._name(index)} changed between backward and "
+                    "optimizer.step() (gradient clipping, GradScaler.unscale_, zero_grad or "
+                    "another edit): with pipeline.overlap_backward: true updates start during "
+                    "backward with the gradients as backward leaves them, so parts of this step "
+                    "already used the unedited ones. Set pipeline.overlap_backward: false to "
+                    "edit gradients before the step")
+
+    def _close_round(self, stats: StepStats) -> None:
+        pipeline = self.off.tiers.pipeline
+        if pipeline is None:
+            return
+        # The next step is predicted to follow this one's gradient order.
+        done = {p.id for p in self._done_nvme}
+        pipeline.planned = self._done_nvme + [p for p in pipeline.order(pipeline.steps_done)
+                                              if p.id not in done]
+        pipeline.end_step(stats)  # runs the next step's first reads ahead
+
+    def _reset_round(self) -> None:
+        """Forget the step just closed; count afresh what each partition waits for."""
+        parts_of: dict[int, list[Partition]] = {}
+        remaining: dict[int, int] = {}
+        for part in self.off.parts:
+            need = {s.index for s in part.segments
+                    if s.index in self._hooked and s.param.requires_grad}
+            if not need:
+                continue  # nothing tells when it is ready: step() updates it
+            remaining[part.id] = len(need)
+            for index in need:
+                parts_of.setdefault(index, []).append(part)
+        with self._lock:
+            self._fired: dict[int, tuple[torch.Tensor, int]] = {}
+            self._remaining = remaining
+            self._parts_of = parts_of
+            self._error: BaseException | None = None
+        self._done_ids: set[int] = set()
+        self._done_nvme: list[Partition] = []
+        self._stepped: set[int] = set()
+        self._stats: StepStats | None = None
+
+    # -- the user's thread, between steps ----------------------------------------
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward inside this block only accumulates gradients; no update starts."""
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
+    def wait_idle(self) -> None:
+        """Wait for the worker (stats, events: they read what it writes)."""
+        self._queue.join()
+
+    def require_idle(self, what: str) -> None:
+        """Wait for the worker; refuse `what` while a step is half done by it."""
+        self._queue.join()
+        if self._done_ids:
+            raise TierMemError(
+                f"{what} was called between backward and optimizer.step(): with "
+                "pipeline.overlap_backward: true backward already updated part of this step; "
+                "call it after optimizer.step()")
+
+    def close(self) -> BaseException | None:
+        """Remove the hooks and stop the worker once it is done; return the error it hit
+        that no step() raised, if any. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._hooked.clear()
+        if self._worker.is_alive():
+            with self._lock:
+                self._stopping = True  # what is still queued is not started
+            self._queue.put(_STOP)
+            self._worker.join()
+        if self._done_ids:
+            warnings.warn(
+                f"tiermem: backward updated {len(self._done_ids)} of {len(self.off.parts)} "
+                "partitions (pipeline.overlap_backward) but optimizer.step() was not called "
+                "before the block ended: the state holds that part of a step",
+                TierMemWarning, stacklevel=4)
+        with self._lock:
+            error = self._error
+        self._reset_round()
+        return error
+
+    def _name(self, index: int) -> str:
+        p = self.off.params[index]
+        name = self.off.names.get(id(p))
+        return f"parameter {name!r}" if name else (
+            f"parameter {index} (shape {tuple(p.shape)})")
