@@ -87,10 +87,12 @@ def main(argv=None) -> int:
     p.add_argument("--fault-every", type=int, default=50,
                    help="every N-th transfer fails once (0: none)")
     p.add_argument("--backend", default="io_uring", choices=["io_uring", "threads"])
+    p.add_argument("--durability", default="scratch", choices=["scratch", "crash_consistent"],
+                   help="crash_consistent also commits a manifest after every step")
     p.add_argument("--json", default=str(HERE / "results" / "soak.json"))
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tiermem-soak-") as swap:
-        cfg = {"swap": {"paths": [swap]}, "io": {"backend": a.backend, "retries": 2},
+        cfg = {"swap": {"paths": [swap], "durability": a.durability}, "io": {"backend": a.backend, "retries": 2},
                "tiers": {"host": {"capacity": "256KiB"}},  # mixed: some host, most NVMe
                "placement": [{"match": "0.*", "tier": "nvme"}],
                "pipeline": {"partition_size": "64KiB", "buffer_count": 4, "prefetch_depth": 2},
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
              ["faults survived", "", survived, ""],
              ["bitwise equal to plain AdamW", "", equal, ""]]
     print(f"{a.steps} steps in {seconds:.1f} s, {plan['partitions']} partitions "
-          f"({plan['state_bytes']}), backend {a.backend}\n")
+          f"({plan['state_bytes']}), backend {a.backend}, durability {a.durability}\n")
     print(markdown_table(["what", "start", "end", "growth"], rows))
     write_json(a.json, {"args": vars(a), "start": start, "end": end, "seconds": seconds,
                         "plan": plan, "faults_injected": injected,

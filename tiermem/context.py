@@ -64,8 +64,7 @@ class Offload:
     @property
     def faults_survived(self) -> int:
         """NVMe transfers that failed and succeeded when reissued (io.retries)."""
-        pipeline = self._off.tiers.pipeline
-        return pipeline.faults_survived if pipeline else 0
+        return self._off.tiers.faults_survived
 
     @property
     def resumed_step(self) -> int | None:

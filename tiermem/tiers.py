@@ -47,6 +47,7 @@ class TierManager:
         # resident records changed outside a step that still need writing.
         self._resident_writes: dict[int, Request] = {}
         self._unwritten: set[int] = set()
+        self.resident_faults_survived = 0  # write-throughs that succeeded when reissued
         self.parts: list[Partition] = []
         self.resident: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()
@@ -123,6 +124,12 @@ class TierManager:
             self.pipeline.replace_buffers(self.pool.buffers)
         self.pipeline.add_partitions(nvme)
 
+    @property
+    def faults_survived(self) -> int:
+        """NVMe transfers that failed and succeeded when reissued (io.retries)."""
+        pipeline = self.pipeline.faults_survived if self.pipeline is not None else 0
+        return pipeline + self.resident_faults_survived
+
     def tier_bytes(self) -> dict[str, int]:
         out = {"gpu": 0, "host": 0, "nvme": 0}
         for p in self.parts:
@@ -193,6 +200,7 @@ class TierManager:
         for attempt in range(self.settings.io.retries + 1):
             try:
                 req.wait()
+                self.resident_faults_survived += attempt
                 return
             except TierMemIOError:
                 if attempt == self.settings.io.retries:
