@@ -9,6 +9,7 @@ checkpoint that the 3-rank group and this process (1 rank) load.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from offload_helpers import available_backends, compare_state_dicts, config
 URING = "io_uring" in available_backends()
 TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "ddp-allreduced", "state-dict",
        "placeholders", "dcp-save", "fsdp2", "rank-raises"]  # rank-raises breaks the group: last
-THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load"]
+THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load",
+         "rank-dies"]  # rank-dies kills rank 2: last
 
 
 def _runnable(names: list[str]) -> list[str]:
@@ -53,7 +55,9 @@ def _outcome(results: dict, name: str) -> None:
     if "io_uring" in name and not URING:
         pytest.skip("io_uring is unavailable here")
     for rank, (status, value) in sorted(results.items()):
-        if status != "ok":
+        if status == "lost" and name in value["scenarios"]:
+            value = value["scenarios"]  # it died later, in a scenario that kills it
+        elif status != "ok":
             pytest.fail(f"rank {rank} {status}: {value}")
         if value[name] != "ok":
             pytest.fail(f"rank {rank}:\n{value[name]}")
@@ -64,9 +68,23 @@ def test_two_ranks(two, name):
     _outcome(two, name)
 
 
-@pytest.mark.parametrize("name", THREE)
+@pytest.mark.parametrize("name", THREE[:-1])
 def test_three_ranks(three, name):
     _outcome(three, name)
+
+
+def test_killed_rank_is_named_by_the_others(three):
+    """rank-dies: rank 2 is SIGKILLed in a step; ranks 0 and 1 name it and keep their shares
+    (the scenario checks both), and the harness reports rank 2 lost, not hung."""
+    status, value = three[2]
+    assert status == "lost" and value["exitcode"] == -signal.SIGKILL, three[2]
+    assert "rank-dies" not in value["scenarios"]
+    assert value["scenarios"].keys() == set(THREE[:-1])
+    for rank in (0, 1):
+        status, value = three[rank]
+        assert status == "ok", three[rank]
+        if value["rank-dies"] != "ok":
+            pytest.fail(f"rank {rank}:\n{value['rank-dies']}")
 
 
 def test_dcp_checkpoint_of_two_ranks_loads_in_one_process(two, base, tmp_path):

@@ -100,6 +100,15 @@ class DistributedOffload(Offload):
         self.opt = opt
         d = settings.distributed
         self.coll = Collectives(process_group, d.timeout, name)
+        try:
+            self._set_up(opt, settings, model, name, resume)
+        except BaseException:
+            self.coll.close()  # this offload is over: stop its heartbeat
+            raise
+
+    def _set_up(self, opt: torch.optim.Optimizer, settings: Settings, model: Any, name: str,
+                resume: bool) -> None:
+        d = settings.distributed
         fsdp = any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
         self.layout = (FsdpLayout(opt, self.coll) if fsdp
                        else ZeroLayout(opt, self.coll, d.grads, d.bucket_size))
@@ -445,10 +454,16 @@ def offload(optimizer: torch.optim.Optimizer, settings: Settings, *,
             yield handle
         except BaseException as exc:
             with held():
-                handle._exit_on_error(exc)
+                try:
+                    handle._exit_on_error(exc)
+                finally:
+                    handle.coll.close()
             if isinstance(exc, KeyboardInterrupt):
                 print(f"tiermem: interrupted; {handle.where_state_is()}", file=sys.stderr)
             raise
         else:
             with held():
-                handle._exit()
+                try:
+                    handle._exit()
+                finally:
+                    handle.coll.close()
