@@ -231,7 +231,7 @@ class DistributedOffload(Offload):
     @staticmethod
     def _fresh_comm() -> dict[str, float]:
         return {"comm_seconds": 0.0, "comm_wait_seconds": 0.0, "comm_bytes": 0,
-                "windows_early": 0}
+                "weights_seconds": 0.0, "weights_wait_seconds": 0.0, "windows_early": 0}
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         opt = self.opt
@@ -357,8 +357,9 @@ class DistributedOffload(Offload):
     def stats(self) -> list[dict[str, Any]]:
         """Per step as in one process, plus communication: comm_seconds (packing and
         collectives of the gradients in and weights out), comm_wait_seconds (blocked on
-        them), comm_bytes (sent and received by this rank, padding included), windows_early
-        (weight windows launched while the update still ran)."""
+        them), comm_bytes (sent and received by this rank, padding included); of these
+        seconds, weights_seconds and weights_wait_seconds were the weight all-gather's;
+        windows_early: weight windows launched while the update still ran."""
         out = super().stats()
         for d in out:
             d.update(self.comm.get(d["step"], self._fresh_comm()))

@@ -4,7 +4,10 @@ A window (share offsets [a, b) of one param group, the same offsets on every ran
 can be gathered as soon as this rank's partitions covering it are updated: the step
 loop calls `updated(part)` after each partition (OffloadedOptimizer.after_update),
 and the windows whose partitions are all done are packed and launched, so the
-collective runs while later partitions are read, updated and written back.
+collective runs while later partitions are read, updated and written back. The
+update never blocks on a collective: a window whose turn came while all SLOTS are
+in flight is launched at a later partition, once a slot's collective completed, or
+by `finish()`, which also waits for the rest.
 
 Every rank must issue the same collectives in the same order, whatever order its
 own partitions finish in, so windows are launched strictly in a fixed order: share
@@ -18,7 +21,8 @@ leave this rank's share half stepped. The error is kept, nothing more is issued,
 `finish()` raises it once the update is complete.
 
 stats: comm_seconds (packing, launching, unpacking and waiting), comm_wait_seconds
-(blocked on a collective), comm_bytes, windows_early (windows launched while the
+(blocked on a collective), comm_bytes, and this direction's own part of the first two,
+weights_seconds and weights_wait_seconds; windows_early (windows launched while the
 update still ran).
 """
 
@@ -63,15 +67,20 @@ class WeightGather:
         try:
             for w in self.covers.get(part.id, ()):
                 self.pending[w] -= 1
-            before = self.launched
-            self._launch_ready()
-            self.stats["windows_early"] += self.launched - before
-            # Unpack what has already arrived without blocking the update.
+            # Never block the update here: unpack what has arrived, launch what fits in the
+            # free slots; a ready window waits for a slot until the next partition or finish().
             while self.inflight and self.inflight[0][0].is_completed():
                 self._unpack(*self.inflight.popleft())
+            before = self.launched
+            self._launch_ready(block=False)
+            self.stats["windows_early"] += self.launched - before
         except Exception as exc:  # kept for finish(): the update must run to its end
             self.error = exc
-        self.stats["comm_seconds"] += time.monotonic() - t0
+        self._spent("seconds", time.monotonic() - t0)
+
+    def _spent(self, what: str, seconds: float) -> None:
+        self.stats["comm_" + what] += seconds
+        self.stats["weights_" + what] += seconds
 
     def finish(self) -> None:
         """Launch what is left, unpack everything; raise a failure kept from the step."""
@@ -86,12 +95,14 @@ class WeightGather:
                 while self.inflight:
                     self._unpack(*self.inflight.popleft())
         finally:
-            self.stats["comm_seconds"] += time.monotonic() - t0
+            self._spent("seconds", time.monotonic() - t0)
         if self.error is not None:
             raise self.error
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, block: bool = True) -> None:
         while self.next < len(self.order) and not self.pending[self.order[self.next]]:
+            if not block and len(self.inflight) == SLOTS:
+                return
             self._launch(self.order[self.next])
             self.next += 1
 
@@ -118,7 +129,7 @@ class WeightGather:
         lay = self.lay
         t0 = time.monotonic()
         lay.coll.wait(work, "the weight all-gather")
-        self.stats["comm_wait_seconds"] += time.monotonic() - t0
+        self._spent("wait_seconds", time.monotonic() - t0)
         g, a, b = lay.windows[w]
         n = b - a
         for r in range(lay.coll.world):
