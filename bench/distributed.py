@@ -8,7 +8,9 @@ default `distributed.grads`); updated weights are all-gathered. Per world size:
 
 - step time (median of the steps after the first, the slowest rank);
 - NVMe GB/s per rank and in total (bytes read + written per step / step time);
-- communication time (packing + collectives, per rank) and the part spent waiting;
+- communication time (packing + collectives, per rank) and the part spent waiting
+  (exposed), in total and for the weight all-gather alone, and how many weight windows
+  were launched while the update still ran;
 - stall on NVMe reads;
 - step(2 ranks) / step(1 rank), from the same run.
 
@@ -99,7 +101,7 @@ def summarise(ranks: list[dict]) -> dict:
     wall = statistics.median(max(r["walls"][i] for r in ranks) for i in keep)
 
     def med(r, key):
-        return statistics.median(r["stats"][i][key] for i in keep)
+        return statistics.median(r["stats"][i].get(key, 0.0) for i in keep)
 
     per_rank = []
     for r in ranks:
@@ -108,6 +110,9 @@ def summarise(ranks: list[dict]) -> dict:
         per_rank.append({"bytes": moved, "gbps": moved / wall / 1e9,
                          "comm": med(r, "comm_seconds"), "comm_wait": med(r, "comm_wait_seconds"),
                          "comm_bytes": med(r, "comm_bytes"), "stall": med(r, "stall_seconds"),
+                         "weights": med(r, "weights_seconds"),
+                         "weights_wait": med(r, "weights_wait_seconds"),
+                         "windows_early": med(r, "windows_early"),
                          "update": med(r, "update_seconds"),
                          "state_bytes": r["plan"]["state_bytes"]["nvme"]})
     return {"step": wall, "ranks": per_rank,
@@ -144,12 +149,15 @@ def main(argv=None) -> int:
             rows.append([world, r, f"{res['step']:.2f}", f"{pr['state_bytes'] / 1e9:.2f}",
                          f"{pr['gbps']:.2f}", f"{res['total_gbps']:.2f}",
                          f"{pr['comm']:.2f}", f"{pr['comm_wait']:.2f}",
+                         f"{pr['weights']:.2f}", f"{pr['weights_wait']:.2f}",
+                         f"{pr['windows_early']:.0f}",
                          f"{pr['comm_bytes'] / 1e9:.2f}", f"{pr['stall']:.2f}",
                          f"{pr['update']:.2f}"])
     print(f"\n{args.params_text} fp32 parameters, all state on NVMe, one disk shared by the "
           f"ranks, {args.backend}, partitions {args.partition_size}\n")
     print(markdown_table(["ranks", "rank", "step s", "state GB", "NVMe GB/s (rank)",
-                          "NVMe GB/s (total)", "comm s", "comm wait s", "comm GB",
+                          "NVMe GB/s (total)", "comm s", "comm wait s", "weights s",
+                          "weights wait s", "windows early", "comm GB",
                           "stall s", "update s"], rows))
     ratio = two["step"] / one["step"]
     # One NVMe drive per rank: each rank moves its half of the bytes at the bandwidth one

@@ -1,14 +1,17 @@
 """Run a function in `world` spawned processes joined by a gloo process group, with deadlines.
 
 Spawning costs seconds per process (importing torch), so a test module starts one
-group and runs all its scenarios in it (`run_scenarios`), each rank reporting, per
+group and runs all its scenarios in it (`scenario_results`), each rank reporting, per
 scenario, "ok" or the traceback. A rank that hangs is killed at the deadline; its
-scenarios report that instead of hanging the suite.
+scenarios report that instead of hanging the suite. A rank that dies (a scenario kills
+it on purpose) reports through a file what it finished before: every scenario's
+outcome is written there as soon as it is known, since a killed process sends nothing.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import queue
 import tempfile
@@ -19,12 +22,15 @@ from typing import Any
 import torch.multiprocessing as mp
 
 PG_TIMEOUT = 60  # seconds; gloo's own bound on any collective the tests issue directly
+_partial: str | None = None  # this rank's file of scenario outcomes so far
 
 
-def _entry(rank: int, world: int, init: str, module: str, fn: str, args: tuple,
+def _entry(rank: int, world: int, init: str, partial: str, module: str, fn: str, args: tuple,
            results: Any) -> None:
     import torch.distributed as dist
 
+    global _partial
+    _partial = partial
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=PG_TIMEOUT))
@@ -43,12 +49,14 @@ def _entry(rank: int, world: int, init: str, module: str, fn: str, args: tuple,
 def launch(world: int, module: str, fn: str, *args: Any, deadline: float = 300
            ) -> dict[int, tuple[str, Any]]:
     """fn(rank, world, *args) on every rank; {rank: ("ok", result) | ("error", traceback) |
-    ("lost", why)}."""
+    ("lost", {"why", "exitcode", "scenarios": outcomes it finished before})}."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(r, world, init, module, fn, args, results))
+        partial = [os.path.join(tmp, f"partial{r}.json") for r in range(world)]
+        procs = [ctx.Process(target=_entry,
+                             args=(r, world, init, partial[r], module, fn, args, results))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -69,7 +77,12 @@ def launch(world: int, module: str, fn: str, *args: Any, deadline: float = 300
                 p.kill()
                 p.join()
             if r not in out:
-                out[r] = ("lost", f"rank {r} reported nothing (exit code {p.exitcode})")
+                done = {}
+                if os.path.exists(partial[r]):
+                    with open(partial[r]) as f:
+                        done = json.load(f)
+                out[r] = ("lost", {"why": f"rank {r} reported nothing (exit code {p.exitcode})",
+                                   "exitcode": p.exitcode, "scenarios": done})
     return out
 
 
@@ -82,4 +95,8 @@ def scenario_results(rank: int, scenarios: dict[str, Any], *args: Any) -> dict[s
             out[name] = "ok"
         except BaseException:
             out[name] = traceback.format_exc()
+        if _partial is not None:  # replaced whole, so a rank killed now leaves a valid file
+            with open(_partial + ".tmp", "w") as f:
+                json.dump(out, f)
+            os.replace(_partial + ".tmp", _partial)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 import tiermem
 from tiermem.collectives import PeerError
+from tiermem.manifest import read_manifest
 
 from offload_helpers import (Synthetic, assert_close_tensor, assert_same_tensor,
                              compare_runs, config, loss_of, make_batches, side_used)
@@ -99,6 +101,9 @@ def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="re
     assert len(stats) == STEPS
     if grads == "reduce_scatter":
         assert all(s["comm_bytes"] > 0 for s in stats)
+    # The weight all-gather starts during the update: with several partitions and windows
+    # per share, some window is launched before the last partition is updated.
+    assert all(s["windows_early"] > 0 for s in stats), [s["windows_early"] for s in stats]
     # At exit every rank holds the whole state again, as the plain optimizer does.
     compare_runs(model, opt, ref_model, ref_opt, exact=check is assert_same_tensor)
 
@@ -272,6 +277,43 @@ def rank_raises(rank: int, world: int, tmp: str) -> None:
     raise AssertionError(f"rank {rank}: no error")
 
 
+def rank_dies(rank: int, world: int, tmp: str) -> None:
+    """The last rank is killed (SIGKILL: no word to anyone) in its second step, after it
+    updated its first partition. The others finish updating their shares, get a PeerError
+    naming it (its heartbeat stopped), and keep their shares on disk at step 2, the step
+    they completed, with a manifest (the state is recoverable, not handed back)."""
+    model, opt, *_ = pair()
+    batches = make_batches(model, 2, seed=10 + rank)
+    tm = None
+    try:
+        with tiermem.offload(opt, small_cfg(tmp, timeout=2), name="dies") as tm:
+            if rank == world - 1:
+                update = tm._off._update
+
+                def update_then_die(part, views, stats):
+                    update(part, views, stats)
+                    if tm._off.steps_taken == 1:  # inside step 2
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                tm._off._update = update_then_die
+            for i, micro in enumerate(batches):
+                local_backward(model, micro, i, rank)
+                opt.step()
+                opt.zero_grad()
+    except PeerError as exc:
+        assert rank != world - 1
+        assert f"rank {world - 1} died or froze (its heartbeat stopped" in str(exc), exc
+        assert f"rank {world - 1} died or froze (its heartbeat stopped; it beats every " \
+               f"0.2 s) at step 2" in str(exc), exc
+        assert tm is not None and tm.kept_on_disk, "the share was not kept on disk"
+        kept = read_manifest(tm.kept_on_disk, None)
+        assert kept.step == 2, kept.step
+        assert kept.files and all(os.path.exists(os.path.join(tm.kept_on_disk, f))
+                                  for f in kept.files), kept.files
+        return
+    raise AssertionError(f"rank {rank}: no error")
+
+
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
     from dist_harness import scenario_results
 
@@ -287,6 +329,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "dcp-load": lambda r, d: dcp_load(r, world, d, extra["ckpt"]),
         "fsdp2": lambda r, d: fsdp2(r, world, d),
         "rank-raises": lambda r, d: rank_raises(r, world, d),
+        "rank-dies": lambda r, d: rank_dies(r, world, d),
     }
 
     def run(name):

@@ -9,6 +9,7 @@ checkpoint that the 3-rank group and this process (1 rank) load.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from offload_helpers import available_backends, compare_state_dicts, config
 URING = "io_uring" in available_backends()
 TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "ddp-allreduced", "state-dict",
        "placeholders", "dcp-save", "fsdp2", "rank-raises"]  # rank-raises breaks the group: last
-THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load"]
+THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load",
+         "rank-dies"]  # rank-dies kills rank 2: last
 
 
 def _runnable(names: list[str]) -> list[str]:
@@ -53,7 +55,9 @@ def _outcome(results: dict, name: str) -> None:
     if "io_uring" in name and not URING:
         pytest.skip("io_uring is unavailable here")
     for rank, (status, value) in sorted(results.items()):
-        if status != "ok":
+        if status == "lost" and name in value["scenarios"]:
+            value = value["scenarios"]  # it died later, in a scenario that kills it
+        elif status != "ok":
             pytest.fail(f"rank {rank} {status}: {value}")
         if value[name] != "ok":
             pytest.fail(f"rank {rank}:\n{value[name]}")
@@ -64,9 +68,23 @@ def test_two_ranks(two, name):
     _outcome(two, name)
 
 
-@pytest.mark.parametrize("name", THREE)
+@pytest.mark.parametrize("name", THREE[:-1])
 def test_three_ranks(three, name):
     _outcome(three, name)
+
+
+def test_killed_rank_is_named_by_the_others(three):
+    """rank-dies: rank 2 is SIGKILLed in a step; ranks 0 and 1 name it and keep their shares
+    (the scenario checks both), and the harness reports rank 2 lost, not hung."""
+    status, value = three[2]
+    assert status == "lost" and value["exitcode"] == -signal.SIGKILL, three[2]
+    assert "rank-dies" not in value["scenarios"]
+    assert value["scenarios"].keys() == set(THREE[:-1])
+    for rank in (0, 1):
+        status, value = three[rank]
+        assert status == "ok", three[rank]
+        if value["rank-dies"] != "ok":
+            pytest.fail(f"rank {rank}:\n{value['rank-dies']}")
 
 
 def test_dcp_checkpoint_of_two_ranks_loads_in_one_process(two, base, tmp_path):
@@ -134,3 +152,69 @@ def test_distributed_config_is_validated():
         load_config({"distributed": {"grads": "sum"}})
     with pytest.raises(ConfigError, match="distributed.timeout"):
         load_config({"distributed": {"timeout": 0}})
+
+
+# -- the weight all-gather's launch order (one process, a recording stand-in for c10d) ------
+
+
+class _Done:
+    def is_completed(self):
+        return True
+
+
+class _RecordingColl:
+    """Rank 0 of 2: records every all-gather's window (by its first send element)."""
+
+    rank, world = 0, 2
+
+    def __init__(self):
+        self.sent = []
+
+    def all_gather(self, out, inp):
+        self.sent.append(float(inp[0]))
+        out.zero_()
+        return _Done()
+
+    def wait(self, work, what):
+        pass
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_weight_windows_launch_in_a_fixed_order_once_their_partitions_are_updated(backwards):
+    """Whatever order partitions are updated in, windows go out in share order (reversed
+    on backward steps, as every rank does), each only after every active partition
+    covering it was updated; an inactive partition holds nothing back."""
+    from tiermem.partition import Partition, Segment
+    from tiermem.zero import ZeroLayout
+
+    coll = _RecordingColl()
+    params = [torch.nn.Parameter(torch.zeros(6144)), torch.nn.Parameter(torch.zeros(2048))]
+    opt = torch.optim.Adam(params)
+    lay = ZeroLayout(opt, coll, "reduce_scatter", bucket_bytes=1024 * 4)
+    # Rank 0's share: elements [0, 4096) of the first parameter, in 4 windows of 1024.
+    assert [w[1:] for w in lay.windows] == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    view = lay.views[0][0]
+    for w in range(4):
+        view[w * 1024] = w  # the first element of each window names it in the record
+    parts = [Partition(i, 0, [Segment(view, 0, a, n)], ())
+             for i, (a, n) in enumerate([(0, 1536), (1536, 1536), (3072, 512), (3584, 512)])]
+    covers = lay.covers(parts)
+    assert covers == {0: [0, 1], 1: [1, 2], 2: [3], 3: [3]}
+    active = parts[:3]  # part 3 has no gradient: not stepped, never reported
+    stats = {"comm_seconds": 0.0, "comm_wait_seconds": 0.0, "comm_bytes": 0,
+             "weights_seconds": 0.0, "weights_wait_seconds": 0.0, "windows_early": 0}
+    gather = lay.start_weights(covers, active, backwards, stats)
+    launched_after = {}
+    for part in (parts[2], parts[0], parts[1]):
+        gather.updated(part)
+        launched_after[part.id] = list(coll.sent)
+    gather.finish()
+    order = [3.0, 2.0, 1.0, 0.0] if backwards else [0.0, 1.0, 2.0, 3.0]
+    assert coll.sent == order
+    if backwards:
+        # Window 3 needs only part 2 (part 3 is inactive); window 2 then waits for part 1.
+        assert launched_after == {2: [3.0], 0: [3.0], 1: order}
+    else:
+        # Window 0 waits for part 0; window 1 (and the rest, in order) for part 1.
+        assert launched_after == {2: [], 0: [0.0], 1: order}
+    assert stats["windows_early"] == 4 and stats["comm_bytes"] == 4 * 2 * 1024 * 4

@@ -6,11 +6,19 @@ others forever. When a wait fails, the c10d store (the one the process group
 was created with) says why: each rank records there the step it reached, and a
 rank leaving `tiermem.offload` on an exception records the exception. The
 error then names the ranks that failed or fell behind.
+
+A rank that dies (killed, out of memory) records nothing, and may die after it
+recorded the step the others are in. So every rank also beats a heartbeat, a
+counter in the store bumped by a daemon thread every `beat` seconds; a failed wait
+watches the counters for a few beats and names the ranks whose counter stood
+still: dead, or frozen so hard that not even a Python thread runs.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +48,29 @@ class Collectives:
         # earlier block (or job sharing a FileStore) are never read as this one's.
         self.prefix = f"tiermem/{name}/{next(_instances)}/"
         self.where = "set-up"
+        # Often enough that a dead rank is named soon after a wait fails, rarely enough that
+        # the store (rank 0's TCPStore under torchrun) does not notice.
+        self.beat = min(5.0, max(0.1, timeout / 10))
+        self._stop = threading.Event()
+        self._beats = 0
+        self._set("beat/" + str(self.rank), "0")
+        self._heart = threading.Thread(target=self._beat, name=f"tiermem-heartbeat-{self.rank}",
+                                       daemon=True)  # never keeps a finished process alive
+        self._heart.start()
+
+    def _beat(self) -> None:
+        # Only this thread writes this rank's beat key; the store client serialises its own
+        # requests, so sharing it with the main thread and the process group is safe.
+        while not self._stop.wait(self.beat):
+            self._beats += 1
+            self._set("beat/" + str(self.rank), str(self._beats))
+
+    def close(self) -> None:
+        """Stop the heartbeat; the others then read that this rank left, not that it died."""
+        if self._heart.is_alive():
+            self._stop.set()
+            self._heart.join()
+            self._set("beat/" + str(self.rank), "left")
 
     def global_rank(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not None else r
@@ -95,6 +126,21 @@ class Collectives:
             return None
         return self.store.get(key).decode(errors="replace")
 
+    def _stopped(self, ranks: list[int]) -> dict[int, str]:
+        """Ranks whose heartbeat stands still for 3 beats (or who left), and how to say so."""
+        first = {r: self._get(f"beat/{r}") for r in ranks}
+        out = {r: "left tiermem.offload" for r, v in first.items() if v == "left"}
+        watch = [r for r in ranks if r not in out]
+        deadline = time.monotonic() + 3 * self.beat
+        while watch and time.monotonic() < deadline:
+            time.sleep(self.beat / 2)
+            watch = [r for r in watch if self._get(f"beat/{r}") == first[r]]
+        out.update({r: ("died or froze (its heartbeat stopped; it beats every "
+                        f"{self.beat:g} s)" if first[r] is not None else
+                        "has no heartbeat (it died before, or never entered, tiermem.offload)")
+                    for r in watch})
+        return out
+
     def failure(self, what: str, exc: BaseException) -> PeerError:
         """The error for a wait that failed: which ranks failed or fell behind, and where."""
         head = (f"rank {self.global_rank(self.rank)} waited for the other ranks in {what} "
@@ -103,17 +149,19 @@ class Collectives:
         try:
             failed, behind = [], []
             mine = self._get(f"step/{self.rank}")
-            for r in range(self.world):
-                if r == self.rank:
-                    continue
+            others = [r for r in range(self.world) if r != self.rank]
+            stopped = self._stopped(others)
+            for r in others:
                 why = self._get(f"failed/{r}")
                 if why is not None:
                     failed.append(f"rank {self.global_rank(r)} failed: {why}")
                     continue
                 step = self._get(f"step/{r}")
-                if step != mine:
-                    behind.append(f"rank {self.global_rank(r)} is at "
-                                  f"{'set-up' if step is None else 'step ' + step}")
+                at = "set-up" if step is None else "step " + step
+                if r in stopped:
+                    failed.append(f"rank {self.global_rank(r)} {stopped[r]} at {at}")
+                elif step != mine:
+                    behind.append(f"rank {self.global_rank(r)} is at {at}")
         except Exception as err:  # the store itself may have died with its host rank
             return PeerError(f"{head}; the c10d store could not say which rank is missing "
                              f"({type(err).__name__}: {err}); rank 0 hosts a TCPStore")

@@ -100,6 +100,15 @@ class DistributedOffload(Offload):
         self.opt = opt
         d = settings.distributed
         self.coll = Collectives(process_group, d.timeout, name)
+        try:
+            self._set_up(opt, settings, model, name, resume)
+        except BaseException:
+            self.coll.close()  # this offload is over: stop its heartbeat
+            raise
+
+    def _set_up(self, opt: torch.optim.Optimizer, settings: Settings, model: Any, name: str,
+                resume: bool) -> None:
+        d = settings.distributed
         fsdp = any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
         self.layout = (FsdpLayout(opt, self.coll) if fsdp
                        else ZeroLayout(opt, self.coll, d.grads, d.bucket_size))
@@ -109,6 +118,7 @@ class DistributedOffload(Offload):
                     for k, pc in enumerate(pcs)}
         self.comm: dict[int, dict[str, float]] = {}  # step -> communication figures
         self.steps_called = 0
+        self._covers: dict[int, list[int]] | None = None  # partition id -> weight windows
         off, error = None, None
         try:
             off = self._build(settings, model, name, resume)
@@ -220,7 +230,8 @@ class DistributedOffload(Offload):
 
     @staticmethod
     def _fresh_comm() -> dict[str, float]:
-        return {"comm_seconds": 0.0, "comm_wait_seconds": 0.0, "comm_bytes": 0}
+        return {"comm_seconds": 0.0, "comm_wait_seconds": 0.0, "comm_bytes": 0,
+                "weights_seconds": 0.0, "weights_wait_seconds": 0.0, "windows_early": 0}
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         opt = self.opt
@@ -238,21 +249,38 @@ class DistributedOffload(Offload):
             t0 = time.monotonic()
             self.layout.grads_in(self.layout.present(), comm)
             comm["comm_seconds"] += time.monotonic() - t0
+            gather = self._start_weights(comm)
             try:
                 self.shadow.step()  # the OffloadedOptimizer's tiered step over this share
             except BaseException as exc:
                 self.coll.post_failure(exc)  # the others are about to wait for this rank
                 raise
             finally:
+                self._off.after_update = None
                 self.layout.release_grads()
-            t0 = time.monotonic()
-            self.layout.weights_out(comm)
-            comm["comm_seconds"] += time.monotonic() - t0
+            if gather is not None:
+                gather.finish()  # the windows left, and a peer's failure during the update
         self.comm[self._off.steps_taken] = comm
         self.comm.pop(self._off.steps_taken - HISTORY, None)
         opt._opt_called = True  # what torch's lr schedulers check for
         _run_post_hooks(opt, args, kwargs)
         return loss
+
+    def _start_weights(self, comm: dict[str, float]) -> Any:
+        """The weight all-gather of this step, launched window by window from the step loop
+        as partitions are updated (None when nothing is gathered: one rank, or FSDP2)."""
+        if self.layout.fsdp or self.coll.world == 1:
+            return None
+        off = self._off
+        if self._covers is None:  # the partitions never change under a process group
+            self._covers = self.layout.covers(off.parts)
+        active = [p for p in off.parts if any(s.param.grad is not None for s in p.segments)]
+        # The pipeline walks its partitions backwards on odd steps (zig-zag); every rank
+        # takes the direction from the step number, so all launch windows in one order.
+        backwards = off.settings.pipeline.zigzag and self.steps_called % 2 == 0
+        gather = self.layout.start_weights(self._covers, active, backwards, comm)
+        off.after_update = gather.updated
+        return gather
 
     # -- state in torch's layout ---------------------------------------------------------
 
@@ -329,7 +357,9 @@ class DistributedOffload(Offload):
     def stats(self) -> list[dict[str, Any]]:
         """Per step as in one process, plus communication: comm_seconds (packing and
         collectives of the gradients in and weights out), comm_wait_seconds (blocked on
-        them), comm_bytes (sent and received by this rank, padding included)."""
+        them), comm_bytes (sent and received by this rank, padding included); of these
+        seconds, weights_seconds and weights_wait_seconds were the weight all-gather's;
+        windows_early: weight windows launched while the update still ran."""
         out = super().stats()
         for d in out:
             d.update(self.comm.get(d["step"], self._fresh_comm()))
@@ -425,10 +455,16 @@ def offload(optimizer: torch.optim.Optimizer, settings: Settings, *,
             yield handle
         except BaseException as exc:
             with held():
-                handle._exit_on_error(exc)
+                try:
+                    handle._exit_on_error(exc)
+                finally:
+                    handle.coll.close()
             if isinstance(exc, KeyboardInterrupt):
                 print(f"tiermem: interrupted; {handle.where_state_is()}", file=sys.stderr)
             raise
         else:
             with held():
-                handle._exit()
+                try:
+                    handle._exit()
+                finally:
+                    handle.coll.close()

@@ -126,6 +126,9 @@ class OffloadedOptimizer:
         self.history: deque[StepStats] = deque(maxlen=HISTORY)
         self.steps_taken = 0
         self.record_events = False  # timeline spans per step (tracing, plots)
+        # Called with each partition once step() has updated it (its weights are final for
+        # the step): distributed.py starts the weight all-gather of a window from it.
+        self.after_update: Callable[[Partition], None] | None = None
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self.parts = build_partitions(optimizer.param_groups, self.names,
                                       settings.pipeline.partition_size, settings.placement,
@@ -259,7 +262,8 @@ class OffloadedOptimizer:
 
             try:
                 self.tiers.step(stats, active, self._init_record,
-                                lambda part, views: self._update(part, views, stats))
+                                lambda part, views: self._update(part, views, stats),
+                                self.after_update)
             except BaseException as exc:
                 if self.crash:
                     self._roll_back(exc, stats.step)

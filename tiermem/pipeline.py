@@ -93,11 +93,13 @@ class StepPipeline:
 
     def run_step(self, stats: StepStats, active: Callable[[Partition], bool],
                  init: Callable[[Partition, Views], None],
-                 compute: Callable[[Partition, Views], None]) -> None:
+                 compute: Callable[[Partition, Views], None],
+                 after: Callable[[Partition], None] | None = None) -> None:
         order = [p for p in self.order(self.steps_done) if active(p)]
         self.begin_step(stats)
         for i, part in enumerate(order):
-            self.compute_one(part, order[i: i + self.k + 1], order, i, stats, init, compute)
+            self.compute_one(part, order[i: i + self.k + 1], order, i, stats, init, compute,
+                             after)
         self.end_step(stats)
 
     def begin_step(self, stats: StepStats) -> None:
@@ -110,8 +112,9 @@ class StepPipeline:
     def compute_one(self, part: Partition, window: Sequence[Partition],
                     order: Sequence[Partition], i: int, stats: StepStats,
                     init: Callable[[Partition, Views], None],
-                    compute: Callable[[Partition, Views], None]) -> None:
-        """Update `part` (= order[i]) in its buffer and issue its write-back.
+                    compute: Callable[[Partition, Views], None],
+                    after: Callable[[Partition], None] | None = None) -> None:
+        """Update `part` (= order[i]) in its buffer, issue its write-back, then after(part).
 
         window: `part` and the partitions to read ahead of it; order[i:]: what this step
         still visits, in that order (a buffer to reuse is chosen by it)."""
@@ -130,6 +133,8 @@ class StepPipeline:
         compute(part, views)
         self._issue_write(slot, stats)
         stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
+        if after is not None:  # after the write is issued: the disk works while it runs
+            after(part)
 
     def end_step(self, stats: StepStats) -> None:
         """Close the step, run the next one's reads ahead, and raise a failed write-back."""

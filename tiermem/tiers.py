@@ -144,12 +144,15 @@ class TierManager:
     # -- steps -----------------------------------------------------------------
 
     def step(self, stats: StepStats, active: Callable[[Partition], bool], init: Fn,
-             compute: Fn) -> None:
+             compute: Fn, after: Callable[[Partition], None] | None = None) -> None:
+        """Update every active partition; after(part), if given, once each one is updated."""
         for p in self.parts:
             if p.tier != "nvme" and active(p):
                 self.step_resident(p, stats, init, compute)
+                if after is not None:
+                    after(p)
         if self.pipeline is not None:
-            self.pipeline.run_step(stats, active, init, compute)
+            self.pipeline.run_step(stats, active, init, compute, after)
 
     def step_resident(self, p: Partition, stats: StepStats, init: Fn, compute: Fn) -> None:
         """Update one GPU- or host-tier partition in place (and write it through when

@@ -10,7 +10,8 @@ group. One step:
 2. the share is updated by an ordinary OffloadedOptimizer whose parameters are
    1-D views of the pieces (so the update writes the model's weights in place);
 3. weights: all-gather, window by window, every rank's updated pieces into every
-   rank's parameters.
+   rank's parameters; each window is launched as soon as this rank's partitions
+   covering it are updated, while the update goes on (gather.py).
 Collectives need equal sizes on every rank, so every window is padded to the widest
 share; the padding is never read.
 """
@@ -25,6 +26,8 @@ import torch
 
 from tiermem.collectives import Collectives
 from tiermem.errors import TierMemError
+from tiermem.gather import WeightGather
+from tiermem.partition import Partition
 from tiermem.shard import GroupShares, Piece, plan_shares, spans
 
 
@@ -75,8 +78,8 @@ class ZeroLayout:
                 if pc.index == index]
 
     def _buffer(self, dtype: torch.dtype, slot: int, kind: str, n: int) -> torch.Tensor:
-        """Staging for window collectives, kept between steps (two slots: one in flight while
-        the other is packed or unpacked)."""
+        """Staging for window collectives, kept between steps (a few slots: some in flight
+        while another is packed or unpacked; the callers say when a slot is free)."""
         key = (dtype, slot, kind)
         buf = self._staging.get(key)
         if buf is None or buf.numel() < n:
@@ -145,36 +148,33 @@ class ZeroLayout:
 
     # -- weights out -------------------------------------------------------------------
 
-    def weights_out(self, stats: dict) -> None:
-        """Every rank's updated pieces into every rank's parameters."""
-        world, me = self.coll.world, self.coll.rank
-        if world == 1:
-            return  # the only share was updated in place
-        pending: tuple | None = None  # the window gathered last, unpacked while the next flies
-        for j, (g, a, b) in enumerate(self.windows):
-            n = b - a
-            send = self._buffer(self.dtypes[g], j % 2, "wsend", n)
-            recv = self._buffer(self.dtypes[g], j % 2, "wrecv", world * n)
-            for index, start, length, o in spans(self.pieces[g], a, b):
-                send[o: o + length].copy_(self._flat(index)[start: start + length])
-            work = self.coll.all_gather(recv, send)
-            stats["comm_bytes"] += recv.numel() * recv.element_size()
-            if pending is not None:
-                self._unpack(*pending, stats)
-            pending = (work, g, a, b, recv)
-        if pending is not None:
-            self._unpack(*pending, stats)
+    def covers(self, parts: Sequence[Partition]) -> dict[int, list[int]]:
+        """partition id -> the weight windows it has elements in. A partition's segments are
+        slices of the shadow's parameters (this rank's pieces, in the shadow's order)."""
+        shadow = [(g, pc) for g, pcs in enumerate(self.pieces) for pc in pcs]
+        out: dict[int, list[int]] = {}
+        for part in parts:
+            hit = set()
+            for seg in part.segments:
+                g, pc = shadow[seg.index]
+                lo = pc.offset + seg.start
+                hi = lo + seg.length
+                hit.update(w for w, (wg, a, b) in enumerate(self.windows)
+                           if wg == g and a < hi and lo < b)
+            out[part.id] = sorted(hit)
+        return out
 
-    def _unpack(self, work: Any, g: int, a: int, b: int, recv: torch.Tensor,
-                stats: dict) -> None:
-        self._wait_timed(work, "the weight all-gather", stats)
-        n = b - a
-        for r in range(self.coll.world):
-            if r == self.coll.rank:
-                continue  # its own pieces were updated in place
-            slot = recv[r * n: (r + 1) * n]
-            for index, start, length, o in spans(self.shares[g].pieces(r), a, b):
-                self._flat(index)[start: start + length].copy_(slot[o: o + length])
+    def start_weights(self, covers: dict[int, list[int]], active: Sequence[Partition],
+                      backwards: bool, stats: dict) -> WeightGather:
+        """The weight all-gather of a step whose `active` partitions are about to be updated:
+        call its updated(part) after each, then finish()."""
+        return WeightGather(self, covers, active, backwards, stats)
+
+    def weights_out(self, stats: dict) -> None:
+        """Every rank's current pieces into every rank's parameters, all at once."""
+        if self.coll.world == 1:
+            return  # the only share was updated in place
+        self.start_weights({}, [], False, stats).finish()
 
     def _wait_timed(self, work: Any, what: str, stats: dict) -> None:
         t0 = time.monotonic()
