@@ -256,7 +256,7 @@ class StepPipeline:
         return not slot.dirty
 
     def _issue_write(self, slot: _Slot, stats: StepStats, digest: int | None = None) -> None:
-        slot.write = self.store.write(slot.part, slot.buf, digest)
+        slot.write = self.store.write(slot.part, slot.buf, digest=digest)
         self.fresh.discard(slot.part.id)
         self._reqs.append((slot.write, slot.part.id))
         stats.add_bytes("write", "nvme", self.store.slots[slot.part.id].nbytes)

@@ -168,7 +168,8 @@ class SwapStore:
         s = self.slots[part.id]
         return self.engine.read(self.files[s.file], buf[: s.nbytes], self._offset(part))
 
-    def write(self, part: Partition, buf: torch.Tensor, digest: int | None = None) -> Request:
+    def write(self, part: Partition, buf: torch.Tensor, *,
+              digest: int | None = None) -> Request:
         """Seal (when checksummed) and write `part`'s record from `buf`. `digest`: the
         CRC32C of the record's bytes, when its update computed it (no second pass)."""
         s = self.slots[part.id]

@@ -181,7 +181,8 @@ class TierManager:
     def _write_resident(self, part: Partition, stats: StepStats | None = None,
                         digest: int | None = None) -> None:
         self._unwritten.discard(part.id)
-        self._resident_writes[part.id] = self.store.write(part, self.resident[part.id], digest)
+        self._resident_writes[part.id] = self.store.write(part, self.resident[part.id],
+                                                          digest=digest)
         if stats is not None:
             stats.add_bytes("write", "nvme", self.store.slots[part.id].nbytes)
 
