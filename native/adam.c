@@ -35,7 +35,13 @@
  *
  * Threads: n is split across a small persistent pool of pthreads (the caller
  * works too); below TM_ADAM_PAR_MIN elements everything runs on the calling
- * thread. */
+ * thread.
+ *
+ * Checksums (tm_adam_step_crc): the CRC32C of each output array the caller
+ * asks for (crc_mask) is computed chunk by chunk right after that chunk was
+ * updated, by the thread that updated it, while the chunk is still in its
+ * cache; the chunk CRCs are combined in order once the threads joined. The
+ * arithmetic paths are not touched: the CRCs only read what they stored. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <math.h>
@@ -699,7 +705,33 @@ typedef struct {
     adam_fn fn;
     int64_t n;
     int64_t next;  /* next chunk to hand out (atomic) */
+    int crc_mask;  /* TM_CRC_* arrays to checksum, 0 for none */
+    uint32_t *chunk_crcs;  /* 4 per chunk: p, m, v, vmax (those in crc_mask) */
 } adam_task;
+
+enum { TM_CRC_P = 1, TM_CRC_M = 2, TM_CRC_V = 4, TM_CRC_VMAX = 8 };
+
+/* Bytes per element of array a (0 = p, 1 = m, 2 = v, 3 = vmax) and its base. */
+static size_t crc_elem(const adam_job *j, int a)
+{
+    return a == 0 || j->s_mode == ST_F32 ? 4 : 2;
+}
+
+static const char *crc_base(const adam_job *j, int a)
+{
+    return a == 0 ? (const char *)j->p : a == 1 ? j->m : a == 2 ? j->v : j->vmax;
+}
+
+static void hash_chunk(const adam_task *t, int64_t k, int64_t b, int64_t e)
+{
+    for (int a = 0; a < 4; a++) {
+        if (!(t->crc_mask & (1 << a)))
+            continue;
+        size_t sz = crc_elem(t->job, a);
+        t->chunk_crcs[4 * k + a] = tm_crc32c(0, crc_base(t->job, a) + b * sz,
+                                             (size_t)(e - b) * sz);
+    }
+}
 
 static struct {
     pthread_mutex_t call;   /* one caller at a time */
@@ -727,6 +759,8 @@ static void run_chunks(adam_task *t)
         int64_t b = k * TM_ADAM_CHUNK;
         int64_t e = b + TM_ADAM_CHUNK < t->n ? b + TM_ADAM_CHUNK : t->n;
         t->fn(t->job, b, e);
+        if (t->crc_mask)
+            hash_chunk(t, k, b, e);
     }
 }
 
@@ -788,7 +822,25 @@ static int grow_pool(int want)
     return pool.nworkers;
 }
 
-static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads)
+/* CRCs of the arrays in crc_mask over [0, n), from the chunk CRCs, in order. */
+static void join_crcs(const adam_task *t, uint32_t crcs[4])
+{
+    int64_t nchunks = (t->n + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK;
+    for (int a = 0; a < 4; a++) {
+        if (!(t->crc_mask & (1 << a)))
+            continue;
+        size_t sz = crc_elem(t->job, a);
+        uint32_t c = 0;
+        for (int64_t k = 0; k < nchunks; k++) {
+            int64_t len = k == nchunks - 1 ? t->n - k * TM_ADAM_CHUNK : TM_ADAM_CHUNK;
+            c = tm_crc32c_combine(c, t->chunk_crcs[4 * k + a], (uint64_t)len * sz);
+        }
+        crcs[a] = c;
+    }
+}
+
+static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
+                         int crc_mask, uint32_t *chunk_crcs)
 {
     int parts = 1;
     if (n >= TM_ADAM_PAR_MIN && nthreads > 1) {
@@ -797,8 +849,12 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads)
         if (parts > TM_ADAM_MAX_THREADS + 1)
             parts = TM_ADAM_MAX_THREADS + 1;
     }
+    adam_task t = {j, fn, n, 0, crc_mask, chunk_crcs};
     if (parts <= 1) {
-        fn(j, 0, n);
+        if (crc_mask)
+            run_chunks(&t);  /* chunk by chunk: each is hashed while in cache */
+        else
+            fn(j, 0, n);
         return;
     }
     pthread_mutex_lock(&pool.call);
@@ -806,7 +862,6 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads)
     int workers = grow_pool(parts - 1);
     if (parts > workers + 1)
         parts = workers + 1;
-    adam_task t = {j, fn, n, 0};
     if (parts > 1) {
         pool.task = &t;
         pool.parts = parts;
@@ -844,8 +899,28 @@ int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq
                  double step, int amsgrad, int maximize, int decoupled, int state_mode,
                  uint64_t seed, uint64_t index0, int nthreads)
 {
+    return tm_adam_step_crc(p, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, grad_dtype, out,
+                            out_dtype, n, lr, beta1, beta2, eps, weight_decay, step, amsgrad,
+                            maximize, decoupled, state_mode, seed, index0, nthreads, 0, NULL);
+}
+
+int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
+                     const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
+                     double lr, double beta1, double beta2, double eps, double weight_decay,
+                     double step, int amsgrad, int maximize, int decoupled, int state_mode,
+                     uint64_t seed, uint64_t index0, int nthreads, int crc_mask,
+                     uint32_t *crcs)
+{
     if (n < 0 || grad_dtype < DT_F32 || grad_dtype > DT_F16)
         return -EINVAL;
+    if (crc_mask < 0 || crc_mask > 15 || (crc_mask && !crcs) ||
+        ((crc_mask & TM_CRC_VMAX) && !amsgrad))
+        return -EINVAL;
+    if (crc_mask) {
+        for (int a = 0; a < 4; a++)
+            if (crc_mask & (1 << a))
+                crcs[a] = 0;  /* the CRC of nothing, for n == 0 */
+    }
     if (out && out_dtype != DT_BF16 && out_dtype != DT_F16)
         return -EINVAL;
     if (state_mode < ST_F32 || state_mode > ST_BF16_SR)
@@ -875,6 +950,14 @@ int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq
      * them: it is not read again in this step. */
     j.nt_out = out != NULL && n >= (int64_t)8 * 1024 * 1024;
     adam_fn fn = fn_for(tm_adam_get_isa());
+    uint32_t *chunk_crcs = NULL;
+    if (crc_mask) {
+        /* 4 CRCs per chunk of the longest window run (n at most). */
+        chunk_crcs = malloc(sizeof(uint32_t) * 4 * (size_t)((n + TM_ADAM_CHUNK - 1) /
+                                                            TM_ADAM_CHUNK));
+        if (!chunk_crcs)
+            return -ENOMEM;
+    }
     /* Element i draws its rounding bits from stream index index0 + i. The hash
      * takes 32 bits of index, so the stream is cut into 2^32-element windows, each
      * with its own key from (seed, window number); a call that crosses a window
@@ -891,9 +974,19 @@ int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq
             j.k1 = (uint32_t)(key >> 32);
         }
         j.idx0 = (uint32_t)at;
-        run_threaded(&j, fn, len, nthreads);
+        run_threaded(&j, fn, len, nthreads, crc_mask, chunk_crcs);
+        if (crc_mask) {
+            uint32_t win[4];
+            adam_task t = {&j, fn, len, 0, crc_mask, chunk_crcs};
+            join_crcs(&t, win);
+            for (int a = 0; a < 4; a++)
+                if (crc_mask & (1 << a))
+                    crcs[a] = tm_crc32c_combine(crcs[a], win[a],
+                                                (uint64_t)len * crc_elem(&j, a));
+        }
         advance(&j, len);
         done += len;
     }
+    free(chunk_crcs);
     return 0;
 }

@@ -23,7 +23,7 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["io_engine.c", "memory.c", "thread_pool.c", "adam.c"]
+SOURCES = ["io_engine.c", "memory.c", "thread_pool.c", "adam.c", "crc32c.c"]
 
 MISSING_LIBURING = (
     "tiermem: cannot build the native I/O engine: liburing development files "

@@ -70,3 +70,26 @@ int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq
                  double lr, double beta1, double beta2, double eps, double weight_decay,
                  double step, int amsgrad, int maximize, int decoupled, int state_mode,
                  uint64_t seed, uint64_t index0, int nthreads);
+
+/* tm_adam_step, also returning in crcs[0..3] the CRC32C of the bytes it wrote to
+ * p, exp_avg, exp_avg_sq, max_exp_avg_sq (those whose bit 1, 2, 4, 8 is set in
+ * crc_mask; the others are left alone). Each chunk is hashed right after it
+ * was updated, on the thread that updated it. */
+int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
+                     const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
+                     double lr, double beta1, double beta2, double eps, double weight_decay,
+                     double step, int amsgrad, int maximize, int decoupled, int state_mode,
+                     uint64_t seed, uint64_t index0, int nthreads, int crc_mask,
+                     uint32_t *crcs);
+
+/* CRC32C (crc32c.c): standard CRC-32C values; crc = 0 starts one, a previous
+ * value continues it. _sw is the portable table path; _hw the SSE4.2 one where
+ * tm_crc32c_hw_supported() (elsewhere it answers with the portable path).
+ * _threads splits buf over up to nthreads threads and combines. The GIL is
+ * released by cffi around each call. */
+uint32_t tm_crc32c(uint32_t crc, const void *buf, size_t len);
+uint32_t tm_crc32c_sw(uint32_t crc, const void *buf, size_t len);
+uint32_t tm_crc32c_hw(uint32_t crc, const void *buf, size_t len);
+int tm_crc32c_hw_supported(void);
+uint32_t tm_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+uint32_t tm_crc32c_threads(const void *buf, size_t len, int nthreads);

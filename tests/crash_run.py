@@ -79,11 +79,11 @@ def _arm(point: str, n: int) -> None:
     if point in ("write-before", "write-after"):
         real_write = tiermem.swap.SwapStore.write
 
-        def write(self, part, buf):
+        def write(self, part, buf, **kw):
             fire = hit()
             if fire and point == "write-before":
                 _die()
-            req = real_write(self, part, buf)
+            req = real_write(self, part, buf, **kw)
             if fire:
                 _die()
             return req

@@ -59,7 +59,7 @@ class SwapSettings:
 
     paths: list[str] = doc("Swap directories on local NVMe drives; several are striped over.",
                            default_factory=lambda: [DEFAULT_SWAP_DIR])
-    checksums: bool = doc("XXH3 checksum, partition id and generation on every NVMe record, "
+    checksums: bool = doc("CRC32C checksum, partition id and generation on every NVMe record, "
                           "checked on every read.", default=True)
     durability: Literal["scratch", "crash_consistent"] = doc(
         "scratch: swap files are working space, lost with a crashed run; crash_consistent: "

@@ -2,11 +2,15 @@
 
 With `swap.checksums: true` every record written to NVMe is followed by a
 4 KiB footer: a magic string, the partition id, a generation number that grows
-with every write, the length of the data and its XXH3-64 digest (xxhash runs at
-memory speed, ~30 GB/s here, and releases the GIL). A read is checked against
-all of them before the record is used: a flipped bit, a record written for
-another partition or at another offset, or an older copy of the right one
-(a lost write) raises IntegrityError instead of feeding a wrong update.
+with every write, the length of the data and its CRC32C (tiermem/checksum.py).
+A read is checked against all of them before the record is used: a flipped
+bit, a record written for another partition or at another offset, or an older
+copy of the right one (a lost write) raises IntegrityError instead of feeding a
+wrong update.
+
+The writer usually knows the CRC already: the native Adam kernel computes it
+in the pass that updates the record (`seal(..., digest=)`). Otherwise, and on
+every read, the record is hashed here, in C, on VERIFY_THREADS threads.
 """
 
 from __future__ import annotations
@@ -14,26 +18,31 @@ from __future__ import annotations
 import struct
 
 import torch
-import xxhash
 
+from tiermem.checksum import VERIFY_THREADS, crc32c
 from tiermem.errors import TierMemError
 
 FOOTER_BYTES = 4096
-MAGIC = b"TIERMEM1"
-_LAYOUT = struct.Struct("<8sQQQQ")  # magic, partition, generation, data bytes, xxh3-64
+MAGIC = b"TIERMEM2"
+OLD_MAGICS = {b"TIERMEM1": "an XXH3-64 footer of tiermem before the CRC32C records"}
+_LAYOUT = struct.Struct("<8sQQQI")  # magic, partition, generation, data bytes, crc32c
 
 
 class IntegrityError(TierMemError):
     """A swap record failed its check; names file, partition, offset, expected and found."""
 
 
-def _digest(data: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
+def record_crc(data: torch.Tensor) -> int:
+    """CRC32C of a uint8 record, hashed on VERIFY_THREADS threads."""
+    return crc32c(data, threads=VERIFY_THREADS)
 
 
-def seal(buf: torch.Tensor, nbytes: int, partition: int, generation: int) -> None:
-    """Write the footer after the first `nbytes` of the uint8 buffer."""
-    footer = _LAYOUT.pack(MAGIC, partition, generation, nbytes, _digest(buf[:nbytes]))
+def seal(buf: torch.Tensor, nbytes: int, partition: int, generation: int, *,
+         digest: int | None = None) -> None:
+    """Write the footer after the first `nbytes` of the uint8 buffer. `digest`: the CRC32C
+    of buf[:nbytes] when the caller computed it while writing the data (else hashed here)."""
+    crc = record_crc(buf[:nbytes]) if digest is None else digest
+    footer = _LAYOUT.pack(MAGIC, partition, generation, nbytes, crc)
     buf[nbytes: nbytes + len(footer)].copy_(torch.frombuffer(bytearray(footer), dtype=torch.uint8))
 
 
@@ -41,8 +50,12 @@ def check(buf: torch.Tensor, nbytes: int, partition: int, generation: int, *, pa
           offset: int) -> None:
     """Raise IntegrityError unless the footer after `nbytes` matches what was last written."""
     raw = bytes(buf[nbytes: nbytes + _LAYOUT.size].numpy())
-    magic, part, gen, length, digest = _LAYOUT.unpack(raw)
+    magic, part, gen, length, expected = _LAYOUT.unpack(raw)
     where = f"swap record of partition {partition} in {path} at offset {offset}"
+    if magic in OLD_MAGICS:
+        raise IntegrityError(f"{where}: the footer is {OLD_MAGICS[magic]} (magic {magic!r}, "
+                             f"expected {MAGIC!r}); this version cannot check it: resume "
+                             "with the tiermem that wrote it, or start the run afresh")
     if magic != MAGIC:
         raise IntegrityError(f"{where}: no record footer (expected magic {MAGIC!r}, found "
                              f"{magic!r}): the file was overwritten or never written there")
@@ -51,7 +64,7 @@ def check(buf: torch.Tensor, nbytes: int, partition: int, generation: int, *, pa
         if want != got:
             extra = " (an older copy: a write was lost)" if what == "generation" else ""
             raise IntegrityError(f"{where}: {what} expected {want}, found {got}{extra}")
-    found = _digest(buf[:nbytes])
-    if found != digest:
-        raise IntegrityError(f"{where}: checksum expected {digest:#018x}, found {found:#018x} "
-                             "(the data changed on disk)")
+    found = record_crc(buf[:nbytes])
+    if found != expected:
+        raise IntegrityError(f"{where}: checksum expected {expected:#010x}, found "
+                             f"{found:#010x} (CRC32C: the data changed on disk)")

@@ -12,6 +12,8 @@ scalar paths give bitwise the same results.
   those dtypes and an optional bf16/fp16 weight written in the same pass. The moments
   may be bf16 (optimizer.state_dtype: bf16): upcast in registers, updated in fp32,
   stored rounded to nearest even or stochastically (`rounding`, `seed`, `offset`).
+  With `checksums=(...)` it returns the CRC32C of the named arrays as they were left
+  (each chunk hashed by the thread that updated it, right after: see tiermem/checksum.py).
 - `state_seed(step=, partition=)`: the stochastic-rounding seed the pipeline uses.
 - `set_isa` / `isa` / `supported_isas`: which SIMD path runs ("avx512", "avx2",
   "scalar", or "auto" for the best the CPU has). The environment variable
@@ -40,6 +42,7 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 STATE_MODES = {(torch.float32, "nearest"): 0, (torch.bfloat16, "nearest"): 1,
                (torch.bfloat16, "stochastic"): 2}
 ROUNDINGS = ("nearest", "stochastic")
+CRC_ARRAYS = {"master": 1, "exp_avg": 2, "exp_avg_sq": 4, "max_exp_avg_sq": 8}  # crc_mask bits
 U64 = (1 << 64) - 1
 ENV_ISA = "TIERMEM_ADAM_ISA"
 
@@ -118,8 +121,8 @@ def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
                      beta2: float, eps: float, weight_decay: float = 0.0,
                      amsgrad: bool = False, maximize: bool = False,
                      decoupled_weight_decay: bool = True, rounding: str = "nearest",
-                     seed: int = 0, offset: int = 0,
-                     num_threads: int | None = None) -> None:
+                     seed: int = 0, offset: int = 0, num_threads: int | None = None,
+                     checksums: Sequence[str] = ()) -> dict[str, int]:
     """One Adam/AdamW step on one contiguous run, in one pass.
 
     master: fp32, updated in place. exp_avg, exp_avg_sq (and max_exp_avg_sq with
@@ -130,7 +133,11 @@ def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
     the ISA or thread split). grad: fp32, bf16 or fp16. weight_out: None, or a bf16/fp16
     tensor of the same length that receives the updated master rounded to nearest even.
     step: the step count after this step's increment. All tensors: CPU, contiguous, same
-    numel (shapes may differ)."""
+    numel (shapes may differ).
+
+    checksums: names among "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"; returns
+    {name: CRC32C of that tensor's bytes after the update}, computed in the same pass
+    (empty without checksums)."""
     _apply_env()
     n = master.numel()
     _check(master, "master", (torch.float32,), n)
@@ -144,9 +151,20 @@ def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
     if weight_out is not None:
         _check(weight_out, "weight_out", tuple(OUT_DTYPES), n)
     mode = _state_mode(exp_avg.dtype, rounding, seed, offset)
-    _run(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, weight_out,
-         n, float(step), float(lr), beta1, beta2, eps, weight_decay, amsgrad, maximize,
-         decoupled_weight_decay, num_threads, mode, seed, offset)
+    mask = 0
+    for name in checksums:
+        if name not in CRC_ARRAYS:
+            raise ValueError(f"checksums: unknown array {name!r}; expected some of "
+                             f"{', '.join(CRC_ARRAYS)}")
+        if name == "max_exp_avg_sq" and not amsgrad:
+            raise ValueError("checksums: max_exp_avg_sq is only written with amsgrad")
+        mask |= CRC_ARRAYS[name]
+    crcs = _run(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None,
+                weight_out, n, float(step), float(lr), beta1, beta2, eps, weight_decay,
+                amsgrad, maximize, decoupled_weight_decay, num_threads, mode, seed, offset,
+                crc_mask=mask)
+    return {name: crcs[bit.bit_length() - 1] for name, bit in CRC_ARRAYS.items()
+            if mask & bit}
 
 
 def _state_mode(dtype: torch.dtype, rounding: str, seed: int, offset: int) -> int:
@@ -165,21 +183,25 @@ def _run(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, out: T
          n: int, step: float, lr: float, beta1: float, beta2: float, eps: float,
          weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
          num_threads: int | None, state_mode: int = 0, seed: int = 0,
-         offset: int = 0) -> None:
+         offset: int = 0, crc_mask: int = 0) -> list[int]:
+    """Run the kernel; the CRC32C of each array in crc_mask (p, m, v, vmax) comes back."""
     if n == 0:
-        return
+        return [0, 0, 0, 0]
     if step < 1:
         raise ValueError(f"step must be the count after this step's increment (>= 1), "
                          f"got {step}")
     threads = torch.get_num_threads() if num_threads is None else int(num_threads)
-    rc = lib.tm_adam_step(
+    crcs = ffi.new("uint32_t[4]")
+    rc = lib.tm_adam_step_crc(
         _ptr(p, "float *"), _ptr(m, "void *"), _ptr(v, "void *"), _ptr(vmax, "void *"),
         _ptr(g, "void *"), GRAD_DTYPES[g.dtype], _ptr(out, "void *"),
         OUT_DTYPES[out.dtype] if out is not None else 0, n, lr, float(beta1),
         float(beta2), float(eps), float(weight_decay), step, int(amsgrad), int(maximize),
-        int(decoupled), state_mode, seed, offset, max(1, threads))
+        int(decoupled), state_mode, seed, offset, max(1, threads), crc_mask,
+        crcs if crc_mask else ffi.NULL)
     if rc != 0:
         raise RuntimeError(f"tm_adam_step failed: {os.strerror(-rc)}")
+    return list(crcs)
 
 
 def _next_to(a: Tensor, b: Tensor) -> bool:

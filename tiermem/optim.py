@@ -21,7 +21,7 @@ from tiermem.errors import TierMemError
 from tiermem.kernels import adam_update, kernel_matching
 from tiermem.manifest import read_manifest
 from tiermem.overlap import BackwardOverlap
-from tiermem.partition import Partition, assign_tiers, build_partitions
+from tiermem.partition import Partition, assign_tiers, build_partitions, record_digest
 from tiermem.pipeline import Views
 from tiermem.telemetry import StepStats, timed
 from tiermem.swapdir import run_dirs
@@ -293,15 +293,18 @@ class OffloadedOptimizer:
             self._scratch[device] = buf
         return buf
 
-    def _update(self, part: Partition, views: Views, stats: StepStats) -> None:
+    def _update(self, part: Partition, views: Views, stats: StepStats) -> int | None:
+        """Update `part`'s record in place. Returns the record's CRC32C when the native
+        kernel computed it in the same pass (a checksummed record about to be written),
+        else None: the swap store then hashes the record itself."""
         group = self.opt.param_groups[part.group]
-        master = views.get("master")
         if self.settings.optimizer.state_dtype == "bf16" or (
-                master is not None and self.settings.optimizer.kernel == "native" and all(
-                    s.param.device.type == "cpu" and s.param.dtype in MIXED_OUT
+                self.settings.optimizer.kernel == "native" and all(
+                    s.param.device.type == "cpu" and s.param.dtype in (torch.float32,
+                                                                       *MIXED_OUT)
                     for s in part.segments)):
-            self._update_mixed_native(part, views, group, stats)
-            return
+            return self._update_mixed_native(part, views, group, stats)
+        master = views.get("master")
         lists: dict[str, list[torch.Tensor]] = {k: [] for k in
                                                  ("params", "grads", "steps", *MOMENTS)}
         copies_back = []
@@ -349,12 +352,19 @@ class OffloadedOptimizer:
             for s, target in copies_back:
                 # Refresh the model's (low-precision or device) weights from the master.
                 s.param.detach().view(-1)[s.start: s.start + s.length].copy_(target)
+        return None
+
+    def _wants_digest(self, part: Partition) -> bool:
+        """The record is written to a checksummed swap file right after its update."""
+        return self.settings.swap.checksums and (part.tier == "nvme" or self.crash)
 
     def _update_mixed_native(self, part: Partition, views: Views, group: dict,
-                             stats: StepStats) -> None:
-        """Low-precision CPU model, native kernel: one pass per segment reads the bf16/fp16
-        gradient, updates master and moments in the record, and writes the model's
-        low-precision weights, with no staging copy before or after.
+                             stats: StepStats) -> int | None:
+        """CPU model, native kernel: one pass per segment reads the gradient (fp32, bf16
+        or fp16), updates master and moments in the record, and writes the model's
+        low-precision weights, with no staging copy before or after. When the record is
+        about to be checksummed, the same pass returns the CRC32C of every array it
+        wrote, and the record's CRC is assembled from them (returned; else None).
 
         With bf16 state (optimizer.state_dtype) every CPU model comes here: an fp32 model
         is its own master (no weight output), and the moments are stored rounded as
@@ -366,6 +376,8 @@ class OffloadedOptimizer:
         beta1, beta2 = (float(b) for b in group["betas"])
         bf16 = self.settings.optimizer.state_dtype == "bf16"
         master = views.get("master")
+        hashed = part.kinds if self._wants_digest(part) else ()
+        crcs: list[dict[str, int] | None] = []  # per segment; None: not updated this step
         off = 0
         with timed(stats, "update_seconds", f"adam p{part.id}", part.id), \
                 record_function(f"tiermem.adam p{part.id}"):
@@ -373,6 +385,7 @@ class OffloadedOptimizer:
                 sl = slice(off, off + s.length)
                 off += s.length
                 if s.param.grad is None:
+                    crcs.append(None)
                     continue
                 weights = s.param.detach().view(-1)[s.start: s.start + s.length]
                 # An fp32 model with a master (crash-consistent runs): the kernel writes
@@ -383,7 +396,7 @@ class OffloadedOptimizer:
                     rounding = dict(rounding=self.settings.optimizer.state_rounding,
                                     seed=state_seed(step=self.steps[s.index],
                                                     partition=part.id), offset=sl.start)
-                adam_fused_mixed(
+                crcs.append(adam_fused_mixed(
                     master=weights if master is None else master[sl],
                     grad=s.param.grad.reshape(-1)[s.start: s.start + s.length],
                     exp_avg=views["exp_avg"][sl], exp_avg_sq=views["exp_avg_sq"][sl],
@@ -393,9 +406,10 @@ class OffloadedOptimizer:
                     eps=group["eps"], weight_decay=group["weight_decay"],
                     amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
                     decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-                    **rounding)
+                    checksums=hashed, **rounding))
                 if fp32_model:
                     weights.copy_(master[sl])
+            return record_digest(part, views, crcs) if hashed else None
 
     def _init_record(self, part: Partition, views: Views) -> None:
         """A never-written record: zero moments, master weights from the model."""

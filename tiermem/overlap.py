@@ -172,8 +172,8 @@ class BackwardOverlap:
                 off.steps[s.index] += 1
                 self._stepped.add(s.index)
 
-        def compute(p: Partition, views: dict) -> None:
-            off._update(p, views, stats)
+        def compute(p: Partition, views: dict) -> int | None:
+            return off._update(p, views, stats)  # the record's CRC32C, when fused
 
         if part.tier == "nvme":
             pipeline = off.tiers.pipeline

@@ -93,7 +93,7 @@ class StepPipeline:
 
     def run_step(self, stats: StepStats, active: Callable[[Partition], bool],
                  init: Callable[[Partition, Views], None],
-                 compute: Callable[[Partition, Views], None],
+                 compute: Callable[[Partition, Views], int | None],
                  after: Callable[[Partition], None] | None = None) -> None:
         order = [p for p in self.order(self.steps_done) if active(p)]
         self.begin_step(stats)
@@ -112,7 +112,7 @@ class StepPipeline:
     def compute_one(self, part: Partition, window: Sequence[Partition],
                     order: Sequence[Partition], i: int, stats: StepStats,
                     init: Callable[[Partition, Views], None],
-                    compute: Callable[[Partition, Views], None],
+                    compute: Callable[[Partition, Views], int | None],
                     after: Callable[[Partition], None] | None = None) -> None:
         """Update `part` (= order[i]) in its buffer, issue its write-back, then after(part).
 
@@ -130,8 +130,8 @@ class StepPipeline:
             slot.needs_init = False
         stats.reads_skipped += not slot.fetched
         slot.fetched = False
-        compute(part, views)
-        self._issue_write(slot, stats)
+        # compute may return the record's CRC32C, computed in its pass over the record.
+        self._issue_write(slot, stats, digest=compute(part, views))
         stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
         if after is not None:  # after the write is issued: the disk works while it runs
             after(part)
@@ -260,8 +260,8 @@ class StepPipeline:
             self._write_errors.append(exc)
         return not slot.dirty
 
-    def _issue_write(self, slot: _Slot, stats: StepStats) -> None:
-        slot.write = self.store.write(slot.part, slot.buf)
+    def _issue_write(self, slot: _Slot, stats: StepStats, digest: int | None = None) -> None:
+        slot.write = self.store.write(slot.part, slot.buf, digest=digest)
         self.fresh.discard(slot.part.id)
         self._reqs.append((slot.write, slot.part.id))
         stats.add_bytes("write", "nvme", self.store.slots[slot.part.id].nbytes)

@@ -168,7 +168,10 @@ class SwapStore:
         s = self.slots[part.id]
         return self.engine.read(self.files[s.file], buf[: s.nbytes], self._offset(part))
 
-    def write(self, part: Partition, buf: torch.Tensor) -> Request:
+    def write(self, part: Partition, buf: torch.Tensor, *,
+              digest: int | None = None) -> Request:
+        """Seal (when checksummed) and write `part`'s record from `buf`. `digest`: the
+        CRC32C of the record's bytes, when its update computed it (no second pass)."""
         s = self.slots[part.id]
         # Never over the committed copy: a write torn by a crash must leave it whole.
         self.latest[part.id] = (self.committed[part.id][0] + 1) % self.copies
@@ -176,7 +179,7 @@ class SwapStore:
             # The generation moves on when the write is issued: if the write is lost,
             # the next read finds the older one and says so.
             self.generation[part.id] += 1
-            seal(buf, part.record_bytes, part.id, self.generation[part.id])
+            seal(buf, part.record_bytes, part.id, self.generation[part.id], digest=digest)
         return self.engine.write(self.files[s.file], buf[: s.nbytes], self._offset(part))
 
     def rewrite(self, part: Partition, buf: torch.Tensor) -> Request:

@@ -31,7 +31,7 @@ from tiermem.swap import SwapStore
 from tiermem.swapdir import remove_run_dir, run_dirs
 from tiermem.telemetry import StepStats
 
-Fn = Callable[[Partition, Views], None]
+Fn = Callable[[Partition, Views], Any]  # init: None; compute: the CRC32C or None
 
 
 class TierManager:
@@ -162,9 +162,9 @@ class TierManager:
         if p.id in self.fresh:
             init(p, views)
             self.fresh.discard(p.id)
-        compute(p, views)
+        digest = compute(p, views)  # the record's CRC32C, if the update computed it
         if self.crash:
-            self._write_resident(p, stats)
+            self._write_resident(p, stats, digest)
         stats.partitions[p.tier] = stats.partitions.get(p.tier, 0) + 1
 
     def is_fresh(self, part: Partition) -> bool:
@@ -188,9 +188,11 @@ class TierManager:
 
     # -- crash-consistent commits ------------------------------------------------
 
-    def _write_resident(self, part: Partition, stats: StepStats | None = None) -> None:
+    def _write_resident(self, part: Partition, stats: StepStats | None = None,
+                        digest: int | None = None) -> None:
         self._unwritten.discard(part.id)
-        self._resident_writes[part.id] = self.store.write(part, self.resident[part.id])
+        self._resident_writes[part.id] = self.store.write(part, self.resident[part.id],
+                                                          digest=digest)
         if stats is not None:
             stats.add_bytes("write", "nvme", self.store.slots[part.id].nbytes)
 

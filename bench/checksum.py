@@ -1,0 +1,81 @@
+"""Record checksum cost, measured in one run: XXH3-64 (python xxhash, what tiermem used
+before CRC32C; skipped if not installed) against CRC32C in C on 1 and 2 threads, and
+the native Adam update with and without the CRCs computed in its own pass.
+
+    python3 bench/checksum.py --mib 512 --params 64M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from tiermem import native_adam as na
+from tiermem.checksum import crc32c
+
+
+def best_of(fn, repeat: int) -> float:
+    fn()  # warm: page faults, thread start
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512, help="buffer hashed, MiB")
+    ap.add_argument("--params", default="64M", help="elements of the Adam update")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    buf = torch.randint(0, 256, (a.mib << 20,), dtype=torch.uint8)
+    rows = {}
+    try:
+        import xxhash
+        mv = memoryview(buf.numpy())
+        rows["xxh3-64, 1 thread"] = best_of(lambda: xxhash.xxh3_64_intdigest(mv), a.repeat)
+    except ImportError:
+        pass
+    rows["crc32c, 1 thread"] = best_of(lambda: crc32c(buf), a.repeat)
+    rows["crc32c, 2 threads"] = best_of(lambda: crc32c(buf, threads=2), a.repeat)
+    print(f"hashing {a.mib} MiB (best of {a.repeat}):")
+    out = {"hash_gbps": {}}
+    for name, t in rows.items():
+        gbps = buf.numel() / t / 1e9
+        out["hash_gbps"][name] = gbps
+        print(f"  {name:20s} {gbps:6.1f} GB/s")
+
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9}
+    n = int(float(a.params[:-1]) * scale[a.params[-1]]) if a.params[-1] in scale \
+        else int(a.params)
+    g = torch.Generator().manual_seed(0)
+    t = dict(master=torch.randn(n, generator=g), grad=torch.randn(n, generator=g).bfloat16(),
+             exp_avg=torch.zeros(n, dtype=torch.bfloat16),
+             exp_avg_sq=torch.zeros(n, dtype=torch.bfloat16))
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    arrays = ("master", "exp_avg", "exp_avg_sq")
+    plain = best_of(lambda: na.adam_fused_mixed(**t, **kw), a.repeat)
+    fused = best_of(lambda: na.adam_fused_mixed(**t, checksums=arrays, **kw), a.repeat)
+    record = t["master"].numel() * 4 + 2 * n * 2
+    sep1 = best_of(lambda: [crc32c(t[k]) for k in arrays], a.repeat)
+    print(f"\nAdam update, {n} params, bf16 grads, fp32 master + bf16 moments "
+          f"({record / 1e9:.2f} GB record), {torch.get_num_threads()} threads:")
+    print(f"  update alone                   {plain * 1e9 / n:.3f} ns/param")
+    print(f"  update + CRCs in the same pass {fused * 1e9 / n:.3f} ns/param "
+          f"(+{(fused / plain - 1) * 100:.1f}%)")
+    print(f"  separate CRC32C pass, 1 thread {sep1 * 1e9 / n:.3f} ns/param")
+    out.update(params=n, update_ns=plain * 1e9 / n, fused_ns=fused * 1e9 / n,
+               separate_crc_ns=sep1 * 1e9 / n)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+/* CRC32C (Castagnoli, reflected polynomial 0x82F63B78): the digest of swap records.
+ *
+ * Why CRC32C: the SSE4.2 crc32 instruction computes it at one 8-byte word per
+ * cycle per dependency chain, and, unlike a hash such as XXH3, CRCs of pieces
+ * can be combined (crc(a+b) from crc(a), crc(b) and len(b)). That lets the Adam
+ * kernel hash each chunk it just wrote while it is in cache, on whatever thread
+ * wrote it, and the caller assemble the record's CRC from the pieces.
+ *
+ * - tm_crc32c(crc, buf, len): continue `crc` (0 to start) over buf; the value is
+ *   the standard CRC-32C (init and final xor ~0), crc32c("123456789") = E3069283.
+ *   Picks the SSE4.2 path at run time (__builtin_cpu_supports), else a table.
+ * - tm_crc32c_combine(crc1, crc2, len2): crc of a+b from crc(a), crc(b), len(b),
+ *   as zlib's crc32_combine does it (multiply by x^(8*len2) mod P).
+ * - tm_crc32c_threads(buf, len, nthreads): the same value, the buffer split over
+ *   up to nthreads threads (the caller takes the first piece) and combined.
+ *
+ * The hardware path runs three independent crc32 chains over three adjacent
+ * blocks (the instruction's latency is 3 cycles, its throughput one per cycle)
+ * and joins them by shifting the first two chains past the bytes after them:
+ * a fixed shift by x^(8n) mod P is linear in the 32 CRC bits, so it is four
+ * lookups in tables built once. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "tiermem_native.h"
+
+#if defined(__x86_64__)
+#define TM_CRC_X86 1
+#include <nmmintrin.h>
+#else
+#define TM_CRC_X86 0
+#endif
+
+#define POLY 0x82F63B78u
+#define LANE 4096                 /* bytes per chain in one 3-way round */
+#define THREAD_MIN (4u << 20)     /* split across threads only pieces this big */
+
+static uint32_t table[8][256];       /* slicing-by-8 tables of the portable path */
+static uint32_t x2n[68];             /* x^(2^k) mod P, for combine (n < 2^64 bytes) */
+static uint32_t shift1[4][256];      /* multiply by x^(8*LANE) mod P */
+static uint32_t shift2[4][256];      /* multiply by x^(8*2*LANE) mod P */
+static int use_hw;
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+/* a * b mod P, reflected (bit 31 is x^0), as in zlib's multmodp. */
+static uint32_t multmodp(uint32_t a, uint32_t b)
+{
+    uint32_t m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0)
+                break;
+        }
+        m >>= 1;
+        b = b & 1 ? (b >> 1) ^ POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^(8n) mod P: n bytes of shift. */
+static uint32_t x8nmodp(uint64_t n)
+{
+    uint32_t p = 1u << 31;  /* x^0 */
+    int k = 3;              /* x2n[3] = x^8: one byte */
+    while (n) {
+        if (n & 1)
+            p = multmodp(x2n[k], p);
+        n >>= 1;
+        k++;
+    }
+    return p;
+}
+
+static void shift_table(uint32_t t[4][256], uint32_t op)
+{
+    for (int b = 0; b < 4; b++)
+        for (uint32_t v = 0; v < 256; v++)
+            t[b][v] = multmodp(op, v << (8 * b));
+}
+
+static inline uint32_t shift(uint32_t t[4][256], uint32_t c)
+{
+    return t[0][c & 0xff] ^ t[1][(c >> 8) & 0xff] ^ t[2][(c >> 16) & 0xff] ^ t[3][c >> 24];
+}
+
+static void init(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
+        table[0][n] = c;
+    }
+    for (uint32_t n = 0; n < 256; n++)
+        for (int k = 1; k < 8; k++)
+            table[k][n] = (table[k - 1][n] >> 8) ^ table[0][table[k - 1][n] & 0xff];
+    uint32_t p = 1u << 30;  /* x^1 */
+    x2n[0] = p;
+    for (int k = 1; k < 68; k++)
+        x2n[k] = p = multmodp(p, p);
+    shift_table(shift1, x8nmodp(LANE));
+    shift_table(shift2, x8nmodp(2 * LANE));
+#if TM_CRC_X86
+    __builtin_cpu_init();
+    use_hw = __builtin_cpu_supports("sse4.2");
+#endif
+}
+
+/* The raw register (no pre/post inversion) over buf, table-driven. */
+static uint32_t raw_sw(uint32_t c, const unsigned char *p, size_t len)
+{
+    while (len && ((uintptr_t)p & 7)) {
+        c = (c >> 8) ^ table[0][(c ^ *p++) & 0xff];
+        len--;
+    }
+    while (len >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        w ^= c;  /* little-endian: the low 4 bytes take the register */
+        c = table[7][w & 0xff] ^ table[6][(w >> 8) & 0xff] ^ table[5][(w >> 16) & 0xff] ^
+            table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^
+            table[2][(w >> 40) & 0xff] ^ table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
+        p += 8;
+        len -= 8;
+    }
+    while (len--)
+        c = (c >> 8) ^ table[0][(c ^ *p++) & 0xff];
+    return c;
+}
+
+#if TM_CRC_X86
+__attribute__((target("sse4.2")))
+static uint32_t raw_hw(uint32_t c, const unsigned char *p, size_t len)
+{
+    while (len && ((uintptr_t)p & 7)) {
+        c = _mm_crc32_u8(c, *p++);
+        len--;
+    }
+    uint64_t c0 = c;
+    while (len >= 3 * LANE) {
+        uint64_t c1 = 0, c2 = 0;
+        const unsigned char *a = p, *b = p + LANE, *d = p + 2 * LANE;
+        for (size_t i = 0; i < LANE; i += 8) {
+            uint64_t wa, wb, wd;
+            memcpy(&wa, a + i, 8);
+            memcpy(&wb, b + i, 8);
+            memcpy(&wd, d + i, 8);
+            c0 = _mm_crc32_u64(c0, wa);
+            c1 = _mm_crc32_u64(c1, wb);
+            c2 = _mm_crc32_u64(c2, wd);
+        }
+        /* Register state after a|b|d: chain 0 moved past 2 lanes, chain 1 past one. */
+        c0 = shift(shift2, (uint32_t)c0) ^ shift(shift1, (uint32_t)c1) ^ (uint32_t)c2;
+        p += 3 * LANE;
+        len -= 3 * LANE;
+    }
+    while (len >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c0 = _mm_crc32_u64(c0, w);
+        p += 8;
+        len -= 8;
+    }
+    c = (uint32_t)c0;
+    while (len--)
+        c = _mm_crc32_u8(c, *p++);
+    return c;
+}
+#endif
+
+static uint32_t crc_with(int hw, uint32_t crc, const void *buf, size_t len)
+{
+    pthread_once(&init_once, init);
+    uint32_t c = ~crc;
+#if TM_CRC_X86
+    if (hw)
+        return ~raw_hw(c, buf, len);
+#endif
+    (void)hw;
+    return ~raw_sw(c, buf, len);
+}
+
+uint32_t tm_crc32c(uint32_t crc, const void *buf, size_t len)
+{
+    pthread_once(&init_once, init);
+    return crc_with(use_hw, crc, buf, len);
+}
+
+uint32_t tm_crc32c_sw(uint32_t crc, const void *buf, size_t len)
+{
+    return crc_with(0, crc, buf, len);
+}
+
+int tm_crc32c_hw_supported(void)
+{
+    pthread_once(&init_once, init);
+    return use_hw;
+}
+
+uint32_t tm_crc32c_hw(uint32_t crc, const void *buf, size_t len)
+{
+    /* Only where tm_crc32c_hw_supported(); elsewhere the portable path answers. */
+    return crc_with(tm_crc32c_hw_supported(), crc, buf, len);
+}
+
+uint32_t tm_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
+{
+    pthread_once(&init_once, init);
+    return multmodp(x8nmodp(len2), crc1) ^ crc2;
+}
+
+typedef struct {
+    const unsigned char *p;
+    size_t len;
+    uint32_t crc;
+} piece;
+
+static void *hash_piece(void *arg)
+{
+    piece *pc = arg;
+    pc->crc = tm_crc32c(0, pc->p, pc->len);
+    return NULL;
+}
+
+#define MAX_PIECES 16
+
+uint32_t tm_crc32c_threads(const void *buf, size_t len, int nthreads)
+{
+    int n = nthreads < 1 ? 1 : nthreads > MAX_PIECES ? MAX_PIECES : nthreads;
+    if ((size_t)n > len / THREAD_MIN)
+        n = (int)(len / THREAD_MIN);
+    if (n <= 1)
+        return tm_crc32c(0, buf, len);
+    piece pcs[MAX_PIECES];
+    pthread_t th[MAX_PIECES];
+    int started[MAX_PIECES] = {0};
+    size_t each = len / n / 64 * 64;
+    for (int i = 0; i < n; i++) {
+        pcs[i].p = (const unsigned char *)buf + (size_t)i * each;
+        pcs[i].len = i == n - 1 ? len - (size_t)i * each : each;
+    }
+    for (int i = 1; i < n; i++)
+        started[i] = pthread_create(&th[i], NULL, hash_piece, &pcs[i]) == 0;
+    hash_piece(&pcs[0]);
+    uint32_t crc = pcs[0].crc;
+    for (int i = 1; i < n; i++) {
+        if (started[i])
+            pthread_join(th[i], NULL);
+        else
+            hash_piece(&pcs[i]);  /* no thread to be had: hash it here */
+        crc = tm_crc32c_combine(crc, pcs[i].crc, pcs[i].len);
+    }
+    return crc;
+}

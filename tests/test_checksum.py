@@ -1,0 +1,129 @@
+"""CRC32C in C (tiermem/checksum.py, native/crc32c.c) and the CRCs the native Adam kernel
+returns for the arrays it wrote (native_adam.adam_fused_mixed(checksums=...))."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tiermem import native_adam as na
+from tiermem.checksum import (RecordDigest, combine, crc32c, crc32c_portable, crc32c_sse42,
+                              has_sse42)
+
+
+def test_check_value_of_the_standard():
+    # CRC-32C/ISCSI check value, and the empty string
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c_portable(b"123456789") == 0xE3069283
+    assert crc32c_sse42(b"123456789") == 0xE3069283
+    assert crc32c(b"") == 0
+    assert crc32c(b"\0" * 32) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=40000), st.binary(max_size=40000))
+def test_combine_equals_the_crc_of_the_concatenation(a, b):
+    assert combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+    assert crc32c(b, crc32c(a)) == crc32c(a + b)  # continuing a CRC
+
+
+@pytest.mark.skipif(not has_sse42(), reason="no SSE4.2 on this CPU")
+def test_sse42_path_equals_the_table_path_at_every_length_and_alignment():
+    data = os.urandom(3 * 4096 * 3 + 64)
+    for start in range(8):
+        for n in list(range(0, 300)) + [3 * 4096 - 1, 3 * 4096, 3 * 4096 + 7, 2 * 3 * 4096 + 13,
+                                        len(data) - start]:
+            piece = data[start: start + n]
+            assert crc32c_sse42(piece) == crc32c_portable(piece), (start, n)
+
+
+def test_threaded_hash_equals_one_thread():
+    t = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(1))
+    one = crc32c_portable(t.numpy().tobytes())
+    for threads in (1, 2, 3, 16):
+        assert crc32c(t[: (24 << 20) - 5], threads=threads) == crc32c_portable(
+            t[: (24 << 20) - 5].numpy().tobytes())
+        assert crc32c(t, threads=threads) == one
+
+
+def test_record_digest_assembles_pieces_in_order():
+    rec = torch.randint(0, 256, (10000,), dtype=torch.uint8)
+    d = RecordDigest(rec)
+    d.hash_to(100)
+    d.add(crc32c(rec[100:5000]), 4900)
+    d.hash_to(5000)  # already there: nothing to hash
+    assert d.finish(10000) == crc32c_portable(rec.numpy().tobytes())
+    with pytest.raises(ValueError, match="back to byte 10"):
+        d.hash_to(10)
+
+
+# -- CRCs from the Adam kernel -----------------------------------------------------------
+
+ARRAYS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _inputs(n, state, grad, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(master=torch.randn(n, generator=g),
+                grad=torch.randn(n, generator=g).to(grad),
+                exp_avg=torch.randn(n, generator=g).to(state),
+                exp_avg_sq=torch.rand(n, generator=g).to(state),
+                max_exp_avg_sq=torch.rand(n, generator=g).to(state))
+
+
+@pytest.mark.parametrize("isa", na.supported_isas())
+@pytest.mark.parametrize("n", [1, 1000, 64 * 1024 + 17, 600_000])
+@pytest.mark.parametrize("state, rounding", [(torch.float32, "nearest"),
+                                             (torch.bfloat16, "nearest"),
+                                             (torch.bfloat16, "stochastic")])
+@pytest.mark.parametrize("grad", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_crcs_are_the_crcs_of_what_it_wrote(isa, n, state, rounding, grad):
+    na.set_isa(isa)
+    try:
+        hashed = _inputs(n, state, grad)
+        plain = {k: v.clone() for k, v in hashed.items()}
+        out_h = torch.empty(n, dtype=torch.bfloat16)
+        out_p = torch.empty(n, dtype=torch.bfloat16)
+        kw = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                  amsgrad=True, rounding=rounding, seed=5, offset=7, num_threads=2)
+        crcs = na.adam_fused_mixed(**hashed, weight_out=out_h, checksums=ARRAYS, **kw)
+        none = na.adam_fused_mixed(**plain, weight_out=out_p, **kw)
+    finally:
+        na.set_isa("auto")
+    assert none == {}
+    # hashing touched no arithmetic: bitwise the same results
+    for k in hashed:
+        assert torch.equal(hashed[k].view(torch.uint8) if hashed[k].dtype != torch.float32
+                           else hashed[k].view(torch.int32),
+                           plain[k].view(torch.uint8) if plain[k].dtype != torch.float32
+                           else plain[k].view(torch.int32)), k
+    assert torch.equal(out_h.view(torch.int16), out_p.view(torch.int16))
+    assert set(crcs) == set(ARRAYS)
+    for k in ARRAYS:
+        assert crcs[k] == crc32c_portable(hashed[k].view(torch.uint8).numpy().tobytes()), k
+
+
+def test_kernel_crcs_across_a_stochastic_rounding_window():
+    """A call that crosses a 2^32-element stream window runs once per window: the CRCs of
+    the windows are combined too."""
+    t = _inputs(300_000, torch.bfloat16, torch.float32)
+    crcs = na.adam_fused_mixed(**t, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                               amsgrad=True, rounding="stochastic", seed=1,
+                               offset=(1 << 32) - 100_001, num_threads=2,
+                               checksums=("exp_avg", "exp_avg_sq"))
+    assert set(crcs) == {"exp_avg", "exp_avg_sq"}
+    for k in crcs:
+        assert crcs[k] == crc32c(t[k])
+
+
+def test_kernel_checksums_reject_unknown_names():
+    t = _inputs(10, torch.float32, torch.float32)
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    with pytest.raises(ValueError, match="unknown array 'weights'"):
+        na.adam_fused_mixed(**t, checksums=("weights",), **kw)
+    with pytest.raises(ValueError, match="only written with amsgrad"):
+        na.adam_fused_mixed(**t, checksums=("max_exp_avg_sq",), **kw)
