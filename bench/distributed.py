@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _report import machine_facts, markdown_table, write_json  # noqa: E402
+from pipeline import _model  # noqa: E402
 
 TENSOR_ELEMS = 1 << 22  # 4M-element parameters
 
@@ -46,14 +47,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out) -> N
     torch.set_num_threads(1)  # two ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=600))
-    g = torch.Generator().manual_seed(0)
-    params, left = [], args.params
-    while left > 0:
-        n = min(TENSOR_ELEMS, left)
-        p = torch.nn.Parameter(torch.empty(n).uniform_(-1, 1, generator=g))
-        p.grad = torch.empty(n).uniform_(-1e-3, 1e-3, generator=g)
-        params.append(p)
-        left -= n
+    params = _model(args.params, tensor_elems=TENSOR_ELEMS)  # as bench/pipeline.py's
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
     cfg = {"swap": {"paths": [os.path.join(args.swap_dir, "rank{rank}")], "checksums": True},
            "io": {"backend": args.backend, "queue_depth": 32, "block_size": "1MiB"},

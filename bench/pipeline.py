@@ -40,7 +40,7 @@ from _report import markdown_table, parse_size, write_json  # noqa: E402
 TENSOR_ELEMS = 1 << 24  # 16M-element parameters: large enough that per-tensor overhead is nil
 
 
-def _model(n_params: int, seed: int = 0):
+def _model(n_params: int, seed: int = 0, tensor_elems: int = TENSOR_ELEMS):
     """fp32 parameters with fixed gradients; the values do not change the timing."""
     import torch
 
@@ -48,7 +48,7 @@ def _model(n_params: int, seed: int = 0):
     params = []
     left = n_params
     while left > 0:
-        n = min(TENSOR_ELEMS, left)
+        n = min(tensor_elems, left)
         p = torch.nn.Parameter(torch.empty(n).uniform_(-1, 1, generator=g))
         p.grad = torch.empty(n).uniform_(-1e-3, 1e-3, generator=g)
         params.append(p)

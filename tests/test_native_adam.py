@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import multiprocessing
 import os
@@ -28,25 +27,13 @@ from hypothesis import strategies as st
 from tiermem import kernels
 from tiermem import native_adam as na
 
+from adam_helpers import bits, isa
+
 RTOL, ATOL = 1e-6, 1e-7
 ISAS = na.supported_isas()
 SIMD_ISAS = [i for i in ISAS if i != "scalar"]
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD = {"fp32": torch.float32, **LOW}
-
-
-@contextlib.contextmanager
-def isa(name: str):
-    na.set_isa(name)
-    try:
-        yield
-    finally:
-        na.set_isa("auto")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit patterns, so NaNs and signed zeros compare exactly."""
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

@@ -20,7 +20,6 @@ hash of (seed, element index) re-implemented in int64 arithmetic. Tests:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -31,6 +30,8 @@ from hypothesis import strategies as st
 
 import tiermem
 from tiermem import native_adam as na
+
+from adam_helpers import bits, isa
 from tiermem.config import ConfigError
 from tiermem.errors import TierMemError
 from tiermem.partition import build_partitions
@@ -41,19 +42,6 @@ from offload_helpers import (Synthetic, backend_params, config, make_batches, si
 ISAS = na.supported_isas()
 M32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
-
-
-@contextlib.contextmanager
-def isa(name: str):
-    na.set_isa(name)
-    try:
-        yield
-    finally:
-        na.set_isa("auto")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

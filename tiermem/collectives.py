@@ -96,6 +96,17 @@ class Collectives:
         self.wait(self.all_reduce(t), what)  # the other rows are zero: the sum is the table
         return t.tolist()
 
+    def agreed_steps(self, n: int, shadow: dict[int, dict[str, Any]], what: str
+                     ) -> torch.Tensor:
+        """Each of the `n` parameters' step count as the ranks holding its state know it
+        (-1 where no rank does): a rank owning none of a parameter has no count of its own."""
+        steps = torch.full((n,), -1.0)
+        for i, st in shadow.items():
+            steps[i] = float(st["step"])
+        if n:
+            self.wait(self.all_reduce(steps, dist.ReduceOp.MAX), what)
+        return steps
+
     def wait(self, work: Any, what: str) -> None:
         try:
             if not work.wait(self.timeout):

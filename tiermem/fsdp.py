@@ -95,13 +95,7 @@ class FsdpLayout:
                      *, model_dtype: bool) -> dict[int, dict[str, Any]]:
         """State as DTensors sharded like their parameters; only the step counts are agreed
         on (a rank whose shard of a parameter is empty has no state of its own for it)."""
-        n = len(self.params)
-        steps = torch.full((n,), -1.0)
-        for i, st in shadow.items():
-            steps[i] = float(st["step"])
-        if n:
-            self.coll.wait(self.coll.all_reduce(steps, torch.distributed.ReduceOp.MAX),
-                           "agreeing on step counts")
+        steps = self.coll.agreed_steps(len(self.params), shadow, "agreeing on step counts")
         out: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
             if steps[i] <= 0:

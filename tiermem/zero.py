@@ -196,13 +196,7 @@ class ZeroLayout:
         the parameter's dtype (else fp32), as OffloadedOptimizer.export_state. Every rank ends up with
         the whole state; one all-gather per parameter and kind, so at most one parameter's
         state is in flight."""
-        n = len(self.params)
-        steps = torch.full((n,), -1.0)
-        for i, st in shadow.items():
-            steps[i] = float(st["step"])
-        if n:
-            self.coll.wait(self.coll.all_reduce(steps, torch.distributed.ReduceOp.MAX),
-                           "gathering the optimizer state")
+        steps = self.coll.agreed_steps(len(self.params), shadow, "gathering the optimizer state")
         out: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
             if steps[i] <= 0:
