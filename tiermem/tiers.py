@@ -49,6 +49,7 @@ class TierManager:
         self._unwritten: set[int] = set()
         self.resident_faults_survived = 0  # write-throughs that succeeded when reissued
         self.parts: list[Partition] = []
+        self._by_id: dict[int, Partition] = {}
         self.resident: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()
         self.engine: IOEngine | None = None
@@ -90,6 +91,7 @@ class TierManager:
         if nvme:
             self._add_to_pipeline(nvme)
         self.parts.extend(parts)
+        self._by_id.update((p.id, p) for p in parts)
 
     def _add_to_store(self, parts: Sequence[Partition]) -> None:
         s = self.settings
@@ -201,7 +203,7 @@ class TierManager:
         req = self._resident_writes.pop(pid, None)
         if req is None:
             return
-        part = next(p for p in self.parts if p.id == pid)
+        part = self._by_id[pid]
         for attempt in range(self.settings.io.retries + 1):
             try:
                 req.wait()
