@@ -379,13 +379,48 @@ def test_config_key_is_a_bool():
     assert tiermem.load_config(None).pipeline.overlap_backward is False
 
 
-def test_refused_with_crash_consistent(tmp_path):
-    """Commits and roll-backs are not wired into the worker's path: the config says so."""
-    cfg = config(tmp_path)
-    cfg["pipeline"]["overlap_backward"] = True
+@pytest.mark.parametrize("backend", backend_params())
+def test_crash_consistent_commits_every_step(tmp_path, backend):
+    """With commits, updates during backward stay bitwise and every step() commits."""
+    from tiermem.manifest import read_manifest
+
+    cls, kw, kernel, ref_kw = OPTIMIZERS["adamw-loop-match"]
+    model, ref_model = twin(Synthetic)
+    opt, ref_opt = cls(model.parameters(), **kw), cls(ref_model.parameters(), **kw)
+    batches = make_batches(model, STEPS)
+    cfg = overlap_config(tmp_path, backend=backend, kernel=kernel, **PLACEMENTS["mixed"])
     cfg["swap"]["durability"] = "crash_consistent"
-    with pytest.raises(tiermem.ConfigError, match="pipeline.overlap_backward"):
-        tiermem.load_config(cfg)
+    steps = []
+    with tiermem.offload(opt, cfg) as tm:
+        run(model, opt, batches, tm, after_step=lambda i: steps.append(
+            (tm.committed_step, read_manifest(str(tmp_path / "tiermem-default"), None).step)))
+        assert tm.stats()[-1]["early_partitions"] > 0
+    run(ref_model, ref_opt, batches)
+    compare_runs(model, opt, ref_model, ref_opt)
+    assert steps == [(i + 1, i + 1) for i in range(STEPS)]
+
+
+def test_crash_consistent_failed_step_rolls_back(tmp_path):
+    """A read failing in the worker during backward: step() raises, the optimizer and the
+    model are back at the last commit, and the same batch trains on from there."""
+    cls, kw, kernel, ref_kw = OPTIMIZERS["adamw-loop-match"]
+    model, ref_model = twin(Synthetic)
+    opt, ref_opt = cls(model.parameters(), **kw), cls(ref_model.parameters(), **kw)
+    batches = make_batches(model, 3)
+    cfg = overlap_config(tmp_path, kernel=kernel, **PLACEMENTS["nvme"])
+    cfg["swap"]["durability"] = "crash_consistent"
+    cfg["io"]["retries"] = 0
+    with tiermem.offload(opt, cfg) as tm:
+        run(model, opt, batches[:1], tm)
+        inject(tm, "read", 0)
+        with pytest.raises(tiermem.TierMemIOError) as info:
+            run(model, opt, batches[1:2], tm)
+        assert "rolled back to committed step 1" in "".join(info.value.__notes__)
+        opt.zero_grad()
+        run(model, opt, batches[1:], tm)  # the new engine has no fault
+    run(ref_model, ref_opt, batches[:1])  # the same calls: run() numbers batches per call
+    run(ref_model, ref_opt, batches[1:])
+    compare_runs(model, opt, ref_model, ref_opt)
 
 
 def test_refused_under_a_process_group(tmp_path):

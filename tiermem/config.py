@@ -204,12 +204,6 @@ class Settings:
                                            default_factory=DistributedSettings)
 
     def validate(self) -> None:
-        if self.pipeline.overlap_backward and self.swap.durability == "crash_consistent":
-            # A step then runs partly in the worker during backward; its commit and its
-            # roll-back on failure are not wired to that path yet.
-            raise ConfigError(
-                "pipeline.overlap_backward", True,
-                "not supported with swap.durability: crash_consistent yet; turn one off")
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,
         # with one warning (tiermem.buffers), so the defaults work for any user.
         pinned = self.tiers.host.capacity + self.pipeline.buffer_count * self.pipeline.partition_size

@@ -11,8 +11,10 @@ ones before it are updated.
 
 optimizer.step() waits for the worker, raises the first error it hit, checks
 that no gradient changed after its hook fired, updates the partitions no hook
-made ready (parameters unused in this step, frozen ones) and closes the step. A
-backward inside `accumulating()` only accumulates. docs/overlap.md has the rules.
+made ready (parameters unused in this step, frozen ones) and closes the step
+(crash-consistent runs commit it there, or roll it back when it raised: the
+worker's writes went to copies no manifest names yet). A backward inside
+`accumulating()` only accumulates. docs/overlap.md has the rules.
 
 Threads. Autograd's thread runs the hooks: they only mark and enqueue, under
 `_lock`. Everything else (the pipeline, the tiers, the round's bookkeeping, the
@@ -232,6 +234,10 @@ class BackwardOverlap:
                 for part in rest:
                     self._process(part, nvme[nvme.index(part):] if part in nvme else nvme)
                 self._close_round(stats)
+        except BaseException as exc:
+            if off.crash:  # the worker is idle: reopening the last commit is safe now
+                off._roll_back(exc, off.steps_taken + 1)
+            raise
         finally:
             self._reset_round()
         # What timed() does, from before the wait for the worker.
@@ -241,6 +247,8 @@ class BackwardOverlap:
             stats.events.append(Event("step", "step", t0, t1, stats.step))
         off.history.append(stats)
         off.steps_taken += 1
+        if off.crash:
+            off._commit_step(stats.step)
         off.opt._opt_called = True  # what torch's lr schedulers check for
         _run_post_hooks(off.opt, args, kwargs)
 
