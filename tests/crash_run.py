@@ -2,7 +2,10 @@
 
 Run as a script by tests/test_crash.py:
 
-    python crash_run.py SWAP BACKEND POINT:N STEPS [MODEL_DTYPE [STATE_DTYPE]]
+    python crash_run.py SWAP BACKEND POINT:N STEPS [MODEL_DTYPE [STATE_DTYPE [GRADS]]]
+
+GRADS: "synthetic" (default: set from a seeded generator) or "overlap" (a real
+backward with pipeline.overlap_backward, so records are written during backward).
 
 POINT is where the N-th (1-based) event of its kind sends SIGKILL:
   write-before   before a swap record write is issued
@@ -41,6 +44,15 @@ def set_grads(model: torch.nn.Module, step: int) -> None:
     g = torch.Generator().manual_seed(1000 + step)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def backward_grads(model: torch.nn.Module, step: int) -> None:
+    """Gradients of step `step` from a real forward and backward on a seeded batch."""
+    g = torch.Generator().manual_seed(2000 + step)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(16, 32, generator=g).to(dtype)
+    model.zero_grad(set_to_none=True)
+    model(x).float().square().mean().backward()
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -112,17 +124,22 @@ def _arm(point: str, n: int) -> None:
 
 
 def main(swap: str, backend: str, spec: str, steps: int, dtype: str = "fp32",
-         state_dtype: str = "fp32") -> None:
+         state_dtype: str = "fp32", grads: str = "synthetic") -> None:
     import tiermem
 
     point, n = spec.split(":")
     _arm(point, int(n))
     model = make_model(torch.bfloat16 if dtype == "bf16" else torch.float32)
     opt = make_optimizer(model)
-    with tiermem.offload(opt, crash_config(swap, backend, state_dtype), model=model):
+    cfg = crash_config(swap, backend, state_dtype)
+    cfg["pipeline"]["overlap_backward"] = grads == "overlap"
+    with tiermem.offload(opt, cfg, model=model):
         for k in range(1, steps + 1):
             print(f"begin {k}", flush=True)
-            set_grads(model, k)
+            if grads == "overlap":
+                backward_grads(model, k)  # the worker updates and writes during it
+            else:
+                set_grads(model, k)
             opt.step()
             if point == "after-step" and k == int(n):
                 _die()

@@ -23,7 +23,7 @@ import torch
 import tiermem
 import tiermem.cli
 from conftest import BACKEND_PARAMS
-from crash_run import crash_config, make_model, make_optimizer, set_grads
+from crash_run import backward_grads, crash_config, make_model, make_optimizer, set_grads
 from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
 from tiermem.errors import TierMemError
 from tiermem.swapdir import StaleSwapError
@@ -131,3 +131,46 @@ def test_resume_after_kill(tmp_path, backend, point, n, partitions, reference):
     assert_weights(model, reference[step + 1][0], f"step {step + 1} after resume")
     compare_state_dicts(opt.state_dict(), reference[step + 1][1])
     assert not swap_dir(swap).exists()
+
+
+@pytest.fixture(scope="module")
+def backward_reference() -> list[tuple[list[torch.Tensor], dict]]:
+    """As `reference`, with gradients from a real backward (the overlap runs)."""
+    model = make_model()
+    opt = make_optimizer(model)
+    out = [([p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))]
+    for k in range(1, STEPS + 1):
+        backward_grads(model, k)
+        opt.step()
+        out.append(([p.detach().clone() for p in model.parameters()],
+                    copy.deepcopy(opt.state_dict())))
+    return out
+
+
+OVERLAP_POINTS = [
+    ("write-after", lambda P: P + 2),       # a record written by the worker during backward 1
+    ("write-before", lambda P: 2 * P + 3),  # step 2, mid-backward
+    ("manifest-renamed", lambda P: 3),      # step 2 committed by step()
+]
+
+
+@pytest.mark.parametrize("point,n", OVERLAP_POINTS,
+                         ids=[f"{p}-{i}" for i, (p, _) in enumerate(OVERLAP_POINTS)])
+def test_resume_after_kill_with_overlap(tmp_path, point, n, partitions, backward_reference):
+    """pipeline.overlap_backward: the worker writes records while backward runs; a kill
+    there resumes to the last step that step() committed."""
+    swap = tmp_path / "swap"
+    proc = subprocess.run([sys.executable, str(CHILD), str(swap), "threads",
+                           f"{point}:{n(partitions)}", str(STEPS), "fp32", "fp32", "overlap"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, f"child was not killed:\n{proc.stdout}{proc.stderr}"
+    step = expected_step(point, proc.stdout.split())
+    model = make_model()
+    opt = make_optimizer(model)
+    cfg = crash_config(str(swap), "threads")
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == step
+        assert_weights(model, backward_reference[step][0], f"resumed at step {step}")
+        compare_state_dicts(opt.state_dict(), backward_reference[step][1])
+        tm.discard()
+
