@@ -32,18 +32,22 @@ STEPS = 3
 CHILD = Path(__file__).with_name("crash_run.py")
 
 
-@pytest.fixture(scope="module")
-def reference() -> list[tuple[list[torch.Tensor], dict]]:
-    """Weights and optimizer state_dict of plain AdamW after 0..STEPS+1 steps."""
+def trajectory(grads, steps: int) -> list[tuple[list[torch.Tensor], dict]]:
+    """Weights and optimizer state_dict of plain AdamW after 0..steps steps of `grads`."""
     model = make_model()
     opt = make_optimizer(model)
     out = [([p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))]
-    for k in range(1, STEPS + 2):
-        set_grads(model, k)
+    for k in range(1, steps + 1):
+        grads(model, k)
         opt.step()
         out.append(([p.detach().clone() for p in model.parameters()],
                     copy.deepcopy(opt.state_dict())))
     return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[list[torch.Tensor], dict]]:
+    return trajectory(set_grads, STEPS + 1)
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +139,8 @@ def test_resume_after_kill(tmp_path, backend, point, n, partitions, reference):
 
 @pytest.fixture(scope="module")
 def backward_reference() -> list[tuple[list[torch.Tensor], dict]]:
-    """As `reference`, with gradients from a real backward (the overlap runs)."""
-    model = make_model()
-    opt = make_optimizer(model)
-    out = [([p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))]
-    for k in range(1, STEPS + 1):
-        backward_grads(model, k)
-        opt.step()
-        out.append(([p.detach().clone() for p in model.parameters()],
-                    copy.deepcopy(opt.state_dict())))
-    return out
+    """Gradients from a real backward (the overlap runs)."""
+    return trajectory(backward_grads, STEPS)
 
 
 OVERLAP_POINTS = [

@@ -268,11 +268,7 @@ class OffloadedOptimizer:
                 if self.crash:
                     self._roll_back(exc, stats.step)
                 raise
-            # The step happened, whether or not its commit below succeeds.
-            self.history.append(stats)
-            self.steps_taken += 1
-            if self.crash:
-                self._commit_step(stats.step)
+            self._close_step(stats)
         self.opt._opt_called = True  # what torch's lr schedulers check for
         _run_post_hooks(self.opt, args, kwargs)
         return loss
@@ -440,6 +436,14 @@ class OffloadedOptimizer:
         meta = self._meta(step)
         self.tiers.commit(**meta)
         self.committed_step = meta["step"]
+
+    def _close_step(self, stats: StepStats) -> None:
+        """The step happened, whether or not its commit (crash-consistent) then succeeds:
+        count it and keep its figures first."""
+        self.history.append(stats)
+        self.steps_taken += 1
+        if self.crash:
+            self._commit_step(stats.step)
 
     def _commit_step(self, step: int) -> None:
         try:

@@ -245,10 +245,7 @@ class BackwardOverlap:
         stats.step_seconds += t1 - t0
         if stats.events is not None:
             stats.events.append(Event("step", "step", t0, t1, stats.step))
-        off.history.append(stats)
-        off.steps_taken += 1
-        if off.crash:
-            off._commit_step(stats.step)
+        off._close_step(stats)
         off.opt._opt_called = True  # what torch's lr schedulers check for
         _run_post_hooks(off.opt, args, kwargs)
 
