@@ -297,3 +297,24 @@ def test_memlock_limit_at_offload_level(tmp_path):
     for run in out["runs"]:
         for p, w in zip(ref_model.parameters(), run["weights"]):
             assert_same_tensor(torch.tensor(w, dtype=torch.float32), p.detach(), "weights")
+
+
+def test_resume_with_the_other_durability_is_refused(tmp_path):
+    """The modes lay the files out differently: a resume says which mode wrote the state,
+    and leaves it untouched."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_run.py"), str(tmp_path),
+                           "threads", "after-step:1", "2", "bf16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    cfg = crash_config(str(tmp_path), "threads")
+    cfg["swap"]["durability"] = "scratch"
+    model = make_model(torch.bfloat16)
+    with pytest.raises(TierMemError, match="written with swap.durability: crash_consistent"):
+        with tiermem.offload(make_optimizer(model), cfg, model=model, resume=True):
+            pass
+    model = make_model(torch.bfloat16)
+    with tiermem.offload(make_optimizer(model), crash_config(str(tmp_path), "threads"),
+                         model=model, resume=True) as tm:
+        assert tm.resumed_step == 1
+        tm.discard()
+

@@ -90,9 +90,10 @@ def _discard(path: str) -> None:
         pass  # never written, or its directory is gone: nothing to clean
 
 
-def read_manifest(run_dir: str, parts: Sequence[Partition] | None) -> Manifest:
+def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
+                  durability: str | None = None) -> Manifest:
     """The manifest in `run_dir`, checked against the layout this optimizer and config give
-    (`parts`; None reads it as it is, for `tiermem recover`)."""
+    (`parts`, `durability`; parts None reads it as it is, for `tiermem recover`)."""
     path = os.path.join(run_dir, MANIFEST)
     try:
         with open(path) as f:
@@ -108,6 +109,12 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None) -> Manifest:
     m = Manifest(**data)
     if parts is None:
         return m
+    if durability is not None and m.durability != durability:
+        # The two modes lay the swap files out differently (one copy or two per record).
+        raise TierMemError(
+            f"cannot resume from {run_dir}: the kept state was written with "
+            f"swap.durability: {m.durability}, this config says {durability}; resume with "
+            f"{m.durability}")
     expected = layout_of(parts)
     if m.partitions != expected:
         diff = next((i for i, (a, b) in enumerate(zip(m.partitions, expected)) if a != b),

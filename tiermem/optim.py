@@ -139,7 +139,8 @@ class OffloadedOptimizer:
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
         if resume:
-            manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts)
+            manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts,
+                                     settings.swap.durability)
             self._adopt_counts(manifest)
         self.resumed_step = manifest.step if manifest else None
         self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest)
