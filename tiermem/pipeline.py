@@ -237,19 +237,15 @@ class StepPipeline:
         if slot.write is None:
             return
         req, slot.write = slot.write, None
-        for attempt in range(self.retries + 1):
-            try:
-                req.wait()
-                self.faults_survived += attempt
-                slot.dirty = False
-                return
-            except TierMemIOError:
-                if attempt == self.retries:
-                    # The buffer keeps the only current copy; it is never reused for
-                    # another partition and flush() tries the write again.
-                    slot.dirty = True
-                    raise
-                req = self.store.rewrite(slot.part, slot.buf)
+        try:
+            self.faults_survived += self.store.finish_write(slot.part, slot.buf, req,
+                                                            retries=self.retries)
+        except TierMemIOError:
+            # The buffer keeps the only current copy; it is never reused for another
+            # partition and flush() tries the write again.
+            slot.dirty = True
+            raise
+        slot.dirty = False
 
     def _settle_write(self, slot: _Slot) -> bool:
         """Finish slot's write-back; a failure is kept for the end of the step. True if the

@@ -187,6 +187,22 @@ class SwapStore:
         s = self.slots[part.id]
         return self.engine.write(self.files[s.file], buf[: s.nbytes], self._offset(part))
 
+    def finish_write(self, part: Partition, buf: torch.Tensor, req: Request, *,
+                     retries: int) -> int:
+        """Wait for `req`, a write of `part` from `buf`, reissuing it (same copy, footer and
+        generation) up to `retries` times; returns how many attempts failed before one
+        landed, or raises the last failure (`buf` then holds the only current copy)."""
+        failed = 0
+        while True:
+            try:
+                req.wait()
+                return failed
+            except TierMemIOError:
+                if failed == retries:
+                    raise
+            failed += 1
+            req = self.rewrite(part, buf)
+
     def verify(self, part: Partition, buf: torch.Tensor) -> None:
         """Check a record that a read() brought into `buf` (raises IntegrityError)."""
         if self.checksums:

@@ -203,17 +203,12 @@ class TierManager:
         req = self._resident_writes.pop(pid, None)
         if req is None:
             return
-        part = self._by_id[pid]
-        for attempt in range(self.settings.io.retries + 1):
-            try:
-                req.wait()
-                self.resident_faults_survived += attempt
-                return
-            except TierMemIOError:
-                if attempt == self.settings.io.retries:
-                    self._unwritten.add(pid)  # the next commit tries again
-                    raise
-                req = self.store.rewrite(part, self.resident[pid])
+        try:
+            self.resident_faults_survived += self.store.finish_write(
+                self._by_id[pid], self.resident[pid], req, retries=self.settings.io.retries)
+        except TierMemIOError:
+            self._unwritten.add(pid)  # the next commit tries again
+            raise
 
     def commit(self, *, step: int, **meta: Any) -> str:
         """Make the state as it is now the one a resume finds: every record written, the
