@@ -72,6 +72,17 @@ def crash_config(swap: str, backend: str, state_dtype: str = "fp32") -> dict:
             "optimizer": {"kernel": "match"}}
 
 
+def run_killed(swap, backend: str, spec: str, steps: int, *extra: str) -> list[str]:
+    """Run this script as a child (from a test) and return the words it printed; it must
+    have died of the SIGKILL it sent itself at `spec`."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, __file__, str(swap), backend, spec, str(steps),
+                           *extra], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, f"child was not killed at {spec}:\n{proc.stdout}{proc.stderr}"
+    return proc.stdout.split()
+
+
 def _die() -> None:
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -13,9 +13,6 @@ optimizer state are bitwise those of the last committed step, that
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,13 +20,13 @@ import torch
 import tiermem
 import tiermem.cli
 from conftest import BACKEND_PARAMS
-from crash_run import backward_grads, crash_config, make_model, make_optimizer, set_grads
+from crash_run import (backward_grads, crash_config, make_model, make_optimizer, run_killed,
+                       set_grads)
 from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
 from tiermem.errors import TierMemError
 from tiermem.swapdir import StaleSwapError
 
 STEPS = 3
-CHILD = Path(__file__).with_name("crash_run.py")
 
 
 def trajectory(grads, steps: int) -> list[tuple[list[torch.Tensor], dict]]:
@@ -58,13 +55,6 @@ def partitions(tmp_path_factory) -> int:
             str(tmp_path_factory.mktemp("count")), "threads"), model=model) as tm:
         tm.discard()
         return tm.plan()["partitions"]
-
-
-def run_child(swap: Path, backend: str, spec: str) -> list[str]:
-    proc = subprocess.run([sys.executable, str(CHILD), str(swap), backend, spec, str(STEPS)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, f"child was not killed at {spec}:\n{proc.stdout}{proc.stderr}"
-    return proc.stdout.split()
 
 
 def expected_step(point: str, out: list[str]) -> int:
@@ -99,7 +89,7 @@ POINTS = [
 @pytest.mark.parametrize("point,n", POINTS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(POINTS)])
 def test_resume_after_kill(tmp_path, backend, point, n, partitions, reference):
     swap = tmp_path / "swap"
-    out = run_child(swap, backend, f"{point}:{n(partitions)}")
+    out = run_killed(swap, backend, f"{point}:{n(partitions)}", STEPS)
     step = expected_step(point, out)
     cfg = crash_config(str(swap), backend)
     model = make_model()
@@ -156,11 +146,9 @@ def test_resume_after_kill_with_overlap(tmp_path, point, n, partitions, backward
     """pipeline.overlap_backward: the worker writes records while backward runs; a kill
     there resumes to the last step that step() committed."""
     swap = tmp_path / "swap"
-    proc = subprocess.run([sys.executable, str(CHILD), str(swap), "threads",
-                           f"{point}:{n(partitions)}", str(STEPS), "fp32", "fp32", "overlap"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, f"child was not killed:\n{proc.stdout}{proc.stderr}"
-    step = expected_step(point, proc.stdout.split())
+    out = run_killed(swap, "threads", f"{point}:{n(partitions)}", STEPS, "fp32", "fp32",
+                     "overlap")
+    step = expected_step(point, out)
     model = make_model()
     opt = make_optimizer(model)
     cfg = crash_config(str(swap), "threads")

@@ -8,15 +8,13 @@ import copy
 import errno
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import tiermem
-from conftest import BACKEND_PARAMS, REPO, run_without_ipc_lock
-from crash_run import crash_config, make_model, make_optimizer, set_grads
+from conftest import BACKEND_PARAMS, run_without_ipc_lock
+from crash_run import crash_config, make_model, make_optimizer, run_killed, set_grads
 from faults import inject
 from offload_helpers import (assert_same_tensor, compare_runs, compare_state_dicts, swap_dir,
                              tmpfs)
@@ -82,10 +80,7 @@ def test_parity_and_commits(tmp_path, backend, host):
 def test_bf16_model_resumes_from_master(tmp_path):
     """A bf16 model killed after step 2: the resume puts back bf16(master) of step 2, and
     the optimizer state (fp32 master and moments) is bitwise fp32 AdamW's on bf16 grads."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_run.py"), str(tmp_path),
-                           "threads", "after-step:2", "3", "bf16"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr
+    run_killed(tmp_path, "threads", "after-step:2", 3, "bf16")
     ref_model, ref_opt = trajectory(torch.bfloat16)[2]
     model = make_model(torch.bfloat16)
     with torch.no_grad():
@@ -119,10 +114,7 @@ def test_bf16_state_resumes_bitwise(tmp_path):
         state = opt.state_dict()
         tm.discard()
     swap = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_run.py"), str(swap),
-                           "threads", "after-step:2", "3", "fp32", "bf16"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr
+    run_killed(swap, "threads", "after-step:2", 3, "fp32", "bf16")
     model = make_model()
     opt = make_optimizer(model)
     with tiermem.offload(opt, crash_config(str(swap), "threads", "bf16"), model=model,
@@ -262,7 +254,7 @@ import json, resource, sys, warnings
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
 sys.path.insert(0, "tests")
 import torch, tiermem
-from crash_run import crash_config, make_model, make_optimizer, set_grads
+from crash_run import crash_config, make_model, make_optimizer, run_killed, set_grads
 from tiermem.errors import TierMemWarning
 from tiermem.sysinfo import has_cap_ipc_lock
 out = {"cap": has_cap_ipc_lock(), "runs": []}
@@ -302,10 +294,7 @@ def test_memlock_limit_at_offload_level(tmp_path):
 def test_resume_with_the_other_durability_is_refused(tmp_path):
     """The modes lay the files out differently: a resume says which mode wrote the state,
     and leaves it untouched."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_run.py"), str(tmp_path),
-                           "threads", "after-step:1", "2", "bf16"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr
+    run_killed(tmp_path, "threads", "after-step:1", 2, "bf16")
     cfg = crash_config(str(tmp_path), "threads")
     cfg["swap"]["durability"] = "scratch"
     model = make_model(torch.bfloat16)
