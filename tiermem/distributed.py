@@ -23,7 +23,6 @@ import sys
 import time
 import types
 import warnings
-from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -36,7 +35,8 @@ from tiermem.context import Offload
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.fsdp import FsdpLayout, is_dtensor
 from tiermem.optim import (HOOKED, MASTER_KEY, MOMENTS, HISTORY, OffloadedOptimizer,
-                           _check_optimizer, _run_post_hooks, _run_pre_hooks)
+                           _check_optimizer, _run_post_hooks, _run_pre_hooks,
+                           torch_state_dict)
 from tiermem.signals import held, terminate_as_exception
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
@@ -308,13 +308,8 @@ class DistributedOffload(Offload):
         """torch's optimizer state_dict of the whole model (fp32 moments), gathered from every
         rank's share: a collective every rank must call; each gets the whole state (DTensors
         under FSDP2). For states larger than RAM use tiermem.dcp.save."""
-        state = self._whole_state(self._off.export_state(model_dtype=False), model_dtype=False)
-        saved = self.opt.state
-        try:
-            self.opt.state = defaultdict(dict, state)
-            return type(self.opt).state_dict(self.opt)
-        finally:
-            self.opt.state = saved
+        return torch_state_dict(self.opt, self._whole_state(
+            self._off.export_state(model_dtype=False), model_dtype=False))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each

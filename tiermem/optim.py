@@ -45,6 +45,18 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def torch_state_dict(opt: torch.optim.Optimizer, state: dict[torch.Tensor, dict[str, Any]]
+                     ) -> dict[str, Any]:
+    """torch's own state_dict() of `opt` as if `state` were its per-parameter state (the
+    tiers hold the real one: opt.state itself stays empty)."""
+    saved = opt.state
+    try:
+        opt.state = defaultdict(dict, state)
+        return type(opt).state_dict(opt)
+    finally:
+        opt.state = saved
+
+
 class UnsupportedOptimizer(TierMemError, TypeError):
     """tiermem offloads torch.optim.Adam and torch.optim.AdamW only."""
 
@@ -587,13 +599,7 @@ class OffloadedOptimizer:
         """torch's optimizer state_dict, gathered from the tiers (fp32 moments)."""
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.state_dict()")
-        exported = self.export_state(model_dtype=False)
-        saved = self.opt.state
-        try:
-            self.opt.state = defaultdict(dict, exported)
-            return type(self.opt).state_dict(self.opt)
-        finally:
-            self.opt.state = saved
+        return torch_state_dict(self.opt, self.export_state(model_dtype=False))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format into the tiers without casting moments to the model dtype."""
