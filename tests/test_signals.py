@@ -47,3 +47,59 @@ def test_signal_mid_training_hands_state_back(tmp_path, sig, durability):
     assert "caught" in out and out.split()[-1] == "4"  # 4 params have their state back
     assert "tiermem: interrupted" in err and "handed back to the optimizer" in err
     assert os.listdir(tmp_path) == []  # the run directory is gone, whole
+
+
+# The signal arrives while a record is being sealed for its write-back (its generation
+# counted, its write not yet issued): it must wait for a point where no write is half
+# issued, or the exit finds a record one generation older than it expects.
+SEAL_SCRIPT = r"""
+import os, signal, sys, torch, tiermem, tiermem.swap
+where, durability, backend, signame = sys.argv[2:6]
+sig = getattr(signal, signame)
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+o = torch.optim.AdamW(m.parameters())
+cfg = {"swap": {"paths": [sys.argv[1]], "durability": durability},
+       "tiers": {"host": {"capacity": 0}}, "io": {"backend": backend},
+       "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 2}}
+seal = tiermem.swap.seal
+armed = [0]  # signal during the armed[0]-th seal from now (the 1st stays in its buffer)
+def seal_and_signal(*args, **kwargs):
+    if armed[0]:
+        armed[0] -= 1
+        if not armed[0]:
+            os.kill(os.getpid(), sig)  # Python runs the handler at the next bytecode: here
+    return seal(*args, **kwargs)
+tiermem.swap.seal = seal_and_signal
+try:
+    with tiermem.offload(o, cfg):
+        for step in range(1, 4):
+            m(torch.randn(8, 256)).square().mean().backward()
+            armed[0] = 2 if step == 3 and where == "step" else 0
+            o.step(); o.zero_grad()
+        armed[0] = 2 if where == "state_dict" else 0
+        sd = o.state_dict()
+        for _ in range(2):
+            m(torch.randn(8, 256)).square().mean().backward()
+            o.step(); o.zero_grad()
+    print("no signal", flush=True)
+except KeyboardInterrupt as e:
+    print("caught", type(e).__name__, len(o.state), flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("where", ["step", "state_dict"])
+@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_signal_while_a_record_is_sealed_waits_for_a_safe_point(tmp_path, where, durability,
+                                                                signame, backend):
+    proc = subprocess.run([sys.executable, "-c", SEAL_SCRIPT, str(tmp_path), where,
+                           durability, backend, signame],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["caught", "Terminated" if signame == "SIGTERM"
+                                   else "KeyboardInterrupt", "4"]
+    assert "handed back to the optimizer" in proc.stderr
+    assert "IntegrityError" not in proc.stderr
+    assert os.listdir(tmp_path) == []

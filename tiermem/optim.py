@@ -23,6 +23,7 @@ from tiermem.manifest import read_manifest
 from tiermem.overlap import BackwardOverlap
 from tiermem.partition import Partition, assign_tiers, build_partitions, record_digest
 from tiermem.pipeline import Views
+from tiermem.signals import deferred
 from tiermem.telemetry import StepStats, timed
 from tiermem.swapdir import run_dirs
 from tiermem.tiers import TierManager
@@ -250,13 +251,22 @@ class OffloadedOptimizer:
         if self.broken:
             raise TierMemError(self.broken)
         if self.overlap is not None:
-            return self.overlap.step(closure)
+            # Ctrl-C / SIGTERM leave only between partitions (signals.safe_point), never
+            # with a record's write half issued.
+            with deferred():
+                return self.overlap.step(closure)
         args, kwargs = _run_pre_hooks(self.opt, (closure,), {})
         closure = args[0] if args else kwargs.get("closure")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with deferred():  # as above; the closure (forward, backward) stays interruptible
+            self._step_tiers()
+        _run_post_hooks(self.opt, args, kwargs)
+        return loss
+
+    def _step_tiers(self) -> None:
         stats = StepStats(step=self.steps_taken + 1,
                           events=[] if self.record_events else None)
         with timed(stats, "step_seconds"), torch.no_grad():
@@ -283,8 +293,6 @@ class OffloadedOptimizer:
                 raise
             self._close_step(stats)
         self.opt._opt_called = True  # what torch's lr schedulers check for
-        _run_post_hooks(self.opt, args, kwargs)
-        return loss
 
     def _check_groups(self) -> None:
         for part in self.parts:

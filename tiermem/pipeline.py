@@ -25,6 +25,7 @@ import torch
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.io import Request
 from tiermem.partition import Partition
+from tiermem.signals import safe_point
 from tiermem.swap import SwapStore
 from tiermem.telemetry import Event, StepStats, busy_seconds, timed
 
@@ -118,6 +119,7 @@ class StepPipeline:
 
         window: `part` and the partitions to read ahead of it; order[i:]: what this step
         still visits, in that order (a buffer to reuse is chosen by it)."""
+        safe_point()  # a Ctrl-C leaves here: no write of this partition is half issued yet
         for q in window:
             self._load(q, window, order, i, stats)
         slot = self.where[part.id]

@@ -6,6 +6,12 @@ does: write-backs complete, the state goes back into the optimizer or stays
 on disk, and the user is told which. While that exit runs, both signals are
 held back: a second Ctrl-C cannot leave a swap directory half deleted or a
 manifest half written. One that arrives is delivered once the exit is done.
+
+During a step (and any single-record access) the signals are deferred to safe
+points instead: between partitions, where no write is half issued and every
+buffer is either idle or owned by a request in flight. An exception raised in
+the middle of sealing a record or issuing its write would leave the swap
+store's bookkeeping ahead of the disk (a generation counted but never written).
 """
 
 from __future__ import annotations
@@ -21,6 +27,38 @@ HELD = {signal.SIGINT, signal.SIGTERM}
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived inside tiermem.offload(); a KeyboardInterrupt so `except Exception`
     in the training loop does not swallow it."""
+
+
+_deferring: "_Deferral | None" = None
+
+
+class _Deferral:
+    """Signals that arrived inside deferred(), and the handlers they are meant for."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.previous: dict[int, object] = {}
+
+    def deliver(self) -> None:
+        """Hand the first pending signal to the handler it was meant for (several Ctrl-C
+        while deferred count as one)."""
+        if not self.pending:
+            return
+        signum = self.pending[0]
+        self.pending.clear()
+        _deliver(signum, self.previous[signum])
+
+
+def _deliver(signum: int, handler: object) -> None:
+    if callable(handler):
+        handler(signum, None)  # default_int_handler / Terminated: raises here
+    elif handler == signal.SIG_DFL:
+        # The default action (usually death): what would have happened without us.
+        current = signal.signal(signum, signal.SIG_DFL)
+        try:
+            signal.raise_signal(signum)
+        finally:
+            signal.signal(signum, current)
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
@@ -59,3 +97,36 @@ def held() -> Iterator[None]:
             signal.signal(s, handler)
         if arrived:
             signal.raise_signal(arrived[0])
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Defer SIGINT and SIGTERM to safe_point() calls inside the block, or to its end.
+
+    Only in the main thread (where Python runs handlers) and only once: an inner
+    deferred() inside an outer one adds nothing."""
+    global _deferring
+    if _deferring is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    d = _Deferral()
+    d.previous = {s: signal.signal(s, lambda signum, frame: d.pending.append(signum))
+                  for s in HELD}
+    _deferring = d
+    try:
+        yield
+    finally:
+        _deferring = None
+        for s, handler in d.previous.items():
+            signal.signal(s, handler)
+        # Even over an error in flight (it becomes the signal's __context__): a loop that
+        # catches the error and goes on must still be stopped.
+        d.deliver()
+
+
+def safe_point() -> None:
+    """Raise a signal deferred so far (main thread only): the caller holds no half-done
+    write, so leaving from here is clean."""
+    d = _deferring
+    if d is not None and d.pending and threading.current_thread() is threading.main_thread():
+        d.deliver()

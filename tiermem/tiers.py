@@ -24,6 +24,7 @@ from tiermem.config import Settings
 from tiermem.integrity import FOOTER_BYTES
 from tiermem.io import IOEngine, Request
 from tiermem.partition import Partition
+from tiermem.signals import deferred, safe_point
 from tiermem.pipeline import StepPipeline, Views
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.manifest import RESIDENT_FILE, Manifest, layout_of, write_manifest
@@ -159,6 +160,7 @@ class TierManager:
     def step_resident(self, p: Partition, stats: StepStats, init: Fn, compute: Fn) -> None:
         """Update one GPU- or host-tier partition in place (and write it through when
         crash-consistent)."""
+        safe_point()  # between partitions: the previous write-through is fully issued
         self._settle_resident(p.id)  # never change a record while it is being written
         views = p.views(self.resident[p.id])
         if p.id in self.fresh:
@@ -178,15 +180,16 @@ class TierManager:
     def with_record(self, part: Partition, fn: Callable[[Views, bool], None], *,
                     write: bool) -> None:
         """fn(views, fresh) on `part`'s record; `write` keeps the changes (and clears fresh)."""
-        if part.tier == "nvme":
-            self.pipeline.with_record(part, fn, write=write)
-            return
-        self._settle_resident(part.id)
-        fn(part.views(self.resident[part.id]), part.id in self.fresh)
-        if write:
-            self.fresh.discard(part.id)
-            if self.crash:
-                self._unwritten.add(part.id)  # on disk by the next commit
+        with deferred():  # a signal waits until the record's write is fully issued
+            if part.tier == "nvme":
+                self.pipeline.with_record(part, fn, write=write)
+                return
+            self._settle_resident(part.id)
+            fn(part.views(self.resident[part.id]), part.id in self.fresh)
+            if write:
+                self.fresh.discard(part.id)
+                if self.crash:
+                    self._unwritten.add(part.id)  # on disk by the next commit
 
     # -- crash-consistent commits ------------------------------------------------
 
