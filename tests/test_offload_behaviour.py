@@ -15,6 +15,7 @@ import yaml
 
 import tiermem
 from tiermem.integrity import FOOTER_BYTES
+from tiermem.optim import UnsupportedOptimizer
 from tiermem.partition import build_partitions
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, compare_runs,
@@ -229,6 +230,33 @@ def test_add_param_group_first_nvme_state(tmp_path):
     """The first group fits the host tier; the added group is the first NVMe state."""
     plan = _add_group_run(tmp_path, "64KiB", [3000], [9000, 9000])
     assert plan["state_bytes"]["nvme"] > 0 and plan["state_bytes"]["host"] > 0
+
+
+def test_a_refused_param_group_is_not_added(tmp_path):
+    """A group tiermem refuses (here: differentiable=True) must not stay in the optimizer:
+    it would never be updated. The block goes on training the first group, bitwise."""
+    torch.manual_seed(0)
+    init = [torch.randn(5000), torch.randn(300)]
+    ps = [torch.nn.Parameter(t.clone()) for t in init]
+    qs = [torch.nn.Parameter(t.clone()) for t in init]
+    extra = torch.nn.Parameter(torch.randn(700))
+    opt = torch.optim.AdamW(ps, lr=1e-2)
+    ref = torch.optim.AdamW(qs, lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(t.numel(), generator=g) for t in init] for _ in range(3)]
+    with tiermem.offload(opt, config(tmp_path, host="8KiB")):
+        for step, gr in enumerate(grads):
+            for p, q, x in zip(ps, qs, gr):
+                p.grad, q.grad = x.clone(), x.clone()
+            opt.step()
+            ref.step()
+            if step == 0:
+                with pytest.raises(UnsupportedOptimizer, match="differentiable"):
+                    opt.add_param_group({"params": [extra], "differentiable": True})
+                assert len(opt.param_groups) == 1
+    for i, (p, q) in enumerate(zip(ps, qs)):
+        assert_same_tensor(p.detach(), q.detach(), f"param {i}")
+        assert_same_tensor(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], f"{i}")
 
 
 # -- lr schedulers -------------------------------------------------------------------------------

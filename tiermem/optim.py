@@ -637,18 +637,26 @@ class OffloadedOptimizer:
         first_group = len(self.opt.param_groups)
         type(self.opt).add_param_group(self.opt, param_group)
         group = self.opt.param_groups[-1]
-        _check_optimizer(self.opt)
-        _check_state_dtype(self.opt, self.settings)
-        new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
-                               self.settings.placement, first_id=len(self.parts),
-                               first_index=len(self.params), keep_master=self.crash,
-                               state_dtype=self.settings.optimizer.state_dtype)
-        for part in new:
-            part.group = first_group
-        self._assign(new)
+        left = dict(self._left)
+        try:
+            _check_optimizer(self.opt)
+            _check_state_dtype(self.opt, self.settings)
+            new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
+                                   self.settings.placement, first_id=len(self.parts),
+                                   first_index=len(self.params), keep_master=self.crash,
+                                   state_dtype=self.settings.optimizer.state_dtype)
+            for part in new:
+                part.group = first_group
+            self._assign(new)
+            self.tiers.add(new)
+        except BaseException:
+            # A group the optimizer holds but tiermem does not would never be updated:
+            # refused means not added at all.
+            self.opt.param_groups.pop()
+            self._left = left
+            raise
         self.params.extend(group["params"])
         self.steps.extend(torch.tensor(0.0) for _ in group["params"])
-        self.tiers.add(new)
         self.parts.extend(new)
         if self.crash:
             self._initialise(new)
