@@ -111,6 +111,9 @@ class CudaBackend:
     def host_sync(self, stream: Any) -> None:
         """Nothing: the host's next work on this stream (the forward) is queued behind."""
 
+    def check_idle(self, streams: Sequence[Any]) -> None:
+        """Nothing to check: the GPU runs queued copies whether or not anything waits."""
+
 
 class DeferredStream:
     """An emulated stream: its work runs in order, only once something waits for it."""
@@ -199,11 +202,20 @@ class DeferredBackend:
         """The host runs the next forward itself: the stream's work must be done first."""
         stream.drain()
 
+    def check_idle(self, streams: Sequence[DeferredStream]) -> None:
+        """Once the compute stream is drained, a copy still queued is one that neither the
+        compute stream nor the host waited for: on a GPU it could land after the next
+        forward read its destination. A missing event wait, reported here."""
+        for stream in streams:
+            if stream.done < stream.issued:
+                raise TierMemError(f"emulated {stream.name} stream: {stream.issued - stream.done}"
+                                   " queued operations nothing waited for by the end of the step")
+
 
 # -- the lanes ---------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # slots are compared by identity, never by their tensors
 class _Slot:
     """One of the SLOTS buffers of a kind, and what guards its reuse."""
 
@@ -250,6 +262,8 @@ class DeviceLanes:
         # other: one copy engine per direction); every use below orders them by events.
         self.d2h = self.backend.new_stream()
         self.h2d = self.backend.new_stream()
+        if isinstance(self.d2h, DeferredStream):
+            self.d2h.name, self.h2d.name = "d2h", "h2d"
         self._staged: dict[int, _Staged] = {}
         self._spans: list[_Span] = []
         self._last_h2d: Any = None  # event of the latest weights H2D (cpu step)
@@ -332,6 +346,8 @@ class DeviceLanes:
             if slot is None:
                 return
             record = _record(part, views)
+            # Implied today by the host having waited that D2H before the record's write-back;
+            # kept so a slot is never refilled on that assumption alone.
             self._order(self.h2d, slot.last_use, "the D2H reading this slot's last record")
             ready = self._copies(self.h2d, "h2d", [(slot.buf[: part.record_bytes], record)])
             slot.holds, slot.last_use = part.id, ready
@@ -412,6 +428,8 @@ class DeviceLanes:
             if self._reading is not None:  # the host update is over: its grads slot is free
                 self._reading.holds, self._reading = None, None
             slot = self.weights[0]
+            # Implied by the grads wait (their D2H followed a compute event recorded after
+            # the compute stream waited this slot's H2D), kept so reuse never rests on it.
             self._host_waits(slot.last_use, "the H2D that last read this weights slot")
             pairs, off = [], 0
             for s, master in masters:
@@ -434,8 +452,10 @@ class DeviceLanes:
         """The step's copies are done (the weights on the device before step() returns) and
         counted in `stats`."""
         b = self.backend
-        self._host_waits(self._last_h2d, "the last weights, before step() returns")
         b.host_sync(b.current_stream())
+        b.check_idle([self.d2h, self.h2d])
+        # Not for correctness (the compute stream waits the weights): their figures.
+        self._host_waits(self._last_h2d, "the figures of the last weights copy")
         for span in self._spans:
             b.synchronize(span.end)
             seconds = b.elapsed(span.start, span.end)
