@@ -236,7 +236,8 @@ def test_next_record_is_staged_before_the_current_update(tmp_path, monkeypatch):
             assert len(updates) == len(opt._tiermem.parts)
             for prev, cur in zip(updates, updates[1:]):
                 assert log.index(("stage", cur)) < log.index(("update", prev)), (prev, cur)
-            used = [e[2] for e in log if e[0] == "slot"]
+            slot_of = {e[1]: e[2] for e in log if e[0] == "slot"}
+            used = [slot_of[p] for p in updates]
             assert all(a != b for a, b in zip(used, used[1:])), used  # alternating slots
         assert [s.buf.data_ptr() for s in lanes.dev] == slots
 
