@@ -159,8 +159,22 @@ class OptimizerSettings:
     state_rounding: Literal["stochastic", "nearest"] = doc(
         "How bf16 state is rounded when stored: stochastic (unbiased, seeded by step and "
         "partition) or nearest (even); ignored with fp32 state.", default="stochastic")
+    step_device: Literal["cpu", "device"] = doc(
+        "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
+        "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "
+        "streamed to the GPU through two device buffers, torch's fused Adam there); "
+        "docs/gpu.md.", default="cpu")
 
     def validate(self) -> None:
+        if self.step_device == "device" and (self.kernel == "native"
+                                             or self.state_dtype == "bf16"):
+            # Both run tiermem's native kernel, which updates host memory only.
+            key, value = (("optimizer.kernel", self.kernel) if self.kernel == "native"
+                          else ("optimizer.state_dtype", self.state_dtype))
+            raise ConfigError(
+                key, value, "with optimizer.step_device device use optimizer.kernel fused or "
+                "match and optimizer.state_dtype fp32 (the native kernel and bf16 state run "
+                "on the CPU); or set optimizer.step_device: cpu")
         if self.state_dtype == "bf16" and self.kernel == "match":
             # match promises bitwise parity with the wrapped optimizer, which keeps
             # fp32 moments: no bf16 store can keep that promise.
@@ -198,7 +212,7 @@ class Settings:
     placement: list[PlacementRule] = doc("Rules, first match wins; unmatched state fills "
                                          "gpu -> host -> nvme within budgets.",
                                          default_factory=list)
-    optimizer: OptimizerSettings = doc("Update kernel and state dtype.",
+    optimizer: OptimizerSettings = doc("Update kernel, state dtype and step device.",
                                        default_factory=OptimizerSettings)
     distributed: DistributedSettings = doc("Sharding under torch.distributed.",
                                            default_factory=DistributedSettings)

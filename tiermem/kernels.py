@@ -24,6 +24,10 @@ def adam_fused(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                decoupled_weight_decay: bool) -> None:
     """torch's fused Adam kernel (one pass per tensor, vectorised, threaded)."""
     fn = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    if steps and steps[0].device != params[0].device:
+        # torch's fused CUDA kernels read the step counts on the device (a fused torch
+        # optimizer keeps them there); tiermem keeps them on the host: one copy per call.
+        steps = list(torch.stack(steps).to(params[0].device).unbind())
     fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
        amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
        maximize=maximize, grad_scale=None, found_inf=None)

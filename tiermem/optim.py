@@ -17,6 +17,7 @@ from torch.autograd.profiler import record_function
 from torch.optim import optimizer as _optimizer_module
 
 from tiermem.config import Settings
+from tiermem.device_lanes import DeviceLanes, emulating
 from tiermem.errors import TierMemError
 from tiermem.kernels import adam_update, kernel_matching
 from tiermem.manifest import read_manifest
@@ -143,12 +144,20 @@ class OffloadedOptimizer:
         # the step): distributed.py starts the weight all-gather of a window from it.
         self.after_update: Callable[[Partition], None] | None = None
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        self.step_device = settings.optimizer.step_device
+        # Under device_lanes.emulate_device() CPU parameters count as device ones: like a
+        # CUDA model's, their records keep an fp32 master and their updates cross the lanes.
+        self.emulated = emulating()
+        self._keep_master = self.crash or self.emulated
         self.parts = build_partitions(optimizer.param_groups, self.names,
                                       settings.pipeline.partition_size, settings.placement,
-                                      keep_master=self.crash,
+                                      keep_master=self._keep_master,
                                       state_dtype=settings.optimizer.state_dtype)
         self._left = {"gpu": settings.tiers.gpu.capacity, "host": settings.tiers.host.capacity}
         self._assign(self.parts)
+        # Streams, events and buffers between host memory and the device, made once.
+        self.lanes: DeviceLanes | None = None
+        self._add_lanes(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
         if resume:
@@ -202,6 +211,30 @@ class OffloadedOptimizer:
         for p in parts:
             if p.tier in self._left:
                 self._left[p.tier] -= p.record_bytes
+
+    def _route(self, part: Partition) -> str | None:
+        """How `part` is updated: "device" (record streamed to the device, step_device
+        device), "offload" (grads to the host, weights back; step_device cpu), or None
+        (in place: GPU-tier records, and CPU models' host/NVMe records)."""
+        if part.tier == "gpu":
+            return None
+        if self.step_device == "device":
+            return "device"
+        on_device = self.emulated or any(s.param.device.type != "cpu" for s in part.segments)
+        return "offload" if on_device else None
+
+    def _add_lanes(self, parts: list[Partition]) -> None:
+        routed = [p for p in parts if self._route(p) is not None]
+        if not routed:
+            return
+        if self.lanes is None:
+            self.lanes = DeviceLanes(routed, self.step_device)
+        else:
+            self.lanes.add(routed)
+
+    def _stage(self, part: Partition, views: Views) -> None:
+        if self.lanes is not None and self._route(part) is not None:
+            self.lanes.stage(part, views)
 
     def _hook(self) -> None:
         opt, me = self.opt, self
@@ -286,8 +319,11 @@ class OffloadedOptimizer:
             try:
                 self.tiers.step(stats, active, self._init_record,
                                 lambda part, views: self._update(part, views, stats),
-                                self.after_update)
+                                self.after_update,
+                                stage=self._stage if self.lanes is not None else None)
             except BaseException as exc:
+                if self.lanes is not None:
+                    self.lanes.settle()  # queued copies and kernels done, nothing staged
                 if self.crash:
                     self._roll_back(exc, stats.step)
                 raise
@@ -316,25 +352,46 @@ class OffloadedOptimizer:
         else None: the swap store then hashes the record itself."""
         group = self.opt.param_groups[part.group]
         if self.settings.optimizer.state_dtype == "bf16" or (
-                self.settings.optimizer.kernel == "native" and all(
+                self.settings.optimizer.kernel == "native" and not self.emulated and all(
                     s.param.device.type == "cpu" and s.param.dtype in (torch.float32,
                                                                        *MIXED_OUT)
                     for s in part.segments)):
             return self._update_mixed_native(part, views, group, stats)
+        route = self._route(part)
+        if route == "device":
+            self.lanes.update_on_device(
+                part, views, lambda dev_views, scratch: self._adam(part, dev_views, group,
+                                                                   scratch), stats)
+            return None
+        return self._adam(part, views, group, None, stats,
+                          host_grads=self.lanes.grads_on_host(part, stats)
+                          if route == "offload" else None)
+
+    def _adam(self, part: Partition, views: Views, group: dict,
+              scratch: torch.Tensor | None, stats: StepStats | None = None, *,
+              host_grads: list[torch.Tensor | None] | None = None) -> None:
+        """Adam on `part`'s record `views` wherever they are (host memory, a device slot of
+        the lanes, or the GPU tier), then the model's weights refreshed from the master.
+
+        scratch: an fp32 area for upcast grads (else one kept per device); host_grads: the
+        grads the lanes copied to the host (step_device cpu). Without stats (the lanes run
+        it on the compute stream and time it themselves) nothing is timed here."""
+        if stats is None:
+            stats = StepStats()  # figures of a queued kernel: the lanes time it
         master = views.get("master")
         lists: dict[str, list[torch.Tensor]] = {k: [] for k in
                                                  ("params", "grads", "steps", *MOMENTS)}
         copies_back = []
-        scratch = None
         off = 0
         with timed(stats, "transfer_seconds", f"grads in p{part.id}", part.id):
-            for s in part.segments:
+            for i, s in enumerate(part.segments):
                 sl = slice(off, off + s.length)
                 off += s.length
                 g = s.param.grad
                 if g is None:
                     continue
-                g = g.reshape(-1)[s.start: s.start + s.length]
+                g = (host_grads[i] if host_grads is not None
+                     else g.reshape(-1)[s.start: s.start + s.length])
                 if master is not None:
                     target = master[sl]
                     if g.dtype != torch.float32 or g.device != target.device:
@@ -353,8 +410,8 @@ class OffloadedOptimizer:
         lr = group["lr"]
         beta1, beta2 = (float(b) for b in group["betas"])
         kernel = self.settings.optimizer.kernel
-        if kernel == "match":
-            kernel = kernel_matching(group, part.segments[0].param.device)
+        if kernel == "match":  # what torch would run where this update runs
+            kernel = kernel_matching(group, views[part.kinds[-1]].device)
         with timed(stats, "update_seconds", f"adam p{part.id}", part.id), \
                 record_function(f"tiermem.adam p{part.id}"):
             adam_update(kernel=kernel, params=lists["params"], grads=lists["grads"],
@@ -365,6 +422,9 @@ class OffloadedOptimizer:
                         maximize=bool(group["maximize"]),
                         decoupled_weight_decay=bool(group.get("decoupled_weight_decay",
                                                               False)))
+        if host_grads is not None:
+            self.lanes.weights_to_device(part, copies_back, stats)
+            return None
         with timed(stats, "transfer_seconds", f"weights out p{part.id}", part.id):
             for s, target in copies_back:
                 # Refresh the model's (low-precision or device) weights from the master.
@@ -461,6 +521,8 @@ class OffloadedOptimizer:
     def _close_step(self, stats: StepStats) -> None:
         """The step happened, whether or not its commit (crash-consistent) then succeeds:
         count it and keep its figures first."""
+        if self.lanes is not None:
+            self.lanes.end_step(stats)
         self.history.append(stats)
         self.steps_taken += 1
         if self.crash:
@@ -643,11 +705,12 @@ class OffloadedOptimizer:
             _check_state_dtype(self.opt, self.settings)
             new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
                                    self.settings.placement, first_id=len(self.parts),
-                                   first_index=len(self.params), keep_master=self.crash,
+                                   first_index=len(self.params), keep_master=self._keep_master,
                                    state_dtype=self.settings.optimizer.state_dtype)
             for part in new:
                 part.group = first_group
             self._assign(new)
+            self._add_lanes(new)  # slots grow to the largest record: harmless if refused below
             self.tiers.add(new)
         except BaseException:
             # A group the optimizer holds but tiermem does not would never be updated:

@@ -95,12 +95,13 @@ class StepPipeline:
     def run_step(self, stats: StepStats, active: Callable[[Partition], bool],
                  init: Callable[[Partition, Views], None],
                  compute: Callable[[Partition, Views], int | None],
-                 after: Callable[[Partition], None] | None = None) -> None:
+                 after: Callable[[Partition], None] | None = None,
+                 stage: Callable[[Partition, Views], None] | None = None) -> None:
         order = [p for p in self.order(self.steps_done) if active(p)]
         self.begin_step(stats)
         for i, part in enumerate(order):
             self.compute_one(part, order[i: i + self.k + 1], order, i, stats, init, compute,
-                             after)
+                             after, stage=stage)
         self.end_step(stats)
 
     def begin_step(self, stats: StepStats) -> None:
@@ -114,11 +115,13 @@ class StepPipeline:
                     order: Sequence[Partition], i: int, stats: StepStats,
                     init: Callable[[Partition, Views], None],
                     compute: Callable[[Partition, Views], int | None],
-                    after: Callable[[Partition], None] | None = None) -> None:
+                    after: Callable[[Partition], None] | None = None, *,
+                    stage: Callable[[Partition, Views], None] | None = None) -> None:
         """Update `part` (= order[i]) in its buffer, issue its write-back, then after(part).
 
         window: `part` and the partitions to read ahead of it; order[i:]: what this step
-        still visits, in that order (a buffer to reuse is chosen by it)."""
+        still visits, in that order (a buffer to reuse is chosen by it). stage(next, views)
+        is called before the update when the next partition's record has landed."""
         safe_point()  # a Ctrl-C leaves here: no write of this partition is half issued yet
         for q in window:
             self._load(q, window, order, i, stats)
@@ -132,6 +135,10 @@ class StepPipeline:
             slot.needs_init = False
         stats.reads_skipped += not slot.fetched
         slot.fetched = False
+        if stage is not None and len(window) > 1:
+            views_next = self.ready_views(window[1])
+            if views_next is not None:
+                stage(window[1], views_next)
         # compute may return the record's CRC32C, computed in its pass over the record.
         self._issue_write(slot, stats, digest=compute(part, views))
         stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
@@ -192,6 +199,18 @@ class StepPipeline:
             self._reqs.append((slot.read, part.id))
             stats.add_bytes("read", "nvme", self.store.slots[part.id].nbytes)
         return slot
+
+    def ready_views(self, part: Partition) -> Views | None:
+        """`part`'s record if it is in a buffer, read and checked, without waiting; else None
+        (not loaded, read still in flight, or never written: built by init() later)."""
+        slot = self.where.get(part.id)
+        if slot is None or slot.needs_init:
+            return None
+        if slot.read is not None:
+            if not slot.read.done():
+                return None
+            self._finish_read(slot)  # checks the footer; a failure raises as compute would
+        return part.views(slot.buf)
 
     def _victim(self, window: Sequence[Partition], order: Sequence[Partition], i: int) -> _Slot:
         keep = {p.id for p in window}

@@ -43,6 +43,12 @@ class StepStats:
     partitions: dict[str, int] = field(default_factory=dict)  # updated, per tier
     reads_skipped: int = 0  # NVMe partitions found still in a buffer
     early_partitions: int = 0  # updated during backward, before step() (overlap_backward)
+    # Host<->device copies of the lanes (tiermem/device_lanes.py): bytes, and the time the
+    # copy streams spent on them (device-timed on CUDA).
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_seconds: float = 0.0
+    d2h_seconds: float = 0.0
     events: list[Event] | None = None  # timeline spans, when recording was asked for
 
     @property
@@ -54,6 +60,14 @@ class StepStats:
         return sum(self.write_bytes.values()) / self.io_seconds / 1e9 if self.io_seconds else 0.0
 
     @property
+    def h2d_gbps(self) -> float:
+        return self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds else 0.0
+
+    @property
+    def d2h_gbps(self) -> float:
+        return self.d2h_bytes / self.d2h_seconds / 1e9 if self.d2h_seconds else 0.0
+
+    @property
     def overlap(self) -> float:
         """1 - stall / I/O time: the share of NVMe transfer time hidden behind work."""
         if not self.io_seconds:
@@ -63,7 +77,8 @@ class StepStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d.pop("events")
-        d.update(read_gbps=self.read_gbps, write_gbps=self.write_gbps, overlap=self.overlap)
+        d.update(read_gbps=self.read_gbps, write_gbps=self.write_gbps, overlap=self.overlap,
+                 h2d_gbps=self.h2d_gbps, d2h_gbps=self.d2h_gbps)
         return d
 
     def add_bytes(self, kind: str, tier: str, n: int) -> None:

@@ -147,15 +147,36 @@ class TierManager:
     # -- steps -----------------------------------------------------------------
 
     def step(self, stats: StepStats, active: Callable[[Partition], bool], init: Fn,
-             compute: Fn, after: Callable[[Partition], None] | None = None) -> None:
-        """Update every active partition; after(part), if given, once each one is updated."""
-        for p in self.parts:
-            if p.tier != "nvme" and active(p):
-                self.step_resident(p, stats, init, compute)
-                if after is not None:
-                    after(p)
+             compute: Fn, after: Callable[[Partition], None] | None = None,
+             stage: Fn | None = None) -> None:
+        """Update every active partition; after(part), if given, once each one is updated.
+
+        stage(part, views), if given, is called with the partition to be updated next when
+        its record is already in host memory, before the current one is computed: the
+        device lanes start its copy so that it overlaps the current update."""
+        resident = [p for p in self.parts if p.tier != "nvme" and active(p)]
+        nvme = []
         if self.pipeline is not None:
-            self.pipeline.run_step(stats, active, init, compute, after)
+            nvme = [p for p in self.pipeline.order(self.pipeline.steps_done) if active(p)]
+        for i, p in enumerate(resident):
+            if stage is not None:
+                following = (resident + nvme[:1])[i + 1: i + 2]
+                if following:
+                    self._stage_if_ready(following[0], stage)
+            self.step_resident(p, stats, init, compute)
+            if after is not None:
+                after(p)
+        if self.pipeline is not None:
+            self.pipeline.run_step(stats, active, init, compute, after, stage=stage)
+
+    def _stage_if_ready(self, part: Partition, stage: Fn) -> None:
+        if part.tier == "nvme":
+            views = self.pipeline.ready_views(part)
+        else:
+            # A fresh record is built by init() right before its update: nothing to copy yet.
+            views = None if part.id in self.fresh else part.views(self.resident[part.id])
+        if views is not None:
+            stage(part, views)
 
     def step_resident(self, p: Partition, stats: StepStats, init: Fn, compute: Fn) -> None:
         """Update one GPU- or host-tier partition in place (and write it through when

@@ -1,0 +1,433 @@
+"""optimizer.step_device and the host<->device lanes (tiermem/device_lanes.py).
+
+On machines without a GPU the lanes run on their CPU emulation: `emulate_device()` makes
+CPU parameters cross the lanes as a CUDA model's would, and the emulated streams run their
+work only when something waits for it, so a missing wait leaves a stale value and the
+bitwise comparisons fail (test_dropped_wait_is_caught shows they do). The tests marked
+`cuda` run the same on a GPU (and in bench/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tiermem
+from tiermem.config import ConfigError
+from tiermem.device_lanes import (DeferredBackend, DeferredStream, DeviceLanes,
+                                  emulate_device)
+from tiermem.errors import TierMemError
+
+from conftest import REPO
+from offload_helpers import (Synthetic, assert_same_tensor, available_backends,
+                             backend_params, compare_runs, config, listdir, loss_of,
+                             make_batches, side_used, train, twin)
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+STEPS = 4
+MIXES = {"host": dict(host="64MiB"), "nvme": dict(host=0),
+         "mixed": dict(host="256KiB", buffer_count=4)}
+
+
+def lane_config(tmp_path, step_device, *, kernel="fused", **kw):
+    cfg = config(tmp_path, kernel=kernel, **kw)
+    cfg["optimizer"]["step_device"] = step_device
+    return cfg
+
+
+def fp32_pair(tmp_path, backend, step_device, mix, *, emulate=True, steps=STEPS):
+    """Train Synthetic under tiermem (lanes emulated) and plain fused AdamW, same batches."""
+    model, ref_model = twin(Synthetic)
+    kw = dict(lr=1e-2, weight_decay=0.05, amsgrad=True)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True, **kw)
+    batches = make_batches(model, steps)
+    cfg = lane_config(tmp_path, step_device, backend=backend, **MIXES[mix])
+    with emulate_device() if emulate else contextlib.nullcontext():
+        with tiermem.offload(opt, cfg) as tm:
+            train(model, opt, batches)
+            plan, stats = tm.plan(), tm.stats()
+    train(ref_model, ref, batches)
+    return model, opt, ref_model, ref, plan, stats
+
+
+# -- parity ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_fp32_parity(tmp_path, backend, step_device, mix):
+    """Weights and moments bitwise equal to torch's fused AdamW, every tier mix, both step
+    devices, both I/O backends; the copies really crossed the lanes."""
+    model, opt, ref_model, ref, plan, stats = fp32_pair(tmp_path, backend, step_device, mix)
+    compare_runs(model, opt, ref_model, ref)
+    tiers = plan["state_bytes"]
+    assert (tiers["host"] > 0) == (mix != "nvme") and (tiers["nvme"] > 0) == (mix != "host")
+    for s in stats:
+        assert s["h2d_bytes"] > 0 and s["d2h_bytes"] > 0
+        if step_device == "device":  # every record went to the device and back
+            assert s["h2d_bytes"] == s["d2h_bytes"]
+    assert listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_device_step_on_a_cpu_model_without_emulation(tmp_path, backend):
+    """step_device device on a CPU model: fp32 records hold no master (updated in place on
+    the 'device', the CPU) and the result is still bitwise."""
+    model, opt, ref_model, ref, plan, stats = fp32_pair(tmp_path, backend, "device", "mixed",
+                                                        emulate=False)
+    compare_runs(model, opt, ref_model, ref)
+    assert all(s["h2d_bytes"] > 0 for s in stats)
+
+
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_bf16_weights_each_step(tmp_path, backend, step_device):
+    """A bf16 model: after every step its weights are the fp32 reference's rounded to bf16
+    (master and moments fp32 in the records), and the exported moments match."""
+    model = Synthetic().to(torch.bfloat16)
+    ref_params = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    kw = dict(lr=1e-2, weight_decay=0.05)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    ref = torch.optim.AdamW(ref_params, fused=True, **kw)
+    names = [n for n, _ in model.named_parameters()]
+    cfg = lane_config(tmp_path, step_device, backend=backend, host="192KiB")
+    with emulate_device(), tiermem.offload(opt, cfg):
+        for i, micro in enumerate(make_batches(model, STEPS)):
+            tokens, target = micro[0]
+            loss_of(model, tokens, target, side_used(i)).backward()
+            for p, r in zip(model.parameters(), ref_params):
+                r.grad = None if p.grad is None else p.grad.float()
+            opt.step()
+            ref.step()
+            for n, p, r in zip(names, model.parameters(), ref_params):
+                assert_same_tensor(p.detach(), r.detach().to(p.dtype), f"step {i}: {n}")
+            opt.zero_grad()
+            ref.zero_grad()
+        sd = opt.state_dict()
+    for i, r in enumerate(ref_params):
+        if ref.state.get(r):
+            assert_same_tensor(sd["state"][i]["master_param"], r.detach(), f"{names[i]} master")
+            assert_same_tensor(sd["state"][i]["exp_avg_sq"], ref.state[r]["exp_avg_sq"],
+                               f"{names[i]} exp_avg_sq")
+
+
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+def test_crash_consistent(tmp_path, step_device):
+    """Both step devices run crash-consistent (host records written through once their
+    update came back from the device): every step committed, results bitwise."""
+    model, ref_model = twin(Synthetic)
+    kw = dict(lr=1e-2, weight_decay=0.05)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True, **kw)
+    batches = make_batches(model, STEPS)
+    cfg = lane_config(tmp_path, step_device, host="256KiB")
+    cfg["swap"]["durability"] = "crash_consistent"
+    with emulate_device(), tiermem.offload(opt, cfg) as tm:
+        for i in range(STEPS):
+            train(model, opt, batches[i: i + 1], start=i)
+            assert tm.committed_step == i + 1
+    train(ref_model, ref, batches)
+    compare_runs(model, opt, ref_model, ref)
+
+
+# -- ordering: the emulation catches a missing wait ---------------------------------------
+
+# (step_device, the wait dropped): each of these waits is what keeps the result right
+NEEDED = [("cpu", "the grads, before the host update reads them"),
+          ("cpu", "the new weights, before the next forward"),
+          ("device", "the H2D of the record"),
+          ("device", "the update of the slot"),
+          ("device", "the record, before its NVMe write-back is issued")]
+
+
+@pytest.mark.parametrize("step_device,why", NEEDED)
+def test_dropped_wait_is_caught(tmp_path, monkeypatch, step_device, why):
+    """Without any one of the waits the run differs from torch's (or the emulation reports
+    a copy nothing waited for): the parity tests above can fail."""
+    order, host = DeviceLanes._order, DeviceLanes._host_waits
+    monkeypatch.setattr(DeviceLanes, "_order", lambda self, stream, event, w:
+                        None if w == why else order(self, stream, event, w))
+    monkeypatch.setattr(DeviceLanes, "_host_waits", lambda self, event, w:
+                        None if w == why else host(self, event, w))
+    with pytest.raises((AssertionError, TierMemError)):
+        model, opt, ref_model, ref, *_ = fp32_pair(tmp_path, "threads", step_device, "mixed")
+        compare_runs(model, opt, ref_model, ref)
+
+
+def test_grads_copy_waits_for_backward(tmp_path, monkeypatch):
+    """Grads written by work still queued on the (emulated) compute stream, as a GPU
+    backward is when step() is called: the D2H copies them only after it ran."""
+    def run(drop: bool):
+        order = DeviceLanes._order
+        if drop:
+            monkeypatch.setattr(DeviceLanes, "_order", lambda self, s, e, w: None if w.startswith(
+                "backward") else order(self, s, e, w))
+        model, ref_model = twin(Synthetic)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+        batches = make_batches(model, 3)
+        with emulate_device(), tiermem.offload(opt, lane_config(tmp_path, "cpu", host=0)):
+            compute = opt._tiermem.lanes.backend.current_stream()
+            for i, micro in enumerate(batches):
+                tokens, target = micro[0]
+                loss_of(model, tokens, target, side_used(i)).backward()
+                for p in model.parameters():  # the grads land only when the stream runs
+                    if p.grad is not None:
+                        final = p.grad.clone()
+                        p.grad.zero_()
+                        compute.enqueue(lambda g=p.grad, f=final: g.copy_(f))
+                opt.step()
+                opt.zero_grad()
+        train(ref_model, ref, batches)
+        compare_runs(model, opt, ref_model, ref)
+        monkeypatch.undo()
+
+    run(drop=False)
+    with pytest.raises(AssertionError):
+        run(drop=True)
+
+
+def test_next_record_is_staged_before_the_current_update(tmp_path, monkeypatch):
+    """Double buffering: from the second step on (records resident, not fresh) each
+    partition's H2D is issued before the previous partition's update, into the other slot,
+    and the two device slots are the same tensors every step (made once)."""
+    log = []
+    stage, update = DeviceLanes.stage, DeviceLanes.update_on_device
+
+    def spy_stage(self, part, views):
+        if part.id in self._staged:
+            return stage(self, part, views)
+        log.append(("stage", part.id))
+        stage(self, part, views)
+        log.append(("slot", part.id, self.dev.index(self._staged[part.id].slot)))
+
+    def spy_update(self, part, views, kernel, stats):
+        log.append(("update", part.id))
+        update(self, part, views, kernel, stats)
+
+    monkeypatch.setattr(DeviceLanes, "stage", spy_stage)
+    monkeypatch.setattr(DeviceLanes, "update_on_device", spy_update)
+    model = Synthetic()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = make_batches(model, 3)
+    with emulate_device(), tiermem.offload(opt, lane_config(tmp_path, "device",
+                                                            host="64MiB")):
+        lanes = opt._tiermem.lanes
+        slots = [s.buf.data_ptr() for s in lanes.dev]
+        for i, micro in enumerate(batches):
+            log.clear()
+            tokens, target = micro[0]
+            loss_of(model, tokens, target, True).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 0:
+                continue
+            updates = [e[1] for e in log if e[0] == "update"]
+            assert len(updates) == len(opt._tiermem.parts)
+            for prev, cur in zip(updates, updates[1:]):
+                assert log.index(("stage", cur)) < log.index(("update", prev)), (prev, cur)
+            slot_of = {e[1]: e[2] for e in log if e[0] == "slot"}
+            used = [slot_of[p] for p in updates]
+            assert all(a != b for a, b in zip(used, used[1:])), used  # alternating slots
+        assert [s.buf.data_ptr() for s in lanes.dev] == slots
+
+
+# -- the emulated streams themselves ------------------------------------------------------
+
+
+def test_deferred_streams_run_late_and_in_order():
+    b = DeferredBackend()
+    s1, s2 = b.new_stream(), b.new_stream()
+    out = []
+    b.run(s1, lambda: out.append("a"))
+    ev = b.record(s1)
+    b.wait(s2, ev)
+    b.run(s2, lambda: out.append("b"))
+    b.run(s1, lambda: out.append("c"))
+    assert out == []  # nothing waited yet
+    b.synchronize(b.record(s2))
+    assert out == ["a", "b"]  # s2 needed s1 up to ev, not beyond
+    assert not b.record(s1).query()
+    with pytest.raises(TierMemError, match="nothing waited"):
+        b.check_idle([s1])
+    b.host_sync(s1)
+    assert out == ["a", "b", "c"]
+
+
+def test_deferred_stream_cycle_is_an_error():
+    """Streams waiting on each other's later work would hang a GPU: an error here."""
+    b = DeferredBackend()
+    s1, s2 = b.new_stream(), b.new_stream()
+    e1 = b.record(s1)
+    b.wait(s2, e1)
+    e2 = b.record(s2)
+    b.wait(s1, e2)  # s1 waits s2, which waits only s1's earlier work: fine
+    b.synchronize(b.record(s1))
+    s3, s4 = DeferredStream("s3"), DeferredStream("s4")
+    s3.enqueue(lambda: s4.drain(2))  # s3's first op waits s4's second ...
+    s3.enqueue(lambda: None)
+    s4.enqueue(lambda: None)
+    s4.enqueue(lambda: s3.drain(2))  # ... which waits s3's second: a cycle
+    with pytest.raises(RuntimeError, match="its own later work"):
+        s3.drain()
+
+
+# -- property ------------------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=5),
+       steps=st.integers(1, 4), step_device=st.sampled_from(["cpu", "device"]),
+       host_fraction=st.floats(0, 1), bf16=st.booleans(),
+       partition_pages=st.integers(16, 64), seed=st.integers(0, 2**16),
+       backend=st.sampled_from(available_backends()))
+def test_property_bitwise(tmp_path, sizes, steps, step_device, host_fraction, bf16,
+                          partition_pages, seed, backend):
+    """Any sizes, step counts and host/NVMe split: the weights after each step are the fp32
+    fused reference's (rounded to bf16 for a bf16 model)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
+    ref_params = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    state = sum(sizes) * 12
+    swap = tempfile.mkdtemp(dir=tmp_path)
+    cfg = lane_config(swap, step_device, backend=backend, host=int(host_fraction * state),
+                      partition_size=partition_pages * 4096)
+    with emulate_device(), tiermem.offload(opt, cfg):
+        for s in range(steps):
+            for p, r in zip(params, ref_params):
+                p.grad = torch.randn(p.shape, generator=g).to(dtype)
+                r.grad = p.grad.float()
+            opt.step()
+            ref.step()
+            for i, (p, r) in enumerate(zip(params, ref_params)):
+                assert_same_tensor(p.detach(), r.detach().to(dtype), f"step {s} param {i}")
+    assert listdir(swap) == []
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", [{"kernel": "native"}, {"state_dtype": "bf16"}])
+def test_device_step_refuses_the_native_kernel(optimizer):
+    with pytest.raises(ConfigError, match="optimizer.step_device device"):
+        tiermem.load_config({"optimizer": {"step_device": "device", **optimizer}})
+
+
+def test_step_device_is_validated():
+    with pytest.raises(ConfigError, match="optimizer.step_device"):
+        tiermem.load_config({"optimizer": {"step_device": "gpu"}})
+
+
+# -- bench/gpu_check.py ---------------------------------------------------------------------
+
+
+def test_gpu_check_smoke(tmp_path):
+    """The GPU check's code paths, on the CPU emulation, at tiny sizes."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--smoke",
+                           "--no-tests", "--swap-dir", str(tmp_path / "swap"), "--out",
+                           str(out)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+    result = json.loads(out.read_text())
+    ran = [r for r in result["parity"] if r["status"] != "skipped"]
+    assert ran and all(r["status"] == "ok" for r in ran)
+    assert [r["step_device"] for r in result["big_model"]] == ["cpu", "device"]
+    for r in result["big_model"]:
+        assert r["h2d_gbps"] > 0 and r["d2h_gbps"] > 0 and r["nvme_write_gbps"] > 0
+    assert listdir(tmp_path / "swap") == []
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal without CUDA")
+def test_gpu_check_refuses_without_cuda():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py")],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA" in proc.stderr
+
+
+# -- on a GPU (skipped without one; bench/gpu_check.py runs them) ---------------------------
+
+
+def cuda_run(tmp_path, *, mix, step_device, dtype, width=256, layers=4, steps=3,
+             partition_size="64KiB", probe_after_step=False):
+    """A Linear stack on CUDA under tiermem against torch's fused AdamW on CUDA."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]
+                                ).cuda().to(dtype)
+    ref_params = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_params, lr=1e-3, weight_decay=0.1, fused=True)
+    state = sum(p.numel() for p in model.parameters()) * 12
+    caps = {"gpu": (2 * state, 0), "host": (0, 2 * state), "nvme": (0, 0),
+            "gpu+host+nvme": (state // 3, state // 3)}[mix]
+    cfg = lane_config(tmp_path, step_device, host=caps[1], partition_size=partition_size,
+                      buffer_count=4)
+    cfg["tiers"]["gpu"]["capacity"] = caps[0]
+    x = torch.randn(32, width, device="cuda", dtype=dtype)
+    with tiermem.offload(opt, cfg):
+        for s in range(steps):
+            model(x).float().square().mean().backward()
+            for p, r in zip(model.parameters(), ref_params):
+                r.grad = p.grad.float()
+            opt.step()
+            if probe_after_step:
+                # Work queued on the default stream right after step() reads the weights:
+                # it must see the updated ones (the compute stream waited the copies).
+                probe = [p.detach().float().sum() for p in model.parameters()]
+            ref.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            for i, (p, r) in enumerate(zip(model.parameters(), ref_params)):
+                want = r.detach().to(dtype)
+                if step_device == "device" or mix == "gpu":
+                    assert_same_tensor(p.detach(), want, f"step {s} param {i}")
+                else:  # fused CPU against fused CUDA arithmetic: a few ulps
+                    torch.testing.assert_close(p.detach().float(), want.float(),
+                                               rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                               atol=1e-6)
+                if probe_after_step:
+                    assert float(probe[i]) == float(p.detach().float().sum()), (s, i)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+@pytest.mark.parametrize("mix", ["gpu", "host", "nvme", "gpu+host+nvme"])
+def test_cuda_parity(tmp_path, mix, step_device, dtype):
+    cuda_run(tmp_path, mix=mix, step_device=step_device, dtype=dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+def test_cuda_transfer_bound_probe_after_step(tmp_path, step_device):
+    """Large partitions (long copies) and a kernel on the default stream right after
+    step(): a missing event wait shows up as the kernel reading old weights."""
+    cuda_run(tmp_path, mix="nvme", step_device=step_device, dtype=torch.bfloat16,
+             width=2048, layers=6, steps=3, partition_size="32MiB", probe_after_step=True)
+
+
+@needs_cuda
+def test_cuda_crash_consistent_refuses_gpu_tier(tmp_path):
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    cfg = lane_config(tmp_path, "device", host=0)
+    cfg["tiers"]["gpu"]["capacity"] = "1MiB"
+    cfg["swap"]["durability"] = "crash_consistent"
+    with pytest.raises(TierMemError, match="crash_consistent does not support the gpu tier"):
+        with tiermem.offload(opt, cfg):
+            pass
