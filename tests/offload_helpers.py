@@ -163,6 +163,23 @@ def assert_close_tensor(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
+def lowp_step(model, opt, ref_params, ref, micro, i, names, check=True):
+    """One step of a low-precision model and of its fp32 reference (same grads, upcast);
+    with `check`, the model's weights must be the reference's rounded to their dtype."""
+    tokens, target = micro[0]
+    loss_of(model, tokens, target, side_used(i)).backward()
+    for p, r in zip(model.parameters(), ref_params):
+        # the reference master weights get the same low-precision grads, upcast
+        r.grad = None if p.grad is None else p.grad.float()
+    opt.step()
+    ref.step()
+    if check:
+        for n, p, r in zip(names, model.parameters(), ref_params):
+            assert_same_tensor(p.detach(), r.detach().to(p.dtype), f"step {i}: weight {n}")
+    opt.zero_grad()
+    ref.zero_grad()
+
+
 def has_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> bool:
     return bool(opt.state.get(p))
 

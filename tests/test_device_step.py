@@ -28,7 +28,7 @@ from tiermem.errors import TierMemError
 from conftest import REPO
 from offload_helpers import (Synthetic, assert_same_tensor, available_backends,
                              backend_params, compare_runs, config, listdir, loss_of,
-                             make_batches, side_used, train, twin)
+                             lowp_step, make_batches, side_used, train, twin)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -103,16 +103,7 @@ def test_bf16_weights_each_step(tmp_path, backend, step_device):
     cfg = lane_config(tmp_path, step_device, backend=backend, host="192KiB")
     with emulate_device(), tiermem.offload(opt, cfg):
         for i, micro in enumerate(make_batches(model, STEPS)):
-            tokens, target = micro[0]
-            loss_of(model, tokens, target, side_used(i)).backward()
-            for p, r in zip(model.parameters(), ref_params):
-                r.grad = None if p.grad is None else p.grad.float()
-            opt.step()
-            ref.step()
-            for n, p, r in zip(names, model.parameters(), ref_params):
-                assert_same_tensor(p.detach(), r.detach().to(p.dtype), f"step {i}: {n}")
-            opt.zero_grad()
-            ref.zero_grad()
+            lowp_step(model, opt, ref_params, ref, micro, i, names)
         sd = opt.state_dict()
     for i, r in enumerate(ref_params):
         if ref.state.get(r):

@@ -23,7 +23,7 @@ from tiermem.partition import build_partitions
 
 from offload_helpers import (Synthetic, assert_same_tensor, available_backends,
                              backend_params, compare_runs, compare_state_dicts, config,
-                             listdir, loss_of, make_batches, side_used, swap_dir, train, twin)
+                             listdir, lowp_step, make_batches, swap_dir, train, twin)
 
 STEPS = 6
 
@@ -310,21 +310,6 @@ def lowp_run(tmp_path, backend, dtype, variant, *, steps=5, check_each_step=True
     names = [n for n, _ in model.named_parameters()]
     return model, opt, ref_params, ref, batches, names, config(
         tmp_path, backend=backend, host="192KiB", kernel=kernel)
-
-
-def lowp_step(model, opt, ref_params, ref, micro, i, names, check=True):
-    tokens, target = micro[0]
-    loss_of(model, tokens, target, side_used(i)).backward()
-    for p, r in zip(model.parameters(), ref_params):
-        # the reference master weights get the same low-precision grads, upcast
-        r.grad = None if p.grad is None else p.grad.float()
-    opt.step()
-    ref.step()
-    if check:
-        for n, p, r in zip(names, model.parameters(), ref_params):
-            assert_same_tensor(p.detach(), r.detach().to(p.dtype), f"step {i}: weight {n}")
-    opt.zero_grad()
-    ref.zero_grad()
 
 
 @pytest.mark.parametrize("variant", list(LOWP))
