@@ -58,7 +58,10 @@ def _config(swap: str, *, mix: str, state_bytes: int, step_device: str,
 
 
 def _max_errors(pairs) -> tuple[float, float, bool]:
-    """(max abs error, max relative error, all bitwise equal) over (got, want) pairs."""
+    """(max abs error, max relative error, all bitwise equal) over (got, want) pairs. The
+    relative error of a tensor is its largest difference over its largest magnitude: an
+    element-wise ratio would blow up on moments that are nearly zero (a few ulps of 1e-12
+    read as 100%)."""
     import torch
 
     abs_err = rel_err = 0.0
@@ -68,8 +71,9 @@ def _max_errors(pairs) -> tuple[float, float, bool]:
         bitwise &= bool(torch.equal(got, want))
         diff = (got - want).abs()
         abs_err = max(abs_err, float(diff.max()) if diff.numel() else 0.0)
-        rel = diff / want.abs().clamp_min(1e-12)
-        rel_err = max(rel_err, float(rel.max()) if rel.numel() else 0.0)
+        if diff.numel():
+            scale = float(want.abs().max())
+            rel_err = max(rel_err, float(diff.max()) / scale if scale else float(diff.max()))
     return abs_err, rel_err, bitwise
 
 
@@ -120,11 +124,11 @@ def parity(args: argparse.Namespace, device: str) -> list[dict]:
             # The device updates run torch's fused CUDA kernel on the same values: bitwise.
             # The CPU step runs the fused CPU kernel: a few ulps from the CUDA one.
             want_bitwise = step_device == "device" or mix == "gpu" or device == "cpu"
-            ok = bitwise if want_bitwise else rel_err < 1e-4
+            ok = bitwise if want_bitwise else rel_err < 1e-5
             rows.append({"mix": mix, "step_device": step_device,
                          "state_bytes": plan["state_bytes"], "max_abs_err": abs_err,
                          "max_rel_err": rel_err, "bitwise": bitwise,
-                         "expected": "bitwise" if want_bitwise else "rel < 1e-4",
+                         "expected": "bitwise" if want_bitwise else "rel < 1e-5",
                          "status": "ok" if ok else "MISMATCH"})
     return rows
 
