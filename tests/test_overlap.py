@@ -10,6 +10,8 @@ twice, too early or not at all shows up as a bitwise difference.
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 import time
 
 import pytest
@@ -421,6 +423,99 @@ def test_crash_consistent_failed_step_rolls_back(tmp_path):
     run(ref_model, ref_opt, batches[:1])  # the same calls: run() numbers batches per call
     run(ref_model, ref_opt, batches[1:])
     compare_runs(model, opt, ref_model, ref_opt)
+
+
+class _Cut(Exception):
+    pass
+
+
+# The first layer's input needs no grad: torch says its full backward hook fires early.
+@pytest.mark.filterwarnings("ignore:Full backward hook:UserWarning")
+@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
+def test_backward_cut_short_after_updates(tmp_path, durability):
+    """An exception leaves backward after the worker updated part of step 3, and the block
+    ends. Crash-consistent: the optimizer and the model are rolled back to committed step 2,
+    bitwise; scratch: the part of step 3 stays, and a warning says so."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 256),
+                                torch.nn.Linear(256, 8))
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    cfg = overlap_config(tmp_path, kernel="fused")
+    cfg["pipeline"].update(partition_size="64KiB", buffer_count=3, prefetch_depth=1)
+    cfg["swap"]["durability"] = durability
+    cut = [False]
+
+    def first_layer_backward(module, grad_in, grad_out):
+        if cut[0]:  # backward reaches the first layer last: the later ones are queued
+            opt._tiermem.overlap.wait_idle()  # ... and updated by the worker
+            raise _Cut()
+    model[0].register_full_backward_hook(first_layer_backward)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    with pytest.warns(tiermem.TierMemWarning, match="optimizer.step.. was not called") as rec:
+        with pytest.raises(_Cut):
+            with tiermem.offload(opt, cfg, model=model):
+                for step in range(3):
+                    cut[0] = step == 2
+                    model(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+    for _ in range(2):
+        ref_model(x).square().mean().backward()
+        ref.step()
+        ref.zero_grad()
+    steps = [float(opt.state[p]["step"]) for p in model.parameters()]
+    said = " ".join(str(w.message) for w in rec if issubclass(w.category, tiermem.TierMemWarning))
+    if durability == "crash_consistent":
+        assert "rolled back to committed step 2" in said
+        assert steps == [2.0] * len(steps)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(p.detach(), q.detach())
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][k], ref.state[q][k])
+    else:
+        assert "the state holds that part of a step" in said
+        assert 3.0 in steps and 2.0 in steps
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook:UserWarning")
+def test_zero_grad_after_a_cut_backward_is_no_update(tmp_path, monkeypatch):
+    """zero_grad() after backward failed, with partitions already queued: the worker then
+    finds no gradient and updates nothing (no kernel error at the exit); the next forward
+    is refused."""
+    from tiermem.overlap import BackwardOverlap
+
+    go = threading.Event()
+    go.set()
+    process = BackwardOverlap._process
+
+    def held_back(self, part, upcoming):
+        go.wait(30)  # the worker takes its partitions only once the test lets it
+        return process(self, part, upcoming)
+    monkeypatch.setattr(BackwardOverlap, "_process", held_back)
+    model, opt, cfg = _model_opt(tmp_path, kernel="fused")  # torch's fused: no empty lists
+    cfg["pipeline"]["partition_size"] = "64KiB"  # the last layer's partitions come first
+    cut = [False]
+
+    def hook(module, grad_in, grad_out):
+        if cut[0]:
+            raise _Cut()
+    model[0].register_full_backward_hook(hook)
+    with pytest.warns(tiermem.TierMemWarning, match="was not called"):
+        with tiermem.offload(opt, cfg, model=model):
+            _backward(model)
+            opt.step()
+            opt.zero_grad()
+            cut[0] = True
+            go.clear()
+            with pytest.raises(_Cut):
+                _backward(model, 1)
+            opt.zero_grad()
+            go.set()
+            opt._tiermem.overlap.wait_idle()  # the queued partitions ran without grads
+            with pytest.raises(tiermem.TierMemError, match="forward ran between a backward"):
+                _backward(model, 2)
 
 
 def test_refused_under_a_process_group(tmp_path):

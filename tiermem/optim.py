@@ -407,6 +407,10 @@ class OffloadedOptimizer:
                 for k in MOMENTS:
                     if k in views:
                         lists[k].append(views[k][sl])
+        if not lists["params"]:
+            # Every gradient of the partition is gone (zero_grad after a backward that was
+            # cut short, its partition already queued for the worker): nothing to step.
+            return None
         lr = group["lr"]
         beta1, beta2 = (float(b) for b in group["betas"])
         kernel = self.settings.optimizer.kernel

@@ -340,16 +340,30 @@ class BackwardOverlap:
                 self._stopping = True  # what is still queued is not started
             self._queue.put(_STOP)
             self._worker.join()
-        if self._done_ids:
-            warnings.warn(
-                f"tiermem: backward updated {len(self._done_ids)} of {len(self.off.parts)} "
-                "partitions (pipeline.overlap_backward) but optimizer.step() was not called "
-                "before the block ended: the state holds that part of a step",
-                TierMemWarning, stacklevel=4)
         with self._lock:
             error = self._error
+        if self._done_ids:
+            self._abandon_round()
         self._reset_round()
         return error
+
+    def _abandon_round(self) -> None:
+        """Backward updated part of a step that step() never closed (the block ended, or an
+        exception left backward). Crash-consistent runs promise whole steps: reopen the last
+        commit, as a step failing part-way does. Scratch runs keep what was done, and say so."""
+        off, done = self.off, len(self._done_ids)
+        what = (f"tiermem: backward updated {done} of {len(off.parts)} partitions "
+                "(pipeline.overlap_backward) but optimizer.step() was not called before the "
+                "block ended")
+        if not off.crash:
+            warnings.warn(f"{what}: the state holds that part of a step", TierMemWarning,
+                          stacklevel=5)
+            return
+        # The worker has stopped: nothing else touches the tiers while they are reopened.
+        notes = TierMemError(what)
+        off._roll_back(notes, off.steps_taken + 1)
+        warnings.warn("; ".join([what, *getattr(notes, "__notes__", [])]), TierMemWarning,
+                      stacklevel=5)
 
     def _name(self, index: int) -> str:
         p = self.off.params[index]
