@@ -79,6 +79,26 @@ def test_fp32_parity(tmp_path, backend, step_device, mix):
     assert listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+def test_overlap_backward_through_the_lanes(tmp_path, step_device):
+    """pipeline.overlap_backward: the worker thread updates partitions through the lanes
+    during backward; still bitwise, and most partitions ran early."""
+    model, ref_model = twin(Synthetic)
+    kw = dict(lr=1e-2, weight_decay=0.05)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True, **kw)
+    batches = make_batches(model, STEPS)
+    cfg = lane_config(tmp_path, step_device, **MIXES["mixed"])
+    cfg["pipeline"]["overlap_backward"] = True
+    with emulate_device(), tiermem.offload(opt, cfg, model=model) as tm:
+        train(model, opt, batches)
+        stats = tm.stats()
+    train(ref_model, ref, batches)
+    compare_runs(model, opt, ref_model, ref)
+    assert all(s["h2d_bytes"] > 0 for s in stats)
+    assert sum(s["early_partitions"] for s in stats) > 0
+
+
 @pytest.mark.parametrize("backend", backend_params())
 def test_device_step_on_a_cpu_model_without_emulation(tmp_path, backend):
     """step_device device on a CPU model: fp32 records hold no master (updated in place on
