@@ -10,7 +10,7 @@ cpu (ZeRO-Offload)                                 k = 0, 1, 0, ... per partitio
   host                        ev_grads.synchronize(); Adam on the record (master, moments);
                               ev_w[k].synchronize(); master -> pinned w[k] (model dtype)
   h2d          wait ev_bwd' ─ w[k] -> param ─●ev_w[k]
-  compute  ──wait ev_w[k]── next forward
+  compute  ──wait the step's last ev_w (at its end)── next forward
 
 device                                             k = 0, 1, 0, ... per partition
   h2d      wait ev_back[k] ─ record -> dev[k] ─●ev_in
@@ -442,7 +442,8 @@ class DeviceLanes:
             self._order(self.h2d, b.record(compute), "compute work queued before, which may "
                                                      "still read the old weights")
             slot.last_use = self._last_h2d = self._copies(self.h2d, "h2d", pairs)
-            self._order(compute, slot.last_use, "the new weights, before the next forward")
+            # The compute stream waits for the weights once, in end_step: a wait here would
+            # also hold back the backward kernels queued after it (overlap_backward).
             # The other slot goes next: this one's copy overlaps the next update.
             self.weights.reverse()
 
@@ -452,6 +453,9 @@ class DeviceLanes:
         """The step's copies are done (the weights on the device before step() returns) and
         counted in `stats`."""
         b = self.backend
+        # The h2d stream runs in order: its last weights copy ends after all the others.
+        self._order(b.current_stream(), self._last_h2d,
+                    "the new weights, before the next forward")
         b.host_sync(b.current_stream())
         b.check_idle([self.d2h, self.h2d])
         # Not for correctness (the compute stream waits the weights): their figures.
