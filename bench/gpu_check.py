@@ -209,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from tiermem.device_lanes import emulate_device
-
     if args.smoke:
         args.params = min(args.params, 1 << 18)
         args.partition_size = min(args.partition_size, 256 << 10)
