@@ -26,6 +26,7 @@ from tiermem.device_lanes import (DeferredBackend, DeferredStream, DeviceLanes,
 from tiermem.errors import TierMemError
 
 from conftest import REPO
+from faults import inject
 from offload_helpers import (Synthetic, assert_same_tensor, available_backends,
                              backend_params, compare_runs, config, listdir, loss_of,
                              lowp_step, make_batches, side_used, train, twin)
@@ -147,6 +148,52 @@ def test_crash_consistent(tmp_path, step_device):
         for i in range(STEPS):
             train(model, opt, batches[i: i + 1], start=i)
             assert tm.committed_step == i + 1
+    train(ref_model, ref, batches)
+    compare_runs(model, opt, ref_model, ref)
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_failed_transfer_rolls_back_through_the_lanes(tmp_path, backend, step_device, op):
+    """A transfer failing for good in step 3 with the lanes in use: the step raises and is
+    rolled back to committed step 2 (queued copies settled, nothing staged), and training
+    goes on from there, bitwise against torch."""
+    model, ref_model = twin(Synthetic)
+    kw = dict(lr=1e-2, weight_decay=0.05)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True, **kw)
+    batches = make_batches(model, 5)
+    cfg = lane_config(tmp_path, step_device, backend=backend, host="256KiB")
+    cfg["swap"]["durability"] = "crash_consistent"
+    cfg["io"]["retries"] = 0
+    with emulate_device(), tiermem.offload(opt, cfg) as tm:
+        train(model, opt, batches[:2])
+        parts = tm.plan()["partitions"]
+        inject(tm, op, 0 if op == "read" else parts // 2, times=10)
+        # A write failing for good may first show as its buffer that cannot be reused.
+        with pytest.raises(TierMemError) as info:
+            train(model, opt, batches[2:3], start=2)
+        assert "rolled back to committed step 2" in "".join(info.value.__notes__)
+        opt.zero_grad()
+        train(model, opt, batches[2:], start=2)  # the reopened engine has no fault
+    train(ref_model, ref, batches)
+    compare_runs(model, opt, ref_model, ref)
+
+
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_transient_faults_through_the_lanes(tmp_path, backend, step_device):
+    """A read and a write fail once each and are reissued (io.retries): nothing changes."""
+    model, ref_model = twin(Synthetic)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    batches = make_batches(model, 4)
+    cfg = lane_config(tmp_path, step_device, backend=backend, host="128KiB")
+    with emulate_device(), tiermem.offload(opt, cfg) as tm:
+        reads, writes = inject(tm, "read", 2), inject(tm, "write", 5)
+        train(model, opt, batches)
+        assert reads.injected == writes.injected == 1 and tm.faults_survived == 2
     train(ref_model, ref, batches)
     compare_runs(model, opt, ref_model, ref)
 
