@@ -155,6 +155,47 @@ def state_dict_roundtrip(rank: int, world: int, tmp: str) -> None:
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
 
 
+class _Stop(Exception):
+    pass
+
+
+def resume_one_step_apart(rank: int, world: int, tmp: str) -> None:
+    """Crash-consistent ranks one step apart, as a crash between two ranks' commits of step 3
+    leaves them (made here by the last rank's manifest going back to its previous commit,
+    its step-3 records written but named by no manifest): the resume takes every rank back
+    to step 2, bitwise, and training goes on equal to the reference."""
+    model, opt, ref_model, ref_opt = pair()
+    cfg = small_cfg(tmp)
+    cfg["swap"]["durability"] = "crash_consistent"
+    try:
+        with tiermem.offload(opt, cfg, model=model, name="apart"):
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 3)
+            raise _Stop()  # every rank keeps its share on disk
+    except _Stop:
+        pass
+    run_dir = os.path.join(tmp, f"tiermem-apart-rank{rank}")
+    assert read_manifest(run_dir, None).step == 3
+    assert read_manifest(run_dir, None, previous=True).step == 2
+    if rank == world - 1:
+        os.replace(os.path.join(run_dir, "manifest.previous.json"),
+                   os.path.join(run_dir, "manifest.json"))
+    barrier()
+    model, opt, ref_model, ref_opt = pair()
+    for i, micro in enumerate(make_batches(ref_model, 2, seed=10 + rank)):
+        local_backward(ref_model, micro, i, rank)
+        averaged(ref_model, world)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with tiermem.offload(opt, cfg, model=model, name="apart", resume=True) as tm:
+        assert tm.resumed_step == 2, tm.resumed_step
+        for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert_same_tensor(p.detach(), q.detach(), f"rank {rank} step 2 {n}")
+        # The step gone back to is the latest on disk now: a crash here resumes it again.
+        assert read_manifest(run_dir, None).step == 2
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=2)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
 def placeholders(rank: int, world: int, tmp: str) -> None:
     """{rank} / {local_rank} pick a directory per rank; ranks sharing one path never collide
     (run directories tiermem-<name>-rank<r>)."""
@@ -324,6 +365,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "ddp-allreduced": lambda r, d: parity(r, world, d, "threads", grads="allreduced",
                                               ddp=True),
         "state-dict": lambda r, d: state_dict_roundtrip(r, world, d),
+        "resume-one-step-apart": lambda r, d: resume_one_step_apart(r, world, d),
         "placeholders": lambda r, d: placeholders(r, world, d),
         "dcp-save": lambda r, d: dcp_save(r, world, d, extra["ckpt"]),
         "dcp-load": lambda r, d: dcp_load(r, world, d, extra["ckpt"]),

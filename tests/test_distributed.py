@@ -23,7 +23,8 @@ from offload_helpers import available_backends, compare_state_dicts, config
 
 URING = "io_uring" in available_backends()
 TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "ddp-allreduced", "state-dict",
-       "placeholders", "dcp-save", "fsdp2", "rank-raises"]  # rank-raises breaks the group: last
+       "resume-one-step-apart", "placeholders", "dcp-save", "fsdp2",
+       "rank-raises"]  # rank-raises breaks the group: last
 THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load",
          "rank-dies"]  # rank-dies kills rank 2: last
 

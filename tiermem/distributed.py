@@ -133,15 +133,10 @@ class DistributedOffload(Offload):
         if bad:
             off.tiers.close(remove_swap=not resume)
             raise self.coll.failure("set-up", TierMemError(f"rank(s) {bad} failed to set up"))
+        if resume and len({row[1] for row in flags}) > 1:
+            off = self._one_step_back(off, flags, settings, model, name)
         super().__init__(off)
         opt.state.clear()  # each rank's share of it is in the tiers now
-        if resume and len({row[1] for row in flags}) > 1:
-            steps = {self.coll.global_rank(r): int(row[1]) for r, row in enumerate(flags)}
-            self._off.detach()
-            self._off.tiers.close(remove_swap=False)
-            raise TierMemError(f"cannot resume: the ranks kept different steps {steps}; a "
-                               "crash-consistent run commits each rank's share on its own, so "
-                               "a crash between two ranks' commits leaves them a step apart")
         self.rank_plans = self._gather_plans()
         self._originals: dict[str, Any] = {}
         self._hook()
@@ -150,7 +145,7 @@ class DistributedOffload(Offload):
             self.layout.weights_out(self._fresh_comm())
 
     def _build(self, settings: Settings, model: Any, name: str,
-               resume: bool) -> OffloadedOptimizer:
+               resume: bool, previous: bool = False) -> OffloadedOptimizer:
         opt, lay = self.opt, self.layout
         self.shadow = torch.optim.Adam([{**_hyper(g), "params": views}
                                         for g, views in zip(opt.param_groups, lay.views)])
@@ -160,7 +155,39 @@ class DistributedOffload(Offload):
                         for pcs, vs in zip(lay.pieces, lay.views) for pc, v in zip(pcs, vs)])
         return OffloadedOptimizer(self.shadow, rank_paths(settings, self.rank, self.local_rank),
                                   model=named if model is not None else None,
-                                  swap_name=f"{name}-rank{self.rank}", resume=resume)
+                                  swap_name=f"{name}-rank{self.rank}", resume=resume,
+                                  resume_previous=previous, keep_previous=True)
+
+    def _one_step_back(self, off: OffloadedOptimizer, flags: list[list[float]],
+                       settings: Settings, model: Any, name: str) -> OffloadedOptimizer:
+        """The ranks resumed different steps: a crash-consistent run commits each rank's share
+        on its own, and a crash between two ranks' commits leaves them one step apart. The
+        ranks ahead reopen the commit before their last (manifest.PREVIOUS), whose records
+        are still whole; any other difference is refused."""
+        steps = {self.coll.global_rank(r): int(row[1]) for r, row in enumerate(flags)}
+        low, high = min(steps.values()), max(steps.values())
+        error = None
+        if high - low == 1 and off.crash and int(off.resumed_step or 0) == high:
+            off.detach()
+            off.tiers.close(remove_swap=False)
+            off = None
+            try:
+                off = self._build(settings, model, name, True, previous=True)
+            except BaseException as exc:  # the others must hear of it, not wait for it
+                error = exc
+                self.coll.post_failure(exc)
+        again = self.coll.table([float(off.resumed_step if off else -1)],
+                                "resuming the same step on every rank")
+        if error is not None:
+            raise error
+        if len({row[0] for row in again}) == 1:
+            return off
+        if off is not None:
+            off.detach()
+            off.tiers.close(remove_swap=False)
+        raise TierMemError(f"cannot resume: the ranks kept different steps {steps}; ranks one "
+                           "crash-consistent step apart go back to the lower one, but not "
+                           "these")
 
     def _seed(self, state: dict) -> None:
         """State already in the user's optimizer (a checkpoint loaded before offload): its

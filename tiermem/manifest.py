@@ -24,6 +24,12 @@ from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.partition import Partition
 
 MANIFEST = "manifest.json"
+# The commit before the last one, kept for runs under torch.distributed: each rank commits
+# its share on its own, so a crash between two ranks' commits leaves them one step apart,
+# and a rank ahead reopens this one (its records are intact: a rank writes the next step's
+# records only after that step's first collective, which needs every rank to have
+# committed).
+PREVIOUS = "manifest.previous.json"
 RESIDENT_FILE = "resident.swap"
 VERSION = 2
 
@@ -52,10 +58,10 @@ def layout_of(parts: Sequence[Partition]) -> list[dict]:
              "segments": [[s.index, s.start, s.length] for s in p.segments]} for p in parts]
 
 
-def write_manifest(run_dir: str, manifest: Manifest) -> str:
-    """Replace `run_dir`'s manifest atomically: the old one stays valid until the rename,
-    and the rename is on disk before this returns."""
-    path = os.path.join(run_dir, MANIFEST)
+def write_manifest(run_dir: str, manifest: Manifest, name: str = MANIFEST) -> str:
+    """Replace `run_dir`'s manifest (or the file `name`) atomically: the old one stays valid
+    until the rename, and the rename is on disk before this returns."""
+    path = os.path.join(run_dir, name)
     tmp = path + ".tmp"
     data = json.dumps(asdict(manifest)).encode()
     try:
@@ -91,10 +97,11 @@ def _discard(path: str) -> None:
 
 
 def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
-                  durability: str | None = None) -> Manifest:
-    """The manifest in `run_dir`, checked against the layout this optimizer and config give
-    (`parts`, `durability`; parts None reads it as it is, for `tiermem recover`)."""
-    path = os.path.join(run_dir, MANIFEST)
+                  durability: str | None = None, *, previous: bool = False) -> Manifest:
+    """The manifest in `run_dir` (the one before it with `previous`), checked against the
+    layout this optimizer and config give (`parts`, `durability`; parts None reads it as it
+    is, for `tiermem recover`)."""
+    path = os.path.join(run_dir, PREVIOUS if previous else MANIFEST)
     try:
         with open(path) as f:
             data = json.load(f)

@@ -20,7 +20,7 @@ from tiermem.config import Settings
 from tiermem.device_lanes import DeviceLanes, emulating
 from tiermem.errors import TierMemError
 from tiermem.kernels import adam_update, kernel_matching
-from tiermem.manifest import read_manifest
+from tiermem.manifest import read_manifest, write_manifest
 from tiermem.overlap import BackwardOverlap
 from tiermem.partition import Partition, assign_tiers, build_partitions, record_digest
 from tiermem.pipeline import Views
@@ -121,13 +121,17 @@ class OffloadedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, settings: Settings, *,
                  model: torch.nn.Module | None = None, swap_name: str = "default",
-                 resume: bool = False) -> None:
+                 resume: bool = False, resume_previous: bool = False,
+                 keep_previous: bool = False) -> None:
+        """resume_previous: resume from the commit before the last (manifest.PREVIOUS);
+        keep_previous: every commit keeps the one before it (both: torch.distributed)."""
         _check_optimizer(optimizer)
         _check_state_dtype(optimizer, settings)
         self.opt = optimizer
         self.settings = settings
         self.swap_name = swap_name
         self.crash = settings.swap.durability == "crash_consistent"
+        self.keep_previous = keep_previous
         # Set when a failed step could not be rolled back: why no step may run any more.
         self.broken: str | None = None
         self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
@@ -162,12 +166,17 @@ class OffloadedOptimizer:
         manifest = None
         if resume:
             manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts,
-                                     settings.swap.durability)
+                                     settings.swap.durability, previous=resume_previous)
             self._adopt_counts(manifest)
         self.resumed_step = manifest.step if manifest else None
-        self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest)
+        self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest,
+                                 keep_previous=keep_previous)
         try:
             existing = {p: s for p, s in optimizer.state.items() if s}
+            if resume_previous:
+                # The commit gone back to is the latest from now on: a crash, or a step
+                # rolled back, must not find the later one (its records get overwritten).
+                write_manifest(self.tiers.run_dir(), manifest)
             if resume:
                 if self.crash:
                     self._restore_weights()
@@ -551,7 +560,7 @@ class OffloadedOptimizer:
             self.tiers.close(remove_swap=False, flush=False)
             manifest = read_manifest(run_dir, self.parts)
             self.tiers = TierManager(self.parts, self.settings, swap_name=self.swap_name,
-                                     resume=manifest)
+                                     resume=manifest, keep_previous=self.keep_previous)
             self._adopt_counts(manifest)
             self._restore_weights()
         except BaseException as err:

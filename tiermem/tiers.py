@@ -27,7 +27,7 @@ from tiermem.partition import Partition
 from tiermem.signals import deferred, safe_point
 from tiermem.pipeline import StepPipeline, Views
 from tiermem.errors import TierMemError, TierMemIOError
-from tiermem.manifest import RESIDENT_FILE, Manifest, layout_of, write_manifest
+from tiermem.manifest import PREVIOUS, RESIDENT_FILE, Manifest, layout_of, write_manifest
 from tiermem.swap import SwapStore
 from tiermem.swapdir import remove_run_dir, run_dirs
 from tiermem.telemetry import StepStats
@@ -39,11 +39,16 @@ class TierManager:
     """Owns every partition record: resident ones, swap files, buffers and the pipeline."""
 
     def __init__(self, parts: Sequence[Partition], settings: Settings, *,
-                 swap_name: str, resume: Manifest | None = None) -> None:
+                 swap_name: str, resume: Manifest | None = None,
+                 keep_previous: bool = False) -> None:
         self.settings = settings
         self.swap_name = swap_name
         self._resume = resume
         self.crash = settings.swap.durability == "crash_consistent"
+        # Crash-consistent under torch.distributed: each commit first keeps the one before
+        # (manifest.PREVIOUS), written from memory, so a rank can go back one step.
+        self.keep_previous = keep_previous
+        self._committed: Manifest | None = resume
         # Crash-consistent mode: resident records written since the last commit, and
         # resident records changed outside a step that still need writing.
         self._resident_writes: dict[int, Request] = {}
@@ -247,8 +252,14 @@ class TierManager:
             self.pipeline.settle_writes()
         self.store.sync()
         records = self.store.latest_records()
-        path = write_manifest(self.run_dir(), self._manifest(step=step, records=records, **meta))
+        manifest = self._manifest(step=step, records=records, **meta)
+        last = self._committed
+        if self.keep_previous and last is not None and last.step < step:
+            # Its records stay untouched until the next step writes: see manifest.PREVIOUS.
+            write_manifest(self.run_dir(), last, PREVIOUS)
+        path = write_manifest(self.run_dir(), manifest)
         self.store.mark_committed(records)
+        self._committed = manifest
         return path
 
     def _manifest(self, *, step: int, steps: Sequence[float], params: list[dict],
