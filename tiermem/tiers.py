@@ -160,19 +160,23 @@ class TierManager:
         its record is already in host memory, before the current one is computed: the
         device lanes start its copy so that it overlaps the current update."""
         resident = [p for p in self.parts if p.tier != "nvme" and active(p)]
-        nvme = []
-        if self.pipeline is not None:
-            nvme = [p for p in self.pipeline.order(self.pipeline.steps_done) if active(p)]
         for i, p in enumerate(resident):
             if stage is not None:
-                following = (resident + nvme[:1])[i + 1: i + 2]
-                if following:
-                    self._stage_if_ready(following[0], stage)
+                following = resident[i + 1] if i + 1 < len(resident) else self._first_nvme(active)
+                if following is not None:
+                    self._stage_if_ready(following, stage)
             self.step_resident(p, stats, init, compute)
             if after is not None:
                 after(p)
         if self.pipeline is not None:
             self.pipeline.run_step(stats, active, init, compute, after, stage=stage)
+
+    def _first_nvme(self, active: Callable[[Partition], bool]) -> Partition | None:
+        """The NVMe partition this step updates first (after the resident ones)."""
+        if self.pipeline is None:
+            return None
+        return next((p for p in self.pipeline.order(self.pipeline.steps_done) if active(p)),
+                    None)
 
     def _stage_if_ready(self, part: Partition, stage: Fn) -> None:
         if part.tier == "nvme":
