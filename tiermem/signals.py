@@ -40,25 +40,17 @@ class _Deferral:
         self.previous: dict[int, object] = {}
 
     def deliver(self) -> None:
-        """Hand the first pending signal to the handler it was meant for (several Ctrl-C
-        while deferred count as one)."""
+        """Raise the first pending signal again with the handler it was meant for in place,
+        as held() does (several Ctrl-C while deferred count as one)."""
         if not self.pending:
             return
         signum = self.pending[0]
         self.pending.clear()
-        _deliver(signum, self.previous[signum])
-
-
-def _deliver(signum: int, handler: object) -> None:
-    if callable(handler):
-        handler(signum, None)  # default_int_handler / Terminated: raises here
-    elif handler == signal.SIG_DFL:
-        # The default action (usually death): what would have happened without us.
-        current = signal.signal(signum, signal.SIG_DFL)
+        mine = signal.signal(signum, self.previous[signum])
         try:
-            signal.raise_signal(signum)
+            signal.raise_signal(signum)  # its handler runs here (or its default action)
         finally:
-            signal.signal(signum, current)
+            signal.signal(signum, mine)
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
