@@ -21,7 +21,7 @@
  * lookups in tables built once.
  *
  * Where the CPU has AVX-512 and VPCLMULQDQ, long buffers take a folding path
- * instead (tm_crc32c_fold): carry-less multiplication folds 256 bytes per
+ * instead (tm_crc32c picks it): carry-less multiplication folds 256 bytes per
  * iteration into four 512-bit accumulators, so the loop is bound by loads, not
  * by the crc32 instruction's one word per cycle (the 3-way path reached half of
  * what one core reads from DRAM here, 12 of 25 GB/s, and records are hashed
@@ -281,24 +281,26 @@ static uint32_t raw_fold(uint32_t c, const unsigned char *p, size_t len)
 }
 #endif
 
-static uint32_t crc_with(int hw, uint32_t crc, const void *buf, size_t len)
+enum { PATH_TABLE, PATH_SSE42, PATH_FOLD };
+
+static uint32_t crc_with(int path, uint32_t crc, const void *buf, size_t len)
 {
     pthread_once(&init_once, init);
     uint32_t c = ~crc;
 #if TM_CRC_X86
-    if (hw == 2 && len >= FOLD_MIN)
+    if (path == PATH_FOLD && len >= FOLD_MIN)
         return ~raw_fold(c, buf, len);
-    if (hw)
+    if (path != PATH_TABLE)
         return ~raw_hw(c, buf, len);
 #endif
-    (void)hw;
+    (void)path;
     return ~raw_sw(c, buf, len);
 }
 
 uint32_t tm_crc32c(uint32_t crc, const void *buf, size_t len)
 {
     pthread_once(&init_once, init);
-    return crc_with(use_fold ? 2 : use_hw, crc, buf, len);
+    return crc_with(use_fold ? PATH_FOLD : use_hw ? PATH_SSE42 : PATH_TABLE, crc, buf, len);
 }
 
 int tm_crc32c_fold_supported(void)
@@ -307,16 +309,9 @@ int tm_crc32c_fold_supported(void)
     return use_fold;
 }
 
-uint32_t tm_crc32c_fold(uint32_t crc, const void *buf, size_t len)
-{
-    /* Only where tm_crc32c_fold_supported(); elsewhere the best path there is. */
-    pthread_once(&init_once, init);
-    return crc_with(use_fold ? 2 : use_hw, crc, buf, len);
-}
-
 uint32_t tm_crc32c_sw(uint32_t crc, const void *buf, size_t len)
 {
-    return crc_with(0, crc, buf, len);
+    return crc_with(PATH_TABLE, crc, buf, len);
 }
 
 int tm_crc32c_hw_supported(void)
@@ -328,7 +323,7 @@ int tm_crc32c_hw_supported(void)
 uint32_t tm_crc32c_hw(uint32_t crc, const void *buf, size_t len)
 {
     /* Only where tm_crc32c_hw_supported(); elsewhere the portable path answers. */
-    return crc_with(tm_crc32c_hw_supported(), crc, buf, len);
+    return crc_with(tm_crc32c_hw_supported() ? PATH_SSE42 : PATH_TABLE, crc, buf, len);
 }
 
 uint32_t tm_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)

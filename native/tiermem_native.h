@@ -84,17 +84,15 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
 
 /* CRC32C (crc32c.c): standard CRC-32C values; crc = 0 starts one, a previous
  * value continues it. _sw is the portable table path; _hw the SSE4.2 one where
- * tm_crc32c_hw_supported() (elsewhere it answers with the portable path);
- * _fold the AVX-512 VPCLMULQDQ one for buffers of 1 KiB and more where
- * tm_crc32c_fold_supported() (elsewhere the best path the CPU has).
- * tm_crc32c picks the fastest.
+ * tm_crc32c_hw_supported() (elsewhere it answers with the portable path).
+ * tm_crc32c picks the fastest the CPU has: AVX-512 VPCLMULQDQ folding for
+ * buffers of 1 KiB and more where tm_crc32c_fold_supported(), else SSE4.2.
  * _threads splits buf over up to nthreads threads and combines. The GIL is
  * released by cffi around each call. */
 uint32_t tm_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t tm_crc32c_sw(uint32_t crc, const void *buf, size_t len);
 uint32_t tm_crc32c_hw(uint32_t crc, const void *buf, size_t len);
 int tm_crc32c_hw_supported(void);
-uint32_t tm_crc32c_fold(uint32_t crc, const void *buf, size_t len);
 int tm_crc32c_fold_supported(void);
 uint32_t tm_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 uint32_t tm_crc32c_threads(const void *buf, size_t len, int nthreads);

@@ -56,13 +56,8 @@ def has_sse42() -> bool:
     return bool(lib.tm_crc32c_hw_supported())
 
 
-def crc32c_fold(data: bytes, crc: int = 0) -> int:
-    """The AVX-512 VPCLMULQDQ folding path for 1 KiB and more (the best path the CPU has
-    where it lacks them: see has_fold())."""
-    return lib.tm_crc32c_fold(crc, ffi.from_buffer(data), len(data))
-
-
 def has_fold() -> bool:
+    """crc32c() folds buffers of 1 KiB and more with AVX-512 VPCLMULQDQ on this CPU."""
     return bool(lib.tm_crc32c_fold_supported())
 
 
