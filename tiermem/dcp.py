@@ -85,6 +85,9 @@ def _source(tm: Any) -> _Source:
                        lambda s: (flat[s.index].index, flat[s.index].start + s.start),
                        tm.coll.group, tm.coll)
     off = tm._off
+    if off.overlap is not None:
+        # Its worker may still be reading the next step ahead, or be half-way through a step.
+        off.overlap.require_idle("a tiermem.dcp checkpoint")
     return _Source(off, off.opt, off.params, lambda s: (s.index, s.start))
 
 

@@ -5,9 +5,9 @@ its gradient. A partition is ready once every parameter of its segments that
 requires grad has fired; it is queued to one worker thread, which runs the step's
 own per-partition path (wait for its read, update, issue its write-back) while
 backward goes on. The NVMe order is the order gradients completed in the step
-before, so the reads of the first partitions are issued as the previous step()
-ends, before backward starts, and each partition's read is issued while the
-ones before it are updated.
+before, so the reads of the first partitions are issued (by the worker, into
+every buffer) as the previous step() ends, before backward starts, and each
+partition's read is issued while the ones before it are updated.
 
 optimizer.step() waits for the worker, raises the first error it hit, checks
 that no gradient changed after its hook fired, updates the partitions no hook
@@ -18,9 +18,11 @@ worker's writes went to copies no manifest names yet). A backward inside
 
 Threads. Autograd's thread runs the hooks: they only mark and enqueue, under
 `_lock`. Everything else (the pipeline, the tiers, the round's bookkeeping, the
-step counts) belongs to the worker while it holds a queued partition, and to the
-user's thread once `_queue.join()` returned; between the end of one backward and
-the next nothing is queued, so the two never run it at the same time.
+step counts) belongs to the worker while it holds a queued item, and to the
+user's thread once `_queue.join()` returned. step() queues one last item, the
+next step's run-ahead reads (they fill every buffer while forward runs); so
+everything of the user's thread that touches the tiers between steps (stats,
+state_dict, checkpoints, the exit) joins the queue first.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from tiermem.optim import OffloadedOptimizer
 
 _STOP = None  # queued by close(): the worker returns
+_RUN_AHEAD = "run ahead"  # queued by step(): the next step's reads, issued during forward
 
 
 class BackwardOverlap:
@@ -61,7 +64,7 @@ class BackwardOverlap:
         # Ready partitions, autograd thread -> worker. Queue's own lock makes put/get
         # safe; join() (every item task_done) is how the user's thread takes the
         # pipeline back, and it orders the worker's writes before what step() reads.
-        self._queue: queue.Queue[Partition | None] = queue.Queue()
+        self._queue: queue.Queue[Partition | str | None] = queue.Queue()
         self._reset_round()
         self.add(off.parts)
         self._worker = threading.Thread(target=self._run, name="tiermem-overlap", daemon=True)
@@ -140,6 +143,9 @@ class BackwardOverlap:
                     return
                 if self._stopping or self._failed():
                     continue  # step() raises the first error; later partitions wait for it
+                if part is _RUN_AHEAD:
+                    self._run_ahead()
+                    continue
                 with torch.no_grad():  # grad mode is per thread
                     stats = self._process(part, self._upcoming())
                 stats.early_partitions += 1
@@ -149,6 +155,15 @@ class BackwardOverlap:
                         self._error = exc
             finally:
                 self._queue.task_done()
+
+    def _run_ahead(self) -> None:
+        """Fill every pipeline buffer with the next step's first reads. step() leaves this to
+        the worker: waiting for the last write-backs to free the buffers would hold up the
+        caller, and the disk would otherwise idle through forward with only prefetch_depth + 1
+        reads. It gives way as soon as backward queues a partition."""
+        pipeline = self.off.tiers.pipeline
+        if pipeline is not None:
+            pipeline.run_ahead(depth=len(pipeline.slots), stop=lambda: not self._queue.empty())
 
     def _failed(self) -> bool:
         with self._lock:
@@ -245,7 +260,10 @@ class BackwardOverlap:
         stats.step_seconds += t1 - t0
         if stats.events is not None:
             stats.events.append(Event("step", "step", t0, t1, stats.step))
-        off._close_step(stats)
+        off._close_step(stats)  # commits (crash_consistent): before the worker moves again
+        if off.tiers.pipeline is not None:
+            # After _reset_round: an error of the run-ahead belongs to the next step.
+            self._queue.put(_RUN_AHEAD)
         off.opt._opt_called = True  # what torch's lr schedulers check for
         _run_post_hooks(off.opt, args, kwargs)
 
@@ -280,7 +298,7 @@ class BackwardOverlap:
         done = {p.id for p in self._done_nvme}
         pipeline.planned = self._done_nvme + [p for p in pipeline.order(pipeline.steps_done)
                                               if p.id not in done]
-        pipeline.end_step(stats)  # runs the next step's first reads ahead
+        pipeline.end_step(stats, run_ahead=False)  # the worker runs the reads ahead
 
     def _reset_round(self) -> None:
         """Forget the step just closed; count afresh what each partition waits for."""

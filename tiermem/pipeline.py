@@ -145,29 +145,38 @@ class StepPipeline:
         if after is not None:  # after the write is issued: the disk works while it runs
             after(part)
 
-    def end_step(self, stats: StepStats) -> None:
-        """Close the step, run the next one's reads ahead, and raise a failed write-back."""
+    def end_step(self, stats: StepStats, *, run_ahead: bool = True) -> None:
+        """Close the step, run the next one's reads ahead (unless the caller will, with
+        run_ahead()), and raise a failed write-back."""
         errors, self._write_errors = self._write_errors, []
-        self._finish_step(stats)
+        self._finish_step(stats, run_ahead=run_ahead)
         if errors:
             # The whole step ran and its records are in buffers; say now that some of
             # them could not be written back.
             raise errors[0]
 
-    def _finish_step(self, stats: StepStats) -> None:
+    def _finish_step(self, stats: StepStats, *, run_ahead: bool = True) -> None:
         self.steps_done += 1
         self._open_stats.append((stats, self._reqs))
         self._reqs = []
         self._close_old_stats(keep=1)
         self._ahead = StepStats(step=stats.step + 1,
                                 events=[] if stats.events is not None else None)
-        self.run_ahead()
+        if run_ahead:
+            self.run_ahead()
 
-    def run_ahead(self) -> None:
-        """Issue the reads of the next step's first partitions now, before step() is called."""
+    def run_ahead(self, depth: int | None = None,
+                  stop: Callable[[], bool] | None = None) -> None:
+        """Issue the reads of the next step's first `depth` partitions (prefetch_depth + 1
+        unless said) now, before step() is called. stop() is asked before each one that
+        may have to wait for a buffer: True ends the run-ahead there."""
         nxt = self.order(self.steps_done)
-        window = nxt[: self.k + 1]
+        # A buffer whose write-back failed keeps its record: it cannot take a read.
+        usable = sum(not s.dirty for s in self.slots)
+        window = nxt[: min(self.k + 1 if depth is None else depth, usable)]
         for q in window:
+            if stop is not None and q.id not in self.where and stop():
+                return
             self._load(q, window, nxt, 0, self._ahead)
 
     # -- buffers ---------------------------------------------------------------
