@@ -532,3 +532,34 @@ def test_refused_under_a_process_group(tmp_path):
     with pytest.raises(tiermem.TierMemError, match="not supported under torch.distributed"):
         with tiermem.offload(opt, cfg, process_group=object()):
             pass
+
+
+def test_dcp_checkpoint_waits_for_the_worker(tmp_path):
+    """A DCP save right after step() (the worker still reading the next step ahead) sees
+    the step's state; one between backward and step() is refused, as state_dict() is."""
+    from tiermem import dcp
+
+    model, opt, cfg = _model_opt(tmp_path / "swap", host=0)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(128, 200), torch.nn.Linear(200, 128))
+    ref_model.load_state_dict(model.state_dict())
+    reference = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, cfg) as tm:
+        for seed in range(2):
+            _backward(model, seed)
+            opt.step()
+            opt.zero_grad()
+            _backward(ref_model, seed)
+            reference.step()
+            reference.zero_grad()
+        dcp.save(tm, str(tmp_path / "ckpt"))
+        _backward(model, 2)
+        with pytest.raises(tiermem.TierMemError, match="tiermem.dcp checkpoint"):
+            dcp.save(tm, str(tmp_path / "ckpt2"))
+        opt.step()
+    model2, opt2, cfg2 = _model_opt(tmp_path / "swap2", host=0)
+    with tiermem.offload(opt2, cfg2) as tm2:
+        dcp.load(tm2, str(tmp_path / "ckpt"))
+        sd = opt2.state_dict()
+    for i, p in enumerate(ref_model.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd["state"][i][k], reference.state[p][k])
