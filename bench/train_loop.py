@@ -10,7 +10,9 @@ of the machine hits every variant alike, the per-iteration median of:
 - the tiermem step alone, back to back with gradients in place: update + I/O;
 - tiermem without overlap: fwd+bwd+step;
 - tiermem with pipeline.overlap_backward: fwd+bwd+step, the update running
-  during backward;
+  during backward, each timed iteration paired with a fwd+bwd alone timed just
+  before it (the machine's speed drifts by 10-20% within seconds; the ratio is
+  the median over the pairs);
 - the same with all state in host memory (no I/O, no checksums): what
   overlapping costs on these cores when the update is nothing but Adam, the
   reference for how much of the gap is the update's own CPU work.
@@ -149,16 +151,19 @@ class Loop:
                              name="bench-train-loop") as tm:
             if trace:
                 tm.record_events()
+            def it():
+                t0 = time.perf_counter()
+                self.fwd_bwd()
+                t1 = time.perf_counter()
+                opt.step()
+                split.append((t1 - t0, time.perf_counter() - t1))
+
             if step_only:
                 self.fwd_bwd()  # gradients in place; the step alone, back to back
                 out = _timed(n, self.args.warmup, opt.step)
+            elif overlap:
+                out = self._paired(n, tm, it)
             else:
-                def it():
-                    t0 = time.perf_counter()
-                    self.fwd_bwd()
-                    t1 = time.perf_counter()
-                    opt.step()
-                    split.append((t1 - t0, time.perf_counter() - t1))
                 out = _timed(n, self.args.warmup, it)
             stats = tm.stats()[self.args.warmup:]
             if trace:
@@ -166,7 +171,9 @@ class Loop:
                 write_chrome_trace(trace, tm.events())
             plan = tm.plan()
             tm.discard()
-        steady = split[self.args.warmup:]
+        # The timed iterations': paired runs time every second one after the warm-up.
+        steady = split[self.args.warmup + 1::2] if overlap and not step_only else (
+            split[self.args.warmup:])
         out.update(
             plan=plan,
             read_bytes=statistics.median(sum(s["read_bytes"].values()) for s in stats),
@@ -179,6 +186,32 @@ class Loop:
             fwd_bwd_part=statistics.median(a for a, _ in steady) if steady else None,
             step_part=statistics.median(b for _, b in steady) if steady else None)
         return out
+
+
+    def _paired(self, n: int, tm, it) -> dict:
+        """n pairs of (fwd+bwd alone, one overlapped iteration), seconds apart, so that each
+        ratio compares figures of the same moment on a machine whose speed drifts.
+
+        fwd+bwd alone runs inside tm.accumulating() (no update starts) once tm.stats() has
+        waited for the worker and every write: nothing of tiermem runs under it. Then two
+        overlapped iterations: the first picks up where the wait left the pipeline, the
+        second, timed, is the steady state: its forward runs under the run-ahead reads of
+        the first's step(), as in a training loop."""
+        for _ in range(self.args.warmup):
+            it()
+        alone, seconds, cpu = [], [], []
+        for _ in range(n):
+            tm.stats()  # waits for the worker and the last write-backs
+            t0 = time.perf_counter()
+            with tm.accumulating():
+                self.fwd_bwd()
+            alone.append(time.perf_counter() - t0)
+            it()
+            t0, c0 = time.perf_counter(), time.process_time()
+            it()
+            seconds.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        return {"seconds": seconds, "cpu_seconds": cpu, "alone": alone}
 
 
 def _timed(n: int, warmup: int, fn) -> dict:
@@ -255,30 +288,34 @@ def main(argv=None) -> int:
             f"{v} {statistics.median(runs[v][-1]['seconds']):.3f} s" for v in variants),
             flush=True)
     med = {v: statistics.median(t for run in runs[v] for t in run["seconds"]) for v in variants}
+
+    def pair_ratios(v: str, r: int, floor: float = 0.0) -> list[float]:
+        """Round r of variant v (overlap or overlap_host): each overlapped iteration over
+        max(the fwd+bwd alone timed just before it, the round's step alone, floor)."""
+        step = (statistics.median(runs["step_only"][r]["seconds"]) if v == "overlap" else 0.0)
+        run = runs[v][r]
+        return [b / max(a, step, floor) for a, b in zip(run["alone"], run["seconds"])]
+
     if len(variants) < len(VARIANTS):  # a partial run (--only): figures, no table
-        if {"fwd_bwd", "step_only", "overlap"} <= set(variants):
-            med["ratio_per_round"] = [
-                statistics.median(runs["overlap"][r]["seconds"])
-                / max(statistics.median(runs["fwd_bwd"][r]["seconds"]),
-                      statistics.median(runs["step_only"][r]["seconds"]))
-                for r in range(args.rounds)]
+        if {"step_only", "overlap"} <= set(variants):
+            per = [pair_ratios("overlap", r) for r in range(args.rounds)]
+            med["ratio"] = statistics.median(x for p in per for x in p)
+            med["ratio_per_round"] = [statistics.median(p) for p in per]
         print(json.dumps(med))
         return 0
 
     def detail(v: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[v])
 
-    # The machine is shared: each round's ratio compares figures taken minutes apart at
-    # most; the headline is their median.
-    per_round = [statistics.median(runs["overlap"][r]["seconds"])
-                 / max(statistics.median(runs["fwd_bwd"][r]["seconds"]),
-                       statistics.median(runs["step_only"][r]["seconds"]))
-                 for r in range(args.rounds)]
-    ratio = statistics.median(per_round)
-    per_round_host = [statistics.median(runs["overlap_host"][r]["seconds"])
-                      / statistics.median(runs["fwd_bwd"][r]["seconds"])
-                      for r in range(args.rounds)]
-    ratio_host = statistics.median(per_round_host)
+    # The machine's speed drifts by 10-20% over seconds: each ratio compares an overlapped
+    # iteration with the fwd+bwd alone timed just before it; the headline is the median of
+    # every pair's.
+    pairs = [pair_ratios("overlap", r) for r in range(args.rounds)]
+    ratio = statistics.median(x for p in pairs for x in p)
+    per_round = [statistics.median(p) for p in pairs]
+    pairs_host = [pair_ratios("overlap_host", r) for r in range(args.rounds)]
+    ratio_host = statistics.median(x for p in pairs_host for x in p)
+    per_round_host = [statistics.median(p) for p in pairs_host]
     # What the cores allow: overlap cannot beat the CPU time of fwd+bwd and of the step
     # spread over every core (the step's Adam, checksums and I/O bookkeeping take cores
     # from backward when backward uses them all).
@@ -286,7 +323,9 @@ def main(argv=None) -> int:
     cpu = {v: statistics.median(c for run in runs[v] for c in run["cpu_seconds"])
            for v in ("fwd_bwd", "step_only", "overlap")}
     cpu_floor = (cpu["fwd_bwd"] + cpu["step_only"]) / cores
-    ratio_cpu = med["overlap"] / max(med["fwd_bwd"], med["step_only"], cpu_floor)
+    ratio_cpu = statistics.median(x for r in range(args.rounds)
+                                  for x in pair_ratios("overlap", r, cpu_floor))
+    alone = statistics.median(a for run in runs["overlap"] for a in run["alone"])
     plan = runs["overlap"][-1]["plan"]
     rows = [
         ["fwd+bwd alone", f"{med['fwd_bwd']:.3f} s", f"{args.batch}x{args.seq} tokens"],
@@ -302,9 +341,12 @@ def main(argv=None) -> int:
          f"fwd+bwd {detail('overlap', 'fwd_bwd_part'):.3f} s + rest of step "
          f"{detail('overlap', 'step_part'):.3f} s; {detail('overlap', 'early'):.0f} of "
          f"{plan['partitions']} partitions updated during backward"],
+        ["fwd+bwd alone, paired", f"{alone:.3f} s",
+         "timed just before each overlapped iteration (tiermem idle)"],
         ["overlap / max(fwd+bwd, update+I/O)", f"{ratio:.3f}",
          f"goal <= {GOAL}: " + ("met" if ratio <= GOAL else "NOT met")
-         + f"; median of the rounds' {', '.join(f'{x:.3f}' for x in per_round)}"],
+         + f"; median of {args.rounds} x {args.iters} pairs; per round "
+         f"{', '.join(f'{x:.3f}' for x in per_round)}"],
         ["CPU floor: (fwd+bwd + step CPU time) / cores", f"{cpu_floor:.3f} s",
          f"fwd+bwd {cpu['fwd_bwd']:.3f} CPU-s, step {cpu['step_only']:.3f} CPU-s, {cores} "
          f"cores; overlap used {cpu['overlap']:.3f} CPU-s"],
@@ -312,7 +354,7 @@ def main(argv=None) -> int:
          "how close overlap comes to what these cores allow"],
         ["overlap / no overlap", f"{med['overlap'] / med['no_overlap']:.3f}", ""],
         ["reference: overlap, state in host memory", f"{med['overlap_host']:.3f} s",
-         f"no I/O, no checksums: / fwd+bwd = {ratio_host:.3f} (median of the rounds' "
+         f"no I/O, no checksums: / fwd+bwd = {ratio_host:.3f} (per round "
          f"{', '.join(f'{x:.3f}' for x in per_round_host)}): the update's own CPU work "
          "taken from backward"],
     ]
@@ -325,7 +367,7 @@ def main(argv=None) -> int:
     write_json(args.json, {"args": vars(args), "machine": machine_facts(),
                            "revision": git_revision(HERE.parent), "params": loop.n_params,
                            "median_seconds": med, "ratio": ratio, "ratio_per_round": per_round,
-                           "ratio_host": ratio_host, "cpu_seconds": cpu, "cores": cores,
+                           "ratio_host": ratio_host, "fwd_bwd_paired": alone, "cpu_seconds": cpu, "cores": cores,
                            "cpu_floor": cpu_floor, "ratio_cpu_floor": ratio_cpu, "ratio_host_per_round": per_round_host,
                            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                            "goal": GOAL, "runs": runs})
