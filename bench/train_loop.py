@@ -151,6 +151,7 @@ class Loop:
                              name="bench-train-loop") as tm:
             if trace:
                 tm.record_events()
+
             def it():
                 t0 = time.perf_counter()
                 self.fwd_bwd()
@@ -186,7 +187,6 @@ class Loop:
             fwd_bwd_part=statistics.median(a for a, _ in steady) if steady else None,
             step_part=statistics.median(b for _, b in steady) if steady else None)
         return out
-
 
     def _paired(self, n: int, tm, it) -> dict:
         """n pairs of (fwd+bwd alone, one overlapped iteration), seconds apart, so that each
@@ -255,8 +255,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default, one per core)")
     p.add_argument("--only", default="",
-                   help="comma-separated variants to run (default all); fwd_bwd, step_only "
-                        "and overlap are needed for the ratio")
+                   help="comma-separated variants to run (default all); step_only and "
+                        "overlap are needed for the ratio")
     p.add_argument("--trace", help="write a Perfetto trace of the overlapped iterations here")
     p.add_argument("--json", default=str(HERE / "results" / "train_loop.json"))
     return p.parse_args(argv)
