@@ -563,3 +563,30 @@ def test_dcp_checkpoint_waits_for_the_worker(tmp_path):
     for i, p in enumerate(ref_model.parameters()):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sd["state"][i][k], reference.state[p][k])
+
+
+def test_train_loop_bench_smoke(tmp_path):
+    """bench/train_loop.py at a tiny size: every variant runs, each overlapped iteration is
+    paired with a fwd+bwd alone, the swap directory is left empty."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "train_loop.json"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "bench" / "train_loop.py"), "--dim", "64", "--heads", "2",
+         "--layers", "1", "--vocab", "128", "--seq", "16", "--iters", "2", "--rounds", "2",
+         "--warmup", "1", "--partition-size", "64KiB", "--buffers", "3", "--prefetch", "1",
+         "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, cwd=repo, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["median_seconds"]) == {"fwd_bwd", "plain", "step_only", "no_overlap",
+                                             "overlap", "overlap_host"}
+    for v in ("overlap", "overlap_host"):
+        assert all(len(r["alone"]) == len(r["seconds"]) == 2 for r in result["runs"][v])
+    assert len(result["ratio_per_round"]) == 2 and result["ratio"] > 0
+    assert result["runs"]["overlap"][0]["early"] > 0  # updates did start during backward
+    assert listdir(tmp_path / "swap") == []
