@@ -149,21 +149,21 @@ class StepPipeline:
         """Close the step, run the next one's reads ahead (unless the caller will, with
         run_ahead()), and raise a failed write-back."""
         errors, self._write_errors = self._write_errors, []
-        self._finish_step(stats, run_ahead=run_ahead)
+        self._finish_step(stats)
+        if run_ahead:
+            self.run_ahead()
         if errors:
             # The whole step ran and its records are in buffers; say now that some of
             # them could not be written back.
             raise errors[0]
 
-    def _finish_step(self, stats: StepStats, *, run_ahead: bool = True) -> None:
+    def _finish_step(self, stats: StepStats) -> None:
         self.steps_done += 1
         self._open_stats.append((stats, self._reqs))
         self._reqs = []
         self._close_old_stats(keep=1)
         self._ahead = StepStats(step=stats.step + 1,
                                 events=[] if stats.events is not None else None)
-        if run_ahead:
-            self.run_ahead()
 
     def run_ahead(self, depth: int | None = None,
                   stop: Callable[[], bool] | None = None) -> None:
