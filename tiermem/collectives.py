@@ -28,6 +28,11 @@ from torch.distributed import distributed_c10d as c10d
 
 from tiermem.errors import TierMemError
 
+# torch 2.13 renamed the flat-tensor collectives to *_single and deprecated the old names;
+# older releases (2.11 on the GPU image) have only the old ones. Same semantics.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _instances = itertools.count()  # every rank builds its offloads in the same order
 
 
@@ -82,12 +87,12 @@ class Collectives:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         """Sum of every rank's `inp`, rank r receiving slice r (equal slices)."""
-        return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=True)
+        return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         """Every rank's `inp` back to back in `out` (equal sizes)."""
-        return dist.all_gather_single(out, inp, group=self.group, async_op=True)
+        return _all_gather(out, inp, group=self.group, async_op=True)
 
     def table(self, row: list[float], what: str) -> list[list[float]]:
         """Every rank's `row` (numbers; exact up to 2**53), in rank order."""
