@@ -302,6 +302,9 @@ def main(argv=None) -> int:
             med["ratio"] = statistics.median(x for p in per for x in p)
             med["ratio_per_round"] = [statistics.median(p) for p in per]
         print(json.dumps(med))
+        write_json(args.json, {"args": vars(args), "machine": machine_facts(),
+                               "revision": git_revision(HERE.parent), "params": loop.n_params,
+                               "median_seconds": med, "runs": runs})
         return 0
 
     def detail(v: str, key: str) -> float:

@@ -8,7 +8,9 @@ With B pool buffers and prefetch depth k < B:
    record changed again) only after that write completed.
 The order reverses every step (zig-zag), so the partitions still in buffers
 at the end of a step are the first of the next and are not read again. A
-buffer to refill is chosen by next use (Belady): the partition needed last.
+buffer to refill is one whose write-back has landed, chosen by next use among
+those (Belady): the partition needed last; with every write still in flight,
+the one issued first.
 A partition never written yet is initialised in its buffer instead of read.
 With pipeline.overlap_backward the order is the one gradients complete in
 instead (`planned`, set by tiermem/overlap.py), fed partition by partition
@@ -43,6 +45,7 @@ class _Slot:
     needs_init: bool = False  # part was never written: build its record, do not read
     fetched: bool = False  # read (or built) for the step being run, not left from before
     dirty: bool = False  # its write-back failed: this buffer holds the only current copy
+    write_seq: int = 0  # when its last write-back was issued, in the pipeline's write count
 
 
 class StepPipeline:
@@ -62,6 +65,7 @@ class StepPipeline:
         self.where: dict[int, _Slot] = {}
         self.fresh = {p.id for p in parts}
         self.steps_done = 0
+        self._writes_issued = 0  # orders the write-backs in flight: the first issued lands first
         self.retries = retries  # times a failed transfer is reissued before it is an error
         self.faults_survived = 0
         self._write_errors: list[TierMemIOError] = []
@@ -236,7 +240,14 @@ class StepPipeline:
         if not free:
             raise TierMemError("no pipeline buffer can be reused: the records they hold could "
                                "not be written back (see the earlier I/O error)")
-        return max(free, key=next_use)
+        # A buffer whose write-back landed takes the read now; one still writing would hold
+        # the read (and every read queued behind it) up by as much as a whole write, so the
+        # disk would alternate write, read, write instead of doing both. Among the landed,
+        # Belady. With none landed, the write issued first lands first.
+        landed = [s for s in free if s.write is None or s.write.done()]
+        if landed:
+            return max(landed, key=next_use)
+        return min(free, key=lambda s: s.write_seq)
 
     def _finish_read(self, slot: _Slot) -> None:
         if slot.read is None:
@@ -288,6 +299,8 @@ class StepPipeline:
 
     def _issue_write(self, slot: _Slot, stats: StepStats, digest: int | None = None) -> None:
         slot.write = self.store.write(slot.part, slot.buf, digest=digest)
+        self._writes_issued += 1
+        slot.write_seq = self._writes_issued
         self.fresh.discard(slot.part.id)
         self._reqs.append((slot.write, slot.part.id))
         stats.add_bytes("write", "nvme", self.store.slots[slot.part.id].nbytes)
