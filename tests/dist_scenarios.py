@@ -253,9 +253,27 @@ def dcp_load(rank: int, world: int, tmp: str, ckpt: str) -> None:
     compare_state_dicts(sd, torch.load(ckpt + ".expected.pt"), exact=True)
 
 
-def fsdp2(rank: int, world: int, tmp: str) -> None:
+def repad_shards_like_old_torch(model) -> int:
+    """Before torch 2.11, fully_shard's lazy init (the first forward) re-padded an uneven
+    shard into new storage and swapped the parameter's local tensor. Make this torch do the
+    same now (its reset_sharded_param skips the copy only while the storage is the one it
+    padded at fully_shard): returns how many local tensors moved on this rank."""
+    moved = 0
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        for fp in (group.fsdp_params if group is not None else ()):
+            before = fp.sharded_param._local_tensor.data_ptr()
+            fp._sharded_param_data = fp._sharded_param_data.clone()
+            fp.reset_sharded_param()
+            moved += fp.sharded_param._local_tensor.data_ptr() != before
+    return moved
+
+
+def fsdp2(rank: int, world: int, tmp: str, repad: bool = False) -> None:
     """fully_shard parameters (DTensors): tiermem tiers each rank's local shard; weights and
-    state equal a plain AdamW on the mean gradient."""
+    state equal a plain AdamW on the mean gradient. repad: the shards move to new storage
+    after tiermem.offload started, as older torch did at the first forward."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -273,6 +291,9 @@ def fsdp2(rank: int, world: int, tmp: str) -> None:
         assert tm.plan()["mode"] == "fsdp2"
         local = sum(p.to_local().numel() for p in model.parameters())
         assert tm.plan()["share_elements"] == local
+        if repad:
+            # 1031 rows over 2 ranks: the last rank's shard of model[0] is padded.
+            assert (repad_shards_like_old_torch(model) > 0) == (rank == world - 1)
         for _ in range(3):
             x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
             (model(x) - y).square().mean().backward()
@@ -370,6 +391,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "dcp-save": lambda r, d: dcp_save(r, world, d, extra["ckpt"]),
         "dcp-load": lambda r, d: dcp_load(r, world, d, extra["ckpt"]),
         "fsdp2": lambda r, d: fsdp2(r, world, d),
+        "fsdp2-repadded": lambda r, d: fsdp2(r, world, d, repad=True),
         "rank-raises": lambda r, d: rank_raises(r, world, d),
         "rank-dies": lambda r, d: rank_dies(r, world, d),
     }

@@ -71,10 +71,31 @@ class FsdpLayout:
         return {i for i, p in enumerate(self.params) if p.grad is not None}
 
     def grads_in(self, present: set[int], stats: dict) -> None:
+        self._follow_shards()
         for pcs, views in zip(self.pieces, self.views):
             for pc, v in zip(pcs, views):
                 g = self.params[pc.index].grad
                 v.grad = None if g is None else g._local_tensor.reshape(-1)
+
+    def _follow_shards(self) -> None:
+        """Point each view at the storage its shard lives in now. Before torch 2.11,
+        fully_shard's lazy init (the model's first forward, after tiermem took its views)
+        re-pads an uneven shard into new storage and swaps the parameter's local tensor; the
+        update then went to the old storage while the all-gather read the new one. set_()
+        keeps each view's tensor object, which the shadow optimizer, its state and the
+        partitions hold."""
+        for pcs, views in zip(self.pieces, self.views):
+            for pc, v in zip(pcs, views):
+                local = self.params[pc.index]._local_tensor
+                if local.data_ptr() == v.data_ptr():
+                    continue
+                if local.numel() != v.numel() or not local.is_contiguous():
+                    raise TierMemError(
+                        f"the FSDP2 shard of parameter {pc.index} changed from {v.numel()} to "
+                        f"{local.numel()} elements (or lost its layout) after tiermem.offload "
+                        "started; re-shard the model before entering tiermem.offload")
+                with torch.no_grad():
+                    v.set_(local.untyped_storage(), local.storage_offset(), (local.numel(),))
 
     def release_grads(self) -> None:
         for views in self.views:
