@@ -13,24 +13,26 @@ from tiermem.pipeline import StepPipeline
 
 
 class FakeWrite:
-    def __init__(self, landed: bool) -> None:
-        self.landed = landed
+    def __init__(self, landed: bool, issued: float) -> None:
+        self.landed, self.issued = landed, issued
 
     def done(self) -> bool:
         return self.landed
 
+    def interval(self) -> tuple[float, float]:
+        return self.issued, self.issued + 1.0
+
 
 def pipeline_with(slots: list[tuple[int, bool | None, int]], order: list[int]) -> StepPipeline:
     """Buffers holding partition ids, each with its write (None: none; True/False: landed or
-    in flight) and the sequence number it was issued with; `order`: the planned visit."""
+    in flight) and when it was issued; `order`: the planned visit."""
     parts = {i: types.SimpleNamespace(id=i) for i in set(order) | {s[0] for s in slots}}
     pipe = StepPipeline(None, [torch.empty(1) for _ in slots], list(parts.values()),
                         prefetch_depth=1, zigzag=False)
     pipe.planned = [parts[i] for i in order]
-    for slot, (pid, landed, seq) in zip(pipe.slots, slots):
+    for slot, (pid, landed, issued) in zip(pipe.slots, slots):
         slot.part = parts[pid]
-        slot.write = None if landed is None else FakeWrite(landed)
-        slot.write_seq = seq
+        slot.write = None if landed is None else FakeWrite(landed, issued)
         pipe.where[pid] = slot
     return pipe
 

@@ -45,7 +45,6 @@ class _Slot:
     needs_init: bool = False  # part was never written: build its record, do not read
     fetched: bool = False  # read (or built) for the step being run, not left from before
     dirty: bool = False  # its write-back failed: this buffer holds the only current copy
-    write_seq: int = 0  # when its last write-back was issued, in the pipeline's write count
 
 
 class StepPipeline:
@@ -65,7 +64,6 @@ class StepPipeline:
         self.where: dict[int, _Slot] = {}
         self.fresh = {p.id for p in parts}
         self.steps_done = 0
-        self._writes_issued = 0  # orders the write-backs in flight: the first issued lands first
         self.retries = retries  # times a failed transfer is reissued before it is an error
         self.faults_survived = 0
         self._write_errors: list[TierMemIOError] = []
@@ -247,7 +245,7 @@ class StepPipeline:
         landed = [s for s in free if s.write is None or s.write.done()]
         if landed:
             return max(landed, key=next_use)
-        return min(free, key=lambda s: s.write_seq)
+        return min(free, key=lambda s: s.write.interval()[0])
 
     def _finish_read(self, slot: _Slot) -> None:
         if slot.read is None:
@@ -299,8 +297,6 @@ class StepPipeline:
 
     def _issue_write(self, slot: _Slot, stats: StepStats, digest: int | None = None) -> None:
         slot.write = self.store.write(slot.part, slot.buf, digest=digest)
-        self._writes_issued += 1
-        slot.write_seq = self._writes_issued
         self.fresh.discard(slot.part.id)
         self._reqs.append((slot.write, slot.part.id))
         stats.add_bytes("write", "nvme", self.store.slots[slot.part.id].nbytes)
