@@ -5,9 +5,13 @@
 # Debian machine. Override PYTHON to use another interpreter.
 
 PYTHON ?= python3
-# torch is installed only when it is not importable, pinned to the CPU wheel:
-# an unpinned `torch` pulls a multi-GB CUDA build onto machines without a GPU.
+# torch is installed only when it is not importable (or older than 2.9, the oldest
+# tiermem works with), pinned to the CPU wheel: an unpinned `torch`, or pip upgrading
+# an old one to meet pyproject's floor, pulls a multi-GB CUDA build onto machines
+# without a GPU.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_OK := import torch; v = torch.__version__.split("+")[0].split("."); \
+	raise SystemExit((int(v[0]), int(v[1])) < (2, 9))
 PYTEST_ARGS ?=
 export PIP_ROOT_USER_ACTION := ignore
 STAMP := build/.installed
@@ -26,7 +30,7 @@ $(STAMP): $(NATIVE)
 	    exit 1; \
 	  fi; \
 	fi
-	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "setup: installing $(TORCH_SPEC)"; \
+	@$(PYTHON) -c '$(TORCH_OK)' 2>/dev/null || { echo "setup: installing $(TORCH_SPEC)"; \
 	  $(PYTHON) -m pip install -q "$(TORCH_SPEC)"; }
 	@$(PYTHON) -m pip install -q "setuptools>=77" wheel "cffi>=1.15"
 	@echo "setup: building tiermem (native io_uring engine) and its test extras"
