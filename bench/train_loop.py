@@ -289,6 +289,12 @@ def main(argv=None) -> int:
             flush=True)
     med = {v: statistics.median(t for run in runs[v] for t in run["seconds"]) for v in variants}
 
+    def save(**figures) -> None:
+        """args.json: the run's set-up, `figures`, and every timing behind them."""
+        write_json(args.json, {"args": vars(args), "machine": machine_facts(),
+                               "revision": git_revision(HERE.parent), "params": loop.n_params,
+                               **figures, "runs": runs})
+
     def pair_ratios(v: str, r: int, floor: float = 0.0) -> list[float]:
         """Round r of variant v (overlap or overlap_host): each overlapped iteration over
         max(the fwd+bwd alone timed just before it, the round's step alone, floor)."""
@@ -302,9 +308,7 @@ def main(argv=None) -> int:
             med["ratio"] = statistics.median(x for p in per for x in p)
             med["ratio_per_round"] = [statistics.median(p) for p in per]
         print(json.dumps(med))
-        write_json(args.json, {"args": vars(args), "machine": machine_facts(),
-                               "revision": git_revision(HERE.parent), "params": loop.n_params,
-                               "median_seconds": med, "runs": runs})
+        save(median_seconds=med)
         return 0
 
     def detail(v: str, key: str) -> float:
@@ -367,13 +371,10 @@ def main(argv=None) -> int:
           f"pinned {plan['pinned_bytes'] / 2**30:.2f} GiB, {args.backend}, kernel "
           f"{args.kernel}, checksums {args.checksums}, torch threads {torch.get_num_threads()}\n")
     print(markdown_table(["what", "per iteration (median)", "detail"], rows))
-    write_json(args.json, {"args": vars(args), "machine": machine_facts(),
-                           "revision": git_revision(HERE.parent), "params": loop.n_params,
-                           "median_seconds": med, "ratio": ratio, "ratio_per_round": per_round,
-                           "ratio_host": ratio_host, "fwd_bwd_paired": alone, "cpu_seconds": cpu, "cores": cores,
-                           "cpu_floor": cpu_floor, "ratio_cpu_floor": ratio_cpu, "ratio_host_per_round": per_round_host,
-                           "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                           "goal": GOAL, "runs": runs})
+    save(median_seconds=med, ratio=ratio, ratio_per_round=per_round, ratio_host=ratio_host,
+         fwd_bwd_paired=alone, cpu_seconds=cpu, cores=cores, cpu_floor=cpu_floor,
+         ratio_cpu_floor=ratio_cpu, ratio_host_per_round=per_round_host,
+         loadavg_before=load_before, loadavg_after=os.getloadavg(), goal=GOAL)
     print(f"\nwrote {args.json}")
     return 0
 
