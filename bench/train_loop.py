@@ -13,6 +13,10 @@ of the machine hits every variant alike, the per-iteration median of:
   during backward, each timed iteration paired with a fwd+bwd alone timed just
   before it (the machine's speed drifts by 10-20% within seconds; the ratio is
   the median over the pairs);
+- fwd+bwd beside fio moving the overlapped step's bytes at the overlapped
+  iteration's rate, each paired with a fwd+bwd alone just before it (needs
+  fio): what the disk traffic alone costs the computation (on a virtual
+  machine the host copies every block into or out of guest memory);
 - the same with all state in host memory (no I/O, no checksums): what
   overlapping costs on these cores when the update is nothing but Adam, the
   reference for how much of the gap is the update's own CPU work.
@@ -43,7 +47,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _report import git_revision, machine_facts, markdown_table, write_json  # noqa: E402
+from _disk_load import DiskLoad, have_fio  # noqa: E402
+from _report import (git_revision, machine_facts, markdown_table, parse_size,  # noqa: E402
+                     write_json)
 
 GOAL = 1.15
 
@@ -128,6 +134,16 @@ class Loop:
 
     def run_fwd_bwd(self, n: int) -> dict:
         return _timed(n, self.args.warmup, self.fwd_bwd)
+
+    def run_fwd_bwd_io(self, n: int, load: DiskLoad, read_bps: float,
+                       write_bps: float) -> dict:
+        """n pairs of (fwd+bwd alone, fwd+bwd while fio reads and writes at these rates)."""
+        alone, seconds = [], []
+        for _ in range(n):
+            alone.append(_timed(1, 0, self.fwd_bwd)["seconds"][0])
+            with load.running(read_bps, write_bps):
+                seconds.append(_timed(1, 0, self.fwd_bwd)["seconds"][0])
+        return {"seconds": seconds, "alone": alone, "fio": load.moved[-n:]}
 
     def run_plain(self, n: int) -> dict:
         opt = self.optimizer(fused=True)
@@ -226,7 +242,8 @@ def _timed(n: int, warmup: int, fn) -> dict:
     return {"seconds": times[warmup:], "cpu_seconds": cpu[warmup:]}
 
 
-VARIANTS = ("fwd_bwd", "plain", "step_only", "no_overlap", "overlap", "overlap_host")
+VARIANTS = ("fwd_bwd", "plain", "step_only", "no_overlap", "overlap", "fwd_bwd_io",
+            "overlap_host")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -272,6 +289,14 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     loop = Loop(args)
     variants = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
+    load = None
+    if "fwd_bwd_io" in variants:
+        if "overlap" not in variants or not have_fio():
+            print("fwd_bwd_io skipped: it needs fio and the overlap variant (its rates)")
+            variants.remove("fwd_bwd_io")
+        else:
+            load = DiskLoad(args.swap_dir, block_size=parse_size(args.block_size))
+            load.prepare()
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
         last = r == args.rounds - 1
@@ -281,12 +306,21 @@ def main(argv=None) -> int:
                "no_overlap": lambda: loop.run_tiermem(args.iters, overlap=False),
                "overlap": lambda: loop.run_tiermem(args.iters, overlap=True,
                                                    trace=args.trace if last else None),
+               "fwd_bwd_io": lambda: loop.run_fwd_bwd_io(args.iters, load, *io_rates()),
                "overlap_host": lambda: loop.run_tiermem(args.iters, overlap=True, in_host=True)}
+
+        def io_rates() -> tuple[float, float]:
+            """Bytes per second of this round's overlapped iterations, read and written."""
+            o = runs["overlap"][-1]
+            it = statistics.median(o["seconds"])
+            return o["read_bytes"] / it, o["write_bytes"] / it
         for v in variants:
             runs[v].append(run[v]())
         print(f"round {r + 1} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
             f"{v} {statistics.median(runs[v][-1]['seconds']):.3f} s" for v in variants),
             flush=True)
+    if load is not None:
+        load.remove()
     med = {v: statistics.median(t for run in runs[v] for t in run["seconds"]) for v in variants}
 
     def save(**figures) -> None:
@@ -307,6 +341,11 @@ def main(argv=None) -> int:
             per = [pair_ratios("overlap", r) for r in range(args.rounds)]
             med["ratio"] = statistics.median(x for p in per for x in p)
             med["ratio_per_round"] = [statistics.median(p) for p in per]
+        if "fwd_bwd_io" in variants:
+            med["io_slowdown"] = statistics.median(
+                x for r in range(args.rounds) for x in pair_ratios("fwd_bwd_io", r))
+            if "ratio" in med:
+                med["ratio_beside_io"] = med["ratio"] / med["io_slowdown"]
         print(json.dumps(med))
         save(median_seconds=med)
         return 0
@@ -333,6 +372,21 @@ def main(argv=None) -> int:
     ratio_cpu = statistics.median(x for r in range(args.rounds)
                                   for x in pair_ratios("overlap", r, cpu_floor))
     alone = statistics.median(a for run in runs["overlap"] for a in run["alone"])
+    io_rows, io_figures = [], {}
+    if "fwd_bwd_io" in variants:
+        # What the disk traffic alone costs fwd+bwd (each with fio over the one just before).
+        slow = statistics.median(x for r in range(args.rounds)
+                                 for x in pair_ratios("fwd_bwd_io", r))
+        moved = [m for run in runs["fwd_bwd_io"] for m in run["fio"]]
+        gbps = {k: statistics.median(m[f"{k}_bytes"] / m[f"{k}_seconds"] / 1e9 for m in moved)
+                for k in ("read", "write")}
+        io_figures = dict(io_slowdown=slow, ratio_beside_io=ratio / slow, fio_gbps=gbps)
+        io_rows = [
+            ["fwd+bwd beside fio moving the overlap's bytes", f"{med['fwd_bwd_io']:.3f} s",
+             f"fio read {gbps['read']:.2f} GB/s, write {gbps['write']:.2f} GB/s (the "
+             f"overlapped iteration's rates); / fwd+bwd alone just before: {slow:.3f}"],
+            ["overlap / max(fwd+bwd beside that traffic, update+I/O)", f"{ratio / slow:.3f}",
+             "the gap left once the disk traffic's own cost to the computation is counted"]]
     plan = runs["overlap"][-1]["plan"]
     rows = [
         ["fwd+bwd alone", f"{med['fwd_bwd']:.3f} s", f"{args.batch}x{args.seq} tokens"],
@@ -359,6 +413,7 @@ def main(argv=None) -> int:
          f"cores; overlap used {cpu['overlap']:.3f} CPU-s"],
         ["overlap / max(fwd+bwd, update+I/O, CPU floor)", f"{ratio_cpu:.3f}",
          "how close overlap comes to what these cores allow"],
+        *io_rows,
         ["overlap / no overlap", f"{med['overlap'] / med['no_overlap']:.3f}", ""],
         ["reference: overlap, state in host memory", f"{med['overlap_host']:.3f} s",
          f"no I/O, no checksums: / fwd+bwd = {ratio_host:.3f} (per round "
@@ -374,7 +429,8 @@ def main(argv=None) -> int:
     save(median_seconds=med, ratio=ratio, ratio_per_round=per_round, ratio_host=ratio_host,
          fwd_bwd_paired=alone, cpu_seconds=cpu, cores=cores, cpu_floor=cpu_floor,
          ratio_cpu_floor=ratio_cpu, ratio_host_per_round=per_round_host,
-         loadavg_before=load_before, loadavg_after=os.getloadavg(), goal=GOAL)
+         loadavg_before=load_before, loadavg_after=os.getloadavg(), goal=GOAL,
+         **io_figures)
     print(f"\nwrote {args.json}")
     return 0
 
