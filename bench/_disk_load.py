@@ -16,7 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-RAMP_SECONDS = 0.3  # fio submits at its rate this long before the timed work starts
+# fio takes ~0.25 s to start its jobs here; the timed work starts once they have run a while.
+RAMP_SECONDS = 0.6
 FILE_BYTES = 1 << 30  # each job cycles over a file this large
 
 
@@ -36,12 +37,14 @@ class DiskLoad:
         self.moved: list[dict] = []  # per run: read/write bytes and seconds, from fio
 
     def prepare(self) -> None:
-        """Lay the read file out on disk (fio would else spend the first run writing it)."""
+        """Lay both files out on disk: reads need data, and O_DIRECT writes that extend a
+        file are slow on ext4 (the write job would fall short of its rate)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["fio", "--name=prep", f"--filename={self.dir / 'read.bin'}",
-                        "--rw=write", f"--size={FILE_BYTES}", "--ioengine=io_uring",
-                        "--direct=1", "--bs=4M", "--iodepth=8", "--output-format=json"],
-                       check=True, capture_output=True)
+        for name in ("read.bin", "write.bin"):
+            subprocess.run(["fio", "--name=prep", f"--filename={self.dir / name}",
+                            "--rw=write", f"--size={FILE_BYTES}", "--ioengine=io_uring",
+                            "--direct=1", "--bs=4M", "--iodepth=8", "--output-format=json"],
+                           check=True, capture_output=True)
 
     def running(self, read_bps: float, write_bps: float) -> "_Run":
         return _Run(self, int(read_bps), int(write_bps))

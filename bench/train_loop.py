@@ -143,7 +143,8 @@ class Loop:
             alone.append(_timed(1, 0, self.fwd_bwd)["seconds"][0])
             with load.running(read_bps, write_bps):
                 seconds.append(_timed(1, 0, self.fwd_bwd)["seconds"][0])
-        return {"seconds": seconds, "alone": alone, "fio": load.moved[-n:]}
+        return {"seconds": seconds, "alone": alone, "fio": load.moved[-n:],
+                "asked_gbps": [read_bps / 1e9, write_bps / 1e9]}
 
     def run_plain(self, n: int) -> dict:
         opt = self.optimizer(fused=True)
@@ -380,11 +381,14 @@ def main(argv=None) -> int:
         moved = [m for run in runs["fwd_bwd_io"] for m in run["fio"]]
         gbps = {k: statistics.median(m[f"{k}_bytes"] / m[f"{k}_seconds"] / 1e9 for m in moved)
                 for k in ("read", "write")}
+        asked = [statistics.median(run["asked_gbps"][i] for run in runs["fwd_bwd_io"])
+                 for i in (0, 1)]
         io_figures = dict(io_slowdown=slow, ratio_beside_io=ratio / slow, fio_gbps=gbps)
         io_rows = [
             ["fwd+bwd beside fio moving the overlap's bytes", f"{med['fwd_bwd_io']:.3f} s",
-             f"fio read {gbps['read']:.2f} GB/s, write {gbps['write']:.2f} GB/s (the "
-             f"overlapped iteration's rates); / fwd+bwd alone just before: {slow:.3f}"],
+             f"fio read {gbps['read']:.2f} GB/s, write {gbps['write']:.2f} GB/s (asked "
+             f"{asked[0]:.2f}, {asked[1]:.2f}: the overlapped iteration's); / fwd+bwd alone "
+             f"just before: {slow:.3f}"],
             ["overlap / max(fwd+bwd beside that traffic, update+I/O)", f"{ratio / slow:.3f}",
              "the gap left once the disk traffic's own cost to the computation is counted"]]
     plan = runs["overlap"][-1]["plan"]
