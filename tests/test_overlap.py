@@ -569,6 +569,7 @@ def test_train_loop_bench_smoke(tmp_path):
     """bench/train_loop.py at a tiny size: every variant runs, each overlapped iteration is
     paired with a fwd+bwd alone, the swap directory is left empty."""
     import json
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
@@ -583,10 +584,17 @@ def test_train_loop_bench_smoke(tmp_path):
         capture_output=True, text=True, cwd=repo, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
+    # fwd_bwd_io (fwd+bwd beside fio at the overlap's rates) runs where fio is installed.
+    fio = shutil.which("fio") is not None
     assert set(result["median_seconds"]) == {"fwd_bwd", "plain", "step_only", "no_overlap",
-                                             "overlap", "overlap_host"}
-    for v in ("overlap", "overlap_host"):
+                                             "overlap", "overlap_host"} | (
+        {"fwd_bwd_io"} if fio else set())
+    for v in ("overlap", "overlap_host") + (("fwd_bwd_io",) if fio else ()):
         assert all(len(r["alone"]) == len(r["seconds"]) == 2 for r in result["runs"][v])
+    if fio:
+        assert all(m["read_bytes"] > 0 and m["write_bytes"] > 0
+                   for r in result["runs"]["fwd_bwd_io"] for m in r["fio"])
+        assert result["io_slowdown"] > 0 and result["ratio_beside_io"] > 0
     assert len(result["ratio_per_round"]) == 2 and result["ratio"] > 0
     assert result["runs"]["overlap"][0]["early"] > 0  # updates did start during backward
     assert listdir(tmp_path / "swap") == []
