@@ -27,8 +27,8 @@ def have_fio() -> bool:
 
 class DiskLoad:
     """Two fio jobs in `directory` (one reading, one writing, O_DIRECT, io_uring), each held
-    to its rate. `prepare()` once, then `with load.running(): ...` around each timed piece;
-    `moved` collects what each run achieved."""
+    to its rate. `prepare()` once, then `with load.running(read_bps, write_bps): ...` around
+    each timed piece; `moved` collects what each run achieved; `remove()` at the end."""
 
     def __init__(self, directory: str | Path, *, block_size: int, depth: int = 8) -> None:
         self.dir = Path(directory) / "disk-load"
@@ -71,7 +71,11 @@ class _Run:
         time.sleep(RAMP_SECONDS)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:  # the timed work failed: its error is the one to see
+            self.proc.kill()
+            self.proc.communicate()
+            return
         # SIGINT: fio ends its jobs and still prints its JSON report.
         self.proc.send_signal(signal.SIGINT)
         out, err = self.proc.communicate(timeout=60)

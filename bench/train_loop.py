@@ -299,29 +299,31 @@ def main(argv=None) -> int:
             load = DiskLoad(args.swap_dir, block_size=parse_size(args.block_size))
             load.prepare()
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    for r in range(args.rounds):
-        last = r == args.rounds - 1
-        run = {"fwd_bwd": lambda: loop.run_fwd_bwd(args.iters),
-               "plain": lambda: loop.run_plain(args.iters),
-               "step_only": lambda: loop.run_tiermem(args.iters, overlap=False, step_only=True),
-               "no_overlap": lambda: loop.run_tiermem(args.iters, overlap=False),
-               "overlap": lambda: loop.run_tiermem(args.iters, overlap=True,
-                                                   trace=args.trace if last else None),
-               "fwd_bwd_io": lambda: loop.run_fwd_bwd_io(args.iters, load, *io_rates()),
-               "overlap_host": lambda: loop.run_tiermem(args.iters, overlap=True, in_host=True)}
+    try:
+        for r in range(args.rounds):
+            last = r == args.rounds - 1
+            run = {"fwd_bwd": lambda: loop.run_fwd_bwd(args.iters),
+                   "plain": lambda: loop.run_plain(args.iters),
+                   "step_only": lambda: loop.run_tiermem(args.iters, overlap=False, step_only=True),
+                   "no_overlap": lambda: loop.run_tiermem(args.iters, overlap=False),
+                   "overlap": lambda: loop.run_tiermem(args.iters, overlap=True,
+                                                       trace=args.trace if last else None),
+                   "fwd_bwd_io": lambda: loop.run_fwd_bwd_io(args.iters, load, *io_rates()),
+                   "overlap_host": lambda: loop.run_tiermem(args.iters, overlap=True, in_host=True)}
 
-        def io_rates() -> tuple[float, float]:
-            """Bytes per second of this round's overlapped iterations, read and written."""
-            o = runs["overlap"][-1]
-            it = statistics.median(o["seconds"])
-            return o["read_bytes"] / it, o["write_bytes"] / it
-        for v in variants:
-            runs[v].append(run[v]())
-        print(f"round {r + 1} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
-            f"{v} {statistics.median(runs[v][-1]['seconds']):.3f} s" for v in variants),
-            flush=True)
-    if load is not None:
-        load.remove()
+            def io_rates() -> tuple[float, float]:
+                """Bytes per second of this round's overlapped iterations, read and written."""
+                o = runs["overlap"][-1]
+                it = statistics.median(o["seconds"])
+                return o["read_bytes"] / it, o["write_bytes"] / it
+            for v in variants:
+                runs[v].append(run[v]())
+            print(f"round {r + 1} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
+                f"{v} {statistics.median(runs[v][-1]['seconds']):.3f} s" for v in variants),
+                flush=True)
+    finally:
+        if load is not None:
+            load.remove()
     med = {v: statistics.median(t for run in runs[v] for t in run["seconds"]) for v in variants}
 
     def save(**figures) -> None:
