@@ -1,13 +1,14 @@
 """Run every tiermem benchmark, then write one report of the run.
 
-Runs bench/io_vs_fio.py, bench/pipeline.py and bench/adam.py one after the other,
+Runs bench/io_vs_fio.py, bench/pipeline.py, bench/adam.py and bench/train_loop.py
+(one torch thread, as a GPU backward leaves the host's cores) one after the other,
 each as its own process with its --json pointed into one results folder (default
 bench/results/<UTC timestamp>/), its output shown and kept in <name>.log. Then
 writes there:
 
 - report.md: per benchmark, the command, its table, and each figure beside its
   reference from the same run with the ratio;
-- report.json: the three JSON results combined, with machine facts, commands,
+- report.json: the JSON results combined, with machine facts, commands,
   exit codes and durations.
 
 Exits non-zero, naming them, when any benchmark fails (the others still run).
@@ -36,15 +37,24 @@ sys.path.insert(0, str(HERE))
 
 import _report  # noqa: E402
 
-BENCHMARKS = ("io", "pipeline", "adam")
-SCRIPTS = {"io": "io_vs_fio.py", "pipeline": "pipeline.py", "adam": "adam.py"}
+BENCHMARKS = ("io", "pipeline", "adam", "overlap")
+SCRIPTS = {"io": "io_vs_fio.py", "pipeline": "pipeline.py", "adam": "adam.py",
+           "overlap": "train_loop.py"}
 TITLES = {"io": "I/O engine against fio (bench/io_vs_fio.py)",
           "pipeline": "Offloaded step against its floors (bench/pipeline.py)",
-          "adam": "Adam step on the CPU (bench/adam.py)"}
-# Each script's own flags (read from its argparse), full run = the script's defaults.
+          "adam": "Adam step on the CPU (bench/adam.py)",
+          "overlap": "Update overlapped with backward (bench/train_loop.py)"}
+# Each script's own flags (read from its argparse): BASE_ARGS always, then QUICK_ARGS with
+# --quick; a full run is otherwise the script's defaults.
+BASE_ARGS = {"overlap": ["--threads", "1", "--batch", "1", "--iters", "4", "--rounds", "5"]}
 QUICK_ARGS = {"io": ["--size", "512MiB", "--rounds", "1"],
               "pipeline": ["--params", "200M", "--steps", "3"],
-              "adam": ["--params", "10M"]}
+              "adam": ["--params", "10M"],
+              "overlap": ["--dim", "512", "--layers", "4", "--vocab", "4096",
+                          "--partition-size", "8MiB", "--iters", "2", "--rounds", "2"]}
+# Environment per benchmark: OpenMP threads that spin while waiting would take the core
+# the overlapped update runs on (docs/tuning.md measures with this).
+ENV = {"overlap": {"OMP_WAIT_POLICY": "PASSIVE"}}
 VARIES = ("Figures vary by up to 25% from run to run on this shared machine; only ratios "
           "between figures of one run mean anything.")
 
@@ -54,9 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="small sizes: io 512MiB 1 round, pipeline 200M params 3 steps, "
-                        "adam 10M params")
+                        "adam 10M params, overlap a 15M-parameter model 2 rounds")
     p.add_argument("--only", default=",".join(BENCHMARKS),
-                   help="comma-separated subset of io,pipeline,adam (default all)")
+                   help="comma-separated subset of io,pipeline,adam,overlap (default all)")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default bench/results/<UTC timestamp>/)")
     a = p.parse_args(argv)
@@ -74,12 +84,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run_one(name: str, quick: bool, out: Path) -> dict[str, Any]:
     """Run one benchmark script, echoing its output and keeping it in <out>/<name>.log."""
     json_path = out / f"{Path(SCRIPTS[name]).stem}.json"
-    argv = [sys.executable, str(HERE / SCRIPTS[name]), *(QUICK_ARGS[name] if quick else []),
-            "--json", str(json_path)]
+    argv = [sys.executable, str(HERE / SCRIPTS[name]), *BASE_ARGS.get(name, []),
+            *(QUICK_ARGS[name] if quick else []), "--json", str(json_path)]
     shown_json = (os.path.relpath(json_path, REPO) if json_path.resolve().is_relative_to(REPO)
                   else str(json_path))
-    shown = shlex.join(["python3", f"bench/{SCRIPTS[name]}", *argv[2:-2], "--json", shown_json])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    extra_env = {k: os.environ.get(k, v) for k, v in ENV.get(name, {}).items()}
+    shown = shlex.join([*(f"{k}={v}" for k, v in extra_env.items()), "python3",
+                        f"bench/{SCRIPTS[name]}", *argv[2:-2], "--json", shown_json])
+    env = {**os.environ, **extra_env, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "PYTHONUNBUFFERED": "1"}
     log_path = out / f"{name}.log"
@@ -181,7 +193,33 @@ def adam_figures(d: dict) -> list[list[str]]:
     return rows
 
 
-FIGURES = {"io": io_figures, "pipeline": pipeline_figures, "adam": adam_figures}
+def overlap_figures(d: dict) -> list[list[str]]:
+    """The overlapped iteration beside the goal's max(fwd+bwd, update+I/O) and the run's other
+    references. Ratios are the script's own medians over paired samples, not quotients of
+    the medians shown beside them."""
+    med = d["median_seconds"]
+    it = f"{med['overlap']:.3f} s"
+    goal = max(d["fwd_bwd_paired"], med["step_only"])
+    rows = [["overlapped iteration", it,
+             f"max(fwd+bwd paired, update+I/O), goal ratio <= {d['goal']}", f"{goal:.3f} s",
+             f"{d['ratio']:.3f}"]]
+    if "ratio_beside_io" in d:
+        rows.append(["overlapped iteration", it, "max(fwd+bwd beside fio moving the same "
+                     "bytes, update+I/O)", f"{max(med['fwd_bwd_io'], med['step_only']):.3f} s",
+                     f"{d['ratio_beside_io']:.3f}"])
+    rows += [
+        ["overlapped iteration", it, "CPU floor ((fwd+bwd + step CPU time) / cores)",
+         f"{d['cpu_floor']:.3f} s", f"{d['ratio_cpu_floor']:.3f}"],
+        ["overlapped iteration", it, "no overlap", f"{med['no_overlap']:.3f} s",
+         _ratio(med["overlap"], med["no_overlap"])],
+        ["overlap, state in host memory", f"{med['overlap_host']:.3f} s", "fwd+bwd paired",
+         f"{d['fwd_bwd_paired']:.3f} s", f"{d['ratio_host']:.3f}"],
+    ]
+    return rows
+
+
+FIGURES = {"io": io_figures, "pipeline": pipeline_figures, "adam": adam_figures,
+           "overlap": overlap_figures}
 
 
 def last_table(lines: Sequence[str]) -> str | None:

@@ -596,5 +596,14 @@ def test_train_loop_bench_smoke(tmp_path):
                    for r in result["runs"]["fwd_bwd_io"] for m in r["fio"])
         assert result["io_slowdown"] > 0 and result["ratio_beside_io"] > 0
     assert len(result["ratio_per_round"]) == 2 and result["ratio"] > 0
+    # bench/run_all.py's report reads these figures from the JSON.
+    sys.path.insert(0, str(repo / "bench"))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(repo / "bench"))
+    rows = run_all.overlap_figures(result)
+    assert len(rows) == (5 if fio else 4)
+    assert rows[0][-1] == f"{result['ratio']:.3f}" and all(float(r[-1]) > 0 for r in rows)
     assert result["runs"]["overlap"][0]["early"] > 0  # updates did start during backward
     assert listdir(tmp_path / "swap") == []
