@@ -381,7 +381,8 @@ def main(argv=None) -> int:
         slow = statistics.median(x for r in range(args.rounds)
                                  for x in pair_ratios("fwd_bwd_io", r))
         moved = [m for run in runs["fwd_bwd_io"] for m in run["fio"]]
-        gbps = {k: statistics.median(m[f"{k}_bytes"] / m[f"{k}_seconds"] / 1e9 for m in moved)
+        gbps = {k: statistics.median([m[f"{k}_bytes"] / m[f"{k}_seconds"] / 1e9
+                                      for m in moved if m[f"{k}_seconds"]] or [0.0])
                 for k in ("read", "write")}
         asked = [statistics.median(run["asked_gbps"][i] for run in runs["fwd_bwd_io"])
                  for i in (0, 1)]
