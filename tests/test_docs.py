@@ -27,3 +27,19 @@ def test_readme_gives_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     assert "make run" in readme and "make test" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_torch_floor_is_the_same_everywhere():
+    """pyproject's `torch>=X.Y`, the Makefile's check before it installs the pinned wheel, and
+    the README state one floor (make cannot read pyproject, so they are kept in step here)."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (floor,) = [re.fullmatch(r"torch>=(\d+)\.(\d+)", d).groups() for d in deps
+                if d.startswith("torch")]
+    major, minor = map(int, floor)
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"< ({major}, {minor})" in makefile, "Makefile's TORCH_OK checks another floor"
+    assert f"older than {major}.{minor}" in makefile
+    assert f"older than {major}.{minor}" in (ROOT / "README.md").read_text()
