@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from _report import fio_layout
+
 STATUS_INTERVAL = "100ms"  # fio appends a JSON report of its jobs this often
 START_TIMEOUT = 10.0  # seconds fio may take to move its first bytes before we give up
 SETTLE_SECONDS = 0.2  # after its first bytes, so that the timed work sees the steady rate
@@ -70,10 +72,7 @@ class DiskLoad:
         file are slow on ext4 (the write job would fall short of its rate)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for name in ("read.bin", "write.bin"):
-            subprocess.run(["fio", "--name=prep", f"--filename={self.dir / name}",
-                            "--rw=write", f"--size={FILE_BYTES}", "--ioengine=io_uring",
-                            "--direct=1", "--bs=4M", "--iodepth=8", "--output-format=json"],
-                           check=True, capture_output=True)
+            fio_layout(self.dir / name, FILE_BYTES)
 
     def running(self, read_bps: float, write_bps: float) -> "_Run":
         return _Run(self, int(read_bps), int(write_bps))

@@ -43,6 +43,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
+def fio_layout(path: str | os.PathLike, nbytes: int) -> None:
+    """Write `nbytes` to `path` with fio (O_DIRECT, io_uring): a file for fio jobs to read,
+    or to overwrite in place (O_DIRECT writes that extend a file are slow on ext4)."""
+    subprocess.run(["fio", "--name=prep", f"--filename={path}", "--rw=write",
+                    f"--size={nbytes}", "--ioengine=io_uring", "--direct=1", "--bs=4M",
+                    "--iodepth=8", "--output-format=json"], check=True, capture_output=True)
+
+
 def write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write `data` as indented JSON, creating parent folders; atomic, so a reader never
     sees half a file."""

@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _report import markdown_table, parse_size, write_json  # noqa: E402
+from _report import fio_layout, markdown_table, parse_size, write_json  # noqa: E402
 
 TENSOR_ELEMS = 1 << 24  # 16M-element parameters: large enough that per-tensor overhead is nil
 
@@ -132,10 +132,7 @@ def phase_fio(args: argparse.Namespace, read_bytes: int, write_bytes: int) -> di
                 "2 jobs x depth/2": max(1, args.queue_depth // 2)}
     results = {}
     try:
-        subprocess.run(["fio", "--name=prep", f"--filename={rfile}", "--rw=write",
-                        f"--size={read_bytes}", "--ioengine=io_uring", "--direct=1",
-                        "--bs=4M", "--iodepth=8", "--output-format=json"],
-                       check=True, capture_output=True)
+        fio_layout(rfile, read_bytes)
         with HugePageReservation(pages):
             for name, depth in variants.items():
                 results[name] = _fio_concurrent(rfile, wfile, read_bytes, write_bytes, bs, depth)
