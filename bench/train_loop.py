@@ -299,6 +299,13 @@ def main(argv=None) -> int:
             load = DiskLoad(args.swap_dir, block_size=parse_size(args.block_size))
             load.prepare()
     runs: dict[str, list[dict]] = {v: [] for v in variants}
+
+    def io_rates() -> tuple[float, float]:
+        """Bytes per second of the latest round's overlapped iterations, read and written."""
+        o = runs["overlap"][-1]
+        it = statistics.median(o["seconds"])
+        return o["read_bytes"] / it, o["write_bytes"] / it
+
     try:
         for r in range(args.rounds):
             last = r == args.rounds - 1
@@ -310,12 +317,6 @@ def main(argv=None) -> int:
                                                        trace=args.trace if last else None),
                    "fwd_bwd_io": lambda: loop.run_fwd_bwd_io(args.iters, load, *io_rates()),
                    "overlap_host": lambda: loop.run_tiermem(args.iters, overlap=True, in_host=True)}
-
-            def io_rates() -> tuple[float, float]:
-                """Bytes per second of this round's overlapped iterations, read and written."""
-                o = runs["overlap"][-1]
-                it = statistics.median(o["seconds"])
-                return o["read_bytes"] / it, o["write_bytes"] / it
             for v in variants:
                 runs[v].append(run[v]())
             print(f"round {r + 1} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
@@ -333,8 +334,9 @@ def main(argv=None) -> int:
                                **figures, "runs": runs})
 
     def pair_ratios(v: str, r: int, floor: float = 0.0) -> list[float]:
-        """Round r of variant v (overlap or overlap_host): each overlapped iteration over
-        max(the fwd+bwd alone timed just before it, the round's step alone, floor)."""
+        """Round r of variant v (overlap, overlap_host or fwd_bwd_io): each of its samples
+        over max(the fwd+bwd alone timed just before it, the round's step alone for overlap,
+        floor)."""
         step = (statistics.median(runs["step_only"][r]["seconds"]) if v == "overlap" else 0.0)
         run = runs[v][r]
         return [b / max(a, step, floor) for a, b in zip(run["alone"], run["seconds"])]
