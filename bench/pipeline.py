@@ -123,6 +123,9 @@ def phase_fio(args: argparse.Namespace, read_bytes: int, write_bytes: int) -> di
     faster is the floor, so the ratio never flatters tiermem."""
     from io_vs_fio import HugePageReservation, pages_for
 
+    if read_bytes == write_bytes == 0:  # every record stayed in the buffers: no I/O to floor
+        return {"seconds": 0.0, "per_job_seconds": {}, "depth": 0, "read_gbps": 0.0,
+                "write_gbps": 0.0, "variant": "no I/O", "variants": {}}
     d = Path(args.swap_dir) / "fio-floor"
     d.mkdir(parents=True, exist_ok=True)
     rfile, wfile = d / "read.bin", d / "write.bin"
@@ -132,7 +135,8 @@ def phase_fio(args: argparse.Namespace, read_bytes: int, write_bytes: int) -> di
                 "2 jobs x depth/2": max(1, args.queue_depth // 2)}
     results = {}
     try:
-        fio_layout(rfile, read_bytes)
+        if read_bytes:
+            fio_layout(rfile, read_bytes)
         with HugePageReservation(pages):
             for name, depth in variants.items():
                 results[name] = _fio_concurrent(rfile, wfile, read_bytes, write_bytes, bs, depth)
@@ -148,9 +152,13 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
                     depth: int) -> dict:
     common = ["--ioengine=io_uring", "--direct=1", f"--bs={bs}", f"--iodepth={depth}",
               "--mem=mmaphuge"]
-    cmd = ["fio", "--output-format=json", *common,
-           "--name=read", f"--filename={rfile}", "--rw=read", f"--size={read_bytes}",
-           "--name=write", f"--filename={wfile}", "--rw=write", f"--size={write_bytes}"]
+    # A job only for a direction with bytes: fio refuses --size=0, and a step whose
+    # records all stayed in the buffers reads nothing.
+    sizes = {"read": (rfile, read_bytes), "write": (wfile, write_bytes)}
+    cmd = ["fio", "--output-format=json", *common]
+    for name, (path, nbytes) in sizes.items():
+        if nbytes:
+            cmd += [f"--name={name}", f"--filename={path}", f"--rw={name}", f"--size={nbytes}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     out = proc.stdout
     try:
@@ -159,11 +167,11 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
         raise subprocess.CalledProcessError(proc.returncode, cmd, out, proc.stderr) from None
     # fio 3.33 can abort in its exit path with --mem=mmaphuge ("double free") after it
     # printed complete results: those still count; a run without them does not.
-    runtimes = {j["jobname"]: j["read" if j["jobname"] == "read" else "write"]["runtime"] / 1e3
-                for j in jobs}
+    runtimes = {j["jobname"]: j[j["jobname"]]["runtime"] / 1e3 for j in jobs}
+    gbps = {name: nbytes / runtimes[name] / 1e9 if name in runtimes else 0.0
+            for name, (_, nbytes) in sizes.items()}
     return {"seconds": max(runtimes.values()), "per_job_seconds": runtimes, "depth": depth,
-            "read_gbps": read_bytes / runtimes["read"] / 1e9,
-            "write_gbps": write_bytes / runtimes["write"] / 1e9}
+            "read_gbps": gbps["read"], "write_gbps": gbps["write"]}
 
 
 def _run_phase(name: str, argv: list[str]) -> dict:
