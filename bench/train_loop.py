@@ -1,8 +1,10 @@
 """A training iteration with the update overlapped with backward, against its floors.
 
 A transformer-like synthetic model (embedding, N blocks of attention and MLP
-Linear layers, an untied output head; CPU, fp32 or bf16) keeps all its
-optimizer state on NVMe. One process measures, in rounds so that a slow spell
+Linear layers, an untied output head; fp32 or bf16, on the CPU or with
+`--device cuda` on a GPU, whose state is then updated on the host or, with
+`--step-device device`, streamed through the GPU) keeps all its optimizer state
+on NVMe. One process measures, in rounds so that a slow spell
 of the machine hits every variant alike, the per-iteration median of:
 
 - fwd+bwd alone (zero_grad, forward, backward: no update);
@@ -27,8 +29,10 @@ spread over the machine's cores. When backward keeps every core busy, the update
 own CPU work has to come out of backward's time and that floor is the bound;
 `--threads 1` leaves a core to tiermem, as a GPU backward leaves the host. Size
 the model (--dim, --layers) and the batch (--batch, --seq) so that the two
-floors are comparable on your machine; --trace writes a Perfetto trace of the
-overlapped iterations (docs/tracing.md).
+floors are comparable on your machine, or pass `--batch auto`: the step alone is
+timed first, then the batch doubles from 1 until fwd+bwd takes at least as long (on
+a GPU, where the right batch is not known in advance). --trace writes a Perfetto
+trace of the overlapped iterations (docs/tracing.md).
 
 Usage: python bench/train_loop.py [--dim 1024 --layers 8 --tokens 2x64] [--json out.json]
 """
@@ -102,10 +106,25 @@ class Loop:
         import torch
 
         self.args = args
-        self.model = build_model(args)
-        g = torch.Generator().manual_seed(1)
-        self.tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+        self.device = torch.device(args.device)
+        self.model = build_model(args).to(self.device)
+        self.set_batch(1 if args.batch == "auto" else int(args.batch))
         self.n_params = sum(p.numel() for p in self.model.parameters())
+
+    def set_batch(self, batch: int) -> None:
+        import torch
+
+        self.batch = batch
+        g = torch.Generator().manual_seed(1)
+        self.tokens = torch.randint(0, self.args.vocab, (batch, self.args.seq + 1),
+                                    generator=g).to(self.device)
+
+    def sync(self) -> None:
+        """Wait for the GPU's queued work, so that a timer read next covers it (a no-op on
+        the CPU, whose ops return finished)."""
+        if self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
 
     def fwd_bwd(self) -> None:
         import torch.nn.functional as F
@@ -114,6 +133,8 @@ class Loop:
         x, y = self.tokens[:, :-1], self.tokens[:, 1:]
         logits = self.model(x)
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        # As a loop reading its loss would: step() then starts after backward's kernels.
+        self.sync()
 
     def optimizer(self, **kw):
         import torch
@@ -128,7 +149,7 @@ class Loop:
                 "tiers": {"host": {"capacity": host}},
                 "pipeline": {"partition_size": a.partition_size, "buffer_count": a.buffers,
                              "prefetch_depth": a.prefetch, "overlap_backward": overlap},
-                "optimizer": {"kernel": a.kernel}}
+                "optimizer": {"kernel": a.kernel, "step_device": a.step_device}}
 
     # -- variants: each returns per-iteration seconds (warm-up dropped) ------------
 
@@ -152,6 +173,7 @@ class Loop:
         def it():
             self.fwd_bwd()
             opt.step()
+            self.sync()  # a CUDA step returns with its kernels queued
         out = _timed(n, self.args.warmup, it)
         opt.state.clear()
         return out
@@ -174,11 +196,12 @@ class Loop:
                 self.fwd_bwd()
                 t1 = time.perf_counter()
                 opt.step()
+                self.sync()
                 split.append((t1 - t0, time.perf_counter() - t1))
 
             if step_only:
                 self.fwd_bwd()  # gradients in place; the step alone, back to back
-                out = _timed(n, self.args.warmup, opt.step)
+                out = _timed(n, self.args.warmup, lambda: (opt.step(), self.sync()))
             elif overlap:
                 out = self._paired(n, tm, it)
             else:
@@ -247,15 +270,59 @@ VARIANTS = ("fwd_bwd", "plain", "step_only", "no_overlap", "overlap", "fwd_bwd_i
             "overlap_host")
 
 
+def _batch(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive count or auto")
+    return text
+
+
+def auto_batch(loop: Loop, args: argparse.Namespace, most: int = 4096) -> dict:
+    """Double the batch from 1 until fwd+bwd takes at least as long as the step alone
+    (timed once here), so that neither side of max(fwd+bwd, update+I/O) is negligible.
+    Where a batch runs out of GPU memory, the last one that fit is kept."""
+    import torch
+
+    step = statistics.median(loop.run_tiermem(args.iters, overlap=False,
+                                              step_only=True)["seconds"])
+    tried: dict[int, float] = {}
+    batch = 1
+    while True:
+        loop.set_batch(batch)
+        try:
+            tried[batch] = statistics.median(loop.run_fwd_bwd(max(2, args.iters))["seconds"])
+        except torch.cuda.OutOfMemoryError:
+            loop.model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            if batch == 1:
+                raise SystemExit("--batch auto: a batch of 1 does not fit on the GPU") from None
+            batch //= 2
+            break
+        if tried[batch] >= step or batch >= most:
+            break
+        batch *= 2
+    loop.set_batch(batch)
+    print(f"--batch auto: step alone {step:.3f} s; fwd+bwd "
+          + ", ".join(f"batch {b} {t:.3f} s" for b, t in tried.items()) + f" -> batch {batch}",
+          flush=True)
+    return {"step_seconds": step, "fwd_bwd_seconds": tried, "batch": batch}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", default="2", type=_batch,
+                   help="sequences per batch, or auto: the smallest power of two whose "
+                        "fwd+bwd takes at least as long as the step alone")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model, forward and backward run")
+    p.add_argument("--step-device", choices=["cpu", "device"], default="cpu",
+                   help="optimizer.step_device: update a CUDA model's records on the host "
+                        "(ZeRO-Offload) or streamed through the GPU")
     p.add_argument("--iters", type=int, default=4, help="timed iterations per variant and round")
     p.add_argument("--warmup", type=int, default=2,
                    help="iterations dropped per variant and round (the first step only writes)")
@@ -289,6 +356,7 @@ def main(argv=None) -> int:
     Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     loop = Loop(args)
+    sizing = auto_batch(loop, args) if args.batch == "auto" else None
     variants = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
     load = None
     if "fwd_bwd_io" in variants:
@@ -331,7 +399,8 @@ def main(argv=None) -> int:
         """args.json: the run's set-up, `figures`, and every timing behind them."""
         write_json(args.json, {"args": vars(args), "machine": machine_facts(),
                                "revision": git_revision(HERE.parent), "params": loop.n_params,
-                               **figures, "runs": runs})
+                               "batch": loop.batch, "batch_sizing": sizing, **figures,
+                               "runs": runs})
 
     def pair_ratios(v: str, r: int, floor: float = 0.0) -> list[float]:
         """Round r of variant v (overlap, overlap_host or fwd_bwd_io): each of its samples
@@ -398,7 +467,8 @@ def main(argv=None) -> int:
              "the gap left once the disk traffic's own cost to the computation is counted"]]
     plan = runs["overlap"][-1]["plan"]
     rows = [
-        ["fwd+bwd alone", f"{med['fwd_bwd']:.3f} s", f"{args.batch}x{args.seq} tokens"],
+        ["fwd+bwd alone", f"{med['fwd_bwd']:.3f} s", f"{loop.batch}x{args.seq} tokens"
+         + (" (--batch auto)" if sizing else "")],
         ["plain AdamW (fused, in memory)", f"{med['plain']:.3f} s", "fwd+bwd+step"],
         ["tiermem step alone (update+I/O)", f"{med['step_only']:.3f} s",
          f"read {detail('step_only', 'read_bytes') / 1e9:.2f} GB, write "
@@ -429,11 +499,13 @@ def main(argv=None) -> int:
          f"{', '.join(f'{x:.3f}' for x in per_round_host)}): the update's own CPU work "
          "taken from backward"],
     ]
-    print(f"\n{loop.n_params / 1e6:.0f}M {args.dtype} parameters ({args.layers} blocks, d "
+    print(f"\n{loop.n_params / 1e6:.0f}M {args.dtype} parameters on {loop.device} "
+          f"({args.layers} blocks, d "
           f"{args.dim}, vocab {args.vocab}), state on NVMe: "
           f"{plan['state_bytes']['nvme'] / 1e9:.2f} GB in {plan['partitions']} partitions, "
           f"pinned {plan['pinned_bytes'] / 2**30:.2f} GiB, {args.backend}, kernel "
-          f"{args.kernel}, checksums {args.checksums}, torch threads {torch.get_num_threads()}\n")
+          f"{args.kernel}, checksums {args.checksums}, torch threads {torch.get_num_threads()}"
+          + (f", step_device {args.step_device}" if loop.device.type == "cuda" else "") + "\n")
     print(markdown_table(["what", "per iteration (median)", "detail"], rows))
     save(median_seconds=med, ratio=ratio, ratio_per_round=per_round, ratio_host=ratio_host,
          fwd_bwd_paired=alone, cpu_seconds=cpu, cores=cores, cpu_floor=cpu_floor,

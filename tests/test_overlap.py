@@ -566,8 +566,9 @@ def test_dcp_checkpoint_waits_for_the_worker(tmp_path):
 
 
 def test_train_loop_bench_smoke(tmp_path):
-    """bench/train_loop.py at a tiny size: every variant runs, each overlapped iteration is
-    paired with a fwd+bwd alone, the swap directory is left empty."""
+    """bench/train_loop.py at a tiny size: the batch is sized automatically, every variant
+    runs, each overlapped iteration is paired with a fwd+bwd alone, the swap directory is
+    left empty."""
     import json
     import shutil
     import subprocess
@@ -580,7 +581,7 @@ def test_train_loop_bench_smoke(tmp_path):
         [sys.executable, str(repo / "bench" / "train_loop.py"), "--dim", "64", "--heads", "2",
          "--layers", "1", "--vocab", "128", "--seq", "16", "--iters", "2", "--rounds", "2",
          "--warmup", "1", "--partition-size", "64KiB", "--buffers", "3", "--prefetch", "1",
-         "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+         "--batch", "auto", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
         capture_output=True, text=True, cwd=repo, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
@@ -596,6 +597,13 @@ def test_train_loop_bench_smoke(tmp_path):
                    for r in result["runs"]["fwd_bwd_io"] for m in r["fio"])
         assert result["io_slowdown"] > 0 and result["ratio_beside_io"] > 0
     assert len(result["ratio_per_round"]) == 2 and result["ratio"] > 0
+    # --batch auto: the first batch, doubling from 1, whose fwd+bwd took as long as the step.
+    sizing = result["batch_sizing"]
+    tried = {int(b): t for b, t in sizing["fwd_bwd_seconds"].items()}
+    assert result["batch"] == sizing["batch"] == max(tried)
+    assert sorted(tried) == [2**i for i in range(len(tried))]
+    assert tried[result["batch"]] >= sizing["step_seconds"] or result["batch"] == 4096
+    assert all(tried[b] < sizing["step_seconds"] for b in tried if b < result["batch"])
     # bench/run_all.py's report reads these figures from the JSON.
     sys.path.insert(0, str(repo / "bench"))
     try:
