@@ -158,6 +158,44 @@ def test_unlockable_memory_warns_once():
     assert "RLIMIT_MEMLOCK" in out["warnings"][0]
 
 
+def test_failed_cuda_registration_is_cleared_and_named(monkeypatch):
+    """With a GPU, buffers are pinned by cudaHostRegister. When that fails, the error is
+    read back out of the CUDA runtime (torch's binding leaves it as the thread's last
+    error, which the next kernel launch check would raise against an unrelated op), and
+    the one warning names cudaHostRegister rather than mlock."""
+    import tiermem.buffers as buffers
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", size))
+            return 2  # cudaErrorMemoryAllocation
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+
+        def cudaGetErrorString(self, code):
+            return "out of memory"
+
+    class FakeLibcudart:
+        def cudaGetLastError(self):
+            calls.append(("cleared", None))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(buffers, "_cudart", FakeLibcudart())
+    monkeypatch.setattr(buffers, "_warned_unlocked", False)
+    with pytest.warns(TierMemWarning, match=r"cudaHostRegister failed: out of memory") as w:
+        buf = aligned_empty(1 << 20, huge_pages=False)
+    assert "RLIMIT_MEMLOCK" not in str(w[0].message)
+    assert buf.tiermem_info.locked is False
+    assert calls == [("register", 1 << 20), ("cleared", None)]
+    del buf
+    gc.collect()
+    assert len(calls) == 2  # never pinned: freed without cudaHostUnregister
+
+
 # -- BufferPool -------------------------------------------------------------------------------
 
 

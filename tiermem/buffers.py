@@ -38,26 +38,63 @@ class BufferInfo:
     locked: bool  # page-locked by mlock or cudaHostRegister
 
 
-def _warn_unlocked(nbytes: int, err: int) -> None:
+def _warn_unlocked(nbytes: int, err: int, cuda_error: int = 0) -> None:
     global _warned_unlocked
     if _warned_unlocked:
         return
     _warned_unlocked = True
-    limit = lockable_bytes()
-    limit_txt = "unlimited" if limit is None else f"{limit} bytes"
-    warnings.warn(
-        f"tiermem: could not page-lock {nbytes} bytes of I/O buffers "
-        f"(mlock: {os.strerror(err)}; RLIMIT_MEMLOCK is {limit_txt}); they stay pageable. "
-        "Raise the limit (`ulimit -l`, LimitMEMLOCK= in systemd) or grant CAP_IPC_LOCK.",
-        TierMemWarning, stacklevel=3)
+    if cuda_error:
+        why = (f"cudaHostRegister failed: {_cuda_error_text(cuda_error)}. Copies between "
+               "them and the GPU are staged and synchronous; check the GPU driver's limits "
+               "on pinned memory")
+    else:
+        limit = lockable_bytes()
+        limit_txt = "unlimited" if limit is None else f"{limit} bytes"
+        why = (f"mlock: {os.strerror(err)}; RLIMIT_MEMLOCK is {limit_txt}. Raise the limit "
+               "(`ulimit -l`, LimitMEMLOCK= in systemd) or grant CAP_IPC_LOCK")
+    warnings.warn(f"tiermem: could not page-lock {nbytes} bytes of I/O buffers; they stay "
+                  f"pageable ({why}).", TierMemWarning, stacklevel=3)
 
 
-def _cuda_register(ptr: int, size: int) -> bool:
-    """Pin through CUDA when a GPU is present, so device copies from it are async."""
-    if not torch.cuda.is_available():
-        return False
-    rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-    return int(rc) == 0
+def _cuda_error_text(code: int) -> str:
+    try:
+        return f"{torch.cuda.cudart().cudaGetErrorString(code)} (cudaError {code})"
+    except Exception:  # the message is a nicety; the code says it all
+        return f"cudaError {code}"
+
+
+_cudart: Any = None
+
+
+def _clear_cuda_error() -> None:
+    """Reset this thread's last CUDA runtime error. torch's cudaHostRegister binding returns
+    the error without clearing it, and the next kernel launch check in this thread
+    (cudaGetLastError) would raise it against some unrelated op. torch does not bind
+    cudaGetLastError: call it in the libcudart torch has loaded."""
+    global _cudart
+    if _cudart is None:
+        import ctypes
+
+        _cudart = False
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+        for path in sorted(paths):
+            try:
+                _cudart = ctypes.CDLL(path)
+                break
+            except OSError:
+                continue
+    if _cudart:
+        _cudart.cudaGetLastError()
+
+
+def _cuda_register(ptr: int, size: int) -> int:
+    """Pin through CUDA (a GPU is present), so device copies from it are asynchronous.
+    0, or the cudaError code of the failure (cleared from the thread's last error)."""
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))
+    if rc:
+        _clear_cuda_error()
+    return rc
 
 
 def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: bool = True,
@@ -82,10 +119,11 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: 
         raise MemoryError(f"aligned_empty: could not map {nbytes} bytes for an I/O buffer")
     mapped = lib.tm_mem_mapped_size(nbytes, kind[0])
     addr = int(ffi.cast("uintptr_t", ptr))
-    cuda_pinned = lock and use_cuda and _cuda_register(addr, mapped)
+    cuda_error = _cuda_register(addr, mapped) if lock and use_cuda else -1
+    cuda_pinned = cuda_error == 0
     is_locked = bool(locked[0]) or cuda_pinned
     if lock and not is_locked:
-        _warn_unlocked(nbytes, lock_err[0] or _errno.EPERM)
+        _warn_unlocked(nbytes, lock_err[0] or _errno.EPERM, max(cuda_error, 0))
 
     def _release(p: Any) -> None:
         # Runs once, when the last reference to the storage is gone: no tensor
