@@ -26,11 +26,21 @@ def adam_fused(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     fn = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     if steps and steps[0].device != params[0].device:
         # torch's fused CUDA kernels read the step counts on the device (a fused torch
-        # optimizer keeps them there); tiermem keeps them on the host: one copy per call.
-        steps = list(torch.stack(steps).to(params[0].device).unbind())
+        # optimizer keeps them there); tiermem keeps them on the host.
+        steps = steps_on(params[0].device, steps)
     fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
        amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
        maximize=maximize, grad_scale=None, found_inf=None)
+
+
+def steps_on(device: torch.device, steps: list[Tensor]) -> list[Tensor]:
+    """The host step counts as fp32 scalars on `device`, made there by fill kernels queued
+    on the current stream: a copy from pageable host memory would make the host wait for
+    that stream to drain (torch copies pageable memory synchronously)."""
+    values = [float(s) for s in steps]
+    if all(v == values[0] for v in values):  # the usual case: one fill for the partition
+        return list(torch.full((len(values),), values[0], device=device).unbind())
+    return [torch.full((), v, device=device) for v in values]
 
 
 def _torch_impl(impl: Callable) -> Callable:
