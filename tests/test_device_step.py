@@ -422,8 +422,11 @@ def test_gpu_check_refuses_without_cuda():
 
 
 def cuda_run(tmp_path, *, mix, step_device, dtype, width=256, layers=4, steps=3,
-             partition_size="64KiB", probe_after_step=False):
-    """A Linear stack on CUDA under tiermem against torch's fused AdamW on CUDA."""
+             partition_size="64KiB", probe_after_step=False, overlap=False,
+             side_stream=False):
+    """A Linear stack on CUDA under tiermem against torch's fused AdamW on CUDA.
+    overlap: pipeline.overlap_backward; side_stream: every iteration (forward, backward,
+    step, the reference's step) runs on a stream other than the default one."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]
                                 ).cuda().to(dtype)
@@ -436,19 +439,23 @@ def cuda_run(tmp_path, *, mix, step_device, dtype, width=256, layers=4, steps=3,
     cfg = lane_config(tmp_path, step_device, host=caps[1], partition_size=partition_size,
                       buffer_count=4)
     cfg["tiers"]["gpu"]["capacity"] = caps[0]
+    cfg["pipeline"]["overlap_backward"] = overlap
     x = torch.randn(32, width, device="cuda", dtype=dtype)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    torch.cuda.synchronize()  # x and the weights are ready before `stream` reads them
     with tiermem.offload(opt, cfg):
         for s in range(steps):
-            model(x).float().square().mean().backward()
-            for p, r in zip(model.parameters(), ref_params):
-                r.grad = p.grad.float()
-            opt.step()
-            if probe_after_step:
-                # Work queued on the default stream right after step() reads the weights:
-                # it must see the updated ones (the compute stream waited the copies).
-                probe = [p.detach().float().sum() for p in model.parameters()]
-            ref.step()
-            opt.zero_grad()
+            with torch.cuda.stream(stream):
+                model(x).float().square().mean().backward()
+                for p, r in zip(model.parameters(), ref_params):
+                    r.grad = p.grad.float()
+                opt.step()
+                if probe_after_step:
+                    # Work queued on the stream right after step() reads the weights: it
+                    # must see the updated ones (the stream waited the copies).
+                    probe = [p.detach().float().sum() for p in model.parameters()]
+                ref.step()
+                opt.zero_grad()
             torch.cuda.synchronize()
             for i, (p, r) in enumerate(zip(model.parameters(), ref_params)):
                 want = r.detach().to(dtype)
@@ -477,6 +484,19 @@ def test_cuda_transfer_bound_probe_after_step(tmp_path, step_device):
     step(): a missing event wait shows up as the kernel reading old weights."""
     cuda_run(tmp_path, mix="nvme", step_device=step_device, dtype=torch.bfloat16,
              width=2048, layers=6, steps=3, partition_size="32MiB", probe_after_step=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+@pytest.mark.parametrize("step_device", ["cpu", "device"])
+@pytest.mark.parametrize("mix", ["nvme", "gpu+host+nvme"])
+def test_cuda_overlap_backward(tmp_path, mix, step_device, side_stream):
+    """pipeline.overlap_backward on a GPU: a hook fires when its gradient's kernels are
+    queued, so the worker's copies and kernels must wait for them on the stream backward
+    ran on. Long backward kernels (width 2048) give a missing wait time to show."""
+    cuda_run(tmp_path, mix=mix, step_device=step_device, dtype=torch.bfloat16, width=2048,
+             layers=6, steps=3, partition_size="8MiB", probe_after_step=True, overlap=True,
+             side_stream=side_stream)
 
 
 @needs_cuda

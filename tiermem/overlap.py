@@ -47,6 +47,17 @@ _STOP = None  # queued by close(): the worker returns
 _RUN_AHEAD = "run ahead"  # queued by step(): the next step's reads, issued during forward
 
 
+def _queued_event(grad: torch.Tensor) -> Any:
+    """On a GPU a post-accumulate-grad hook fires once the gradient's kernels are queued, not
+    run: an event recorded now on the hook's current stream (autograd's stream for that
+    node) completes when they have. None on the CPU."""
+    if not grad.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(grad.device))
+    return event
+
+
 class BackwardOverlap:
     """Hooks, the worker thread, and the bookkeeping of the step being run ahead."""
 
@@ -127,7 +138,7 @@ class BackwardOverlap:
                     "outside tm.accumulating() starts the update, so wrap the backward of all "
                     "micro-batches but the last in `with tm.accumulating():`")
                 return
-            self._fired[index] = (grad, grad._version)
+            self._fired[index] = (grad, grad._version, _queued_event(grad))
             for part in self._parts_of.get(index, ()):
                 self._remaining[part.id] -= 1
                 if self._remaining[part.id] == 0:
@@ -183,6 +194,7 @@ class BackwardOverlap:
         next, in order, read ahead of this one."""
         off = self.off
         stats = self._round_stats()
+        self._after_grad_kernels(part)
         for s in part.segments:
             # Several segments (partitions) of one parameter share its count: once a step.
             if s.index not in self._stepped and s.param.grad is not None:
@@ -204,6 +216,16 @@ class BackwardOverlap:
             off.tiers.step_resident(part, stats, off._init_record, compute)
         self._done_ids.add(part.id)
         return stats
+
+    def _after_grad_kernels(self, part: Partition) -> None:
+        """Order this thread's stream, on which the update's device work (the lanes' copies,
+        a gpu-tier kernel) is queued, after the kernels that produced the partition's
+        gradients, which autograd queued on its own stream (the forward's, maybe not
+        ours). A no-op on the CPU, where a hook fires after the gradient is computed."""
+        for s in part.segments:
+            fired = self._fired.get(s.index)  # set before the partition was queued
+            if fired is not None and fired[2] is not None:
+                torch.cuda.current_stream(fired[0].device).wait_event(fired[2])
 
     def _round_stats(self) -> StepStats:
         """This step's StepStats, made when its first partition is updated."""
@@ -279,7 +301,7 @@ class BackwardOverlap:
     def _check_grads_unchanged(self) -> None:
         """A gradient edited after its hook fired (clip_grad_norm_, GradScaler.unscale_, a
         pre-hook) would make this step mix edited and unedited gradients: refuse it."""
-        for index, (grad, version) in self._fired.items():
+        for index, (grad, version, _) in self._fired.items():
             p = self.off.params[index]
             if p.grad is not grad or grad._version != version:
                 raise TierMemError(
@@ -313,7 +335,8 @@ class BackwardOverlap:
             for index in need:
                 parts_of.setdefault(index, []).append(part)
         with self._lock:
-            self._fired: dict[int, tuple[torch.Tensor, int]] = {}
+            # index -> (grad, its version, the CUDA event after its kernels or None)
+            self._fired: dict[int, tuple[torch.Tensor, int, Any]] = {}
             self._remaining = remaining
             self._parts_of = parts_of
             self._error: BaseException | None = None
