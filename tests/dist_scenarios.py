@@ -59,7 +59,16 @@ def averaged(ref_model: torch.nn.Module, world: int) -> None:
 
 
 def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="reduce_scatter",
-           ddp: bool = False, amsgrad: bool = False) -> None:
+           ddp: bool = False, amsgrad: bool = False, lanes: str | None = None,
+           step_device: str = "cpu") -> None:
+    """lanes (a step_device): the model counts as a device one (device_lanes.emulate_device)
+    and its updated weights reach it through emulated streams, which run their work only
+    when something waits for it: the weight all-gather must wait for them first."""
+    if lanes:
+        from tiermem.device_lanes import emulate_device
+        with emulate_device():
+            return parity(rank, world, tmp, backend, host=host, grads=grads, ddp=ddp,
+                          amsgrad=amsgrad, step_device=lanes)
     model = Synthetic()
     ref_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.05, amsgrad=amsgrad,
@@ -72,6 +81,7 @@ def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="re
            if ddp else model)
     cfg = config(tmp, backend=backend, host=host, partition_size="64KiB")
     cfg["distributed"] = {"grads": grads, "bucket_size": "32KiB", "timeout": 120}
+    cfg["optimizer"]["step_device"] = step_device
     check = assert_same_tensor if world == 2 and not ddp else assert_close_tensor
     with tiermem.offload(opt, cfg, model=model) as tm:
         plan = tm.plan()
@@ -385,6 +395,8 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
                                                              host="256KiB", amsgrad=True),
         "ddp-allreduced": lambda r, d: parity(r, world, d, "threads", grads="allreduced",
                                               ddp=True),
+        "parity-lanes-cpu": lambda r, d: parity(r, world, d, "threads", lanes="cpu"),
+        "parity-lanes-device": lambda r, d: parity(r, world, d, "threads", lanes="device"),
         "state-dict": lambda r, d: state_dict_roundtrip(r, world, d),
         "resume-one-step-apart": lambda r, d: resume_one_step_apart(r, world, d),
         "placeholders": lambda r, d: placeholders(r, world, d),

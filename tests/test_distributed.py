@@ -22,7 +22,8 @@ from dist_harness import launch
 from offload_helpers import available_backends, compare_state_dicts, config
 
 URING = "io_uring" in available_backends()
-TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "ddp-allreduced", "state-dict",
+TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
+       "parity-lanes-device", "ddp-allreduced", "state-dict",
        "resume-one-step-apart", "placeholders", "dcp-save", "fsdp2", "fsdp2-repadded",
        "rank-raises"]  # rank-raises breaks the group: last
 THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load",

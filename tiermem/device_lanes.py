@@ -291,6 +291,9 @@ class DeviceLanes:
             # Device copies of records: a slot is refilled only after the D2H that read it
             # back completed (the h2d stream waits its last_use event).
             self.dev = [_Slot(b.empty(record)) for _ in range(SLOTS)]
+            # fp32 upcast of low-precision grads on the device, used by compute-stream work
+            # only, so each use is ordered after the previous one.
+            self.dev_grads = b.empty(numel * 4, torch.float32)
         else:
             # Pinned, so the copies are truly asynchronous. A grads slot is refilled only
             # once the host update that read it is over (weights_to_device frees it); a
@@ -300,9 +303,6 @@ class DeviceLanes:
             self.weights = [_Slot(aligned_empty(numel * width)) for _ in range(SLOTS)]
             # The fp32 upcast of low-precision grads, read by the host only.
             self.host_grads = torch.empty(numel, dtype=torch.float32)
-        # fp32 upcast of low-precision grads on the device, used by compute-stream work
-        # only, so each use is ordered after the previous one.
-        self.dev_grads = b.empty(numel * 4, torch.float32)
 
     def _free_slot(self, slots: list[_Slot]) -> _Slot | None:
         for slot in slots:
@@ -446,6 +446,14 @@ class DeviceLanes:
             # also hold back the backward kernels queued after it (overlap_backward).
             # The other slot goes next: this one's copy overlaps the next update.
             self.weights.reverse()
+
+    def weights_landed(self) -> None:
+        """This thread's stream waits the weights copied to the device so far (the h2d
+        stream runs in order): work queued on it next reads the updated weights."""
+        b = self.backend
+        self._order(b.current_stream(), self._last_h2d,
+                    "the updated weights, before work queued next reads them")
+        b.host_sync(b.current_stream())
 
     # -- step boundaries ---------------------------------------------------------------------
 

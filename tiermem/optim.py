@@ -328,7 +328,7 @@ class OffloadedOptimizer:
             try:
                 self.tiers.step(stats, active, self._init_record,
                                 lambda part, views: self._update(part, views, stats),
-                                self.after_update,
+                                self._after_update(),
                                 stage=self._stage if self.lanes is not None else None)
             except BaseException as exc:
                 if self.lanes is not None:
@@ -345,6 +345,20 @@ class OffloadedOptimizer:
             if bool(group.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
                 raise TierMemError(f"param_groups[{part.group}]: amsgrad changed after "
                                    "tiermem.offload laid out the state; set it before")
+
+    def _after_update(self) -> Callable[[Partition], None] | None:
+        """after_update, called once a partition's weights can be read on this thread's
+        stream: with the lanes, a host-updated partition's weights are still on their way
+        on the h2d stream (step() waits for them only at its end), so the stream waits
+        them first."""
+        after, lanes = self.after_update, self.lanes
+        if after is None or lanes is None:
+            return after
+
+        def weights_landed_then(part: Partition) -> None:
+            lanes.weights_landed()
+            after(part)
+        return weights_landed_then
 
     def _scratch_for(self, device: torch.device, numel: int) -> torch.Tensor:
         buf = self._scratch.get(device)
