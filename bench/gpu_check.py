@@ -1,21 +1,27 @@
 """The GPU tier and both step devices on a real GPU, in one prepared run of a few minutes.
 
 (a) parity: a small model on CUDA trained a few steps under tiermem for every tier mix
-    (gpu, host, nvme, gpu+host+nvme) x optimizer.step_device (cpu, device), against
-    torch.optim.AdamW(fused=True) on CUDA: max abs / rel error of weights and moments,
-    and whether they are bitwise equal;
-(b) a 2B-parameter bf16 model (a stack of nn.Linear on CUDA) with all optimizer state on
+    (gpu, host, nvme, gpu+host+nvme) x optimizer.step_device (cpu, device) x
+    pipeline.overlap_backward (off, on), against torch.optim.AdamW(fused=True) on CUDA:
+    max abs / rel error of weights and moments, and whether they are bitwise equal;
+(b) the CUDA tests of tests/test_device_step.py;
+(c) a 2B-parameter bf16 model (a stack of nn.Linear on CUDA) with all optimizer state on
     NVMe, for each step device: step time, host->device and device->host GB/s (the copy
     streams' device-timed busy time), NVMe read/write GB/s, stall seconds;
-(c) the CUDA tests of tests/test_device_step.py.
-Prints tables and writes JSON (--out).
+(d) bench/train_loop.py on CUDA (--batch auto): the update overlapped with a GPU backward,
+    state on NVMe, updated on the host.
+Correctness first, then what the issue asks figures for, then the overlap. Prints each
+table as its phase ends and rewrites the JSON (--out) after every phase, so a run cut short
+keeps what it measured; --budget S gives the child runs (b, d) timeouts from what is left
+of S seconds and skips (d) when under 90 s are.
 
 Without CUDA it refuses in one line; `--smoke` runs tiny sizes on the CPU emulation of the
 device lanes (tiermem.device_lanes.emulate_device) so every code path of this script runs
 in the test suite.
 
 Usage: python3 bench/gpu_check.py [--swap-dir DIR] [--params 2B] [--steps 3]
-       [--out bench/results/gpu_check.json] [--smoke] [--no-tests]
+       [--out bench/results/gpu_check.json] [--budget S] [--smoke] [--no-tests]
+       [--no-train-loop]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,7 +52,8 @@ STEP_DEVICES = ("cpu", "device")
 
 
 def _config(swap: str, *, mix: str, state_bytes: int, step_device: str,
-            partition_size: int, buffers: int = 4, prefetch: int = 2) -> dict:
+            partition_size: int, buffers: int = 4, prefetch: int = 2,
+            overlap: bool = False) -> dict:
     """All state on one tier, or a third on each of gpu, host and nvme."""
     third = state_bytes // 3
     gpu = {"gpu": state_bytes * 2, "host": 0, "nvme": 0, "gpu+host+nvme": third}[mix]
@@ -53,7 +61,7 @@ def _config(swap: str, *, mix: str, state_bytes: int, step_device: str,
     return {"swap": {"paths": [swap]},
             "tiers": {"gpu": {"capacity": gpu}, "host": {"capacity": host}},
             "pipeline": {"partition_size": partition_size, "buffer_count": buffers,
-                         "prefetch_depth": prefetch},
+                         "prefetch_depth": prefetch, "overlap_backward": overlap},
             "optimizer": {"kernel": "fused", "step_device": step_device}}
 
 
@@ -78,63 +86,71 @@ def _max_errors(pairs) -> tuple[float, float, bool]:
 
 
 def parity(args: argparse.Namespace, device: str) -> list[dict]:
-    """(a): every tier mix x step device against torch's fused AdamW on the same device."""
+    """(a): every tier mix x step device x overlap against torch's fused AdamW on the same
+    device."""
+    rows = []
+    for overlap in (False, True):
+        for mix in MIXES:
+            for step_device in STEP_DEVICES:
+                if "gpu" in mix and device != "cuda":
+                    rows.append({"mix": mix, "step_device": step_device, "overlap": overlap,
+                                 "status": "skipped", "why": "the gpu tier needs CUDA"})
+                else:
+                    rows.append(parity_one(args, device, mix, step_device, overlap))
+    return rows
+
+
+def parity_one(args: argparse.Namespace, device: str, mix: str, step_device: str,
+               overlap: bool) -> dict:
+    """One parity run: a few steps of a Linear stack under tiermem and under fused AdamW.
+    With overlap the updates run during backward, in tiermem's worker thread."""
     import torch
 
     import tiermem
     from tiermem.partition import build_partitions
 
-    rows = []
-    for mix in MIXES:
-        for step_device in STEP_DEVICES:
-            if "gpu" in mix and device != "cuda":
-                rows.append({"mix": mix, "step_device": step_device, "status": "skipped",
-                             "why": "the gpu tier needs CUDA"})
-                continue
-            torch.manual_seed(0)
-            width = 64 if args.smoke else 1024
-            model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]
-                                        ).to(device)
-            ref_model = copy.deepcopy(model)
-            kw = dict(lr=1e-3, weight_decay=0.1)
-            opt = torch.optim.AdamW(model.parameters(), **kw)
-            ref = torch.optim.AdamW(ref_model.parameters(), fused=True, **kw)
-            part_size = 64 << 10 if args.smoke else 1 << 20
-            # What the records will hold (fp32 master + moments for a device model).
-            state = sum(p.record_bytes for p in build_partitions(
-                opt.param_groups, {}, part_size, keep_master=device != "cpu" or args.smoke))
-            cfg = _config(tempfile.mkdtemp(dir=args.work), mix=mix, state_bytes=state,
-                          step_device=step_device, partition_size=part_size)
-            batches = [torch.randn(16, width, device=device) for _ in range(args.parity_steps)]
-            with tiermem.offload(opt, cfg) as tm:
-                plan = tm.plan()
-                for x in batches:
-                    model(x).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
-            for x in batches:
-                ref_model(x).square().mean().backward()
-                ref.step()
-                ref.zero_grad()
-            pairs = [(p, q) for p, q in zip(model.parameters(), ref_model.parameters())]
-            pairs += [(opt.state[p][k], ref.state[q][k])
-                      for p, q in zip(model.parameters(), ref_model.parameters())
-                      for k in ("exp_avg", "exp_avg_sq")]
-            abs_err, rel_err, bitwise = _max_errors(pairs)
-            # The device updates run torch's fused CUDA kernel on the same values: bitwise.
-            # The CPU step runs the fused CPU kernel: a few ulps from the CUDA one.
-            want_bitwise = step_device == "device" or mix == "gpu" or device == "cpu"
-            ok = bitwise if want_bitwise else rel_err < 1e-5
-            rows.append({"mix": mix, "step_device": step_device,
-                         "state_bytes": plan["state_bytes"], "max_abs_err": abs_err,
-                         "max_rel_err": rel_err, "bitwise": bitwise,
-                         "expected": "bitwise" if want_bitwise else "rel < 1e-5",
-                         "status": "ok" if ok else "MISMATCH"})
-    return rows
+    torch.manual_seed(0)
+    width = 64 if args.smoke else 1024
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]).to(device)
+    ref_model = copy.deepcopy(model)
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True, **kw)
+    part_size = 64 << 10 if args.smoke else 1 << 20
+    # What the records will hold (fp32 master + moments for a device model).
+    state = sum(p.record_bytes for p in build_partitions(
+        opt.param_groups, {}, part_size, keep_master=device != "cpu" or args.smoke))
+    cfg = _config(tempfile.mkdtemp(dir=args.work), mix=mix, state_bytes=state,
+                  step_device=step_device, partition_size=part_size, overlap=overlap)
+    batches = [torch.randn(16, width, device=device) for _ in range(args.parity_steps)]
+    with tiermem.offload(opt, cfg) as tm:
+        plan = tm.plan()
+        for x in batches:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for x in batches:
+        ref_model(x).square().mean().backward()
+        ref.step()
+        ref.zero_grad()
+    pairs = [(p, q) for p, q in zip(model.parameters(), ref_model.parameters())]
+    pairs += [(opt.state[p][k], ref.state[q][k])
+              for p, q in zip(model.parameters(), ref_model.parameters())
+              for k in ("exp_avg", "exp_avg_sq")]
+    abs_err, rel_err, bitwise = _max_errors(pairs)
+    # The device updates run torch's fused CUDA kernel on the same values: bitwise.
+    # The CPU step runs the fused CPU kernel: a few ulps from the CUDA one.
+    want_bitwise = step_device == "device" or mix == "gpu" or device == "cpu"
+    ok = bitwise if want_bitwise else rel_err < 1e-5
+    return {"mix": mix, "step_device": step_device, "overlap": overlap,
+            "state_bytes": plan["state_bytes"], "max_abs_err": abs_err,
+            "max_rel_err": rel_err, "bitwise": bitwise,
+            "expected": "bitwise" if want_bitwise else "rel < 1e-5",
+            "status": "ok" if ok else "MISMATCH"}
 
 
 def big_model(args: argparse.Namespace, device: str, step_device: str) -> dict:
-    """(b): a bf16 stack of Linear layers, all optimizer state on NVMe, a few steps."""
+    """(c): a bf16 stack of Linear layers, all optimizer state on NVMe, a few steps."""
     import torch
 
     import tiermem
@@ -156,7 +172,10 @@ def big_model(args: argparse.Namespace, device: str, step_device: str) -> dict:
                         "prefetch_depth": args.buffers - 2},
            "optimizer": {"kernel": "fused", "step_device": step_device}}
     times = []
-    with tiermem.offload(opt, cfg, name=f"gpu-check-{step_device}") as tm:
+    # Warnings say what would skew the figures (pageable buffers: staged, synchronous copies).
+    with warnings.catch_warnings(record=True) as caught, \
+            tiermem.offload(opt, cfg, name=f"gpu-check-{step_device}") as tm:
+        warnings.simplefilter("always")
         plan = tm.plan()
         for _ in range(args.steps):
             sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -177,18 +196,61 @@ def big_model(args: argparse.Namespace, device: str, step_device: str) -> dict:
             "h2d_gbps": med("h2d_gbps"), "d2h_gbps": med("d2h_gbps"),
             "nvme_read_gbps": med("read_gbps"), "nvme_write_gbps": med("write_gbps"),
             "stall_seconds": med("stall_seconds"), "transfer_seconds": med("transfer_seconds"),
-            "update_seconds": med("update_seconds"), "stats": stats}
+            "update_seconds": med("update_seconds"), "pinned_bytes": plan["pinned_bytes"],
+            "warnings": [str(w.message) for w in caught], "stats": stats}
 
 
-def cuda_tests() -> dict:
-    """(c): the CUDA tests of tests/test_device_step.py, in a child pytest."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-k", "cuda", str(REPO / "tests" /
-                                                                   "test_device_step.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+def _child_env() -> dict:
+    """The environment of a child run: this repository first on PYTHONPATH, and whatever
+    was there kept (gpu_session.sh puts the carried cffi runtime there)."""
+    path = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _child(cmd: list[str], timeout: float) -> dict:
+    """Run cmd; its exit code and the tail of its output, or a timeout said as one."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=_child_env(),
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or b""
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        lines = out.strip().splitlines()
+        return {"returncode": None, "summary": f"stopped after {timeout:.0f} s (timeout)",
+                "tail": lines[-40:]}
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     return {"returncode": proc.returncode, "summary": lines[-1] if lines else "",
             "tail": lines[-40:]}
+
+
+def cuda_tests(timeout: float) -> dict:
+    """(b): the CUDA tests of tests/test_device_step.py, in a child pytest."""
+    return _child([sys.executable, "-m", "pytest", "-q", "-k", "cuda",
+                   str(REPO / "tests" / "test_device_step.py")], timeout)
+
+
+def train_loop(args: argparse.Namespace, device: str, timeout: float) -> dict:
+    """(d): bench/train_loop.py with the model on `device`, its batch sized so that fwd+bwd
+    takes as long as the step (state on NVMe, updated on the host): how much of the update
+    and its I/O overlap hides behind a backward that leaves the host's cores free."""
+    out = Path(args.out).with_name("train_loop_" + Path(args.out).name)
+    size = (["--dim", "64", "--heads", "2", "--layers", "1", "--vocab", "128", "--seq", "16",
+             "--partition-size", "64KiB", "--buffers", "3", "--prefetch", "1"]
+            if args.smoke else ["--seq", "256"])
+    from tiermem.io import io_uring_status
+
+    backend = "io_uring" if io_uring_status()[0] else "threads"
+    cmd = [sys.executable, str(HERE / "train_loop.py"), "--device", device, "--batch", "auto",
+           "--rounds", "2", "--iters", "3", "--warmup", "1", "--backend", backend, *size,
+           "--swap-dir", tempfile.mkdtemp(dir=args.work), "--json", str(out)]
+    result = _child(cmd, timeout)
+    if result["returncode"] == 0:
+        import json
+        figures = json.loads(out.read_text())
+        result.update({k: figures.get(k) for k in ("ratio", "ratio_per_round", "batch",
+                                                    "params", "median_seconds", "goal")},
+                      json=str(out))
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes on the CPU emulation of the device (no GPU needed)")
     ap.add_argument("--no-tests", action="store_true", help="skip the CUDA pytest run")
+    ap.add_argument("--no-train-loop", action="store_true",
+                    help="skip bench/train_loop.py on the device")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds the whole run may take (0: no limit): the child runs get "
+                         "timeouts from what is left, and (d) is skipped with under 90 s")
     args = ap.parse_args(argv)
+    args.started = time.monotonic()
 
     import torch
 
@@ -231,41 +299,77 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.work, ignore_errors=True)
 
 
+def _left(args: argparse.Namespace, most: float) -> float:
+    """Seconds a child run may take: `most`, or less where the budget has less left."""
+    if not args.budget:
+        return most
+    return min(most, args.budget - (time.monotonic() - args.started))
+
+
 def _run(args: argparse.Namespace, device: str) -> int:
     import torch
 
     from tiermem.device_lanes import emulate_device
 
-    emulation = emulate_device() if device == "cpu" else contextlib.nullcontext()
+    # Entered once per phase (a fresh context each time).
+    emulation = emulate_device if device == "cpu" else contextlib.nullcontext
     result = {"machine": machine_facts(), "revision": git_revision(REPO),
               "torch": torch.__version__, "device": device, "smoke": args.smoke,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None}
-    with emulation:
+
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        write_json(args.out, result)
+
+    with emulation():
         result["parity"] = parity(args, device)
-        print(markdown_table(
-            ["tier mix", "step_device", "max abs err", "max rel err", "bitwise", "expected",
-             "status"],
-            [[r["mix"], r["step_device"], f"{r.get('max_abs_err', 0):.3g}",
-              f"{r.get('max_rel_err', 0):.3g}", r.get("bitwise", "-"), r.get("expected", "-"),
-              r["status"] + (f" ({r['why']})" if "why" in r else "")]
-             for r in result["parity"]]))
-        print()
-        result["big_model"] = [big_model(args, device, sd) for sd in STEP_DEVICES]
     print(markdown_table(
-        ["step_device", "params", "state on NVMe", "step s", "H2D GB/s", "D2H GB/s",
-         "NVMe read GB/s", "NVMe write GB/s", "stall s"],
-        [[r["step_device"], f"{r['params']:,}", f"{r['state_bytes_nvme'] / 2**30:.1f} GiB",
-          f"{r['steady_step_seconds']:.2f}", f"{r['h2d_gbps']:.2f}", f"{r['d2h_gbps']:.2f}",
-          f"{r['nvme_read_gbps']:.2f}", f"{r['nvme_write_gbps']:.2f}",
-          f"{r['stall_seconds']:.2f}"] for r in result["big_model"]]))
+        ["tier mix", "step_device", "overlap", "max abs err", "max rel err", "bitwise",
+         "expected", "status"],
+        [[r["mix"], r["step_device"], "on" if r["overlap"] else "off",
+          f"{r.get('max_abs_err', 0):.3g}", f"{r.get('max_rel_err', 0):.3g}",
+          r.get("bitwise", "-"), r.get("expected", "-"),
+          r["status"] + (f" ({r['why']})" if "why" in r else "")]
+         for r in result["parity"]]), flush=True)
+    save()
     if device == "cuda" and not args.no_tests:
-        result["cuda_tests"] = cuda_tests()
-        print(f"\nCUDA tests: {result['cuda_tests']['summary']}")
-    path = write_json(args.out, result)
-    print(f"\nwrote {path}")
+        result["cuda_tests"] = cuda_tests(_left(args, 180))
+        print(f"\nCUDA tests: {result['cuda_tests']['summary']}", flush=True)
+        save()
+    print()
+    result["big_model"] = []
+    with emulation():
+        for sd in STEP_DEVICES:
+            r = big_model(args, device, sd)
+            result["big_model"].append(r)
+            print(markdown_table(
+                ["step_device", "params", "state on NVMe", "step s", "H2D GB/s", "D2H GB/s",
+                 "NVMe read GB/s", "NVMe write GB/s", "stall s"],
+                [[r["step_device"], f"{r['params']:,}",
+                  f"{r['state_bytes_nvme'] / 2**30:.1f} GiB",
+                  f"{r['steady_step_seconds']:.2f}", f"{r['h2d_gbps']:.2f}",
+                  f"{r['d2h_gbps']:.2f}", f"{r['nvme_read_gbps']:.2f}",
+                  f"{r['nvme_write_gbps']:.2f}", f"{r['stall_seconds']:.2f}"]]), flush=True)
+            for w in r["warnings"]:
+                print(f"  warning: {w}")
+            save()
+    if not args.no_train_loop:
+        left = _left(args, 300)
+        if left < 90:
+            result["train_loop"] = {"returncode": None, "summary": "skipped: out of time"}
+        else:
+            result["train_loop"] = train_loop(args, device, left)
+        tl = result["train_loop"]
+        print(f"\ntrain_loop on {device}: " + (
+            f"batch {tl['batch']}, overlap / max(fwd+bwd, update+I/O) = {tl['ratio']:.3f} "
+            f"(rounds {', '.join(f'{x:.3f}' for x in tl['ratio_per_round'])}; goal "
+            f"{tl['goal']})" if tl.get("ratio") is not None else tl["summary"]), flush=True)
+        save()
+    print(f"\nwrote {args.out}")
     bad = [r for r in result["parity"] if r["status"] == "MISMATCH"]
-    failed_tests = result.get("cuda_tests", {}).get("returncode", 0) != 0
-    return 1 if bad or failed_tests else 0
+    failed = [k for k in ("cuda_tests", "train_loop")
+              if result.get(k, {}).get("returncode", 0) not in (0, None)
+              or "timeout" in result.get(k, {}).get("summary", "")]
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":

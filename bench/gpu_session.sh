@@ -21,8 +21,11 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_
 'io_uring', io_uring_status())"
   df -h "${TMPDIR:-/tmp}" | tail -1; nproc; free -g | head -2
 } 2>&1 | tee "$out/env.txt"
-# Two steps of the big model (the first only writes fresh records): 72 GB through the disk
-# per step device at 2B parameters, inside one 540 s call even at 1 GB/s. Later arguments win.
-python3 bench/gpu_check.py --swap-dir "${TMPDIR:-/tmp}" --out "$out/gpu_check.json" --steps 2 "$@" 2>&1 \
+# Correctness first (parity, CUDA tests), then two steps of the big model (the first only
+# writes fresh records: 72 GB through the disk per step device at 2B parameters), then
+# train_loop on the GPU if the budget leaves time for it. The JSON is rewritten after every
+# phase, so a call cut short still brings back what was measured. Later arguments win.
+python3 bench/gpu_check.py --swap-dir "${TMPDIR:-/tmp}" --out "$out/gpu_check.json" --steps 2 \
+    --budget 480 "$@" 2>&1 \
     | tee "$out/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -404,10 +404,29 @@ def test_gpu_check_smoke(tmp_path):
     result = json.loads(out.read_text())
     ran = [r for r in result["parity"] if r["status"] != "skipped"]
     assert ran and all(r["status"] == "ok" for r in ran)
+    assert {r["overlap"] for r in ran} == {False, True}
     assert [r["step_device"] for r in result["big_model"]] == ["cpu", "device"]
     for r in result["big_model"]:
         assert r["h2d_gbps"] > 0 and r["d2h_gbps"] > 0 and r["nvme_write_gbps"] > 0
+    loop = result["train_loop"]
+    assert loop["returncode"] == 0 and loop["ratio"] > 0 and loop["batch"] >= 1, loop
     assert listdir(tmp_path / "swap") == []
+
+
+def test_gpu_check_children_keep_the_callers_pythonpath(monkeypatch):
+    """gpu_session.sh puts the carried cffi runtime on PYTHONPATH: the CUDA tests' child
+    pytest must see it as well as this repository."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert gpu_check._child_env()["PYTHONPATH"].split(":") == [str(REPO), "/tmp/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert gpu_check._child_env()["PYTHONPATH"] == str(REPO)
+    out = gpu_check._child([sys.executable, "-c", "import time; time.sleep(5)"], 0.5)
+    assert out["returncode"] is None and "timeout" in out["summary"]
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal without CUDA")
