@@ -426,7 +426,7 @@ def test_gpu_check_children_keep_the_callers_pythonpath(monkeypatch):
     monkeypatch.delenv("PYTHONPATH")
     assert gpu_check._child_env()["PYTHONPATH"] == str(REPO)
     out = gpu_check._child([sys.executable, "-c", "import time; time.sleep(5)"], 0.5)
-    assert out["returncode"] is None and "timeout" in out["summary"]
+    assert out["returncode"] is None and out["timed_out"] and "timeout" in out["summary"]
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal without CUDA")
