@@ -50,7 +50,9 @@ _RUN_AHEAD = "run ahead"  # queued by step(): the next step's reads, issued duri
 def _queued_event(grad: torch.Tensor) -> Any:
     """On a GPU a post-accumulate-grad hook fires once the gradient's kernels are queued, not
     run: an event recorded now on the hook's current stream (autograd's stream for that
-    node) completes when they have. None on the CPU."""
+    node) completes when they have. None on the CPU. It lives until the round is reset;
+    dropping it then is safe even if a wait on it is still queued (CUDA releases a
+    destroyed event once the device is done with it)."""
     if not grad.is_cuda:
         return None
     event = torch.cuda.Event()
@@ -125,6 +127,7 @@ class BackwardOverlap:
         grad = param.grad
         if grad is None:  # autograd sets it before this hook; never seen, never counted
             return
+        queued = _queued_event(grad)  # outside the lock, which guards dict updates only
         with self._lock:
             if self._error is not None or self._stopping:
                 return  # step() raises the error; nothing more starts
@@ -138,7 +141,7 @@ class BackwardOverlap:
                     "outside tm.accumulating() starts the update, so wrap the backward of all "
                     "micro-batches but the last in `with tm.accumulating():`")
                 return
-            self._fired[index] = (grad, grad._version, _queued_event(grad))
+            self._fired[index] = (grad, grad._version, queued)
             for part in self._parts_of.get(index, ()):
                 self._remaining[part.id] -= 1
                 if self._remaining[part.id] == 0:
