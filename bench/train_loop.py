@@ -184,8 +184,10 @@ class Loop:
 
         opt = self.optimizer()
         split = []  # (fwd+bwd, step) seconds of each iteration
-        # in_host: room for every record in the host tier (12 B/param is more than needed).
-        host = 12 * self.n_params if in_host else 0
+        # in_host: room for every record in the host tier. A record is 8 B/param for a CPU
+        # fp32 model, 12 with an fp32 master (a CUDA or bf16 model), plus footer and
+        # alignment per partition; the capacity is a cap, not an allocation.
+        host = 24 * self.n_params if in_host else 0
         with tiermem.offload(opt, self.config(overlap, host), model=self.model,
                              name="bench-train-loop") as tm:
             if trace:
