@@ -119,11 +119,11 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: 
         raise MemoryError(f"aligned_empty: could not map {nbytes} bytes for an I/O buffer")
     mapped = lib.tm_mem_mapped_size(nbytes, kind[0])
     addr = int(ffi.cast("uintptr_t", ptr))
-    cuda_error = _cuda_register(addr, mapped) if lock and use_cuda else -1
+    cuda_error = _cuda_register(addr, mapped) if lock and use_cuda else None
     cuda_pinned = cuda_error == 0
     is_locked = bool(locked[0]) or cuda_pinned
     if lock and not is_locked:
-        _warn_unlocked(nbytes, lock_err[0] or _errno.EPERM, max(cuda_error, 0))
+        _warn_unlocked(nbytes, lock_err[0] or _errno.EPERM, cuda_error or 0)
 
     def _release(p: Any) -> None:
         # Runs once, when the last reference to the storage is gone: no tensor
