@@ -41,9 +41,10 @@ $(STAMP): $(NATIVE)
 # tier and the rest streamed from ~/.cache/tiermem/swap; every step verified.
 STRESS_ARGS ?= --params 500M --steps 3 --synthetic-grads --verify
 run: setup
-	$(PYTHON) -m tiermem.cli stress $(STRESS_ARGS)
+	$(PYTHON) -m tiermem stress $(STRESS_ARGS)
 
 test: setup
+	$(PYTHON) -m importlinter.cli   # the layer contract in pyproject.toml
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
 
 clean:

@@ -7,9 +7,9 @@ change the timing) and take turns step by step, so drift and noisy neighbours on
 machine hit all of them alike; 400M parameters need 8 GB of buffers (about 10 GB
 peak RSS with foreach's temporaries).
 
-- tiermem fused: `tiermem.kernels.adam_update(kernel="fused")` on one flat partition,
+- tiermem fused: `tiermem.kernels.adam.adam_update(kernel="fused")` on one flat partition,
   with a post-increment step tensor, as tiermem runs it per partition.
-- tiermem native: tiermem's own C kernel (`tiermem.native_adam`, native/adam.c). fp32:
+- tiermem native: tiermem's own C kernel (`tiermem.kernels.native_adam`, native/adam.c). fp32:
   `adam_update(kernel="native")` like the row above. bf16-mixed: `adam_fused_mixed`
   reads the bf16 gradient and writes the bf16 weights in the same pass as the update,
   so it pays none of the casts below.
@@ -119,7 +119,7 @@ class Problem:
 
 
 def setup_tiermem(prob: Problem) -> Callable[[], None]:
-    from tiermem.kernels import adam_update
+    from tiermem.kernels.adam import adam_update
 
     step = torch.tensor(0.0)
 
@@ -136,8 +136,8 @@ def setup_tiermem(prob: Problem) -> Callable[[], None]:
 
 
 def setup_native(prob: Problem) -> Callable[[], None]:
-    from tiermem.kernels import adam_update
-    from tiermem.native_adam import adam_fused_mixed
+    from tiermem.kernels.adam import adam_update
+    from tiermem.kernels.native_adam import adam_fused_mixed
 
     step = torch.tensor(0.0)
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from tiermem import native_adam as na
-from tiermem.checksum import crc32c, crc32c_portable, crc32c_sse42, has_fold, has_sse42
+from tiermem.kernels import native_adam as na
+from tiermem.kernels.checksum import crc32c, crc32c_portable, crc32c_sse42, has_fold, has_sse42
 
 
 def best_of(fn, repeat: int) -> float:

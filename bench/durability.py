@@ -34,7 +34,7 @@ def phase(args: argparse.Namespace) -> dict:
     import torch
 
     import tiermem
-    import tiermem.tiers
+    import tiermem.tiers.manager
 
     params = _model(args.params)
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -43,7 +43,7 @@ def phase(args: argparse.Namespace) -> dict:
            "pipeline": {"partition_size": "128MiB", "buffer_count": 8, "prefetch_depth": 6},
            "optimizer": {"kernel": "fused"}}
     commit_s: list[float] = []
-    real_commit = tiermem.tiers.TierManager.commit
+    real_commit = tiermem.tiers.manager.TierManager.commit
 
     def timed_commit(self, **kw):
         t = time.perf_counter()
@@ -51,7 +51,7 @@ def phase(args: argparse.Namespace) -> dict:
             return real_commit(self, **kw)
         finally:
             commit_s.append(time.perf_counter() - t)
-    tiermem.tiers.TierManager.commit = timed_commit
+    tiermem.tiers.manager.TierManager.commit = timed_commit
     t0 = time.perf_counter()
     with tiermem.offload(opt, cfg) as tm:
         setup = time.perf_counter() - t0
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # child process
     args = ap.parse_args()
     parse_size(args.host)  # a bad size fails here, not in a child
-    from tiermem.cli import _count
+    from tiermem.tools.cli import _count
     text, args.params = args.params, _count(args.params)
     if args.mode:
         print(json.dumps(phase(args)))

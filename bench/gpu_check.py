@@ -16,7 +16,7 @@ keeps what it measured; --budget S gives the child runs (b, d) timeouts from wha
 of S seconds and skips (d) when under 90 s are.
 
 Without CUDA it refuses in one line; `--smoke` runs tiny sizes on the CPU emulation of the
-device lanes (tiermem.device_lanes.emulate_device) so every code path of this script runs
+device lanes (tiermem.device.lanes.emulate_device) so every code path of this script runs
 in the test suite.
 
 Usage: python3 bench/gpu_check.py [--swap-dir DIR] [--params 2B] [--steps 3]
@@ -309,7 +309,7 @@ def _left(args: argparse.Namespace, most: float) -> float:
 def _run(args: argparse.Namespace, device: str) -> int:
     import torch
 
-    from tiermem.device_lanes import emulate_device
+    from tiermem.device.lanes import emulate_device
 
     # Entered once per phase (a fresh context each time).
     emulation = emulate_device if device == "cpu" else contextlib.nullcontext

@@ -51,7 +51,7 @@ try:
 except ImportError:  # run as a script from elsewhere: bench/ is sys.path[0]
     import _report
 
-from tiermem.buffers import aligned_empty
+from tiermem.io.buffers import aligned_empty
 from tiermem.io import IOEngine
 from tiermem.sysinfo import mount_of
 

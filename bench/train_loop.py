@@ -210,7 +210,7 @@ class Loop:
                 out = _timed(n, self.args.warmup, it)
             stats = tm.stats()[self.args.warmup:]
             if trace:
-                from tiermem.trace import write_chrome_trace
+                from tiermem.telemetry.trace import write_chrome_trace
                 write_chrome_trace(trace, tm.events())
             plan = tm.plan()
             tm.discard()

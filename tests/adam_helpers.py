@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from tiermem import native_adam as na
+from tiermem.kernels import native_adam as na
 
 
 @contextlib.contextmanager

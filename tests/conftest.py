@@ -19,7 +19,7 @@ except ImportError:  # running from a checkout without an install
 import torch
 from hypothesis import HealthCheck, settings
 
-from tiermem.buffers import aligned_empty
+from tiermem.io.buffers import aligned_empty
 from tiermem.io import IOEngine, io_uring_status
 
 settings.register_profile(
@@ -94,7 +94,7 @@ def read_file(path, offset: int = 0, nbytes: int | None = None) -> bytes:
 @pytest.fixture
 def reset_once_warnings(monkeypatch):
     """Forget which once-per-process TierMemWarnings were already issued."""
-    import tiermem.buffers as buffers_mod
+    import tiermem.io.buffers as buffers_mod
     import tiermem.io.engine as engine_mod
     monkeypatch.setattr(engine_mod, "_warned", set())
     monkeypatch.setattr(buffers_mod, "_warned_unlocked", False)

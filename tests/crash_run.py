@@ -90,8 +90,8 @@ def _die() -> None:
 
 def _arm(point: str, n: int) -> None:
     """Wrap the function where `point` happens so that its n-th call kills the process."""
-    import tiermem.manifest
-    import tiermem.swap
+    import tiermem.swap.manifest
+    import tiermem.swap.store
 
     count = [0]
 
@@ -100,7 +100,7 @@ def _arm(point: str, n: int) -> None:
         return count[0] == n
 
     if point in ("write-before", "write-after"):
-        real_write = tiermem.swap.SwapStore.write
+        real_write = tiermem.swap.store.SwapStore.write
 
         def write(self, part, buf, **kw):
             fire = hit()
@@ -110,15 +110,15 @@ def _arm(point: str, n: int) -> None:
             if fire:
                 _die()
             return req
-        tiermem.swap.SwapStore.write = write
+        tiermem.swap.store.SwapStore.write = write
     elif point == "sync":
-        real_sync = tiermem.swap.SwapStore.sync
+        real_sync = tiermem.swap.store.SwapStore.sync
 
         def sync(self):
             if hit():
                 _die()
             return real_sync(self)
-        tiermem.swap.SwapStore.sync = sync
+        tiermem.swap.store.SwapStore.sync = sync
     elif point in ("manifest-tmp", "manifest-renamed"):
         real_replace = os.replace
 
@@ -129,7 +129,7 @@ def _arm(point: str, n: int) -> None:
             real_replace(src, dst, *a, **kw)
             if fire:
                 _die()
-        tiermem.manifest.os.replace = replace  # the os module: this process only
+        tiermem.swap.manifest.os.replace = replace  # the os module: this process only
     elif point != "after-step":
         raise SystemExit(f"unknown kill point {point!r}")
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import tiermem
-from tiermem.collectives import PeerError
-from tiermem.manifest import read_manifest
+from tiermem.dist.collectives import PeerError
+from tiermem.swap.manifest import read_manifest
 
 from offload_helpers import (Synthetic, assert_close_tensor, assert_same_tensor,
                              compare_runs, config, loss_of, make_batches, side_used)
@@ -65,7 +65,7 @@ def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="re
     and its updated weights reach it through emulated streams, which run their work only
     when something waits for it: the weight all-gather must wait for them first."""
     if lanes:
-        from tiermem.device_lanes import emulate_device
+        from tiermem.device.lanes import emulate_device
         with emulate_device():
             return parity(rank, world, tmp, backend, host=host, grads=grads, ddp=ddp,
                           amsgrad=amsgrad, step_device=lanes)
@@ -226,7 +226,7 @@ def placeholders(rank: int, world: int, tmp: str) -> None:
 
 def dcp_save(rank: int, world: int, tmp: str, ckpt: str) -> None:
     """Save after 2 steps; the expected whole state goes to ckpt + '.expected.pt'."""
-    from tiermem import dcp
+    from tiermem.dist import dcp
 
     model, opt, ref_model, ref_opt = pair(amsgrad=True)
     with tiermem.offload(opt, small_cfg(tmp, host="128KiB")) as tm:
@@ -251,7 +251,7 @@ def dcp_load(rank: int, world: int, tmp: str, ckpt: str) -> None:
     """Load a checkpoint written with another world size (different partitions too) and get
     exactly the state that was saved."""
     from offload_helpers import compare_state_dicts
-    from tiermem import dcp
+    from tiermem.dist import dcp
 
     model, opt, *_ = pair(amsgrad=True)
     cfg = small_cfg(tmp, host="64KiB")

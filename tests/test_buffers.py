@@ -10,7 +10,7 @@ import torch
 
 from conftest import run_without_ipc_lock
 from tiermem._lib import lib
-from tiermem.buffers import BufferPool, aligned_empty
+from tiermem.io.buffers import BufferPool, aligned_empty
 from tiermem.errors import TierMemWarning
 from tiermem.sysinfo import has_cap_ipc_lock
 
@@ -136,7 +136,7 @@ UNLOCKED_SCRIPT = """
 import json, resource, warnings
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, 64 * 1024))
 from tiermem.sysinfo import has_cap_ipc_lock
-from tiermem.buffers import BufferPool, aligned_empty
+from tiermem.io.buffers import BufferPool, aligned_empty
 from tiermem.errors import TierMemWarning
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -163,7 +163,7 @@ def test_failed_cuda_registration_is_cleared_and_named(monkeypatch):
     read back out of the CUDA runtime (torch's binding leaves it as the thread's last
     error, which the next kernel launch check would raise against an unrelated op), and
     the one warning names cudaHostRegister rather than mlock."""
-    import tiermem.buffers as buffers
+    import tiermem.io.buffers as buffers
 
     calls = []
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tiermem import native_adam as na
-from tiermem.checksum import (RecordDigest, combine, crc32c, crc32c_portable, crc32c_sse42,
+from tiermem.kernels import native_adam as na
+from tiermem.kernels.checksum import (RecordDigest, combine, crc32c, crc32c_portable, crc32c_sse42,
                               has_fold, has_sse42)
 
 

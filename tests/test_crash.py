@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import tiermem
-import tiermem.cli
+import tiermem.tools.cli
 from conftest import BACKEND_PARAMS
 from crash_run import (backward_grads, crash_config, make_model, make_optimizer, run_killed,
                        set_grads)
 from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
 from tiermem.errors import TierMemError
-from tiermem.swapdir import StaleSwapError
+from tiermem.swap.rundir import StaleSwapError
 
 STEPS = 3
 
@@ -109,7 +109,7 @@ def test_resume_after_kill(tmp_path, backend, point, n, partitions, reference):
         return
     weights, state = reference[step]
     ckpt = tmp_path / "recovered.pt"
-    assert tiermem.cli.main(["recover", str(swap_dir(swap)), "-o", str(ckpt)]) == 0
+    assert tiermem.tools.cli.main(["recover", str(swap_dir(swap)), "-o", str(ckpt)]) == 0
     recovered = torch.load(ckpt)
     assert recovered["step"] == step
     for (name, _), w in zip(make_model().named_parameters(), weights):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import tiermem
 from tiermem.config import ConfigError
-from tiermem.device_lanes import (DeferredBackend, DeferredStream, DeviceLanes,
+from tiermem.device.lanes import (DeferredBackend, DeferredStream, DeviceLanes,
                                   emulate_device)
 from tiermem.errors import TierMemError
 

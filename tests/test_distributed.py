@@ -16,7 +16,7 @@ import torch
 
 import tiermem
 from tiermem.config import ConfigError, load_config
-from tiermem.shard import CUT_ALIGN, pieces_in, share_cuts
+from tiermem.dist.shard import CUT_ALIGN, pieces_in, share_cuts
 
 from dist_harness import launch
 from offload_helpers import available_backends, compare_state_dicts, config
@@ -92,7 +92,7 @@ def test_killed_rank_is_named_by_the_others(three):
 def test_dcp_checkpoint_of_two_ranks_loads_in_one_process(two, base, tmp_path):
     """The 2-rank checkpoint loads into a single process (no process group) exactly."""
     from dist_scenarios import pair
-    from tiermem import dcp
+    from tiermem.dist import dcp
 
     _outcome(two, "dcp-save")
     model, opt, *_ = pair(amsgrad=True)
@@ -187,7 +187,7 @@ def test_weight_windows_launch_in_a_fixed_order_once_their_partitions_are_update
     on backward steps, as every rank does), each only after every active partition
     covering it was updated; an inactive partition holds nothing back."""
     from tiermem.partition import Partition, Segment
-    from tiermem.zero import ZeroLayout
+    from tiermem.dist.zero import ZeroLayout
 
     coll = _RecordingColl()
     params = [torch.nn.Parameter(torch.zeros(6144)), torch.nn.Parameter(torch.zeros(2048))]

@@ -19,7 +19,7 @@ from faults import inject
 from offload_helpers import (assert_same_tensor, compare_runs, compare_state_dicts, swap_dir,
                              tmpfs)
 from tiermem.errors import TierMemError, TierMemIOError
-from tiermem.manifest import MANIFEST, read_manifest
+from tiermem.swap.manifest import MANIFEST, read_manifest
 
 STEPS = 4
 
@@ -168,7 +168,7 @@ def test_rollback_impossible_keeps_committed_state(tmp_path, monkeypatch):
 
             def unreadable(*a, **kw):
                 raise TierMemError("manifest unreadable")
-            monkeypatch.setattr(tiermem.optim, "read_manifest", unreadable)
+            monkeypatch.setattr(tiermem.optim.offloaded, "read_manifest", unreadable)
             inject(tm, "read", 0, times=10)
             set_grads(model, 2)
             with pytest.raises(TierMemIOError) as info:

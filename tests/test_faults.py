@@ -13,7 +13,7 @@ import torch
 
 import tiermem
 from faults import inject
-from tiermem.buffers import aligned_empty
+from tiermem.io.buffers import aligned_empty
 from tiermem.io import IOEngine
 
 BACKENDS = ["io_uring", "threads"]

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tiermem
-import tiermem.swap
-from tiermem.checksum import crc32c_portable
-from tiermem.integrity import seal as real_seal
+import tiermem.swap.store
+from tiermem.kernels.checksum import crc32c_portable
+from tiermem.swap.integrity import seal as real_seal
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def sealed(monkeypatch):
         seen.append((partition, digest))
         real_seal(buf, nbytes, partition, generation, digest=digest)
 
-    monkeypatch.setattr(tiermem.swap, "seal", checked_seal)
+    monkeypatch.setattr(tiermem.swap.store, "seal", checked_seal)
     return seen
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tiermem
-from tiermem.buffers import aligned_empty
-from tiermem.integrity import FOOTER_BYTES, IntegrityError, check, seal
+from tiermem.io.buffers import aligned_empty
+from tiermem.swap.integrity import FOOTER_BYTES, IntegrityError, check, seal
 
 
 def _record(nbytes=8192, seed=0):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from conftest import BACKEND_PARAMS, aligned, filled, needs_io_uring, pattern, read_file
 from tiermem.errors import TierMemWarning
 from tiermem._lib import lib
-from tiermem.buffers import BufferPool
+from tiermem.io.buffers import BufferPool
 from tiermem.io import DIRECT_ALIGN, IOEngine
 
 KiB = 1024

@@ -1,4 +1,4 @@
-"""tiermem's native Adam/AdamW kernel (native/adam.c via tiermem.native_adam).
+"""tiermem's native Adam/AdamW kernel (native/adam.c via tiermem.kernels.native_adam).
 
 - parity: 100 steps against torch.optim.Adam/AdamW(fused=True) over the flag table
   (Adam/AdamW, amsgrad, maximize, weight decay, grad dtype, low-precision output);
@@ -7,7 +7,7 @@
 - conversions: bf16/fp16 grads are upcast exactly, the weight output is the updated
   master rounded to nearest even (master.to(dtype));
 - hypothesis: lengths 1..70000 and random hyperparameters;
-- the "native" entry in tiermem.kernels, argument checks, threads, fork.
+- the "native" entry in tiermem.kernels.adam, argument checks, threads, fork.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiermem import kernels
-from tiermem import native_adam as na
+from tiermem.kernels import adam as kernels
+from tiermem.kernels import native_adam as na
 
 from adam_helpers import bits, isa
 
@@ -323,7 +323,7 @@ def test_isa_selection():
 
 
 def test_isa_from_environment(tmp_path):
-    code = ("import tiermem.native_adam as na, torch\n"
+    code = ("import tiermem.kernels.native_adam as na, torch\n"
             "p = torch.zeros(3); na.adam_fused_mixed(master=p, grad=torch.ones(3), "
             "exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3), step=1, lr=1e-3, beta1=0.9, "
             "beta2=0.999, eps=1e-8)\nprint(na.isa())\n")

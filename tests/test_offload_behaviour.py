@@ -14,8 +14,8 @@ import torch
 import yaml
 
 import tiermem
-from tiermem.integrity import FOOTER_BYTES
-from tiermem.optim import UnsupportedOptimizer
+from tiermem.swap.integrity import FOOTER_BYTES
+from tiermem.optim.offloaded import UnsupportedOptimizer
 from tiermem.partition import build_partitions
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, compare_runs,

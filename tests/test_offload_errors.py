@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import tiermem
-from tiermem.optim import UnsupportedOptimizer
-from tiermem.swap import StaleSwapError
+from tiermem.optim.offloaded import UnsupportedOptimizer
+from tiermem.swap.store import StaleSwapError
 
 from offload_helpers import (Synthetic, assert_same_tensor, config, listdir, make_batches,
                              swap_dir, tmpfs, train)

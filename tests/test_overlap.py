@@ -21,7 +21,7 @@ import tiermem
 from faults import inject
 from offload_helpers import (Synthetic, backend_params, compare_runs, config, listdir,
                              loss_of, make_batches, side_used, twin)
-from tiermem.optim import OffloadedOptimizer
+from tiermem.optim.offloaded import OffloadedOptimizer
 from tiermem.partition import build_partitions
 
 STEPS = 6
@@ -309,7 +309,7 @@ def test_worker_error_without_step_surfaces_at_exit(tmp_path):
 
 def test_worker_integrity_error_surfaces_in_step(tmp_path):
     """A record damaged on disk is caught by the worker's read; step() raises it."""
-    from tiermem.integrity import IntegrityError
+    from tiermem.swap.integrity import IntegrityError
 
     model, opt, cfg = _model_opt(tmp_path, host=0, buffer_count=2, prefetch_depth=1)
     with pytest.raises(tiermem.TierMemError, match="kept on disk"):
@@ -388,7 +388,7 @@ def test_config_key_is_a_bool():
 @pytest.mark.parametrize("backend", backend_params())
 def test_crash_consistent_commits_every_step(tmp_path, backend):
     """With commits, updates during backward stay bitwise and every step() commits."""
-    from tiermem.manifest import read_manifest
+    from tiermem.swap.manifest import read_manifest
 
     cls, kw, kernel, ref_kw = OPTIMIZERS["adamw-loop-match"]
     model, ref_model = twin(Synthetic)
@@ -488,7 +488,7 @@ def test_zero_grad_after_a_cut_backward_is_no_update(tmp_path, monkeypatch):
     """zero_grad() after backward failed, with partitions already queued: the worker then
     finds no gradient and updates nothing (no kernel error at the exit); the next forward
     is refused."""
-    from tiermem.overlap import BackwardOverlap
+    from tiermem.optim.overlap import BackwardOverlap
 
     go = threading.Event()
     go.set()
@@ -537,7 +537,7 @@ def test_refused_under_a_process_group(tmp_path):
 def test_dcp_checkpoint_waits_for_the_worker(tmp_path):
     """A DCP save right after step() (the worker still reading the next step ahead) sees
     the step's state; one between backward and step() is refused, as state_dict() is."""
-    from tiermem import dcp
+    from tiermem.dist import dcp
 
     model, opt, cfg = _model_opt(tmp_path / "swap", host=0)
     ref_model = torch.nn.Sequential(torch.nn.Linear(128, 200), torch.nn.Linear(200, 128))
@@ -553,7 +553,7 @@ def test_dcp_checkpoint_waits_for_the_worker(tmp_path):
             reference.zero_grad()
         dcp.save(tm, str(tmp_path / "ckpt"))
         _backward(model, 2)
-        with pytest.raises(tiermem.TierMemError, match="tiermem.dcp checkpoint"):
+        with pytest.raises(tiermem.TierMemError, match="tiermem.dist.dcp checkpoint"):
             dcp.save(tm, str(tmp_path / "ckpt2"))
         opt.step()
     model2, opt2, cfg2 = _model_opt(tmp_path / "swap2", host=0)

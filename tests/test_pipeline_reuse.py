@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from tiermem.pipeline import StepPipeline
+from tiermem.tiers.pipeline import StepPipeline
 
 
 class FakeWrite:

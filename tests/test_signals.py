@@ -53,7 +53,7 @@ def test_signal_mid_training_hands_state_back(tmp_path, sig, durability):
 # counted, its write not yet issued): it must wait for a point where no write is half
 # issued, or the exit finds a record one generation older than it expects.
 SEAL_SCRIPT = r"""
-import os, signal, sys, torch, tiermem, tiermem.swap
+import os, signal, sys, torch, tiermem, tiermem.swap.store
 where, durability, backend, signame = sys.argv[2:6]
 sig = getattr(signal, signame)
 torch.manual_seed(0)
@@ -62,7 +62,7 @@ o = torch.optim.AdamW(m.parameters())
 cfg = {"swap": {"paths": [sys.argv[1]], "durability": durability},
        "tiers": {"host": {"capacity": 0}}, "io": {"backend": backend},
        "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 2}}
-seal = tiermem.swap.seal
+seal = tiermem.swap.store.seal
 armed = [0]  # signal during the armed[0]-th seal from now (the 1st stays in its buffer)
 def seal_and_signal(*args, **kwargs):
     if armed[0]:
@@ -70,7 +70,7 @@ def seal_and_signal(*args, **kwargs):
         if not armed[0]:
             os.kill(os.getpid(), sig)  # Python runs the handler at the next bytecode: here
     return seal(*args, **kwargs)
-tiermem.swap.seal = seal_and_signal
+tiermem.swap.store.seal = seal_and_signal
 try:
     with tiermem.offload(o, cfg):
         for step in range(1, 4):

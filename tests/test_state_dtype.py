@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tiermem
-from tiermem import native_adam as na
+from tiermem.kernels import native_adam as na
 
 from adam_helpers import bits, isa
 from tiermem.config import ConfigError

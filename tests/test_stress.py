@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from tiermem import cli
+from tiermem.tools import cli
 from tiermem.config import load_config
-from tiermem.stress import StressArgs, Verifier, run_stress
+from tiermem.tools.stress import Mismatch, StressArgs, Verifier, run_stress
 
 
 def _config(tmp_path, backend="io_uring", host="8MiB"):
@@ -27,7 +27,7 @@ pipeline: {{partition_size: 4MiB, buffer_count: 3, prefetch_depth: 2}}
 
 
 def _run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tiermem.cli", "stress", "--no-progress", *args],
+    return subprocess.run([sys.executable, "-m", "tiermem.tools.cli", "stress", "--no-progress", *args],
                           capture_output=True, text=True)
 
 
@@ -130,7 +130,7 @@ def test_verification_catches_a_corrupted_partition(tmp_path, monkeypatch, tier)
 
 def test_cli_exits_1_on_verification_failure(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Verifier, "_check", lambda self, step, part, name, got, want:
-                        self.mismatches.append(__import__("tiermem.stress").stress.Mismatch(
+                        self.mismatches.append(Mismatch(
                             step, part.id, part.tier, name, 1.0)))
     rc = cli.main(["stress", "--config", str(_config(tmp_path)), "--params", "2M", "--steps",
                    "1", "--synthetic-grads", "--verify", "--no-progress"])
@@ -139,7 +139,7 @@ def test_cli_exits_1_on_verification_failure(tmp_path, monkeypatch, capsys):
 
 
 def test_synthetic_model_size_is_exact():
-    from tiermem.synthetic import build_model, choose_shape
+    from tiermem.tools.synthetic import build_model, choose_shape
     for n in (1, 1000, 123_457, 5_000_000):
         assert choose_shape(n).params == n
     m = build_model(300_001)
@@ -152,7 +152,7 @@ def test_synthetic_model_size_is_exact():
 def test_trace_and_plot_files(tmp_path):
     """--trace writes a valid Chrome trace with NVMe, optimizer and stall tracks; --plot a PNG."""
     pytest.importorskip("matplotlib")
-    from tiermem.trace import validate_chrome_trace
+    from tiermem.telemetry.trace import validate_chrome_trace
 
     trace, png = tmp_path / "t.json", tmp_path / "p.png"
     proc = _run_cli("--config", str(_config(tmp_path)), "--params", "5M", "--steps", "3",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiermem
-from tiermem.swapdir import StaleSwapError, SwapPathError
+from tiermem.swap.rundir import StaleSwapError, SwapPathError
 
 
 def _cfg(path, host=0):

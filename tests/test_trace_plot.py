@@ -1,4 +1,4 @@
-"""Timeline events as a Chrome/Perfetto trace (tiermem.trace) and as a PNG (tiermem.plot)."""
+"""Timeline events as a Chrome/Perfetto trace (tiermem.telemetry.trace) and as a PNG (tiermem.telemetry.plot)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tiermem
-from tiermem.telemetry import Event
-from tiermem.trace import (LANE_STRIDE, TRACK_ORDER, TRACK_TIDS, assign_lanes, chrome_trace,
+from tiermem.telemetry.stats import Event
+from tiermem.telemetry.trace import (LANE_STRIDE, TRACK_ORDER, TRACK_TIDS, assign_lanes, chrome_trace,
                            validate_chrome_trace, write_chrome_trace)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -304,7 +304,7 @@ def test_lanes_never_overlap(pairs):
 
 def test_plot_run_writes_a_png(run, tmp_path):
     pytest.importorskip("matplotlib")
-    from tiermem.plot import pick_step, plot_run
+    from tiermem.telemetry.plot import pick_step, plot_run
 
     events, stats, _ = run
     assert pick_step(events) == max(e.step for e in events if e.track == "nvme read")
@@ -318,7 +318,7 @@ def test_plot_run_writes_a_png(run, tmp_path):
 
 def test_plot_run_edge_cases(tmp_path):
     pytest.importorskip("matplotlib")
-    from tiermem.plot import pick_step, plot_run
+    from tiermem.telemetry.plot import pick_step, plot_run
 
     ev = [Event("step", "step", 1.0, 1.2, 1), Event("host optimizer", "adam p0", 1.0, 1.1, 1, 0)]
     assert pick_step(ev) == 1  # no NVMe reads: the last step
@@ -335,7 +335,7 @@ def test_plot_run_edge_cases(tmp_path):
 
 
 def test_plot_run_without_matplotlib(monkeypatch, tmp_path):
-    from tiermem.plot import plot_run
+    from tiermem.telemetry.plot import plot_run
 
     for mod in ("matplotlib", "matplotlib.figure", "matplotlib.backends",
                 "matplotlib.backends.backend_agg"):

@@ -1,6 +1,6 @@
 """tiermem: NVMe tiered memory for PyTorch optimizer state."""
 
-from tiermem.buffers import BufferPool, aligned_empty
+from tiermem.io.buffers import BufferPool, aligned_empty
 from tiermem.config import ConfigError, Settings, load_config
 from tiermem.context import Offload, offload
 from tiermem.errors import TierMemError, TierMemIOError, TierMemWarning

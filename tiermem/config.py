@@ -219,7 +219,7 @@ class Settings:
 
     def validate(self) -> None:
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,
-        # with one warning (tiermem.buffers), so the defaults work for any user.
+        # with one warning (tiermem.io.buffers), so the defaults work for any user.
         pinned = self.tiers.host.capacity + self.pipeline.buffer_count * self.pipeline.partition_size
         total = physical_memory()
         if pinned > total * 0.9:

@@ -85,25 +85,6 @@ def record_of(part: Partition, views: dict[str, torch.Tensor]) -> torch.Tensor:
         v.untyped_storage(), start, (part.record_bytes,))
 
 
-def record_digest(part: Partition, views: dict[str, torch.Tensor],
-                  crcs: Sequence[dict[str, int] | None]) -> int:
-    """CRC32C of the record's bytes [0, record_bytes), from the kernel's CRC of each
-    segment of each kind (`crcs[i]`, None for a segment it did not update: hashed here,
-    as is the padding between kinds, whatever bytes it holds: a read hashes them too)."""
-    from tiermem.checksum import RecordDigest  # the native module, loaded on first use
-
-    d = RecordDigest(record_of(part, views))
-    for kind in part.kinds:
-        d.hash_to(part.offsets[kind])
-        size = part.dtype(kind).itemsize
-        for seg, seg_crcs in zip(part.segments, crcs, strict=True):
-            if seg_crcs is None:
-                d.hash_to(d.pos + seg.length * size)
-            else:
-                d.add(seg_crcs[kind], seg.length * size)
-    return d.finish(part.record_bytes)
-
-
 def kind_dtype(kind: str, moment_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if kind == "master" else moment_dtype
 

@@ -341,7 +341,7 @@ class IOEngine:
         if bad:
             raise ValueError(f"{op} on {file.path} with O_DIRECT needs {DIRECT_ALIGN}-byte "
                              f"alignment; unaligned: {', '.join(bad)}. Use buffers from "
-                             "tiermem.buffers.aligned_empty and aligned offsets/lengths.")
+                             "tiermem.io.buffers.aligned_empty and aligned offsets/lengths.")
 
     def _retire(self, req: Request) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from tiermem.buffers import aligned_empty
+from tiermem.io.buffers import aligned_empty
 from tiermem.io import IOEngine, io_uring_status
 from tiermem.sizes import format_size, yaml_size
 from tiermem.sysinfo import free_bytes, mount_of

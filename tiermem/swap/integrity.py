@@ -19,7 +19,7 @@ import struct
 
 import torch
 
-from tiermem.checksum import VERIFY_THREADS, crc32c
+from tiermem.kernels.checksum import VERIFY_THREADS, crc32c
 from tiermem.errors import TierMemError
 
 FOOTER_BYTES = 4096

@@ -28,8 +28,8 @@ from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.io import Request
 from tiermem.partition import Partition
 from tiermem.signals import safe_point
-from tiermem.swap import SwapStore
-from tiermem.telemetry import Event, StepStats, busy_seconds, timed
+from tiermem.swap.store import SwapStore
+from tiermem.telemetry.stats import Event, StepStats, busy_seconds, timed
 
 Views = dict[str, torch.Tensor]
 
@@ -71,7 +71,7 @@ class StepPipeline:
         # I/O and counts of the step being run, or run ahead into.
         self._ahead = StepStats()
         self._reqs: list[tuple[Request, int]] = []  # with the partition each moves
-        # Set by tiermem.overlap: the visiting order the gradients dictate, in place of
+        # Set by tiermem.optim.overlap: the visiting order the gradients dictate, in place of
         # the zig-zag one.
         self.planned: list[Partition] | None = None
 

@@ -14,9 +14,12 @@ give the same value. cffi releases the GIL around every call.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from tiermem._lib import ffi, lib
+from tiermem.partition import Partition, record_of
 
 # A record read back is hashed on this many threads (pieces >= 4 MiB). One: the folding
 # path already hashes as fast as a core reads DRAM (a second thread gained 26 -> 33 GB/s
@@ -93,3 +96,20 @@ class RecordDigest:
         """The CRC of record bytes [0, nbytes) (the rest hashed here)."""
         self.hash_to(nbytes)
         return self.crc
+
+
+def record_digest(part: Partition, views: dict[str, torch.Tensor],
+                  crcs: Sequence[dict[str, int] | None]) -> int:
+    """CRC32C of the record's bytes [0, record_bytes), from the kernel's CRC of each
+    segment of each kind (`crcs[i]`, None for a segment it did not update: hashed here,
+    as is the padding between kinds, whatever bytes it holds: a read hashes them too)."""
+    d = RecordDigest(record_of(part, views))
+    for kind in part.kinds:
+        d.hash_to(part.offsets[kind])
+        size = part.dtype(kind).itemsize
+        for seg, seg_crcs in zip(part.segments, crcs, strict=True):
+            if seg_crcs is None:
+                d.hash_to(d.pos + seg.length * size)
+            else:
+                d.add(seg_crcs[kind], seg.length * size)
+    return d.finish(part.record_bytes)

@@ -33,7 +33,7 @@ from collections import deque
 from typing import Any, Sequence
 
 from tiermem.partition import Partition
-from tiermem.shard import spans
+from tiermem.dist.shard import spans
 
 SLOTS = 3  # staging buffers per direction: windows in flight at once
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Sequence
 
-from tiermem.trace import TRACK_ORDER, _ev, assign_lanes
+from tiermem.telemetry.trace import TRACK_ORDER, _ev, assign_lanes
 
 MISSING = "tiermem --plot needs matplotlib: pip install 'tiermem[plot]'"
 COLORS = {

@@ -23,11 +23,11 @@ from typing import Sequence
 import torch
 
 from tiermem.errors import TierMemError, TierMemIOError
-from tiermem.integrity import FOOTER_BYTES, check, seal
+from tiermem.swap.integrity import FOOTER_BYTES, check, seal
 from tiermem.io import File, IOEngine, Request
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
-from tiermem.swapdir import (RunDir, StaleSwapError, SwapPathError, check_not_stale,
+from tiermem.swap.rundir import (RunDir, StaleSwapError, SwapPathError, check_not_stale,
                               check_swap_path, make_swap_path, remove_run_dir, run_dirs)
 from tiermem.sysinfo import free_bytes
 

@@ -17,9 +17,9 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from tiermem.collectives import Collectives
+from tiermem.dist.collectives import Collectives
 from tiermem.errors import TierMemError
-from tiermem.shard import Piece
+from tiermem.dist.shard import Piece
 
 
 def is_dtensor(t: Any) -> bool:

@@ -36,7 +36,7 @@ def _ints(text: str) -> list[int]:
 
 def _cmd_probe(args: argparse.Namespace) -> int:
     from tiermem.config import load_config, swap_dir
-    from tiermem.probe import format_report, run_probe
+    from tiermem.tools.probe import format_report, run_probe
 
     path = args.path or swap_dir(load_config(args.config))
     backends = None if args.backend == "auto" else [args.backend]
@@ -79,7 +79,7 @@ def _positive(text: str) -> int:
 
 def _cmd_stress(args: argparse.Namespace) -> int:
     from tiermem.config import load_config
-    from tiermem.stress import StressArgs, run_stress, step_table, to_json
+    from tiermem.tools.stress import StressArgs, run_stress, step_table, to_json
 
     if args.params is None and (args.layers is None or args.hidden is None):
         print("tiermem stress: error: give --params, or both --layers and --hidden",
@@ -97,11 +97,11 @@ def _cmd_stress(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(to_json(result) + "\n")
     if args.trace:
-        from tiermem.trace import write_chrome_trace
+        from tiermem.telemetry.trace import write_chrome_trace
         write_chrome_trace(args.trace, result["events"])
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
     if args.plot:
-        from tiermem.plot import plot_run
+        from tiermem.telemetry.plot import plot_run
         plot_run(args.plot, result["events"], result["steps"])
         print(f"plot: {args.plot}")
     verify = result.get("verify")
@@ -136,7 +136,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_recover(args: argparse.Namespace) -> int:
     import os
 
-    from tiermem.recover import recover
+    from tiermem.swap.recover import recover
     from tiermem.sizes import format_size
 
     run_dir = os.path.abspath(args.dir)

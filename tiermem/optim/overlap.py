@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 
 from tiermem.errors import TierMemError, TierMemWarning
+from tiermem.optim.hooks import run_post_hooks, run_pre_hooks, step_called
 from tiermem.partition import Partition
-from tiermem.telemetry import Event, StepStats
+from tiermem.telemetry.stats import Event, StepStats
 
 if TYPE_CHECKING:
-    from tiermem.optim import OffloadedOptimizer
+    from tiermem.optim.offloaded import OffloadedOptimizer
 
 _STOP = None  # queued by close(): the worker returns
 _RUN_AHEAD = "run ahead"  # queued by step(): the next step's reads, issued during forward
@@ -246,12 +247,10 @@ class BackwardOverlap:
 
     def step(self, closure: Callable[[], Any] | None) -> None:
         """The rest of the step, in the caller's thread, once the worker is idle."""
-        from tiermem.optim import _run_post_hooks, _run_pre_hooks
-
         off = self.off
         t0 = time.monotonic()
         self._queue.join()  # the worker is idle: the pipeline is this thread's now
-        args, kwargs = _run_pre_hooks(off.opt, (closure,), {})
+        args, kwargs = run_pre_hooks(off.opt, (closure,), {})
         if (args[0] if args else kwargs.get("closure")) is not None:
             raise TierMemError(
                 "optimizer.step(closure) cannot run with pipeline.overlap_backward: true: "
@@ -289,8 +288,8 @@ class BackwardOverlap:
         if off.tiers.pipeline is not None:
             # After _reset_round: an error of the run-ahead belongs to the next step.
             self._queue.put(_RUN_AHEAD)
-        off.opt._opt_called = True  # what torch's lr schedulers check for
-        _run_post_hooks(off.opt, args, kwargs)
+        step_called(off.opt)
+        run_post_hooks(off.opt, args, kwargs)
 
     def _rest(self) -> list[Partition]:
         """Partitions with a gradient that no hook made ready: resident ones, then NVMe ones

@@ -19,28 +19,24 @@ import dataclasses
 import hashlib
 import os
 import socket
-import sys
 import time
-import types
 import warnings
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from tiermem.collectives import Collectives
+from tiermem.dist.collectives import Collectives
 from tiermem.config import Settings
-from tiermem.context import Offload
 from tiermem.errors import TierMemError, TierMemWarning
-from tiermem.fsdp import FsdpLayout, is_dtensor
-from tiermem.optim import (HOOKED, MASTER_KEY, MOMENTS, HISTORY, OffloadedOptimizer,
-                           _check_optimizer, _run_post_hooks, _run_pre_hooks,
-                           torch_state_dict)
-from tiermem.signals import held, terminate_as_exception
+from tiermem.dist.fsdp import FsdpLayout, is_dtensor
+from tiermem.optim.handle import Offload
+from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
+from tiermem.optim.offloaded import (MASTER_KEY, MOMENTS, HISTORY, OffloadedOptimizer,
+                                     check_optimizer, torch_state_dict)
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
-from tiermem.zero import ZeroLayout
+from tiermem.dist.zero import ZeroLayout
 
 
 def wanted(optimizer: torch.optim.Optimizer, process_group: Any) -> bool:
@@ -93,10 +89,16 @@ class DistributedOffload(Offload):
     def __init__(self, opt: torch.optim.Optimizer, settings: Settings, *,
                  model: torch.nn.Module | None, name: str, resume: bool,
                  process_group: Any) -> None:
+        if settings.pipeline.overlap_backward:
+            # Each rank's share is updated through views that backward's hooks never see,
+            # and only after the gradients are reduce-scattered in step().
+            raise TierMemError("pipeline.overlap_backward is not supported under "
+                               "torch.distributed yet (process_group= or DTensor "
+                               "parameters); set it to false")
         if not (dist.is_available() and dist.is_initialized()):
             raise TierMemError("tiermem shards the optimizer state over a process group, but "
                                "torch.distributed is not initialised (init_process_group)")
-        _check_optimizer(opt)
+        check_optimizer(opt)
         self.opt = opt
         d = settings.distributed
         self.coll = Collectives(process_group, d.timeout, name)
@@ -138,8 +140,7 @@ class DistributedOffload(Offload):
         super().__init__(off)
         opt.state.clear()  # each rank's share of it is in the tiers now
         self.rank_plans = self._gather_plans()
-        self._originals: dict[str, Any] = {}
-        self._hook()
+        self._hooks = Installed(opt, self)
         if resume and off.crash:
             # Each rank restored its own pieces' weights from its masters: share them.
             self.layout.weights_out(self._fresh_comm())
@@ -217,38 +218,9 @@ class DistributedOffload(Offload):
 
     # -- hooks on the user's optimizer ---------------------------------------------------
 
-    def _hook(self) -> None:
-        opt = self.opt
-        for name in HOOKED:
-            self._originals[name] = opt.__dict__.get(name)
-
-        def step(opt_self, closure=None):
-            return opt_self._tiermem_dist.step(closure)
-
-        step._wrapped_by_lr_sched = True  # torch's lr schedulers look for this mark
-
-        def state_dict(opt_self):
-            return opt_self._tiermem_dist.state_dict()
-
-        def load_state_dict(opt_self, state_dict):
-            return opt_self._tiermem_dist.load_state_dict(state_dict)
-
-        def add_param_group(opt_self, param_group):
-            raise TierMemError("add_param_group inside tiermem.offload under a process group "
-                               "is not supported: add the group before entering the block")
-
-        opt._tiermem_dist = self
-        for fn in (step, state_dict, load_state_dict, add_param_group):
-            setattr(opt, fn.__name__, types.MethodType(fn, opt))
-
-    def _unhook(self) -> None:
-        for name, orig in self._originals.items():
-            if orig is None:
-                self.opt.__dict__.pop(name, None)
-            else:
-                setattr(self.opt, name, orig)
-        self.opt.__dict__.pop("_tiermem_dist", None)
-        self._originals = {}
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise TierMemError("add_param_group inside tiermem.offload under a process group "
+                           "is not supported: add the group before entering the block")
 
     def _sync_groups(self) -> None:
         """Hyperparameters (an lr scheduler's lr, ...) from the user's groups to the shadow's."""
@@ -262,7 +234,7 @@ class DistributedOffload(Offload):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         opt = self.opt
-        args, kwargs = _run_pre_hooks(opt, (closure,), {})
+        args, kwargs = run_pre_hooks(opt, (closure,), {})
         closure = args[0] if args else kwargs.get("closure")
         loss = None
         if closure is not None:
@@ -289,8 +261,8 @@ class DistributedOffload(Offload):
                 gather.finish()  # the windows left, and a peer's failure during the update
         self.comm[self._off.steps_taken] = comm
         self.comm.pop(self._off.steps_taken - HISTORY, None)
-        opt._opt_called = True  # what torch's lr schedulers check for
-        _run_post_hooks(opt, args, kwargs)
+        step_called(opt)
+        run_post_hooks(opt, args, kwargs)
         return loss
 
     def _start_weights(self, comm: dict[str, float]) -> Any:
@@ -334,7 +306,7 @@ class DistributedOffload(Offload):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state_dict of the whole model (fp32 moments), gathered from every
         rank's share: a collective every rank must call; each gets the whole state (DTensors
-        under FSDP2). For states larger than RAM use tiermem.dcp.save."""
+        under FSDP2). For states larger than RAM use tiermem.dist.dcp.save."""
         return torch_state_dict(self.opt, self._whole_state(
             self._off.export_state(model_dtype=False), model_dtype=False))
 
@@ -392,11 +364,22 @@ class DistributedOffload(Offload):
     def _full_state_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() * 2 for p in self.layout.params)
 
+    def leave(self, exc: BaseException | None) -> None:
+        """The block's way out for this rank: with an error no collective runs (the other
+        ranks may be gone) and this rank's share stays on disk."""
+        try:
+            if exc is None:
+                self._exit()
+            else:
+                self._exit_on_error(exc)
+        finally:
+            self.coll.close()  # this offload is over: stop its heartbeat
+
     def _exit_on_error(self, exc: BaseException) -> None:
         """No collective: the other ranks may be gone. This rank's share stays on disk."""
         self.coll.post_failure(exc)
         off = self._off
-        self._unhook()
+        self._hooks.remove()
         off.detach()
         try:
             if self._discard:
@@ -415,7 +398,7 @@ class DistributedOffload(Offload):
 
     def _exit(self) -> None:
         off = self._off
-        self._unhook()
+        self._hooks.remove()
         if self._discard:
             off.detach()
             off.tiers.close(remove_swap=True)
@@ -457,36 +440,3 @@ class DistributedOffload(Offload):
             f"share on disk (rank {self.rank}: {self.kept_on_disk}). Resume with "
             "tiermem.offload(optimizer, config, resume=True) on the same world size.",
             TierMemWarning, stacklevel=4)
-
-
-@contextmanager
-def offload(optimizer: torch.optim.Optimizer, settings: Settings, *,
-            model: torch.nn.Module | None, name: str, resume: bool,
-            process_group: Any) -> Iterator[DistributedOffload]:
-    """context.offload's distributed branch (same contract; see docs/distributed.md)."""
-    if settings.pipeline.overlap_backward:
-        # Each rank's share is updated through views that backward's hooks never see, and
-        # only after the gradients are reduce-scattered in step().
-        raise TierMemError("pipeline.overlap_backward is not supported under "
-                           "torch.distributed yet (process_group= or DTensor parameters); "
-                           "set it to false")
-    handle = DistributedOffload(optimizer, settings, model=model, name=name, resume=resume,
-                                process_group=process_group)
-    with terminate_as_exception():
-        try:
-            yield handle
-        except BaseException as exc:
-            with held():
-                try:
-                    handle._exit_on_error(exc)
-                finally:
-                    handle.coll.close()
-            if isinstance(exc, KeyboardInterrupt):
-                print(f"tiermem: interrupted; {handle.where_state_is()}", file=sys.stderr)
-            raise
-        else:
-            with held():
-                try:
-                    handle._exit()
-                finally:
-                    handle.coll.close()

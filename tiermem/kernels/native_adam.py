@@ -6,7 +6,7 @@ the updated parameters (round to nearest even) in the same pass. Its arithmetic 
 of torch's fused CPU AdamW (`torch.optim.AdamW(fused=True)`); the AVX-512, AVX2 and
 scalar paths give bitwise the same results.
 
-- `adam_native(...)`: the kernel signature of tiermem.kernels (registered there as
+- `adam_native(...)`: the kernel signature of tiermem.kernels.adam (registered there as
   "native"); gradients may be fp32, bf16 or fp16.
 - `adam_fused_mixed(...)`: one flat fp32 master with its moments, a gradient of any of
   those dtypes and an optional bf16/fp16 weight written in the same pass. The moments

@@ -37,10 +37,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from tiermem.buffers import aligned_empty
+from tiermem.io.buffers import aligned_empty
 from tiermem.errors import TierMemError
 from tiermem.partition import Partition
-from tiermem.telemetry import StepStats, timed
+from tiermem.telemetry.stats import StepStats, timed
 
 SLOTS = 2  # double buffering: one slot is updated while the other is filled
 _emulating = False

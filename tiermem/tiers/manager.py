@@ -19,18 +19,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tiermem.buffers import BufferPool, aligned_empty
+from tiermem.io.buffers import BufferPool, aligned_empty
 from tiermem.config import Settings
-from tiermem.integrity import FOOTER_BYTES
+from tiermem.swap.integrity import FOOTER_BYTES
 from tiermem.io import IOEngine, Request
 from tiermem.partition import Partition
 from tiermem.signals import deferred, safe_point
-from tiermem.pipeline import StepPipeline, Views
+from tiermem.tiers.pipeline import StepPipeline, Views
 from tiermem.errors import TierMemError, TierMemIOError
-from tiermem.manifest import PREVIOUS, RESIDENT_FILE, Manifest, layout_of, write_manifest
-from tiermem.swap import SwapStore
-from tiermem.swapdir import remove_run_dir, run_dirs
-from tiermem.telemetry import StepStats
+from tiermem.swap.manifest import PREVIOUS, RESIDENT_FILE, Manifest, layout_of, write_manifest
+from tiermem.swap.store import SwapStore
+from tiermem.swap.rundir import remove_run_dir, run_dirs
+from tiermem.telemetry.stats import StepStats
 
 Fn = Callable[[Partition, Views], Any]  # init: None; compute: the CRC32C or None
 

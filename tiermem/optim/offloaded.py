@@ -8,28 +8,27 @@ lr schedulers and zero_grad are untouched. `detach()` puts everything back.
 
 from __future__ import annotations
 
-import types
 from collections import defaultdict, deque
 from typing import Any, Callable
 
 import torch
 from torch.autograd.profiler import record_function
-from torch.optim import optimizer as _optimizer_module
 
 from tiermem.config import Settings
-from tiermem.device_lanes import DeviceLanes, emulating
+from tiermem.device.lanes import DeviceLanes, emulating
 from tiermem.errors import TierMemError
-from tiermem.kernels import adam_update, kernel_matching
-from tiermem.manifest import read_manifest, write_manifest
-from tiermem.overlap import BackwardOverlap
-from tiermem.partition import Partition, assign_tiers, build_partitions, record_digest
-from tiermem.pipeline import Views
+from tiermem.kernels.adam import adam_update, kernel_matching
+from tiermem.swap.manifest import read_manifest, write_manifest
+from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
+from tiermem.optim.overlap import BackwardOverlap
+from tiermem.kernels.checksum import record_digest
+from tiermem.partition import Partition, assign_tiers, build_partitions
+from tiermem.tiers.pipeline import Views
 from tiermem.signals import deferred
-from tiermem.telemetry import StepStats, timed
-from tiermem.swapdir import run_dirs
-from tiermem.tiers import TierManager
+from tiermem.telemetry.stats import StepStats, timed
+from tiermem.swap.rundir import run_dirs
+from tiermem.tiers.manager import TierManager
 
-HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
 HISTORY = 1000  # steps of StepStats kept for tm.stats()
@@ -63,7 +62,7 @@ class UnsupportedOptimizer(TierMemError, TypeError):
     """tiermem offloads torch.optim.Adam and torch.optim.AdamW only."""
 
 
-def _check_optimizer(opt: torch.optim.Optimizer) -> None:
+def check_optimizer(opt: torch.optim.Optimizer) -> None:
     if not isinstance(opt, torch.optim.Adam):
         raise UnsupportedOptimizer(
             f"tiermem.offload supports torch.optim.Adam and torch.optim.AdamW (and their "
@@ -97,25 +96,6 @@ def _check_state_dtype(opt: torch.optim.Optimizer, settings: Settings) -> None:
                     f"fp16 parameters, not {p.dtype}")
 
 
-def _run_pre_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple:
-    """Global and per-optimizer step pre-hooks, as torch's own step wrapper runs them."""
-    for hook in (*_optimizer_module._global_optimizer_pre_hooks.values(),
-                 *opt._optimizer_step_pre_hooks.values()):
-        result = hook(opt, args, kwargs)
-        if result is not None:
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(f"{hook} must return None or a tuple of (new_args, "
-                                   f"new_kwargs), but got {result}.")
-            args, kwargs = result
-    return args, kwargs
-
-
-def _run_post_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    for hook in (*opt._optimizer_step_post_hooks.values(),
-                 *_optimizer_module._global_optimizer_post_hooks.values()):
-        hook(opt, args, kwargs)
-
-
 class OffloadedOptimizer:
     """The tiered state of one Adam/AdamW instance, and the hooks that route to it."""
 
@@ -125,7 +105,7 @@ class OffloadedOptimizer:
                  keep_previous: bool = False) -> None:
         """resume_previous: resume from the commit before the last (manifest.PREVIOUS);
         keep_previous: every commit keeps the one before it (both: torch.distributed)."""
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         _check_state_dtype(optimizer, settings)
         self.opt = optimizer
         self.settings = settings
@@ -192,8 +172,7 @@ class OffloadedOptimizer:
             # A failed resume must leave the kept state exactly as it was.
             self.tiers.close(remove_swap=not resume)
             raise
-        self._originals: dict[str, Any] = {}
-        self._hook()
+        self._hooks = Installed(optimizer, self)
         # Updates that start during backward (pipeline.overlap_backward; tiermem/overlap.py).
         self.overlap: BackwardOverlap | None = None
         if settings.pipeline.overlap_backward:
@@ -245,41 +224,10 @@ class OffloadedOptimizer:
         if self.lanes is not None and self._route(part) is not None:
             self.lanes.stage(part, views)
 
-    def _hook(self) -> None:
-        opt, me = self.opt, self
-        for name in HOOKED:
-            self._originals[name] = opt.__dict__.get(name)
-        # Plain functions bound to the optimizer, so an lr scheduler that wraps
-        # opt.step (it re-binds step.__func__ to opt) still lands here.
-        def step(opt_self, closure=None):
-            return opt_self._tiermem.step(closure)
-
-        # torch's lr schedulers look for this mark to know opt.step reports
-        # its calls (our step sets opt._opt_called, as their wrapper would).
-        step._wrapped_by_lr_sched = True
-
-        def state_dict(opt_self):
-            return opt_self._tiermem.state_dict()
-
-        def load_state_dict(opt_self, state_dict):
-            return opt_self._tiermem.load_state_dict(state_dict)
-
-        def add_param_group(opt_self, param_group):
-            return opt_self._tiermem.add_param_group(param_group)
-
-        opt._tiermem = me
-        for fn in (step, state_dict, load_state_dict, add_param_group):
-            setattr(opt, fn.__name__, types.MethodType(fn, opt))
-
     def detach(self) -> None:
         """Remove the hooks (state must have been exported or kept on disk first)."""
         self.end_overlap()
-        for name, orig in self._originals.items():
-            if orig is None:
-                self.opt.__dict__.pop(name, None)
-            else:
-                setattr(self.opt, name, orig)
-        self.opt.__dict__.pop("_tiermem", None)
+        self._hooks.remove()
 
     # -- the step --------------------------------------------------------------
 
@@ -297,7 +245,7 @@ class OffloadedOptimizer:
             # with a record's write half issued.
             with deferred():
                 return self.overlap.step(closure)
-        args, kwargs = _run_pre_hooks(self.opt, (closure,), {})
+        args, kwargs = run_pre_hooks(self.opt, (closure,), {})
         closure = args[0] if args else kwargs.get("closure")
         loss = None
         if closure is not None:
@@ -305,7 +253,7 @@ class OffloadedOptimizer:
                 loss = closure()
         with deferred():  # as above; the closure (forward, backward) stays interruptible
             self._step_tiers()
-        _run_post_hooks(self.opt, args, kwargs)
+        run_post_hooks(self.opt, args, kwargs)
         return loss
 
     def _step_tiers(self) -> None:
@@ -337,7 +285,7 @@ class OffloadedOptimizer:
                     self._roll_back(exc, stats.step)
                 raise
             self._close_step(stats)
-        self.opt._opt_called = True  # what torch's lr schedulers check for
+        step_called(self.opt)
 
     def _check_groups(self) -> None:
         for part in self.parts:
@@ -475,7 +423,7 @@ class OffloadedOptimizer:
         optimizer.state_rounding says. Stochastic rounding draws the bits of stream
         (step, partition id) at each element's position in the record, so a rerun, or
         another cut of the same partition into segments, rounds the same way."""
-        from tiermem.native_adam import adam_fused_mixed, state_seed
+        from tiermem.kernels.native_adam import adam_fused_mixed, state_seed
 
         beta1, beta2 = (float(b) for b in group["betas"])
         bf16 = self.settings.optimizer.state_dtype == "bf16"
@@ -728,7 +676,7 @@ class OffloadedOptimizer:
         group = self.opt.param_groups[-1]
         left = dict(self._left)
         try:
-            _check_optimizer(self.opt)
+            check_optimizer(self.opt)
             _check_state_dtype(self.opt, self.settings)
             new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
                                    self.settings.placement, first_id=len(self.parts),

@@ -1,7 +1,7 @@
 """Distributed checkpoints (torch.distributed.checkpoint, DCP) of the tiered state, streamed.
 
-    tiermem.dcp.save(tm, "ckpt/step1000")   # every rank, inside the offload block
-    tiermem.dcp.load(tm, "ckpt/step1000")   # any world size: DCP reshards
+    tiermem.dist.dcp.save(tm, "ckpt/step1000")   # every rank, inside the offload block
+    tiermem.dist.dcp.load(tm, "ckpt/step1000")   # any world size: DCP reshards
 
 What the checkpoint holds (DCP keys):
 - `tiermem.state.<i>.<kind>`: the fp32 state of parameter i (its position in the
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
                                                           create_read_items_for_chunk_list)
 
 from tiermem.errors import TierMemError
-from tiermem.optim import _jsonable
+from tiermem.optim.offloaded import _jsonable
 
 FORMAT = "tiermem-dcp-1"
 META, STEPS = "tiermem.meta", "tiermem.steps"
@@ -77,7 +77,7 @@ class _Source:
 
 
 def _source(tm: Any) -> _Source:
-    from tiermem.distributed import DistributedOffload
+    from tiermem.dist.sharded import DistributedOffload
 
     if isinstance(tm, DistributedOffload):
         flat = [pc for pcs in tm.layout.pieces for pc in pcs]
@@ -87,7 +87,7 @@ def _source(tm: Any) -> _Source:
     off = tm._off
     if off.overlap is not None:
         # Its worker may still be reading the next step ahead, or be half-way through a step.
-        off.overlap.require_idle("a tiermem.dcp checkpoint")
+        off.overlap.require_idle("a tiermem.dist.dcp checkpoint")
     return _Source(off, off.opt, off.params, lambda s: (s.index, s.start))
 
 
@@ -237,7 +237,7 @@ class _LoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata.state_dict_metadata
         if META not in md:
-            raise TierMemError("this DCP checkpoint was not written by tiermem.dcp.save "
+            raise TierMemError("this DCP checkpoint was not written by tiermem.dist.dcp.save "
                                f"(it has no {META!r})")
         n = len(self.src.params)
         self._steps_buf = torch.zeros(n)

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from tiermem.errors import TierMemError
-from tiermem.integrity import check
-from tiermem.manifest import RESIDENT_FILE, Manifest, read_manifest
+from tiermem.swap.integrity import check
+from tiermem.swap.manifest import RESIDENT_FILE, Manifest, read_manifest
 from tiermem.partition import Partition, Segment
 
 FORMAT = "tiermem-recover-1"

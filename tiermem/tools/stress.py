@@ -20,11 +20,11 @@ import torch
 from tiermem.config import Settings, swap_dir
 from tiermem.context import Offload, offload
 from tiermem.errors import TierMemError
-from tiermem.kernels import adam_update, kernel_matching
-from tiermem.optim import MOMENTS
+from tiermem.kernels.adam import adam_update, kernel_matching
+from tiermem.optim.offloaded import MOMENTS
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
-from tiermem.synthetic import SyntheticModel, build_model, fill_synthetic_grads
+from tiermem.tools.synthetic import SyntheticModel, build_model, fill_synthetic_grads
 from tiermem.sysinfo import available_memory, free_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -230,7 +230,7 @@ class Verifier:
         does (optimizer.state_rounding; the stream of (step, partition) at the element's
         record position). params: per stepped segment, the record's master or a copy of
         the fp32 weights, updated here."""
-        from tiermem.native_adam import adam_fused_mixed, state_seed
+        from tiermem.kernels.native_adam import adam_fused_mixed, state_seed
 
         opt = self.tm._off.settings.optimizer
         pos, k = 0, 0
@@ -298,7 +298,7 @@ class StressArgs:
 def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     """The whole run; returns what --json writes. Raises PlanError before allocating anything
     when the plan cannot fit."""
-    from tiermem.synthetic import choose_shape
+    from tiermem.tools.synthetic import choose_shape
 
     shape = choose_shape(a.params, a.layers, a.hidden)
     plan = make_plan(shape.params, a.dtype, a.settings, synthetic_grads=a.synthetic_grads,

@@ -24,11 +24,11 @@ from typing import Any, Sequence
 
 import torch
 
-from tiermem.collectives import Collectives
+from tiermem.dist.collectives import Collectives
 from tiermem.errors import TierMemError
-from tiermem.gather import WeightGather
+from tiermem.dist.gather import WeightGather
 from tiermem.partition import Partition
-from tiermem.shard import GroupShares, Piece, plan_shares, spans
+from tiermem.dist.shard import GroupShares, Piece, plan_shares, spans
 
 
 class ZeroLayout:

@@ -69,9 +69,9 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                 lr: float | Tensor, beta1: float, beta2: float, eps: float,
                 weight_decay: float, amsgrad: bool, maximize: bool,
                 decoupled_weight_decay: bool) -> None:
-    """tiermem's own C kernel (tiermem.native_adam): torch fused's arithmetic in one
+    """tiermem's own C kernel (tiermem.kernels.native_adam): torch fused's arithmetic in one
     SIMD pass per contiguous run, on CPU tensors; grads may also be bf16 or fp16."""
-    from tiermem.native_adam import adam_native as impl  # imported on first use
+    from tiermem.kernels.native_adam import adam_native as impl  # imported on first use
 
     impl(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
          max_exp_avg_sqs=max_exp_avg_sqs, steps=steps, lr=lr, beta1=beta1, beta2=beta2,

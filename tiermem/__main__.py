@@ -1,0 +1,5 @@
+"""`python -m tiermem ...`: the `tiermem` command without its console script."""
+
+from tiermem.tools.cli import main
+
+raise SystemExit(main())

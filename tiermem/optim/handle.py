@@ -1,0 +1,201 @@
+"""The `tm` of `with tiermem.offload(...) as tm`: stats, the plan, and the way out.
+
+Leaving the block (normally or by an exception) goes through `leave()`: every
+write-back is completed first; then the state goes back into the optimizer as
+ordinary tensors when it fits in host memory, and the swap files are removed.
+When it does not fit, it stays on disk with a manifest, and a warning says
+where and how to resume. Swap files are never removed before the state is safe
+elsewhere. dist.sharded's handle overrides `leave()` for a rank's share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+
+from tiermem.errors import TierMemError, TierMemWarning
+from tiermem.optim.offloaded import OffloadedOptimizer
+from tiermem.sizes import format_size
+from tiermem.sysinfo import available_memory
+from tiermem.telemetry.stats import StepStats
+
+
+class Offload:
+    """What `with tiermem.offload(...) as tm` gives: stats, the plan, and where state is."""
+
+    def __init__(self, off: OffloadedOptimizer) -> None:
+        self._off = off
+        self.kept_on_disk: str | None = None
+        self._discard = False
+
+    def record_events(self, on: bool = True) -> None:
+        """Keep a timeline of every step (`tm.events()`): NVMe reads and writes, updates,
+        copies and stalls per partition, for traces and plots."""
+        self._off.record_events = on
+
+    def accumulating(self):
+        """`with tm.accumulating(): loss.backward()`: gradients accumulate, no update starts.
+
+        With pipeline.overlap_backward every other backward starts the step's update, so
+        wrap the backward of every micro-batch but the last in it (docs/overlap.md). Without
+        overlap it does nothing, so a loop may use it either way."""
+        overlap = self._off.overlap
+        return overlap.accumulating() if overlap is not None else contextlib.nullcontext()
+
+    def events(self) -> list:
+        """Timeline spans (telemetry.Event) of the steps recorded so far."""
+        self._wait_overlap()
+        self._off.tiers.flush()  # the last step's write spans are known once they land
+        return [e for s in self._off.history for e in (s.events or [])]
+
+    def discard(self) -> None:
+        """Throw the optimizer state away at exit instead of returning it (benchmarks,
+        stress runs): swap files are removed and the optimizer is left with no state."""
+        self._discard = True
+
+    @property
+    def faults_survived(self) -> int:
+        """NVMe transfers that failed and succeeded when reissued (io.retries)."""
+        return self._off.tiers.faults_survived
+
+    @property
+    def resumed_step(self) -> int | None:
+        """With resume=True, the step the kept state had reached; else None."""
+        return self._off.resumed_step
+
+    @property
+    def committed_step(self) -> int | None:
+        """swap.durability crash_consistent: the step a resume after a crash would restore."""
+        return self._off.committed_step
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._off.opt
+
+    def plan(self) -> dict[str, Any]:
+        """Bytes of optimizer state per tier, pinned bytes, swap bytes, partition count."""
+        tiers = self._off.tiers
+        return {"state_bytes": tiers.tier_bytes(), "pinned_bytes": tiers.pinned_bytes,
+                "swap_bytes": tiers.store.total_bytes if tiers.store else 0,
+                "swap_dirs": tiers.store.dirs if tiers.store else [],
+                "partitions": len(self._off.parts)}
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap) of the
+        last 1000 steps."""
+        self._wait_overlap()
+        self._off.tiers.flush()  # completes the last step's writes and their timings
+        return [s.as_dict() for s in self._off.history]
+
+    @property
+    def last_step(self) -> StepStats | None:
+        return self._off.history[-1] if self._off.history else None
+
+    def where_state_is(self) -> str:
+        """One sentence for the user: where the optimizer state is now."""
+        if self.kept_on_disk:
+            which = (f"of committed step {self._off.committed_step} "
+                     if self._off.committed_step is not None else "")
+            return (f"the optimizer state {which}stays on disk in {self.kept_on_disk}; resume "
+                    "with tiermem.offload(..., resume=True)")
+        if self._discard:
+            return "the optimizer state was discarded (stress/benchmark run)"
+        return (f"the optimizer state of step {self._off.steps_taken} was handed back to the "
+                "optimizer and the swap files were removed")
+
+    def _exit_after_failed_writes(self, exc: TierMemError) -> None:
+        """Some write-backs failed for good: the records they carried are in buffers only.
+        Hand everything back into the optimizer from memory if it fits; else keep what the
+        disk has. Either way, raise saying which."""
+        off = self._off
+        dirs = off.tiers.store.dirs if off.tiers.store else []
+        off.detach()
+        if not self._discard and self._state_nbytes() <= available_memory() * 0.8:
+            try:
+                state = off.export_state(model_dtype=True)
+            except TierMemError:
+                pass
+            else:
+                off.opt.state.clear()
+                off.opt.state.update(state)
+                off.tiers.close(remove_swap=True)
+                raise TierMemError(f"writing optimizer state to swap failed ({exc}); the state "
+                                   "was gathered from memory and handed back to the optimizer, "
+                                   "and the swap files were removed") from exc
+        raise TierMemError(f"optimizer state could not be written back ({exc}); swap files "
+                           f"were kept in {', '.join(dirs)}, and the records that failed "
+                           "were lost with this process") from exc
+
+    def _state_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() * 2 for p in self._off.params)
+
+    def _wait_overlap(self) -> None:
+        if self._off.overlap is not None:
+            self._off.overlap.wait_idle()  # nothing may touch the tiers under its worker
+
+    def _exit(self) -> None:
+        """Stop updates during backward before any state moves; an error the worker hit that
+        no step() raised is raised once the state is safe (or noted on the exit's own)."""
+        pending = self._off.end_overlap()
+        try:
+            self._exit_state()
+        except BaseException as exc:
+            if pending is not None:
+                exc.add_note(f"tiermem: an update run during backward had failed too: "
+                             f"{pending!r}")
+            raise
+        if pending is not None:
+            raise pending
+
+    def _exit_state(self) -> None:
+        off = self._off
+        if off.broken:
+            # A failed step could not be rolled back: memory holds a half-applied step, the
+            # disk the last committed one. Keep the disk's, untouched.
+            self.kept_on_disk = off.tiers.run_dir()
+            off.detach()
+            off.tiers.close(remove_swap=False, flush=False)
+            warnings.warn(f"tiermem: a failed step could not be rolled back; "
+                          f"{self.where_state_is()}", TierMemWarning, stacklevel=3)
+            return
+        try:
+            off.tiers.flush()
+        except TierMemError as exc:
+            self._exit_after_failed_writes(exc)
+            return
+        if self._discard:
+            off.detach()
+            off.tiers.close(remove_swap=True)
+            return
+        need = self._state_nbytes()
+        if need <= available_memory() * 0.8:
+            try:
+                state = off.export_state(model_dtype=True)
+            except BaseException as exc:
+                # A record that cannot be read back (I/O error, failed checksum) must not
+                # take the others with it: keep everything on disk and say where.
+                off.detach()
+                kept = off.keep_on_disk()
+                raise TierMemError(f"optimizer state could not be gathered back ({exc}); "
+                                   f"everything was kept on disk in {kept}") from exc
+            off.detach()
+            off.opt.state.clear()
+            off.opt.state.update(state)
+            off.tiers.close(remove_swap=True)
+            return
+        self.kept_on_disk = off.keep_on_disk()
+        off.detach()
+        warnings.warn(
+            f"tiermem: the optimizer state ({format_size(need)}) does not fit in free host "
+            f"memory ({format_size(available_memory())}), so it stays on disk in "
+            f"{self.kept_on_disk}. Resume with tiermem.offload(optimizer, config, "
+            "resume=True) and the same model, optimizer and config.", TierMemWarning,
+            stacklevel=3)
+
+    def leave(self, exc: BaseException | None) -> None:
+        """The one way out of the block; `exc` is what ended it (None: it ended normally).
+        Signals are held by the caller: the state is never left half moved."""
+        self._exit()

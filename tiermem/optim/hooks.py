@@ -1,0 +1,99 @@
+"""The optimizer instance's methods that tiermem takes over, and torch's step hooks.
+
+One installer for local and sharded runs: `install(opt, target)` binds plain
+functions to the user's optimizer *instance* (its class is untouched) that
+route step / state_dict / load_state_dict / add_param_group to `target`;
+`Installed.remove()` puts back exactly what the instance had. param_groups,
+lr schedulers and zero_grad keep working on the user's object.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Protocol
+
+import torch
+from torch.optim import optimizer as _optimizer_module
+
+HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
+ATTR = "_tiermem"  # the instance attribute that names the target while installed
+
+
+class Target(Protocol):
+    """What the hooked methods call: an offloaded optimizer, local or sharded."""
+
+    def step(self, closure: Any = None) -> Any: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def add_param_group(self, param_group: dict[str, Any]) -> None: ...
+
+
+def installed(opt: torch.optim.Optimizer) -> Target | None:
+    """The target `opt` is routed to now, or None."""
+    return opt.__dict__.get(ATTR)
+
+
+class Installed:
+    """The hooks on one optimizer instance; remove() restores it (idempotent)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, target: Target) -> None:
+        self.opt = opt
+        # The instance's own entries (normally none: the methods come from its class).
+        self._originals = {name: opt.__dict__.get(name) for name in HOOKED}
+
+        # Plain functions bound to the optimizer, so an lr scheduler that wraps opt.step
+        # (it re-binds step.__func__ to opt) still lands here.
+        def step(opt_self, closure=None):
+            return opt_self.__dict__[ATTR].step(closure)
+
+        # torch's lr schedulers look for this mark to know opt.step reports its calls
+        # (the targets set opt._opt_called, as their wrapper would).
+        step._wrapped_by_lr_sched = True
+
+        def state_dict(opt_self):
+            return opt_self.__dict__[ATTR].state_dict()
+
+        def load_state_dict(opt_self, state_dict):
+            return opt_self.__dict__[ATTR].load_state_dict(state_dict)
+
+        def add_param_group(opt_self, param_group):
+            return opt_self.__dict__[ATTR].add_param_group(param_group)
+
+        opt.__dict__[ATTR] = target
+        for fn in (step, state_dict, load_state_dict, add_param_group):
+            setattr(opt, fn.__name__, types.MethodType(fn, opt))
+
+    def remove(self) -> None:
+        if self._originals is None:
+            return
+        for name, orig in self._originals.items():
+            if orig is None:
+                self.opt.__dict__.pop(name, None)
+            else:
+                setattr(self.opt, name, orig)
+        self.opt.__dict__.pop(ATTR, None)
+        self._originals = None
+
+
+def run_pre_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple:
+    """Global and per-optimizer step pre-hooks, as torch's own step wrapper runs them."""
+    for hook in (*_optimizer_module._global_optimizer_pre_hooks.values(),
+                 *opt._optimizer_step_pre_hooks.values()):
+        result = hook(opt, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"{hook} must return None or a tuple of (new_args, "
+                                   f"new_kwargs), but got {result}.")
+            args, kwargs = result
+    return args, kwargs
+
+
+def run_post_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for hook in (*opt._optimizer_step_post_hooks.values(),
+                 *_optimizer_module._global_optimizer_post_hooks.values()):
+        hook(opt, args, kwargs)
+
+
+def step_called(opt: torch.optim.Optimizer) -> None:
+    """What torch's lr schedulers check to know the optimizer stepped before them."""
+    opt._opt_called = True
