@@ -44,7 +44,7 @@ run: setup
 	$(PYTHON) -m tiermem stress $(STRESS_ARGS)
 
 test: setup
-	$(PYTHON) -m importlinter.cli   # the layer contract in pyproject.toml
+	$(PYTHON) -c "from importlinter.cli import lint_imports_command as c; c()"   # the layer contracts in pyproject.toml
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
 
 clean:
