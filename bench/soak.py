@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         model, opt = model_and_opt()
         train(model, opt, 2)  # warm up torch before the first snapshot
         with tiermem.offload(opt, cfg, model=model) as tm:
-            engine = tm._off.tiers.engine
+            engine = tm.offloaded.tiers.engine
             faults = TransientFaults(engine._backend, a.fault_every)
             engine._backend = faults
             train(model, opt, 5)

@@ -19,6 +19,29 @@ def isa(name: str):
         na.set_isa("auto")
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bit patterns, so NaNs and signed zeros compare exactly."""
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """The one bitwise comparison of the suite: same dtype, shape and bit pattern of every
+    element (NaN payloads and the sign of zero included)."""
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.is_floating_point() or a.is_complex():
+        same = bits(a.contiguous()) == bits(b.contiguous())
+    else:
+        same = a == b
+    if not bool(same.all()):
+        diff = (~same).reshape(-1).nonzero()
+        first = diff[0].item()
+        big = (a.double() - b.double()).abs().max() if a.is_floating_point() else None
+        raise AssertionError(
+            f"{what}: {diff.numel()} of {a.numel()} elements differ, first at {first}: "
+            f"{a.reshape(-1)[first].item()!r} vs {b.reshape(-1)[first].item()!r}"
+            + (f" (max abs diff {float(big):.3g})" if big is not None else ""))

@@ -61,14 +61,13 @@ def averaged(ref_model: torch.nn.Module, world: int) -> None:
 def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="reduce_scatter",
            ddp: bool = False, amsgrad: bool = False, lanes: str | None = None,
            step_device: str = "cpu") -> None:
-    """lanes (a step_device): the model counts as a device one (device_lanes.emulate_device)
+    """lanes (a step_device): the model counts as a device one (streams=DeferredBackend())
     and its updated weights reach it through emulated streams, which run their work only
     when something waits for it: the weight all-gather must wait for them first."""
+    streams = None
     if lanes:
-        from tiermem.device.lanes import emulate_device
-        with emulate_device():
-            return parity(rank, world, tmp, backend, host=host, grads=grads, ddp=ddp,
-                          amsgrad=amsgrad, step_device=lanes)
+        from tiermem.device.lanes import DeferredBackend
+        streams, step_device = DeferredBackend(), lanes
     model = Synthetic()
     ref_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.05, amsgrad=amsgrad,
@@ -83,7 +82,7 @@ def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="re
     cfg["distributed"] = {"grads": grads, "bucket_size": "32KiB", "timeout": 120}
     cfg["optimizer"]["step_device"] = step_device
     check = assert_same_tensor if world == 2 and not ddp else assert_close_tensor
-    with tiermem.offload(opt, cfg, model=model) as tm:
+    with tiermem.offload(opt, cfg, model=model, streams=streams) as tm:
         plan = tm.plan()
         for i, micro in enumerate(batches):
             if ddp:
@@ -232,7 +231,7 @@ def dcp_save(rank: int, world: int, tmp: str, ckpt: str) -> None:
     with tiermem.offload(opt, small_cfg(tmp, host="128KiB")) as tm:
         train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
         figures = dcp.save(tm, ckpt)
-        parts = tm._off.parts
+        parts = tm.offloaded.parts
         share = sum(p.record_bytes for p in parts)
         biggest = max(p.record_bytes for p in parts)
         item = 4 * max(s.length for p in parts for s in p.segments)
@@ -360,14 +359,14 @@ def rank_dies(rank: int, world: int, tmp: str) -> None:
     try:
         with tiermem.offload(opt, small_cfg(tmp, timeout=2), name="dies") as tm:
             if rank == world - 1:
-                update = tm._off._update
+                update = tm.offloaded._update
 
                 def update_then_die(part, views, stats):
                     update(part, views, stats)
-                    if tm._off.steps_taken == 1:  # inside step 2
+                    if tm.offloaded.steps_taken == 1:  # inside step 2
                         os.kill(os.getpid(), signal.SIGKILL)
 
-                tm._off._update = update_then_die
+                tm.offloaded._update = update_then_die
             for i, micro in enumerate(batches):
                 local_backward(model, micro, i, rank)
                 opt.step()

@@ -65,7 +65,7 @@ class FaultyBackend:
 
 def inject(tm: Any, op: str, nth: int, **kw: Any) -> FaultyBackend:
     """Wrap the engine of an Offload handle (tiermem.offload(...) as tm)."""
-    engine = tm._off.tiers.engine
+    engine = tm.offloaded.tiers.engine
     faulty = FaultyBackend(engine._backend, op, nth, **kw)
     engine._backend = faulty
     return faulty

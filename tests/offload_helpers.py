@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from adam_helpers import assert_bitwise
+
 import tiermem
 from tiermem.io import io_uring_status
 
@@ -145,14 +147,7 @@ def swap_dir(swap: Path | str, name: str = "default") -> Path:
 # -- comparisons ----------------------------------------------------------------------
 
 
-def assert_same_tensor(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    if not torch.equal(a, b):
-        diff = (a.double() - b.double()).abs()
-        n = int((a != b).sum())
-        raise AssertionError(f"{what}: {n} of {a.numel()} elements differ "
-                             f"(max abs diff {float(diff.max()):.3g})")
+assert_same_tensor = assert_bitwise  # bitwise: the name most tests know it by
 
 
 def assert_close_tensor(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

@@ -85,7 +85,7 @@ def _positions(tmp_path, backend):
             model(torch.randn(4, 128, generator=g)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        tm._off.tiers.flush()
+        tm.offloaded.tiers.flush()
         counts = dict(probe.count)
     return counts
 

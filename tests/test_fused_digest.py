@@ -67,7 +67,7 @@ def _run(tmp_path, *, dtype, state, amsgrad, crash=False, steps=3, kernel="nativ
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        tiers = tm._off.tiers
+        tiers = tm.offloaded.tiers
         return {p.tier for p in tiers.parts}, len(tiers.parts)
 
 

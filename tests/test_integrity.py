@@ -70,7 +70,7 @@ def _train(model, opt, steps, seed=0):
 
 def _slot(tm, part_index=5):
     """A partition past the first prefetch_depth + 1, which the end of a step reads ahead."""
-    off = tm._off
+    off = tm.offloaded
     part = [p for p in off.parts if p.tier == "nvme"][part_index]
     store = off.tiers.store
     s = store.slots[part.id]
@@ -87,7 +87,7 @@ def test_a_flipped_byte_on_disk_stops_the_step(tmp_path, backend):
     with pytest.raises(tiermem.TierMemError, match="kept on disk") as outer:
         with tiermem.offload(opt, cfg) as tm:
             _train(model, opt, 2)
-            tm._off.tiers.flush()
+            tm.offloaded.tiers.flush()
             part, path, offset, _ = _slot(tm)
             with open(path, "r+b") as f:
                 f.seek(offset + 10)
@@ -114,7 +114,7 @@ def _after_one_step(tmp_path):
     with tiermem.offload(opt, _cfg(tmp_path)) as tm:
         tm.discard()
         _train(model, opt, 1)
-        tm._off.tiers.flush()
+        tm.offloaded.tiers.flush()
         yield tm, model, opt
 
 
@@ -126,7 +126,7 @@ def test_an_older_copy_of_a_record_is_caught(tmp_path):
             f.seek(offset)
             old = f.read(nbytes)
         _train(model, opt, 1)
-        tm._off.tiers.flush()
+        tm.offloaded.tiers.flush()
         with open(path, "r+b") as f:
             f.seek(offset)
             f.write(old)

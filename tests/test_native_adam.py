@@ -1,6 +1,7 @@
 """tiermem's native Adam/AdamW kernel (native/adam.c via tiermem.kernels.native_adam).
 
-- parity: 100 steps against torch.optim.Adam/AdamW(fused=True) over the flag table
+- parity: 100 steps against torch.optim.Adam/AdamW(fused=True) over the flag table,
+  within RTOL/ATOL (the tolerance native_adam's docstring states)
   (Adam/AdamW, amsgrad, maximize, weight decay, grad dtype, low-precision output);
 - ISA paths: every SIMD path this CPU runs gives bitwise the scalar path's result,
   including ragged tails, the threaded path and special values;
@@ -27,19 +28,13 @@ from hypothesis import strategies as st
 from tiermem.kernels import adam as kernels
 from tiermem.kernels import native_adam as na
 
-from adam_helpers import bits, isa
+from adam_helpers import assert_bitwise, isa
 
 RTOL, ATOL = 1e-6, 1e-7
 ISAS = na.supported_isas()
 SIMD_ISAS = [i for i in ISAS if i != "scalar"]
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD = {"fp32": torch.float32, **LOW}
-
-
-def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    diff = (bits(a) != bits(b)).nonzero()
-    assert diff.numel() == 0, (f"{what}: {diff.numel()} elements differ, first at "
-                               f"{diff[0].item()}: {a[diff[0]].item()!r} vs {b[diff[0]].item()!r}")
 
 
 class State:
@@ -299,14 +294,36 @@ def test_hypothesis_lengths_and_hyperparameters(n, lr, beta1, beta2, eps, weight
 
 # -- registration, checks, threads ----------------------------------------------------------
 
+IN_PASS = ("weights_out", "checksums", "rounding", "seeds", "offsets")
+
+
 def test_registered_with_the_same_signature():
+    """Every kernel behind the dispatcher has the one keyword-only signature; the native
+    binding takes its update part (the in-pass options are the dispatcher's)."""
     assert "native" in kernels.KERNELS
     assert kernels.KERNELS["fused"] is kernels.adam_fused  # the default is unchanged
     want = inspect.signature(kernels.adam_fused).parameters
-    for fn in (kernels.KERNELS["native"], na.adam_native):
+    for name, fn in kernels.KERNELS.items():
         got = inspect.signature(fn).parameters
-        assert list(got) == list(want)
-        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in got.values())
+        assert list(got) == list(want), name
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in got.values()), name
+    got = inspect.signature(na.adam_native).parameters
+    assert list(got) == [k for k in want if k not in IN_PASS]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "single_tensor", "multi_tensor"])
+@pytest.mark.parametrize("option", [dict(checksums=("exp_avg",)), dict(rounding="nearest"),
+                                    dict(weights_out=[None])])
+def test_torch_kernels_refuse_in_pass_work(kernel, option):
+    """Only the native kernel writes weights, CRCs or rounded state in its pass: the others
+    refuse rather than drop it."""
+    p, g, m, v = (torch.zeros(8) for _ in range(4))
+    with pytest.raises(ValueError, match="only the native kernel"):
+        kernels.adam_update(kernel=kernel, params=[p], grads=[g], exp_avgs=[m],
+                            exp_avg_sqs=[v], max_exp_avg_sqs=[], steps=[torch.tensor(1.0)],
+                            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                            amsgrad=False, maximize=False, decoupled_weight_decay=False,
+                            **option)
 
 
 def test_isa_selection():

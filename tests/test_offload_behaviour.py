@@ -15,7 +15,7 @@ import yaml
 
 import tiermem
 from tiermem.swap.integrity import FOOTER_BYTES
-from tiermem.optim.offloaded import UnsupportedOptimizer
+from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.partition import build_partitions
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, compare_runs,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tiermem
-from tiermem.optim.offloaded import UnsupportedOptimizer
+from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.swap.store import StaleSwapError
 
 from offload_helpers import (Synthetic, assert_same_tensor, config, listdir, make_batches,

@@ -128,7 +128,7 @@ def test_rules_row_places_by_name(tmp_path):
     row = PLACEMENTS["rules"]
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with tiermem.offload(opt, config(tmp_path, **row["cfg"]), model=model) as tm:
-        parts = tm._off.parts
+        parts = tm.offloaded.parts
         for part in parts:
             names = {n for s in part.segments for n, p in model.named_parameters()
                      if p is s.param}

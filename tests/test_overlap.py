@@ -92,7 +92,7 @@ def parity(tmp_path, backend, placement, optimizer, *, micro=1, groups=False, st
     with tiermem.offload(opt, cfg) as tm:
         run(model, opt, batches, tm, sched=sched(opt) if sched else None,
             after_step=lambda i: lrs.append(opt.param_groups[0]["lr"]))
-        stats, parts = tm.stats(), tm._off.parts
+        stats, parts = tm.stats(), tm.offloaded.parts
     run(ref_model, ref_opt, batches, sched=sched(ref_opt) if sched else None,
         after_step=lambda i: ref_lrs.append(ref_opt.param_groups[0]["lr"]))
     compare_runs(model, opt, ref_model, ref_opt)
@@ -317,8 +317,8 @@ def test_worker_integrity_error_surfaces_in_step(tmp_path):
             _backward(model, 0)
             opt.step()
             opt.zero_grad()
-            tm._off.tiers.flush()
-            store, pipeline = tm._off.tiers.store, tm._off.tiers.pipeline
+            tm.offloaded.tiers.flush()
+            store, pipeline = tm.offloaded.tiers.store, tm.offloaded.tiers.pipeline
             # a partition the end of the step did not read ahead into a buffer
             part = next(p for p in reversed(pipeline.planned) if p.id not in pipeline.where)
             slot = store.slots[part.id]
@@ -363,17 +363,17 @@ def test_nvme_order_follows_the_gradients(tmp_path):
         for tokens, target in batches[1]:  # step 1 uses the side branch: all params
             loss_of(model, tokens, target, True).backward()
         opt.step()
-        pipeline = tm._off.tiers.pipeline
+        pipeline = tm.offloaded.tiers.pipeline
         planned = pipeline.planned
         names = {id(p): n for n, p in model.named_parameters()}
 
         def params_of(part):
             return {names[id(s.param)].split(".")[0] for s in part.segments}
 
-        assert sorted(p.id for p in planned) == [p.id for p in tm._off.parts]
+        assert sorted(p.id for p in planned) == [p.id for p in tm.offloaded.parts]
         assert params_of(planned[0]) <= {"fc2", "side"}
         assert "emb" in params_of(planned[-1])
-        tm._off.overlap.wait_idle()
+        tm.offloaded.overlap.wait_idle()
         assert [p.id for p in planned[:4]] == sorted(pipeline.where, key=[
             p.id for p in planned].index)  # read ahead already, all four buffers
         opt.zero_grad()

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiermem.config import PlacementRule
+from tiermem.tiers.placement import assign_tiers
 from tiermem.partition import (CUT_ALIGN, RECORD_ALIGN, STATE_BYTES, Partition, Segment,
-                               align_up, assign_tiers, build_partitions, rule_tier,
+                               align_up, build_partitions, rule_tier,
                                state_kinds)
 
 FAST = settings(max_examples=150, deadline=None,

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 import tiermem
 from tiermem.kernels import native_adam as na
 
-from adam_helpers import bits, isa
+from adam_helpers import assert_bitwise, bits, isa
 from tiermem.config import ConfigError
 from tiermem.errors import TierMemError
 from tiermem.partition import build_partitions
@@ -42,14 +42,6 @@ from offload_helpers import (Synthetic, backend_params, config, make_batches, si
 ISAS = na.supported_isas()
 M32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
-
-
-def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} vs {b.dtype}"
-    diff = (bits(a) != bits(b)).nonzero()
-    assert diff.numel() == 0, (f"{what}: {diff.numel()} of {a.numel()} elements differ, "
-                               f"first at {diff[0].item()}: {a[diff[0]].item()!r} vs "
-                               f"{b[diff[0]].item()!r}")
 
 
 # -- the reference --------------------------------------------------------------------------

@@ -114,10 +114,8 @@ def test_verification_catches_a_corrupted_partition(tmp_path, monkeypatch, tier)
         if step == 2 and not hit:
             part = next(p for p, _ in self._pending if p.tier == tier)
 
-            def corrupt(views, fresh):
+            with self.tm.offloaded.tiers.record(part, write=True) as (views, _):
                 views["exp_avg"][:16] += 1.0
-
-            self.tm._off.tiers.with_record(part, corrupt, write=True)
             hit.update(step=step, partition=part.id)
 
     monkeypatch.setattr(Verifier, "before", before_then_corrupt)

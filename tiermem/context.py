@@ -25,7 +25,8 @@ from tiermem.signals import held, terminate_as_exception
 def offload(optimizer: torch.optim.Optimizer,
             config: "str | os.PathLike | dict | Settings | None" = None, *,
             model: torch.nn.Module | None = None, name: str = "default",
-            resume: bool = False, process_group: Any = None) -> Iterator[Offload]:
+            resume: bool = False, process_group: Any = None,
+            streams: Any = None) -> Iterator[Offload]:
     """Keep `optimizer`'s state (torch Adam/AdamW) in tiers for the duration of the block.
 
     config: YAML path, dict of the same shape, Settings, or None for the defaults.
@@ -36,16 +37,20 @@ def offload(optimizer: torch.optim.Optimizer,
     process_group: under torch.distributed (this group, else the default one when it is
     initialised, or FSDP2 DTensor parameters) each rank tiers only its share of the state
     (docs/distributed.md).
+    streams: the stream backend of the host<->device lanes; None picks CUDA streams for
+    CUDA parameters. `tiermem.device.lanes.DeferredBackend()` makes CPU parameters count
+    as device ones and runs every device path on the CPU (tests, smoke runs).
     """
     settings = load_config(config)
     if sharded.wanted(optimizer, process_group):  # each rank tiers its share only
         handle: Offload = sharded.DistributedOffload(optimizer, settings, model=model,
                                                      name=name, resume=resume,
-                                                     process_group=process_group)
+                                                     process_group=process_group,
+                                                     streams=streams)
     else:
         settings = sharded.rank_paths(settings, 0, 0)  # {rank} / {local_rank} in one process
         handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name,
-                                            resume=resume))
+                                            resume=resume, streams=streams))
     with terminate_as_exception():
         try:
             yield handle

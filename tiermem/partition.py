@@ -22,7 +22,6 @@ from typing import Sequence
 
 import torch
 
-from tiermem.config import ConfigError
 
 RECORD_ALIGN = 4096
 CUT_ALIGN = 1024  # elements; a multiple of every SIMD width torch uses
@@ -138,12 +137,16 @@ def rule_tier(name: str, rules: Sequence) -> str | None:
 def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                      partition_size: int, rules: Sequence = (), first_id: int = 0,
                      first_index: int = 0, keep_master: bool = False,
-                     state_dtype: str = "fp32") -> list[Partition]:
+                     state_dtype: str = "fp32",
+                     kinds: Sequence[Sequence[tuple[str, ...]]] | None = None
+                     ) -> list[Partition]:
     """Partitions of every parameter in `param_groups`, in group and parameter order.
 
     `names` maps id(param) to its name for placement rules; `state_dtype` is
     optimizer.state_dtype ("fp32" or "bf16": the moments' dtype); `keep_master` puts an
-    fp32 master weight in every record (crash-consistent runs). A partition never
+    fp32 master weight in every record (crash-consistent runs); `kinds`, per group per
+    parameter, what its record holds (an update rule's layout; Adam's by default). A
+    partition never
     spans two groups, two forced tiers or two record layouts.
     """
     moment_dtype = MOMENT_DTYPES[state_dtype]
@@ -152,16 +155,17 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
     for g, group in enumerate(param_groups):
         current: Partition | None = None
         cap = 0
-        for p in group["params"]:
-            kinds = state_kinds(p, bool(group.get("amsgrad", False)), keep_master)
+        for j, p in enumerate(group["params"]):
+            kinds_p = (kinds[g][j] if kinds is not None
+                       else state_kinds(p, bool(group.get("amsgrad", False)), keep_master))
             forced = rule_tier(names.get(id(p), ""), rules)
             start, n = 0, p.numel()
             while start < n:
-                if current is None or current.kinds != kinds or current.forced != forced:
-                    current = Partition(first_id + len(parts), g, [], kinds, moment_dtype,
+                if current is None or current.kinds != kinds_p or current.forced != forced:
+                    current = Partition(first_id + len(parts), g, [], kinds_p, moment_dtype,
                                         forced=forced)
                     parts.append(current)
-                    cap = partition_capacity(kinds, moment_dtype, partition_size)
+                    cap = partition_capacity(kinds_p, moment_dtype, partition_size)
                 room = cap - sum(s.length for s in current.segments)
                 take = min(n - start, room)
                 if take < n - start:  # cutting inside the param: keep the cut aligned
@@ -177,29 +181,3 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
     for part in parts:
         part.layout()
     return parts
-
-
-def assign_tiers(parts: Sequence[Partition], gpu_capacity: int, host_capacity: int) -> None:
-    """Forced partitions keep their tier; the rest fill gpu -> host -> nvme in order.
-
-    Raises ConfigError when rules alone put more on a tier than its capacity."""
-    left = {"gpu": gpu_capacity, "host": host_capacity}
-    for part in parts:
-        if part.forced is not None:
-            part.tier = part.forced
-            if part.tier in left:
-                left[part.tier] -= part.record_bytes
-    for tier, room in left.items():
-        if room < 0:
-            raise ConfigError("placement", f"rules with tier: {tier}",
-                              f"they put {-room} bytes more state on the {tier} tier than "
-                              f"tiers.{tier}.capacity allows")
-    for part in parts:
-        if part.forced is not None:
-            continue
-        part.tier = "nvme"
-        for tier in ("gpu", "host"):
-            if part.record_bytes <= left[tier]:
-                left[tier] -= part.record_bytes
-                part.tier = tier
-                break

@@ -29,11 +29,10 @@ a missing wait shows up as a stale value in the parity tests instead of passing 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -43,31 +42,13 @@ from tiermem.partition import Partition
 from tiermem.telemetry.stats import StepStats, timed
 
 SLOTS = 2  # double buffering: one slot is updated while the other is filled
-_emulating = False
-
-
-@contextlib.contextmanager
-def emulate_device() -> Iterator[None]:
-    """Optimizers made inside handle CPU parameters as if they lived on an accelerator: their
-    grads and weights (step_device cpu) or records (device) cross the emulated lanes. For
-    tests and `bench/gpu_check.py --smoke` on machines without a GPU."""
-    global _emulating
-    saved, _emulating = _emulating, True
-    try:
-        yield
-    finally:
-        _emulating = saved
-
-
-def emulating() -> bool:
-    return _emulating
-
-
 # -- backends ---------------------------------------------------------------------------
 
 
 class CudaBackend:
     """torch.cuda streams and events on one device."""
+
+    host_is_device = False  # device memory is the GPU's
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -162,6 +143,9 @@ class DeferredBackend:
     DeferredStream (the compute stream too: its work runs when the host waits for it)."""
 
     device = torch.device("cpu")
+    # Injected as tiermem.offload(..., streams=DeferredBackend()): CPU parameters count as
+    # device ones, so every device path runs (tests, bench/gpu_check.py --smoke).
+    host_is_device = True
 
     def __init__(self) -> None:
         self.compute = DeferredStream("compute")
@@ -248,7 +232,8 @@ def device_of(part: Partition) -> torch.device:
 class DeviceLanes:
     """The copy streams, the pinned and device buffers, and the order between them."""
 
-    def __init__(self, parts: Sequence[Partition], step_device: str) -> None:
+    def __init__(self, parts: Sequence[Partition], step_device: str,
+                 backend: "CudaBackend | DeferredBackend | None" = None) -> None:
         devices = {s.param.device for p in parts for s in p.segments}
         if len(devices) > 1:
             raise TierMemError("the optimizer's parameters live on several devices ("
@@ -256,7 +241,7 @@ class DeviceLanes:
                                "host<->device lanes serve one device: one optimizer per device")
         (device,) = devices
         self.step_device = step_device
-        self.backend: CudaBackend | DeferredBackend = (
+        self.backend: CudaBackend | DeferredBackend = backend if backend is not None else (
             CudaBackend(device) if device.type == "cuda" else DeferredBackend())
         # Copies get their own streams so they overlap the compute stream's kernels (and each
         # other: one copy engine per direction); every use below orders them by events.

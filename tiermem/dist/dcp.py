@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
                                                           create_read_items_for_chunk_list)
 
 from tiermem.errors import TierMemError
-from tiermem.optim.offloaded import _jsonable
+from tiermem.optim.state_io import jsonable
 
 FORMAT = "tiermem-dcp-1"
 META, STEPS = "tiermem.meta", "tiermem.steps"
@@ -81,10 +81,10 @@ def _source(tm: Any) -> _Source:
 
     if isinstance(tm, DistributedOffload):
         flat = [pc for pcs in tm.layout.pieces for pc in pcs]
-        return _Source(tm._off, tm.opt, tm.layout.params,
+        return _Source(tm.offloaded, tm.opt, tm.layout.params,
                        lambda s: (flat[s.index].index, flat[s.index].start + s.start),
                        tm.coll.group, tm.coll)
-    off = tm._off
+    off = tm.offloaded
     if off.overlap is not None:
         # Its worker may still be reading the next step ahead, or be half-way through a step.
         off.overlap.require_idle("a tiermem.dist.dcp checkpoint")
@@ -92,7 +92,7 @@ def _source(tm: Any) -> _Source:
 
 
 def _meta(src: _Source) -> dict:
-    groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"}
+    groups = [{k: jsonable(v) for k, v in g.items() if k != "params"}
               for g in src.opt.param_groups]
     return {"format": FORMAT, "groups": groups,
             "params": [{"numel": p.numel(), "shape": list(p.shape),
@@ -169,7 +169,7 @@ class _SavePlanner(DefaultSavePlanner):
             return self._cache[1]
         self._cache = None  # the previous partition's copy goes before the next is read
 
-        def copy(views: dict, fresh: bool) -> None:
+        with self.src.off.tiers.record(part, write=False) as (views, fresh):
             got = {}
             for k, v in views.items():
                 got[k] = torch.zeros_like(v) if fresh else v.clone()
@@ -180,8 +180,6 @@ class _SavePlanner(DefaultSavePlanner):
                         s.param.detach().reshape(-1)[s.start: s.start + s.length])
                     o += s.length
             self._cache = (part.id, got)
-
-        self.src.off.tiers.with_record(part, copy, write=False)
         self.records_read += 1
         return self._cache[1]
 
@@ -323,11 +321,9 @@ class _LoadPlanner(DefaultLoadPlanner):
     def _write(self, part: Any) -> None:
         st = self._staging.pop(part.id)
 
-        def put(views: dict, fresh: bool) -> None:
+        with self.src.off.tiers.record(part, write=True) as (views, _):
             for k, v in views.items():
                 v.copy_(st.views[k])
-
-        self.src.off.tiers.with_record(part, put, write=True)
 
 
 def load(tm: Any, path: str) -> dict[str, int]:

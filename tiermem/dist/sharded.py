@@ -32,8 +32,9 @@ from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
 from tiermem.optim.handle import Offload
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
-from tiermem.optim.offloaded import (MASTER_KEY, MOMENTS, HISTORY, OffloadedOptimizer,
-                                     check_optimizer, torch_state_dict)
+from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
+from tiermem.optim.state_io import torch_state_dict
+from tiermem.optim.rules.adam import MASTER_KEY, MOMENTS
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.dist.zero import ZeroLayout
@@ -88,7 +89,8 @@ class DistributedOffload(Offload):
 
     def __init__(self, opt: torch.optim.Optimizer, settings: Settings, *,
                  model: torch.nn.Module | None, name: str, resume: bool,
-                 process_group: Any) -> None:
+                 process_group: Any, streams: Any = None) -> None:
+        self.streams = streams  # the lanes' stream backend, for every OffloadedOptimizer built
         if settings.pipeline.overlap_backward:
             # Each rank's share is updated through views that backward's hooks never see,
             # and only after the gradients are reduce-scattered in step().
@@ -157,7 +159,8 @@ class DistributedOffload(Offload):
         return OffloadedOptimizer(self.shadow, rank_paths(settings, self.rank, self.local_rank),
                                   model=named if model is not None else None,
                                   swap_name=f"{name}-rank{self.rank}", resume=resume,
-                                  resume_previous=previous, keep_previous=True)
+                                  resume_previous=previous, keep_previous=True,
+                                  streams=self.streams)
 
     def _one_step_back(self, off: OffloadedOptimizer, flags: list[list[float]],
                        settings: Settings, model: Any, name: str) -> OffloadedOptimizer:
@@ -206,7 +209,7 @@ class DistributedOffload(Offload):
                 for key, v in st.items()}
 
     def _gather_plans(self) -> list[dict[str, Any]]:
-        tiers = self._off.tiers
+        tiers = self.offloaded.tiers
         b = tiers.tier_bytes()
         row = [float(self.layout.share_elements), b["gpu"], b["host"], b["nvme"],
                tiers.pinned_bytes, tiers.store.total_bytes if tiers.store else 0]
@@ -255,12 +258,12 @@ class DistributedOffload(Offload):
                 self.coll.post_failure(exc)  # the others are about to wait for this rank
                 raise
             finally:
-                self._off.after_update = None
+                self.offloaded.after_update = None
                 self.layout.release_grads()
             if gather is not None:
                 gather.finish()  # the windows left, and a peer's failure during the update
-        self.comm[self._off.steps_taken] = comm
-        self.comm.pop(self._off.steps_taken - HISTORY, None)
+        self.comm[self.offloaded.steps_taken] = comm
+        self.comm.pop(self.offloaded.steps_taken - HISTORY, None)
         step_called(opt)
         run_post_hooks(opt, args, kwargs)
         return loss
@@ -270,7 +273,7 @@ class DistributedOffload(Offload):
         as partitions are updated (None when nothing is gathered: one rank, or FSDP2)."""
         if self.layout.fsdp or self.coll.world == 1:
             return None
-        off = self._off
+        off = self.offloaded
         if self._covers is None:  # the partitions never change under a process group
             self._covers = self.layout.covers(off.parts)
         active = [p for p in off.parts if any(s.param.grad is not None for s in p.segments)]
@@ -308,7 +311,7 @@ class DistributedOffload(Offload):
         rank's share: a collective every rank must call; each gets the whole state (DTensors
         under FSDP2). For states larger than RAM use tiermem.dist.dcp.save."""
         return torch_state_dict(self.opt, self._whole_state(
-            self._off.export_state(model_dtype=False), model_dtype=False))
+            self.offloaded.export_state(model_dtype=False), model_dtype=False))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
@@ -378,7 +381,7 @@ class DistributedOffload(Offload):
     def _exit_on_error(self, exc: BaseException) -> None:
         """No collective: the other ranks may be gone. This rank's share stays on disk."""
         self.coll.post_failure(exc)
-        off = self._off
+        off = self.offloaded
         self._hooks.remove()
         off.detach()
         try:
@@ -397,7 +400,7 @@ class DistributedOffload(Offload):
                      f"{self.where_state_is()}")
 
     def _exit(self) -> None:
-        off = self._off
+        off = self.offloaded
         self._hooks.remove()
         if self._discard:
             off.detach()

@@ -10,7 +10,7 @@ segments of one parameter share one step tensor.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -21,8 +21,11 @@ def adam_fused(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
                lr: float | Tensor, beta1: float, beta2: float, eps: float,
                weight_decay: float, amsgrad: bool, maximize: bool,
-               decoupled_weight_decay: bool) -> None:
+               decoupled_weight_decay: bool, weights_out: list[Tensor | None] | None = None,
+               checksums: Sequence[str] = (), rounding: str | None = None,
+               seeds: list[int] | None = None, offsets: list[int] | None = None) -> None:
     """torch's fused Adam kernel (one pass per tensor, vectorised, threaded)."""
+    _refuse_in_pass("fused", weights_out, checksums, rounding)
     fn = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     if steps and steps[0].device != params[0].device:
         # torch's fused CUDA kernels read the step counts on the device (a fused torch
@@ -47,7 +50,11 @@ def _torch_impl(impl: Callable) -> Callable:
     def run(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
             exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
             lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-            amsgrad: bool, maximize: bool, decoupled_weight_decay: bool) -> None:
+            amsgrad: bool, maximize: bool, decoupled_weight_decay: bool,
+            weights_out: list[Tensor | None] | None = None, checksums: Sequence[str] = (),
+            rounding: str | None = None, seeds: list[int] | None = None,
+            offsets: list[int] | None = None) -> None:
+        _refuse_in_pass(impl.__name__, weights_out, checksums, rounding)
         # torch's own loops increment the steps they are given: hand them
         # private copies of the count before this step.
         before = [s - 1 for s in steps]
@@ -68,15 +75,54 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                 exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
                 lr: float | Tensor, beta1: float, beta2: float, eps: float,
                 weight_decay: float, amsgrad: bool, maximize: bool,
-                decoupled_weight_decay: bool) -> None:
-    """tiermem's own C kernel (tiermem.kernels.native_adam): torch fused's arithmetic in one
-    SIMD pass per contiguous run, on CPU tensors; grads may also be bf16 or fp16."""
-    from tiermem.kernels.native_adam import adam_native as impl  # imported on first use
+                decoupled_weight_decay: bool, weights_out: list[Tensor | None] | None = None,
+                checksums: Sequence[str] = (), rounding: str | None = None,
+                seeds: list[int] | None = None, offsets: list[int] | None = None
+                ) -> list[dict[str, int]] | None:
+    """tiermem's own C kernel (tiermem.kernels.native_adam): torch fused's update (within
+    1e-6 relative) in one SIMD pass per contiguous run, on CPU tensors; grads may also be
+    bf16 or fp16.
 
-    impl(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-         max_exp_avg_sqs=max_exp_avg_sqs, steps=steps, lr=lr, beta1=beta1, beta2=beta2,
-         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-         decoupled_weight_decay=decoupled_weight_decay)
+    In the same pass it can also (the in-pass options, which only this kernel has) write
+    each segment's low-precision model weights (weights_out[i], rounded to nearest even
+    from the fp32 params[i]), return the CRC32C of the arrays named in `checksums` per
+    segment, and store bf16 moments rounded as `rounding` says, drawing segment i's
+    stochastic bits from stream `seeds[i]` at `offsets[i]`. With any of them it returns
+    one {array: CRC32C} per segment; else None."""
+    from tiermem.kernels import native_adam as impl  # the native module, loaded on first use
+
+    if weights_out is None and not checksums and rounding is None:
+        impl.adam_native(params=params, grads=grads, exp_avgs=exp_avgs,
+                         exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
+                         steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                         decoupled_weight_decay=decoupled_weight_decay)
+        return None
+    rounded = {} if rounding is None else {"rounding": rounding}
+    out = []
+    for i, master in enumerate(params):
+        if rounding is not None:
+            rounded.update(seed=seeds[i], offset=offsets[i])
+        out.append(impl.adam_fused_mixed(
+            master=master, grad=grads[i], exp_avg=exp_avgs[i], exp_avg_sq=exp_avg_sqs[i],
+            max_exp_avg_sq=max_exp_avg_sqs[i] if amsgrad else None,
+            weight_out=weights_out[i] if weights_out is not None else None, step=steps[i],
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+            checksums=checksums, **rounded))
+    return out
+
+
+def _refuse_in_pass(kernel: str, weights_out: list | None, checksums: Sequence[str],
+                    rounding: str | None) -> None:
+    """torch's kernels update only: asking them for more would silently drop it."""
+    asked = [name for name, on in (("weights_out", weights_out is not None),
+                                   ("checksums", bool(checksums)),
+                                   ("rounding", rounding is not None)) if on]
+    if asked:
+        raise ValueError(f"kernel {kernel!r} cannot do {', '.join(asked)} in its pass; only "
+                         "the native kernel can")
+
 
 KERNELS: dict[str, Callable[..., None]] = {
     "fused": adam_fused,
@@ -96,6 +142,7 @@ def kernel_matching(group: dict, device: torch.device) -> str:
     return "multi_tensor" if foreach else "single_tensor"
 
 
-def adam_update(*, kernel: str, **kwargs) -> None:
-    """Run `kernel` ("fused", "single_tensor", "multi_tensor" or "native") on one partition."""
-    KERNELS[kernel](**kwargs)
+def adam_update(*, kernel: str, **kwargs) -> list[dict[str, int]] | None:
+    """Run `kernel` ("fused", "single_tensor", "multi_tensor" or "native") on one partition;
+    what the native kernel's in-pass options return (see adam_native), else None."""
+    return KERNELS[kernel](**kwargs)

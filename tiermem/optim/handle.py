@@ -27,14 +27,14 @@ class Offload:
     """What `with tiermem.offload(...) as tm` gives: stats, the plan, and where state is."""
 
     def __init__(self, off: OffloadedOptimizer) -> None:
-        self._off = off
+        self.offloaded = off
         self.kept_on_disk: str | None = None
         self._discard = False
 
     def record_events(self, on: bool = True) -> None:
         """Keep a timeline of every step (`tm.events()`): NVMe reads and writes, updates,
         copies and stalls per partition, for traces and plots."""
-        self._off.record_events = on
+        self.offloaded.record_events = on
 
     def accumulating(self):
         """`with tm.accumulating(): loss.backward()`: gradients accumulate, no update starts.
@@ -42,14 +42,14 @@ class Offload:
         With pipeline.overlap_backward every other backward starts the step's update, so
         wrap the backward of every micro-batch but the last in it (docs/overlap.md). Without
         overlap it does nothing, so a loop may use it either way."""
-        overlap = self._off.overlap
+        overlap = self.offloaded.overlap
         return overlap.accumulating() if overlap is not None else contextlib.nullcontext()
 
     def events(self) -> list:
         """Timeline spans (telemetry.Event) of the steps recorded so far."""
         self._wait_overlap()
-        self._off.tiers.flush()  # the last step's write spans are known once they land
-        return [e for s in self._off.history for e in (s.events or [])]
+        self.offloaded.tiers.flush()  # the last step's write spans are known once they land
+        return [e for s in self.offloaded.history for e in (s.events or [])]
 
     def discard(self) -> None:
         """Throw the optimizer state away at exit instead of returning it (benchmarks,
@@ -59,58 +59,58 @@ class Offload:
     @property
     def faults_survived(self) -> int:
         """NVMe transfers that failed and succeeded when reissued (io.retries)."""
-        return self._off.tiers.faults_survived
+        return self.offloaded.tiers.faults_survived
 
     @property
     def resumed_step(self) -> int | None:
         """With resume=True, the step the kept state had reached; else None."""
-        return self._off.resumed_step
+        return self.offloaded.resumed_step
 
     @property
     def committed_step(self) -> int | None:
         """swap.durability crash_consistent: the step a resume after a crash would restore."""
-        return self._off.committed_step
+        return self.offloaded.committed_step
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self._off.opt
+        return self.offloaded.opt
 
     def plan(self) -> dict[str, Any]:
         """Bytes of optimizer state per tier, pinned bytes, swap bytes, partition count."""
-        tiers = self._off.tiers
+        tiers = self.offloaded.tiers
         return {"state_bytes": tiers.tier_bytes(), "pinned_bytes": tiers.pinned_bytes,
                 "swap_bytes": tiers.store.total_bytes if tiers.store else 0,
                 "swap_dirs": tiers.store.dirs if tiers.store else [],
-                "partitions": len(self._off.parts)}
+                "partitions": len(self.offloaded.parts)}
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap) of the
         last 1000 steps."""
         self._wait_overlap()
-        self._off.tiers.flush()  # completes the last step's writes and their timings
-        return [s.as_dict() for s in self._off.history]
+        self.offloaded.tiers.flush()  # completes the last step's writes and their timings
+        return [s.as_dict() for s in self.offloaded.history]
 
     @property
     def last_step(self) -> StepStats | None:
-        return self._off.history[-1] if self._off.history else None
+        return self.offloaded.history[-1] if self.offloaded.history else None
 
     def where_state_is(self) -> str:
         """One sentence for the user: where the optimizer state is now."""
         if self.kept_on_disk:
-            which = (f"of committed step {self._off.committed_step} "
-                     if self._off.committed_step is not None else "")
+            which = (f"of committed step {self.offloaded.committed_step} "
+                     if self.offloaded.committed_step is not None else "")
             return (f"the optimizer state {which}stays on disk in {self.kept_on_disk}; resume "
                     "with tiermem.offload(..., resume=True)")
         if self._discard:
             return "the optimizer state was discarded (stress/benchmark run)"
-        return (f"the optimizer state of step {self._off.steps_taken} was handed back to the "
+        return (f"the optimizer state of step {self.offloaded.steps_taken} was handed back to the "
                 "optimizer and the swap files were removed")
 
     def _exit_after_failed_writes(self, exc: TierMemError) -> None:
         """Some write-backs failed for good: the records they carried are in buffers only.
         Hand everything back into the optimizer from memory if it fits; else keep what the
         disk has. Either way, raise saying which."""
-        off = self._off
+        off = self.offloaded
         dirs = off.tiers.store.dirs if off.tiers.store else []
         off.detach()
         if not self._discard and self._state_nbytes() <= available_memory() * 0.8:
@@ -130,16 +130,16 @@ class Offload:
                            "were lost with this process") from exc
 
     def _state_nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() * 2 for p in self._off.params)
+        return sum(p.numel() * p.element_size() * 2 for p in self.offloaded.params)
 
     def _wait_overlap(self) -> None:
-        if self._off.overlap is not None:
-            self._off.overlap.wait_idle()  # nothing may touch the tiers under its worker
+        if self.offloaded.overlap is not None:
+            self.offloaded.overlap.wait_idle()  # nothing may touch the tiers under its worker
 
     def _exit(self) -> None:
         """Stop updates during backward before any state moves; an error the worker hit that
         no step() raised is raised once the state is safe (or noted on the exit's own)."""
-        pending = self._off.end_overlap()
+        pending = self.offloaded.end_overlap()
         try:
             self._exit_state()
         except BaseException as exc:
@@ -151,7 +151,7 @@ class Offload:
             raise pending
 
     def _exit_state(self) -> None:
-        off = self._off
+        off = self.offloaded
         if off.broken:
             # A failed step could not be rolled back: memory holds a half-applied step, the
             # disk the last committed one. Keep the disk's, untouched.

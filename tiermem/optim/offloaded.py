@@ -8,92 +8,36 @@ lr schedulers and zero_grad are untouched. `detach()` puts everything back.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
-from typing import Any, Callable
+from collections import deque
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.profiler import record_function
 
 from tiermem.config import Settings
-from tiermem.device.lanes import DeviceLanes, emulating
+from tiermem.device.lanes import CudaBackend, DeferredBackend, DeviceLanes
 from tiermem.errors import TierMemError
-from tiermem.kernels.adam import adam_update, kernel_matching
+from tiermem.kernels.adam import kernel_matching
 from tiermem.swap.manifest import read_manifest, write_manifest
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.overlap import BackwardOverlap
+from tiermem.optim.rules import Batch, UpdateRule, rule_for
+from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
 from tiermem.kernels.checksum import record_digest
-from tiermem.partition import Partition, assign_tiers, build_partitions
+from tiermem.partition import Partition, build_partitions
 from tiermem.tiers.pipeline import Views
 from tiermem.signals import deferred
 from tiermem.telemetry.stats import StepStats, timed
 from tiermem.swap.rundir import run_dirs
 from tiermem.tiers.manager import TierManager
+from tiermem.tiers.placement import Budgets
 
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
 HISTORY = 1000  # steps of StepStats kept for tm.stats()
-MIXED_OUT = (torch.bfloat16, torch.float16)  # model dtypes the native kernel writes directly
 
 
-def _jsonable(value: Any) -> Any:
-    """A param-group value as JSON keeps it (a tensor lr as its number)."""
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)
-
-
-def torch_state_dict(opt: torch.optim.Optimizer, state: dict[torch.Tensor, dict[str, Any]]
-                     ) -> dict[str, Any]:
-    """torch's own state_dict() of `opt` as if `state` were its per-parameter state (the
-    tiers hold the real one: opt.state itself stays empty)."""
-    saved = opt.state
-    try:
-        opt.state = defaultdict(dict, state)
-        return type(opt).state_dict(opt)
-    finally:
-        opt.state = saved
-
-
-class UnsupportedOptimizer(TierMemError, TypeError):
-    """tiermem offloads torch.optim.Adam and torch.optim.AdamW only."""
-
-
-def check_optimizer(opt: torch.optim.Optimizer) -> None:
-    if not isinstance(opt, torch.optim.Adam):
-        raise UnsupportedOptimizer(
-            f"tiermem.offload supports torch.optim.Adam and torch.optim.AdamW (and their "
-            f"subclasses), not {type(opt).__module__}.{type(opt).__qualname__}")
-    for g, group in enumerate(opt.param_groups):
-        if group.get("differentiable"):
-            raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not supported")
-        for p in group["params"]:
-            if not p.is_floating_point() or p.is_complex():
-                raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
-                                           f"floating point, got {p.dtype}")
-            if not p.is_contiguous():
-                raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
-                                           f"{tuple(p.shape)} is not contiguous")
-
-
-def _check_state_dtype(opt: torch.optim.Optimizer, settings: Settings) -> None:
-    """bf16 moments are updated by the native CPU kernel only: refuse what it cannot run."""
-    if settings.optimizer.state_dtype != "bf16":
-        return
-    for g, group in enumerate(opt.param_groups):
-        for p in group["params"]:
-            if p.device.type != "cpu":
-                raise TierMemError(
-                    f"param_groups[{g}]: optimizer.state_dtype bf16 needs the Adam step on "
-                    f"the CPU for now, and a parameter is on {p.device}; use state_dtype "
-                    "fp32 for models off the CPU")
-            if p.dtype not in (torch.float32, *MIXED_OUT):
-                raise TierMemError(
-                    f"param_groups[{g}]: optimizer.state_dtype bf16 supports fp32, bf16 and "
-                    f"fp16 parameters, not {p.dtype}")
+def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
+    """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
+    return rule_for(opt)
 
 
 class OffloadedOptimizer:
@@ -102,11 +46,14 @@ class OffloadedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, settings: Settings, *,
                  model: torch.nn.Module | None = None, swap_name: str = "default",
                  resume: bool = False, resume_previous: bool = False,
-                 keep_previous: bool = False) -> None:
+                 keep_previous: bool = False,
+                 streams: CudaBackend | DeferredBackend | None = None) -> None:
         """resume_previous: resume from the commit before the last (manifest.PREVIOUS);
-        keep_previous: every commit keeps the one before it (both: torch.distributed)."""
-        check_optimizer(optimizer)
-        _check_state_dtype(optimizer, settings)
+        keep_previous: every commit keeps the one before it (both: torch.distributed);
+        streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters)."""
+        o = settings.optimizer
+        self.rule = rule_for(optimizer, state_dtype=o.state_dtype,
+                             state_rounding=o.state_rounding)
         self.opt = optimizer
         self.settings = settings
         self.swap_name = swap_name
@@ -129,16 +76,19 @@ class OffloadedOptimizer:
         self.after_update: Callable[[Partition], None] | None = None
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self.step_device = settings.optimizer.step_device
-        # Under device_lanes.emulate_device() CPU parameters count as device ones: like a
-        # CUDA model's, their records keep an fp32 master and their updates cross the lanes.
-        self.emulated = emulating()
+        # With a backend whose device memory is host memory (DeferredBackend) CPU parameters
+        # count as device ones: like a CUDA model's, their records keep an fp32 master and
+        # their updates cross the lanes.
+        self.streams = streams
+        self.emulated = streams is not None and streams.host_is_device
         self._keep_master = self.crash or self.emulated
         self.parts = build_partitions(optimizer.param_groups, self.names,
                                       settings.pipeline.partition_size, settings.placement,
                                       keep_master=self._keep_master,
-                                      state_dtype=settings.optimizer.state_dtype)
-        self._left = {"gpu": settings.tiers.gpu.capacity, "host": settings.tiers.host.capacity}
-        self._assign(self.parts)
+                                      state_dtype=settings.optimizer.state_dtype,
+                                      kinds=self._kinds(optimizer.param_groups))
+        self.budgets = Budgets(settings.tiers.gpu.capacity, settings.tiers.host.capacity)
+        self.budgets.assign(self.parts)
         # Streams, events and buffers between host memory and the device, made once.
         self.lanes: DeviceLanes | None = None
         self._add_lanes(self.parts)
@@ -185,20 +135,10 @@ class OffloadedOptimizer:
 
     # -- set-up ----------------------------------------------------------------
 
-    def _assign(self, parts: list[Partition]) -> None:
-        for p in parts:
-            devices = {s.param.device.type for s in p.segments}
-            if p.forced == "gpu" or (p.forced is None and self._left["gpu"] >= p.record_bytes):
-                if not torch.cuda.is_available():
-                    raise TierMemError("tiers.gpu.capacity > 0 (or a rule sends state to the "
-                                       "gpu tier) but no CUDA device is available")
-                if devices != {"cuda"}:
-                    raise TierMemError("the gpu tier holds state of CUDA parameters only; "
-                                       "this model's parameters are on the CPU")
-        assign_tiers(parts, self._left["gpu"], self._left["host"])
-        for p in parts:
-            if p.tier in self._left:
-                self._left[p.tier] -= p.record_bytes
+    def _kinds(self, groups: Sequence[dict]) -> list[list[tuple[str, ...]]]:
+        """What the rule keeps in a record per element of each parameter."""
+        return [[self.rule.kinds(p, g, keep_master=self._keep_master) for p in g["params"]]
+                for g in groups]
 
     def _route(self, part: Partition) -> str | None:
         """How `part` is updated: "device" (record streamed to the device, step_device
@@ -216,13 +156,9 @@ class OffloadedOptimizer:
         if not routed:
             return
         if self.lanes is None:
-            self.lanes = DeviceLanes(routed, self.step_device)
+            self.lanes = DeviceLanes(routed, self.step_device, self.streams)
         else:
             self.lanes.add(routed)
-
-    def _stage(self, part: Partition, views: Views) -> None:
-        if self.lanes is not None and self._route(part) is not None:
-            self.lanes.stage(part, views)
 
     def detach(self) -> None:
         """Remove the hooks (state must have been exported or kept on disk first)."""
@@ -257,42 +193,65 @@ class OffloadedOptimizer:
         return loss
 
     def _step_tiers(self) -> None:
-        stats = StepStats(step=self.steps_taken + 1,
-                          events=[] if self.record_events else None)
+        stats = self.begin_step()
         with timed(stats, "step_seconds"), torch.no_grad():
-            self._check_groups()
-            stepped = set()
-            for i, p in enumerate(self.params):
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise TierMemError("Adam does not support sparse gradients")
-                    stepped.add(i)
-            for i in stepped:  # only once nothing can refuse the step
-                self.steps[i] += 1
-
-            def active(part: Partition) -> bool:
-                return any(s.index in stepped for s in part.segments)
-
+            for p in self.params:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise TierMemError("Adam does not support sparse gradients")
+            stepped = self.count_steps(self.parts)  # only once nothing can refuse the step
             try:
-                self.tiers.step(stats, active, self._init_record,
-                                lambda part, views: self._update(part, views, stats),
-                                self._after_update(),
-                                stage=self._stage if self.lanes is not None else None)
+                self.update(self.tiers.order(
+                    lambda part: any(s.index in stepped for s in part.segments)), stats)
+                self.tiers.end_step(stats)
             except BaseException as exc:
                 if self.lanes is not None:
                     self.lanes.settle()  # queued copies and kernels done, nothing staged
                 if self.crash:
-                    self._roll_back(exc, stats.step)
+                    self.roll_back(exc, stats.step)
                 raise
-            self._close_step(stats)
+            self.close_step(stats)
         step_called(self.opt)
 
-    def _check_groups(self) -> None:
+    def begin_step(self) -> StepStats:
+        """The figures of the step about to run (the reads run ahead of it counted in)."""
         for part in self.parts:
-            group = self.opt.param_groups[part.group]
-            if bool(group.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
-                raise TierMemError(f"param_groups[{part.group}]: amsgrad changed after "
-                                   "tiermem.offload laid out the state; set it before")
+            self.rule.check_group(part, self.opt.param_groups[part.group])
+        stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None)
+        self.tiers.begin_step(stats)
+        return stats
+
+    def count_steps(self, parts: Sequence[Partition], done: set[int] | None = None) -> set[int]:
+        """Count this step for every parameter of `parts` with a gradient, once: several
+        segments (partitions) of one parameter share its count. `done`: the parameter
+        indices already counted this step (updated). Returns the indices counted."""
+        done = set() if done is None else done
+        counted = set()
+        for part in parts:
+            for s in part.segments:
+                if s.index not in done and s.param.grad is not None:
+                    self.steps[s.index] += 1
+                    done.add(s.index)
+                    counted.add(s.index)
+        return counted
+
+    def update(self, parts: Sequence[Partition], stats: StepStats, *,
+               done: Sequence[Partition] = (), ahead: Sequence[Partition] = ()) -> None:
+        """The one update loop: the tiers hand out each of `parts`' records ready (reads
+        ahead, writes behind), the rule updates it, the tiers take it back. done/ahead:
+        NVMe partitions visited earlier in this step / expected after `parts`."""
+        after = self._after_update()
+        for rec in self.tiers.visit(parts, stats, done=done, ahead=ahead):
+            nxt = rec.following
+            if self.lanes is not None and nxt is not None and self._route(nxt) is not None:
+                views = self.tiers.ready_views(nxt)
+                if views is not None:  # its copy to the device overlaps this update
+                    self.lanes.stage(nxt, views)
+            if rec.fresh:
+                self.rule.init(rec.part, rec.views)
+            digest = self._update(rec.part, rec.views, stats)
+            self.tiers.release(rec, stats, digest)  # the disk works while after() runs
+            if after is not None:
+                after(rec.part)
 
     def _after_update(self) -> Callable[[Partition], None] | None:
         """after_update, called once a partition's weights can be read on this thread's
@@ -321,37 +280,34 @@ class OffloadedOptimizer:
         """Update `part`'s record in place. Returns the record's CRC32C when the native
         kernel computed it in the same pass (a checksummed record about to be written),
         else None: the swap store then hashes the record itself."""
-        group = self.opt.param_groups[part.group]
-        if self.settings.optimizer.state_dtype == "bf16" or (
-                self.settings.optimizer.kernel == "native" and not self.emulated and all(
-                    s.param.device.type == "cpu" and s.param.dtype in (torch.float32,
-                                                                       *MIXED_OUT)
-                    for s in part.segments)):
-            return self._update_mixed_native(part, views, group, stats)
+        kernel = self.settings.optimizer.kernel
         route = self._route(part)
+        if self.rule.wants_native(kernel, part, on_host=route is None and not self.emulated):
+            return self._update_native(part, views, stats)
         if route == "device":
             self.lanes.update_on_device(
-                part, views, lambda dev_views, scratch: self._adam(part, dev_views, group,
-                                                                   scratch), stats)
+                part, views, lambda dev_views, scratch: self._gathered_update(
+                    part, dev_views, scratch), stats)
             return None
-        return self._adam(part, views, group, None, stats,
-                          host_grads=self.lanes.grads_on_host(part, stats)
-                          if route == "offload" else None)
+        return self._gathered_update(part, views, None, stats,
+                                     host_grads=self.lanes.grads_on_host(part, stats)
+                                     if route == "offload" else None)
 
-    def _adam(self, part: Partition, views: Views, group: dict,
-              scratch: torch.Tensor | None, stats: StepStats | None = None, *,
-              host_grads: list[torch.Tensor | None] | None = None) -> None:
-        """Adam on `part`'s record `views` wherever they are (host memory, a device slot of
-        the lanes, or the GPU tier), then the model's weights refreshed from the master.
+    def _gathered_update(self, part: Partition, views: Views,
+                         scratch: torch.Tensor | None, stats: StepStats | None = None, *,
+                         host_grads: list[torch.Tensor | None] | None = None) -> None:
+        """The rule's update on `part`'s record `views` wherever they are (host memory, a
+        device slot of the lanes, or the GPU tier), then the model's weights refreshed
+        from the master.
 
         scratch: an fp32 area for upcast grads (else one kept per device); host_grads: the
         grads the lanes copied to the host (step_device cpu). Without stats (the lanes run
         it on the compute stream and time it themselves) nothing is timed here."""
         if stats is None:
             stats = StepStats()  # figures of a queued kernel: the lanes time it
+        group = self.opt.param_groups[part.group]
         master = views.get("master")
-        lists: dict[str, list[torch.Tensor]] = {k: [] for k in
-                                                 ("params", "grads", "steps", *MOMENTS)}
+        batch = Batch(part, group, state={k: [] for k in part.kinds if k != "master"})
         copies_back = []
         off = 0
         with timed(stats, "transfer_seconds", f"grads in p{part.id}", part.id):
@@ -372,31 +328,21 @@ class OffloadedOptimizer:
                     copies_back.append((s, target))
                 else:
                     target = s.param.detach().view(-1)[s.start: s.start + s.length]
-                lists["params"].append(target)
-                lists["grads"].append(g)
-                lists["steps"].append(self.steps[s.index])
-                for k in MOMENTS:
-                    if k in views:
-                        lists[k].append(views[k][sl])
-        if not lists["params"]:
+                batch.params.append(target)
+                batch.grads.append(g)
+                batch.steps.append(self.steps[s.index])
+                for k, lst in batch.state.items():
+                    lst.append(views[k][sl])
+        if not batch.params:
             # Every gradient of the partition is gone (zero_grad after a backward that was
             # cut short, its partition already queued for the worker): nothing to step.
             return None
-        lr = group["lr"]
-        beta1, beta2 = (float(b) for b in group["betas"])
         kernel = self.settings.optimizer.kernel
         if kernel == "match":  # what torch would run where this update runs
             kernel = kernel_matching(group, views[part.kinds[-1]].device)
-        with timed(stats, "update_seconds", f"adam p{part.id}", part.id), \
-                record_function(f"tiermem.adam p{part.id}"):
-            adam_update(kernel=kernel, params=lists["params"], grads=lists["grads"],
-                        exp_avgs=lists["exp_avg"], exp_avg_sqs=lists["exp_avg_sq"],
-                        max_exp_avg_sqs=lists["max_exp_avg_sq"], steps=lists["steps"],
-                        lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], amsgrad=bool(group["amsgrad"]),
-                        maximize=bool(group["maximize"]),
-                        decoupled_weight_decay=bool(group.get("decoupled_weight_decay",
-                                                              False)))
+        with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
+                record_function(f"tiermem.update p{part.id}"):
+            self.rule.update(batch, kernel=kernel)
         if host_grads is not None:
             self.lanes.weights_to_device(part, copies_back, stats)
             return None
@@ -410,8 +356,7 @@ class OffloadedOptimizer:
         """The record is written to a checksummed swap file right after its update."""
         return self.settings.swap.checksums and (part.tier == "nvme" or self.crash)
 
-    def _update_mixed_native(self, part: Partition, views: Views, group: dict,
-                             stats: StepStats) -> int | None:
+    def _update_native(self, part: Partition, views: Views, stats: StepStats) -> int | None:
         """CPU model, native kernel: one pass per segment reads the gradient (fp32, bf16
         or fp16), updates master and moments in the record, and writes the model's
         low-precision weights, with no staging copy before or after. When the record is
@@ -420,67 +365,50 @@ class OffloadedOptimizer:
 
         With bf16 state (optimizer.state_dtype) every CPU model comes here: an fp32 model
         is its own master (no weight output), and the moments are stored rounded as
-        optimizer.state_rounding says. Stochastic rounding draws the bits of stream
-        (step, partition id) at each element's position in the record, so a rerun, or
-        another cut of the same partition into segments, rounds the same way."""
-        from tiermem.kernels.native_adam import adam_fused_mixed, state_seed
-
-        beta1, beta2 = (float(b) for b in group["betas"])
-        bf16 = self.settings.optimizer.state_dtype == "bf16"
+        optimizer.state_rounding says."""
         master = views.get("master")
         hashed = part.kinds if self._wants_digest(part) else ()
-        crcs: list[dict[str, int] | None] = []  # per segment; None: not updated this step
+        batch = Batch(part, self.opt.param_groups[part.group],
+                      state={k: [] for k in part.kinds if k != "master"}, weights_out=[],
+                      checksums=hashed)
+        fp32_copies = []  # fp32 models with a master: the kernel writes low precision only
+        updated = []  # segment numbers with a gradient, in order
         off = 0
-        with timed(stats, "update_seconds", f"adam p{part.id}", part.id), \
-                record_function(f"tiermem.adam p{part.id}"):
-            for s in part.segments:
-                sl = slice(off, off + s.length)
-                off += s.length
-                if s.param.grad is None:
-                    crcs.append(None)
-                    continue
-                weights = s.param.detach().view(-1)[s.start: s.start + s.length]
-                # An fp32 model with a master (crash-consistent runs): the kernel writes
-                # low-precision weights only, so the model copies its weights after.
-                fp32_model = master is not None and weights.dtype == torch.float32
-                rounding = {}
-                if bf16:
-                    rounding = dict(rounding=self.settings.optimizer.state_rounding,
-                                    seed=state_seed(step=self.steps[s.index],
-                                                    partition=part.id), offset=sl.start)
-                crcs.append(adam_fused_mixed(
-                    master=weights if master is None else master[sl],
-                    grad=s.param.grad.reshape(-1)[s.start: s.start + s.length],
-                    exp_avg=views["exp_avg"][sl], exp_avg_sq=views["exp_avg_sq"][sl],
-                    max_exp_avg_sq=views["max_exp_avg_sq"][sl] if group["amsgrad"] else None,
-                    weight_out=None if master is None or fp32_model else weights,
-                    step=self.steps[s.index], lr=group["lr"], beta1=beta1, beta2=beta2,
-                    eps=group["eps"], weight_decay=group["weight_decay"],
-                    amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-                    decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-                    checksums=hashed, **rounding))
-                if fp32_model:
-                    weights.copy_(master[sl])
-            return record_digest(part, views, crcs) if hashed else None
-
-    def _init_record(self, part: Partition, views: Views) -> None:
-        """A never-written record: zero moments, master weights from the model."""
-        for k in MOMENTS:
-            if k in views:
-                views[k].zero_()
-        if "master" in views:
-            off = 0
-            for s in part.segments:
-                views["master"][off: off + s.length].copy_(
-                    s.param.detach().reshape(-1)[s.start: s.start + s.length])
-                off += s.length
+        for n, s in enumerate(part.segments):
+            sl = slice(off, off + s.length)
+            off += s.length
+            if s.param.grad is None:
+                continue
+            updated.append(n)
+            weights = s.param.detach().view(-1)[s.start: s.start + s.length]
+            fp32_model = master is not None and weights.dtype == torch.float32
+            batch.params.append(weights if master is None else master[sl])
+            batch.weights_out.append(None if master is None or fp32_model else weights)
+            batch.grads.append(s.param.grad.reshape(-1)[s.start: s.start + s.length])
+            batch.steps.append(self.steps[s.index])
+            batch.offsets.append(sl.start)
+            for k, lst in batch.state.items():
+                lst.append(views[k][sl])
+            if fp32_model:
+                fp32_copies.append((weights, master[sl]))
+        with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
+                record_function(f"tiermem.update p{part.id}"):
+            got = self.rule.update(batch, kernel="native") if batch.params else []
+            for weights, m in fp32_copies:
+                weights.copy_(m)
+            if not hashed:
+                return None
+            crcs: list[dict[str, int] | None] = [None] * len(part.segments)
+            for n, c in zip(updated, got, strict=True):
+                crcs[n] = c
+            return record_digest(part, views, crcs)
 
     # -- crash-consistent commits --------------------------------------------------
 
     def _meta(self, step: int | None = None) -> dict[str, Any]:
         """What a manifest says besides the records: step counts, parameters, groups."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        groups = [{**{k: _jsonable(v) for k, v in g.items() if k != "params"},
+        groups = [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                    "params": [index[id(p)] for p in g["params"]]}
                   for g in self.opt.param_groups]
         params = [{"name": self.names.get(id(p), ""), "shape": list(p.shape),
@@ -493,7 +421,7 @@ class OffloadedOptimizer:
         self.tiers.commit(**meta)
         self.committed_step = meta["step"]
 
-    def _close_step(self, stats: StepStats) -> None:
+    def close_step(self, stats: StepStats) -> None:
         """The step happened, whether or not its commit (crash-consistent) then succeeds:
         count it and keep its figures first."""
         if self.lanes is not None:
@@ -513,7 +441,7 @@ class OffloadedOptimizer:
                 f"step {step} completed but could not be committed to disk ({exc}); a crash "
                 f"now would resume at step {self.committed_step}") from exc
 
-    def _roll_back(self, exc: BaseException, step: int) -> None:
+    def roll_back(self, exc: BaseException, step: int) -> None:
         """A step failed part-way: reopen the last committed step, as a resume would, so the
         optimizer and the model are back where that step left them."""
         run_dir = self.tiers.run_dir()
@@ -542,23 +470,21 @@ class OffloadedOptimizer:
     def _restore_weights(self) -> None:
         """The model's weights from the committed fp32 masters."""
         for part in self.parts:
-            def put(views: Views, fresh: bool, part=part) -> None:
+            with self.tiers.record(part, write=False) as (views, fresh):
                 if fresh:
-                    return  # never stepped nor initialised: the model's weights are its own
+                    continue  # never stepped nor initialised: the model's weights are its own
                 off = 0
                 for s in part.segments:
                     s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
                         views["master"][off: off + s.length])
                     off += s.length
-            self.tiers.with_record(part, put, write=False)
 
     def _initialise(self, parts: list[Partition]) -> None:
-        """Build every never-written record (zero moments, master from the model) in place."""
+        """Build every never-written record (zero state, master from the model) in place."""
         for part in parts:
             if self.tiers.is_fresh(part):
-                self.tiers.with_record(
-                    part, lambda views, fresh, part=part: self._init_record(part, views),
-                    write=True)
+                with self.tiers.record(part, write=True) as (views, _):
+                    self.rule.init(part, views)
 
     def keep_on_disk(self) -> str:
         """Leave the state on disk with a manifest; returns the directory."""
@@ -575,23 +501,7 @@ class OffloadedOptimizer:
             if "step" in st:
                 self.steps[index[id(p)]] = torch.as_tensor(st["step"], dtype=torch.float32
                                                            ).detach().clone().cpu()
-        for part in self.parts:
-            def fill(views: Views, fresh: bool, part=part) -> None:
-                off = 0
-                for s in part.segments:
-                    st = state.get(s.param, {})
-                    sl = slice(off, off + s.length)
-                    off += s.length
-                    for k in views:
-                        src = st.get(MASTER_KEY if k == "master" else k)
-                        if src is None:
-                            src = s.param.detach() if k == "master" else None
-                        dst = views[k][sl]
-                        if src is None:
-                            dst.zero_()
-                        else:
-                            dst.copy_(src.reshape(-1)[s.start: s.start + s.length])
-            self.tiers.with_record(part, fill, write=True)
+        scatter(self.tiers, self.parts, self.rule.torch_keys, state)
 
     def export_state(self, *, model_dtype: bool) -> dict[torch.Tensor, dict[str, Any]]:
         """Gather every record into per-parameter tensors (torch's layout), partition by partition.
@@ -608,28 +518,12 @@ class OffloadedOptimizer:
             dtype = p.dtype if model_dtype else torch.float32
             st: dict[str, Any] = {"step": self.steps[i].clone()}
             group = self.opt.param_groups[self._group_of(i)]
-            for k in MOMENTS:
-                if k != "max_exp_avg_sq" or group.get("amsgrad"):
-                    st[k] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            for k in self.rule.torch_state_keys(group):
+                st[k] = torch.zeros(p.shape, dtype=dtype, device=p.device)
             if not model_dtype and p.dtype != torch.float32:
-                st[MASTER_KEY] = p.detach().float().clone()
+                st[self.rule.torch_keys["master"]] = p.detach().float().clone()
             out[p] = st
-        for part in self.parts:
-            def copy_out(views: Views, fresh: bool, part=part) -> None:
-                if fresh:
-                    return
-                off = 0
-                for s in part.segments:
-                    sl = slice(off, off + s.length)
-                    off += s.length
-                    st = out.get(s.param)
-                    if st is None:
-                        continue
-                    for k, src in views.items():
-                        key = MASTER_KEY if k == "master" else k
-                        if key in st:
-                            st[key].view(-1)[s.start: s.start + s.length].copy_(src[sl])
-            self.tiers.with_record(part, copy_out, write=False)
+        gather(self.tiers, self.parts, self.rule.torch_keys, out)
         return out
 
     def _group_of(self, index: int) -> int:
@@ -674,24 +568,24 @@ class OffloadedOptimizer:
         first_group = len(self.opt.param_groups)
         type(self.opt).add_param_group(self.opt, param_group)
         group = self.opt.param_groups[-1]
-        left = dict(self._left)
+        left = dict(self.budgets.left)
         try:
-            check_optimizer(self.opt)
-            _check_state_dtype(self.opt, self.settings)
+            self.rule.check(self.opt)
             new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
                                    self.settings.placement, first_id=len(self.parts),
                                    first_index=len(self.params), keep_master=self._keep_master,
-                                   state_dtype=self.settings.optimizer.state_dtype)
+                                   state_dtype=self.settings.optimizer.state_dtype,
+                                   kinds=self._kinds([group]))
             for part in new:
                 part.group = first_group
-            self._assign(new)
+            self.budgets.assign(new)
             self._add_lanes(new)  # slots grow to the largest record: harmless if refused below
             self.tiers.add(new)
         except BaseException:
             # A group the optimizer holds but tiermem does not would never be updated:
             # refused means not added at all.
             self.opt.param_groups.pop()
-            self._left = left
+            self.budgets.left = left
             raise
         self.params.extend(group["params"])
         self.steps.extend(torch.tensor(0.0) for _ in group["params"])

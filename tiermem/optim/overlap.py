@@ -70,6 +70,7 @@ class BackwardOverlap:
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._forward_check))
         self._hooked: set[int] = set()  # parameter indices with a hook
+        self._planned = False  # the tiers visit NVMe partitions in the order we plan
         self._accumulating = 0  # depth of accumulating() blocks
         self._stopping = False
         # Guards what the hooks write (_fired, _remaining, _error): hooks may run on an
@@ -95,12 +96,13 @@ class BackwardOverlap:
                         s.param.register_post_accumulate_grad_hook(self._hook_for(s.index)))
                     self._hooked.add(s.index)
         self._reset_round()
-        pipeline = self.off.tiers.pipeline
-        if pipeline is not None and pipeline.planned is None:
+        tiers = self.off.tiers
+        if not self._planned and any(p.tier == "nvme" for p in self.off.parts):
             # Before any step is seen, guess backward's order: last parameter first. The
             # reads run ahead at start-up followed the zig-zag order; redo them.
-            pipeline.planned = [p for p in reversed(pipeline.parts)]
-            pipeline.run_ahead()
+            tiers.plan_order([p for p in reversed(self.off.parts) if p.tier == "nvme"],
+                             run_ahead=True)
+            self._planned = True
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
         def grad_final(param: torch.Tensor) -> None:
@@ -176,9 +178,7 @@ class BackwardOverlap:
         the worker: waiting for the last write-backs to free the buffers would hold up the
         caller, and the disk would otherwise idle through forward with only prefetch_depth + 1
         reads. It gives way as soon as backward queues a partition."""
-        pipeline = self.off.tiers.pipeline
-        if pipeline is not None:
-            pipeline.run_ahead(depth=len(pipeline.slots), stop=lambda: not self._queue.empty())
+        self.off.tiers.run_ahead(fill=True, stop=lambda: not self._queue.empty())
 
     def _failed(self) -> bool:
         with self._lock:
@@ -186,38 +186,21 @@ class BackwardOverlap:
 
     def _upcoming(self) -> list[Partition]:
         """NVMe partitions expected next: the planned order less those done this step."""
-        pipeline = self.off.tiers.pipeline
-        if pipeline is None:
-            return []
-        return [p for p in pipeline.order(pipeline.steps_done) if p.id not in self._done_ids]
+        return [p for p in self.off.tiers.nvme_order() if p.id not in self._done_ids]
 
     # -- one partition (the worker's or the user's thread) ------------------------
 
     def _process(self, part: Partition, upcoming: Sequence[Partition]) -> StepStats:
-        """Update one partition the way the step would; `upcoming`: NVMe partitions likely
-        next, in order, read ahead of this one."""
+        """Update one partition through the optimizer's update loop; `upcoming`: NVMe
+        partitions likely next, in order, read ahead of this one."""
         off = self.off
         stats = self._round_stats()
         self._after_grad_kernels(part)
-        for s in part.segments:
-            # Several segments (partitions) of one parameter share its count: once a step.
-            if s.index not in self._stepped and s.param.grad is not None:
-                off.steps[s.index] += 1
-                self._stepped.add(s.index)
-
-        def compute(p: Partition, views: dict) -> int | None:
-            return off._update(p, views, stats)  # the record's CRC32C, when fused
-
+        off.count_steps([part], self._stepped)
+        off.update([part], stats, done=self._done_nvme,
+                   ahead=[p for p in upcoming if p.id != part.id])
         if part.tier == "nvme":
-            pipeline = off.tiers.pipeline
-            rest = [p for p in upcoming if p.id != part.id]
-            order = self._done_nvme + [part] + rest
-            i = len(self._done_nvme)
-            pipeline.compute_one(part, order[i: i + pipeline.k + 1], order, i, stats,
-                                 off._init_record, compute)
             self._done_nvme.append(part)
-        else:
-            off.tiers.step_resident(part, stats, off._init_record, compute)
         self._done_ids.add(part.id)
         return stats
 
@@ -234,13 +217,7 @@ class BackwardOverlap:
     def _round_stats(self) -> StepStats:
         """This step's StepStats, made when its first partition is updated."""
         if self._stats is None:
-            off = self.off
-            off._check_groups()
-            stats = StepStats(step=off.steps_taken + 1,
-                              events=[] if off.record_events else None)
-            if off.tiers.pipeline is not None:
-                off.tiers.pipeline.begin_step(stats)
-            self._stats = stats
+            self._stats = self.off.begin_step()
         return self._stats
 
     # -- optimizer.step() --------------------------------------------------------
@@ -275,7 +252,7 @@ class BackwardOverlap:
                 self._close_round(stats)
         except BaseException as exc:
             if off.crash:  # the worker is idle: reopening the last commit is safe now
-                off._roll_back(exc, off.steps_taken + 1)
+                off.roll_back(exc, off.steps_taken + 1)
             raise
         finally:
             self._reset_round()
@@ -284,8 +261,8 @@ class BackwardOverlap:
         stats.step_seconds += t1 - t0
         if stats.events is not None:
             stats.events.append(Event("step", "step", t0, t1, stats.step))
-        off._close_step(stats)  # commits (crash_consistent): before the worker moves again
-        if off.tiers.pipeline is not None:
+        off.close_step(stats)  # commits (crash_consistent): before the worker moves again
+        if any(p.tier == "nvme" for p in off.parts):
             # After _reset_round: an error of the run-ahead belongs to the next step.
             self._queue.put(_RUN_AHEAD)
         step_called(off.opt)
@@ -294,8 +271,7 @@ class BackwardOverlap:
     def _rest(self) -> list[Partition]:
         """Partitions with a gradient that no hook made ready: resident ones, then NVMe ones
         in the planned order."""
-        pipeline = self.off.tiers.pipeline
-        nvme = pipeline.order(pipeline.steps_done) if pipeline is not None else []
+        nvme = self.off.tiers.nvme_order()
         resident = [p for p in self.off.parts if p.tier != "nvme"]
         return [p for p in resident + nvme if p.id not in self._done_ids
                 and any(s.param.grad is not None for s in p.segments)]
@@ -315,14 +291,11 @@ class BackwardOverlap:
                     "edit gradients before the step")
 
     def _close_round(self, stats: StepStats) -> None:
-        pipeline = self.off.tiers.pipeline
-        if pipeline is None:
-            return
         # The next step is predicted to follow this one's gradient order.
         done = {p.id for p in self._done_nvme}
-        pipeline.planned = self._done_nvme + [p for p in pipeline.order(pipeline.steps_done)
-                                              if p.id not in done]
-        pipeline.end_step(stats, run_ahead=False)  # the worker runs the reads ahead
+        self.off.tiers.plan_order(self._done_nvme + [p for p in self.off.tiers.nvme_order()
+                                                     if p.id not in done])
+        self.off.tiers.end_step(stats, run_ahead=False)  # the worker runs the reads ahead
 
     def _reset_round(self) -> None:
         """Forget the step just closed; count afresh what each partition waits for."""
@@ -404,7 +377,7 @@ class BackwardOverlap:
             return
         # The worker has stopped: nothing else touches the tiers while they are reopened.
         notes = TierMemError(what)
-        off._roll_back(notes, off.steps_taken + 1)
+        off.roll_back(notes, off.steps_taken + 1)
         warnings.warn("; ".join([what, *getattr(notes, "__notes__", [])]), TierMemWarning,
                       stacklevel=5)
 

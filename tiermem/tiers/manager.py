@@ -15,7 +15,9 @@ that names the copy of each record making up that step.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -32,7 +34,17 @@ from tiermem.swap.store import SwapStore
 from tiermem.swap.rundir import remove_run_dir, run_dirs
 from tiermem.telemetry.stats import StepStats
 
-Fn = Callable[[Partition, Views], Any]  # init: None; compute: the CRC32C or None
+
+
+@dataclass
+class Ready:
+    """A record handed out by TierManager.visit(), in host or device memory, to update."""
+
+    part: Partition
+    views: Views
+    fresh: bool  # never written: build it (zero state) before the update, do not read it
+    following: Partition | None  # visited next: its record may be staged meanwhile
+    released: bool = False  # set by TierManager.release()
 
 
 class TierManager:
@@ -151,55 +163,98 @@ class TierManager:
 
     # -- steps -----------------------------------------------------------------
 
-    def step(self, stats: StepStats, active: Callable[[Partition], bool], init: Fn,
-             compute: Fn, after: Callable[[Partition], None] | None = None,
-             stage: Fn | None = None) -> None:
-        """Update every active partition; after(part), if given, once each one is updated.
-
-        stage(part, views), if given, is called with the partition to be updated next when
-        its record is already in host memory, before the current one is computed: the
-        device lanes start its copy so that it overlaps the current update."""
-        resident = [p for p in self.parts if p.tier != "nvme" and active(p)]
-        for i, p in enumerate(resident):
-            if stage is not None:
-                following = resident[i + 1] if i + 1 < len(resident) else self._first_nvme(active)
-                if following is not None:
-                    self._stage_if_ready(following, stage)
-            self.step_resident(p, stats, init, compute)
-            if after is not None:
-                after(p)
+    def begin_step(self, stats: StepStats) -> None:
+        """Count in `stats` the reads run ahead of the step about to run."""
         if self.pipeline is not None:
-            self.pipeline.run_step(stats, active, init, compute, after, stage=stage)
+            self.pipeline.begin_step(stats)
 
-    def _first_nvme(self, active: Callable[[Partition], bool]) -> Partition | None:
-        """The NVMe partition this step updates first (after the resident ones)."""
+    def end_step(self, stats: StepStats, *, run_ahead: bool = True) -> None:
+        """Close the step: run the next one's reads ahead (unless the caller will, with
+        run_ahead()), raise a write-back that failed for good."""
+        if self.pipeline is not None:
+            self.pipeline.end_step(stats, run_ahead=run_ahead)
+
+    def run_ahead(self, *, fill: bool = False, stop: Callable[[], bool] | None = None) -> None:
+        """Issue the next step's first reads now: prefetch_depth + 1 of them, or into every
+        buffer with `fill`; stop() is asked before each one that may wait for a buffer."""
+        if self.pipeline is not None:
+            self.pipeline.run_ahead(depth=len(self.pipeline.slots) if fill else None, stop=stop)
+
+    def nvme_order(self) -> list[Partition]:
+        """The NVMe partitions in the order the step being run visits them."""
+        return self.pipeline.order(self.pipeline.steps_done) if self.pipeline else []
+
+    def plan_order(self, planned: Sequence[Partition] | None, *, run_ahead: bool = False
+                   ) -> None:
+        """Visit NVMe partitions in `planned` order from the next step on (the order
+        gradients come in); partitions it leaves out come after, last first."""
+        if self.pipeline is not None:
+            self.pipeline.planned = None if planned is None else list(planned)
+            if run_ahead:
+                self.pipeline.run_ahead()
+
+    def order(self, active: Callable[[Partition], bool]) -> list[Partition]:
+        """The partitions `active` picks, in the order this step visits them: resident ones
+        (their records are at hand while the NVMe reads run ahead land), then NVMe ones in
+        the pipeline's order (zig-zag, or the order gradients came in)."""
+        resident = [p for p in self.parts if p.tier != "nvme" and active(p)]
         if self.pipeline is None:
-            return None
-        return next((p for p in self.pipeline.order(self.pipeline.steps_done) if active(p)),
-                    None)
+            return resident
+        return resident + [p for p in self.pipeline.order(self.pipeline.steps_done)
+                           if active(p)]
 
-    def _stage_if_ready(self, part: Partition, stage: Fn) -> None:
+    def visit(self, parts: Sequence[Partition], stats: StepStats, *,
+              done: Sequence[Partition] = (), ahead: Sequence[Partition] = ()
+              ) -> Iterator[Ready]:
+        """Yield each of `parts`, in that order, as a record ready to update; the caller
+        updates it and hands it back with release() before asking for the next.
+
+        Reads of the NVMe partitions after the current one are in flight while it is
+        updated. done: NVMe partitions this step already visited; ahead: NVMe partitions
+        expected after `parts` (read ahead too). A visit abandoned by an exception issues
+        no write for the record it was on."""
+        seen = {p.id for p in parts}
+        nvme = [p for p in parts if p.tier == "nvme"]
+        order = [*done, *nvme, *(p for p in ahead if p.id not in seen)]
+        i = len(done)
+        k = self.pipeline.k if self.pipeline is not None else 0
+        for n, part in enumerate(parts):
+            following = parts[n + 1] if n + 1 < len(parts) else (
+                order[i + 1] if part.tier == "nvme" and i + 1 < len(order) else None)
+            if part.tier == "nvme":
+                views, fresh = self.pipeline.acquire(part, order[i: i + k + 1], order, i,
+                                                     stats)
+                i += 1
+            else:
+                safe_point()  # between partitions: the previous write-through is issued
+                self._settle_resident(part.id)  # never change a record being written
+                views, fresh = part.views(self.resident[part.id]), part.id in self.fresh
+            ready = Ready(part, views, fresh, following)
+            yield ready
+            if not ready.released:
+                raise TierMemError(f"partition {part.id} was visited but never released: "
+                                   "its update would not reach its tier")
+
+    def release(self, ready: Ready, stats: StepStats, digest: int | None = None) -> None:
+        """The record of `ready` is updated: issue its write-back (NVMe), or its
+        write-through (resident, crash-consistent). digest: the record's CRC32C when the
+        update computed it in the same pass."""
+        part = ready.part
+        ready.released = True
         if part.tier == "nvme":
-            views = self.pipeline.ready_views(part)
-        else:
-            # A fresh record is built by init() right before its update: nothing to copy yet.
-            views = None if part.id in self.fresh else part.views(self.resident[part.id])
-        if views is not None:
-            stage(part, views)
-
-    def step_resident(self, p: Partition, stats: StepStats, init: Fn, compute: Fn) -> None:
-        """Update one GPU- or host-tier partition in place (and write it through when
-        crash-consistent)."""
-        safe_point()  # between partitions: the previous write-through is fully issued
-        self._settle_resident(p.id)  # never change a record while it is being written
-        views = p.views(self.resident[p.id])
-        if p.id in self.fresh:
-            init(p, views)
-            self.fresh.discard(p.id)
-        digest = compute(p, views)  # the record's CRC32C, if the update computed it
+            self.pipeline.release(part, stats, digest)
+            return
+        self.fresh.discard(part.id)
         if self.crash:
-            self._write_resident(p, stats, digest)
-        stats.partitions[p.tier] = stats.partitions.get(p.tier, 0) + 1
+            self._write_resident(part, stats, digest)
+        stats.partitions[part.tier] = stats.partitions.get(part.tier, 0) + 1
+
+    def ready_views(self, part: Partition) -> Views | None:
+        """`part`'s record if it is in host memory now (read and checked), without
+        waiting; else None (a read in flight, or a record never written)."""
+        if part.tier == "nvme":
+            return self.pipeline.ready_views(part)
+        return None if part.id in self.fresh else part.views(self.resident[part.id])
 
     def is_fresh(self, part: Partition) -> bool:
         """True while `part`'s record was never initialised or written."""
@@ -207,15 +262,17 @@ class TierManager:
             return part.id in self.pipeline.fresh
         return part.id in self.fresh
 
-    def with_record(self, part: Partition, fn: Callable[[Views, bool], None], *,
-                    write: bool) -> None:
-        """fn(views, fresh) on `part`'s record; `write` keeps the changes (and clears fresh)."""
+    @contextmanager
+    def record(self, part: Partition, *, write: bool) -> Iterator[tuple[Views, bool]]:
+        """`part`'s record as (views, fresh) for the block; `write`: the block's changes are
+        kept (written back, fresh cleared) unless it raised."""
         with deferred():  # a signal waits until the record's write is fully issued
             if part.tier == "nvme":
-                self.pipeline.with_record(part, fn, write=write)
+                with self.pipeline.record(part, write=write) as got:
+                    yield got
                 return
             self._settle_resident(part.id)
-            fn(part.views(self.resident[part.id]), part.id in self.fresh)
+            yield part.views(self.resident[part.id]), part.id in self.fresh
             if write:
                 self.fresh.discard(part.id)
                 if self.crash:

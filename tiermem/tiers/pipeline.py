@@ -13,14 +13,16 @@ those (Belady): the partition needed last; with every write still in flight,
 the one issued first.
 A partition never written yet is initialised in its buffer instead of read.
 With pipeline.overlap_backward the order is the one gradients complete in
-instead (`planned`, set by tiermem/overlap.py), fed partition by partition
-through compute_one.
+instead (`planned`, set by optim/overlap.py), visited partition by partition.
+The tier manager drives it: acquire() a record, the optimizer updates it,
+release() issues its write-back.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -94,18 +96,6 @@ class StepPipeline:
 
     # -- the step --------------------------------------------------------------
 
-    def run_step(self, stats: StepStats, active: Callable[[Partition], bool],
-                 init: Callable[[Partition, Views], None],
-                 compute: Callable[[Partition, Views], int | None],
-                 after: Callable[[Partition], None] | None = None,
-                 stage: Callable[[Partition, Views], None] | None = None) -> None:
-        order = [p for p in self.order(self.steps_done) if active(p)]
-        self.begin_step(stats)
-        for i, part in enumerate(order):
-            self.compute_one(part, order[i: i + self.k + 1], order, i, stats, init, compute,
-                             after, stage=stage)
-        self.end_step(stats)
-
     def begin_step(self, stats: StepStats) -> None:
         """Count in `stats` the reads run ahead of this step (issued as the last one ended)."""
         for tier, n in self._ahead.read_bytes.items():
@@ -113,17 +103,14 @@ class StepPipeline:
         if stats.events is not None and self._ahead.events:
             stats.events.extend(self._ahead.events)
 
-    def compute_one(self, part: Partition, window: Sequence[Partition],
-                    order: Sequence[Partition], i: int, stats: StepStats,
-                    init: Callable[[Partition, Views], None],
-                    compute: Callable[[Partition, Views], int | None],
-                    after: Callable[[Partition], None] | None = None, *,
-                    stage: Callable[[Partition, Views], None] | None = None) -> None:
-        """Update `part` (= order[i]) in its buffer, issue its write-back, then after(part).
+    def acquire(self, part: Partition, window: Sequence[Partition],
+                order: Sequence[Partition], i: int, stats: StepStats) -> tuple[Views, bool]:
+        """`part`'s record (= order[i]) in its buffer, read and checked: (views, fresh).
 
         window: `part` and the partitions to read ahead of it; order[i:]: what this step
-        still visits, in that order (a buffer to reuse is chosen by it). stage(next, views)
-        is called before the update when the next partition's record has landed."""
+        still visits, in that order (a buffer to reuse is chosen by it). fresh: never
+        written, so the caller builds the record instead of reading it. The caller updates
+        the record, then hands it back with release()."""
         safe_point()  # a Ctrl-C leaves here: no write of this partition is half issued yet
         for q in window:
             self._load(q, window, order, i, stats)
@@ -131,21 +118,17 @@ class StepPipeline:
         with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
             self._finish_read(slot)
             self._settle_write(slot)  # a failure leaves it dirty: it is the latest copy
-        views = part.views(slot.buf)
-        if slot.needs_init:
-            init(part, views)
-            slot.needs_init = False
         stats.reads_skipped += not slot.fetched
         slot.fetched = False
-        if stage is not None and len(window) > 1:
-            views_next = self.ready_views(window[1])
-            if views_next is not None:
-                stage(window[1], views_next)
-        # compute may return the record's CRC32C, computed in its pass over the record.
-        self._issue_write(slot, stats, digest=compute(part, views))
+        return part.views(slot.buf), slot.needs_init
+
+    def release(self, part: Partition, stats: StepStats, digest: int | None = None) -> None:
+        """Issue the write-back of `part`'s record, updated since acquire(); `digest`: its
+        CRC32C if the update computed it in the same pass."""
+        slot = self.where[part.id]
+        slot.needs_init = False
+        self._issue_write(slot, stats, digest=digest)
         stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
-        if after is not None:  # after the write is issued: the disk works while it runs
-            after(part)
 
     def end_step(self, stats: StepStats, *, run_ahead: bool = True) -> None:
         """Close the step, run the next one's reads ahead (unless the caller will, with
@@ -303,15 +286,15 @@ class StepPipeline:
 
     # -- whole-record access (checkpoints, import/export) -----------------------
 
-    def with_record(self, part: Partition, fn: Callable[[Views, bool], None], *,
-                    write: bool) -> None:
-        """Call fn(views, fresh) on `part`'s record in a buffer; write it back if `write`."""
+    @contextmanager
+    def record(self, part: Partition, *, write: bool) -> Iterator[tuple[Views, bool]]:
+        """`part`'s record in a buffer as (views, fresh); written back after the block if
+        `write` and the block did not raise."""
         stats = StepStats()
         slot = self._load(part, [part], [part], 0, stats)
         self._finish_read(slot)
         self._finish_write(slot)
-        fresh = slot.needs_init
-        fn(part.views(slot.buf), fresh)
+        yield part.views(slot.buf), slot.needs_init
         if write:
             slot.needs_init = False
             self._issue_write(slot, stats)

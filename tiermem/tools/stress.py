@@ -21,7 +21,7 @@ from tiermem.config import Settings, swap_dir
 from tiermem.context import Offload, offload
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update, kernel_matching
-from tiermem.optim.offloaded import MOMENTS
+from tiermem.optim.rules.adam import MOMENTS
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
 from tiermem.tools.synthetic import SyntheticModel, build_model, fill_synthetic_grads
@@ -145,7 +145,7 @@ class Verifier:
     _pending: list[tuple[Partition, dict]] = field(default_factory=list)
 
     def sample(self, step: int) -> list[Partition]:
-        parts = self.tm._off.parts
+        parts = self.tm.offloaded.parts
         if len(parts) <= VERIFY_ALL_UP_TO:
             return list(parts)
         rng = random.Random(self.seed * 7919 + step)
@@ -163,26 +163,20 @@ class Verifier:
 
     def before(self, step: int) -> None:
         """Copy the sampled partitions' records, weights and grads, and compute the reference."""
-        off = self.tm._off
+        off = self.tm.offloaded
         self._pending = []
         for part in self.sample(step):
             taken: dict[str, torch.Tensor] = {}
 
-            def grab(views, fresh, taken=taken, part=part):
+            with off.tiers.record(part, write=False) as (views, fresh):
                 for k, v in views.items():
                     taken[k] = v.clone()
-                if fresh:  # a never-written record starts as zeros and the model's weights
-                    for k in MOMENTS:
-                        if k in taken:
-                            taken[k].zero_()
-                    if "master" in taken:
-                        off._init_record(part, {"master": taken["master"]})
-
-            off.tiers.with_record(part, grab, write=False)
+            if fresh:  # a never-written record starts as the rule builds it
+                off.rule.init(part, taken)
             self._pending.append((part, self._reference(part, taken)))
 
     def _reference(self, part: Partition, rec: dict[str, torch.Tensor]) -> dict:
-        off = self.tm._off
+        off = self.tm.offloaded
         group = off.opt.param_groups[part.group]
         lists: dict[str, list] = {k: [] for k in ("params", "grads", "steps", *MOMENTS)}
         weights = []
@@ -232,7 +226,7 @@ class Verifier:
         the fp32 weights, updated here."""
         from tiermem.kernels.native_adam import adam_fused_mixed, state_seed
 
-        opt = self.tm._off.settings.optimizer
+        opt = self.tm.offloaded.settings.optimizer
         pos, k = 0, 0
         for s in part.segments:
             sl = slice(pos, pos + s.length)
@@ -255,13 +249,11 @@ class Verifier:
 
     def after(self, step: int) -> None:
         """Compare each sampled partition with its reference."""
-        off = self.tm._off
+        off = self.tm.offloaded
         for part, ref in self._pending:
-            def compare(views, fresh, part=part, ref=ref):
+            with off.tiers.record(part, write=False) as (views, _):
                 for k, v in views.items():
                     self._check(step, part, k, v, ref["record"][k])
-
-            off.tiers.with_record(part, compare, write=False)
             for s, expected in ref["weights"]:
                 got = s.param.detach().reshape(-1)[s.start: s.start + s.length]
                 self._check(step, part, f"weights of param {s.index}", got, expected)

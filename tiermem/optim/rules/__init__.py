@@ -1,0 +1,26 @@
+"""Update rules, one per optimizer family; `rule_for(opt)` picks the one that runs it."""
+
+from __future__ import annotations
+
+import torch
+
+from tiermem.optim.rules.adam import AdamRule
+from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
+
+RULES: tuple[type[UpdateRule], ...] = (AdamRule,)
+
+
+def rule_for(opt: torch.optim.Optimizer, **options) -> UpdateRule:
+    """The rule for `opt`'s class, checked against its groups; refuses what none runs."""
+    for cls in RULES:
+        if isinstance(opt, cls.optimizers):
+            rule = cls(**options)
+            rule.check(opt)
+            return rule
+    names = ", ".join(f"{c.__module__}.{c.__qualname__}" for r in RULES for c in r.optimizers)
+    raise UnsupportedOptimizer(
+        f"tiermem.offload supports {names} (and their subclasses), not "
+        f"{type(opt).__module__}.{type(opt).__qualname__}")
+
+
+__all__ = ["AdamRule", "Batch", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_for"]
