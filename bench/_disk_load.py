@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from _report import fio_layout
+from _harness import fio_layout
 
 STATUS_INTERVAL = "100ms"  # fio appends a JSON report of its jobs this often
 START_TIMEOUT = 10.0  # seconds fio may take to move its first bytes before we give up

@@ -37,26 +37,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import gc
 import io
 import os
-import resource
-import shlex
 import statistics
 import sys
-import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-import _report  # noqa: E402
-from pipeline import parse_count  # noqa: E402
+from _harness import (count_list, elapsed, parser, peak_rss, ratio, ratio_text, run_header,
+                      save, show_table)
 
 DTYPES = ("fp32", "bf16-mixed")
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
@@ -216,12 +207,6 @@ class Triad:
         self.alpha = -self.alpha
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _failure(exc: BaseException) -> str:
     text = str(exc).strip()
     first = text.splitlines()[0][:200] if text else ""
@@ -252,11 +237,11 @@ def measure_group(prob: Problem, reps: int,
     triad_times = []
     order = list(runs)
     for rep in range(reps):
-        triad_times.append(_timed(triad))
+        triad_times.append(elapsed(triad))
         k = rep % len(order) if order else 0
         for name in order[k:] + order[:k]:
             try:
-                results[name]["seconds"].append(_timed(runs[name]))
+                results[name]["seconds"].append(elapsed(runs[name]))
             except Exception as exc:  # noqa: BLE001
                 results[name] = {"status": _failure(exc)}
                 order.remove(name)
@@ -290,23 +275,21 @@ def measure(sizes: Sequence[tuple[str, int]], reps: int,
             ref = results.get(FUSED, {}).get("ns_per_param")
             for r in group:
                 ok = r["status"] == "measured"
-                r["vs_torch_fused"] = r["ns_per_param"] / ref if ok and ref else None
-                r["vs_bound"] = r["ns_per_param"] / bound_ns if ok else None
+                r["vs_torch_fused"] = ratio(r["ns_per_param"], ref) if ok else None
+                r["vs_bound"] = ratio(r["ns_per_param"], bound_ns) if ok else None
                 shown = (f"{r['ns_per_param']:.3f} ns/param" if ok else r["status"])
                 print(f"{label:>6} {dtype:<10} {r['implementation']:<28} {shown}", flush=True)
             rows.extend(group)
     return rows
 
 
-def render_table(rows: Sequence[dict]) -> str:
-    def ratio(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.2f}"
+def show_results(rows: Sequence[dict]) -> str:
     body = [[r["implementation"], r["dtype"], r["params"],
              f"{r['ns_per_param']:.3f}" if r["status"] == "measured" else r["status"],
-             ratio(r["vs_torch_fused"]), ratio(r["vs_bound"])] for r in rows]
-    return _report.markdown_table(
-        ["implementation", "dtype", "params", "ns/param (median)", "vs torch fused",
-         "vs bandwidth bound"], body)
+             ratio_text(r["vs_torch_fused"]), ratio_text(r["vs_bound"])] for r in rows]
+    print()
+    return show_table(["implementation", "dtype", "params", "ns/param (median)",
+                       "vs torch fused", "vs bandwidth bound"], body)
 
 
 def deepspeed_version() -> str | None:
@@ -318,8 +301,7 @@ def deepspeed_version() -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, json_name="adam.json", quick={"params": "10M"})
     p.add_argument("--params", default="100M,400M",
                    help="comma-separated parameter counts, e.g. 10M or 100M,400M "
                         "(default 100M,400M)")
@@ -328,50 +310,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "is reported (default 7)")
     p.add_argument("--no-deepspeed", action="store_true",
                    help="skip DeepSpeedCPUAdam even when it is installed")
-    p.add_argument("--json", type=Path, default=HERE / "results" / "adam.json",
-                   help="where the results go (default bench/results/adam.json)")
     a = p.parse_args(argv)
     if a.reps < 1:
         p.error("--reps must be at least 1")
     try:
-        a.sizes = [(t.strip(), parse_count(t)) for t in a.params.split(",") if t.strip()]
-    except ValueError:
-        p.error(f"--params: not a list of counts: {a.params!r} (example: 100M,400M)")
-    if not a.sizes or any(n < 1 for _, n in a.sizes):
-        p.error("--params needs at least one positive count")
+        a.sizes = count_list(a.params)
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--params: {exc}")
     return a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started = _dt.datetime.now(_dt.timezone.utc)
+    header = run_header("adam", argv)
     skip = {DEEPSPEED: "skipped (--no-deepspeed)"} if args.no_deepspeed else {}
     rows = measure(args.sizes, args.reps, skip)
-    table = render_table(rows)
-    print()
-    print(table)
+    table = show_results(rows)
     print(f"\nns/param: median of {args.reps} step(s) after a warm-up, "
           f"{torch.get_num_threads()} torch threads; bound = 28 B/param / in-place triad "
           "bandwidth of the same run")
-    facts = {**_report.machine_facts(), "torch": torch.__version__,
-             "torch_threads": torch.get_num_threads(), "deepspeed": deepspeed_version(),
-             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-             "tiermem_git": _report.git_revision(REPO),
-             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    header["machine"].update(torch_threads=torch.get_num_threads(),
+                             deepspeed=deepspeed_version(),
+                             omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                             peak_rss_bytes=peak_rss())
     settings = {"params": args.params, "sizes": dict(args.sizes), "reps": args.reps,
                 "no_deepspeed": args.no_deepspeed, "json": str(args.json),
                 "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
-    out = _report.write_json(args.json, {
-        "benchmark": "adam",
-        "started": started.isoformat(timespec="seconds"),
-        "command": shlex.join(sys.argv if argv is None else ["adam.py", *argv]),
-        "settings": settings,
-        "bytes_per_param": BYTES_PER_PARAM,
-        "machine": facts,
-        "rows": rows,
-        "table": table,
-    })
-    print(f"results: {out}")
+    save(args.json, header, settings=settings, bytes_per_param=BYTES_PER_PARAM, rows=rows,
+         table=table)
     return 0
 
 

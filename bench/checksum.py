@@ -9,33 +9,28 @@ the native Adam update with and without the CRCs computed in its own pass.
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
+import sys
 
 import torch
 
+from _harness import parse_count, parser, ratio, run_header, save, show_table, time_calls
 from tiermem.kernels import native_adam as na
 from tiermem.kernels.checksum import crc32c, crc32c_portable, crc32c_sse42, has_fold, has_sse42
 
 
 def best_of(fn, repeat: int) -> float:
-    fn()  # warm: page faults, thread start
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    # One untimed call first: page faults, thread start.
+    return min(time_calls(fn, repeat, warmup=1)["seconds"])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = parser(__doc__, json_name=None, quick={"mib": 64, "params": "8M", "repeat": 2})
     ap.add_argument("--mib", type=int, default=512, help="buffer hashed, MiB")
-    ap.add_argument("--params", default="64M", help="elements of the Adam update")
+    ap.add_argument("--params", type=parse_count, default="64M",
+                    help="elements of the Adam update")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    header = run_header("checksum", argv)
     buf = torch.randint(0, 256, (a.mib << 20,), dtype=torch.uint8)
     threads = torch.get_num_threads()
     rows = {}
@@ -56,16 +51,11 @@ def main() -> None:
     picked = "vpclmul fold" if has_fold() else "sse4.2 3-way" if has_sse42() else "table"
     rows[f"crc32c ({picked}), 1 thread"] = best_of(lambda: crc32c(buf), a.repeat)
     rows["crc32c, 2 threads"] = best_of(lambda: crc32c(buf, threads=2), a.repeat)
-    print(f"hashing {a.mib} MiB (best of {a.repeat}):")
-    out = {"hash_gbps": {}}
-    for name, t in rows.items():
-        gbps = buf.numel() / t / 1e9
-        out["hash_gbps"][name] = gbps
-        print(f"  {name:32s} {gbps:6.1f} GB/s")
+    out = {"hash_gbps": {name: buf.numel() / t / 1e9 for name, t in rows.items()}}
+    tables = [show_table(["hash", "GB/s"], [[k, f"{v:.1f}"] for k, v in out["hash_gbps"].items()],
+                         title=f"hashing {a.mib} MiB (best of {a.repeat}):")]
 
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9}
-    n = int(float(a.params[:-1]) * scale[a.params[-1]]) if a.params[-1] in scale \
-        else int(a.params)
+    n = a.params
     g = torch.Generator().manual_seed(0)
     t = dict(master=torch.randn(n, generator=g), grad=torch.randn(n, generator=g).bfloat16(),
              exp_avg=torch.zeros(n, dtype=torch.bfloat16),
@@ -76,18 +66,20 @@ def main() -> None:
     fused = best_of(lambda: na.adam_fused_mixed(**t, checksums=arrays, **kw), a.repeat)
     record = t["master"].numel() * 4 + 2 * n * 2
     sep1 = best_of(lambda: [crc32c(t[k]) for k in arrays], a.repeat)
-    print(f"\nAdam update, {n} params, bf16 grads, fp32 master + bf16 moments "
-          f"({record / 1e9:.2f} GB record), {torch.get_num_threads()} threads:")
-    print(f"  update alone                   {plain * 1e9 / n:.3f} ns/param")
-    print(f"  update + CRCs in the same pass {fused * 1e9 / n:.3f} ns/param "
-          f"(+{(fused / plain - 1) * 100:.1f}%)")
-    print(f"  separate CRC32C pass, 1 thread {sep1 * 1e9 / n:.3f} ns/param")
     out.update(params=n, update_ns=plain * 1e9 / n, fused_ns=fused * 1e9 / n,
                separate_crc_ns=sep1 * 1e9 / n)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    tables.append(show_table(
+        ["Adam update", "ns/param", "vs update alone"],
+        [["update alone", f"{out['update_ns']:.3f}", ""],
+         ["update + CRCs in the same pass", f"{out['fused_ns']:.3f}",
+          f"{ratio(fused, plain) - 1:+.1%}"],
+         ["separate CRC32C pass, 1 thread", f"{out['separate_crc_ns']:.3f}",
+          f"{ratio(sep1, plain):.2f}x"]],
+        title=f"\nAdam update, {n} params, bf16 grads, fp32 master + bf16 moments "
+              f"({record / 1e9:.2f} GB record), {torch.get_num_threads()} threads:"))
+    save(a.json, header, **out, table="\n\n".join(tables))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,13 +25,10 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _report import machine_facts, markdown_table, write_json  # noqa: E402
-from pipeline import _model  # noqa: E402
+from _harness import (format_count, parse_count, parser, ratio, run_header, save, settings,
+                      show_table, stat_medians, steady)
+from pipeline import _model
 
 TENSOR_ELEMS = 1 << 22  # 4M-element parameters
 
@@ -90,47 +87,36 @@ def run_world(world: int, args: argparse.Namespace) -> list[dict]:
 
 def summarise(ranks: list[dict]) -> dict:
     """Steady figures: the steps after the first, the slowest rank's wall per step."""
-    steps = len(ranks[0]["walls"])
-    keep = range(1, steps) if steps > 1 else range(steps)
-    wall = statistics.median(max(r["walls"][i] for r in ranks) for i in keep)
-
-    def med(r, key):
-        return statistics.median(r["stats"][i].get(key, 0.0) for i in keep)
-
+    wall = statistics.median(steady([max(step) for step in zip(*(r["walls"] for r in ranks))]))
+    names = {"comm": "comm_seconds", "comm_wait": "comm_wait_seconds",
+             "comm_bytes": "comm_bytes", "stall": "stall_seconds",
+             "weights": "weights_seconds", "weights_wait": "weights_wait_seconds",
+             "windows_early": "windows_early", "update": "update_seconds"}
     per_rank = []
     for r in ranks:
-        moved = statistics.median(sum(r["stats"][i]["read_bytes"].values())
-                                  + sum(r["stats"][i]["write_bytes"].values()) for i in keep)
+        stats = steady(r["stats"])
+        # Bytes read and written in the same step, summed before the median.
+        moved = statistics.median(sum(s["read_bytes"].values()) + sum(s["write_bytes"].values())
+                                  for s in stats)
+        med = stat_medians(stats, names.values())
         per_rank.append({"bytes": moved, "gbps": moved / wall / 1e9,
-                         "comm": med(r, "comm_seconds"), "comm_wait": med(r, "comm_wait_seconds"),
-                         "comm_bytes": med(r, "comm_bytes"), "stall": med(r, "stall_seconds"),
-                         "weights": med(r, "weights_seconds"),
-                         "weights_wait": med(r, "weights_wait_seconds"),
-                         "windows_early": med(r, "windows_early"),
-                         "update": med(r, "update_seconds"),
+                         **{k: med[v] for k, v in names.items()},
                          "state_bytes": r["plan"]["state_bytes"]["nvme"]})
     return {"step": wall, "ranks": per_rank,
             "total_gbps": sum(p["bytes"] for p in per_rank) / wall / 1e9}
 
 
-def parse_count(text: str) -> int:
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
-    t = text.strip().upper()
-    return int(float(t[:-1]) * scale[t[-1]]) if t and t[-1] in scale else int(t)
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--params", default="64M")
+    p = parser(__doc__, json_name="distributed.json", quick={"params": "8M", "steps": 3})
+    p.add_argument("--params", type=parse_count, default="64M")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--swap-dir", default="/var/tmp/tiermem-bench-dist")
     p.add_argument("--backend", default="io_uring", choices=["io_uring", "threads"])
     p.add_argument("--partition-size", default="16MiB")
     p.add_argument("--bucket-size", default="16MiB")
     p.add_argument("--timeout", type=float, default=1200)
-    p.add_argument("--json", default=str(HERE / "results" / "distributed.json"))
     args = p.parse_args(argv)
-    args.params_text, args.params = args.params, parse_count(args.params)
+    header = run_header("distributed", argv)
     os.makedirs(args.swap_dir, mode=0o700, exist_ok=True)
     results = {}
     for world in (1, 2):
@@ -147,30 +133,30 @@ def main(argv=None) -> int:
                          f"{pr['windows_early']:.0f}",
                          f"{pr['comm_bytes'] / 1e9:.2f}", f"{pr['stall']:.2f}",
                          f"{pr['update']:.2f}"])
-    print(f"\n{args.params_text} fp32 parameters, all state on NVMe, one disk shared by the "
-          f"ranks, {args.backend}, partitions {args.partition_size}\n")
-    print(markdown_table(["ranks", "rank", "step s", "state GB", "NVMe GB/s (rank)",
+    table = show_table(["ranks", "rank", "step s", "state GB", "NVMe GB/s (rank)",
                           "NVMe GB/s (total)", "comm s", "comm wait s", "weights s",
                           "weights wait s", "windows early", "comm GB",
-                          "stall s", "update s"], rows))
-    ratio = two["step"] / one["step"]
+                          "stall s", "update s"], rows, title=(
+        f"\n{format_count(args.params)} fp32 parameters, all state on NVMe, one disk shared "
+        f"by the ranks, {args.backend}, partitions {args.partition_size}\n"))
+    two_over_one = ratio(two["step"], one["step"])
     # One NVMe drive per rank: each rank moves its half of the bytes at the bandwidth one
     # rank reached alone; communication and the update (per rank) stay as measured.
     per_rank_bytes = statistics.mean(pr["bytes"] for pr in two["ranks"])
     own_drive = per_rank_bytes / (one["total_gbps"] * 1e9)
     projected = max(own_drive, statistics.mean(pr["update"] for pr in two["ranks"])) + \
         statistics.mean(pr["comm"] for pr in two["ranks"])
-    print(f"\nstep(2 ranks) / step(1 rank) = {ratio:.2f} on one shared disk "
+    print(f"\nstep(2 ranks) / step(1 rank) = {two_over_one:.2f} on one shared disk "
           f"(total NVMe GB/s {one['total_gbps']:.2f} -> {two['total_gbps']:.2f})")
     print(f"with one drive per rank (each as fast as this one alone): NVMe time per rank "
           f"{own_drive:.2f} s (1 rank: {one['ranks'][0]['bytes'] / (one['total_gbps'] * 1e9):.2f}"
           f" s), so about {projected:.2f} s per step with this communication = "
           f"{projected / one['step']:.2f} x the 1-rank step")
-    write_json(args.json, {"args": vars(args), "machine": machine_facts(),
-                           "results": {str(k): v for k, v in results.items()},
-                           "ratio": ratio, "projected_own_drive_step": projected,
-                           "projected_own_drive_nvme_seconds": own_drive})
-    print(f"\nwrote {args.json}")
+    print()
+    save(args.json, header, args=settings(args),
+         results={str(k): v for k, v in results.items()}, ratio=two_over_one,
+         projected_own_drive_step=projected, projected_own_drive_nvme_seconds=own_drive,
+         table=table)
     return 0
 
 

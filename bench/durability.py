@@ -13,18 +13,15 @@ Usage: python bench/durability.py [--params 250M] [--steps 4] [--host 512MiB]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _report import markdown_table, parse_size, write_json  # noqa: E402
-from pipeline import _model  # noqa: E402  (bench/pipeline.py: the same synthetic params)
+from _harness import (add_phase_args, format_count, parse_count, parse_size, parser, ratio,
+                      run_header, run_phase, save, serve_phase, show_table, stat_medians,
+                      steady)
+from pipeline import _model  # bench/pipeline.py: the same synthetic params
 
 MODES = ("scratch", "crash_consistent")
 
@@ -38,7 +35,7 @@ def phase(args: argparse.Namespace) -> dict:
 
     params = _model(args.params)
     opt = torch.optim.AdamW(params, lr=1e-3)
-    cfg = {"swap": {"paths": [args.swap], "durability": args.mode},
+    cfg = {"swap": {"paths": [args.swap], "durability": args.phase},
            "tiers": {"host": {"capacity": args.host}},
            "pipeline": {"partition_size": "128MiB", "buffer_count": 8, "prefetch_depth": 6},
            "optimizer": {"kernel": "fused"}}
@@ -60,55 +57,50 @@ def phase(args: argparse.Namespace) -> dict:
         stats = tm.stats()
         plan = tm.plan()
         tm.discard()
-    later = stats[1:] or stats
-    return {"mode": args.mode, "setup_s": setup, "swap_bytes": plan["swap_bytes"],
-            "step_s": statistics.median(s["step_seconds"] for s in later),
-            "write_bytes": statistics.median(sum(s["write_bytes"].values()) for s in later),
-            "read_bytes": statistics.median(sum(s["read_bytes"].values()) for s in later),
+    med = stat_medians(steady(stats), ("step_seconds", "write_bytes", "read_bytes"))
+    return {"mode": args.phase, "setup_s": setup, "swap_bytes": plan["swap_bytes"],
+            "step_s": med["step_seconds"], "write_bytes": med["write_bytes"],
+            "read_bytes": med["read_bytes"],
             "commit_s": statistics.median(commit_s[2:]) if len(commit_s) > 2 else None}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--params", default="250M", help="parameter count, e.g. 250M, 1B")
+def main(argv=None) -> int:
+    ap = parser(__doc__, json_name="durability.json",
+                quick={"params": "16M", "steps": 3, "host": "32MiB"})
+    ap.add_argument("--params", type=parse_count, default="250M",
+                    help="parameter count, e.g. 250M, 1B")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--host", default="512MiB", help="pinned host tier (written through "
                     "every step in crash-consistent mode)")
-    ap.add_argument("--swap", default=str(Path.home() / ".cache/tiermem/bench-durability"))
-    ap.add_argument("--json", default=str(HERE / "results" / "durability.json"))
-    ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # child process
-    args = ap.parse_args()
+    ap.add_argument("--swap-dir", "--swap", dest="swap",
+                    default=str(Path.home() / ".cache/tiermem/bench-durability"))
+    add_phase_args(ap)  # each mode runs in a child process of its own
+    args = ap.parse_args(argv)
     parse_size(args.host)  # a bad size fails here, not in a child
-    from tiermem.tools.cli import _count
-    text, args.params = args.params, _count(args.params)
-    if args.mode:
-        print(json.dumps(phase(args)))
-        return
-    rows, results = [], {}
-    for mode in MODES:
-        cmd = [sys.executable, __file__, "--mode", mode, "--params", text,
-               "--steps", str(args.steps), "--host", args.host, "--swap", args.swap]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        results[mode] = r
+    if serve_phase(args, {mode: phase for mode in MODES}):
+        return 0
+    header = run_header("durability", argv)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    results = {mode: run_phase(__file__, mode, raw) for mode in MODES}
     base = results["scratch"]["step_s"]
+    rows = []
     for mode in MODES:
         r = results[mode]
         rows.append([mode, f"{r['setup_s']:.2f}", f"{r['step_s']:.2f}",
-                     f"{r['step_s'] / base:.2f}", f"{r['write_bytes'] / 1e9:.2f}",
+                     f"{ratio(r['step_s'], base):.2f}", f"{r['write_bytes'] / 1e9:.2f}",
                      f"{r['read_bytes'] / 1e9:.2f}",
                      "-" if r["commit_s"] is None else f"{r['commit_s']:.3f}",
                      f"{r['swap_bytes'] / 2**30:.1f}"])
-    print(f"{args.params / 1e6:g}M fp32 parameters, host tier {args.host}, rest on NVMe "
-          f"({args.swap}); median of steps 2..{args.steps}")
-    print(markdown_table(["durability", "set-up s", "step s", "vs scratch", "written GB/step",
-                          "read GB/step", "commit s", "swap GiB"], rows))
-    path = write_json(args.json, {"params": args.params, "host": args.host,
-                                  "steps": args.steps, "results": results,
-                                  "crash_over_scratch": results["crash_consistent"]["step_s"]
-                                  / base})
-    print(f"wrote {path}")
+    table = show_table(
+        ["durability", "set-up s", "step s", "vs scratch", "written GB/step", "read GB/step",
+         "commit s", "swap GiB"], rows,
+        title=f"{format_count(args.params)} fp32 parameters, host tier {args.host}, rest on "
+              f"NVMe ({args.swap}); median of steps 2..{args.steps}")
+    save(args.json, header, params=args.params, host=args.host, steps=args.steps,
+         results=results, crash_over_scratch=ratio(results["crash_consistent"]["step_s"], base),
+         table=table)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,7 +16,8 @@ keeps what it measured; --budget S gives the child runs (b, d) timeouts from wha
 of S seconds and skips (d) when under 90 s are.
 
 Without CUDA it refuses in one line; `--smoke` runs tiny sizes on the CPU emulation of the
-device lanes (tiermem.offload(..., streams=DeferredBackend())) so every code path of this script runs
+device lanes (tiermem.offload(..., streams=DeferredBackend())) so every code path of this
+script runs
 in the test suite.
 
 Usage: python3 bench/gpu_check.py [--swap-dir DIR] [--params 2B] [--steps 3]
@@ -40,13 +41,8 @@ import warnings
 from typing import Any
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
-
-from _report import git_revision, machine_facts, markdown_table, parse_size, write_json  # noqa: E402
-from pipeline import parse_count  # noqa: E402
+from _harness import (HERE, REPO, parse_count, parse_size, parser, run_header, show_table,
+                      stat_medians, steady, write_json)
 
 MIXES = ("gpu", "host", "nvme", "gpu+host+nvme")
 STEP_DEVICES = ("cpu", "device")
@@ -197,17 +193,15 @@ def big_model(args: argparse.Namespace, device: str, step_device: str) -> dict:
             times.append(time.perf_counter() - t0)
         stats = tm.stats()
         tm.discard()  # the state is not needed: skip gathering it back into host memory
-    steady = stats[1:] or stats  # the first step only writes (fresh records)
-
-    def med(key: str) -> float:
-        return statistics.median(s[key] for s in steady)
+    med = stat_medians(steady(stats), ("h2d_gbps", "d2h_gbps", "read_gbps", "write_gbps",
+                                       "stall_seconds", "transfer_seconds", "update_seconds"))
     return {"step_device": step_device, "params": n_params, "layers": layers, "width": width,
             "state_bytes_nvme": plan["state_bytes"]["nvme"], "partitions": plan["partitions"],
-            "step_seconds": times, "steady_step_seconds": statistics.median(times[1:] or times),
-            "h2d_gbps": med("h2d_gbps"), "d2h_gbps": med("d2h_gbps"),
-            "nvme_read_gbps": med("read_gbps"), "nvme_write_gbps": med("write_gbps"),
-            "stall_seconds": med("stall_seconds"), "transfer_seconds": med("transfer_seconds"),
-            "update_seconds": med("update_seconds"), "pinned_bytes": plan["pinned_bytes"],
+            "step_seconds": times, "steady_step_seconds": statistics.median(steady(times)),
+            "h2d_gbps": med["h2d_gbps"], "d2h_gbps": med["d2h_gbps"],
+            "nvme_read_gbps": med["read_gbps"], "nvme_write_gbps": med["write_gbps"],
+            "stall_seconds": med["stall_seconds"], "transfer_seconds": med["transfer_seconds"],
+            "update_seconds": med["update_seconds"], "pinned_bytes": plan["pinned_bytes"],
             "warnings": [str(w.message) for w in caught], "stats": stats}
 
 
@@ -246,7 +240,7 @@ def train_loop(args: argparse.Namespace, device: str, timeout: float) -> dict:
     and its I/O overlap hides behind a backward that leaves the host's cores free."""
     from tiermem.io import io_uring_status
 
-    out = Path(args.out).with_name("train_loop_" + Path(args.out).name)
+    out = Path(args.json).with_name("train_loop_" + Path(args.json).name)
     size = (["--dim", "64", "--heads", "2", "--layers", "1", "--vocab", "128", "--seq", "16",
              "--partition-size", "64KiB", "--buffers", "3", "--prefetch", "1"]
             if args.smoke else ["--seq", "256"])
@@ -264,16 +258,16 @@ def train_loop(args: argparse.Namespace, device: str, timeout: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # --out, not --json: gpu_session.sh and docs/gpu.md name it so.
+    ap = parser(__doc__, json_name="gpu_check.json", json_flags=("--out",))
     ap.add_argument("--swap-dir", default=os.environ.get("TMPDIR", "/tmp"),
                     help="where the NVMe-tier swap files go (default $TMPDIR or /tmp)")
-    ap.add_argument("--params", type=parse_count, default=parse_count("2B"),
+    ap.add_argument("--params", type=parse_count, default="2B",
                     help="parameters of the big model, e.g. 2B, 250M (default 2B)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--parity-steps", type=int, default=3)
-    ap.add_argument("--partition-size", type=parse_size, default=parse_size("256MiB"))
+    ap.add_argument("--partition-size", type=parse_size, default="256MiB")
     ap.add_argument("--buffers", type=int, default=6)
-    ap.add_argument("--out", default=str(HERE / "results" / "gpu_check.json"))
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes on the CPU emulation of the device (no GPU needed)")
     ap.add_argument("--no-tests", action="store_true", help="skip the CUDA pytest run")
@@ -283,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds the whole run may take (0: no limit): the child runs get "
                          "timeouts from what is left, and (d) is skipped with under 90 s")
     args = ap.parse_args(argv)
-    args.started = time.monotonic()
+    args.started, args.argv = time.monotonic(), argv
 
     import torch
 
@@ -319,22 +313,21 @@ def _left(args: argparse.Namespace, most: float) -> float:
 def _run(args: argparse.Namespace, device: str) -> int:
     import torch
 
-    result = {"machine": machine_facts(), "revision": git_revision(REPO),
-              "torch": torch.__version__, "device": device, "smoke": args.smoke,
+    result = {**run_header("gpu_check", args.argv), "device": device, "smoke": args.smoke,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None}
 
     def save() -> None:  # after every phase: a run cut short keeps what it measured
-        write_json(args.out, result)
+        write_json(args.json, result)
 
     result["parity"] = parity(args, device)
-    print(markdown_table(
+    show_table(
         ["tier mix", "step_device", "overlap", "max abs err", "max rel err", "bitwise",
          "expected", "status"],
         [[r["mix"], r["step_device"], "on" if r["overlap"] else "off",
           f"{r.get('max_abs_err', 0):.3g}", f"{r.get('max_rel_err', 0):.3g}",
           r.get("bitwise", "-"), r.get("expected", "-"),
           r["status"] + (f" ({r['why']})" if "why" in r else "")]
-         for r in result["parity"]]), flush=True)
+         for r in result["parity"]])
     save()
     if device == "cuda" and not args.no_tests:
         result["cuda_tests"] = cuda_tests(_left(args, 180))
@@ -345,14 +338,14 @@ def _run(args: argparse.Namespace, device: str) -> int:
     for sd in STEP_DEVICES:
         r = big_model(args, device, sd)
         result["big_model"].append(r)
-        print(markdown_table(
+        show_table(
             ["step_device", "params", "state on NVMe", "step s", "H2D GB/s", "D2H GB/s",
              "NVMe read GB/s", "NVMe write GB/s", "stall s"],
             [[r["step_device"], f"{r['params']:,}",
               f"{r['state_bytes_nvme'] / 2**30:.1f} GiB",
               f"{r['steady_step_seconds']:.2f}", f"{r['h2d_gbps']:.2f}",
               f"{r['d2h_gbps']:.2f}", f"{r['nvme_read_gbps']:.2f}",
-              f"{r['nvme_write_gbps']:.2f}", f"{r['stall_seconds']:.2f}"]]), flush=True)
+              f"{r['nvme_write_gbps']:.2f}", f"{r['stall_seconds']:.2f}"]])
         for w in r["warnings"]:
             print(f"  warning: {w}")
         save()
@@ -368,7 +361,7 @@ def _run(args: argparse.Namespace, device: str) -> int:
             f"(rounds {', '.join(f'{x:.3f}' for x in tl['ratio_per_round'])}; goal "
             f"{tl['goal']})" if tl.get("ratio") is not None else tl["summary"]), flush=True)
         save()
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {args.json}")
     bad = [r for r in result["parity"] if r["status"] == "MISMATCH"]
     # A child run fails by its exit code or its timeout; train_loop skipped for time does not.
     failed = [k for k in ("cuda_tests", "train_loop") if k in result and (

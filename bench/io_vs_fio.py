@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import gc
 import json
 import logging
@@ -46,16 +45,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-try:
-    from bench import _report
-except ImportError:  # run as a script from elsewhere: bench/ is sys.path[0]
-    import _report
-
-from tiermem.io.buffers import aligned_empty
+from _harness import (format_size, parse_size, parser, ratio, ratio_text, run_header, save,
+                      settings, show_table)
 from tiermem.io import IOEngine
+from tiermem.io.buffers import aligned_empty
 from tiermem.sysinfo import mount_of
 
-REPO = Path(__file__).resolve().parent.parent
 OPS = ("write", "read")
 FIO = "fio"
 URING = "tiermem io_uring"
@@ -89,11 +84,10 @@ class Measurement:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line settings; sizes accept strings such as 4GiB or 512MiB."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=_report.parse_size, default="4GiB",
+    p = parser(__doc__, json_name="io_vs_fio.json", quick={"size": "512MiB", "rounds": 1})
+    p.add_argument("--size", type=parse_size, default="4GiB",
                    help="bytes written and read per pass (default 4GiB)")
-    p.add_argument("--block-size", type=_report.parse_size, default="1MiB",
+    p.add_argument("--block-size", type=parse_size, default="1MiB",
                    help="bytes per I/O (default 1MiB)")
     p.add_argument("--depths", type=_int_list, default="8,32",
                    help="comma-separated queue depths (default 8,32)")
@@ -102,9 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--directory", type=Path, default=Path("/var/tmp/tiermem-bench"),
                    help="where the data file goes; a local disk filesystem that takes "
                         "O_DIRECT (default /var/tmp/tiermem-bench)")
-    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "io_vs_fio.json",
-                   help="where the results go (default bench/results/io_vs_fio.json)")
-    p.add_argument("--chunk", type=_report.parse_size, default=None,
+    p.add_argument("--chunk", type=parse_size, default=None,
                    help="bytes per engine request; the engine cuts it into block-size "
                         "pieces (default: depth x block size / inflight, so the engine's "
                         "buffers span as much memory as fio's, depth x block size: this "
@@ -113,7 +105,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inflight", type=int, default=4,
                    help="engine requests kept outstanding so the queue never drains "
                         "between them; also the number of buffers (default 3)")
-    p.add_argument("--deepspeed-chunk", type=_report.parse_size, default="64MiB",
+    p.add_argument("--deepspeed-chunk", type=parse_size, default="64MiB",
                    help="bytes per aio_handle request (default 64MiB: it submits each "
                         "request whole, and small ones cost it dearly)")
     p.add_argument("--no-deepspeed", action="store_true",
@@ -513,8 +505,7 @@ def summarize(results: Sequence[Measurement]) -> list[dict[str, Any]]:
         ds = medians.get((DEEPSPEED, depth, op))
         row = {"tool": tool, "depth": depth, "op": op, "gbps_median": gbps,
                "gbps_rounds": groups[tool, depth, op],
-               "vs_fio": gbps / fio if fio else None,
-               "vs_deepspeed": gbps / ds if ds else None}
+               "vs_fio": ratio(gbps, fio), "vs_deepspeed": ratio(gbps, ds)}
         if tool in ENGINE_TOOLS:
             row["meets_fio_goal"] = row["vs_fio"] is not None and row["vs_fio"] >= GOAL_VS_FIO
             row["meets_deepspeed_goal"] = (None if ds is None
@@ -528,12 +519,10 @@ def summarize(results: Sequence[Measurement]) -> list[dict[str, Any]]:
 def _ratio_cell(ratio: float | None, goal: float, is_engine: bool, missing: str) -> str:
     if ratio is None:
         return missing
-    if not is_engine:
-        return f"{ratio:.2f}"
-    return f"{ratio:.2f} {'ok' if ratio >= goal else 'MISS'}"
+    return ratio_text(ratio) + ("" if not is_engine else " ok" if ratio >= goal else " MISS")
 
 
-def render_table(summary: Sequence[dict[str, Any]], deepspeed_status: str) -> str:
+def show_results(summary: Sequence[dict[str, Any]], deepspeed_status: str) -> str:
     """The markdown table printed and pasted into docs/io-benchmark.md."""
     ds_missing = "n/a" if deepspeed_status == "measured" else deepspeed_status
     rows = [[r["tool"], r["depth"], r["op"], f"{r['gbps_median']:.2f}",
@@ -541,7 +530,8 @@ def render_table(summary: Sequence[dict[str, Any]], deepspeed_status: str) -> st
              _ratio_cell(r["vs_deepspeed"], GOAL_VS_DEEPSPEED, r["tool"] in ENGINE_TOOLS,
                          ds_missing)]
             for r in summary]
-    return _report.markdown_table(
+    print()
+    return show_table(
         ["backend/tool", "depth", "op", "GB/s (median)", f"vs fio (goal >= {GOAL_VS_FIO})",
          f"vs DeepSpeed aio (goal >= {GOAL_VS_DEEPSPEED})"], rows)
 
@@ -610,7 +600,7 @@ def run_with_tools(args: argparse.Namespace, aio: Any, path: Path,
                                        args.inflight, args.deepspeed_threads)
             facts["deepspeed_buffers"] = ("new_cpu_locked_tensor: posix_memalign + mlock, "
                                           "4 KiB pages")
-        print(f"engine buffers: {args.inflight} x {_report.format_size(max_chunk(args))}, "
+        print(f"engine buffers: {args.inflight} x {format_size(max_chunk(args))}, "
               f"pages={facts['engine_buffers']['pages']}, registered={registered}", flush=True)
         facts["fill"] = fill_file(engines[URING, max(args.depths)], path, args.size, buffers)
         tools = build_tools(args, path, engines, deepspeed, buffers, reservation)
@@ -619,13 +609,13 @@ def run_with_tools(args: argparse.Namespace, aio: Any, path: Path,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started = _dt.datetime.now(_dt.timezone.utc)
+    header = run_header("io_vs_fio", argv)
     aio, ds_info = (None, {"status": "skipped (--no-deepspeed)"}) if args.no_deepspeed \
         else load_deepspeed_aio()  # before reserving pages: it may compile for minutes
-    facts = {**_report.machine_facts(), **file_system_facts(args.directory),
-             "thp": thp_setting(), "fio": fio_version(), "torch": torch.__version__,
-             "tiermem_git": _report.git_revision(REPO), "deepspeed": ds_info,
-             "fio_buffers": "--mem=mmaphuge: anonymous MAP_HUGETLB mapping"}
+    facts = header["machine"]  # what the run finds out about the machine goes there too
+    facts.update(**file_system_facts(args.directory), thp=thp_setting(), fio=fio_version(),
+                 deepspeed=ds_info,
+                 fio_buffers="--mem=mmaphuge: anonymous MAP_HUGETLB mapping")
     try:
         with terminate_as_interrupt():
             results = measure_all(args, aio, facts)
@@ -634,26 +624,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               "data file removed, no results written", file=sys.stderr)
         return 130
     summary = summarize(results)
-    table = render_table(summary, ds_info["status"])
-    print()
-    print(table)
+    table = show_results(summary, ds_info["status"])
     print(f"\nGB/s = 1e9 bytes/s; median of {args.rounds} round(s); "
-          f"{_report.format_size(args.size)} per pass, {_report.format_size(args.block_size)} "
+          f"{format_size(args.size)} per pass, {format_size(args.block_size)} "
           f"blocks; engine buffers: {facts['engine_buffers']['pages']} pages; "
           f"DeepSpeed aio: {ds_info['status']}")
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    out = _report.write_json(args.json, {
-        "benchmark": "io_vs_fio",
-        "started": started.isoformat(timespec="seconds"),
-        "command": shlex.join(sys.argv if argv is None else ["io_vs_fio.py", *argv]),
-        "settings": settings,
-        "goals": {"vs_fio": GOAL_VS_FIO, "vs_deepspeed": GOAL_VS_DEEPSPEED},
-        "machine": facts,
-        "rounds": [{**asdict(m), "gbps": m.gbps} for m in results],
-        "medians": summary,
-        "table": table,
-    })
-    print(f"results: {out}")
+    save(args.json, header, settings=settings(args),
+         goals={"vs_fio": GOAL_VS_FIO, "vs_deepspeed": GOAL_VS_DEEPSPEED},
+         rounds=[{**asdict(m), "gbps": m.gbps} for m in results], medians=summary,
+         table=table)
     return 0
 
 

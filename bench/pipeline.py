@@ -24,18 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _report import fio_layout, markdown_table, parse_size, write_json  # noqa: E402
+from _harness import (add_phase_args, add_pipeline_args, fio_layout, goal_text,
+                      offload_config, parse_count, parse_size, parser, peak_rss, run_header,
+                      run_phase, save, serve_phase, settings, show_table, stat_medians,
+                      steady, time_calls)
 
 TENSOR_ELEMS = 1 << 24  # 16M-element parameters: large enough that per-tensor overhead is nil
 
@@ -56,22 +53,14 @@ def _model(n_params: int, seed: int = 0, tensor_elems: int = TENSOR_ELEMS):
     return params
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def phase_memory(args: argparse.Namespace) -> dict:
     """Compute floor: torch's fused AdamW with all state in RAM."""
     import torch
 
     params = _model(args.params)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return {"step_seconds": times, "steady": statistics.median(times[1:] or times)}
+    times = time_calls(opt.step, args.steps)["seconds"]
+    return {"step_seconds": times, "steady": statistics.median(steady(times))}
 
 
 def phase_tiermem(args: argparse.Namespace) -> dict:
@@ -81,38 +70,24 @@ def phase_tiermem(args: argparse.Namespace) -> dict:
     import tiermem
 
     params = _model(args.params)
-    base_rss = _peak_rss()
+    base_rss = peak_rss()
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
-    cfg = {
-        "swap": {"paths": [args.swap_dir], "checksums": args.checksums == "on"},
-        "io": {"backend": args.backend, "queue_depth": args.queue_depth,
-               "block_size": args.block_size},
-        "tiers": {"host": {"capacity": 0}},
-        "pipeline": {"partition_size": args.partition_size, "buffer_count": args.buffers,
-                     "prefetch_depth": args.prefetch},
-        "optimizer": {"kernel": args.kernel, "state_dtype": args.state_dtype[0]},
-    }
+    cfg = offload_config(args, state_dtype=args.state_dtype[0])
     with tiermem.offload(opt, cfg, name="bench-pipeline") as tm:
         plan = tm.plan()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
+        times = time_calls(opt.step, args.steps)["seconds"]
         stats = tm.stats()
-        peak = _peak_rss()
+        peak = peak_rss()
         tm.discard()  # the state is not needed: skip gathering 8 GB back into RAM
-    steady = stats[1:] or stats
+    med = stat_medians(steady(stats), ("read_bytes", "write_bytes", "stall_seconds",
+                                       "update_seconds", "overlap"))
     return {
         "plan": plan, "step_seconds": times, "stats": stats,
         "state_bytes": plan["state_bytes"]["nvme"],
-        "steady": statistics.median(times[1:] or times),
-        "read_bytes": statistics.median(sum(s["read_bytes"].values()) for s in steady),
-        "write_bytes": statistics.median(sum(s["write_bytes"].values()) for s in steady),
-        "stall": statistics.median(s["stall_seconds"] for s in steady),
-        "update": statistics.median(s["update_seconds"] for s in steady),
-        "overlap": statistics.median(s["overlap"] for s in steady),
-        "peak_rss": peak, "rss_before_offload": base_rss,
+        "steady": statistics.median(steady(times)),
+        "read_bytes": med["read_bytes"], "write_bytes": med["write_bytes"],
+        "stall": med["stall_seconds"], "update": med["update_seconds"],
+        "overlap": med["overlap"], "peak_rss": peak, "rss_before_offload": base_rss,
     }
 
 
@@ -174,36 +149,19 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
             "read_gbps": gbps["read"], "write_gbps": gbps["write"]}
 
 
-def _run_phase(name: str, argv: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, __file__, "--phase", name, "--phase-out", out.name,
-                        *argv], check=True)
-        return json.loads(Path(out.name).read_text())
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, json_name="pipeline.json", quick={"params": "200M", "steps": 3})
     p.add_argument("--params", default="1B", help="parameter count, e.g. 1B, 250M")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--swap-dir", default="/var/tmp/tiermem-bench")
-    p.add_argument("--backend", default="io_uring", choices=["io_uring", "threads"])
-    p.add_argument("--queue-depth", type=int, default=32)
-    p.add_argument("--block-size", default="1MiB")
-    p.add_argument("--partition-size", default="128MiB")
-    p.add_argument("--buffers", type=int, default=8)
-    p.add_argument("--prefetch", type=int, default=4)
-    p.add_argument("--checksums", choices=["on", "off"], default="on",
-                   help="swap.checksums for the tiermem step (default on, as shipped)")
+    # bf16 state always runs the native kernel.
+    add_pipeline_args(p, swap_dir="/var/tmp/tiermem-bench", partition_size="128MiB",
+                      buffers=8, prefetch=4, kernels=("fused", "native"))
     p.add_argument("--checksum-cost", action="store_true",
                    help="also run the tiermem step with checksums off and report the cost")
-    p.add_argument("--kernel", default="fused", choices=["fused", "native"],
-                   help="optimizer.kernel (bf16 state always runs the native kernel)")
     p.add_argument("--state-dtype", default="fp32",
                    help="optimizer.state_dtype, or a comma list (fp32,bf16) to time each in "
                         "this run; the floors are measured for the first")
-    p.add_argument("--json", default=str(HERE / "results" / "pipeline.json"))
-    p.add_argument("--phase", help=argparse.SUPPRESS)
-    p.add_argument("--phase-out", help=argparse.SUPPRESS)
+    add_phase_args(p)
     a = p.parse_args(argv)
     a.params_text, a.params = a.params, parse_count(a.params)
     a.state_dtype = a.state_dtype.split(",")
@@ -213,37 +171,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def parse_count(text: str) -> int:
-    """'1B' -> 10**9, '250M' -> 250 * 10**6, '1.5B', '4096'."""
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-    t = text.strip().upper()
-    if t and t[-1] in scale:
-        return int(float(t[:-1]) * scale[t[-1]])
-    return int(t)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.phase:
-        result = {"memory": phase_memory, "tiermem": phase_tiermem}[args.phase](args)
-        Path(args.phase_out).write_text(json.dumps(result, default=str))
+    if serve_phase(args, {"memory": phase_memory, "tiermem": phase_tiermem}):
         return 0
+    header = run_header("pipeline", argv)
     raw = sys.argv[1:] if argv is None else list(argv)
     os.makedirs(args.swap_dir, exist_ok=True)
     by_dtype = {}
     for dt in args.state_dtype:
-        by_dtype[dt] = _run_phase("tiermem", raw + ["--state-dtype", dt])
+        by_dtype[dt] = run_phase(__file__, "tiermem", raw + ["--state-dtype", dt])
         print(f"tiermem steps, {dt} state: "
               f"{[round(t, 2) for t in by_dtype[dt]['step_seconds']]} s", flush=True)
     first = args.state_dtype[0]
     tm = by_dtype[first]
     bare = None
     if args.checksum_cost:
-        bare = _run_phase("tiermem", [a for a in raw if a != "--checksum-cost"]
+        bare = run_phase(__file__, "tiermem", [a for a in raw if a != "--checksum-cost"]
                           + ["--checksums", "off", "--state-dtype", first])
         print(f"tiermem steps, checksums off: {[round(t, 2) for t in bare['step_seconds']]} s",
               flush=True)
-    mem = _run_phase("memory", raw)
+    mem = run_phase(__file__, "memory", raw)
     print(f"in-memory steps: {[round(t, 2) for t in mem['step_seconds']]} s", flush=True)
     fio = phase_fio(args, int(tm["read_bytes"]), int(tm["write_bytes"]))
     floor = max(fio["seconds"], mem["steady"])
@@ -266,31 +214,30 @@ def main(argv=None) -> int:
             step_row(f"tiermem step (NVMe, {dt} state)", by_dtype[dt]),
             [f"{dt} / {first} state step", f"{ratio:.3f}",
              f"state bytes {by_dtype[dt]['state_bytes'] / tm['state_bytes']:.2f}x"
-             + ("; goal <= 0.6: " + ("met" if ratio <= 0.6 else "NOT met")
+             + ("; goal <= 0.6: " + goal_text(ratio, 0.6)
                 if (first, dt) == ("fp32", "bf16") else "")])),
         ["I/O floor (fio, concurrent r+w)", f"{fio['seconds']:.2f} s",
          f"read {fio['read_gbps']:.2f} GB/s, write {fio['write_gbps']:.2f} GB/s "
          f"({fio['variant']}; " + ", ".join(f"{k}: {v['seconds']:.2f} s"
                                             for k, v in fio["variants"].items()) + ")"],
         ["compute floor (in-memory fused AdamW)", f"{mem['steady']:.2f} s", ""],
-        ["step / max(floors)", f"{ratio:.3f}", "goal <= 1.10: " + ("met" if ratio <= 1.10 else "NOT met")],
+        ["step / max(floors)", f"{ratio:.3f}", "goal <= 1.10: " + goal_text(ratio, 1.10)],
         *([["checksums cost", f"{tm['steady'] / bare['steady'] - 1:+.1%}",
             f"step {bare['steady']:.2f} s with checksums off, {tm['steady']:.2f} s on "
             f"(goal < 5%)"]] if bare else []),
         ["peak RSS", f"{tm['peak_rss'] / 2**30:.2f} GiB",
          f"bound weights+grads+buffers+10% = {rss_bound / 2**30:.2f} GiB: "
-         + ("met" if tm["peak_rss"] <= rss_bound else "NOT met")],
+         + goal_text(tm["peak_rss"], rss_bound)],
     ]
-    print(f"\n{args.params_text} fp32 parameters, {first} state on NVMe: "
-          f"{tm['plan']['state_bytes']['nvme'] / 1e9:.2f} GB in {tm['plan']['partitions']} "
-          f"partitions, pinned {buffers / 2**30:.2f} GiB, {args.backend}, "
-          f"bs {args.block_size}, qd {args.queue_depth}\n")
-    print(markdown_table(["what", "time", "detail"], rows))
-    write_json(args.json, {"args": vars(args), "tiermem": tm, "tiermem_no_checksums": bare,
-                           "tiermem_by_state_dtype": by_dtype,
-                           "state_dtype_ratios": dtype_ratios, "memory": mem, "fio": fio,
-                           "ratio": ratio, "rss_bound": rss_bound})
-    print(f"\nwrote {args.json}")
+    table = show_table(["what", "time", "detail"], rows, title=(
+        f"\n{args.params_text} fp32 parameters, {first} state on NVMe: "
+        f"{tm['plan']['state_bytes']['nvme'] / 1e9:.2f} GB in {tm['plan']['partitions']} "
+        f"partitions, pinned {buffers / 2**30:.2f} GiB, {args.backend}, "
+        f"bs {args.block_size}, qd {args.queue_depth}\n"))
+    print()
+    save(args.json, header, args=settings(args), tiermem=tm, tiermem_no_checksums=bare,
+         tiermem_by_state_dtype=by_dtype, state_dtype_ratios=dtype_ratios, memory=mem,
+         fio=fio, ratio=ratio, rss_bound=rss_bound, table=table)
     return 0
 
 

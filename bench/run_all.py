@@ -31,11 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-import _report  # noqa: E402
+from _harness import HERE, REPO, markdown_table, parser, ratio_text, run_header, write_json
 
 BENCHMARKS = ("io", "pipeline", "adam", "overlap")
 SCRIPTS = {"io": "io_vs_fio.py", "pipeline": "pipeline.py", "adam": "adam.py",
@@ -44,14 +40,10 @@ TITLES = {"io": "I/O engine against fio (bench/io_vs_fio.py)",
           "pipeline": "Offloaded step against its floors (bench/pipeline.py)",
           "adam": "Adam step on the CPU (bench/adam.py)",
           "overlap": "Update overlapped with backward (bench/train_loop.py)"}
-# Each script's own flags (read from its argparse): BASE_ARGS always, then QUICK_ARGS with
-# --quick; a full run is otherwise the script's defaults.
-BASE_ARGS = {"overlap": ["--threads", "1", "--batch", "1", "--iters", "4", "--rounds", "5"]}
-QUICK_ARGS = {"io": ["--size", "512MiB", "--rounds", "1"],
-              "pipeline": ["--params", "200M", "--steps", "3"],
-              "adam": ["--params", "10M"],
-              "overlap": ["--dim", "512", "--layers", "4", "--vocab", "4096",
-                          "--partition-size", "8MiB", "--iters", "2", "--rounds", "2"]}
+# Each script's own flags (read from its argparse): BASE_ARGS always, then FULL_ARGS, or
+# --quick (each script's own small sizes); a full run is otherwise the script's defaults.
+BASE_ARGS = {"overlap": ["--threads", "1", "--batch", "1"]}
+FULL_ARGS = {"overlap": ["--iters", "4", "--rounds", "5"]}
 # Environment per benchmark: OpenMP threads that spin while waiting would take the core
 # the overlapped update runs on (docs/tuning.md measures with this).
 ENV = {"overlap": {"OMP_WAIT_POLICY": "PASSIVE"}}
@@ -60,11 +52,10 @@ VARIES = ("Figures vary by up to 25% from run to run on this shared machine; onl
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, json_name=None, json_flags=())
     p.add_argument("--quick", action="store_true",
-                   help="small sizes: io 512MiB 1 round, pipeline 200M params 3 steps, "
-                        "adam 10M params, overlap a 15M-parameter model 2 rounds")
+                   help="each script with --quick: io 512MiB 1 round, pipeline 200M params "
+                        "3 steps, adam 10M params, overlap a 15M-parameter model 2 rounds")
     p.add_argument("--only", default=",".join(BENCHMARKS),
                    help="comma-separated subset of io,pipeline,adam,overlap (default all)")
     p.add_argument("--out", type=Path, default=None,
@@ -85,7 +76,7 @@ def run_one(name: str, quick: bool, out: Path) -> dict[str, Any]:
     """Run one benchmark script, echoing its output and keeping it in <out>/<name>.log."""
     json_path = out / f"{Path(SCRIPTS[name]).stem}.json"
     argv = [sys.executable, str(HERE / SCRIPTS[name]), *BASE_ARGS.get(name, []),
-            *(QUICK_ARGS[name] if quick else []), "--json", str(json_path)]
+            *(["--quick"] if quick else FULL_ARGS.get(name, [])), "--json", str(json_path)]
     shown_json = (os.path.relpath(json_path, REPO) if json_path.resolve().is_relative_to(REPO)
                   else str(json_path))
     extra_env = {k: os.environ.get(k, v) for k, v in ENV.get(name, {}).items()}
@@ -133,10 +124,6 @@ def run_one(name: str, quick: bool, out: Path) -> dict[str, Any]:
 # -- figures beside their references ---------------------------------------------------------
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "n/a" if a is None or not b else f"{a / b:.2f}"
-
-
 def io_figures(d: dict) -> list[list[str]]:
     """Each tiermem backend beside fio (and DeepSpeed aio) at the same depth and op."""
     med = {(r["tool"], r["depth"], r["op"]): r["gbps_median"] for r in d["medians"]}
@@ -150,7 +137,7 @@ def io_figures(d: dict) -> list[list[str]]:
                 continue
             rows.append([f"{r['tool']} qd{r['depth']} {r['op']}", f"{r['gbps_median']:.2f} GB/s",
                          f"{ref} qd{r['depth']} {r['op']}", f"{ref_v:.2f} GB/s",
-                         _ratio(r["gbps_median"], ref_v)])
+                         ratio_text(r["gbps_median"], ref_v)])
     return rows
 
 
@@ -161,14 +148,14 @@ def pipeline_figures(d: dict) -> list[list[str]]:
     step = f"{tm:.2f} s"
     return [
         ["tiermem step (NVMe)", step, "I/O floor (fio, concurrent r+w)", f"{fio:.2f} s",
-         _ratio(tm, fio)],
+         ratio_text(tm, fio)],
         ["tiermem step (NVMe)", step, "compute floor (in-memory fused AdamW)", f"{mem:.2f} s",
-         _ratio(tm, mem)],
+         ratio_text(tm, mem)],
         ["tiermem step (NVMe)", step, "max(floors), goal ratio <= 1.10", f"{floor:.2f} s",
-         _ratio(tm, floor)],
+         ratio_text(tm, floor)],
         ["peak RSS", f"{d['tiermem']['peak_rss'] / 2**30:.2f} GiB",
          "weights + grads + buffers + 10%", f"{d['rss_bound'] / 2**30:.2f} GiB",
-         _ratio(d["tiermem"]["peak_rss"], d["rss_bound"])],
+         ratio_text(d["tiermem"]["peak_rss"], d["rss_bound"])],
     ]
 
 
@@ -188,7 +175,7 @@ def adam_figures(d: dict) -> list[list[str]]:
                 rows.append([f"{tm['implementation']} {dtype} {params}",
                              f"{tm['ns_per_param']:.3f} ns/param", ref["implementation"],
                              f"{ref['ns_per_param']:.3f} ns/param",
-                             _ratio(tm["ns_per_param"], ref["ns_per_param"])])
+                             ratio_text(tm["ns_per_param"], ref["ns_per_param"])])
     return rows
 
 
@@ -210,7 +197,7 @@ def overlap_figures(d: dict) -> list[list[str]]:
         ["overlapped iteration", it, "CPU floor ((fwd+bwd + step CPU time) / cores)",
          f"{d['cpu_floor']:.3f} s", f"{d['ratio_cpu_floor']:.3f}"],
         ["overlapped iteration", it, "no overlap", f"{med['no_overlap']:.3f} s",
-         _ratio(med["overlap"], med["no_overlap"])],
+         ratio_text(med["overlap"], med["no_overlap"])],
         ["overlap, state in host memory", f"{med['overlap_host']:.3f} s", "fwd+bwd paired",
          f"{d['fwd_bwd_paired']:.3f} s", f"{d['ratio_host']:.3f}"],
     ]
@@ -219,25 +206,6 @@ def overlap_figures(d: dict) -> list[list[str]]:
 
 FIGURES = {"io": io_figures, "pipeline": pipeline_figures, "adam": adam_figures,
            "overlap": overlap_figures}
-
-
-def last_table(lines: Sequence[str]) -> str | None:
-    """The last markdown table a script printed (pipeline.py does not put it in its JSON)."""
-    blocks, cur = [], []
-    for line in lines:
-        if line.startswith("|"):
-            cur.append(line)
-        elif cur:
-            blocks.append(cur)
-            cur = []
-    if cur:
-        blocks.append(cur)
-    return "\n".join(blocks[-1]) if blocks else None
-
-
-def table_of(res: dict) -> str | None:
-    data = res["data"] or {}
-    return data.get("table") or last_table(res["output_tail"])
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -251,7 +219,7 @@ def render_report(run: dict, results: list[dict]) -> str:
         "",
         f"Run {run['started']} to {run['finished']} (UTC), {run['seconds'] / 60:.1f} min, "
         f"{'--quick' if run['quick'] else 'full sizes'}; command `{run['command']}`; "
-        f"tiermem {run['tiermem_git']}.",
+        f"tiermem {run['revision']}, torch {run['torch']}.",
         "",
         f"Machine: {m.get('cpu_model')}, {m.get('cpus')} CPUs, "
         f"{mem / 2**30:.1f} GiB RAM, {m.get('os')}, kernel {m.get('kernel')}, "
@@ -270,7 +238,7 @@ def render_report(run: dict, results: list[dict]) -> str:
                     f"({os.path.basename(res['log'])}):", "", "```",
                     *res["output_tail"][-30:], "```"]
             continue
-        table = table_of(res)
+        table = (res["data"] or {}).get("table")
         out += [table if table else "(no table printed)", ""]
         try:
             rows = FIGURES[res["name"]](res["data"])
@@ -279,34 +247,24 @@ def render_report(run: dict, results: list[dict]) -> str:
         else:
             note = "" if rows else "(no figure with a reference in this run)"
         out += ["Each figure beside its reference from the same run:", ""]
-        out += [_report.markdown_table(["figure", "value", "reference", "value", "ratio"], rows)
+        out += [markdown_table(["figure", "value", "reference", "value", "ratio"], rows)
                 if rows else note]
     return "\n".join(out) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started = _dt.datetime.now(_dt.timezone.utc)
+    run = run_header("run_all", argv)
+    started = _dt.datetime.fromisoformat(run["started"])
     out = (args.out or HERE / "results" / started.strftime("%Y%m%dT%H%M%SZ")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     results = [run_one(name, args.quick, out) for name in args.only]
-    finished = _dt.datetime.now(_dt.timezone.utc)
-    run = {
-        "benchmark": "run_all",
-        "started": started.isoformat(timespec="seconds"),
-        "finished": finished.isoformat(timespec="seconds"),
-        "seconds": time.monotonic() - t0,
-        "command": shlex.join(["python3", "bench/run_all.py",
-                               *(sys.argv[1:] if argv is None else argv)]),
-        "quick": args.quick,
-        "only": args.only,
-        "tiermem_git": _report.git_revision(REPO),
-        "machine": _report.machine_facts(),
-    }
+    run.update(finished=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               seconds=time.monotonic() - t0, quick=args.quick, only=args.only)
     report = render_report(run, results)
     (out / "report.md").write_text(report)
-    _report.write_json(out / "report.json", {
+    write_json(out / "report.json", {
         **run,
         "benchmarks": {r["name"]: {k: v for k, v in r.items() if k not in ("name", "output_tail")}
                        for r in results},

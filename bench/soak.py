@@ -10,23 +10,20 @@ Usage: python bench/soak.py [--steps 2000] [--fault-every 50] [--backend io_urin
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+import torch
 
-import torch  # noqa: E402
+from _harness import REPO, parser, run_header, save, settings, show_table
 
-import tiermem  # noqa: E402
-from _report import markdown_table, write_json  # noqa: E402
-from faults import FailedTransfer  # noqa: E402
+import tiermem  # noqa: E402 - after _harness, which puts this checkout first on sys.path
+
+sys.path.insert(0, str(REPO / "tests"))
+from faults import FailedTransfer  # noqa: E402 - tests/faults.py, the suite's fault injector
 
 
 def _status(key: str) -> int:
@@ -82,15 +79,15 @@ def train(model, opt, steps: int, seed: int = 1) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, json_name="soak.json", quick={"steps": 200})
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--fault-every", type=int, default=50,
                    help="every N-th transfer fails once (0: none)")
     p.add_argument("--backend", default="io_uring", choices=["io_uring", "threads"])
     p.add_argument("--durability", default="scratch", choices=["scratch", "crash_consistent"],
                    help="crash_consistent also commits a manifest after every step")
-    p.add_argument("--json", default=str(HERE / "results" / "soak.json"))
     a = p.parse_args(argv)
+    header = run_header("soak", argv)
     with tempfile.TemporaryDirectory(prefix="tiermem-soak-") as swap:
         cfg = {"swap": {"paths": [swap], "durability": a.durability}, "io": {"backend": a.backend, "retries": 2},
                "tiers": {"host": {"capacity": "256KiB"}},  # mixed: some host, most NVMe
@@ -120,12 +117,11 @@ def main(argv=None) -> int:
     rows += [["faults injected", "", injected, ""],
              ["faults survived", "", survived, ""],
              ["bitwise equal to plain AdamW", "", equal, ""]]
-    print(f"{a.steps} steps in {seconds:.1f} s, {plan['partitions']} partitions "
-          f"({plan['state_bytes']}), backend {a.backend}, durability {a.durability}\n")
-    print(markdown_table(["what", "start", "end", "growth"], rows))
-    write_json(a.json, {"args": vars(a), "start": start, "end": end, "seconds": seconds,
-                        "plan": plan, "faults_injected": injected,
-                        "faults_survived": survived, "bitwise_equal": equal})
+    table = show_table(["what", "start", "end", "growth"], rows, title=(
+        f"{a.steps} steps in {seconds:.1f} s, {plan['partitions']} partitions "
+        f"({plan['state_bytes']}), backend {a.backend}, durability {a.durability}\n"))
+    save(a.json, header, args=settings(a), start=start, end=end, seconds=seconds, plan=plan,
+         faults_injected=injected, faults_survived=survived, bitwise_equal=equal, table=table)
     ok = equal and end["open_fds"] <= start["open_fds"] and survived == injected \
         and end["locked_bytes"] <= start["locked_bytes"]
     print("\nsoak: " + ("OK" if ok else "FAILED"))

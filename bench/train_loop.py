@@ -47,13 +47,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-from _disk_load import DiskLoad, have_fio  # noqa: E402
-from _report import (git_revision, machine_facts, markdown_table, parse_size,  # noqa: E402
-                     write_json)
+from _disk_load import DiskLoad, have_fio
+from _harness import (add_pipeline_args, goal_text, median_over_rounds, offload_config,
+                      paired, parse_size, parser, run_header, save, settings, show_table,
+                      stat_medians, time_calls)
 
 GOAL = 1.15
 
@@ -142,28 +139,22 @@ class Loop:
         return torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.1, **kw)
 
     def config(self, overlap: bool, host: int = 0) -> dict:
-        a = self.args
-        return {"swap": {"paths": [a.swap_dir], "checksums": a.checksums == "on"},
-                "io": {"backend": a.backend, "queue_depth": a.queue_depth,
-                       "block_size": a.block_size},
-                "tiers": {"host": {"capacity": host}},
-                "pipeline": {"partition_size": a.partition_size, "buffer_count": a.buffers,
-                             "prefetch_depth": a.prefetch, "overlap_backward": overlap},
-                "optimizer": {"kernel": a.kernel, "step_device": a.step_device}}
+        return offload_config(self.args, host=host, pipeline={"overlap_backward": overlap},
+                              step_device=self.args.step_device)
 
     # -- variants: each returns per-iteration seconds (warm-up dropped) ------------
 
     def run_fwd_bwd(self, n: int) -> dict:
-        return _timed(n, self.args.warmup, self.fwd_bwd)
+        return time_calls(self.fwd_bwd, n, self.args.warmup)
 
     def run_fwd_bwd_io(self, n: int, load: DiskLoad, read_bps: float,
                        write_bps: float) -> dict:
         """n pairs of (fwd+bwd alone, fwd+bwd while fio reads and writes at these rates)."""
         alone, seconds = [], []
         for _ in range(n):
-            alone.append(_timed(1, 0, self.fwd_bwd)["seconds"][0])
+            alone.append(time_calls(self.fwd_bwd, 1)["seconds"][0])
             with load.running(read_bps, write_bps):
-                seconds.append(_timed(1, 0, self.fwd_bwd)["seconds"][0])
+                seconds.append(time_calls(self.fwd_bwd, 1)["seconds"][0])
         return {"seconds": seconds, "alone": alone, "fio": load.moved[-n:],
                 "asked_gbps": [read_bps / 1e9, write_bps / 1e9]}
 
@@ -174,7 +165,7 @@ class Loop:
             self.fwd_bwd()
             opt.step()
             self.sync()  # a CUDA step returns with its kernels queued
-        out = _timed(n, self.args.warmup, it)
+        out = time_calls(it, n, self.args.warmup)
         opt.state.clear()
         return out
 
@@ -203,11 +194,11 @@ class Loop:
 
             if step_only:
                 self.fwd_bwd()  # gradients in place; the step alone, back to back
-                out = _timed(n, self.args.warmup, lambda: (opt.step(), self.sync()))
+                out = time_calls(lambda: (opt.step(), self.sync()), n, self.args.warmup)
             elif overlap:
                 out = self._paired(n, tm, it)
             else:
-                out = _timed(n, self.args.warmup, it)
+                out = time_calls(it, n, self.args.warmup)
             stats = tm.stats()[self.args.warmup:]
             if trace:
                 from tiermem.telemetry.trace import write_chrome_trace
@@ -217,15 +208,12 @@ class Loop:
         # The timed iterations': paired runs time every second one after the warm-up.
         steady = split[self.args.warmup + 1::2] if overlap and not step_only else (
             split[self.args.warmup:])
+        med = stat_medians(stats, ("read_bytes", "write_bytes", "update_seconds",
+                                   "stall_seconds", "io_seconds", "early_partitions"))
         out.update(
-            plan=plan,
-            read_bytes=statistics.median(sum(s["read_bytes"].values()) for s in stats),
-            write_bytes=statistics.median(sum(s["write_bytes"].values()) for s in stats),
-            update=statistics.median(s["update_seconds"] for s in stats),
-            stall=statistics.median(s["stall_seconds"] for s in stats),
-            io=statistics.median(s["io_seconds"] for s in stats),
-            early=statistics.median(s["early_partitions"] for s in stats),
-            partitions=plan["partitions"],
+            plan=plan, read_bytes=med["read_bytes"], write_bytes=med["write_bytes"],
+            update=med["update_seconds"], stall=med["stall_seconds"], io=med["io_seconds"],
+            early=med["early_partitions"], partitions=plan["partitions"],
             fwd_bwd_part=statistics.median(a for a, _ in steady) if steady else None,
             step_part=statistics.median(b for _, b in steady) if steady else None)
         return out
@@ -254,18 +242,6 @@ class Loop:
             seconds.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         return {"seconds": seconds, "cpu_seconds": cpu, "alone": alone}
-
-
-def _timed(n: int, warmup: int, fn) -> dict:
-    """Per-iteration wall seconds and CPU seconds (every thread of the process: torch's,
-    tiermem's worker and I/O threads)."""
-    times, cpu = [], []
-    for _ in range(warmup + n):
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return {"seconds": times[warmup:], "cpu_seconds": cpu[warmup:]}
 
 
 VARIANTS = ("fwd_bwd", "plain", "step_only", "no_overlap", "overlap", "fwd_bwd_io",
@@ -310,7 +286,9 @@ def auto_batch(loop: Loop, args: argparse.Namespace, most: int = 4096) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, json_name="train_loop.json", quick={
+        "dim": 512, "layers": 4, "vocab": 4096, "partition_size": "8MiB", "iters": 2,
+        "rounds": 2})
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=8)
@@ -329,23 +307,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2,
                    help="iterations dropped per variant and round (the first step only writes)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--swap-dir", default="/var/tmp/tiermem-train-loop")
-    p.add_argument("--backend", default="io_uring", choices=["io_uring", "threads"])
-    p.add_argument("--queue-depth", type=int, default=32)
-    p.add_argument("--block-size", default="1MiB")
-    p.add_argument("--partition-size", default="32MiB")
-    p.add_argument("--buffers", type=int, default=8)
-    p.add_argument("--prefetch", type=int, default=3)
-    p.add_argument("--kernel", default="fused", choices=["fused", "native", "match"])
-    p.add_argument("--checksums", choices=["on", "off"], default="on",
-                   help="swap.checksums (default on, as shipped)")
+    add_pipeline_args(p, swap_dir="/var/tmp/tiermem-train-loop", partition_size="32MiB",
+                      buffers=8, prefetch=3, kernels=("fused", "native", "match"))
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default, one per core)")
     p.add_argument("--only", default="",
                    help="comma-separated variants to run (default all); step_only and "
                         "overlap are needed for the ratio")
     p.add_argument("--trace", help="write a Perfetto trace of the overlapped iterations here")
-    p.add_argument("--json", default=str(HERE / "results" / "train_loop.json"))
     return p.parse_args(argv)
 
 
@@ -353,6 +322,7 @@ def main(argv=None) -> int:
     import torch
 
     args = parse_args(argv)
+    header = run_header("train_loop", argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     Path(args.swap_dir).mkdir(parents=True, exist_ok=True)
@@ -397,33 +367,29 @@ def main(argv=None) -> int:
             load.remove()
     med = {v: statistics.median(t for run in runs[v] for t in run["seconds"]) for v in variants}
 
-    def save(**figures) -> None:
+    def write(**figures) -> None:
         """args.json: the run's set-up, `figures`, and every timing behind them."""
-        write_json(args.json, {"args": vars(args), "machine": machine_facts(),
-                               "revision": git_revision(HERE.parent), "params": loop.n_params,
-                               "batch": loop.batch, "batch_sizing": sizing, **figures,
-                               "runs": runs})
+        save(args.json, header, args=settings(args), params=loop.n_params, batch=loop.batch,
+             batch_sizing=sizing, **figures, runs=runs)
 
     def pair_ratios(v: str, r: int, floor: float = 0.0) -> list[float]:
         """Round r of variant v (overlap, overlap_host or fwd_bwd_io): each of its samples
         over max(the fwd+bwd alone timed just before it, the round's step alone for overlap,
         floor)."""
         step = (statistics.median(runs["step_only"][r]["seconds"]) if v == "overlap" else 0.0)
-        run = runs[v][r]
-        return [b / max(a, step, floor) for a, b in zip(run["alone"], run["seconds"])]
+        return paired(runs[v][r]["seconds"], runs[v][r]["alone"], max(step, floor))
 
     if len(variants) < len(VARIANTS):  # a partial run (--only): figures, no table
         if {"step_only", "overlap"} <= set(variants):
-            per = [pair_ratios("overlap", r) for r in range(args.rounds)]
-            med["ratio"] = statistics.median(x for p in per for x in p)
-            med["ratio_per_round"] = [statistics.median(p) for p in per]
+            med["ratio"], med["ratio_per_round"] = median_over_rounds(
+                [pair_ratios("overlap", r) for r in range(args.rounds)])
         if "fwd_bwd_io" in variants:
-            med["io_slowdown"] = statistics.median(
-                x for r in range(args.rounds) for x in pair_ratios("fwd_bwd_io", r))
+            med["io_slowdown"] = median_over_rounds(
+                [pair_ratios("fwd_bwd_io", r) for r in range(args.rounds)])[0]
             if "ratio" in med:
                 med["ratio_beside_io"] = med["ratio"] / med["io_slowdown"]
         print(json.dumps(med))
-        save(median_seconds=med)
+        write(median_seconds=med)
         return 0
 
     def detail(v: str, key: str) -> float:
@@ -432,12 +398,11 @@ def main(argv=None) -> int:
     # The machine's speed drifts by 10-20% over seconds: each ratio compares an overlapped
     # iteration with the fwd+bwd alone timed just before it; the headline is the median of
     # every pair's.
-    pairs = [pair_ratios("overlap", r) for r in range(args.rounds)]
-    ratio = statistics.median(x for p in pairs for x in p)
-    per_round = [statistics.median(p) for p in pairs]
-    pairs_host = [pair_ratios("overlap_host", r) for r in range(args.rounds)]
-    ratio_host = statistics.median(x for p in pairs_host for x in p)
-    per_round_host = [statistics.median(p) for p in pairs_host]
+    def over_rounds(v: str, floor: float = 0.0) -> tuple[float, list[float]]:
+        return median_over_rounds([pair_ratios(v, r, floor) for r in range(args.rounds)])
+
+    ratio, per_round = over_rounds("overlap")
+    ratio_host, per_round_host = over_rounds("overlap_host")
     # What the cores allow: overlap cannot beat the CPU time of fwd+bwd and of the step
     # spread over every core (the step's Adam, checksums and I/O bookkeeping take cores
     # from backward when backward uses them all).
@@ -445,14 +410,12 @@ def main(argv=None) -> int:
     cpu = {v: statistics.median(c for run in runs[v] for c in run["cpu_seconds"])
            for v in ("fwd_bwd", "step_only", "overlap")}
     cpu_floor = (cpu["fwd_bwd"] + cpu["step_only"]) / cores
-    ratio_cpu = statistics.median(x for r in range(args.rounds)
-                                  for x in pair_ratios("overlap", r, cpu_floor))
+    ratio_cpu = over_rounds("overlap", cpu_floor)[0]
     alone = statistics.median(a for run in runs["overlap"] for a in run["alone"])
     io_rows, io_figures = [], {}
     if "fwd_bwd_io" in variants:
         # What the disk traffic alone costs fwd+bwd (each with fio over the one just before).
-        slow = statistics.median(x for r in range(args.rounds)
-                                 for x in pair_ratios("fwd_bwd_io", r))
+        slow = over_rounds("fwd_bwd_io")[0]
         moved = [m for run in runs["fwd_bwd_io"] for m in run["fio"]]
         gbps = {k: statistics.median([m[f"{k}_bytes"] / m[f"{k}_seconds"] / 1e9
                                       for m in moved if m[f"{k}_seconds"]] or [0.0])
@@ -486,7 +449,7 @@ def main(argv=None) -> int:
         ["fwd+bwd alone, paired", f"{alone:.3f} s",
          "timed just before each overlapped iteration (tiermem idle)"],
         ["overlap / max(fwd+bwd, update+I/O)", f"{ratio:.3f}",
-         f"goal <= {GOAL}: " + ("met" if ratio <= GOAL else "NOT met")
+         f"goal <= {GOAL}: " + goal_text(ratio, GOAL)
          + f"; median of {args.rounds} x {args.iters} pairs; per round "
          f"{', '.join(f'{x:.3f}' for x in per_round)}"],
         ["CPU floor: (fwd+bwd + step CPU time) / cores", f"{cpu_floor:.3f} s",
@@ -501,20 +464,20 @@ def main(argv=None) -> int:
          f"{', '.join(f'{x:.3f}' for x in per_round_host)}): the update's own CPU work "
          "taken from backward"],
     ]
-    print(f"\n{loop.n_params / 1e6:.0f}M {args.dtype} parameters on {loop.device} "
-          f"({args.layers} blocks, d "
-          f"{args.dim}, vocab {args.vocab}), state on NVMe: "
-          f"{plan['state_bytes']['nvme'] / 1e9:.2f} GB in {plan['partitions']} partitions, "
-          f"pinned {plan['pinned_bytes'] / 2**30:.2f} GiB, {args.backend}, kernel "
-          f"{args.kernel}, checksums {args.checksums}, torch threads {torch.get_num_threads()}"
-          + (f", step_device {args.step_device}" if loop.device.type == "cuda" else "") + "\n")
-    print(markdown_table(["what", "per iteration (median)", "detail"], rows))
-    save(median_seconds=med, ratio=ratio, ratio_per_round=per_round, ratio_host=ratio_host,
-         fwd_bwd_paired=alone, cpu_seconds=cpu, cores=cores, cpu_floor=cpu_floor,
-         ratio_cpu_floor=ratio_cpu, ratio_host_per_round=per_round_host,
-         loadavg_before=load_before, loadavg_after=os.getloadavg(), goal=GOAL,
-         **io_figures)
-    print(f"\nwrote {args.json}")
+    table = show_table(["what", "per iteration (median)", "detail"], rows, title=(
+        f"\n{loop.n_params / 1e6:.0f}M {args.dtype} parameters on {loop.device} "
+        f"({args.layers} blocks, d "
+        f"{args.dim}, vocab {args.vocab}), state on NVMe: "
+        f"{plan['state_bytes']['nvme'] / 1e9:.2f} GB in {plan['partitions']} partitions, "
+        f"pinned {plan['pinned_bytes'] / 2**30:.2f} GiB, {args.backend}, kernel "
+        f"{args.kernel}, checksums {args.checksums}, torch threads {torch.get_num_threads()}"
+        + (f", step_device {args.step_device}" if loop.device.type == "cuda" else "") + "\n"))
+    print()
+    write(median_seconds=med, ratio=ratio, ratio_per_round=per_round, ratio_host=ratio_host,
+          fwd_bwd_paired=alone, cpu_seconds=cpu, cores=cores, cpu_floor=cpu_floor,
+          ratio_cpu_floor=ratio_cpu, ratio_host_per_round=per_round_host,
+          loadavg_before=load_before, loadavg_after=os.getloadavg(), goal=GOAL,
+          table=table, **io_figures)
     return 0
 
 
