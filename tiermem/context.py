@@ -18,6 +18,7 @@ from tiermem.config import Settings, load_config
 from tiermem.dist import sharded
 from tiermem.optim.handle import Offload
 from tiermem.optim.offloaded import OffloadedOptimizer
+from tiermem.optim.wrappers import note_unwrapped, unwrap
 from tiermem.signals import held, terminate_as_exception
 
 
@@ -37,6 +38,7 @@ def offload(optimizer: torch.optim.Optimizer,
     initialised, or FSDP2 DTensor parameters) each rank tiers only its share of the state
     (docs/distributed.md).
     """
+    optimizer, unwrapped = unwrap(optimizer)  # AcceleratedOptimizer, LightningOptimizer
     settings = load_config(config)
     if sharded.wanted(optimizer, process_group):  # each rank tiers its share only
         handle: Offload = sharded.DistributedOffload(optimizer, settings, model=model,
@@ -46,6 +48,7 @@ def offload(optimizer: torch.optim.Optimizer,
         settings = sharded.rank_paths(settings, 0, 0)  # {rank} / {local_rank} in one process
         handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name,
                                             resume=resume))
+    note_unwrapped(handle, unwrapped)
     with terminate_as_exception():
         try:
             yield handle
