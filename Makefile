@@ -33,8 +33,10 @@ $(STAMP): $(NATIVE)
 	@$(PYTHON) -c '$(TORCH_OK)' 2>/dev/null || { echo "setup: installing $(TORCH_SPEC)"; \
 	  $(PYTHON) -m pip install -q "$(TORCH_SPEC)"; }
 	@$(PYTHON) -m pip install -q "setuptools>=77" wheel "cffi>=1.15"
-	@echo "setup: building tiermem (native io_uring engine) and its test extras"
-	@$(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
+	@echo "setup: building tiermem (native io_uring engine) and its test and integrations extras"
+	@mkdir -p build   # the integrations extras (lightning, accelerate, transformers) keep the installed torch
+	@$(PYTHON) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > build/torch-constraint.txt
+	@$(PYTHON) -m pip install -q --no-build-isolation -c build/torch-constraint.txt -e ".[test,integrations]"
 	@mkdir -p build && touch $(STAMP)
 
 # 500M fp32 parameters: 4 GB of optimizer state, 2 GiB of it in the default host
