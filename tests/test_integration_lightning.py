@@ -93,8 +93,12 @@ def test_fit_checkpoint_and_resume_equal_plain(tmp_path):
     plain = Tiny(batches=2)
     t_plain = fit(tmp_path / "plain", plain, ckpt_every=2)
     tiered, cb = Tiny(batches=2), TiermemCallback(cfg(tmp_path))
-    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb], ckpt_every=2)
+    probe = Stats(cb)
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb, probe], ckpt_every=2)
     compare((tiered, t_tiered), (plain, t_plain))
+    # the state really lived in the tiers (NVMe) during the fit, not in the optimizer
+    assert probe.plan["state_bytes"]["nvme"] > 0 and probe.live_state == 0
+    assert len(probe.stats) == 4
     assert installed(t_tiered.optimizers[0]) is None and cb.handles == []
     assert listdir(tmp_path / "swap") == []  # state handed back, swap removed
 
@@ -129,10 +133,11 @@ class Stats(L.Callback):
     """tm.stats() just before the fit ends (after it, the block is left)."""
 
     def __init__(self, cb: TiermemCallback) -> None:
-        self.cb, self.stats = cb, None
+        self.cb, self.stats, self.plan, self.live_state = cb, None, None, None
 
     def on_train_end(self, trainer, pl_module):
-        self.stats = self.cb.tm.stats()
+        self.stats, self.plan = self.cb.tm.stats(), self.cb.tm.plan()
+        self.live_state = sum(1 for s in trainer.optimizers[0].state.values() if s)
 
 
 def test_overlap_with_accumulation_equals_plain(tmp_path):
