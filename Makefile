@@ -15,6 +15,7 @@ TORCH_OK := import torch; v = torch.__version__.split("+")[0].split("."); \
 PYTEST_ARGS ?=
 export PIP_ROOT_USER_ACTION := ignore
 STAMP := build/.installed
+ISTAMP := build/.integrations
 NATIVE := $(wildcard native/*.c native/*.h) native/build_native.py setup.py pyproject.toml
 
 .PHONY: setup run test clean
@@ -37,13 +38,21 @@ $(STAMP): $(NATIVE)
 	@$(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
 	@mkdir -p build && touch $(STAMP)
 
+# The framework integrations' tests run against the real packages (lightning, accelerate,
+# transformers); pinning the installed torch keeps pip from swapping in a CUDA build.
+$(ISTAMP): $(STAMP)
+	@echo "setup: installing the integrations extras (lightning, accelerate, transformers)"
+	@$(PYTHON) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > build/torch-constraint.txt
+	@$(PYTHON) -m pip install -q --no-build-isolation -c build/torch-constraint.txt -e ".[test,integrations]"
+	@touch $(ISTAMP)
+
 # 500M fp32 parameters: 4 GB of optimizer state, 2 GiB of it in the default host
 # tier and the rest streamed from ~/.cache/tiermem/swap; every step verified.
 STRESS_ARGS ?= --params 500M --steps 3 --synthetic-grads --verify
 run: setup
 	$(PYTHON) -m tiermem stress $(STRESS_ARGS)
 
-test: setup
+test: setup $(ISTAMP)
 	$(PYTHON) -c "from importlinter.cli import lint_imports_command as c; c()"   # the layer contracts in pyproject.toml
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
 

@@ -18,6 +18,7 @@ from tiermem.config import Settings, load_config
 from tiermem.dist import sharded
 from tiermem.optim.handle import Offload
 from tiermem.optim.offloaded import OffloadedOptimizer
+from tiermem.optim.wrappers import unwrap
 from tiermem.signals import held, terminate_as_exception
 
 
@@ -41,6 +42,7 @@ def offload(optimizer: torch.optim.Optimizer,
     CUDA parameters. `tiermem.device.lanes.DeferredBackend()` makes CPU parameters count
     as device ones and runs every device path on the CPU (tests, smoke runs).
     """
+    optimizer, unwrapped = unwrap(optimizer)  # AcceleratedOptimizer, LightningOptimizer
     settings = load_config(config)
     if sharded.wanted(optimizer, process_group):  # each rank tiers its share only
         handle: Offload = sharded.DistributedOffload(optimizer, settings, model=model,
@@ -51,6 +53,7 @@ def offload(optimizer: torch.optim.Optimizer,
         settings = sharded.rank_paths(settings, 0, 0)  # {rank} / {local_rank} in one process
         handle = Offload(OffloadedOptimizer(optimizer, settings, model=model, swap_name=name,
                                             resume=resume, streams=streams))
+    handle.unwrapped = unwrapped
     with terminate_as_exception():
         try:
             yield handle

@@ -28,6 +28,9 @@ class Offload:
 
     def __init__(self, off: OffloadedOptimizer) -> None:
         self.offloaded = off
+        # The framework wrapper(s) tiermem.offload took the optimizer out of, as
+        # 'a.B -> c.D' (plan() says so), or None.
+        self.unwrapped: str | None = None
         self.kept_on_disk: str | None = None
         self._discard = False
 
@@ -81,7 +84,8 @@ class Offload:
         return {"state_bytes": tiers.tier_bytes(), "pinned_bytes": tiers.pinned_bytes,
                 "swap_bytes": tiers.store.total_bytes if tiers.store else 0,
                 "swap_dirs": tiers.store.dirs if tiers.store else [],
-                "partitions": len(self.offloaded.parts)}
+                "partitions": len(self.offloaded.parts),
+                **({"unwrapped": self.unwrapped} if self.unwrapped else {})}
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap) of the

@@ -1,0 +1,188 @@
+"""tiermem.integrations.lightning.TiermemCallback against the real Lightning Trainer.
+
+Every tiered fit is compared with the same fit without the callback: weights and optimizer
+state bitwise (kernel: match runs the torch kernel the plain AdamW runs), Lightning's own
+checkpoints (ModelCheckpoint) bitwise, and a `ckpt_path=` resume against the plain resume.
+The state streams through NVMe-sized partitions (host tier 0), so a wrong partition,
+a state not loaded on resume, or a step taken twice shows up as a difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+L = pytest.importorskip("lightning.pytorch", reason="lightning is not installed "
+                        "(pip install -e '.[integrations]')")
+
+import tiermem  # noqa: E402
+from tiermem.errors import TierMemError  # noqa: E402
+from tiermem.integrations.lightning import TiermemCallback  # noqa: E402
+from tiermem.optim.hooks import installed  # noqa: E402
+
+from offload_helpers import assert_same_tensor, compare_state_dicts, config, listdir  # noqa: E402
+
+BATCHES = 8
+
+
+class Tiny(L.LightningModule):
+    """Linear -> tanh -> Linear; 1100 hidden units make a few 64 KiB partitions."""
+
+    def __init__(self, fail_at: int | None = None, interrupt: bool = False,
+                 batches: int = BATCHES) -> None:
+        super().__init__()
+        self.batches = batches
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 1100), nn.Tanh(), nn.Linear(1100, 8))
+        self.fail_at = fail_at
+        self.interrupt = interrupt
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at is not None and self.global_step == self.fail_at:
+            raise KeyboardInterrupt if self.interrupt else RuntimeError("boom in step")
+        x, y = batch
+        return (self.net(x) - y).square().mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(4 * self.batches, 16, generator=g),
+                                              torch.randn(4 * self.batches, 8, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=False, num_workers=0)
+
+
+def fit(root: Path, module: Tiny, *, callbacks=(), ckpt_every: int | None = None,
+        ckpt_path: str | None = None, max_steps: int = 4, **trainer_kw) -> L.Trainer:
+    cbs = list(callbacks)
+    if ckpt_every:
+        cbs.append(L.callbacks.ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=ckpt_every,
+                                               save_top_k=-1, filename="{step}"))
+    trainer = L.Trainer(default_root_dir=root, accelerator="cpu", devices=1, max_steps=max_steps,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=bool(ckpt_every), num_sanity_val_steps=0,
+                        callbacks=cbs, **trainer_kw)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def compare(a: tuple[Tiny, L.Trainer], b: tuple[Tiny, L.Trainer]) -> None:
+    """Weights and (handed back) optimizer state bitwise equal."""
+    (ma, ta), (mb, tb) = a, b
+    for (name, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+    compare_state_dicts(ta.optimizers[0].state_dict(), tb.optimizers[0].state_dict())
+
+
+def cfg(tmp_path: Path, **pipeline) -> dict:
+    c = config(tmp_path / "swap", host=0, kernel="match")
+    c["pipeline"].update(pipeline)
+    return c
+
+
+def test_fit_checkpoint_and_resume_equal_plain(tmp_path):
+    # Epochs of 2 batches: the step-2 checkpoint ends an epoch, so a resume from it sees the
+    # same batches as the full fit (Lightning cannot resume a plain DataLoader mid-epoch).
+    plain = Tiny(batches=2)
+    t_plain = fit(tmp_path / "plain", plain, ckpt_every=2)
+    tiered, cb = Tiny(batches=2), TiermemCallback(cfg(tmp_path))
+    probe = Stats(cb)
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb, probe], ckpt_every=2)
+    compare((tiered, t_tiered), (plain, t_plain))
+    # the state really lived in the tiers (NVMe) during the fit, not in the optimizer
+    assert probe.plan["state_bytes"]["nvme"] > 0 and probe.live_state == 0
+    assert len(probe.stats) == 4
+    assert installed(t_tiered.optimizers[0]) is None and cb.handles == []
+    assert listdir(tmp_path / "swap") == []  # state handed back, swap removed
+
+    # Lightning's checkpoint of step 2 holds the same optimizer state and weights
+    ck_plain = torch.load(tmp_path / "plain/ckpt/step=2.ckpt", weights_only=False)
+    ck_tiered = torch.load(tmp_path / "tiered/ckpt/step=2.ckpt", weights_only=False)
+    compare_state_dicts(ck_tiered["optimizer_states"][0], ck_plain["optimizer_states"][0])
+    assert ck_tiered["optimizer_states"][0]["state"], "the checkpoint has no optimizer state"
+    for k, v in ck_plain["state_dict"].items():
+        assert_same_tensor(ck_tiered["state_dict"][k], v, k)
+
+    # resume from step 2 to 4: the tiered resume equals the plain one, and both the full fit
+    r_plain = Tiny(batches=2)
+    tr_plain = fit(tmp_path / "rp", r_plain, ckpt_path=str(tmp_path / "plain/ckpt/step=2.ckpt"))
+    r_tiered = Tiny(batches=2)
+    tr_tiered = fit(tmp_path / "rt", r_tiered, callbacks=[TiermemCallback(cfg(tmp_path))],
+                    ckpt_path=str(tmp_path / "tiered/ckpt/step=2.ckpt"))
+    compare((r_tiered, tr_tiered), (r_plain, tr_plain))
+    compare((r_tiered, tr_tiered), (plain, t_plain))
+
+
+def test_clipping_and_accumulation_equal_plain(tmp_path):
+    kw = dict(gradient_clip_val=0.05, accumulate_grad_batches=3, max_steps=3)
+    plain = Tiny()
+    t_plain = fit(tmp_path / "plain", plain, **kw)
+    tiered = Tiny()
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[TiermemCallback(cfg(tmp_path))], **kw)
+    compare((tiered, t_tiered), (plain, t_plain))
+
+
+class Stats(L.Callback):
+    """tm.stats() just before the fit ends (after it, the block is left)."""
+
+    def __init__(self, cb: TiermemCallback) -> None:
+        self.cb, self.stats, self.plan, self.live_state = cb, None, None, None
+
+    def on_train_end(self, trainer, pl_module):
+        self.stats, self.plan = self.cb.tm.stats(), self.cb.tm.plan()
+        self.live_state = sum(1 for s in trainer.optimizers[0].state.values() if s)
+
+
+def test_overlap_with_accumulation_equals_plain(tmp_path):
+    # 8 batches, 3 per step: the last step has 2 (Lightning steps on the epoch's last batch)
+    kw = dict(accumulate_grad_batches=3, max_steps=3)
+    plain = Tiny()
+    t_plain = fit(tmp_path / "plain", plain, **kw)
+    tiered, cb = Tiny(), TiermemCallback(cfg(tmp_path, overlap_backward=True))
+    stats = Stats(cb)
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb, stats], **kw)
+    compare((tiered, t_tiered), (plain, t_plain))
+    assert len(stats.stats) == 3
+    # the updates really ran during the last backward of each step
+    assert all(s["early_partitions"] > 0 for s in stats.stats), stats.stats
+
+
+def test_overlap_refuses_clipping(tmp_path):
+    with pytest.raises(TierMemError, match="gradient_clip_val"):
+        fit(tmp_path, Tiny(), callbacks=[TiermemCallback(cfg(tmp_path, overlap_backward=True))],
+            gradient_clip_val=1.0)
+
+
+@pytest.mark.parametrize("interrupt", [False, True], ids=["exception", "ctrl-c"])
+def test_failed_fit_leaves_through_the_exit(tmp_path, interrupt):
+    plain = Tiny()
+    t_plain = fit(tmp_path / "plain", plain, max_steps=2)
+    tiered = Tiny(fail_at=2, interrupt=interrupt)
+    # Lightning turns Ctrl-C into a graceful shutdown and sys.exit(1)
+    with pytest.raises(SystemExit if interrupt else RuntimeError):
+        fit(tmp_path / "tiered", tiered, callbacks=[TiermemCallback(cfg(tmp_path))])
+    opt = tiered.trainer.optimizers[0]
+    assert installed(opt) is None
+    assert listdir(tmp_path / "swap") == []
+    # the two steps taken before the failure were handed back into the optimizer
+    compare((tiered, tiered.trainer), (plain, t_plain))
+
+
+def test_offload_unwraps_lightning_optimizer(tmp_path):
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    model = nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    wrapped = LightningOptimizer(opt)
+    assert isinstance(wrapped, torch.optim.Adam)  # Lightning's class derives from Adam too
+    with tiermem.offload(wrapped, cfg(tmp_path)) as tm:
+        assert installed(opt) is not None and installed(wrapped) is None
+        assert tm.optimizer is opt
+        assert tm.plan()["unwrapped"] == "lightning.pytorch.core.optimizer.LightningOptimizer"

@@ -1,0 +1,144 @@
+"""tiermem.integrations.transformers.TiermemCallback against the real Hugging Face Trainer.
+
+The Trainer builds its own optimizer (`optim=`); the callback tiers it from on_train_begin.
+Each tiered run is compared with the same Trainer run without the callback: weights and
+optimizer state bitwise, the saved checkpoint's optimizer.pt bitwise, and a
+`resume_from_checkpoint` run against the plain resume.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                   "(pip install -e '.[integrations]')")
+
+from tiermem.errors import TierMemError  # noqa: E402
+from tiermem.integrations.transformers import TiermemCallback  # noqa: E402
+from tiermem.optim.hooks import installed  # noqa: E402
+
+from offload_helpers import assert_same_tensor, compare_state_dicts, config, listdir  # noqa: E402
+
+
+class Tiny(nn.Module):
+    """Linear -> tanh -> Linear; 1100 hidden units make a few 64 KiB partitions."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 1100), nn.Tanh(), nn.Linear(1100, 8))
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, x, labels):
+        self.calls += 1
+        if self.fail_at is not None and self.calls > self.fail_at:
+            raise RuntimeError("boom in forward")
+        return {"loss": (self.net(x) - labels).square().mean()}
+
+
+def dataset(n: int = 32) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(16, generator=g), "labels": torch.randn(8, generator=g)}
+            for _ in range(n)]
+
+
+def train(root: Path, *, callbacks=(), resume: str | None = None, model: Tiny | None = None,
+          **args_kw):
+    model = model or Tiny()
+    kw = dict(output_dir=str(root), max_steps=4, per_device_train_batch_size=4,
+              learning_rate=1e-2, weight_decay=0.05, lr_scheduler_type="linear",
+              save_strategy="steps", save_steps=2, logging_strategy="no", report_to=[],
+              disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0)
+    kw.update(args_kw)
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**kw),
+                                   train_dataset=dataset(), callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    return model, trainer
+
+
+def compare(a, b) -> None:
+    (ma, ta), (mb, tb) = a, b
+    for (name, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+    compare_state_dicts(ta.optimizer.state_dict(), tb.optimizer.state_dict())
+
+
+def cfg(tmp_path: Path, **pipeline) -> dict:
+    c = config(tmp_path / "swap", host=0, kernel="match")
+    c["pipeline"].update(pipeline)
+    return c
+
+
+class Probe(transformers.TrainerCallback):
+    """What the tiered run looked like mid-training (after the block, it is gone)."""
+
+    def __init__(self, cb: TiermemCallback) -> None:
+        self.cb, self.plan, self.live_state = cb, None, None
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.plan = self.cb.tm.plan()
+        self.live_state = sum(1 for s in optimizer.state.values() if s)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_trainer_built_optimizer_checkpoint_and_resume_equal_plain(tmp_path, optim):
+    extra = dict(optim=optim, max_grad_norm=0.05, gradient_accumulation_steps=2)
+    plain = train(tmp_path / "plain", **extra)
+    cb = TiermemCallback(cfg(tmp_path))
+    probe = Probe(cb)
+    with cb:
+        tiered = train(tmp_path / "tiered", callbacks=[cb, probe], **extra)
+    compare(tiered, plain)
+    # the state really lived in the tiers (NVMe), not in the optimizer
+    assert probe.plan["state_bytes"]["nvme"] > 0 and probe.live_state == 0
+    assert probe.plan["unwrapped"] == "accelerate.optimizer.AcceleratedOptimizer"
+    assert installed(tiered[1].optimizer.optimizer) is None and cb.tm is None
+    assert listdir(tmp_path / "swap") == []
+
+    sd_plain = torch.load(tmp_path / "plain/checkpoint-2/optimizer.pt", weights_only=False)
+    sd_tiered = torch.load(tmp_path / "tiered/checkpoint-2/optimizer.pt", weights_only=False)
+    assert sd_tiered["state"], "the checkpoint has no optimizer state"
+    compare_state_dicts(sd_tiered, sd_plain)
+
+    r_plain = train(tmp_path / "rp", resume=str(tmp_path / "plain/checkpoint-2"), **extra)
+    cb = TiermemCallback(cfg(tmp_path))
+    with cb:
+        r_tiered = train(tmp_path / "rt", callbacks=[cb],
+                         resume=str(tmp_path / "tiered/checkpoint-2"), **extra)
+    compare(r_tiered, r_plain)
+    compare(r_tiered, plain)  # the Trainer resumes its data order too
+
+
+def test_failed_train_leaves_through_the_exit(tmp_path):
+    # 2 steps of one forward each succeed, the third forward raises
+    model = Tiny(fail_at=2)
+    cb = TiermemCallback(cfg(tmp_path))
+    with pytest.raises(RuntimeError, match="boom"), cb:
+        train(tmp_path / "t", callbacks=[cb], model=model, save_strategy="no")
+    assert cb.tm is None and listdir(tmp_path / "swap") == []
+    opt_state = [s for s in _only_optimizer(model).state.values() if s]
+    assert len(opt_state) == 4 and all(float(s["step"]) == 2 for s in opt_state)
+
+
+def _only_optimizer(model: Tiny) -> torch.optim.Optimizer:
+    # The Trainer is gone with the exception; its AdamW is the one holding model's params.
+    import gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.optim.AdamW) and obj.param_groups[0]["params"][0] is \
+                next(model.parameters()):
+            return obj
+    raise AssertionError("no AdamW over the model's parameters")
+
+
+def test_overlap_is_refused_before_any_step(tmp_path):
+    cb = TiermemCallback(cfg(tmp_path, overlap_backward=True))
+    model = Tiny()
+    with pytest.raises(TierMemError, match="overlap_backward"):
+        train(tmp_path / "t", callbacks=[cb], model=model, save_strategy="no")
+    assert model.calls == 0

@@ -1,0 +1,156 @@
+"""`TiermemCallback`: every optimizer of a LightningModule tiered for the whole `trainer.fit`.
+
+    trainer = L.Trainer(callbacks=[TiermemCallback("configs/nvme.yaml")], ...)
+    trainer.fit(module)                       # or trainer.fit(module, ckpt_path=...)
+
+The block of `tiermem.offload` is entered in `on_fit_start` (Lightning has built the
+optimizers; a `ckpt_path=` resume loads their state after this hook, through the hooked
+`load_state_dict`, straight into the tiers) and left in `on_fit_end`, or in `on_exception`
+with the exception, so a failed or interrupted fit leaves through the same exit as
+`with tiermem.offload(...)`. Checkpoints need nothing: Lightning saves `optimizer.state_dict()`,
+which tiermem answers in torch's format.
+
+With `pipeline.overlap_backward`, Lightning's automatic optimization needs two things the
+callback does: the backward of each micro-batch that only accumulates runs inside
+`tm.accumulating()` (`on_before_backward` / `on_after_backward`), and `optimizer.step(closure)`
+(how Lightning always steps, and refused under overlap) runs the closure first and then
+steps without it, which is what torch's Adam does with a closure. Gradient clipping edits
+gradients after backward started the update: refused up front with overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+import tiermem
+from tiermem.config import load_config
+from tiermem.errors import TierMemError
+from tiermem.optim.hooks import installed
+
+
+class TiermemCallback(pl.Callback):
+    """Tier the state of every optimizer of the LightningModule during `trainer.fit`.
+
+    config: as `tiermem.offload` takes it (YAML path, dict, Settings, None).
+    offload_kwargs: passed to `tiermem.offload` (name=, process_group=, resume=); model= is
+    the LightningModule. With several optimizers, optimizer i gets the swap name `<name>-i`.
+    """
+
+    def __init__(self, config: Any = None, **offload_kwargs: Any) -> None:
+        if "model" in offload_kwargs:
+            raise TypeError("TiermemCallback passes the LightningModule as model=")
+        self.config = config
+        self.offload_kwargs = offload_kwargs
+        self.handles: list[Any] = []  # one `tm` per optimizer, while the fit runs
+        self._stack: contextlib.ExitStack | None = None
+        self._accumulating: contextlib.ExitStack | None = None
+        self._overlap = False
+
+    @property
+    def tm(self) -> Any:
+        """The `tm` of the (single) optimizer: stats(), plan(), accumulating()."""
+        if len(self.handles) != 1:
+            raise TierMemError(f"{len(self.handles)} optimizers are tiered now: use .handles")
+        return self.handles[0]
+
+    # -- entering --------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        settings = load_config(self.config)
+        self._overlap = settings.pipeline.overlap_backward
+        if self._overlap and trainer.gradient_clip_val:
+            raise TierMemError(
+                "gradient_clip_val cannot be used with pipeline.overlap_backward: true (the "
+                "update starts during backward, before Lightning clips); drop one of them")
+        optimizers = list(trainer.optimizers)
+        if not optimizers:
+            raise TierMemError("TiermemCallback: the LightningModule has no optimizer")
+        name = self.offload_kwargs.get("name", "default")
+        kwargs = {k: v for k, v in self.offload_kwargs.items() if k != "name"}
+        stack = contextlib.ExitStack()
+        handles = []
+        try:
+            for i, opt in enumerate(optimizers):
+                swap_name = name if len(optimizers) == 1 else f"{name}-{i}"
+                handles.append(stack.enter_context(
+                    tiermem.offload(opt, settings, model=pl_module, name=swap_name, **kwargs)))
+                if self._overlap:
+                    _closure_first(opt)
+        except BaseException as exc:
+            stack.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._stack, self.handles = stack, handles
+
+    # -- overlap: accumulation -------------------------------------------------
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           loss: torch.Tensor) -> None:
+        # Manual optimization decides itself when it steps: its own code wraps its
+        # backwards in callback.tm.accumulating().
+        if (self._stack is None or not self._overlap or not pl_module.automatic_optimization
+                or not trainer.fit_loop._should_accumulate()):
+            return
+        acc = contextlib.ExitStack()
+        for tm in self.handles:
+            acc.enter_context(tm.accumulating())
+        self._accumulating = acc
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        acc, self._accumulating = self._accumulating, None
+        if acc is not None:
+            acc.close()
+
+    # -- leaving ---------------------------------------------------------------
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave(None)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._leave(exception)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Reached without on_fit_end or on_exception only if Lightning changes its order of
+        # hooks; leaving here still hands the state back rather than keeping the hooks.
+        self._leave(None)
+
+    def _leave(self, exc: BaseException | None) -> None:
+        acc, self._accumulating = self._accumulating, None
+        if acc is not None:
+            acc.close()
+        stack, self._stack = self._stack, None
+        self.handles = []
+        if stack is None:
+            return
+        if exc is None:
+            stack.__exit__(None, None, None)
+        else:
+            # offload's exit re-raises `exc` into the stack, which returns False: only an
+            # error of the exit itself propagates (Lightning then raises that instead).
+            stack.__exit__(type(exc), exc, exc.__traceback__)
+
+
+def _closure_first(opt: torch.optim.Optimizer) -> None:
+    """Make `opt.step(closure)` run the closure, then tiermem's step without it (overlap).
+
+    Set on the instance over tiermem's own hook, so leaving the block (which restores the
+    methods the instance had before tiermem) removes it too."""
+    if installed(opt) is None:  # not hooked (never expected): leave step alone
+        return
+    hooked = opt.step
+
+    def step(opt_self: torch.optim.Optimizer, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hooked()
+        return loss
+
+    step._wrapped_by_lr_sched = True  # as tiermem's hook: lr schedulers see it stepped
+    opt.step = types.MethodType(step, opt)

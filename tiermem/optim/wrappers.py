@@ -1,0 +1,72 @@
+"""The optimizer wrappers that frameworks hand their users, unwrapped for `tiermem.offload`.
+
+Accelerate's `AcceleratedOptimizer` and Lightning's `LightningOptimizer` hold the torch
+optimizer in `.optimizer` and route step / state_dict / load_state_dict to it, so tiering
+the inner instance is what the user meant: tiermem hooks that instance, and the wrapper's
+calls land in the hooks. They are recognised by the module and name of a class in the
+wrapper's MRO (Lightning makes a class per optimizer, `LightningAdamW`, that also derives
+from the optimizer's class), so neither framework is imported here.
+
+Any other object that carries a torch optimizer in `.optimizer` is refused with the
+attribute to pass instead: its own step may or may not reach the inner optimizer, and
+tiering the wrong instance would train with an empty state, silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tiermem.optim.rules import RULES, UnsupportedOptimizer
+
+# (module, class) of the wrappers whose `.optimizer` is what they step.
+KNOWN = {
+    ("accelerate.optimizer", "AcceleratedOptimizer"),
+    ("lightning.pytorch.core.optimizer", "LightningOptimizer"),
+    ("pytorch_lightning.core.optimizer", "LightningOptimizer"),
+}
+DEPTH = 4  # a wrapper of a wrapper is possible (Lightning over Accelerate); a loop is not
+
+
+def _known(obj: Any) -> str | None:
+    """`module.Class` of the known wrapper class `obj` is an instance of, or None."""
+    for cls in type(obj).__mro__:
+        if (cls.__module__, cls.__qualname__) in KNOWN:
+            return f"{cls.__module__}.{cls.__qualname__}"
+    return None
+
+
+def _check_accelerate(obj: Any) -> None:
+    # With a GradScaler (fp16 mixed precision), AcceleratedOptimizer.step puts the
+    # optimizer's step method it saw at prepare() back onto the instance after each step:
+    # that removes tiermem's hook, and the next step would run plain torch on an empty state.
+    if getattr(obj, "scaler", None) is not None:
+        raise UnsupportedOptimizer(
+            "this AcceleratedOptimizer steps through a GradScaler (mixed_precision='fp16'), "
+            "which replaces the optimizer's step method tiermem hooks; tiermem supports "
+            "Accelerate with mixed_precision 'no' or 'bf16'")
+
+
+def unwrap(optimizer: Any) -> tuple[torch.optim.Optimizer, str | None]:
+    """(the torch optimizer to tier, the wrapper classes removed as 'a.B -> c.D' or None)."""
+    removed: list[str] = []
+    obj = optimizer
+    for _ in range(DEPTH):
+        name = _known(obj)
+        if name is None:
+            break
+        if name.startswith("accelerate."):
+            _check_accelerate(obj)
+        removed.append(name)
+        obj = obj.optimizer
+    inner = getattr(obj, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and not any(
+            isinstance(obj, rule.optimizers) for rule in RULES):
+        cls = type(obj)
+        raise UnsupportedOptimizer(
+            f"tiermem.offload got a {cls.__module__}.{cls.__qualname__}, a wrapper tiermem "
+            f"does not know, around a {type(inner).__module__}.{type(inner).__qualname__} in "
+            "its .optimizer: pass that (tiermem.offload(wrapper.optimizer, ...)) and keep "
+            "stepping through the wrapper if its step reaches the inner optimizer's step")
+    return obj, " -> ".join(removed) or None
