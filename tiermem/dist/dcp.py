@@ -351,5 +351,5 @@ def load(tm: Any, path: str) -> dict[str, int]:
             if k in group:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
     if src.off.crash:
-        src.off._commit()
+        src.off.commit()
     return {"peak_staged": planner.peak_staged}

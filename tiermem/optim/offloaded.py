@@ -117,7 +117,7 @@ class OffloadedOptimizer:
             if self.crash and not resume:
                 # Step 0 committed: every record, weights included, on disk before training.
                 self._initialise(self.parts)
-                self._commit()
+                self.commit()
         except BaseException:
             # A failed resume must leave the kept state exactly as it was.
             self.tiers.close(remove_swap=not resume)
@@ -416,7 +416,8 @@ class OffloadedOptimizer:
         return {"step": self.steps_taken if step is None else step,
                 "steps": [float(t) for t in self.steps], "params": params, "groups": groups}
 
-    def _commit(self, step: int | None = None) -> None:
+    def commit(self, step: int | None = None) -> None:
+        """Make the state as it is now the one a crash resumes to (crash_consistent)."""
         meta = self._meta(step)
         self.tiers.commit(**meta)
         self.committed_step = meta["step"]
@@ -433,7 +434,7 @@ class OffloadedOptimizer:
 
     def _commit_step(self, step: int) -> None:
         try:
-            self._commit(step)
+            self.commit(step)
         except TierMemError as exc:
             # The step itself is complete in memory and in the swap files; only its commit
             # is missing, so nothing is rolled back and the next commit may succeed.
@@ -560,7 +561,7 @@ class OffloadedOptimizer:
         self._import(state)
         self.opt.state.clear()
         if self.crash:
-            self._commit()
+            self.commit()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.overlap is not None:
@@ -592,6 +593,6 @@ class OffloadedOptimizer:
         self.parts.extend(new)
         if self.crash:
             self._initialise(new)
-            self._commit()
+            self.commit()
         if self.overlap is not None:
             self.overlap.add(new)
