@@ -19,7 +19,7 @@ accelerate = pytest.importorskip("accelerate", reason="accelerate is not install
 
 import tiermem  # noqa: E402
 from tiermem.optim.hooks import installed  # noqa: E402
-from tiermem.optim.offloaded import UnsupportedOptimizer  # noqa: E402
+from tiermem.optim.rules import UnsupportedOptimizer  # noqa: E402
 
 from offload_helpers import assert_same_tensor, compare_state_dicts, config, listdir  # noqa: E402
 

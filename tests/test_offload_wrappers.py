@@ -12,7 +12,7 @@ from torch import nn
 
 import tiermem
 from tiermem.optim.hooks import installed
-from tiermem.optim.offloaded import UnsupportedOptimizer
+from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.optim.wrappers import unwrap
 
 from offload_helpers import config
