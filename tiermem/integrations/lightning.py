@@ -30,6 +30,7 @@ import torch
 import tiermem
 from tiermem.config import load_config
 from tiermem.errors import TierMemError
+from tiermem.integrations import leave
 from tiermem.optim.hooks import installed
 
 
@@ -125,14 +126,7 @@ class TiermemCallback(pl.Callback):
             acc.close()
         stack, self._stack = self._stack, None
         self.handles = []
-        if stack is None:
-            return
-        if exc is None:
-            stack.__exit__(None, None, None)
-        else:
-            # offload's exit re-raises `exc` into the stack, which returns False: only an
-            # error of the exit itself propagates (Lightning then raises that instead).
-            stack.__exit__(type(exc), exc, exc.__traceback__)
+        leave(stack, exc)  # an error of the exit itself: Lightning raises that instead
 
 
 def _closure_first(opt: torch.optim.Optimizer) -> None:

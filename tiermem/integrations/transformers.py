@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 import tiermem
 from tiermem.config import load_config
 from tiermem.errors import TierMemError
+from tiermem.integrations import leave
 
 
 class TiermemCallback(TrainerCallback):
@@ -75,11 +76,4 @@ class TiermemCallback(TrainerCallback):
     def _leave(self, exc: BaseException | None) -> None:
         stack, self._stack = self._stack, None
         self.tm = None
-        if stack is None:
-            return
-        if exc is None:
-            stack.__exit__(None, None, None)
-        else:
-            # offload's exit re-raises `exc`, which the stack reports as not handled: only
-            # an error of the exit itself propagates from here.
-            stack.__exit__(type(exc), exc, exc.__traceback__)
+        leave(stack, exc)

@@ -193,12 +193,13 @@ class OffloadedOptimizer:
         return loss
 
     def _step_tiers(self) -> None:
-        stats = self.begin_step()
+        stepped = {i for i, p in enumerate(self.params) if p.grad is not None}
+        if any(self.params[i].grad.is_sparse for i in stepped):
+            raise TierMemError("Adam does not support sparse gradients")
+        stats = self.begin_step()  # refuses a group changed since the layout
         with timed(stats, "step_seconds"), torch.no_grad():
-            for p in self.params:
-                if p.grad is not None and p.grad.is_sparse:
-                    raise TierMemError("Adam does not support sparse gradients")
-            stepped = self.count_steps(self.parts)  # only once nothing can refuse the step
+            for i in stepped:  # only once nothing can refuse the step
+                self.steps[i] += 1
             try:
                 self.update(self.tiers.order(
                     lambda part: any(s.index in stepped for s in part.segments)), stats)
