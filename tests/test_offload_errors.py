@@ -47,8 +47,8 @@ def test_unsupported_optimizer(tmp_path, make):
     with pytest.raises(UnsupportedOptimizer) as info:
         entered(opt, config(tmp_path, host=0))
     assert isinstance(info.value, TypeError) and isinstance(info.value, tiermem.TierMemError)
-    msg = str(info.value)
-    assert "Adam" in msg and "AdamW" in msg and type(opt).__name__ in msg
+    msg = str(info.value)  # names what is supported and what it got
+    assert "torch.optim.adam.Adam" in msg and type(opt).__name__ in msg
     assert listdir(tmp_path) == [] and untouched(opt)
 
 

@@ -347,7 +347,7 @@ def test_plot_run_without_matplotlib(monkeypatch, tmp_path):
 
 
 def test_updates_show_in_torch_profiler(tmp_path):
-    """Each partition update is a record_function range named `tiermem.adam p<N>`."""
+    """Each partition update is a record_function range named `tiermem.update p<N>`."""
     import tiermem
     from torch.profiler import profile
 
@@ -357,4 +357,4 @@ def test_updates_show_in_torch_profiler(tmp_path):
         m(torch.randn(2, 64)).sum().backward()
         with profile() as prof:
             o.step()
-    assert any(e.key.startswith("tiermem.adam p") for e in prof.key_averages())
+    assert any(e.key.startswith("tiermem.update p") for e in prof.key_averages())

@@ -43,7 +43,7 @@ class Ready:
     part: Partition
     views: Views
     fresh: bool  # never written: build it (zero state) before the update, do not read it
-    following: Partition | None  # visited next: its record may be staged meanwhile
+    following: Partition | None  # visited next in this visit: its record may be staged
     released: bool = False  # set by TierManager.release()
 
 
@@ -219,8 +219,9 @@ class TierManager:
         i = len(done)
         k = self.pipeline.k if self.pipeline is not None else 0
         for n, part in enumerate(parts):
-            following = parts[n + 1] if n + 1 < len(parts) else (
-                order[i + 1] if part.tier == "nvme" and i + 1 < len(order) else None)
+            # Only a partition of this visit: one merely expected `ahead` may not have its
+            # gradients yet (updates during backward), so nothing of it may be staged.
+            following = parts[n + 1] if n + 1 < len(parts) else None
             if part.tier == "nvme":
                 views, fresh = self.pipeline.acquire(part, order[i: i + k + 1], order, i,
                                                      stats)
