@@ -29,9 +29,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+import torch
+
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.kernels.checksum import crc32c
-from tiermem.partition import Partition
+from tiermem.partition import Partition, record_layout
+from tiermem.swap.integrity import FOOTER_BYTES
 from tiermem.swap import fsops
 
 MANIFEST = "manifest.json"
@@ -224,12 +227,15 @@ def _dict(v, where: str, keys: set[str] | None = None) -> dict:
 _DURABILITY = ("scratch", "crash_consistent")
 _TIERS = ("gpu", "host", "nvme")
 _KINDS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
 _PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments"}
 _BOOL_GROUP_KEYS = ("amsgrad", "maximize", "capturable", "differentiable",
                     "decoupled_weight_decay")
 _OPTIONAL_BOOL_GROUP_KEYS = ("foreach", "fused")
 _NUM_GROUP_KEYS = ("lr", "eps", "weight_decay", "initial_lr")
+# What every Adam/AdamW group has, whatever the torch version; recover hands them on.
+_REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 def _validate(d: dict, run_dir: str) -> None:
@@ -282,7 +288,9 @@ def _validate(d: dict, run_dir: str) -> None:
             else:  # hyperparameters of other optimizers: JSON scalars only
                 _need(v is None or isinstance(v, (bool, str)) or _is_num(v), f"{w}.{k}",
                       "a number, string, boolean or null", v)
-        _need("params" in group, w, "an object with a params list", group)
+        missing = [k for k in _REQUIRED_GROUP_KEYS if k not in group]
+        _need(not missing, w, f"an object with {', '.join(_REQUIRED_GROUP_KEYS)}",
+              f"no {', '.join(missing)}")
     _need(len(owner) == len(params), "groups", f"to list each of the {len(params)} parameters",
           sorted(set(range(len(params))) - set(owner))[:8])
 
@@ -297,8 +305,8 @@ def _validate(d: dict, run_dir: str) -> None:
               f"a group index below {len(groups)}", part["group"])
         _need(part["tier"] in _TIERS, f"{w}.tier", f"one of {_TIERS}", part["tier"])
         kinds = _list(part["kinds"], f"{w}.kinds")
-        _need(len(kinds) > 0 and len(set(kinds)) == len(kinds) and
-              all(isinstance(x, str) and x in _KINDS for x in kinds), f"{w}.kinds",
+        _need(len(kinds) > 0 and all(isinstance(x, str) and x in _KINDS for x in kinds)
+              and len(set(kinds)) == len(kinds), f"{w}.kinds",
               f"distinct names from {_KINDS}", kinds)
         total = 0
         for j, seg in enumerate(_list(part["segments"], f"{w}.segments")):
@@ -317,6 +325,11 @@ def _validate(d: dict, run_dir: str) -> None:
         _need(part["numel"] == total and _is_int(part["numel"]), f"{w}.numel",
               f"{total}, the sum of its segments", part["numel"])
         _uint(part["record_bytes"], f"{w}.record_bytes")
+        # The moments' dtype is not in the manifest: any that tiermem keeps will do.
+        fits = {record_layout(total, kinds, dt)[1] for dt in _MOMENT_DTYPES}
+        _need(part["record_bytes"] in fits, f"{w}.record_bytes",
+              f"what its kinds and numel lay out ({' or '.join(map(str, sorted(fits)))})",
+              part["record_bytes"])
     bad = [i for i, (c, n) in enumerate(zip(covered, sizes)) if c != n]
     _need(not bad, "partitions", "to cover every element of every parameter once",
           f"parameters {bad[:8]} are not")
@@ -350,8 +363,9 @@ def _validate(d: dict, run_dir: str) -> None:
         _need(_is_int(file) and 0 <= file < len(files), f"{w}[0]",
               f"a file index below {len(files)}", file)
         _uint(offset, f"{w}[1]")
-        _need(_is_int(nbytes) and nbytes >= by_id[pid]["record_bytes"], f"{w}[2]",
-              f"at least the record's {by_id[pid]['record_bytes']} bytes", nbytes)
+        want = by_id[pid]["record_bytes"] + (FOOTER_BYTES if d["checksums"] else 0)
+        _need(nbytes == want and _is_int(nbytes), f"{w}[2]",
+              f"{want}, the record's bytes{' and footer' if d['checksums'] else ''}", nbytes)
     if crash:
         # Every record lives on disk: each partition needs its place, copy and generation.
         for what, table in (("records", records), ("generations", gens), ("copies", copies)):
