@@ -240,6 +240,23 @@ class SwapStore:
             except OSError as exc:
                 raise TierMemIOError(f"fdatasync of {f.path} failed: {exc.strerror}",
                                      op="fdatasync", path=f.path, errno=exc.errno) from None
+            self._check_linked(f)
+
+    @staticmethod
+    def _check_linked(f: File) -> None:
+        """An open file takes writes and syncs after its directory was removed, but a
+        manifest naming records in it would name nothing after a crash: refuse."""
+        held = os.fstat(f.fd)
+        try:
+            at = os.stat(f.path, follow_symlinks=False)
+        except OSError:
+            at = None
+        if held.st_nlink == 0 or at is None or (at.st_dev, at.st_ino) != (held.st_dev,
+                                                                          held.st_ino):
+            raise TierMemIOError(
+                f"swap file {f.path} is no longer in its directory (removed, or its drive is "
+                "gone): records there would not survive this process",
+                op="fdatasync", path=f.path, errno=_errno.ENOENT)
 
     def latest_records(self) -> dict[int, tuple[int, int]]:
         """(copy, generation) of every partition's latest record, for a manifest."""
