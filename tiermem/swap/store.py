@@ -253,9 +253,11 @@ class SwapStore:
             at = None
         if held.st_nlink == 0 or at is None or (at.st_dev, at.st_ino) != (held.st_dev,
                                                                           held.st_ino):
+            why = ("the swap directory was removed, or its drive is gone"
+                   if not os.path.isdir(os.path.dirname(f.path)) else "removed or replaced")
             raise TierMemIOError(
-                f"swap file {f.path} is no longer in its directory (removed, or its drive is "
-                "gone): records there would not survive this process",
+                f"swap file {f.path} is no longer in its directory ({why}): records there "
+                "would not survive this process",
                 op="fdatasync", path=f.path, errno=_errno.ENOENT)
 
     def latest_records(self) -> dict[int, tuple[int, int]]:
