@@ -47,7 +47,7 @@ PREVIOUS = "manifest.previous.json"
 RESIDENT_FILE = "resident.swap"
 VERSION = 3  # 3: the manifest's own CRC32C and a checked schema
 CRC_KEY = "crc32c"
-STATE_FILE = "state.swap"  # store.STATE_FILE (the store imports this module's users)
+STATE_FILE = "state.swap"  # each run directory's swap file (the store creates it)
 
 
 class ManifestError(TierMemError):

@@ -25,6 +25,7 @@ import torch
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.swap import fsops
 from tiermem.swap.integrity import FOOTER_BYTES, check, seal
+from tiermem.swap.manifest import STATE_FILE
 from tiermem.io import File, IOEngine, Request
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
@@ -33,8 +34,6 @@ from tiermem.swap.rundir import (RunDir, StaleSwapError, SwapPathError, check_no
 from tiermem.sysinfo import free_bytes
 
 __all__ = ["STATE_FILE", "SwapStore", "StaleSwapError", "SwapPathError", "run_dirs"]
-
-STATE_FILE = "state.swap"
 
 
 @dataclass
