@@ -18,14 +18,16 @@ import random
 
 import pytest
 
-from conftest import BACKEND_PARAMS
+from conftest import BACKEND_PARAMS, needs_io_uring
 from powerloss import Disk, Scenario, powerloss, subsets
 from tiermem.swap.fsops import SITES
 
 SCENARIOS = [
-    Scenario("threads", 1, "fp32"),
-    Scenario("threads", 2, "bf16"),
-    Scenario("threads", 1, "fp32", "overlap"),
+    pytest.param(Scenario("threads", 1, "fp32"), id="threads-1path-fp32"),
+    pytest.param(Scenario("threads", 2, "bf16"), id="threads-2path-bf16"),
+    pytest.param(Scenario("threads", 1, "fp32", "overlap"), id="threads-overlap"),
+    pytest.param(Scenario("io_uring", 1, "fp32", "overlap"), id="io_uring-overlap",
+                 marks=needs_io_uring),
 ]
 
 
@@ -35,7 +37,7 @@ def _root(tmp_path):
     return str(root)
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_power_loss_recovers_a_committed_step(tmp_path, scenario):
     rep = powerloss(scenario, _root(tmp_path), per_point=5, seed=1)
     assert rep.bad == 0, "\n".join(rep.failures[:5])
