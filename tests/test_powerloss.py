@@ -151,3 +151,49 @@ def test_every_torn_committed_record_is_refused(tmp_path):
                     tm.discard()
             tried += 1
         assert tried >= nbytes // 4096 - 2, pid  # the data blocks and the footer differ
+
+
+def test_scratch_state_kept_on_disk_goes_through_the_seam(tmp_path, monkeypatch):
+    """Scratch mode keeps state on disk at exit when it does not fit in memory: resident.swap
+    is written and fsynced through fsops (site resident.fsync) before the manifest that
+    names it, and the kept state resumes bitwise."""
+    import torch
+
+    import tiermem
+    import tiermem.optim.handle
+    from crash_run import make_optimizer, set_grads
+    from offload_helpers import compare_state_dicts
+    from powerloss import Trace, recording, reference
+    from tiermem.errors import TierMemWarning
+
+    s = Scenario("threads", 1, "fp32", steps=2)
+    root = _root(tmp_path)
+    cfg = s.config(root)
+    cfg["swap"]["durability"] = "scratch"
+    monkeypatch.setattr(tiermem.optim.handle, "available_memory", lambda: 0)
+    trace = Trace(root)
+    model = s.model()
+    opt = make_optimizer(model)
+    with recording(trace), pytest.warns(TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt, cfg, model=model):
+            for k in (1, 2):
+                set_grads(model, k)
+                opt.step()
+    ev = trace.events
+    resident = [i for i, e in enumerate(ev) if e[0] == "fsync" and e[2] == "resident.fsync"]
+    written = [i for i, e in enumerate(ev) if e[0] == "write" and e[1].endswith("resident.swap")]
+    published = [i for i, e in enumerate(ev) if e[0] == "rename" and e[2].endswith("manifest.json")]
+    assert written and resident and published
+    assert max(written) < resident[0] < published[-1]
+    monkeypatch.undo()
+    weights, state = reference(s)[2]
+    model2 = s.model()
+    opt2 = make_optimizer(model2)
+    with torch.no_grad():
+        for p, w in zip(model2.parameters(), model.parameters()):
+            p.copy_(w)  # scratch mode: the weights live in the model's own checkpoint
+    with tiermem.offload(opt2, cfg, model=model2, resume=True) as tm:
+        assert tm.resumed_step == 2
+        compare_state_dicts(opt2.state_dict(), {"state": state,
+                                                "param_groups": opt2.state_dict()["param_groups"]})
+        tm.discard()

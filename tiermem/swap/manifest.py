@@ -202,7 +202,8 @@ def _is_num(v) -> bool:
 def _need(ok: bool, where: str, what: str, value) -> None:
     if not ok:
         text = repr(value)
-        raise _Invalid(f"{where} must be {what}, found {text[:80]}{'...' if len(text) > 80 else ''}")
+        text = text if len(text) <= 80 else text[:80] + "..."
+        raise _Invalid(f"{where} must be {what}, found {text}")
 
 
 def _uint(v, where: str) -> int:
