@@ -166,9 +166,10 @@ def parse(raw: bytes, path: str, run_dir: str) -> Manifest:
         raise bad(f"not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise bad(f"a JSON {type(data).__name__}, not an object")
-    if data.get("version") != VERSION:
-        raise ManifestError(f"cannot resume: {path} has version {data.get('version')!r}, "
-                            f"this tiermem reads version {VERSION}")
+    version = data.get("version")
+    if _is_int(version) and version != VERSION:  # anything else is damage, checked below
+        raise ManifestError(f"cannot resume: {path} has version {version!r}, this tiermem "
+                            f"reads version {VERSION}")
     crc = data.pop(CRC_KEY, None)
     if not _is_int(crc):
         raise bad(f"no valid {CRC_KEY!r} field (found {crc!r})")
@@ -243,7 +244,8 @@ def _validate(d: dict, run_dir: str) -> None:
     """Raise _Invalid naming the first field that a tiermem manifest cannot hold."""
     fields = {f for f in Manifest.__dataclass_fields__}
     _dict(d, "the manifest", fields)
-    _uint(d["version"], "version")
+    _need(d["version"] == VERSION and _is_int(d["version"]), "version", str(VERSION),
+          d["version"])
     _need(d["durability"] in _DURABILITY, "durability", f"one of {_DURABILITY}", d["durability"])
     _need(isinstance(d["checksums"], bool), "checksums", "true or false", d["checksums"])
     _uint(d["step"], "step")
