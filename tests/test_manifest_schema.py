@@ -198,3 +198,27 @@ def test_manifest_of_an_older_version_is_refused(kept):
     with pytest.raises(TierMemError, match="has version 2, this tiermem reads version 3"):
         kept.resume()
     kept.restore(encode(kept.body))
+
+
+def test_manifest_names_the_moment_dtype_so_recover_reads_bf16_state(tmp_path):
+    """optimizer.state_dtype bf16: the manifest says each partition's moment dtype, so
+    `tiermem recover` lays the records out as they were written (before, it assumed fp32
+    and refused every bf16-state run: 'record of 61440 bytes, its layout gives 86016')."""
+    import torch
+
+    cfg = crash_config(str(tmp_path), "threads", "bf16")
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        for k in (1, 2):
+            set_grads(model, k)
+            opt.step()
+        ckpt = gather(str(tmp_path / "tiermem-default"))
+        live = opt.state_dict()["state"]
+        assert ckpt["step"] == 2
+        for i, st in ckpt["optimizer"]["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[k], live[i][k].float()), (i, k)
+        for name, p in model.named_parameters():
+            assert torch.equal(ckpt["model"][name], p.detach().float()), name
+        tm.discard()

@@ -75,6 +75,7 @@ class Manifest:
 def layout_of(parts: Sequence[Partition]) -> list[dict]:
     return [{"id": p.id, "group": p.group, "tier": p.tier, "numel": p.numel,
              "record_bytes": p.record_bytes, "kinds": list(p.kinds),
+             "moment_dtype": str(p.moment_dtype).removeprefix("torch."),
              "segments": [[s.index, s.start, s.length] for s in p.segments]} for p in parts]
 
 
@@ -229,9 +230,11 @@ def _dict(v, where: str, keys: set[str] | None = None) -> dict:
 _DURABILITY = ("scratch", "crash_consistent")
 _TIERS = ("gpu", "host", "nvme")
 _KINDS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16}
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
-_PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments"}
+_PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments",
+              "moment_dtype"}
 _BOOL_GROUP_KEYS = ("amsgrad", "maximize", "capturable", "differentiable",
                     "decoupled_weight_decay")
 _OPTIONAL_BOOL_GROUP_KEYS = ("foreach", "fused")
@@ -328,10 +331,11 @@ def _validate(d: dict, run_dir: str) -> None:
         _need(part["numel"] == total and _is_int(part["numel"]), f"{w}.numel",
               f"{total}, the sum of its segments", part["numel"])
         _uint(part["record_bytes"], f"{w}.record_bytes")
-        # The moments' dtype is not in the manifest: any that tiermem keeps will do.
-        fits = {record_layout(total, kinds, dt)[1] for dt in _MOMENT_DTYPES}
-        _need(part["record_bytes"] in fits, f"{w}.record_bytes",
-              f"what its kinds and numel lay out ({' or '.join(map(str, sorted(fits)))})",
+        _need(part["moment_dtype"] in _MOMENT_DTYPES, f"{w}.moment_dtype",
+              f"one of {tuple(_MOMENT_DTYPES)}", part["moment_dtype"])
+        fits = record_layout(total, kinds, _MOMENT_DTYPES[part["moment_dtype"]])[1]
+        _need(part["record_bytes"] == fits and _is_int(part["record_bytes"]),
+              f"{w}.record_bytes", f"{fits}, what its kinds and numel lay out",
               part["record_bytes"])
     bad = [i for i, (c, n) in enumerate(zip(covered, sizes)) if c != n]
     _need(not bad, "partitions", "to cover every element of every parameter once",
