@@ -89,6 +89,11 @@ def main() -> int:
                           "detected"],
                          [[m["site"], m["paths"], m["images"], m["bad"],
                            "yes" if m["detected"] else "NO"] for m in mutation]))
+    sweep = manifest_sweep()
+    print(f"\nmanifest sweep: {sweep['mutations']} single-field changes (every field x null, "
+          f"delete, negate, path, list x damaged or re-checksummed): {sweep['refused']} refused, "
+          f"{sweep['free']} free values, {sweep['accepted']} accepted, {sweep['raw']} raw "
+          "exceptions")
     seconds = time.monotonic() - t0
     print(f"\n{total[1]} simulated power losses, {total[4]} bad recoveries; "
           f"{sum(m['detected'] for m in mutation)}/{len(mutation)} removed syncs detected; "
@@ -96,8 +101,65 @@ def main() -> int:
     if args.json:
         write_json(args.json, {"args": vars(args), "machine": machine_facts(),
                                "scenarios": results, "mutation": mutation,
+                               "manifest_sweep": sweep,
                                "seconds": seconds})
-    return 0 if total[4] == 0 and all(m["detected"] for m in mutation) else 1
+    ok = sweep["accepted"] == sweep["raw"] == 0
+    return 0 if ok and total[4] == 0 and all(m["detected"] for m in mutation) else 1
+
+
+def manifest_sweep() -> dict:
+    """Every field of a committed two-path run's manifest, one at a time, nulled, deleted,
+    negated, replaced by a path or a list, written back damaged or re-checksummed: each must
+    be refused by `tiermem recover` and by read_manifest with a TierMemError (tests/
+    test_manifest_schema.py draws from the same space with hypothesis)."""
+    import json
+
+    from test_manifest_schema import Kept, free, nodes
+    from tiermem.errors import TierMemError
+    from tiermem.swap.manifest import encode, read_manifest
+    from tiermem.swap.recover import gather
+
+    out = {"mutations": 0, "refused": 0, "free": 0, "accepted": 0, "raw": 0, "examples": []}
+    with tempfile.TemporaryDirectory(prefix="tiermem-manifest-") as root:
+        kept = Kept(Path(root))
+        body = kept.body
+        for path in nodes(body):
+            for op in ("null", "delete", "negate", "path", "list"):
+                changed = json.loads(json.dumps(body))
+                parent = changed
+                for k in path[:-1]:
+                    parent = parent[k]
+                old = parent[path[-1]]
+                if op == "negate" and (isinstance(old, bool) or
+                                       not isinstance(old, (int, float))):
+                    continue
+                if op == "delete":
+                    del parent[path[-1]]
+                else:
+                    parent[path[-1]] = {"null": None, "negate": -old if op == "negate" else 0,
+                                        "path": "/etc/passwd", "list": [0, "x"]}[op]
+                if changed == body:
+                    continue
+                for crafted in (False, True):
+                    ok_free = crafted and free(path, op)
+                    raw = (encode(changed) if crafted and path != ("crc32c",)
+                           else json.dumps(changed).encode())
+                    kept.restore(raw)
+                    out["mutations"] += 1
+                    try:
+                        gather(kept.run_dir)
+                        read_manifest(kept.run_dir, None)
+                    except TierMemError:
+                        out["refused"] += 1
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - a raw traceback is the finding
+                        out["raw"] += 1
+                        out["examples"].append(f"{path} {op} {crafted}: {exc!r}")
+                        continue
+                    out["free" if ok_free else "accepted"] += 1
+                    if not ok_free:
+                        out["examples"].append(f"{path} {op} {crafted}: accepted")
+    return out
 
 
 if __name__ == "__main__":

@@ -331,7 +331,8 @@ def _validate(d: dict, run_dir: str) -> None:
         _need(part["numel"] == total and _is_int(part["numel"]), f"{w}.numel",
               f"{total}, the sum of its segments", part["numel"])
         _uint(part["record_bytes"], f"{w}.record_bytes")
-        _need(part["moment_dtype"] in _MOMENT_DTYPES, f"{w}.moment_dtype",
+        _need(isinstance(part["moment_dtype"], str) and part["moment_dtype"] in _MOMENT_DTYPES,
+              f"{w}.moment_dtype",
               f"one of {tuple(_MOMENT_DTYPES)}", part["moment_dtype"])
         fits = record_layout(total, kinds, _MOMENT_DTYPES[part["moment_dtype"]])[1]
         _need(part["record_bytes"] == fits and _is_int(part["record_bytes"]),
