@@ -10,18 +10,32 @@ fsync, rename, fsync the directory), so a directory's manifest always describes
 a complete state, and carries enough (parameter shapes, names, param groups,
 where every record is) for `tiermem recover` to rebuild a checkpoint without
 the model.
+
+The manifest is checked like the records: it carries a CRC32C of its own
+canonical JSON (`crc32c`), and every field is checked against a schema (types,
+ranges, cross-references between partitions, records, parameters and groups)
+before anything it names is read. Swap files it names must be `state.swap` in
+the run directory or in a sibling run directory of the same name (other swap
+paths): a crafted manifest cannot make tiermem read, or resume into, a file
+elsewhere. Any failure raises ManifestError naming the file and the field.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+import torch
+
 from tiermem.errors import TierMemError, TierMemIOError
-from tiermem.partition import Partition
+from tiermem.kernels.checksum import crc32c
+from tiermem.partition import Partition, record_layout
+from tiermem.swap.integrity import FOOTER_BYTES
+from tiermem.swap import fsops
 
 MANIFEST = "manifest.json"
 # The commit before the last one, kept for runs under torch.distributed: each rank commits
@@ -31,7 +45,13 @@ MANIFEST = "manifest.json"
 # committed).
 PREVIOUS = "manifest.previous.json"
 RESIDENT_FILE = "resident.swap"
-VERSION = 2
+VERSION = 3  # 3: the manifest's own CRC32C and a checked schema
+CRC_KEY = "crc32c"
+STATE_FILE = "state.swap"  # each run directory's swap file (the store creates it)
+
+
+class ManifestError(TierMemError):
+    """A manifest that is damaged, crafted or from another version: names file and field."""
 
 
 @dataclass
@@ -55,6 +75,7 @@ class Manifest:
 def layout_of(parts: Sequence[Partition]) -> list[dict]:
     return [{"id": p.id, "group": p.group, "tier": p.tier, "numel": p.numel,
              "record_bytes": p.record_bytes, "kinds": list(p.kinds),
+             "moment_dtype": str(p.moment_dtype).removeprefix("torch."),
              "segments": [[s.index, s.start, s.length] for s in p.segments]} for p in parts]
 
 
@@ -63,23 +84,14 @@ def write_manifest(run_dir: str, manifest: Manifest, name: str = MANIFEST) -> st
     until the rename, and the rename is on disk before this returns."""
     path = os.path.join(run_dir, name)
     tmp = path + ".tmp"
-    data = json.dumps(asdict(manifest)).encode()
+    data = encode(asdict(manifest))
+    fs = fsops.ops()
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)  # the rename itself is durable
-        finally:
-            os.close(dfd)
+        # The bytes are durable before the rename publishes them: a rename that reaches
+        # the disk first would otherwise name an empty or torn file.
+        fs.write_file(tmp, data, site="manifest.fsync")
+        fs.replace(tmp, path)
+        fs.fsync_dir(run_dir, site="manifest.dirsync")  # the rename itself is durable
     except OSError as exc:
         _discard(tmp)
         gone = "" if os.path.isdir(run_dir) else " (the swap directory was removed)"
@@ -89,31 +101,40 @@ def write_manifest(run_dir: str, manifest: Manifest, name: str = MANIFEST) -> st
     return path
 
 
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode(body: dict) -> bytes:
+    """The bytes of a manifest file: canonical JSON with the CRC32C of the rest in it."""
+    body = json.loads(_canonical(body))  # int dict keys become strings, as read back
+    body.pop(CRC_KEY, None)
+    return _canonical({**body, CRC_KEY: crc32c(_canonical(body))})
+
+
 def _discard(path: str) -> None:
     try:
-        os.unlink(path)
+        fsops.ops().unlink(path)
     except OSError:
         pass  # never written, or its directory is gone: nothing to clean
 
 
 def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
                   durability: str | None = None, *, previous: bool = False) -> Manifest:
-    """The manifest in `run_dir` (the one before it with `previous`), checked against the
-    layout this optimizer and config give (`parts`, `durability`; parts None reads it as it
-    is, for `tiermem recover`)."""
+    """The manifest in `run_dir` (the one before it with `previous`), checked (checksum and
+    schema, see the module doc) and checked against the layout this optimizer and config
+    give (`parts`, `durability`; parts None reads it as it is, for `tiermem recover`)."""
     path = os.path.join(run_dir, PREVIOUS if previous else MANIFEST)
     try:
-        with open(path) as f:
-            data = json.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise TierMemError(f"cannot resume: {path} does not exist (no state was kept on disk "
                            "there, or the run that kept it did not finish writing it)") from None
-    except ValueError as exc:
-        raise TierMemError(f"cannot resume: {path} is not valid JSON ({exc})") from None
-    if data.get("version") != VERSION:
-        raise TierMemError(f"cannot resume: {path} has version {data.get('version')!r}, "
-                           f"this tiermem reads version {VERSION}")
-    m = Manifest(**data)
+    except OSError as exc:
+        raise ManifestError(f"cannot resume: reading {path} failed: {exc.strerror}") from None
+    m = parse(raw, path, run_dir)
     if parts is None:
         return m
     if durability is not None and m.durability != durability:
@@ -133,3 +154,251 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
             "config (partition_size, tier capacities, placement, optimizer.state_dtype, "
             f"swap.durability: the kept state was written with {m.durability!r}).")
     return m
+
+
+def parse(raw: bytes, path: str, run_dir: str) -> Manifest:
+    """A Manifest from the bytes of file `path` in `run_dir`, or ManifestError."""
+    def bad(what: str) -> ManifestError:
+        return ManifestError(f"cannot use {path}: {what}; it is damaged or was not written by "
+                             "this tiermem, and nothing it names was read")
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad(f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise bad(f"a JSON {type(data).__name__}, not an object")
+    version = data.get("version")
+    if _is_int(version) and version != VERSION:  # anything else is damage, checked below
+        raise ManifestError(f"cannot resume: {path} has version {version!r}, this tiermem "
+                            f"reads version {VERSION}")
+    crc = data.pop(CRC_KEY, None)
+    if not _is_int(crc):
+        raise bad(f"no valid {CRC_KEY!r} field (found {crc!r})")
+    found = crc32c(_canonical(data))
+    if found != crc:
+        raise bad(f"checksum expected {crc:#010x}, found {found:#010x} (CRC32C of its "
+                  "canonical JSON: the file changed after it was written)")
+    try:
+        _validate(data, run_dir)
+    except _Invalid as exc:
+        raise bad(str(exc)) from None
+    return Manifest(**data)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _need(ok: bool, where: str, what: str, value) -> None:
+    if not ok:
+        text = repr(value)
+        text = text if len(text) <= 80 else text[:80] + "..."
+        raise _Invalid(f"{where} must be {what}, found {text}")
+
+
+def _uint(v, where: str) -> int:
+    _need(_is_int(v) and v >= 0, where, "an integer >= 0", v)
+    return v
+
+
+def _list(v, where: str, n: int | None = None) -> list:
+    _need(isinstance(v, list) and (n is None or len(v) == n), where,
+          "a list" if n is None else f"a list of {n}", v)
+    return v
+
+
+def _dict(v, where: str, keys: set[str] | None = None) -> dict:
+    _need(isinstance(v, dict), where, "an object", v)
+    if keys is not None and set(v) != keys:
+        missing, extra = sorted(keys - set(v)), sorted(set(v) - keys)
+        raise _Invalid(f"{where} has the wrong fields (missing {missing}, unexpected {extra})")
+    return v
+
+
+_DURABILITY = ("scratch", "crash_consistent")
+_TIERS = ("gpu", "host", "nvme")
+_KINDS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16}
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments",
+              "moment_dtype"}
+_BOOL_GROUP_KEYS = ("amsgrad", "maximize", "capturable", "differentiable",
+                    "decoupled_weight_decay")
+_OPTIONAL_BOOL_GROUP_KEYS = ("foreach", "fused")
+_NUM_GROUP_KEYS = ("lr", "eps", "weight_decay", "initial_lr")
+# What every Adam/AdamW group has, whatever the torch version; recover hands them on.
+_REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def _validate(d: dict, run_dir: str) -> None:
+    """Raise _Invalid naming the first field that a tiermem manifest cannot hold."""
+    fields = {f for f in Manifest.__dataclass_fields__}
+    _dict(d, "the manifest", fields)
+    _need(d["version"] == VERSION and _is_int(d["version"]), "version", str(VERSION),
+          d["version"])
+    _need(d["durability"] in _DURABILITY, "durability", f"one of {_DURABILITY}", d["durability"])
+    _need(isinstance(d["checksums"], bool), "checksums", "true or false", d["checksums"])
+    _uint(d["step"], "step")
+    crash = d["durability"] == "crash_consistent"
+
+    params = _list(d["params"], "params")
+    sizes = []
+    for i, p in enumerate(params):
+        w = f"params[{i}]"
+        _dict(p, w, {"name", "shape", "dtype"})
+        _need(isinstance(p["name"], str), f"{w}.name", "a string", p["name"])
+        _need(p["dtype"] in _DTYPES, f"{w}.dtype", f"one of {_DTYPES}", p["dtype"])
+        n = 1
+        for j, dim in enumerate(_list(p["shape"], f"{w}.shape")):
+            n *= _uint(dim, f"{w}.shape[{j}]")
+        sizes.append(n)
+    steps = _list(d["steps"], "steps", len(params))
+    for i, s in enumerate(steps):
+        _need(_is_num(s) and s >= 0, f"steps[{i}]", "a number >= 0", s)
+
+    groups = _list(d["groups"], "groups")
+    owner: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        w = f"groups[{g}]"
+        _dict(group, w)
+        for k, v in group.items():
+            if k == "params":
+                for j, i in enumerate(_list(v, f"{w}.params")):
+                    _need(_is_int(i) and 0 <= i < len(params) and i not in owner,
+                          f"{w}.params[{j}]", f"a parameter index below {len(params)} "
+                          "that no other group lists", i)
+                    owner[i] = g
+            elif k == "betas":
+                _need(isinstance(v, list) and len(v) == 2 and
+                      all(_is_num(b) and 0 <= b < 1 for b in v), f"{w}.betas",
+                      "two numbers in [0, 1)", v)
+            elif k in _NUM_GROUP_KEYS:
+                _need(_is_num(v) and v >= 0, f"{w}.{k}", "a number >= 0", v)
+            elif k in _BOOL_GROUP_KEYS:
+                _need(isinstance(v, bool), f"{w}.{k}", "true or false", v)
+            elif k in _OPTIONAL_BOOL_GROUP_KEYS:
+                _need(v is None or isinstance(v, bool), f"{w}.{k}", "true, false or null", v)
+            else:  # hyperparameters of other optimizers: JSON scalars only
+                _need(v is None or isinstance(v, (bool, str)) or _is_num(v), f"{w}.{k}",
+                      "a number, string, boolean or null", v)
+        missing = [k for k in _REQUIRED_GROUP_KEYS if k not in group]
+        _need(not missing, w, f"an object with {', '.join(_REQUIRED_GROUP_KEYS)}",
+              f"no {', '.join(missing)}")
+    _need(len(owner) == len(params), "groups", f"to list each of the {len(params)} parameters",
+          sorted(set(range(len(params))) - set(owner))[:8])
+
+    parts = _list(d["partitions"], "partitions")
+    covered = [0] * len(params)
+    for k, part in enumerate(parts):
+        w = f"partitions[{k}]"
+        _dict(part, w, _PART_KEYS)
+        _need(part["id"] == k and _is_int(part["id"]), f"{w}.id", f"{k} (partitions in order)",
+              part["id"])
+        _need(_is_int(part["group"]) and 0 <= part["group"] < len(groups), f"{w}.group",
+              f"a group index below {len(groups)}", part["group"])
+        _need(part["tier"] in _TIERS, f"{w}.tier", f"one of {_TIERS}", part["tier"])
+        kinds = _list(part["kinds"], f"{w}.kinds")
+        _need(len(kinds) > 0 and all(isinstance(x, str) and x in _KINDS for x in kinds)
+              and len(set(kinds)) == len(kinds), f"{w}.kinds",
+              f"distinct names from {_KINDS}", kinds)
+        total = 0
+        for j, seg in enumerate(_list(part["segments"], f"{w}.segments")):
+            sw = f"{w}.segments[{j}]"
+            index, start, length = _list(seg, sw, 3)
+            _need(_is_int(index) and 0 <= index < len(params), f"{sw}[0]",
+                  f"a parameter index below {len(params)}", index)
+            _need(owner.get(index) == part["group"], f"{sw}[0]",
+                  f"a parameter of group {part['group']}", index)
+            _uint(start, f"{sw}[1]")
+            _uint(length, f"{sw}[2]")
+            _need(start + length <= sizes[index], sw,
+                  f"inside parameter {index} ({sizes[index]} elements)", seg)
+            covered[index] += length
+            total += length
+        _need(part["numel"] == total and _is_int(part["numel"]), f"{w}.numel",
+              f"{total}, the sum of its segments", part["numel"])
+        _uint(part["record_bytes"], f"{w}.record_bytes")
+        _need(isinstance(part["moment_dtype"], str) and part["moment_dtype"] in _MOMENT_DTYPES,
+              f"{w}.moment_dtype",
+              f"one of {tuple(_MOMENT_DTYPES)}", part["moment_dtype"])
+        fits = record_layout(total, kinds, _MOMENT_DTYPES[part["moment_dtype"]])[1]
+        _need(part["record_bytes"] == fits and _is_int(part["record_bytes"]),
+              f"{w}.record_bytes", f"{fits}, what its kinds and numel lay out",
+              part["record_bytes"])
+    bad = [i for i, (c, n) in enumerate(zip(covered, sizes)) if c != n]
+    _need(not bad, "partitions", "to cover every element of every parameter once",
+          f"parameters {bad[:8]} are not")
+    ids = {str(p["id"]) for p in parts}
+
+    fresh = _list(d["fresh"], "fresh")
+    for j, pid in enumerate(fresh):
+        _need(_is_int(pid) and str(pid) in ids, f"fresh[{j}]", "a partition id", pid)
+    _need(len(set(fresh)) == len(fresh), "fresh", "without repeats", fresh)
+
+    files = _list(d["files"], "files")
+    here = os.path.realpath(run_dir)
+    for j, f in enumerate(files):
+        _need(isinstance(f, str), f"files[{j}]", "a path", f)
+        _check_file(f, j, here)
+
+    gens = _dict(d["generations"], "generations")
+    copies = _dict(d["copies"], "copies")
+    records = _dict(d["records"], "records")
+    for pid, g in gens.items():
+        _need(pid in ids, f"generations[{pid!r}]", "keyed by a partition id", pid)
+        _uint(g, f"generations[{pid!r}]")
+    for pid, c in copies.items():
+        _need(pid in ids, f"copies[{pid!r}]", "keyed by a partition id", pid)
+        _need(c in (0, 1) and _is_int(c), f"copies[{pid!r}]", "0 or 1", c)
+    by_id = {str(p["id"]): p for p in parts}
+    for pid, r in records.items():
+        w = f"records[{pid!r}]"
+        _need(pid in ids, w, "keyed by a partition id", pid)
+        file, offset, nbytes = _list(r, w, 3)
+        _need(_is_int(file) and 0 <= file < len(files), f"{w}[0]",
+              f"a file index below {len(files)}", file)
+        _uint(offset, f"{w}[1]")
+        want = by_id[pid]["record_bytes"] + (FOOTER_BYTES if d["checksums"] else 0)
+        _need(nbytes == want and _is_int(nbytes), f"{w}[2]",
+              f"{want}, the record's bytes{' and footer' if d['checksums'] else ''}", nbytes)
+    if crash:
+        # Every record lives on disk: each partition needs its place, copy and generation.
+        for what, table in (("records", records), ("generations", gens), ("copies", copies)):
+            _need(set(table) == ids, what, "an entry for every partition",
+                  sorted(ids ^ set(table), key=int)[:8])
+
+    resident = _list(d["resident"], "resident")
+    for j, e in enumerate(resident):
+        w = f"resident[{j}]"
+        _dict(e, w, {"id", "offset", "nbytes"})
+        _need(_is_int(e["id"]) and str(e["id"]) in ids, f"{w}.id", "a partition id", e["id"])
+        _uint(e["offset"], f"{w}.offset")
+        _uint(e["nbytes"], f"{w}.nbytes")
+
+
+def _check_file(f: str, j: int, run_dir: str) -> None:
+    """A swap file must be STATE_FILE in this run directory or in a run directory of the
+    same name under another swap path (absolute, normalised, no links on the way)."""
+    where = f"files[{j}]"
+    _need(os.path.isabs(f) and os.path.normpath(f) == f and "\x00" not in f, where,
+          "an absolute, normalised path", f)
+    parent = os.path.dirname(f)
+    _need(os.path.basename(f) == STATE_FILE and
+          os.path.basename(parent) == os.path.basename(run_dir), where,
+          f"{STATE_FILE} in a run directory named {os.path.basename(run_dir)!r}", f)
+    if j == 0:  # the others live under other swap paths, which only the config names
+        _need(os.path.realpath(parent) == run_dir, where,
+              f"{STATE_FILE} in the run directory {run_dir} itself", f)

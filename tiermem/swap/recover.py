@@ -41,7 +41,8 @@ def _dtype(name: str) -> torch.dtype:
 
 def _partition(entry: dict) -> Partition:
     segs = [Segment(None, index, start, length) for index, start, length in entry["segments"]]
-    part = Partition(entry["id"], entry["group"], segs, tuple(entry["kinds"]), tier=entry["tier"])
+    part = Partition(entry["id"], entry["group"], segs, tuple(entry["kinds"]),
+                     moment_dtype=_dtype(entry["moment_dtype"]), tier=entry["tier"])
     part.layout()
     if part.record_bytes != entry["record_bytes"]:
         raise TierMemError(f"manifest partition {part.id}: record of {entry['record_bytes']} "

@@ -22,6 +22,7 @@ import time
 from typing import Sequence
 
 from tiermem.errors import TierMemError, TierMemIOError
+from tiermem.swap import fsops
 
 OWNER_FILE = "owner.json"
 REMOVING = ".removing-"  # suffix of a run directory being deleted: no state in it
@@ -69,7 +70,7 @@ def make_swap_path(path: str) -> None:
     """Create `path` 0700 if missing, then check it."""
     check_swap_path(path)
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        fsops.makedirs(path, 0o700)
     except OSError as exc:
         raise _mkdir_error(path, exc) from None
     check_swap_path(path)
@@ -138,12 +139,19 @@ class RunDir:
         make_swap_path(os.path.dirname(path))
         check_not_stale(path)
         try:
-            os.mkdir(path, 0o700)
+            fsops.ops().mkdir(path, 0o700)
         except FileExistsError:
             check_not_stale(path)  # another process made it a moment ago: say which case
             raise
         except OSError as exc:
             raise _mkdir_error(path, exc) from None
+        try:
+            # Without this a power loss can drop the whole directory, committed state and all.
+            fsops.ops().fsync_dir(os.path.dirname(path), site="rundir.mkdir.dirsync")
+        except OSError as exc:
+            raise TierMemIOError(f"fsync of swap path {os.path.dirname(path)} failed: "
+                                 f"{exc.strerror}", op="fsync", path=os.path.dirname(path),
+                                 errno=exc.errno) from None
         # Between mkdir and flock another process could probe it unlocked: it then
         # reports a stale directory and touches nothing, which is safe.
         return cls._hold(path)
@@ -169,11 +177,9 @@ class RunDir:
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         tmp = os.path.join(self.path, OWNER_FILE + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(owner, f)
-        os.replace(tmp, os.path.join(self.path, OWNER_FILE))
+        # Not synced: who held the directory is advice for a person, no state depends on it.
+        fsops.ops().write_file(tmp, json.dumps(owner).encode(), site=None)
+        fsops.ops().replace(tmp, os.path.join(self.path, OWNER_FILE))
 
     def release(self) -> None:
         """Drop the lock (the directory stays)."""
@@ -188,7 +194,7 @@ def remove_run_dir(path: str) -> None:
     leftover `*.removing-<pid>` directory holds nothing anyone needs."""
     doomed = f"{path}{REMOVING}{os.getpid()}"
     try:
-        os.rename(path, doomed)
+        fsops.ops().replace(path, doomed)
     except FileNotFoundError:
         return  # already gone (removed by hand mid-run)
     except OSError:

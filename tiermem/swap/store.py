@@ -23,7 +23,9 @@ from typing import Sequence
 import torch
 
 from tiermem.errors import TierMemError, TierMemIOError
+from tiermem.swap import fsops
 from tiermem.swap.integrity import FOOTER_BYTES, check, seal
+from tiermem.swap.manifest import STATE_FILE
 from tiermem.io import File, IOEngine, Request
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
@@ -33,8 +35,6 @@ from tiermem.sysinfo import free_bytes
 
 __all__ = ["STATE_FILE", "SwapStore", "StaleSwapError", "SwapPathError", "run_dirs"]
 
-STATE_FILE = "state.swap"
-
 
 @dataclass
 class Slot:
@@ -43,6 +43,14 @@ class Slot:
     file: int  # index into SwapStore.files
     offset: int
     nbytes: int
+
+
+def _sync_dir(path: str, site: str) -> None:
+    try:
+        fsops.ops().fsync_dir(path, site=site)
+    except OSError as exc:
+        raise TierMemIOError(f"fsync of swap directory {path} failed: {exc.strerror}",
+                             op="fsync", path=path, errno=exc.errno) from None
 
 
 class SwapStore:
@@ -142,9 +150,19 @@ class SwapStore:
                     errno=_errno.ENOSPC)
 
     def _create_file(self, path: str, size: int, direct: bool | str) -> File:
-        f = self.engine.open(path, "w", direct=direct, follow_symlinks=False)
+        # Created here rather than by the engine's "w" so that the create goes through
+        # fsops (the run directory is new and empty: there is nothing to truncate).
+        try:
+            fsops.ops().create(path)
+        except OSError as exc:
+            raise TierMemIOError(f"creating swap file {path} failed: {exc.strerror}",
+                                 op="open", path=path, errno=exc.errno) from None
+        f = self.engine.open(path, "r+", direct=direct, follow_symlinks=False)
         try:
             self._allocate(f, size)
+            # The file's entry must outlive a power loss: for the first swap path the
+            # manifest's directory fsync would cover it, for the others nothing else does.
+            _sync_dir(os.path.dirname(path), "swap.create.dirsync")
         except BaseException:
             f.close()
             raise
@@ -152,9 +170,10 @@ class SwapStore:
 
     @staticmethod
     def _allocate(f: File, size: int) -> None:
+        # The new size becomes durable with the next commit's fdatasync (store.sync).
         try:
             if size:
-                os.posix_fallocate(f.fd, 0, size)
+                fsops.ops().fallocate(f.fd, f.path, size)
         except OSError as exc:
             raise TierMemIOError(f"preallocating {format_size(size)} for {f.path} failed: "
                                  f"{exc.strerror}", op="preallocate", path=f.path, offset=0,
@@ -216,10 +235,29 @@ class SwapStore:
         """Every completed write is on stable storage (the disk's cache flushed too)."""
         for f in self.files:
             try:
-                os.fdatasync(f.fd)
+                fsops.ops().fdatasync(f.fd, f.path, site="swap.fdatasync")
             except OSError as exc:
                 raise TierMemIOError(f"fdatasync of {f.path} failed: {exc.strerror}",
                                      op="fdatasync", path=f.path, errno=exc.errno) from None
+            self._check_linked(f)
+
+    @staticmethod
+    def _check_linked(f: File) -> None:
+        """An open file takes writes and syncs after its directory was removed, but a
+        manifest naming records in it would name nothing after a crash: refuse."""
+        held = os.fstat(f.fd)
+        try:
+            at = os.stat(f.path, follow_symlinks=False)
+        except OSError:
+            at = None
+        if held.st_nlink == 0 or at is None or (at.st_dev, at.st_ino) != (held.st_dev,
+                                                                          held.st_ino):
+            why = ("the swap directory was removed, or its drive is gone"
+                   if not os.path.isdir(os.path.dirname(f.path)) else "removed or replaced")
+            raise TierMemIOError(
+                f"swap file {f.path} is no longer in its directory ({why}): records there "
+                "would not survive this process",
+                op="fdatasync", path=f.path, errno=_errno.ENOENT)
 
     def latest_records(self) -> dict[int, tuple[int, int]]:
         """(copy, generation) of every partition's latest record, for a manifest."""

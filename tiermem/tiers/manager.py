@@ -30,6 +30,7 @@ from tiermem.signals import deferred, safe_point
 from tiermem.tiers.pipeline import StepPipeline, Views
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.swap.manifest import PREVIOUS, RESIDENT_FILE, Manifest, layout_of, write_manifest
+from tiermem.swap import fsops
 from tiermem.swap.store import SwapStore
 from tiermem.swap.rundir import remove_run_dir, run_dirs
 from tiermem.telemetry.stats import StepStats
@@ -359,19 +360,19 @@ class TierManager:
         self.flush()
         run_dir = self.run_dir()
         if self.store is None:
-            os.makedirs(run_dir, mode=0o700, exist_ok=True)
+            fsops.makedirs(run_dir)
         resident = []
-        pos = 0
-        with open(os.path.join(run_dir, RESIDENT_FILE), "wb") as f:
+
+        def pieces():  # through fsops, like every write the kept state depends on
+            pos = 0
             for p in self.parts:
-                if p.tier == "nvme":
-                    continue
-                data = self.resident[p.id].cpu().numpy().tobytes()
-                f.write(data)
-                resident.append({"id": p.id, "offset": pos, "nbytes": len(data)})
-                pos += len(data)
-            f.flush()
-            os.fsync(f.fileno())
+                if p.tier != "nvme":
+                    data = self.resident[p.id].cpu().numpy().tobytes()
+                    resident.append({"id": p.id, "offset": pos, "nbytes": len(data)})
+                    pos += len(data)
+                    yield data
+        fsops.ops().write_file(os.path.join(run_dir, RESIDENT_FILE), pieces(),
+                               site="resident.fsync")
         write_manifest(run_dir, self._manifest(step=step, resident=resident, **meta))
         self.close(remove_swap=False)
         return run_dir
