@@ -327,12 +327,52 @@ def load_config(source: "str | os.PathLike | Mapping[str, Any] | Settings | None
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError("<file>", str(path), f"cannot read it: {exc.strerror}") from None
+        raise ConfigFileError(path, f"cannot read it: {exc.strerror}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError("<file>", str(path), f"not valid YAML: {exc}") from None
-    return _build(Settings, data, "")
+        raise ConfigFileError(path, _yaml_problem(exc)) from None
+    try:
+        return _build(Settings, data, "")
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.value, f"{exc.allowed} (in {path})") from None
+
+
+class ConfigFileError(ConfigError):
+    """The config file cannot be read or parsed; the message names the file and the place."""
+
+    def __init__(self, path: "str | os.PathLike", why: str) -> None:
+        TierMemError.__init__(self, f"config file {path}: {why}")
+        self.key, self.value, self.allowed = "<file>", str(path), why
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML names the stream '<unicode string>'; say line, column and the problem only."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"not valid YAML at {where}{problem}" + (f" ({context})" if context else "")
+
+
+def as_yaml_data(value: Any, tp: Any = Settings) -> Any:
+    """Settings as plain YAML data, sizes spelled '30GiB' (loading it gives the same
+    Settings)."""
+    if dataclasses.is_dataclass(value):
+        hints = typing.get_type_hints(type(value), include_extras=True)
+        return {f.name: as_yaml_data(getattr(value, f.name), hints[f.name])
+                for f in dataclasses.fields(value)}
+    if typing.get_origin(tp) is Annotated:
+        text = yaml_size(value)
+        return int(text) if text.isdigit() else text
+    if isinstance(value, list):
+        args = typing.get_args(tp)
+        return [as_yaml_data(v, args[0] if args else Any) for v in value]
+    return value
+
+
+def to_yaml(settings: Settings) -> str:
+    return yaml.safe_dump(as_yaml_data(settings), sort_keys=False, default_flow_style=False)
 
 
 def swap_dir(settings: Settings) -> str:

@@ -15,7 +15,10 @@ import stat
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tiermem.errors import TierMemError
+import errno as _errno
+
+from tiermem.errors import TierMemIOError
+from tiermem.swap import rundir
 from tiermem.sysinfo import Mount, mount_of
 
 # Filesystems that are not storage at all: nothing written there is a file on a disk.
@@ -28,7 +31,7 @@ NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs",
               "gpfs", "fuse.juicefs", "virtiofs"}
 
 
-class SwapPathError(TierMemError, ValueError):
+class SwapPathError(rundir.SwapPathError, ValueError):
     """A swap path that cannot hold swap files; the message names the path and why."""
 
 
@@ -45,6 +48,9 @@ class PathCheck:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # errno when the path cannot be written (read-only, permissions): offload() raises
+    # TierMemIOError for it, as it would for the mkdir that fails
+    write_errno: int | None = None
 
     def lines(self) -> list[str]:
         where = (f"{self.mount.fstype} on {self.mount.source}, mounted at "
@@ -82,6 +88,10 @@ class PathsReport:
 
     def raise_first(self) -> None:
         errors = self.all_errors()
+        for c in self.checks:
+            if c.write_errno is not None and len(c.errors) == 1:
+                raise TierMemIOError(f"cannot create swap directory {c.path}: {c.errors[0]}",
+                                     op="mkdir", path=c.path, errno=c.write_errno)
         if errors:
             more = f" (and {len(errors) - 1} more: tiermem validate lists them)" \
                 if len(errors) > 1 else ""
@@ -151,8 +161,10 @@ def check_path(given: str) -> PathCheck:
         read_only = False
     if read_only:
         c.errors.append(f"the filesystem mounted at {c.mount.mountpoint} is read-only")
+        c.write_errno = _errno.EROFS
     elif not os.access(c.real, os.W_OK | os.X_OK):
         c.errors.append(f"{c.real} is not writable by this user")
+        c.write_errno = _errno.EACCES
     if fs in RAM_FS:
         c.warnings.append(f"is on {fs}: the swap files live in RAM (they count against host "
                           "memory, which is what offloading should save) and refuse "
