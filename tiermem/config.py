@@ -375,6 +375,15 @@ def to_yaml(settings: Settings) -> str:
     return yaml.safe_dump(as_yaml_data(settings), sort_keys=False, default_flow_style=False)
 
 
+SHIPPED = Path(__file__).resolve().parent / "configs"  # package data: installed with tiermem
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The example configs installed with the package (`tiermem init-config NAME` copies one;
+    `load_config(shipped_configs()["nvme"])` loads one)."""
+    return {p.stem: p for p in sorted(SHIPPED.glob("*.yaml"))}
+
+
 def swap_dir(settings: Settings) -> str:
     """The first swap directory, with ~ and $VARS expanded."""
     return os.path.expandvars(os.path.expanduser(settings.swap.paths[0]))

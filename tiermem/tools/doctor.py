@@ -104,9 +104,9 @@ def diagnose(settings: Settings) -> Report:
                 status = "warn"
         elif not c.exists and not c.errors:
             detail += ", not created yet (O_DIRECT untested)"
-        r.add("swap path", status, detail,
-              "; ".join(c.errors + c.warnings + c.notes) if status != "ok" else
-              "; ".join(c.notes))
+        if c.notes:
+            detail += "; " + "; ".join(c.notes)
+        r.add("swap path", status, detail, "; ".join(c.errors + c.warnings))
     for w in report.warnings:
         r.add("swap stripes", "warn", w)
     for e in report.errors:

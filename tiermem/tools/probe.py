@@ -206,7 +206,7 @@ def measurement_line(m: Measurement) -> str:
             f"{m.write_gbps:>12.2f}{m.read_gbps:>11.2f}")
 
 
-def format_report(report: ProbeReport) -> str:
+def format_report(report: ProbeReport, *, table: bool = True) -> str:
     """The human-readable table and recommendation."""
     yes = {True: "yes", False: "NO"}
     lines = [
@@ -217,7 +217,7 @@ def format_report(report: ProbeReport) -> str:
         f"O_DIRECT        {yes[report.o_direct]}",
         f"io_uring        {yes[report.io_uring]} ({report.io_uring_detail})",
     ]
-    if report.measurements:
+    if report.measurements and table:
         lines += ["", TABLE_HEAD]
         lines += [measurement_line(m) for m in report.measurements]
     lines += [f"note: {n}" for n in report.notes]
