@@ -7,7 +7,12 @@ import json
 import sys
 from typing import Sequence
 
+from tiermem.errors import TierMemError
 from tiermem.sizes import parse_size
+
+
+class InputError(TierMemError, ValueError):
+    """A command-line input that cannot be used (exit 2, one line)."""
 
 
 def _size(text: str) -> int:
@@ -192,12 +197,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     settings = load_config(args.config)
+    rates = _probe_rates(args)
     shape = choose_shape(args.params, args.layers, args.hidden)
     plan = make_plan(shape.params, args.dtype, settings, synthetic_grads=args.no_activations,
                      hidden=shape.hidden, layers=shape.layers)
     for line in plan.lines():
         print(line)
-    rates = _probe_rates(args)
     for line in estimate_step(plan, settings, *rates):
         print(line)
     try:
@@ -213,17 +218,18 @@ def _probe_rates(args: argparse.Namespace) -> tuple[float | None, float | None]:
     """(read, write) GB/s: given, or the best of a `tiermem probe --json` file."""
     read, write = args.read_gbps, args.write_gbps
     if args.probe:
-        from tiermem.errors import TierMemError
         try:
             with open(args.probe) as f:
                 data = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise TierMemError(f"--probe {args.probe}: cannot read it as a tiermem probe "
-                               f"--json file ({exc})") from None
+        except OSError as exc:
+            raise InputError(f"--probe {args.probe}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise InputError(f"--probe {args.probe}: not JSON ({exc})") from None
         data = data if isinstance(data, list) else [data]
-        ms = [m for d in data for m in d.get("measurements", [])]
+        ms = [m for d in data if isinstance(d, dict) for m in d.get("measurements", [])]
         if not ms:
-            raise TierMemError(f"--probe {args.probe}: has no measurements")
+            raise InputError(f"--probe {args.probe}: no measurements in it (write it with "
+                             "tiermem probe --json FILE)")
         best = min(ms, key=lambda m: 1 / m["read_gbps"] + 1 / m["write_gbps"])
         read, write = read or best["read_gbps"], write or best["write_gbps"]
     return read, write
@@ -417,7 +423,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as exc:  # one clear line, not a traceback, for the user's mistakes
-        from tiermem.errors import TierMemError
         if isinstance(exc, TierMemError):
             print(f"tiermem {args.command}: {exc}", file=sys.stderr)
             return 2 if isinstance(exc, ValueError) else 1
