@@ -321,11 +321,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tiermem import __version__
+    import tiermem
 
     parser = _Parser(prog="tiermem", description="NVMe tiered memory for PyTorch optimizer "
                      "state. Argument and config errors exit 2 with one line; failures exit 1.")
-    parser.add_argument("--version", action="version", version=f"tiermem {__version__}")
+    parser.add_argument("--version", action="version", version=f"tiermem {tiermem.__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     p = sub.add_parser("probe", help="check swap directories and measure their throughput")
     p.add_argument("path", nargs="?", help="swap directory (default: each of the config's swap "
