@@ -12,8 +12,7 @@ import torch
 
 import tiermem
 from tiermem.optim.hooks import installed
-from tiermem.swap.paths import SwapPathError, check_paths
-from tiermem.swap.rundir import StaleSwapError
+from tiermem.swap.rundir import StaleSwapError, SwapPathError
 
 
 def _cfg(swap, **extra):
@@ -159,6 +158,7 @@ def test_offload_refuses_unusable_paths(paths, match):
 
 
 def test_checker_reports_links_duplicates_and_shared_devices(tmp_path):
+    from tiermem.swap.paths import check_paths
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(real)
@@ -176,6 +176,7 @@ def test_checker_reports_links_duplicates_and_shared_devices(tmp_path):
 def test_checker_warns_on_tmpfs():
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
+    from tiermem.swap.paths import check_paths
     from tiermem.sysinfo import mount_of
     if mount_of("/dev/shm").fstype != "tmpfs":
         pytest.skip("/dev/shm is not tmpfs here")

@@ -122,7 +122,7 @@ class PipelineSettings:
                        "buffers come first and need no read.", default=True)
     overlap_backward: bool = doc(
         "Start each partition's update during backward, as soon as its gradients are final "
-        "(docs/overlap.md); the order then follows the gradients and zigzag has no effect.",
+        "(docs/guide/overlap.md); the order then follows the gradients and zigzag has no effect.",
         default=False)
 
     def validate(self) -> None:
@@ -154,7 +154,7 @@ class OptimizerSettings:
     state_dtype: Literal["fp32", "bf16"] = doc(
         "Storage dtype of exp_avg, exp_avg_sq (and max_exp_avg_sq): bf16 keeps 2 bytes per "
         "moment instead of 4 (a master weight stays fp32) and runs the update in tiermem's "
-        "native CPU kernel whatever optimizer.kernel says (docs/numerics.md).",
+        "native CPU kernel whatever optimizer.kernel says (docs/guide/numerics.md).",
         default="fp32")
     state_rounding: Literal["stochastic", "nearest"] = doc(
         "How bf16 state is rounded when stored: stochastic (unbiased, seeded by step and "
@@ -163,7 +163,7 @@ class OptimizerSettings:
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
         "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "
         "streamed to the GPU through two device buffers, torch's fused Adam there); "
-        "docs/gpu.md.", default="cpu")
+        "docs/guide/gpu.md.", default="cpu")
 
     def validate(self) -> None:
         if self.step_device == "device" and (self.kernel == "native"
@@ -187,7 +187,7 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class DistributedSettings:
-    """How ranks share the optimizer state under torch.distributed (docs/distributed.md)."""
+    """How ranks share the optimizer state under torch.distributed (docs/guide/distributed.md)."""
 
     grads: Literal["reduce_scatter", "allreduced"] = doc(
         "reduce_scatter: tiermem averages the gradients over the ranks, each receiving its "
@@ -417,7 +417,7 @@ def reference(cls: type = Settings, prefix: str = "",
 
 
 def reference_markdown() -> str:
-    """The config reference as a markdown table (docs/config.md is generated from it)."""
+    """The config reference as a markdown table (docs/guide/config.md is generated from it)."""
     lines = ["| key | allowed | default | meaning |", "|---|---|---|---|"]
     for key, allowed, default, text in reference():
         lines.append(f"| `{key}` | {allowed} | `{default}` | {text} |")

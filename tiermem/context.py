@@ -109,7 +109,7 @@ def offload(optimizer: torch.optim.Optimizer,
     `tm.resumed_step` tells the step it had reached.
     process_group: under torch.distributed (this group, else the default one when it is
     initialised, or FSDP2 DTensor parameters) each rank tiers only its share of the state
-    (docs/distributed.md).
+    (docs/guide/distributed.md).
     streams: the stream backend of the host<->device lanes; None picks CUDA streams for
     CUDA parameters. `tiermem.device.lanes.DeferredBackend()` makes CPU parameters count
     as device ones and runs every device path on the CPU (tests, smoke runs).

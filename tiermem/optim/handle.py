@@ -84,7 +84,7 @@ class Offload:
         """`with tm.accumulating(): loss.backward()`: gradients accumulate, no update starts.
 
         With pipeline.overlap_backward every other backward starts the step's update, so
-        wrap the backward of every micro-batch but the last in it (docs/overlap.md). Without
+        wrap the backward of every micro-batch but the last in it (docs/guide/overlap.md). Without
         overlap it does nothing, so a loop may use it either way."""
         overlap = self.offloaded.overlap
         return overlap.accumulating() if overlap is not None else contextlib.nullcontext()
