@@ -258,7 +258,7 @@ def train_loop(args: argparse.Namespace, device: str, timeout: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # --out, not --json: gpu_session.sh and docs/gpu.md name it so.
+    # --out, not --json: gpu_session.sh and docs/guide/gpu.md name it so.
     ap = parser(__doc__, json_name="gpu_check.json", json_flags=("--out",))
     ap.add_argument("--swap-dir", default=os.environ.get("TMPDIR", "/tmp"),
                     help="where the NVMe-tier swap files go (default $TMPDIR or /tmp)")

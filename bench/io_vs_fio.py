@@ -523,7 +523,7 @@ def _ratio_cell(ratio: float | None, goal: float, is_engine: bool, missing: str)
 
 
 def show_results(summary: Sequence[dict[str, Any]], deepspeed_status: str) -> str:
-    """The markdown table printed and pasted into docs/io-benchmark.md."""
+    """The markdown table printed and pasted into docs/dev/io-benchmark.md."""
     ds_missing = "n/a" if deepspeed_status == "measured" else deepspeed_status
     rows = [[r["tool"], r["depth"], r["op"], f"{r['gbps_median']:.2f}",
              _ratio_cell(r["vs_fio"], GOAL_VS_FIO, r["tool"] in ENGINE_TOOLS, "n/a"),

@@ -32,7 +32,7 @@ the model (--dim, --layers) and the batch (--batch, --seq) so that the two
 floors are comparable on your machine, or pass `--batch auto`: the step alone is
 timed first, then the batch doubles from 1 until fwd+bwd takes at least as long (on
 a GPU, where the right batch is not known in advance). --trace writes a Perfetto
-trace of the overlapped iterations (docs/tracing.md).
+trace of the overlapped iterations (docs/guide/tracing.md).
 
 Usage: python bench/train_loop.py [--dim 1024 --layers 8 --tokens 2x64] [--json out.json]
 """

@@ -10,10 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_config_reference_lists_every_key():
-    """docs/config.md (from `tiermem validate --reference`) names every config key."""
-    text = (ROOT / "docs" / "config.md").read_text()
+    """docs/guide/config.md (from `tiermem validate --reference`) names every config key."""
+    text = (ROOT / "docs" / "guide" / "config.md").read_text()
     missing = [key for key, *_ in reference() if f"`{key}`" not in text]
-    assert not missing, f"docs/config.md lacks {missing}; regenerate it"
+    assert not missing, f"docs/guide/config.md lacks {missing}; regenerate it"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -43,3 +43,24 @@ def test_torch_floor_is_the_same_everywhere():
     assert f"< ({major}, {minor})" in makefile, "Makefile's TORCH_OK checks another floor"
     assert f"older than {major}.{minor}" in makefile
     assert f"older than {major}.{minor}" in (ROOT / "README.md").read_text()
+
+
+def test_user_guide_is_for_users():
+    """docs/guide/ holds no test names, no paths of this machine and no session tooling:
+    that material lives in docs/dev/."""
+    import re
+
+    bad = re.compile(r"tests/|test_[a-z_]+|/work/|/root/|gpu_session|gpu_prepare|lent a GPU")
+    found = [f"{p.relative_to(ROOT)}:{i}: {m.group(0)}"
+             for p in sorted((ROOT / "docs" / "guide").rglob("*.md"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             for m in [bad.search(line)] if m]
+    assert not found, found
+
+
+def test_readme_offers_pip_and_shipped_configs():
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install" in readme and "liburing-dev" in readme
+    assert "configs/nvme.yaml" not in readme.split("## From a clone")[0]  # not installed
+    assert "tiermem init-config" in readme
+    assert "bitwise equal to the plain optimizer" not in readme

@@ -1,4 +1,4 @@
-"""The examples of docs/integrations/*.md run as written.
+"""The examples of docs/guide/integrations/*.md run as written.
 
 Every ```python block of a page runs, in order, in one namespace (a page's later blocks use
 what its first defined), in a fresh working directory (the examples write ./tiermem-swap,
@@ -14,7 +14,7 @@ import pytest
 
 from offload_helpers import listdir
 
-PAGES = Path(__file__).resolve().parent.parent / "docs" / "integrations"
+PAGES = Path(__file__).resolve().parent.parent / "docs" / "guide" / "integrations"
 NEEDS = {"lightning": "lightning.pytorch", "accelerate": "accelerate",
          "transformers": "transformers"}
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -33,7 +33,7 @@ def test_page_example_runs(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page}"}
     for i, block in enumerate(code):
-        exec(compile(block, f"docs/integrations/{page}.md[python block {i}]", "exec"),
+        exec(compile(block, f"docs/guide/integrations/{page}.md[python block {i}]", "exec"),
              namespace)
     # every example left its block: state handed back, swap directory emptied
     assert listdir(tmp_path / "tiermem-swap") == []

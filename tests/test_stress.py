@@ -55,7 +55,7 @@ def test_config_error_exits_2(tmp_path):
 
 
 def _assert_documented_shape(result):
-    """The --json file has the keys and types docs/stress.md lists."""
+    """The --json file has the keys and types docs/guide/stress.md lists."""
     plan_keys = {"params", "dtype", "weights", "grads", "state", "state_per_param", "tiers",
                  "pinned", "swap", "activations", "host_need", "host_available", "disk_free"}
     step_keys = {"step", "seconds", "step_seconds", "update_seconds", "transfer_seconds",

@@ -122,7 +122,7 @@ class PipelineSettings:
                        "buffers come first and need no read.", default=True)
     overlap_backward: bool = doc(
         "Start each partition's update during backward, as soon as its gradients are final "
-        "(docs/overlap.md); the order then follows the gradients and zigzag has no effect.",
+        "(docs/guide/overlap.md); the order then follows the gradients and zigzag has no effect.",
         default=False)
 
     def validate(self) -> None:
@@ -154,7 +154,7 @@ class OptimizerSettings:
     state_dtype: Literal["fp32", "bf16"] = doc(
         "Storage dtype of exp_avg, exp_avg_sq (and max_exp_avg_sq): bf16 keeps 2 bytes per "
         "moment instead of 4 (a master weight stays fp32) and runs the update in tiermem's "
-        "native CPU kernel whatever optimizer.kernel says (docs/numerics.md).",
+        "native CPU kernel whatever optimizer.kernel says (docs/guide/numerics.md).",
         default="fp32")
     state_rounding: Literal["stochastic", "nearest"] = doc(
         "How bf16 state is rounded when stored: stochastic (unbiased, seeded by step and "
@@ -163,7 +163,7 @@ class OptimizerSettings:
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
         "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "
         "streamed to the GPU through two device buffers, torch's fused Adam there); "
-        "docs/gpu.md.", default="cpu")
+        "docs/guide/gpu.md.", default="cpu")
 
     def validate(self) -> None:
         if self.step_device == "device" and (self.kernel == "native"
@@ -187,7 +187,7 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class DistributedSettings:
-    """How ranks share the optimizer state under torch.distributed (docs/distributed.md)."""
+    """How ranks share the optimizer state under torch.distributed (docs/guide/distributed.md)."""
 
     grads: Literal["reduce_scatter", "allreduced"] = doc(
         "reduce_scatter: tiermem averages the gradients over the ranks, each receiving its "
@@ -327,12 +327,61 @@ def load_config(source: "str | os.PathLike | Mapping[str, Any] | Settings | None
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError("<file>", str(path), f"cannot read it: {exc.strerror}") from None
+        raise ConfigFileError(path, f"cannot read it: {exc.strerror}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError("<file>", str(path), f"not valid YAML: {exc}") from None
-    return _build(Settings, data, "")
+        raise ConfigFileError(path, _yaml_problem(exc)) from None
+    try:
+        return _build(Settings, data, "")
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.value, f"{exc.allowed} (in {path})") from None
+
+
+class ConfigFileError(ConfigError):
+    """The config file cannot be read or parsed; the message names the file and the place."""
+
+    def __init__(self, path: "str | os.PathLike", why: str) -> None:
+        TierMemError.__init__(self, f"config file {path}: {why}")
+        self.key, self.value, self.allowed = "<file>", str(path), why
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML names the stream '<unicode string>'; say line, column and the problem only."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"not valid YAML at {where}{problem}" + (f" ({context})" if context else "")
+
+
+def as_yaml_data(value: Any, tp: Any = Settings) -> Any:
+    """Settings as plain YAML data, sizes spelled '30GiB' (loading it gives the same
+    Settings)."""
+    if dataclasses.is_dataclass(value):
+        hints = typing.get_type_hints(type(value), include_extras=True)
+        return {f.name: as_yaml_data(getattr(value, f.name), hints[f.name])
+                for f in dataclasses.fields(value)}
+    if typing.get_origin(tp) is Annotated:
+        text = yaml_size(value)
+        return int(text) if text.isdigit() else text
+    if isinstance(value, list):
+        args = typing.get_args(tp)
+        return [as_yaml_data(v, args[0] if args else Any) for v in value]
+    return value
+
+
+def to_yaml(settings: Settings) -> str:
+    return yaml.safe_dump(as_yaml_data(settings), sort_keys=False, default_flow_style=False)
+
+
+SHIPPED = Path(__file__).resolve().parent / "configs"  # package data: installed with tiermem
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The example configs installed with the package (`tiermem init-config NAME` copies one;
+    `load_config(shipped_configs()["nvme"])` loads one)."""
+    return {p.stem: p for p in sorted(SHIPPED.glob("*.yaml"))}
 
 
 def swap_dir(settings: Settings) -> str:
@@ -368,7 +417,7 @@ def reference(cls: type = Settings, prefix: str = "",
 
 
 def reference_markdown() -> str:
-    """The config reference as a markdown table (docs/config.md is generated from it)."""
+    """The config reference as a markdown table (docs/guide/config.md is generated from it)."""
     lines = ["| key | allowed | default | meaning |", "|---|---|---|---|"]
     for key, allowed, default, text in reference():
         lines.append(f"| `{key}` | {allowed} | `{default}` | {text} |")

@@ -3,7 +3,7 @@
 Importing `tiermem.integrations` imports no framework; `tiermem.integrations.lightning`
 needs `lightning`, `tiermem.integrations.transformers` needs `transformers`. Accelerate
 needs no module: `tiermem.offload` takes its `AcceleratedOptimizer` as it is
-(tiermem/optim/wrappers.py). docs/integrations/ has one page per framework.
+(tiermem/optim/wrappers.py). docs/guide/integrations/ has one page per framework.
 """
 
 from __future__ import annotations

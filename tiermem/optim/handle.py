@@ -11,6 +11,7 @@ elsewhere. dist.sharded's handle overrides `leave()` for a rank's share.
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
 from typing import Any
 
@@ -21,6 +22,46 @@ from tiermem.optim.offloaded import OffloadedOptimizer
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.telemetry.stats import StepStats
+
+
+KEPT = "_tiermem_kept"  # instance attribute of an optimizer whose state a block kept on disk
+
+
+def resume_call(name: str) -> str:
+    """The exact call that resumes state kept under `name` (name= matters: it picks the
+    directory)."""
+    return (f"tiermem.offload(optimizer, config, model=model, name={name!r}, resume=True)"
+            if name != "default" else
+            "tiermem.offload(optimizer, config, model=model, resume=True)")
+
+
+def mark_kept(opt: torch.optim.Optimizer, run_dir: str, name: str, step: int | None) -> None:
+    """After a block kept the state on disk, opt.state is empty: a plain opt.step() would
+    start Adam over from step 1 without a word. Make it raise, saying where the state is."""
+    which = f"of committed step {step} " if step is not None else ""
+    message = (f"opt.step(): this optimizer's state {which}was kept on disk in {run_dir} when "
+               f"its tiermem.offload block ended, and opt.state is empty; stepping now would "
+               f"start Adam over from step 1. Resume it with `with {resume_call(name)}:`, or, "
+               "to start over on purpose, call tiermem.optim.handle.forget_kept(optimizer)")
+
+    def step(opt_self, closure=None):
+        raise TierMemError(message)
+
+    opt.__dict__[KEPT] = run_dir
+    opt.__dict__["step"] = types.MethodType(step, opt)
+
+
+def kept_dir(opt: torch.optim.Optimizer) -> str | None:
+    """The run directory a block kept `opt`'s state in (opt.step() raises until it is
+    resumed or forgotten), or None."""
+    return opt.__dict__.get(KEPT)
+
+
+def forget_kept(opt: torch.optim.Optimizer) -> None:
+    """Let `opt.step()` run plainly again after a block kept its state on disk (the kept
+    directory stays; `tiermem clean` removes it)."""
+    if opt.__dict__.pop(KEPT, None) is not None:
+        opt.__dict__.pop("step", None)
 
 
 class Offload:
@@ -43,7 +84,7 @@ class Offload:
         """`with tm.accumulating(): loss.backward()`: gradients accumulate, no update starts.
 
         With pipeline.overlap_backward every other backward starts the step's update, so
-        wrap the backward of every micro-batch but the last in it (docs/overlap.md). Without
+        wrap the backward of every micro-batch but the last in it (docs/guide/overlap.md). Without
         overlap it does nothing, so a loop may use it either way."""
         overlap = self.offloaded.overlap
         return overlap.accumulating() if overlap is not None else contextlib.nullcontext()
@@ -104,7 +145,7 @@ class Offload:
             which = (f"of committed step {self.offloaded.committed_step} "
                      if self.offloaded.committed_step is not None else "")
             return (f"the optimizer state {which}stays on disk in {self.kept_on_disk}; resume "
-                    "with tiermem.offload(..., resume=True)")
+                    f"with {resume_call(self.offloaded.swap_name)}")
         if self._discard:
             return "the optimizer state was discarded (stress/benchmark run)"
         return (f"the optimizer state of step {self.offloaded.steps_taken} was handed back to the "
@@ -162,6 +203,7 @@ class Offload:
             self.kept_on_disk = off.tiers.run_dir()
             off.detach()
             off.tiers.close(remove_swap=False, flush=False)
+            self._mark_kept()
             warnings.warn(f"tiermem: a failed step could not be rolled back; "
                           f"{self.where_state_is()}", TierMemWarning, stacklevel=3)
             return
@@ -183,6 +225,8 @@ class Offload:
                 # take the others with it: keep everything on disk and say where.
                 off.detach()
                 kept = off.keep_on_disk()
+                self.kept_on_disk = kept
+                self._mark_kept()
                 raise TierMemError(f"optimizer state could not be gathered back ({exc}); "
                                    f"everything was kept on disk in {kept}") from exc
             off.detach()
@@ -192,12 +236,19 @@ class Offload:
             return
         self.kept_on_disk = off.keep_on_disk()
         off.detach()
+        self._mark_kept()
         warnings.warn(
             f"tiermem: the optimizer state ({format_size(need)}) does not fit in free host "
             f"memory ({format_size(available_memory())}), so it stays on disk in "
-            f"{self.kept_on_disk}. Resume with tiermem.offload(optimizer, config, "
-            "resume=True) and the same model, optimizer and config.", TierMemWarning,
-            stacklevel=3)
+            f"{self.kept_on_disk}, and opt.step() raises until it is resumed. Resume with "
+            f"{resume_call(off.swap_name)} and the same model, optimizer and config.",
+            TierMemWarning, stacklevel=3)
+
+    def _mark_kept(self) -> None:
+        off = self.offloaded
+        # steps_taken counts this block's steps only, not the state's: name a step only
+        # where it is the state's (a crash_consistent commit).
+        mark_kept(off.opt, self.kept_on_disk, off.swap_name, off.committed_step)
 
     def leave(self, exc: BaseException | None) -> None:
         """The one way out of the block; `exc` is what ended it (None: it ended normally).

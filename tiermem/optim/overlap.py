@@ -14,7 +14,7 @@ that no gradient changed after its hook fired, updates the partitions no hook
 made ready (parameters unused in this step, frozen ones) and closes the step
 (crash-consistent runs commit it there, or roll it back when it raised: the
 worker's writes went to copies no manifest names yet). A backward inside
-`accumulating()` only accumulates. docs/overlap.md has the rules.
+`accumulating()` only accumulates. docs/guide/overlap.md has the rules.
 
 Threads. Autograd's thread runs the hooks: they only mark and enqueue, under
 `_lock`. Everything else (the pipeline, the tiers, the round's bookkeeping, the

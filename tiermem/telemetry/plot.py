@@ -63,6 +63,16 @@ def plot_run(path: str | os.PathLike, events: Iterable[Any], steps: Iterable[Any
                          f"{have[0]}..{have[-1]})" if have else
                          f"no timeline events of step {step}: none were recorded")
 
+    build_figure(events, steps, step, Figure, FigureCanvasAgg).savefig(
+        os.fspath(path), format="png", dpi=110)
+
+
+def build_figure(events: list[Any], steps: list[dict[str, Any]], step: int | None,
+                 Figure: Any = None, FigureCanvasAgg: Any = None) -> Any:
+    """The matplotlib Figure plot_run saves (tests inspect it)."""
+    if Figure is None:
+        Figure, FigureCanvasAgg = _import_matplotlib()
+    steps = [_step_dict(s) for s in steps]
     fig = Figure(figsize=(12, 7), dpi=110)
     FigureCanvasAgg(fig)
     # Fixed margins (no tight/constrained layout), so that bar widths in pixels are known
@@ -71,7 +81,7 @@ def plot_run(path: str | os.PathLike, events: Iterable[Any], steps: Iterable[Any
                           bottom=0.08, hspace=0.38)
     _timeline(fig.add_subplot(gs[0]), [e for e in events if _ev(e, "step") == step], step)
     _per_step(fig.add_subplot(gs[1]), steps, step)
-    fig.savefig(os.fspath(path), format="png", dpi=110)
+    return fig
 
 
 def _darker(color: str, f: float = 0.65) -> str:
@@ -89,12 +99,16 @@ def _timeline(ax, events: list[Any], step: int | None) -> None:
     t0 = min(_ev(e, "start") for e in events)
     t1 = max(_ev(e, "end") for e in events)
     span_ms = max((t1 - t0) * 1e3, 1e-3)
-    tracks = list(TRACK_ORDER) + sorted({_ev(e, "track") for e in events} - set(TRACK_ORDER))
+    # Only tracks with spans: a CPU-only run has no host<->device lane to show.
+    present = {_ev(e, "track") for e in events}
+    tracks = [t for t in TRACK_ORDER if t in present] + sorted(present - set(TRACK_ORDER))
     ax.set_xlim(-0.01 * span_ms, 1.01 * span_ms)
     ax.set_ylim(len(tracks) - 0.5, -0.5)  # first track on top
     renderer = ax.figure.canvas.get_renderer()
     x_px = ax.get_window_extent(renderer).width / (1.02 * span_ms)  # pixels per ms
 
+    y_px = ax.get_window_extent(renderer).height / len(tracks)  # pixels per track row
+    placed: list[Any] = []  # label extents so far: a label that would touch one is dropped
     step_start = None
     for row, track in enumerate(tracks):
         evs = [e for e in events if _ev(e, "track") == track]
@@ -125,8 +139,12 @@ def _timeline(ax, events: list[Any], step: int | None) -> None:
             text = ax.text((a + b) / 2, row - 0.4 + (lane + 0.5) * h, label, ha="center",
                            va="center", fontsize=7, clip_on=True,
                            color="white" if track != "step" else "black")
-            if text.get_window_extent(renderer).width + 2 > (b - a) * x_px:
-                text.remove()  # does not fit in its bar
+            box = text.get_window_extent(renderer)
+            if (box.width + 2 > (b - a) * x_px or box.height > h * y_px
+                    or any(box.overlaps(other) for other in placed)):
+                text.remove()  # does not fit in its bar or sub-row, or touches another label
+            else:
+                placed.append(box)
     ax.set_yticks(range(len(tracks)))
     ax.set_yticklabels(tracks)
     ax.tick_params(axis="y", length=0)
@@ -152,7 +170,7 @@ def _timeline(ax, events: list[Any], step: int | None) -> None:
 
 
 def _per_step(ax, steps: list[dict[str, Any]], chosen: int | None) -> None:
-    ax.set_title("Per step: NVMe bandwidth and stall", loc="left", fontweight="bold")
+    ax.set_title("Per step", loc="left", fontweight="bold")
     if not steps:
         ax.set_axis_off()
         ax.text(0.5, 0.5, "no step statistics", ha="center", va="center",
@@ -162,7 +180,9 @@ def _per_step(ax, steps: list[dict[str, Any]], chosen: int | None) -> None:
     marker = "o" if len(xs) <= 60 else None
     stall = ax.twinx()
     bars = stall.bar(xs, [s["stall_seconds"] * 1e3 for s in steps], width=0.6,
-                     color=COLORS["stall"], alpha=0.3, label="stall (ms, right axis)")
+                     color=COLORS["stall"], alpha=0.3, label="stall ms (right)")
+    (t,) = stall.plot(xs, [s["step_seconds"] * 1e3 for s in steps], color="0.25", ls="--",
+                      marker=marker, ms=3, lw=1.2, label="opt.step() time ms (right)")
     (r,) = ax.plot(xs, [s["read_gbps"] for s in steps], color=COLORS["nvme read"],
                    marker=marker, ms=4, lw=1.6, label="read GB/s")
     (w,) = ax.plot(xs, [s["write_gbps"] for s in steps], color=COLORS["nvme write"],
@@ -170,13 +190,13 @@ def _per_step(ax, steps: list[dict[str, Any]], chosen: int | None) -> None:
     # Lines above the bars of the twin axis.
     ax.set_zorder(stall.get_zorder() + 1)
     ax.patch.set_visible(False)
-    handles = [r, w, bars]
+    handles = [r, w, t, bars]
     if chosen is not None and chosen in xs:
         handles.append(ax.axvline(chosen, color="0.3", ls=":", lw=1,
-                                  label=f"step {chosen} (timeline above)"))
+                                  label=f"step {chosen} (above)"))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("GB/s (bytes / I/O busy time)")
-    stall.set_ylabel("stall per step (ms)")
+    stall.set_ylabel("opt.step() time and stall (ms)")
     ax.set_ylim(bottom=0)
     stall.set_ylim(bottom=0)
     if len(xs) <= 20:

@@ -7,7 +7,12 @@ import json
 import sys
 from typing import Sequence
 
+from tiermem.errors import TierMemError
 from tiermem.sizes import parse_size
+
+
+class InputError(TierMemError, ValueError):
+    """A command-line input that cannot be used (exit 2, one line)."""
 
 
 def _size(text: str) -> int:
@@ -35,23 +40,38 @@ def _ints(text: str) -> list[int]:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from tiermem.config import load_config, swap_dir
-    from tiermem.tools.probe import format_report, run_probe
+    from tiermem.config import load_config
+    from tiermem.swap.paths import check_paths
+    from tiermem.tools.probe import TABLE_HEAD, format_report, run_probe
 
-    path = args.path or swap_dir(load_config(args.config))
+    paths = [args.path] if args.path else load_config(args.config).swap.paths
     backends = None if args.backend == "auto" else [args.backend]
-    report = run_probe(path, size=args.size, block_sizes=args.block_sizes, depths=args.depths,
-                       backends=backends)
+    text = args.json != "-"
+    stripes = check_paths(paths) if len(paths) > 1 else None
+    reports = []
+    for path in paths:
+        if text:
+            print(f"probing {path}: {len(args.block_sizes) * len(args.depths)} measurements "
+                  f"per backend of {args.size >> 20} MiB each", flush=True)
+            print(TABLE_HEAD, flush=True)
+        report = run_probe(path, size=args.size, block_sizes=args.block_sizes,
+                           depths=args.depths, backends=backends,
+                           progress=(lambda line: print(line, flush=True)) if text else None)
+        reports.append(report)
+        if text:
+            print(format_report(report, table=False) + "\n", flush=True)
+    if stripes is not None and text:
+        for w in stripes.warnings + stripes.errors:
+            print(f"stripes: {w}")
     if args.json:
-        text = json.dumps(report.to_json(), indent=2)
+        data = [r.to_json() for r in reports]
+        out = json.dumps(data[0] if len(data) == 1 else data, indent=2)
         if args.json == "-":
-            print(text)
+            print(out)
         else:
             with open(args.json, "w") as f:
-                f.write(text + "\n")
-    if args.json != "-":
-        print(format_report(report))
-    return 0 if report.measurements else 1
+                f.write(out + "\n")
+    return 0 if all(r.measurements for r in reports) else 1
 
 
 def _count(text: str) -> int:
@@ -116,7 +136,8 @@ def _cmd_stress(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from tiermem.config import ConfigError, load_config, reference_markdown
+    from tiermem.config import load_config, reference_markdown, to_yaml
+    from tiermem.swap.paths import check_paths
 
     if args.reference:
         print(reference_markdown())
@@ -124,12 +145,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if not args.config:
         print("tiermem validate: give a config file (or --reference)", file=sys.stderr)
         return 2
-    try:
-        settings = load_config(args.config)
-    except ConfigError as exc:
-        print(f"tiermem validate: {args.config}: {exc}", file=sys.stderr)
+    settings = load_config(args.config)  # a ConfigError is one line, exit 2 (main)
+    paths = check_paths(settings.swap.paths)
+    for line in paths.all_errors():
+        print(f"tiermem validate: {args.config}: {line}", file=sys.stderr)
+    if not paths.ok:
         return 2
-    print(f"{args.config}: valid\n{settings}")
+    print(f"{args.config}: valid on this machine; the settings it gives, defaults included:")
+    print(to_yaml(settings).rstrip())
+    print("swap paths:")
+    for line in paths.lines():
+        print(f"  {line}")
     return 0
 
 
@@ -152,6 +178,141 @@ def _cmd_recover(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from tiermem.config import load_config
+    from tiermem.tools.doctor import diagnose
+
+    report = diagnose(load_config(args.config))
+    print("\n".join(report.lines()))
+    return 1 if report.errors else 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from tiermem.config import load_config
+    from tiermem.tools.stress import PlanError, check_plan, estimate_step, make_plan
+    from tiermem.tools.synthetic import choose_shape
+
+    if args.params is None and (args.layers is None or args.hidden is None):
+        print("tiermem plan: error: give --params, or both --layers and --hidden",
+              file=sys.stderr)
+        return 2
+    settings = load_config(args.config)
+    rates = _probe_rates(args)
+    shape = choose_shape(args.params, args.layers, args.hidden)
+    plan = make_plan(shape.params, args.dtype, settings, synthetic_grads=args.no_activations,
+                     hidden=shape.hidden, layers=shape.layers)
+    for line in plan.lines():
+        print(line)
+    for line in estimate_step(plan, settings, *rates):
+        print(line)
+    try:
+        check_plan(plan)
+    except PlanError as exc:
+        print(f"does not fit on this machine: {exc}")
+        return 1
+    print("fits on this machine")
+    return 0
+
+
+def _probe_rates(args: argparse.Namespace) -> tuple[float | None, float | None]:
+    """(read, write) GB/s: given, or the best of a `tiermem probe --json` file."""
+    read, write = args.read_gbps, args.write_gbps
+    if args.probe:
+        try:
+            with open(args.probe) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise InputError(f"--probe {args.probe}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise InputError(f"--probe {args.probe}: not JSON ({exc})") from None
+        data = data if isinstance(data, list) else [data]
+        ms = [m for d in data if isinstance(d, dict) for m in d.get("measurements", [])]
+        if not ms:
+            raise InputError(f"--probe {args.probe}: no measurements in it (write it with "
+                             "tiermem probe --json FILE)")
+        best = min(ms, key=lambda m: 1 / m["read_gbps"] + 1 / m["write_gbps"])
+        read, write = read or best["read_gbps"], write or best["write_gbps"]
+    return read, write
+
+
+def _runs(args: argparse.Namespace) -> list:
+    from tiermem.config import load_config
+    from tiermem.swap.runs import list_runs
+
+    where = args.dirs or load_config(args.config).swap.paths
+    runs = list_runs(where)
+    if args.name:
+        runs = [r for r in runs if r.name == args.name]
+    return runs
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    runs = _runs(args)
+    if not runs:
+        where = ", ".join(args.dirs) if args.dirs else "the config's swap paths"
+        print(f"no run directories under {where}")
+    for r in runs:
+        print(r.line())
+    return 0
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    from tiermem.sizes import format_size
+    from tiermem.swap.runs import remove
+
+    doomed = {"stale", "removing"} | ({"kept", "committed"} if args.kept else set())
+    freed = 0
+    for r in _runs(args):
+        if r.state not in doomed:
+            why = ("in use" if r.state == "in use" else
+                   f"{r.state} state: give --kept to remove it too")
+            print(f"kept    {r.path} ({why})")
+            continue
+        if not args.dry_run:
+            try:
+                remove(r)
+            except (OSError, RuntimeError) as exc:
+                print(f"tiermem clean: {r.path}: {exc}", file=sys.stderr)
+                continue
+        freed += r.bytes
+        print(f"{'would remove' if args.dry_run else 'removed'} {r.path} ({r.state}, "
+              f"{format_size(r.bytes)})")
+    print(f"{'would free' if args.dry_run else 'freed'} {format_size(freed)}")
+    return 0
+
+
+def _cmd_init_config(args: argparse.Namespace) -> int:
+    import os
+
+    from tiermem.config import shipped_configs
+
+    shipped = shipped_configs()
+    if args.list or not args.name:
+        for name, path in shipped.items():
+            with open(path) as f:
+                first = f.readline().lstrip("# ").strip()
+            print(f"{name:<12} {first}")
+        return 0
+    if args.name not in shipped:
+        print(f"tiermem init-config: error: no shipped config {args.name!r}; one of "
+              f"{', '.join(shipped)}", file=sys.stderr)
+        return 2
+    out = args.output or f"{args.name}.yaml"
+    with open(shipped[args.name]) as f:
+        text = f.read()
+    if out == "-":
+        print(text, end="")
+        return 0
+    if os.path.exists(out) and not args.force:
+        print(f"tiermem init-config: error: {out} exists (give --force to overwrite)",
+              file=sys.stderr)
+        return 2
+    with open(out, "w") as f:
+        f.write(text)
+    print(f"wrote {out}; check it with: tiermem validate {out}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """Argument errors: one line and exit status 2."""
 
@@ -160,11 +321,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tiermem", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("probe", help="check a swap directory and measure its throughput")
-    p.add_argument("path", nargs="?", help="swap directory (default: the config's first swap path)")
-    p.add_argument("--config", help="YAML config whose swap path to probe (default: built-in)")
+    import tiermem
+
+    parser = _Parser(prog="tiermem", description="NVMe tiered memory for PyTorch optimizer "
+                     "state. Argument and config errors exit 2 with one line; failures exit 1.")
+    parser.add_argument("--version", action="version", version=f"tiermem {tiermem.__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    p = sub.add_parser("probe", help="check swap directories and measure their throughput")
+    p.add_argument("path", nargs="?", help="swap directory (default: each of the config's swap "
+                   "paths)")
+    p.add_argument("--config", help="YAML config whose swap paths to probe (default: built-in)")
     p.add_argument("--size", type=_size, default=256 << 20, help="test file size (default 256MiB)")
     p.add_argument("--block-sizes", type=_sizes, default=[256 << 10, 1 << 20, 4 << 20],
                    help="comma-separated block sizes (default 256KiB,1MiB,4MiB)")
@@ -181,17 +347,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hidden", type=_positive, help="block width")
     s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="model weights and grads (state: fp32, or bf16 moments with optimizer.state_dtype)")
-    s.add_argument("--steps", type=_positive, default=3)
+    s.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
     s.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
     s.add_argument("--verify", action="store_true",
                    help="recompute sampled partitions in memory and compare bit for bit")
     s.add_argument("--synthetic-grads", action="store_true",
                    help="fill gradients from a seeded generator instead of forward/backward")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0,
+                   help="seeds weights, tokens, gradients and the verified sample (default 0)")
     s.add_argument("--json", metavar="OUT", help="write plan, per-step stats, verification")
     s.add_argument("--trace", metavar="OUT.json", help="Chrome/Perfetto trace of every step")
     s.add_argument("--plot", metavar="OUT.png", help="timeline and throughput plot")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (on a pipe or file: no per-step lines either)")
     s.set_defaults(func=_cmd_stress)
     v = sub.add_parser("validate", help="check a YAML config; --reference prints every key")
     v.add_argument("config", nargs="?", help="YAML config file")
@@ -203,18 +371,64 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("dir", help="run directory (<swap path>/tiermem-<name>) with a manifest.json")
     r.add_argument("-o", "--output", help="checkpoint file (default: ./<dir name>-recovered.pt)")
     r.set_defaults(func=_cmd_recover)
+    d = sub.add_parser("doctor", help="report what this machine offers tiermem (io_uring, "
+                       "O_DIRECT per swap path, memlock, CPU features, torch/CUDA) with fixes")
+    d.add_argument("--config", help="YAML config whose swap paths to check (default: built-in)")
+    d.set_defaults(func=_cmd_doctor)
+    pl = sub.add_parser("plan", help="the memory and disk plan of a model size and an estimated "
+                        "step time; allocates nothing")
+    pl.add_argument("--config", help="YAML config (default: built-in)")
+    pl.add_argument("--params", type=_count, help="parameter count, e.g. 7B")
+    pl.add_argument("--layers", type=_positive, help="transformer-like blocks")
+    pl.add_argument("--hidden", type=_positive, help="block width")
+    pl.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                    help="model weights and grads (default fp32)")
+    pl.add_argument("--no-activations", action="store_true",
+                    help="leave activations out of the host-memory need")
+    pl.add_argument("--probe", metavar="PROBE.json",
+                    help="read/write GB/s from `tiermem probe --json` output")
+    pl.add_argument("--read-gbps", type=float, help="NVMe read GB/s (instead of --probe)")
+    pl.add_argument("--write-gbps", type=float, help="NVMe write GB/s (instead of --probe)")
+    pl.set_defaults(func=_cmd_plan)
+    for cmd, helptext, func in (
+            ("ls", "list run directories under the swap paths: in use, kept, committed, "
+                   "stale; what each holds", _cmd_ls),
+            ("clean", "remove stale run directories (and kept/committed ones with --kept); "
+                      "never one in use", _cmd_clean)):
+        c = sub.add_parser(cmd, help=helptext)
+        c.add_argument("dirs", nargs="*", help="swap paths to look in (default: the config's)")
+        c.add_argument("--config", help="YAML config whose swap paths to look in")
+        c.add_argument("--name", help="only the run of this name (tiermem.offload(name=))")
+        if cmd == "clean":
+            c.add_argument("--kept", action="store_true",
+                           help="also remove kept and committed state (it cannot be resumed "
+                                "afterwards)")
+            c.add_argument("--dry-run", action="store_true", help="say what would go")
+        c.set_defaults(func=func)
+    i = sub.add_parser("init-config", help="write one of the shipped example configs to a file")
+    i.add_argument("name", nargs="?", help="which (omit, or --list, to list them)")
+    i.add_argument("-o", "--output", help="file to write (default ./NAME.yaml; '-' = stdout)")
+    i.add_argument("--list", action="store_true", help="list the shipped configs")
+    i.add_argument("--force", action="store_true", help="overwrite an existing file")
+    i.set_defaults(func=_cmd_init_config)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `tiermem`: what it can do, not an error
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
     except Exception as exc:  # one clear line, not a traceback, for the user's mistakes
-        from tiermem.errors import TierMemError
         if isinstance(exc, TierMemError):
             print(f"tiermem {args.command}: {exc}", file=sys.stderr)
             return 2 if isinstance(exc, ValueError) else 1
+        if isinstance(exc, OSError) and exc.filename is not None:  # an output file, say
+            print(f"tiermem {args.command}: {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return 1
         raise
 
 

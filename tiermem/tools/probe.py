@@ -12,11 +12,12 @@ import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tiermem.io.buffers import aligned_empty
 from tiermem.io import IOEngine, io_uring_status
 from tiermem.sizes import format_size, yaml_size
+from tiermem.swap.paths import check_paths
 from tiermem.sysinfo import free_bytes, mount_of
 
 MiB = 1 << 20
@@ -44,6 +45,8 @@ class ProbeReport:
     io_uring: bool = False
     io_uring_detail: str = ""
     problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     measurements: list[Measurement] = field(default_factory=list)
     recommended: dict | None = None
 
@@ -128,15 +131,37 @@ def recommend(measurements: Sequence[Measurement], direct: bool) -> dict | None:
 def run_probe(path: str, *, size: int = 256 * MiB,
               block_sizes: Sequence[int] = (256 << 10, MiB, 4 * MiB),
               depths: Sequence[int] = (8, 32), backends: Sequence[str] | None = None,
-              ) -> ProbeReport:
-    """Check `path` (created 0700 if missing) and measure it; problems go in report.problems."""
-    path = os.path.abspath(os.path.expanduser(path))
+              progress: Callable[[str], None] | None = None) -> ProbeReport:
+    """Check `path` as offload() would (swap.paths) and measure it; problems go in
+    report.problems. A directory the probe had to create is removed again. `progress`
+    gets a line per measurement as it finishes."""
+    check = check_paths([path]).checks[0]
+    path = os.path.abspath(os.path.expanduser(os.path.expandvars(path)))
     report = ProbeReport(path)
+    report.warnings += check.warnings
+    report.notes += check.notes
+    if check.errors:  # what offload() would refuse is not worth measuring
+        report.problems += check.errors
+        return report
+    created = not os.path.exists(path)
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.mkdir(path, mode=0o700) if created else None
     except OSError as exc:
         report.problems.append(f"cannot create {path}: {exc.strerror}")
         return report
+    try:
+        return _probe(report, path, size, block_sizes, depths, backends, progress)
+    finally:
+        if created:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass  # something else wrote there meanwhile: leave it
+
+
+def _probe(report: ProbeReport, path: str, size: int, block_sizes: Sequence[int],
+           depths: Sequence[int], backends: Sequence[str] | None,
+           progress: Callable[[str], None] | None) -> ProbeReport:
     mount = mount_of(path)
     report.fstype, report.mountpoint = mount.fstype, mount.mountpoint
     report.free_bytes = free_bytes(path)
@@ -165,13 +190,23 @@ def run_probe(path: str, *, size: int = 256 * MiB,
     for backend in backends:
         for bs in block_sizes:
             for qd in depths:
-                report.measurements.append(
-                    _measure(path, backend, bs, qd, size, buffers, report.o_direct))
+                m = _measure(path, backend, bs, qd, size, buffers, report.o_direct)
+                report.measurements.append(m)
+                if progress is not None:
+                    progress(measurement_line(m))
     report.recommended = recommend(report.measurements, report.o_direct)
     return report
 
 
-def format_report(report: ProbeReport) -> str:
+TABLE_HEAD = f"{'backend':<10}{'block':>9}{'depth':>7}{'write GB/s':>12}{'read GB/s':>11}"
+
+
+def measurement_line(m: Measurement) -> str:
+    return (f"{m.backend:<10}{yaml_size(m.block_size):>9}{m.queue_depth:>7}"
+            f"{m.write_gbps:>12.2f}{m.read_gbps:>11.2f}")
+
+
+def format_report(report: ProbeReport, *, table: bool = True) -> str:
     """The human-readable table and recommendation."""
     yes = {True: "yes", False: "NO"}
     lines = [
@@ -182,11 +217,11 @@ def format_report(report: ProbeReport) -> str:
         f"O_DIRECT        {yes[report.o_direct]}",
         f"io_uring        {yes[report.io_uring]} ({report.io_uring_detail})",
     ]
-    if report.measurements:
-        lines += ["", f"{'backend':<10}{'block':>9}{'depth':>7}{'write GB/s':>12}{'read GB/s':>11}"]
-        for m in report.measurements:
-            lines.append(f"{m.backend:<10}{yaml_size(m.block_size):>9}{m.queue_depth:>7}"
-                         f"{m.write_gbps:>12.2f}{m.read_gbps:>11.2f}")
+    if report.measurements and table:
+        lines += ["", TABLE_HEAD]
+        lines += [measurement_line(m) for m in report.measurements]
+    lines += [f"note: {n}" for n in report.notes]
+    lines += [f"warning: {w}" for w in report.warnings]
     for p in report.problems:
         lines.append(f"problem: {p}")
     if report.recommended:

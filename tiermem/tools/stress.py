@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from tiermem.kernels.adam import adam_update, kernel_matching
 from tiermem.optim.rules.adam import MOMENTS
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
+from tiermem.swap.paths import check_paths
 from tiermem.tools.synthetic import SyntheticModel, build_model, fill_synthetic_grads
 from tiermem.sysinfo import available_memory, free_bytes
 
@@ -96,6 +98,30 @@ def _free_disk(path: str) -> int:
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
     return free_bytes(path or "/")
+
+
+def estimate_step(plan: Plan, settings: Settings, read_gbps: float | None,
+                  write_gbps: float | None) -> list[str]:
+    """What the NVMe tier costs per step at the given rates (a floor on the step time: the
+    Adam arithmetic overlaps with the transfers, and gradients are not counted)."""
+    nvme = plan.tiers["nvme"]
+    if not nvme:
+        return ["no optimizer state on NVMe: a step does no NVMe I/O"]
+    p = settings.pipeline
+    # With zigzag the partitions still in the buffers from the last step need no read.
+    skipped = min(nvme, p.buffer_count * p.partition_size) if p.zigzag else 0
+    reads, writes = nvme - skipped, nvme
+    report = check_paths(settings.swap.paths)
+    drives = len({c.device for c in report.checks if c.device is not None}) or 1
+    out = [f"NVMe per step: read {format_size(reads)}, write {format_size(writes)}, over "
+           f"{drives} drive(s)"]
+    if not read_gbps or not write_gbps:
+        return out + ["no NVMe rates: measure them with `tiermem probe --json probe.json`, "
+                      "then give --probe probe.json (or --read-gbps/--write-gbps)"]
+    seconds = (reads / (read_gbps * 1e9) + writes / (write_gbps * 1e9)) / drives
+    return out + [f"estimated opt.step() time >= {seconds:.3g} s (NVMe-bound, at "
+                  f"{read_gbps:.3g} GB/s read and {write_gbps:.3g} GB/s write per drive; the "
+                  "arithmetic overlaps with it)"]
 
 
 def check_plan(plan: Plan) -> None:
@@ -293,6 +319,8 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     from tiermem.tools.synthetic import choose_shape
 
     shape = choose_shape(a.params, a.layers, a.hidden)
+    # Before the plan: on a path that cannot hold files the free-space figure is nonsense.
+    check_paths(a.settings.swap.paths).raise_first()
     plan = make_plan(shape.params, a.dtype, a.settings, synthetic_grads=a.synthetic_grads,
                      hidden=shape.hidden, layers=shape.layers)
     for line in plan.lines():
@@ -310,6 +338,7 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
         result["tiermem_plan"] = tm.plan()
         verifier = Verifier(tm, a.seed) if a.verify else None
         bar = _progress(a.steps, a.progress)
+        log = a.progress and bar is None  # not a terminal: one plain line per step
         try:
             for step in range(1, a.steps + 1):
                 t0 = time.perf_counter()
@@ -324,14 +353,17 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
                 seconds = time.perf_counter() - t0
                 row = {"seconds": seconds, **last.as_dict()}
                 result["steps"].append(row)
+                # Live: bytes and times only. GB/s are over the time transfers were in
+                # flight, known once the writes land (the table at the end).
+                live = (f"opt.step() {fmt_seconds(last.step_seconds)}, read "
+                        f"{format_size(sum(last.read_bytes.values()))}, wrote "
+                        f"{format_size(sum(last.write_bytes.values()))}, stalled "
+                        f"{fmt_seconds(last.stall_seconds)}")
                 if bar is not None:
-                    # Live figures over the step's wall time; the table at the end has
-                    # them over the time transfers were in flight (known once they land).
-                    rd = sum(last.read_bytes.values()) / last.step_seconds / 1e9
-                    wr = sum(last.write_bytes.values()) / last.step_seconds / 1e9
-                    bar.set_postfix_str(f"step {step}: read {rd:.2f} GB/s, write {wr:.2f} "
-                                        f"GB/s, stall {last.stall_seconds:.2f} s")
+                    bar.set_postfix_str(live)
                     bar.update(1)
+                elif log:
+                    out(f"step {step}/{a.steps}: wall {fmt_seconds(seconds)}, {live}")
         finally:
             if bar is not None:
                 bar.close()
@@ -358,24 +390,64 @@ def _gradients(model: SyntheticModel, a: StressArgs, step: int) -> None:
 
 
 def _progress(total: int, enabled: bool):
-    if not enabled:
+    """A tqdm bar on a terminal; None when off or when stderr is a pipe or file (a log full
+    of carriage-return redraws is unreadable: run_stress prints a line per step instead)."""
+    if not enabled or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
-    return tqdm(total=total, unit="step", dynamic_ncols=True)
+    # tqdm's own rate is wall time per step (gradients included): say so.
+    return tqdm(total=total, unit="step", dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, wall "
+                           "{rate_inv_fmt}] {postfix}")
+
+
+def fmt_seconds(s: float) -> str:
+    """3 significant figures in s, ms or µs: a small run's times never print as 0.00."""
+    if s >= 100:
+        return f"{s:.0f} s"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    if s > 0:
+        return f"{s * 1e6:.3g} µs"
+    return "0"
+
+
+def fmt_rate(bytes_per_s: float) -> str:
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.3g} {unit}"
+    return f"{bytes_per_s:.3g} B/s" if bytes_per_s else "—"
+
+
+STEP_TABLE_LEGEND = [
+    "wall: the whole step (gradients + opt.step()); opt.step(): tiermem's part of it;",
+    "update: Adam arithmetic; stall: opt.step() waiting on NVMe; read/write rates are over",
+    "the time NVMe transfers were in flight (I/O-busy time); overlap: the share of that",
+    "time hidden behind compute (— when the step did no NVMe I/O).",
+]
 
 
 def step_table(rows: list[dict]) -> str:
-    """The per-step table printed at the end."""
-    head = (f"{'step':>4} {'time s':>7} {'update s':>9} {'stall s':>8} {'read GB':>8} "
-            f"{'write GB':>9} {'read GB/s':>10} {'write GB/s':>11} {'overlap':>8}")
-    lines = [head]
+    """The per-step table printed at the end, each column saying what it measures."""
+    cols = ["step", "wall", "opt.step()", "update", "stall", "read", "written", "read rate",
+            "write rate", "overlap"]
+    body = []
     for r in rows:
-        rd = sum(r["read_bytes"].values()) / 1e9
-        wr = sum(r["write_bytes"].values()) / 1e9
-        lines.append(f"{r['step']:>4} {r['step_seconds']:>7.2f} {r['update_seconds']:>9.2f} "
-                     f"{r['stall_seconds']:>8.2f} {rd:>8.2f} {wr:>9.2f} {r['read_gbps']:>10.2f} "
-                     f"{r['write_gbps']:>11.2f} {r['overlap']:>8.2f}")
-    return "\n".join(lines)
+        rd, wr = sum(r["read_bytes"].values()), sum(r["write_bytes"].values())
+        io = r.get("io_seconds", 0.0)
+        body.append([str(r["step"]), fmt_seconds(r.get("seconds", r["step_seconds"])),
+                     fmt_seconds(r["step_seconds"]), fmt_seconds(r["update_seconds"]),
+                     fmt_seconds(r["stall_seconds"]), format_size(rd), format_size(wr),
+                     fmt_rate(r["read_gbps"] * 1e9) if rd else "—",
+                     fmt_rate(r["write_gbps"] * 1e9) if wr else "—",
+                     f"{r['overlap']:.2f}" if io and (rd or wr) else "—"])
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c)
+              for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(b, widths)) for b in body]
+    return "\n".join(lines + STEP_TABLE_LEGEND)
 
 
 def to_json(result: dict) -> str:

@@ -14,6 +14,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tiermem.errors import TierMemError
+
+
+class ShapeError(TierMemError, ValueError):
+    """The asked-for model shape is impossible; the message says which numbers clash."""
+
 
 def block_params(hidden: int) -> int:
     return 12 * hidden * hidden + 13 * hidden
@@ -36,10 +42,10 @@ def choose_shape(params: int | None, layers: int | None = None,
     """Layers and width for `params` (GPT-like: about hidden/64 layers), or as given."""
     if params is None:
         if layers is None or hidden is None:
-            raise ValueError("give --params, or both --layers and --hidden")
+            raise ShapeError("give --params, or both --layers and --hidden")
         return Shape(layers, hidden, 0, 0)
     if params < 1:
-        raise ValueError(f"--params must be positive, got {params}")
+        raise ShapeError(f"--params must be positive, got {params}")
     if hidden is None:
         if layers is not None:
             hidden = max(64, int(math.sqrt(params / (12 * layers))) // 64 * 64)
@@ -49,8 +55,9 @@ def choose_shape(params: int | None, layers: int | None = None,
         layers = max(0, params // block_params(hidden))
     body = layers * block_params(hidden)
     if body > params:
-        raise ValueError(f"{layers} layers of hidden {hidden} already hold {body} parameters, "
-                         f"more than --params {params}")
+        raise ShapeError(f"--layers {layers} of --hidden {hidden} already hold {body:,} "
+                         f"parameters, more than --params {params:,}: give a larger --params, "
+                         "or --layers and --hidden without --params")
     rest = params - body
     return Shape(layers, hidden, rest // hidden, rest % hidden)
 
