@@ -147,10 +147,16 @@ def test_probe_warns_on_tmpfs():
     from tiermem.sysinfo import mount_of
     if mount_of("/dev/shm").fstype != "tmpfs" or not os.access("/dev/shm", os.W_OK):
         pytest.skip("no writable tmpfs at /dev/shm")
-    proc = tiermem("probe", "/dev/shm/tiermem-probe-test", "--size", "4MiB", "--block-sizes",
-                   "1MiB", "--depths", "4", "--backend", "threads")
-    assert "warning: is on tmpfs" in proc.stdout
-    assert not os.path.exists("/dev/shm/tiermem-probe-test")
+    path = f"/dev/shm/tiermem-probe-test-{os.getpid()}"  # new: probe made it, so it removes it
+    assert not os.path.exists(path)
+    try:
+        proc = tiermem("probe", path, "--size", "4MiB", "--block-sizes", "1MiB", "--depths",
+                       "4", "--backend", "threads")
+        assert "warning: is on tmpfs" in proc.stdout
+        assert not os.path.exists(path)
+    finally:
+        if os.path.isdir(path):
+            os.rmdir(path)
 
 
 def test_stress_on_a_virtual_filesystem_names_the_path_not_the_free_space(tmp_path):
