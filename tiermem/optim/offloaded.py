@@ -67,6 +67,12 @@ class OffloadedOptimizer:
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = [torch.tensor(0.0) for _ in self.params]
+        # Each parameter's other scalar state (rule.scalar_keys: ASGD's eta, mu, ...) as
+        # its last completed step left it, and the values this step's update made, which
+        # replace them when the parameter's next step is counted: every segment of a
+        # parameter split across partitions starts this step from the same values.
+        self.scalars: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
+        self._next_scalars: dict[int, dict[str, torch.Tensor]] = {}
         # The last HISTORY steps' figures: a long run keeps a bounded amount of them.
         self.history: deque[StepStats] = deque(maxlen=HISTORY)
         self.steps_taken = 0
@@ -86,7 +92,7 @@ class OffloadedOptimizer:
                                       settings.pipeline.partition_size, settings.placement,
                                       keep_master=self._keep_master,
                                       state_dtype=settings.optimizer.state_dtype,
-                                      kinds=self._kinds(optimizer.param_groups))
+                                      **self._layouts(optimizer.param_groups))
         self.budgets = Budgets(settings.tiers.gpu.capacity, settings.tiers.host.capacity)
         self.budgets.assign(self.parts)
         # Streams, events and buffers between host memory and the device, made once.
@@ -135,10 +141,14 @@ class OffloadedOptimizer:
 
     # -- set-up ----------------------------------------------------------------
 
-    def _kinds(self, groups: Sequence[dict]) -> list[list[tuple[str, ...]]]:
-        """What the rule keeps in a record per element of each parameter."""
-        return [[self.rule.kinds(p, g, keep_master=self._keep_master) for p in g["params"]]
-                for g in groups]
+    def _layouts(self, groups: Sequence[dict]) -> dict[str, Any]:
+        """build_partitions' layout arguments: what the rule keeps in a record for each
+        parameter (per element, or per whole parameter when its math spans one)."""
+        if not self.rule.elementwise:
+            return {"whole": [[self.rule.whole_layout(p, g, keep_master=self._keep_master)
+                               for p in g["params"]] for g in groups]}
+        return {"kinds": [[self.rule.kinds(p, g, keep_master=self._keep_master)
+                           for p in g["params"]] for g in groups]}
 
     def _route(self, part: Partition) -> str | None:
         """How `part` is updated: "device" (record streamed to the device, step_device
@@ -197,7 +207,8 @@ class OffloadedOptimizer:
         with timed(stats, "step_seconds"), torch.no_grad():
             for p in self.params:
                 if p.grad is not None and p.grad.is_sparse:
-                    raise TierMemError("Adam does not support sparse gradients")
+                    raise TierMemError(f"{type(self.opt).__name__} under tiermem does not "
+                                       "support sparse gradients")
             stepped = self.count_steps(self.parts)  # only once nothing can refuse the step
             try:
                 self.update(self.tiers.order(
@@ -216,6 +227,7 @@ class OffloadedOptimizer:
         """The figures of the step about to run (the reads run ahead of it counted in)."""
         for part in self.parts:
             self.rule.check_group(part, self.opt.param_groups[part.group])
+        self.rule.begin_step(self.opt.param_groups)
         stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None)
         self.tiers.begin_step(stats)
         return stats
@@ -230,6 +242,8 @@ class OffloadedOptimizer:
             for s in part.segments:
                 if s.index not in done and s.param.grad is not None:
                     self.steps[s.index] += 1
+                    if s.index in self._next_scalars:
+                        self.scalars[s.index] = self._next_scalars.pop(s.index)
                     done.add(s.index)
                     counted.add(s.index)
         return counted
@@ -308,7 +322,9 @@ class OffloadedOptimizer:
         group = self.opt.param_groups[part.group]
         master = views.get("master")
         batch = Batch(part, group, state={k: [] for k in part.kinds if k != "master"})
+        slices = {k: part.slices(k) for k in part.kinds}
         copies_back = []
+        updated = []
         off = 0
         with timed(stats, "transfer_seconds", f"grads in p{part.id}", part.id):
             for i, s in enumerate(part.segments):
@@ -330,19 +346,23 @@ class OffloadedOptimizer:
                     target = s.param.detach().view(-1)[s.start: s.start + s.length]
                 batch.params.append(target)
                 batch.grads.append(g)
-                batch.steps.append(self.steps[s.index])
+                self._gather_counts(batch, s)
+                updated.append(s.index)
                 for k, lst in batch.state.items():
-                    lst.append(views[k][sl])
+                    lst.append(views[k][slices[k][i]])
         if not batch.params:
             # Every gradient of the partition is gone (zero_grad after a backward that was
             # cut short, its partition already queued for the worker): nothing to step.
             return None
         kernel = self.settings.optimizer.kernel
         if kernel == "match":  # what torch would run where this update runs
-            kernel = kernel_matching(group, views[part.kinds[-1]].device)
+            kernel = kernel_matching(group, batch.params[0].device)
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 record_function(f"tiermem.update p{part.id}"):
             self.rule.update(batch, kernel=kernel)
+        for index, sc in zip(updated, batch.scalars):
+            if sc:
+                self._next_scalars[index] = sc
         if host_grads is not None:
             self.lanes.weights_to_device(part, copies_back, stats)
             return None
@@ -351,6 +371,28 @@ class OffloadedOptimizer:
                 # Refresh the model's (low-precision or device) weights from the master.
                 s.param.detach().view(-1)[s.start: s.start + s.length].copy_(target)
         return None
+
+    def _gather_counts(self, batch: Batch, s: Any) -> None:
+        """The segment's step count (after this step's increment), whether this is its
+        parameter's first step, and private copies of its parameter's scalars as the last
+        step left them."""
+        step = self.steps[s.index]
+        batch.steps.append(step)
+        first = float(step) <= 1
+        batch.first.append(first)
+        keys = self.rule.scalar_keys(batch.group)
+        if keys:
+            have = {} if first else self.scalars[s.index]
+            start = self.rule.initial_scalars(batch.group)
+            batch.scalars.append({k: have[k].clone() if k in have
+                                  else torch.tensor(start[k], dtype=torch.float32)
+                                  for k in keys})
+        else:
+            batch.scalars.append({})
+
+    def latest_scalars(self, index: int) -> dict[str, torch.Tensor]:
+        """Parameter `index`'s scalars as its last update left them."""
+        return self._next_scalars.get(index, self.scalars[index])
 
     def _wants_digest(self, part: Partition) -> bool:
         """The record is written to a checksummed swap file right after its update."""
@@ -413,6 +455,10 @@ class OffloadedOptimizer:
                   for g in self.opt.param_groups]
         params = [{"name": self.names.get(id(p), ""), "shape": list(p.shape),
                    "dtype": str(p.dtype).removeprefix("torch.")} for p in self.params]
+        for i, entry in enumerate(params):
+            scalars = self.latest_scalars(i)
+            if scalars:  # exactly: an fp32 value is a double JSON keeps to the last bit
+                entry["scalars"] = {k: float(v) for k, v in scalars.items()}
         return {"step": self.steps_taken if step is None else step,
                 "steps": [float(t) for t in self.steps], "params": params, "groups": groups}
 
@@ -465,6 +511,10 @@ class OffloadedOptimizer:
 
     def _adopt_counts(self, manifest: Any) -> None:
         self.steps = [torch.tensor(float(s)) for s in manifest.steps]
+        self.scalars = [{k: torch.tensor(v, dtype=torch.float32)
+                         for k, v in (entry.get("scalars") or {}).items()}
+                        for entry in (manifest.params or [{} for _ in manifest.steps])]
+        self._next_scalars = {}
         self.steps_taken = manifest.step
         self.committed_step = manifest.step if manifest.durability == "crash_consistent" else None
 
@@ -474,11 +524,9 @@ class OffloadedOptimizer:
             with self.tiers.record(part, write=False) as (views, fresh):
                 if fresh:
                     continue  # never stepped nor initialised: the model's weights are its own
-                off = 0
-                for s in part.segments:
+                for s, sl in zip(part.segments, part.slices("master")):
                     s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
-                        views["master"][off: off + s.length])
-                    off += s.length
+                        views["master"][sl])
 
     def _initialise(self, parts: list[Partition]) -> None:
         """Build every never-written record (zero state, master from the model) in place."""
@@ -499,9 +547,17 @@ class OffloadedOptimizer:
         copy_ casts: with bf16 state the moments are rounded to nearest even here."""
         index = {id(p): i for i, p in enumerate(self.params)}
         for p, st in state.items():
+            i = index[id(p)]
             if "step" in st:
-                self.steps[index[id(p)]] = torch.as_tensor(st["step"], dtype=torch.float32
-                                                           ).detach().clone().cpu()
+                self.steps[i] = torch.as_tensor(st["step"], dtype=torch.float32
+                                                ).detach().clone().cpu()
+            elif st and not self.rule.has_step:
+                # torch keeps no count (SGD): state present means the first step is done.
+                self.steps[i] = torch.tensor(1.0)
+            group = self.opt.param_groups[self._group_of(i)]
+            self.scalars[i] = {k: torch.as_tensor(st[k], dtype=torch.float32).detach()
+                               .clone().cpu() for k in self.rule.scalar_keys(group) if k in st}
+            self._next_scalars.pop(i, None)
         scatter(self.tiers, self.parts, self.rule.torch_keys, state)
 
     def export_state(self, *, model_dtype: bool) -> dict[torch.Tensor, dict[str, Any]]:
@@ -514,13 +570,16 @@ class OffloadedOptimizer:
         """
         out: dict[torch.Tensor, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
-            if self.steps[i].item() == 0:
+            if self.steps[i].item() == 0 and not self.rule.eager_state:
                 continue  # never stepped: torch keeps no state for it either
             dtype = p.dtype if model_dtype else torch.float32
-            st: dict[str, Any] = {"step": self.steps[i].clone()}
+            st: dict[str, Any] = {"step": self.steps[i].clone()} if self.rule.has_step else {}
+            st.update({k: v.clone() for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
-            for k in self.rule.torch_state_keys(group):
-                st[k] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            for k, shape, kdtype in self.rule.torch_state_tensors(p, group, dtype):
+                st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
+            if not st:
+                continue  # torch keeps nothing for it (SGD without momentum)
             if not model_dtype and p.dtype != torch.float32:
                 st[self.rule.torch_keys["master"]] = p.detach().float().clone()
             out[p] = st
@@ -548,16 +607,15 @@ class OffloadedOptimizer:
         for part in self.parts:
             saved = state_dict["param_groups"][part.group] if part.group < len(
                 state_dict["param_groups"]) else {}
-            if bool(saved.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
-                raise TierMemError(f"param_groups[{part.group}]: the checkpoint has amsgrad="
-                                   f"{saved.get('amsgrad')}, the state laid out by "
-                                   "tiermem.offload has not; load it before entering offload")
+            self.rule.check_loaded(part, saved)
         groups_only = {"state": {}, "param_groups": state_dict["param_groups"]}
         type(self.opt).load_state_dict(self.opt, groups_only)
         by_index = dict(enumerate(self.params))
         state = {by_index[int(k)]: v for k, v in state_dict["state"].items()}
         for i in range(len(self.params)):
             self.steps[i] = torch.tensor(0.0)
+            self.scalars[i] = {}
+        self._next_scalars.clear()
         self._import(state)
         self.opt.state.clear()
         if self.crash:
@@ -576,7 +634,7 @@ class OffloadedOptimizer:
                                    self.settings.placement, first_id=len(self.parts),
                                    first_index=len(self.params), keep_master=self._keep_master,
                                    state_dtype=self.settings.optimizer.state_dtype,
-                                   kinds=self._kinds([group]))
+                                   **self._layouts([group]))
             for part in new:
                 part.group = first_group
             self.budgets.assign(new)
@@ -590,6 +648,7 @@ class OffloadedOptimizer:
             raise
         self.params.extend(group["params"])
         self.steps.extend(torch.tensor(0.0) for _ in group["params"])
+        self.scalars.extend({} for _ in group["params"])
         self.parts.extend(new)
         if self.crash:
             self._initialise(new)

@@ -6,8 +6,9 @@ import torch
 
 from tiermem.optim.rules.adam import AdamRule
 from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
+from tiermem.optim.rules.torch_family import TORCH_RULES
 
-RULES: tuple[type[UpdateRule], ...] = (AdamRule,)
+RULES: tuple[type[UpdateRule], ...] = (AdamRule, *TORCH_RULES)
 
 
 def rule_for(opt: torch.optim.Optimizer, **options) -> UpdateRule:
