@@ -35,6 +35,20 @@ from tiermem.tiers.placement import Budgets
 HISTORY = 1000  # steps of StepStats kept for tm.stats()
 
 
+def scalar_to_json(value: Any) -> Any:
+    """A per-parameter scalar as the manifest keeps it: numbers as they are, a 0-d tensor
+    with its dtype (an fp32 value is a double JSON keeps to the last bit)."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return value
+
+
+def scalar_from_json(value: Any) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    return value
+
+
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
     """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
     return rule_for(opt)
@@ -346,6 +360,7 @@ class OffloadedOptimizer:
                     target = s.param.detach().view(-1)[s.start: s.start + s.length]
                 batch.params.append(target)
                 batch.grads.append(g)
+                batch.segments.append(s)
                 self._gather_counts(batch, s)
                 updated.append(s.index)
                 for k, lst in batch.state.items():
@@ -380,15 +395,13 @@ class OffloadedOptimizer:
         batch.steps.append(step)
         first = float(step) <= 1
         batch.first.append(first)
-        keys = self.rule.scalar_keys(batch.group)
-        if keys:
-            have = {} if first else self.scalars[s.index]
-            start = self.rule.initial_scalars(batch.group)
-            batch.scalars.append({k: have[k].clone() if k in have
-                                  else torch.tensor(start[k], dtype=torch.float32)
-                                  for k in keys})
-        else:
-            batch.scalars.append({})
+        have = {} if first else self.scalars[s.index]
+        mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in have.items()}
+        start = self.rule.initial_scalars(batch.group)
+        for k in self.rule.scalar_keys(batch.group):
+            if k not in mine:
+                mine[k] = torch.tensor(start[k], dtype=torch.float32)
+        batch.scalars.append(mine)
 
     def latest_scalars(self, index: int) -> dict[str, torch.Tensor]:
         """Parameter `index`'s scalars as its last update left them."""
@@ -457,8 +470,8 @@ class OffloadedOptimizer:
                    "dtype": str(p.dtype).removeprefix("torch.")} for p in self.params]
         for i, entry in enumerate(params):
             scalars = self.latest_scalars(i)
-            if scalars:  # exactly: an fp32 value is a double JSON keeps to the last bit
-                entry["scalars"] = {k: float(v) for k, v in scalars.items()}
+            if scalars:
+                entry["scalars"] = {k: scalar_to_json(v) for k, v in scalars.items()}
         return {"step": self.steps_taken if step is None else step,
                 "steps": [float(t) for t in self.steps], "params": params, "groups": groups}
 
@@ -511,8 +524,7 @@ class OffloadedOptimizer:
 
     def _adopt_counts(self, manifest: Any) -> None:
         self.steps = [torch.tensor(float(s)) for s in manifest.steps]
-        self.scalars = [{k: torch.tensor(v, dtype=torch.float32)
-                         for k, v in (entry.get("scalars") or {}).items()}
+        self.scalars = [{k: scalar_from_json(v) for k, v in (entry.get("scalars") or {}).items()}
                         for entry in (manifest.params or [{} for _ in manifest.steps])]
         self._next_scalars = {}
         self.steps_taken = manifest.step
@@ -555,8 +567,7 @@ class OffloadedOptimizer:
                 # torch keeps no count (SGD): state present means the first step is done.
                 self.steps[i] = torch.tensor(1.0)
             group = self.opt.param_groups[self._group_of(i)]
-            self.scalars[i] = {k: torch.as_tensor(st[k], dtype=torch.float32).detach()
-                               .clone().cpu() for k in self.rule.scalar_keys(group) if k in st}
+            self.scalars[i] = self.rule.host_scalars(st, group)
             self._next_scalars.pop(i, None)
         scatter(self.tiers, self.parts, self.rule.torch_keys, state)
 
@@ -574,7 +585,8 @@ class OffloadedOptimizer:
                 continue  # never stepped: torch keeps no state for it either
             dtype = p.dtype if model_dtype else torch.float32
             st: dict[str, Any] = {"step": self.steps[i].clone()} if self.rule.has_step else {}
-            st.update({k: v.clone() for k, v in self.latest_scalars(i).items()})
+            st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                       for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
             for k, shape, kdtype in self.rule.torch_state_tensors(p, group, dtype):
                 st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)

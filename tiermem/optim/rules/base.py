@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from tiermem.errors import TierMemError
-from tiermem.partition import Partition
+from tiermem.partition import Partition, Segment
 
 Views = dict[str, torch.Tensor]
 
@@ -42,6 +42,7 @@ class Batch:
     # host scalars (UpdateRule.scalar_keys) as the last step left them; the rule updates
     # those copies and the optimizer keeps them as the parameter's new values.
     first: list[bool] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)  # of each entry, in order
     scalars: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
@@ -76,6 +77,11 @@ class UpdateRule(ABC):
     def torch_state_keys(self, group: dict[str, Any]) -> list[str]:
         """The per-parameter state tensors torch keeps for a group with these flags."""
         return [self.torch_keys[k] for k in self.kinds_for(group)]
+
+    def host_scalars(self, state: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
+        """The host scalars (scalar_keys) in one parameter's torch-format state."""
+        return {k: torch.as_tensor(state[k], dtype=torch.float32).detach().clone().cpu()
+                for k in self.scalar_keys(group) if k in state}
 
     def torch_state_tensors(self, param: torch.Tensor, group: dict[str, Any],
                             dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
