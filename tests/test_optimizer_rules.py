@@ -29,6 +29,12 @@ STEPS = 3
 REFUSED = {"LBFGS", "SparseAdam"}
 
 
+def small() -> Synthetic:
+    """The parity model, smaller: the embedding (18300 elements) is still cut across
+    64 KiB partitions, and the run costs a fraction of a second."""
+    return Synthetic(vocab=300, hidden=130, out=9)
+
+
 def muon_params(model):
     return [p for p in model.parameters() if p.dim() == 2]
 
@@ -72,12 +78,14 @@ def params_equal(model, ref, what):
 
 
 def cfg(tmp_path, backend, placement, **kw):
-    host = "256KiB" if placement == "mixed" else 0
-    return config(tmp_path, backend=backend, host=host, kernel="match", **kw)
+    # mixed: fc1's state on NVMe by rule, the rest on the host
+    rules = [{"match": "fc1.*", "tier": "nvme"}] if placement == "mixed" else []
+    return config(tmp_path, backend=backend, host="1MiB" if rules else 0, kernel="match",
+                  placement=rules, **kw)
 
 
 def pair(cls, kw):
-    model = Synthetic()
+    model = small()
     ref = copy.deepcopy(model)
     return model, cls(params_for(cls, model), **kw), ref, cls(params_for(cls, ref), **kw)
 
@@ -87,7 +95,7 @@ def pair(cls, kw):
 def test_optim_db_parity(tmp_path, backend, cls, kw, placement):
     model, opt, ref, ref_opt = pair(cls, kw)
     batches = make_batches(model, STEPS + 2)
-    with tiermem.offload(opt, cfg(tmp_path, backend, placement)) as tm:
+    with tiermem.offload(opt, cfg(tmp_path, backend, placement), model=model) as tm:
         losses = train(model, opt, batches[:STEPS])
         tiers = tm.plan()["state_bytes"]
         sd = opt.state_dict()
@@ -102,7 +110,7 @@ def test_optim_db_parity(tmp_path, backend, cls, kw, placement):
     plain = cls(params_for(cls, model), **kw)
     plain.load_state_dict(sd)
     opt.load_state_dict(ref_opt.state_dict())
-    with tiermem.offload(opt, cfg(tmp_path, backend, placement)):
+    with tiermem.offload(opt, cfg(tmp_path, backend, placement), model=model):
         train(model, opt, batches[STEPS:], start=STEPS)
     train(ref, ref_opt, batches[STEPS:], start=STEPS)
     params_equal(model, ref, "after loading the plain state_dict")
@@ -124,13 +132,13 @@ def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):
     c["swap"]["durability"] = "crash_consistent"
     monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
     with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
-        with tiermem.offload(opt, c):
+        with tiermem.offload(opt, c, model=model):
             train(model, opt, batches[:3])
     monkeypatch.undo()
     assert swap_dir(tmp_path).exists()
     model2 = copy.deepcopy(model)
     opt2 = cls(params_for(cls, model2), **kw)
-    with tiermem.offload(opt2, c, resume=True):
+    with tiermem.offload(opt2, c, model=model2, resume=True):
         train(model2, opt2, batches[3:], start=3)
     train(ref, ref_opt, batches)
     params_equal(model2, ref, "resumed")
@@ -212,7 +220,7 @@ def test_thirdparty_equal_or_refused(tmp_path, backend, mod, name, kw):
     model, opt, ref, ref_opt = pair(cls, kw)
     batches = make_batches(model, STEPS)
     try:
-        with tiermem.offload(opt, cfg(tmp_path, backend, "mixed")):
+        with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model):
             train(model, opt, batches)
     except UnsupportedOptimizer as exc:
         assert cls.__name__ in str(exc)
