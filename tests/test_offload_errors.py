@@ -36,19 +36,16 @@ def entered(opt, cfg, **kw) -> list:
 
 
 @pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.SGD(ps, lr=0.1),
-    lambda ps: torch.optim.RMSprop(ps),
-    lambda ps: torch.optim.Adagrad(ps),
-    lambda ps: torch.optim.Adamax(ps),
-    lambda ps: torch.optim.NAdam(ps),
-], ids=["SGD", "RMSprop", "Adagrad", "Adamax", "NAdam"])
+    lambda ps: torch.optim.LBFGS(ps),
+    lambda ps: torch.optim.SparseAdam(ps),
+], ids=["LBFGS", "SparseAdam"])
 def test_unsupported_optimizer(tmp_path, make):
+    """What no rule runs exactly is refused before anything is laid out or hooked."""
     opt = make(Synthetic().parameters())
     with pytest.raises(UnsupportedOptimizer) as info:
         entered(opt, config(tmp_path, host=0))
     assert isinstance(info.value, TypeError) and isinstance(info.value, tiermem.TierMemError)
-    msg = str(info.value)  # names what is supported and what it got
-    assert "torch.optim.adam.Adam" in msg and type(opt).__name__ in msg
+    assert type(opt).__name__ in str(info.value)
     assert listdir(tmp_path) == [] and untouched(opt)
 
 

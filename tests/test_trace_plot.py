@@ -326,7 +326,8 @@ def test_plot_run_edge_cases(tmp_path):
     for name, events, steps in [("none", [], []), ("no-stats", ev, []),
                                 ("host-only", ev, [{"step": 1, "read_gbps": 0.0,
                                                     "write_gbps": 0.0,
-                                                    "stall_seconds": 0.0}])]:
+                                                    "stall_seconds": 0.0,
+                                                    "step_seconds": 0.2}])]:
         path = tmp_path / f"{name}.png"
         plot_run(path, events, steps)
         assert path.read_bytes()[:8] == PNG_SIGNATURE

@@ -17,6 +17,7 @@ un-partitioned optimizer.
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -41,6 +42,14 @@ class Segment:
     index: int  # the param's position in the optimizer's flattened param order
     start: int
     length: int
+    # kind -> shape of that state tensor, for kinds that are not one value per element
+    # (a whole-parameter rule's factored statistics); the rest have `length` elements
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def size(self, kind: str) -> int:
+        """Elements of `kind` this segment keeps in the record."""
+        shape = self.shapes.get(kind)
+        return self.length if shape is None else math.prod(shape)
 
 
 @dataclass
@@ -57,21 +66,39 @@ class Partition:
     numel: int = 0
     offsets: dict[str, int] = field(default_factory=dict)  # kind -> byte offset
     record_bytes: int = 0
+    # kind -> dtype where a rule keeps it in another dtype than kind_dtype says (a
+    # whole-parameter rule keeps the dtype the optimizer itself creates)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)  # kind -> elements in the record
 
     def layout(self) -> None:
         self.numel = sum(s.length for s in self.segments)
+        self.sizes = {k: sum(s.size(k) for s in self.segments) for k in self.kinds}
         self.offsets, self.record_bytes = record_layout(self.numel, self.kinds,
-                                                        self.moment_dtype)
+                                                        self.moment_dtype, self.sizes,
+                                                        self.dtypes)
+        if not self.kinds:
+            # No state (plain SGD): one page, because the tiers keep no empty records.
+            self.record_bytes = RECORD_ALIGN
 
     def dtype(self, kind: str) -> torch.dtype:
-        return kind_dtype(kind, self.moment_dtype)
+        return self.dtypes.get(kind) or kind_dtype(kind, self.moment_dtype)
 
     def views(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of each state kind, in its dtype, inside a uint8 record buffer."""
         out = {}
         for k, o in self.offsets.items():
             dt = self.dtype(k)
-            out[k] = record[o: o + self.numel * dt.itemsize].view(dt)
+            out[k] = record[o: o + self.sizes.get(k, self.numel) * dt.itemsize].view(dt)
+        return out
+
+    def slices(self, kind: str) -> list[slice]:
+        """Each segment's elements in `kind`'s view, in segment order."""
+        out, off = [], 0
+        for s in self.segments:
+            n = s.size(kind)
+            out.append(slice(off, off + n))
+            off += n
         return out
 
 
@@ -88,13 +115,18 @@ def kind_dtype(kind: str, moment_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if kind == "master" else moment_dtype
 
 
-def record_layout(numel: int, kinds: Sequence[str],
-                  moment_dtype: torch.dtype) -> tuple[dict[str, int], int]:
-    """(byte offset of each kind, record bytes) for `numel` elements."""
+def record_layout(numel: int, kinds: Sequence[str], moment_dtype: torch.dtype,
+                  sizes: dict[str, int] | None = None,
+                  dtypes: dict[str, torch.dtype] | None = None
+                  ) -> tuple[dict[str, int], int]:
+    """(byte offset of each kind, record bytes) for `numel` elements (`sizes`: kinds with
+    another element count; `dtypes`: kinds in another dtype than kind_dtype says)."""
+    sizes, dtypes = sizes or {}, dtypes or {}
     offsets, off = {}, 0
     for kind in kinds:
         offsets[kind] = off
-        off = align_up(off + numel * kind_dtype(kind, moment_dtype).itemsize)
+        dt = dtypes.get(kind) or kind_dtype(kind, moment_dtype)
+        off = align_up(off + sizes.get(kind, numel) * dt.itemsize)
     return offsets, off
 
 
@@ -107,7 +139,9 @@ def partition_capacity(kinds: Sequence[str], moment_dtype: torch.dtype,
     partition_size bounds the pinned pool exactly. bf16 kinds of an odd multiple of
     CUT_ALIGN elements end mid-page, so the padding is counted, not assumed away."""
     room = partition_size - RECORD_ALIGN
-    per_elem = sum(kind_dtype(k, moment_dtype).itemsize for k in kinds)
+    # A rule with no state per element (plain SGD) still cuts partitions as if it had one
+    # byte: they then hold no record bytes but keep the step loop's usual granularity.
+    per_elem = max(1, sum(kind_dtype(k, moment_dtype).itemsize for k in kinds))
     cap = room // per_elem // CUT_ALIGN * CUT_ALIGN
     while cap > CUT_ALIGN and record_layout(cap, kinds, moment_dtype)[1] > room:
         cap -= CUT_ALIGN
@@ -126,6 +160,45 @@ def state_kinds(param: torch.Tensor, amsgrad: bool, keep_master: bool = False
     return kinds + (("max_exp_avg_sq",) if amsgrad else ())
 
 
+@dataclass
+class WholeLayout:
+    """What a whole-parameter rule keeps for one parameter: its kinds in record order, the
+    shape of each (absent: one value per element), and each kind's dtype."""
+
+    kinds: tuple[str, ...]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+
+
+def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
+                      partition_size: int, rules: Sequence, first_id: int, first_index: int,
+                      moment_dtype: torch.dtype, whole: Sequence[Sequence[WholeLayout]]
+                      ) -> list[Partition]:
+    room = partition_size - RECORD_ALIGN  # a page for the swap record's footer, as above
+    parts: list[Partition] = []
+    index = first_index
+    for g, group in enumerate(param_groups):
+        current: Partition | None = None
+        for j, p in enumerate(group["params"]):
+            lay = whole[g][j]
+            forced = rule_tier(names.get(id(p), ""), rules)
+            seg = Segment(p, index, 0, p.numel(), dict(lay.shapes))
+            index += 1
+            if (current is not None and current.kinds == lay.kinds
+                    and current.dtypes == lay.dtypes and current.forced == forced):
+                current.segments.append(seg)
+                current.layout()
+                if current.record_bytes <= room:
+                    continue
+                current.segments.pop()  # it does not fit beside the others: start anew
+                current.layout()
+            current = Partition(first_id + len(parts), g, [seg], lay.kinds, moment_dtype,
+                                forced=forced, dtypes=dict(lay.dtypes))
+            current.layout()
+            parts.append(current)
+    return parts
+
+
 def rule_tier(name: str, rules: Sequence) -> str | None:
     """Tier of the first placement rule matching `name` ("" when unnamed: only '*' matches)."""
     for rule in rules:
@@ -138,7 +211,8 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                      partition_size: int, rules: Sequence = (), first_id: int = 0,
                      first_index: int = 0, keep_master: bool = False,
                      state_dtype: str = "fp32",
-                     kinds: Sequence[Sequence[tuple[str, ...]]] | None = None
+                     kinds: Sequence[Sequence[tuple[str, ...]]] | None = None,
+                     whole: Sequence[Sequence[WholeLayout]] | None = None
                      ) -> list[Partition]:
     """Partitions of every parameter in `param_groups`, in group and parameter order.
 
@@ -148,8 +222,15 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
     parameter, what its record holds (an update rule's layout; Adam's by default). A
     partition never
     spans two groups, two forced tiers or two record layouts.
+
+    `whole`, per group per parameter, the layout of a rule whose math spans a parameter
+    (UpdateRule.elementwise False): parameters are then never cut, and one larger than
+    `partition_size` is a partition of its own.
     """
     moment_dtype = MOMENT_DTYPES[state_dtype]
+    if whole is not None:
+        return _whole_partitions(param_groups, names, partition_size, rules, first_id,
+                                 first_index, moment_dtype, whole)
     parts: list[Partition] = []
     index = first_index
     for g, group in enumerate(param_groups):

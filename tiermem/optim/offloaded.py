@@ -35,6 +35,20 @@ from tiermem.tiers.placement import Budgets
 HISTORY = 1000  # steps of StepStats kept for tm.stats()
 
 
+def scalar_to_json(value: Any) -> Any:
+    """A per-parameter scalar as the manifest keeps it: numbers as they are, a 0-d tensor
+    with its dtype (an fp32 value is a double JSON keeps to the last bit)."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return value
+
+
+def scalar_from_json(value: Any) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    return value
+
+
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
     """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
     return rule_for(opt)
@@ -67,6 +81,12 @@ class OffloadedOptimizer:
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = [torch.tensor(0.0) for _ in self.params]
+        # Each parameter's other scalar state (rule.scalar_keys: ASGD's eta, mu, ...) as
+        # its last completed step left it, and the values this step's update made, which
+        # replace them when the parameter's next step is counted: every segment of a
+        # parameter split across partitions starts this step from the same values.
+        self.scalars: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
+        self._next_scalars: dict[int, dict[str, torch.Tensor]] = {}
         # The last HISTORY steps' figures: a long run keeps a bounded amount of them.
         self.history: deque[StepStats] = deque(maxlen=HISTORY)
         self.steps_taken = 0
@@ -86,7 +106,7 @@ class OffloadedOptimizer:
                                       settings.pipeline.partition_size, settings.placement,
                                       keep_master=self._keep_master,
                                       state_dtype=settings.optimizer.state_dtype,
-                                      kinds=self._kinds(optimizer.param_groups))
+                                      **self._layouts(optimizer.param_groups))
         self.budgets = Budgets(settings.tiers.gpu.capacity, settings.tiers.host.capacity)
         self.budgets.assign(self.parts)
         # Streams, events and buffers between host memory and the device, made once.
@@ -135,10 +155,14 @@ class OffloadedOptimizer:
 
     # -- set-up ----------------------------------------------------------------
 
-    def _kinds(self, groups: Sequence[dict]) -> list[list[tuple[str, ...]]]:
-        """What the rule keeps in a record per element of each parameter."""
-        return [[self.rule.kinds(p, g, keep_master=self._keep_master) for p in g["params"]]
-                for g in groups]
+    def _layouts(self, groups: Sequence[dict]) -> dict[str, Any]:
+        """build_partitions' layout arguments: what the rule keeps in a record for each
+        parameter (per element, or per whole parameter when its math spans one)."""
+        if not self.rule.elementwise:
+            return {"whole": [[self.rule.whole_layout(p, g, keep_master=self._keep_master)
+                               for p in g["params"]] for g in groups]}
+        return {"kinds": [[self.rule.kinds(p, g, keep_master=self._keep_master)
+                           for p in g["params"]] for g in groups]}
 
     def _route(self, part: Partition) -> str | None:
         """How `part` is updated: "device" (record streamed to the device, step_device
@@ -195,11 +219,12 @@ class OffloadedOptimizer:
     def _step_tiers(self) -> None:
         stepped = {i for i, p in enumerate(self.params) if p.grad is not None}
         if any(self.params[i].grad.is_sparse for i in stepped):
-            raise TierMemError("Adam does not support sparse gradients")
+            raise TierMemError(f"{type(self.opt).__name__} under tiermem does not support "
+                               "sparse gradients")
         stats = self.begin_step()  # refuses a group changed since the layout
         with timed(stats, "step_seconds"), torch.no_grad():
             for i in stepped:  # only once nothing can refuse the step
-                self.steps[i] += 1
+                self._count(i)
             try:
                 self.update(self.tiers.order(
                     lambda part: any(s.index in stepped for s in part.segments)), stats)
@@ -217,6 +242,7 @@ class OffloadedOptimizer:
         """The figures of the step about to run (the reads run ahead of it counted in)."""
         for part in self.parts:
             self.rule.check_group(part, self.opt.param_groups[part.group])
+        self.rule.begin_step(self.opt.param_groups)
         stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None)
         self.tiers.begin_step(stats)
         return stats
@@ -230,10 +256,17 @@ class OffloadedOptimizer:
         for part in parts:
             for s in part.segments:
                 if s.index not in done and s.param.grad is not None:
-                    self.steps[s.index] += 1
+                    self._count(s.index)
                     done.add(s.index)
                     counted.add(s.index)
         return counted
+
+    def _count(self, index: int) -> None:
+        """Parameter `index` takes this step: its count, and the host scalars its last step
+        left (kept aside until now so every segment of the step started from the same)."""
+        self.steps[index] += 1
+        if index in self._next_scalars:
+            self.scalars[index] = self._next_scalars.pop(index)
 
     def update(self, parts: Sequence[Partition], stats: StepStats, *,
                done: Sequence[Partition] = (), ahead: Sequence[Partition] = ()) -> None:
@@ -309,7 +342,9 @@ class OffloadedOptimizer:
         group = self.opt.param_groups[part.group]
         master = views.get("master")
         batch = Batch(part, group, state={k: [] for k in part.kinds if k != "master"})
+        slices = {k: part.slices(k) for k in part.kinds}
         copies_back = []
+        updated = []
         off = 0
         with timed(stats, "transfer_seconds", f"grads in p{part.id}", part.id):
             for i, s in enumerate(part.segments):
@@ -331,19 +366,24 @@ class OffloadedOptimizer:
                     target = s.param.detach().view(-1)[s.start: s.start + s.length]
                 batch.params.append(target)
                 batch.grads.append(g)
-                batch.steps.append(self.steps[s.index])
+                batch.segments.append(s)
+                self._gather_counts(batch, s)
+                updated.append(s.index)
                 for k, lst in batch.state.items():
-                    lst.append(views[k][sl])
+                    lst.append(views[k][slices[k][i]])
         if not batch.params:
             # Every gradient of the partition is gone (zero_grad after a backward that was
             # cut short, its partition already queued for the worker): nothing to step.
             return None
         kernel = self.settings.optimizer.kernel
         if kernel == "match":  # what torch would run where this update runs
-            kernel = kernel_matching(group, views[part.kinds[-1]].device)
+            kernel = kernel_matching(group, batch.params[0].device)
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 record_function(f"tiermem.update p{part.id}"):
             self.rule.update(batch, kernel=kernel)
+        for index, sc in zip(updated, batch.scalars):
+            if sc:
+                self._next_scalars[index] = sc
         if host_grads is not None:
             self.lanes.weights_to_device(part, copies_back, stats)
             return None
@@ -352,6 +392,26 @@ class OffloadedOptimizer:
                 # Refresh the model's (low-precision or device) weights from the master.
                 s.param.detach().view(-1)[s.start: s.start + s.length].copy_(target)
         return None
+
+    def _gather_counts(self, batch: Batch, s: Any) -> None:
+        """The segment's step count (after this step's increment), whether this is its
+        parameter's first step, and private copies of its parameter's scalars as the last
+        step left them."""
+        step = self.steps[s.index]
+        batch.steps.append(step)
+        first = float(step) <= 1
+        batch.first.append(first)
+        have = {} if first else self.scalars[s.index]
+        mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in have.items()}
+        start = self.rule.initial_scalars(batch.group)
+        for k in self.rule.scalar_keys(batch.group):
+            if k not in mine:
+                mine[k] = torch.tensor(start[k], dtype=torch.float32)
+        batch.scalars.append(mine)
+
+    def latest_scalars(self, index: int) -> dict[str, torch.Tensor]:
+        """Parameter `index`'s scalars as its last update left them."""
+        return self._next_scalars.get(index, self.scalars[index])
 
     def _wants_digest(self, part: Partition) -> bool:
         """The record is written to a checksummed swap file right after its update."""
@@ -414,6 +474,10 @@ class OffloadedOptimizer:
                   for g in self.opt.param_groups]
         params = [{"name": self.names.get(id(p), ""), "shape": list(p.shape),
                    "dtype": str(p.dtype).removeprefix("torch.")} for p in self.params]
+        for i, entry in enumerate(params):
+            scalars = self.latest_scalars(i)
+            if scalars:
+                entry["scalars"] = {k: scalar_to_json(v) for k, v in scalars.items()}
         return {"step": self.steps_taken if step is None else step,
                 "steps": [float(t) for t in self.steps], "params": params, "groups": groups}
 
@@ -466,6 +530,9 @@ class OffloadedOptimizer:
 
     def _adopt_counts(self, manifest: Any) -> None:
         self.steps = [torch.tensor(float(s)) for s in manifest.steps]
+        self.scalars = [{k: scalar_from_json(v) for k, v in (entry.get("scalars") or {}).items()}
+                        for entry in (manifest.params or [{} for _ in manifest.steps])]
+        self._next_scalars = {}
         self.steps_taken = manifest.step
         self.committed_step = manifest.step if manifest.durability == "crash_consistent" else None
 
@@ -475,11 +542,9 @@ class OffloadedOptimizer:
             with self.tiers.record(part, write=False) as (views, fresh):
                 if fresh:
                     continue  # never stepped nor initialised: the model's weights are its own
-                off = 0
-                for s in part.segments:
+                for s, sl in zip(part.segments, part.slices("master")):
                     s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
-                        views["master"][off: off + s.length])
-                    off += s.length
+                        views["master"][sl])
 
     def _initialise(self, parts: list[Partition]) -> None:
         """Build every never-written record (zero state, master from the model) in place."""
@@ -500,9 +565,16 @@ class OffloadedOptimizer:
         copy_ casts: with bf16 state the moments are rounded to nearest even here."""
         index = {id(p): i for i, p in enumerate(self.params)}
         for p, st in state.items():
+            i = index[id(p)]
             if "step" in st:
-                self.steps[index[id(p)]] = torch.as_tensor(st["step"], dtype=torch.float32
-                                                           ).detach().clone().cpu()
+                self.steps[i] = torch.as_tensor(st["step"], dtype=torch.float32
+                                                ).detach().clone().cpu()
+            elif st and not self.rule.has_step:
+                # torch keeps no count (SGD): state present means the first step is done.
+                self.steps[i] = torch.tensor(1.0)
+            group = self.opt.param_groups[self._group_of(i)]
+            self.scalars[i] = self.rule.host_scalars(st, group)
+            self._next_scalars.pop(i, None)
         scatter(self.tiers, self.parts, self.rule.torch_keys, state)
 
     def export_state(self, *, model_dtype: bool) -> dict[torch.Tensor, dict[str, Any]]:
@@ -515,13 +587,17 @@ class OffloadedOptimizer:
         """
         out: dict[torch.Tensor, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
-            if self.steps[i].item() == 0:
+            if self.steps[i].item() == 0 and not self.rule.eager_state:
                 continue  # never stepped: torch keeps no state for it either
             dtype = p.dtype if model_dtype else torch.float32
-            st: dict[str, Any] = {"step": self.steps[i].clone()}
+            st: dict[str, Any] = {"step": self.steps[i].clone()} if self.rule.has_step else {}
+            st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                       for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
-            for k in self.rule.torch_state_keys(group):
-                st[k] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            for k, shape, kdtype in self.rule.torch_state_tensors(p, group, dtype):
+                st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
+            if not st:
+                continue  # torch keeps nothing for it (SGD without momentum)
             if not model_dtype and p.dtype != torch.float32:
                 st[self.rule.torch_keys["master"]] = p.detach().float().clone()
             out[p] = st
@@ -549,16 +625,15 @@ class OffloadedOptimizer:
         for part in self.parts:
             saved = state_dict["param_groups"][part.group] if part.group < len(
                 state_dict["param_groups"]) else {}
-            if bool(saved.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
-                raise TierMemError(f"param_groups[{part.group}]: the checkpoint has amsgrad="
-                                   f"{saved.get('amsgrad')}, the state laid out by "
-                                   "tiermem.offload has not; load it before entering offload")
+            self.rule.check_loaded(part, saved)
         groups_only = {"state": {}, "param_groups": state_dict["param_groups"]}
         type(self.opt).load_state_dict(self.opt, groups_only)
         by_index = dict(enumerate(self.params))
         state = {by_index[int(k)]: v for k, v in state_dict["state"].items()}
         for i in range(len(self.params)):
             self.steps[i] = torch.tensor(0.0)
+            self.scalars[i] = {}
+        self._next_scalars.clear()
         self._import(state)
         self.opt.state.clear()
         if self.crash:
@@ -577,7 +652,7 @@ class OffloadedOptimizer:
                                    self.settings.placement, first_id=len(self.parts),
                                    first_index=len(self.params), keep_master=self._keep_master,
                                    state_dtype=self.settings.optimizer.state_dtype,
-                                   kinds=self._kinds([group]))
+                                   **self._layouts([group]))
             for part in new:
                 part.group = first_group
             self.budgets.assign(new)
@@ -591,6 +666,7 @@ class OffloadedOptimizer:
             raise
         self.params.extend(group["params"])
         self.steps.extend(torch.tensor(0.0) for _ in group["params"])
+        self.scalars.extend({} for _ in group["params"])
         self.parts.extend(new)
         if self.crash:
             self._initialise(new)

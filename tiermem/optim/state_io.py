@@ -46,20 +46,18 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
     casts, so bf16 moments are rounded to nearest even here."""
     for part in parts:
         with tiers.record(part, write=True) as (views, _):
-            off = 0
-            for s in part.segments:
+            slices = {k: part.slices(k) for k in views}
+            for i, s in enumerate(part.segments):
                 st = state.get(s.param, {})
-                sl = slice(off, off + s.length)
-                off += s.length
                 for k in views:
                     src = st.get(keys[k])
                     if src is None:
                         src = s.param.detach() if k == "master" else None
-                    dst = views[k][sl]
+                    dst = views[k][slices[k][i]]
                     if src is None:
                         dst.zero_()
                     else:
-                        dst.copy_(src.reshape(-1)[s.start: s.start + s.length])
+                        dst.copy_(src.reshape(-1)[s.start: s.start + s.size(k)])
 
 
 def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
@@ -70,14 +68,13 @@ def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
         with tiers.record(part, write=False) as (views, fresh):
             if fresh:
                 continue
-            off = 0
-            for s in part.segments:
-                sl = slice(off, off + s.length)
-                off += s.length
+            slices = {k: part.slices(k) for k in views}
+            for i, s in enumerate(part.segments):
                 st = out.get(s.param)
                 if st is None:
                     continue
                 for k, src in views.items():
                     key = keys[k]
                     if key in st:
-                        st[key].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+                        st[key].view(-1)[s.start: s.start + s.size(k)].copy_(
+                            src[slices[k][i]])

@@ -6,8 +6,11 @@ import torch
 
 from tiermem.optim.rules.adam import AdamRule
 from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
+from tiermem.optim.rules.generic import AdafactorRule, MuonRule, ShadowRule
+from tiermem.optim.rules.torch_family import TORCH_RULES
 
-RULES: tuple[type[UpdateRule], ...] = (AdamRule,)
+# Rules for named classes; any other torch.optim.Optimizer gets the generic ShadowRule.
+RULES: tuple[type[UpdateRule], ...] = (AdamRule, *TORCH_RULES, AdafactorRule, MuonRule)
 
 
 def rule_for(opt: torch.optim.Optimizer, **options) -> UpdateRule:
@@ -17,10 +20,14 @@ def rule_for(opt: torch.optim.Optimizer, **options) -> UpdateRule:
             rule = cls(**options)
             rule.check(opt)
             return rule
+    if isinstance(opt, torch.optim.Optimizer):
+        rule = ShadowRule(**options)
+        rule.check(opt)
+        return rule
     names = ", ".join(f"{c.__module__}.{c.__qualname__}" for r in RULES for c in r.optimizers)
     raise UnsupportedOptimizer(
         f"tiermem.offload supports {names} (and their subclasses), not "
         f"{type(opt).__module__}.{type(opt).__qualname__}")
 
 
-__all__ = ["AdamRule", "Batch", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_for"]
+__all__ = ["AdafactorRule", "AdamRule", "Batch", "MuonRule", "ShadowRule", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_for"]

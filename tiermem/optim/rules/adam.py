@@ -72,9 +72,14 @@ class AdamRule(UpdateRule):
             raise TierMemError(f"param_groups[{part.group}]: amsgrad changed after "
                                "tiermem.offload laid out the state; set it before")
 
-    def torch_state_keys(self, group: dict[str, Any]) -> list[str]:
-        """The moments torch keeps per parameter for a group with these flags."""
-        return [k for k in MOMENTS if k != "max_exp_avg_sq" or group.get("amsgrad")]
+    def kinds_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(k for k in MOMENTS if k != "max_exp_avg_sq" or group.get("amsgrad"))
+
+    def check_loaded(self, part: Partition, saved: dict[str, Any]) -> None:
+        if bool(saved.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
+            raise TierMemError(f"param_groups[{part.group}]: the checkpoint has amsgrad="
+                               f"{saved.get('amsgrad')}, the state laid out by "
+                               "tiermem.offload has not; load it before entering offload")
 
     def init(self, part: Partition, views: Views) -> None:
         """Zero moments; the master weights from the model."""

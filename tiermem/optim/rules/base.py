@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from tiermem.errors import TierMemError
-from tiermem.partition import Partition
+from tiermem.partition import Partition, Segment
 
 Views = dict[str, torch.Tensor]
 
@@ -37,6 +37,13 @@ class Batch:
     weights_out: list[torch.Tensor | None] | None = None  # low-precision model weights
     checksums: Sequence[str] = ()  # arrays whose CRC32C the pass returns per segment
     offsets: list[int] = field(default_factory=list)  # each segment's element offset in the record
+    # Per segment: whether its parameter had no state before this step (torch builds
+    # state lazily at a parameter's first step), and private copies of the parameter's
+    # host scalars (UpdateRule.scalar_keys) as the last step left them; the rule updates
+    # those copies and the optimizer keeps them as the parameter's new values.
+    first: list[bool] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)  # of each entry, in order
+    scalars: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 class UnsupportedOptimizer(TierMemError, TypeError):
@@ -52,6 +59,55 @@ class UpdateRule(ABC):
     elementwise: ClassVar[bool] = True
     #: state kind -> key in torch's per-parameter state
     torch_keys: ClassVar[dict[str, str]] = {}
+    #: torch's state has a "step" count per parameter (SGD's has not)
+    has_step: ClassVar[bool] = True
+    #: torch builds every parameter's state when the optimizer is made, not at its first
+    #: step (Adagrad): exported state includes parameters never stepped
+    eager_state: ClassVar[bool] = False
+
+    def scalar_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """Per-parameter 0-d state besides step (ASGD's eta, mu), kept on the host and in
+        the manifest rather than in the record."""
+        return ()
+
+    def initial_scalars(self, group: dict[str, Any]) -> dict[str, float]:
+        """The scalar_keys' values before a parameter's first step."""
+        return {}
+
+    def torch_state_keys(self, group: dict[str, Any]) -> list[str]:
+        """The per-parameter state tensors torch keeps for a group with these flags."""
+        return [self.torch_keys[k] for k in self.kinds_for(group)]
+
+    def host_scalars(self, state: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
+        """The host scalars (scalar_keys) in one parameter's torch-format state."""
+        return {k: torch.as_tensor(state[k], dtype=torch.float32).detach().clone().cpu()
+                for k in self.scalar_keys(group) if k in state}
+
+    def torch_state_tensors(self, param: torch.Tensor, group: dict[str, Any],
+                            dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(key, shape, dtype) of each state tensor torch keeps for `param` (`dtype`: the
+        one asked for the per-element state)."""
+        return [(k, tuple(param.shape), dtype) for k in self.torch_state_keys(group)]
+
+    def kinds_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state kinds (besides a master) a group with these flags keeps."""
+        return ()
+
+    def wants_native(self, kernel: str, part: Partition, *, on_host: bool) -> bool:
+        """Whether tiermem's native kernel runs this partition (Adam only)."""
+        return False
+
+    def begin_step(self, groups: Sequence[dict[str, Any]]) -> None:
+        """A step starts (before any partition of it is updated)."""
+
+    def check_loaded(self, part: Partition, saved: dict[str, Any]) -> None:
+        """Raise if a checkpoint's param group `saved` needs another record layout."""
+        want = tuple(k for k in part.kinds if k != "master")
+        if self.kinds_for(saved) != want:
+            raise TierMemError(
+                f"param_groups[{part.group}]: the checkpoint's group keeps state "
+                f"{list(self.kinds_for(saved))}, the state tiermem.offload laid out keeps "
+                f"{list(want)}; load it before entering offload")
 
     @abstractmethod
     def check(self, opt: torch.optim.Optimizer) -> None:
@@ -66,9 +122,17 @@ class UpdateRule(ABC):
     def check_group(self, part: Partition, group: dict[str, Any]) -> None:
         """Raise if `group` changed since `part`'s record was laid out (before a step)."""
 
-    @abstractmethod
     def init(self, part: Partition, views: Views) -> None:
-        """Build a never-written record (the model's weights are in the segments)."""
+        """Build a never-written record: state zero (a rule whose torch optimizer starts
+        elsewhere fills it at the parameter's first step, as torch does), the master
+        weights from the model."""
+        for k, v in views.items():
+            if k != "master":
+                v.zero_()
+        if "master" in views:
+            for s, sl in zip(part.segments, part.slices("master")):
+                views["master"][sl].copy_(
+                    s.param.detach().reshape(-1)[s.start: s.start + s.length])
 
     @abstractmethod
     def update(self, batch: Batch, *, kernel: str) -> list[dict[str, int]] | None:

@@ -1,0 +1,265 @@
+"""Every torch.optim optimizer torch tests on the CPU, and third-party ones, under tiermem.
+
+The table is torch's own: each optim_db entry's optim_inputs_func(device="cpu"). Each
+configuration runs on the small model both with tiermem (tiny partitions, so large
+parameters are cut across partitions; all state on NVMe or split host/NVMe) and
+plainly, and must end equal: bitwise for the elementwise family (torch's functional
+implementations on the segment views) and for whole-parameter rules (the optimizer's own
+step()). Then state_dict() must equal the plain one, and a plain optimizer loaded from
+tiermem's state_dict (and tiermem loaded from a plain one) must keep stepping equal.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tiermem.optim.rules import UnsupportedOptimizer
+
+from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config, make_batches,
+                             swap_dir, train)
+
+optim_db = pytest.importorskip("torch.testing._internal.common_optimizers").optim_db
+
+STEPS = 3
+REFUSED = {"LBFGS", "SparseAdam"}
+
+
+def small() -> Synthetic:
+    """The parity model, smaller: the embedding (18300 elements) is still cut across
+    64 KiB partitions, and the run costs a fraction of a second."""
+    return Synthetic(vocab=300, hidden=130, out=9)
+
+
+def muon_params(model):
+    return [p for p in model.parameters() if p.dim() == 2]
+
+
+def params_for(cls, model):
+    return muon_params(model) if cls is torch.optim.Muon else list(model.parameters())
+
+
+def db_rows():
+    rows = []
+    for entry in optim_db:
+        cls = entry.optim_cls
+        if cls.__name__ in REFUSED:
+            continue
+        for n, inp in enumerate(entry.optim_inputs_func(device="cpu")):
+            kw = dict(inp.kwargs)
+            if n % 2 and "foreach" in entry.supported_impls and "fused" not in kw:
+                kw["foreach"] = True  # every other row runs the multi-tensor implementation
+            placement = "mixed" if n % 2 == 0 else "nvme"
+            rows.append(pytest.param(cls, kw, placement,
+                                     id=f"{cls.__name__}-{n}-{placement}-{inp.desc}"))
+    return rows
+
+
+def state_equal(sd, ref_sd, what):
+    assert set(sd["state"]) == set(ref_sd["state"]), what
+    for i, ref in ref_sd["state"].items():
+        got = sd["state"][i]
+        assert set(got) - {"master_param"} == set(ref), f"{what}: state[{i}] keys"
+        for k, b in ref.items():
+            a = got[k]
+            if isinstance(b, torch.Tensor) and b.dim() > 0:
+                assert_same_tensor(a, b, f"{what}: state[{i}][{k!r}]")
+            else:
+                assert float(a) == float(b), f"{what}: state[{i}][{k!r}] {a} != {b}"
+
+
+def params_equal(model, ref, what):
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"{what}: {n}")
+
+
+def cfg(tmp_path, backend, placement, **kw):
+    # mixed: fc1's state on NVMe by rule, the rest on the host
+    rules = [{"match": "fc1.*", "tier": "nvme"}] if placement == "mixed" else []
+    return config(tmp_path, backend=backend, host="1MiB" if rules else 0, kernel="match",
+                  placement=rules, **kw)
+
+
+def pair(cls, kw):
+    model = small()
+    ref = copy.deepcopy(model)
+    return model, cls(params_for(cls, model), **kw), ref, cls(params_for(cls, ref), **kw)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("cls, kw, placement", db_rows())
+def test_optim_db_parity(tmp_path, backend, cls, kw, placement):
+    model, opt, ref, ref_opt = pair(cls, kw)
+    batches = make_batches(model, STEPS + 2)
+    with tiermem.offload(opt, cfg(tmp_path, backend, placement), model=model) as tm:
+        losses = train(model, opt, batches[:STEPS])
+        tiers = tm.plan()["state_bytes"]
+        sd = opt.state_dict()
+    assert tiers["nvme"] > 0 and (tiers["host"] > 0) == (placement == "mixed")
+    ref_losses = train(ref, ref_opt, batches[:STEPS])
+    assert losses == ref_losses
+    params_equal(model, ref, "after the run")
+    state_equal(sd, ref_opt.state_dict(), "state_dict()")
+    state_equal(opt.state_dict(), ref_opt.state_dict(), "state handed back")
+    # state_dict both ways: tiermem loads the plain optimizer's, a plain one tiermem's,
+    # and both keep stepping as the reference does
+    plain = cls(params_for(cls, model), **kw)
+    plain.load_state_dict(sd)
+    opt.load_state_dict(ref_opt.state_dict())
+    with tiermem.offload(opt, cfg(tmp_path, backend, placement), model=model):
+        train(model, opt, batches[STEPS:], start=STEPS)
+    train(ref, ref_opt, batches[STEPS:], start=STEPS)
+    params_equal(model, ref, "after loading the plain state_dict")
+    state_equal(opt.state_dict(), ref_opt.state_dict(), "after loading")
+    state_equal(plain.state_dict(), sd, "plain optimizer loaded from tiermem")
+
+
+@pytest.mark.parametrize("cls, kw", [
+    (torch.optim.ASGD, dict(t0=1)), (torch.optim.NAdam, dict(weight_decay=0.1)),
+    (torch.optim.SGD, dict(momentum=0.9, dampening=0.5)), (torch.optim.Rprop, {}),
+    (torch.optim.Adafactor, {})])
+def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):
+    """Kept per-parameter scalars (ASGD's eta, mu; NAdam's mu_product) and records come
+    back from the committed manifest: a resumed run continues exactly as an uninterrupted
+    one. (No host memory to hand the state back to keeps it on disk, as a crash does.)"""
+    model, opt, ref, ref_opt = pair(cls, kw)
+    batches = make_batches(model, 5)
+    c = cfg(tmp_path, "threads", "mixed")
+    c["swap"]["durability"] = "crash_consistent"
+    monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+    with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt, c, model=model):
+            train(model, opt, batches[:3])
+    monkeypatch.undo()
+    assert swap_dir(tmp_path).exists()
+    model2 = copy.deepcopy(model)
+    opt2 = cls(params_for(cls, model2), **kw)
+    with tiermem.offload(opt2, c, model=model2, resume=True):
+        train(model2, opt2, batches[3:], start=3)
+    train(ref, ref_opt, batches)
+    params_equal(model2, ref, "resumed")
+    state_equal(opt2.state_dict(), ref_opt.state_dict(), "resumed")
+
+
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.SparseAdam])
+def test_refused_with_a_clear_error(tmp_path, cls):
+    model = Synthetic()
+    opt = cls(model.parameters())
+    with pytest.raises(UnsupportedOptimizer, match=cls.__name__):
+        with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme")):
+            pass
+
+
+class GroupNormalised(torch.optim.Optimizer):
+    """Momentum on gradients divided by the norm over the whole group: a step that couples
+    the parameters of a group, which tiermem must refuse rather than run per partition."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            norm = torch.sqrt(sum(p.grad.square().sum() for p in ps))
+            for p in ps:
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p)
+                st["m"].mul_(0.9).add_(p.grad / norm)
+                p.add_(st["m"], alpha=-group["lr"])
+
+
+class PerParameter(GroupNormalised):
+    """The same, normalised per parameter: no coupling, so tiermem runs it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"] = group.get("count", 0) + 1  # a group value the step changes
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"], st["step"] = torch.zeros_like(p), 0
+                st["step"] += 1
+                st["m"].mul_(0.9).add_(p.grad / p.grad.norm())
+                p.add_(st["m"], alpha=-group["lr"] / st["step"])
+
+
+def thirdparty():
+    rows = [pytest.param(PerParameter, None, {}, id="per-parameter")]
+    for mod, name, kw in [("lion_pytorch", "Lion", dict(lr=1e-3, weight_decay=0.1)),
+                          ("torch_optimizer", "Lamb", dict(lr=1e-3)),
+                          ("torch_optimizer", "AdaBelief", dict(lr=1e-3)),
+                          ("torch_optimizer", "Yogi", dict(lr=1e-2)),
+                          ("pytorch_optimizer", "Adan", dict(lr=1e-3)),
+                          ("pytorch_optimizer", "AdaBelief", dict(lr=1e-3)),
+                          ("schedulefree", "AdamWScheduleFree", dict(lr=1e-3))]:
+        rows.append(pytest.param(mod, name, kw, id=f"{mod}.{name}"))
+    return rows
+
+
+def load(mod, name):
+    if isinstance(mod, type):
+        return mod
+    return getattr(pytest.importorskip(mod), name)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("mod, name, kw", thirdparty())
+def test_thirdparty_equal_or_refused(tmp_path, backend, mod, name, kw):
+    """Each third-party optimizer ends equal to its plain run, or is refused with
+    tiermem's error: never different."""
+    cls = load(mod, name)
+    model, opt, ref, ref_opt = pair(cls, kw)
+    batches = make_batches(model, STEPS)
+    try:
+        with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model):
+            train(model, opt, batches)
+    except UnsupportedOptimizer as exc:
+        assert cls.__name__ in str(exc)
+        assert name in ("AdamWScheduleFree",), f"refused unexpectedly: {exc}"
+        return
+    train(ref, ref_opt, batches)
+    params_equal(model, ref, cls.__name__)
+    state_equal(opt.state_dict(), ref_opt.state_dict(), cls.__name__)
+    for g, h in zip(opt.param_groups, ref_opt.param_groups):
+        assert {k: v for k, v in g.items() if k != "params"} == \
+            {k: v for k, v in h.items() if k != "params"}
+
+
+def test_coupling_optimizer_refused(tmp_path):
+    model = Synthetic()
+    opt = GroupNormalised(model.parameters())
+    with pytest.raises(UnsupportedOptimizer, match="couples its parameters"):
+        with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme")):
+            pass
+    assert not opt.state  # refused before anything changed
+
+
+def test_whole_parameter_partitions(tmp_path):
+    """Muon's orthogonalisation and Adafactor's factored statistics span a parameter: it is
+    never cut, one larger than the partition is a partition of its own, and Adafactor's
+    row/column statistics take their own size in the record."""
+    model = Synthetic()
+    opt = torch.optim.Muon(muon_params(model))
+    with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme")) as tm:
+        parts = tm.offloaded.parts
+        for part in parts:
+            for s in part.segments:
+                assert s.start == 0 and s.length == s.param.numel()
+        big = [p for p in parts if any(s.param is model.fc1.weight for s in p.segments)]
+        assert len(big) == 1 and len(big[0].segments) == 1
+        assert big[0].record_bytes > 64 * 1024  # larger than partition_size: its own
+    opt = torch.optim.Adafactor(model.parameters())
+    with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme")) as tm:
+        part = next(p for p in tm.offloaded.parts
+                    if any(s.param is model.fc1.weight for s in p.segments))
+        seg = next(s for s in part.segments if s.param is model.fc1.weight)
+        assert seg.size("row_var") == 1031 and seg.size("col_var") == 61

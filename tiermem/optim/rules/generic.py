@@ -1,0 +1,327 @@
+"""Any torch.optim.Optimizer whose state is per-parameter tensors: its own step(), run over
+one partition of whole parameters at a time.
+
+A shadow of the optimizer (the same class and attributes, the partition's parameters
+as its only group, its `state` pointing at views of the record) steps; whatever state
+the step replaced instead of updating in place is copied back into the record. The
+record layout comes from a probe: one step on a zero parameter of the same shape and
+dtype shows which state tensors (any shape: Adafactor's factored row/column
+statistics) and which scalars (step counts, numbers, 0-d tensors: kept on the host
+and in the manifest) a parameter gets.
+
+Stepping one partition at a time is right only if the step treats each parameter on
+its own. `check` runs a probe to see it: a few small parameters stepped together in
+one group and each alone must end equal (parameters, state and group values), else
+the optimizer is refused as coupling its parameters. Group values a step changes
+(a step counter kept in the group) are checked to come out the same from every
+partition and set once. The probe cannot see every coupling (one that shows only
+after many steps, or only on the model's real shapes); docs/optimizers.md says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections import defaultdict
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from tiermem.errors import TierMemError
+from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
+from tiermem.partition import Partition, WholeLayout
+
+MASTER_KEY = "master_param"
+PROBE_STEPS = 3
+# the probe's parameter shapes by number of dimensions: small, odd, distinct
+PROBE_SHAPES = {0: [(), ()], 1: [(37,), (11,)], 2: [(13, 7), (5, 9)],
+                3: [(4, 5, 3), (3, 2, 6)], 4: [(3, 4, 2, 2), (2, 3, 2, 3)]}
+REFUSED = {
+    "torch.optim.lbfgs.LBFGS": "LBFGS re-evaluates the closure several times per step and "
+    "keeps one flat history over all parameters; tiermem cannot split it into partitions",
+    "torch.optim.sparse_adam.SparseAdam": "SparseAdam updates sparse gradients; tiermem "
+    "steps dense gradients only (use Adam or AdamW)",
+}
+
+
+def is_record_tensor(value: Any) -> bool:
+    """State kept in the record: tensors with at least one dimension."""
+    return isinstance(value, Tensor) and value.dim() > 0
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape
+                and bool(torch.equal(a, b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), rtol=1e-6,
+                                                      atol=1e-9, equal_nan=True))
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class ShadowRule(UpdateRule):
+    """A torch.optim.Optimizer subclass stepped by its own step() on whole parameters."""
+
+    optimizers: ClassVar[tuple[type, ...]] = (torch.optim.Optimizer,)
+    elementwise = False
+    has_step = False  # the optimizer's own count, if it keeps one, is one of its scalars
+    #: the class is known to treat each parameter on its own: no coupling probe
+    per_parameter: ClassVar[bool] = False
+
+    def __init__(self, *, state_dtype: str = "fp32", state_rounding: str = "nearest") -> None:
+        if state_dtype != "fp32":
+            raise UnsupportedOptimizer(
+                f"optimizer.state_dtype {state_dtype} runs tiermem's native Adam kernel; "
+                "other optimizers keep their state in the dtype they create it in: use "
+                "state_dtype fp32")
+        self.opt: torch.optim.Optimizer | None = None
+        self._layouts: dict[tuple, WholeLayout] = {}
+        self._kinds: set[str] = set()
+        self._before: list[dict[str, Any]] = []  # each group's values as the step began
+        self._after: dict[int, dict[str, Any]] = {}  # ... as its first partition left them
+
+    @property
+    def torch_keys(self) -> dict[str, str]:  # type: ignore[override]
+        return {"master": MASTER_KEY, **{k: k for k in self._kinds}}
+
+    # -- checks ------------------------------------------------------------------
+
+    def check(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        name = _name(type(opt))
+        for cls in type(opt).__mro__:
+            why = REFUSED.get(_name(cls))
+            if why:
+                raise UnsupportedOptimizer(f"tiermem.offload cannot run {name}: {why}")
+        for attr in ("train", "eval"):
+            if callable(getattr(type(opt), attr, None)):
+                # schedule-free optimizers move the weights with their state in train()/
+                # eval(), outside step(): with the state in tiers those would do nothing.
+                raise UnsupportedOptimizer(
+                    f"tiermem.offload cannot run {name}: its {attr}() reads the per-parameter "
+                    "state outside step(), and tiermem keeps that state in its tiers")
+        for g, group in enumerate(opt.param_groups):
+            if group.get("differentiable"):
+                raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not "
+                                           "supported")
+            for p in group["params"]:
+                if not p.is_floating_point() or p.is_complex():
+                    raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
+                                               f"floating point, got {p.dtype}")
+                if not p.is_contiguous():
+                    raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
+                                               f"{tuple(p.shape)} is not contiguous")
+            if not self.per_parameter and group["params"]:
+                self._probe_coupling(g, group)
+
+    def _shadow(self, group: dict[str, Any], params: list[Tensor]) -> torch.optim.Optimizer:
+        """An optimizer of the same class and attributes stepping only `params`, with empty
+        state and none of the user's hooks (tiermem's own bound methods left out)."""
+        opt = self.opt
+        sh = type(opt).__new__(type(opt))
+        sh.__dict__.update({k: v for k, v in opt.__dict__.items()
+                            if not (isinstance(v, types.MethodType) and v.__self__ is opt)
+                            and not k.startswith("_tiermem")})
+        sh.param_groups = [{**group, "params": params}]
+        sh.state = defaultdict(dict)
+        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+            setattr(sh, hooks, type(getattr(opt, hooks, {}))())
+        return sh
+
+    def _run(self, sh: torch.optim.Optimizer, what: str) -> None:
+        try:
+            with torch.no_grad():
+                type(sh).step(sh)
+        except Exception as exc:
+            raise UnsupportedOptimizer(
+                f"tiermem.offload cannot run {_name(type(sh))}: its step() without a "
+                f"closure failed on {what} ({type(exc).__name__}: {exc})") from exc
+
+    def _probe_coupling(self, g: int, group: dict[str, Any]) -> None:
+        dims = sorted({p.dim() for p in group["params"]})[:3]
+        dtype = group["params"][0].dtype
+        shapes = [s for d in dims for s in PROBE_SHAPES.get(d, [(2,) * d, (3,) * d])]
+        gen = torch.Generator().manual_seed(0)
+        init = [torch.randn(s, generator=gen, dtype=torch.float32).to(dtype) for s in shapes]
+        # Scales far apart: a step that normalises over several parameters shows it.
+        grads = [[torch.randn(s, generator=gen).to(dtype) * 10.0 ** (i % 3 - 1)
+                  for i, s in enumerate(shapes)] for _ in range(PROBE_STEPS)]
+        settings = {k: _copy(v) for k, v in group.items() if k != "params"}
+
+        def run(indices: list[list[int]]):
+            params = [t.clone() for t in init]
+            shadows = [self._shadow({k: _copy(v) for k, v in settings.items()},
+                                    [params[i] for i in idx]) for idx in indices]
+            with torch.random.fork_rng(devices=[]):
+                for step in range(PROBE_STEPS):
+                    for i, p in enumerate(params):
+                        p.grad = grads[step][i].clone()
+                    for sh in shadows:
+                        self._run(sh, "a probe")
+            return params, shadows
+
+        together, (whole,) = run([list(range(len(shapes)))])
+        apart, shadows = run([[i] for i in range(len(shapes))])
+        why = None
+        for i, (a, b) in enumerate(zip(together, apart)):
+            if not _close(a, b):
+                why = f"probe parameter {i} of shape {tuple(a.shape)} ends differently"
+                break
+            sa, sb = whole.state[a], shadows[i].state[b]
+            for k in sa:
+                if is_record_tensor(sa[k]) and not (k in sb and _close(sa[k], sb[k])):
+                    why = f"state {k!r} of probe parameter {i} ends differently"
+        kept = {k: v for k, v in whole.param_groups[0].items() if k != "params"}
+        for sh in shadows:
+            if not _same(kept, {k: v for k, v in sh.param_groups[0].items() if k != "params"}):
+                why = why or "the group's own values end differently"
+        if why:
+            raise UnsupportedOptimizer(
+                f"param_groups[{g}]: {_name(type(self.opt))} couples its parameters: stepping "
+                f"them one partition at a time does not give what stepping them together "
+                f"does ({why} on tiermem's probe), so tiermem cannot run it")
+
+    # -- layout ------------------------------------------------------------------
+
+    def whole_layout(self, param: Tensor, group: dict[str, Any], *, keep_master: bool
+                     ) -> WholeLayout:
+        master = keep_master or not (param.dtype == torch.float32
+                                     and param.device.type == "cpu")
+        dtype = torch.float32 if master else param.dtype
+        g = next(i for i, gr in enumerate(self.opt.param_groups) if gr is group) \
+            if any(gr is group for gr in self.opt.param_groups) else -1
+        key = (tuple(param.shape), dtype, g, master)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._probe_layout(param, group, dtype, master)
+            self._layouts[key] = lay
+        return lay
+
+    def _probe_layout(self, param: Tensor, group: dict[str, Any], dtype: torch.dtype,
+                      master: bool) -> WholeLayout:
+        """What one step makes of a zero parameter of this shape: the record's kinds."""
+        p = torch.zeros(param.shape, dtype=dtype)
+        p.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(1)
+                             ).to(dtype)
+        sh = self._shadow({k: _copy(v) for k, v in group.items() if k != "params"}, [p])
+        with torch.random.fork_rng(devices=[]):
+            self._run(sh, f"a parameter of shape {tuple(param.shape)}")
+        kinds, shapes, dtypes = ["master"] if master else [], {}, {}
+        if master:
+            dtypes["master"] = torch.float32
+        for k, v in sh.state[p].items():
+            if is_record_tensor(v):
+                if k == "master":
+                    raise UnsupportedOptimizer(f"{_name(type(self.opt))} keeps state named "
+                                               "'master', the name tiermem's master weight has")
+                kinds.append(k)
+                dtypes[k] = v.dtype
+                if v.shape != param.shape:
+                    shapes[k] = tuple(v.shape)
+            elif not isinstance(v, (Tensor, int, float, bool)) and v is not None:
+                raise UnsupportedOptimizer(
+                    f"{_name(type(self.opt))} keeps state {k!r} as a {type(v).__name__}; "
+                    "tiermem keeps per-parameter tensors and numbers only")
+        self._kinds.update(k for k in kinds if k != "master")
+        return WholeLayout(tuple(kinds), shapes, dtypes)
+
+    def kinds(self, param, group, *, keep_master):
+        return self.whole_layout(param, group, keep_master=keep_master).kinds
+
+    def check_group(self, part: Partition, group: dict[str, Any]) -> None:
+        pass  # the layout follows the optimizer's own state; update() checks what it finds
+
+    def check_loaded(self, part: Partition, saved: dict[str, Any]) -> None:
+        pass  # a checkpoint's tensors must match the layout: scatter's copy_ checks shapes
+
+    def torch_state_tensors(self, param, group, dtype):
+        seg_kinds = self.whole_layout(param, group, keep_master=False)
+        return [(k, seg_kinds.shapes.get(k, tuple(param.shape)), seg_kinds.dtypes[k])
+                for k in seg_kinds.kinds if k != "master"]
+
+    def host_scalars(self, state: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
+        return {k: _copy(v) for k, v in state.items() if not is_record_tensor(v)}
+
+    # -- the step ----------------------------------------------------------------
+
+    def begin_step(self, groups) -> None:
+        self._before = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
+        self._after = {}
+
+    def update(self, batch: Batch, *, kernel: str) -> None:
+        part, group = batch.part, batch.group
+        tensors, views = [], []
+        for j, s in enumerate(batch.segments):
+            t = batch.params[j].view(s.param.shape)
+            t.grad = batch.grads[j].view(s.param.shape)
+            tensors.append(t)
+            views.append({k: batch.state[k][j].view(s.shapes.get(k, s.param.shape))
+                          for k in batch.state})
+        before = (self._before[part.group] if part.group < len(self._before)
+                  else {k: v for k, v in group.items() if k != "params"})
+        sh = self._shadow({k: _copy(v) for k, v in before.items()}, tensors)
+        for j, t in enumerate(tensors):
+            if not batch.first[j]:
+                sh.state[t] = {**batch.scalars[j], **views[j]}
+        self._run(sh, f"partition {part.id}")
+        for j, t in enumerate(tensors):
+            t.grad = None
+            new = sh.state.get(t, {})
+            for k, view in views[j].items():
+                v = new.get(k)
+                if not isinstance(v, Tensor) or v.shape != view.shape:
+                    raise TierMemError(
+                        f"{_name(type(self.opt))}: after step {float(batch.steps[j]):g} "
+                        f"the state {k!r} of a parameter of shape "
+                        f"{tuple(batch.segments[j].param.shape)} is "
+                        f"{tuple(v.shape) if isinstance(v, Tensor) else v!r}, not the "
+                        f"{tuple(view.shape)} tensor tiermem laid out from its first step")
+                if v.data_ptr() != view.data_ptr():
+                    view.copy_(v)  # replaced rather than updated in place
+            extra = [k for k, v in new.items() if is_record_tensor(v) and k not in views[j]]
+            if extra:
+                raise TierMemError(
+                    f"{_name(type(self.opt))} created state {extra} after a parameter's "
+                    "first step; tiermem lays the record out from the first step's state")
+            batch.scalars[j].clear()
+            batch.scalars[j].update({k: v for k, v in new.items() if not is_record_tensor(v)})
+        after = {k: v for k, v in sh.param_groups[0].items() if k != "params"}
+        if part.group not in self._after:
+            self._after[part.group] = after
+            for k, v in after.items():
+                if not _same(v, before.get(k)):
+                    group[k] = v
+        elif not _same(after, self._after[part.group]):
+            raise TierMemError(
+                f"param_groups[{part.group}]: {_name(type(self.opt))} changed the group's "
+                "values differently for two partitions of one step: its step couples the "
+                "parameters of a group, so tiermem cannot run it")
+
+
+class AdafactorRule(ShadowRule):
+    """torch.optim.Adafactor: factored row/column statistics span a parameter."""
+
+    optimizers = (torch.optim.Adafactor,)
+    per_parameter = True
+
+
+class MuonRule(ShadowRule):
+    """torch.optim.Muon: the orthogonalisation spans a parameter."""
+
+    optimizers = (torch.optim.Muon,)
+    per_parameter = True

@@ -1,0 +1,310 @@
+"""torch.optim's elementwise optimizers (SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam,
+Adadelta, ASGD, Rprop), each run by torch's own functional implementation.
+
+A record holds, per element, an fp32 master weight when the update cannot run on the
+parameter itself (as for Adam) and the optimizer's per-element state tensors under
+torch's own key names, in the parameter's dtype for fp32 models (fp32 otherwise).
+Per-parameter scalars (step; ASGD's eta and mu; NAdam's mu_product) stay on the host
+with the optimizer (OffloadedOptimizer.steps / .scalars) and go into the manifest.
+
+The update hands torch's `_single_tensor_X` / `_multi_tensor_X` / `_fused_X` the
+partition's segment views: the same elementwise arithmetic on the same values as the
+plain optimizer, and parameters are cut only at multiples of 1024 elements, so the
+results are bitwise equal. torch's functions increment the step counts and update the
+scalars they are given: the rule hands them private copies (see Batch.scalars).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim import (adadelta, adagrad, adamax, asgd, nadam, radam, rmsprop, rprop,
+                         sgd)
+
+from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
+from tiermem.partition import Partition, state_kinds
+
+MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
+
+
+def implementation(group: dict[str, Any], kernel: str, has_fused: bool) -> str:
+    """"single_tensor", "multi_tensor" or "fused": what runs a group with these flags.
+
+    kernel "match" (and "native", which only Adam has) is what the plain optimizer runs on
+    the CPU; "fused" is torch's fused kernel where the optimizer has one, else the match."""
+    if kernel in ("single_tensor", "multi_tensor"):  # already matched (kernel_matching)
+        return kernel
+    if kernel == "fused" and has_fused:
+        return "fused"
+    if group.get("fused"):
+        return "fused"
+    # torch defaults foreach to True only for CUDA tensors; tiermem's CPU updates see
+    # host tensors, where the default is the for-loop.
+    return "multi_tensor" if group.get("foreach") else "single_tensor"
+
+
+class TorchRule(UpdateRule):
+    """One torch.optim optimizer, run by its module's functional implementations."""
+
+    elementwise = True
+    module: ClassVar[Any]
+    name: ClassVar[str]  # the functions' suffix: _single_tensor_<name>, ...
+    has_fused: ClassVar[bool] = False
+
+    def __init__(self, *, state_dtype: str = "fp32", state_rounding: str = "nearest") -> None:
+        if state_dtype != "fp32":
+            raise UnsupportedOptimizer(
+                f"optimizer.state_dtype {state_dtype} runs tiermem's native Adam kernel; "
+                f"{self.optimizers[0].__name__} keeps fp32 state: use state_dtype fp32")
+
+    @property
+    def torch_keys(self) -> dict[str, str]:  # type: ignore[override]
+        return {"master": MASTER_KEY, **{k: k for k in self.all_kinds}}
+
+    all_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, opt: torch.optim.Optimizer) -> None:
+        for g, group in enumerate(opt.param_groups):
+            if group.get("differentiable"):
+                raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not "
+                                           "supported")
+            if group.get("capturable"):
+                raise UnsupportedOptimizer(f"param_groups[{g}]: capturable=True is for CUDA "
+                                           "graphs; tiermem updates outside them")
+            for p in group["params"]:
+                if not p.is_floating_point() or p.is_complex():
+                    raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
+                                               f"floating point, got {p.dtype}")
+                if not p.is_contiguous():
+                    raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
+                                               f"{tuple(p.shape)} is not contiguous")
+
+    def kinds(self, param: torch.Tensor, group: dict[str, Any], *, keep_master: bool
+              ) -> tuple[str, ...]:
+        master = state_kinds(param, False, keep_master)[:-2]  # ("master",) or ()
+        return master + self.kinds_for(group)
+
+    def check_group(self, part: Partition, group: dict[str, Any]) -> None:
+        want = self.kinds_for(group)
+        have = tuple(k for k in part.kinds if k != "master")
+        if want != have:
+            raise UnsupportedOptimizer(
+                f"param_groups[{part.group}]: the group's settings now need state "
+                f"{list(want)}, tiermem.offload laid out {list(have)}; set momentum, "
+                "centered and the like before entering offload")
+
+    def first_fill(self, group: dict[str, Any]) -> dict[str, float]:
+        """State kinds torch starts at a value other than zero."""
+        return {}
+
+    def update(self, batch: Batch, *, kernel: str) -> None:
+        group = batch.group
+        fill = self.first_fill(group)
+        if fill:
+            for j, first in enumerate(batch.first):
+                if first:
+                    for k, v in fill.items():
+                        batch.state[k][j].fill_(v)
+        impl = implementation(group, kernel, self.has_fused)
+        fn = getattr(self.module, f"_{impl}_{self.name}")
+        # torch's loops increment the step counts they are given: private copies of the
+        # count before this step.
+        before = [s - 1 for s in batch.steps]
+        self.run(fn, batch, before, group, impl)
+
+    def run(self, fn: Callable, batch: Batch, steps: list[Tensor], group: dict[str, Any],
+            impl: str) -> None:
+        raise NotImplementedError
+
+
+def _flags(group: dict[str, Any], *names: str) -> dict[str, Any]:
+    return {n: group[n] for n in names}
+
+
+_PLAIN = dict(differentiable=False, capturable=False, has_complex=False)
+
+
+class SGDRule(TorchRule):
+    optimizers = (torch.optim.SGD,)
+    module, name, has_fused = sgd, "sgd", True
+    all_kinds = ("momentum_buffer",)
+    has_step = False
+
+    def kinds_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def run(self, fn, batch, steps, group, impl):
+        bufs = batch.state.get("momentum_buffer")
+        kw = dict(weight_decay=group["weight_decay"], momentum=group["momentum"],
+                  lr=group["lr"], dampening=group["dampening"], nesterov=group["nesterov"],
+                  maximize=group["maximize"], has_sparse_grad=False)
+        if bufs is None:
+            fn(batch.params, batch.grads, [None] * len(batch.params), None, None, **kw)
+            return
+        # torch starts a momentum buffer from the first gradient (not from zero): a
+        # segment at its parameter's first step gets None, and its new buffer is copied in.
+        fresh = [j for j, f in enumerate(batch.first) if f]
+        if impl == "fused" and fresh and len(fresh) < len(bufs):
+            # the fused kernel takes all-first or none-first lists: run the two apart
+            rest = [j for j in range(len(bufs)) if j not in fresh]
+            for idx in (fresh, rest):
+                sub = Batch(batch.part, group, [batch.params[j] for j in idx],
+                            [batch.grads[j] for j in idx], [batch.steps[j] for j in idx],
+                            {"momentum_buffer": [bufs[j] for j in idx]},
+                            first=[batch.first[j] for j in idx])
+                self.run(fn, sub, [], group, impl)
+            return
+        given: list[Tensor | None] = [None if f else b for b, f in zip(bufs, batch.first)]
+        fn(batch.params, batch.grads, given, None, None, **kw)
+        for j in fresh:
+            if given[j] is not bufs[j]:
+                bufs[j].copy_(given[j])
+
+
+class AdagradRule(TorchRule):
+    optimizers = (torch.optim.Adagrad,)
+    module, name, has_fused = adagrad, "adagrad", True
+    all_kinds = ("sum",)
+    eager_state = True
+
+    def kinds_for(self, group):
+        return ("sum",)
+
+    def first_fill(self, group):
+        return {"sum": group["initial_accumulator_value"]}
+
+    def run(self, fn, batch, steps, group, impl):
+        fn(batch.params, batch.grads, batch.state["sum"], steps, None, None,
+           has_sparse_grad=False, differentiable=False, has_complex=False,
+           **_flags(group, "lr", "weight_decay", "lr_decay", "eps", "maximize"))
+
+
+class RMSpropRule(TorchRule):
+    optimizers = (torch.optim.RMSprop,)
+    module, name = rmsprop, "rmsprop"
+    all_kinds = ("square_avg", "momentum_buffer", "grad_avg")
+
+    def kinds_for(self, group):
+        return (("square_avg",) + (("momentum_buffer",) if group["momentum"] > 0 else ())
+                + (("grad_avg",) if group["centered"] else ()))
+
+    def run(self, fn, batch, steps, group, impl):
+        st = batch.state
+        fn(batch.params, batch.grads, st["square_avg"], st.get("grad_avg", []),
+           st.get("momentum_buffer", []), steps, **_PLAIN,
+           **_flags(group, "lr", "alpha", "eps", "weight_decay", "momentum", "centered",
+                    "maximize"))
+
+
+class AdamaxRule(TorchRule):
+    optimizers = (torch.optim.Adamax,)
+    module, name = adamax, "adamax"
+    all_kinds = ("exp_avg", "exp_inf")
+
+    def kinds_for(self, group):
+        return self.all_kinds
+
+    def run(self, fn, batch, steps, group, impl):
+        beta1, beta2 = group["betas"]
+        fn(batch.params, batch.grads, batch.state["exp_avg"], batch.state["exp_inf"], steps,
+           beta1=beta1, beta2=beta2, **_PLAIN,
+           **_flags(group, "eps", "lr", "weight_decay", "maximize"))
+
+
+class NAdamRule(TorchRule):
+    optimizers = (torch.optim.NAdam,)
+    module, name = nadam, "nadam"
+    all_kinds = ("exp_avg", "exp_avg_sq")
+
+    def kinds_for(self, group):
+        return self.all_kinds
+
+    def scalar_keys(self, group):
+        return ("mu_product",)
+
+    def initial_scalars(self, group):
+        return {"mu_product": 1.0}
+
+    def run(self, fn, batch, steps, group, impl):
+        beta1, beta2 = group["betas"]
+        fn(batch.params, batch.grads, batch.state["exp_avg"], batch.state["exp_avg_sq"],
+           [s["mu_product"] for s in batch.scalars], steps, beta1=beta1, beta2=beta2,
+           **_PLAIN, **_flags(group, "lr", "weight_decay", "momentum_decay", "eps",
+                              "decoupled_weight_decay", "maximize"))
+
+
+class RAdamRule(TorchRule):
+    optimizers = (torch.optim.RAdam,)
+    module, name = radam, "radam"
+    all_kinds = ("exp_avg", "exp_avg_sq")
+
+    def kinds_for(self, group):
+        return self.all_kinds
+
+    def run(self, fn, batch, steps, group, impl):
+        beta1, beta2 = group["betas"]
+        fn(batch.params, batch.grads, batch.state["exp_avg"], batch.state["exp_avg_sq"],
+           steps, beta1=beta1, beta2=beta2, **_PLAIN,
+           **_flags(group, "lr", "weight_decay", "eps", "decoupled_weight_decay",
+                    "maximize"))
+
+
+class AdadeltaRule(TorchRule):
+    optimizers = (torch.optim.Adadelta,)
+    module, name = adadelta, "adadelta"
+    all_kinds = ("square_avg", "acc_delta")
+
+    def kinds_for(self, group):
+        return self.all_kinds
+
+    def run(self, fn, batch, steps, group, impl):
+        fn(batch.params, batch.grads, batch.state["square_avg"], batch.state["acc_delta"],
+           steps, **_PLAIN, **_flags(group, "lr", "rho", "eps", "weight_decay", "maximize"))
+
+
+class ASGDRule(TorchRule):
+    optimizers = (torch.optim.ASGD,)
+    module, name = asgd, "asgd"
+    all_kinds = ("ax",)
+
+    def kinds_for(self, group):
+        return ("ax",)
+
+    def scalar_keys(self, group):
+        return ("eta", "mu")
+
+    def initial_scalars(self, group):
+        return {"eta": float(group["lr"]), "mu": 1.0}
+
+    def run(self, fn, batch, steps, group, impl):
+        fn(batch.params, batch.grads, batch.state["ax"], [s["mu"] for s in batch.scalars],
+           [s["eta"] for s in batch.scalars], steps, **_PLAIN,
+           **_flags(group, "lambd", "lr", "t0", "alpha", "weight_decay", "maximize"))
+
+
+class RpropRule(TorchRule):
+    optimizers = (torch.optim.Rprop,)
+    module, name = rprop, "rprop"
+    all_kinds = ("prev", "step_size")
+
+    def kinds_for(self, group):
+        return self.all_kinds
+
+    def first_fill(self, group):
+        lr = group["lr"]
+        return {"step_size": lr.item() if isinstance(lr, Tensor) else lr}
+
+    def run(self, fn, batch, steps, group, impl):
+        etaminus, etaplus = group["etas"]
+        step_size_min, step_size_max = group["step_sizes"]
+        fn(batch.params, batch.grads, batch.state["prev"], batch.state["step_size"], steps,
+           step_size_min=step_size_min, step_size_max=step_size_max, etaminus=etaminus,
+           etaplus=etaplus, maximize=group["maximize"], capturable=False,
+           differentiable=False, has_complex=False)
+
+
+TORCH_RULES: tuple[type[TorchRule], ...] = (
+    SGDRule, AdagradRule, RMSpropRule, AdamaxRule, NAdamRule, RAdamRule, AdadeltaRule,
+    ASGDRule, RpropRule)
