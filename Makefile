@@ -41,9 +41,9 @@ $(STAMP): $(NATIVE)
 # The framework integrations' tests run against the real packages (lightning, accelerate,
 # transformers); pinning the installed torch keeps pip from swapping in a CUDA build.
 $(ISTAMP): $(STAMP)
-	@echo "setup: installing the integrations extras (lightning, accelerate, transformers)"
+	@echo "setup: installing the integrations and third-party optimizer extras (lightning, accelerate, transformers; lion-pytorch, torch-optimizer, pytorch-optimizer, schedulefree)"
 	@$(PYTHON) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > build/torch-constraint.txt
-	@$(PYTHON) -m pip install -q --no-build-isolation -c build/torch-constraint.txt -e ".[test,integrations]"
+	@$(PYTHON) -m pip install -q --no-build-isolation -c build/torch-constraint.txt -e ".[test,integrations,thirdparty]"
 	@touch $(ISTAMP)
 
 # 500M fp32 parameters: 4 GB of optimizer state, 2 GiB of it in the default host
