@@ -15,7 +15,7 @@ one group and each alone must end equal (parameters, state and group values), el
 the optimizer is refused as coupling its parameters. Group values a step changes
 (a step counter kept in the group) are checked to come out the same from every
 partition and set once. The probe cannot see every coupling (one that shows only
-after many steps, or only on the model's real shapes); docs/optimizers.md says so.
+after many steps, or only on the model's real shapes); docs/guide/optimizers.md says so.
 """
 
 from __future__ import annotations
