@@ -49,6 +49,7 @@ def test_short_reads_are_requeued_until_whole(tmp_path, backend):
 
 
 def _cfg(tmp_path, backend, retries):
+    tmp_path.mkdir(parents=True, exist_ok=True)  # the swap path's parent must exist
     return {"swap": {"paths": [str(tmp_path / "swap")]},
             "io": {"backend": backend, "retries": retries},
             "tiers": {"host": {"capacity": 0}},

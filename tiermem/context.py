@@ -28,7 +28,7 @@ from tiermem.optim.wrappers import unwrap
 from tiermem.signals import held, terminate_as_exception
 from tiermem.swap.paths import check_paths
 from tiermem.swap.rundir import StaleSwapError, run_dirs
-from tiermem.swap.runs import in_the_way
+from tiermem.swap.runs import describe, in_the_way
 
 # The open block of each optimizer (its name= and where it was opened), for the error a
 # second block on the same optimizer gets.
@@ -87,7 +87,13 @@ def _check_swap_paths(settings: Settings) -> None:
 
 
 def _explain_run_dir(settings: Settings, name: str, resume: bool) -> str | None:
-    for d in run_dirs(settings.swap.paths, name):
+    first, *others = run_dirs(settings.swap.paths, name)
+    why = in_the_way(first, resume=resume)
+    if why or describe(first) is not None:
+        # The other paths' run directories hold the stripes of the run in the first, whose
+        # manifest (only there) speaks for all of them.
+        return why
+    for d in others:
         why = in_the_way(d, resume=resume)
         if why:
             return why

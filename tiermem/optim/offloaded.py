@@ -117,6 +117,12 @@ class OffloadedOptimizer:
         if resume:
             manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts,
                                      settings.swap.durability, previous=resume_previous)
+            if manifest.rule != type(self.rule).__name__:
+                # Same record layout, other arithmetic (NAdam's moments are not Adam's).
+                raise TierMemError(
+                    f"cannot resume: the kept state is {manifest.rule}'s and this optimizer "
+                    f"({type(optimizer).__name__}) runs {type(self.rule).__name__}; resume "
+                    "with the optimizer class that kept it")
             self._adopt_counts(manifest)
         self.resumed_step = manifest.step if manifest else None
         self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest,
@@ -479,7 +485,8 @@ class OffloadedOptimizer:
             if scalars:
                 entry["scalars"] = {k: scalar_to_json(v) for k, v in scalars.items()}
         return {"step": self.steps_taken if step is None else step,
-                "steps": [float(t) for t in self.steps], "params": params, "groups": groups}
+                "steps": [float(t) for t in self.steps], "params": params, "groups": groups,
+                "rule": type(self.rule).__name__}
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""

@@ -26,6 +26,7 @@ import errno
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -69,6 +70,7 @@ class Manifest:
     checksums: bool = True
     params: list[dict] = field(default_factory=list)  # name, shape, dtype per parameter
     groups: list[dict] = field(default_factory=list)  # hyperparameters, params as indices
+    rule: str = "AdamRule"  # the update rule whose state the records hold (optim/rules)
     version: int = VERSION
 
 
@@ -235,12 +237,17 @@ _MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
 _PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments",
               "moment_dtype"}
+_PARAM_KEYS = {"name", "shape", "dtype"}
+_SCALAR_DTYPES = _DTYPES + ("int64", "int32", "bool")
+_KIND_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
 _BOOL_GROUP_KEYS = ("amsgrad", "maximize", "capturable", "differentiable",
                     "decoupled_weight_decay")
 _OPTIONAL_BOOL_GROUP_KEYS = ("foreach", "fused")
 _NUM_GROUP_KEYS = ("lr", "eps", "weight_decay", "initial_lr")
-# What every Adam/AdamW group has, whatever the torch version; recover hands them on.
-_REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+# What every group of every supported optimizer has, and what an Adam/AdamW group has
+# whatever the torch version (recover hands them on).
+_REQUIRED_GROUP_KEYS = ("params", "lr")
+_ADAM_GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 def _validate(d: dict, run_dir: str) -> None:
@@ -258,8 +265,20 @@ def _validate(d: dict, run_dir: str) -> None:
     sizes = []
     for i, p in enumerate(params):
         w = f"params[{i}]"
-        _dict(p, w, {"name", "shape", "dtype"})
+        _dict(p, w)
+        extra, missing = set(p) - _PARAM_KEYS - {"scalars"}, _PARAM_KEYS - set(p)
+        if extra or missing:
+            raise _Invalid(f"{w} has the wrong fields (missing {sorted(missing)}, unexpected "
+                           f"{sorted(extra)})")
         _need(isinstance(p["name"], str), f"{w}.name", "a string", p["name"])
+        for key, v in _dict(p.get("scalars", {}), f"{w}.scalars").items():
+            # An optimizer's per-parameter numbers (ASGD's eta, NAdam's mu_product, ...):
+            # plain JSON numbers, or a 0-d tensor's value with its dtype.
+            ok = (v is None or isinstance(v, bool) or _is_num(v) or (
+                isinstance(v, dict) and set(v) == {"tensor", "dtype"}
+                and (_is_num(v["tensor"]) or isinstance(v["tensor"], bool))
+                and v["dtype"] in _SCALAR_DTYPES))
+            _need(ok, f"{w}.scalars.{key}", "a number, or {tensor: number, dtype: ...}", v)
         _need(p["dtype"] in _DTYPES, f"{w}.dtype", f"one of {_DTYPES}", p["dtype"])
         n = 1
         for j, dim in enumerate(_list(p["shape"], f"{w}.shape")):
@@ -269,6 +288,9 @@ def _validate(d: dict, run_dir: str) -> None:
     for i, s in enumerate(steps):
         _need(_is_num(s) and s >= 0, f"steps[{i}]", "a number >= 0", s)
 
+    _need(isinstance(d["rule"], str) and _KIND_NAME.match(d["rule"]) is not None, "rule",
+          "the name of an update rule", d["rule"])
+    adam = d["rule"] == "AdamRule"  # a run recover writes a checkpoint of
     groups = _list(d["groups"], "groups")
     owner: dict[int, int] = {}
     for g, group in enumerate(groups):
@@ -285,18 +307,24 @@ def _validate(d: dict, run_dir: str) -> None:
                 _need(isinstance(v, list) and len(v) == 2 and
                       all(_is_num(b) and 0 <= b < 1 for b in v), f"{w}.betas",
                       "two numbers in [0, 1)", v)
-            elif k in _NUM_GROUP_KEYS:
+            elif k in _NUM_GROUP_KEYS and not isinstance(v, list):
                 _need(_is_num(v) and v >= 0, f"{w}.{k}", "a number >= 0", v)
             elif k in _BOOL_GROUP_KEYS:
                 _need(isinstance(v, bool), f"{w}.{k}", "true or false", v)
             elif k in _OPTIONAL_BOOL_GROUP_KEYS:
                 _need(v is None or isinstance(v, bool), f"{w}.{k}", "true, false or null", v)
-            else:  # hyperparameters of other optimizers: JSON scalars only
-                _need(v is None or isinstance(v, (bool, str)) or _is_num(v), f"{w}.{k}",
-                      "a number, string, boolean or null", v)
+            else:  # hyperparameters of other optimizers: JSON scalars, or a list of them
+                # (Adafactor's eps pair)
+                vs = v if isinstance(v, list) else [v]
+                _need(all(x is None or isinstance(x, (bool, str)) or _is_num(x) for x in vs),
+                      f"{w}.{k}", "a number, string, boolean or null, or a list of them", v)
         missing = [k for k in _REQUIRED_GROUP_KEYS if k not in group]
         _need(not missing, w, f"an object with {', '.join(_REQUIRED_GROUP_KEYS)}",
               f"no {', '.join(missing)}")
+        if adam:  # recover hands these on to torch's Adam: none may be missing
+            missing = [k for k in _ADAM_GROUP_KEYS if k not in group]
+            _need(not missing, w, f"an Adam group, with {', '.join(_ADAM_GROUP_KEYS)}",
+                  f"no {', '.join(missing)}")
     _need(len(owner) == len(params), "groups", f"to list each of the {len(params)} parameters",
           sorted(set(range(len(params))) - set(owner))[:8])
 
@@ -311,9 +339,11 @@ def _validate(d: dict, run_dir: str) -> None:
               f"a group index below {len(groups)}", part["group"])
         _need(part["tier"] in _TIERS, f"{w}.tier", f"one of {_TIERS}", part["tier"])
         kinds = _list(part["kinds"], f"{w}.kinds")
-        _need(len(kinds) > 0 and all(isinstance(x, str) and x in _KINDS for x in kinds)
-              and len(set(kinds)) == len(kinds), f"{w}.kinds",
-              f"distinct names from {_KINDS}", kinds)
+        # Any update rule's state names (Adam's, the torch family's, an optimizer's own).
+        names_ok = all(isinstance(x, str) and _KIND_NAME.match(x) and (not adam or x in _KINDS)
+                       for x in kinds)
+        _need(len(kinds) > 0 and names_ok and len(set(kinds)) == len(kinds), f"{w}.kinds",
+              f"distinct names from {_KINDS}" if adam else "distinct state names", kinds)
         total = 0
         for j, seg in enumerate(_list(part["segments"], f"{w}.segments")):
             sw = f"{w}.segments[{j}]"
@@ -334,10 +364,13 @@ def _validate(d: dict, run_dir: str) -> None:
         _need(isinstance(part["moment_dtype"], str) and part["moment_dtype"] in _MOMENT_DTYPES,
               f"{w}.moment_dtype",
               f"one of {tuple(_MOMENT_DTYPES)}", part["moment_dtype"])
-        fits = record_layout(total, kinds, _MOMENT_DTYPES[part["moment_dtype"]])[1]
-        _need(part["record_bytes"] == fits and _is_int(part["record_bytes"]),
-              f"{w}.record_bytes", f"{fits}, what its kinds and numel lay out",
-              part["record_bytes"])
+        if adam:
+            # Adam's layout follows from kinds and numel; other rules' records may hold state
+            # of other sizes, which resume checks against the live layout instead.
+            fits = record_layout(total, kinds, _MOMENT_DTYPES[part["moment_dtype"]])[1]
+            _need(part["record_bytes"] == fits and _is_int(part["record_bytes"]),
+                  f"{w}.record_bytes", f"{fits}, what its kinds and numel lay out",
+                  part["record_bytes"])
     bad = [i for i, (c, n) in enumerate(zip(covered, sizes)) if c != n]
     _need(not bad, "partitions", "to cover every element of every parameter once",
           f"parameters {bad[:8]} are not")

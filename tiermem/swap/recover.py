@@ -99,6 +99,13 @@ def gather(run_dir: str) -> dict[str, Any]:
     m = read_manifest(run_dir, None)
     if not m.params:
         raise TierMemError(f"cannot recover: the manifest in {run_dir} lists no parameters")
+    if m.rule != "AdamRule":
+        # Other rules' checkpoints need their own state keys, per-parameter numbers and
+        # layouts: refused rather than written incomplete.
+        raise TierMemError(
+            f"cannot recover {run_dir}: tiermem recover writes checkpoints of Adam/AdamW "
+            f"runs, and this run's state is {m.rule}'s; resume it with "
+            "tiermem.offload(..., resume=True) and save optimizer.state_dict()")
     names = [p["name"] or f"param.{i}" for i, p in enumerate(m.params)]
     stepped = [i for i, s in enumerate(m.steps) if s > 0]
     state: dict[int, dict[str, Any]] = {}

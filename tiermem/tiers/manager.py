@@ -326,7 +326,7 @@ class TierManager:
         return path
 
     def _manifest(self, *, step: int, steps: Sequence[float], params: list[dict],
-                  groups: list[dict], records: dict[int, tuple[int, int]] | None = None,
+                  groups: list[dict], rule: str, records: dict[int, tuple[int, int]] | None = None,
                   resident: list[dict] | None = None) -> Manifest:
         store = self.store
         fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
@@ -338,7 +338,7 @@ class TierManager:
             copies={k: c for k, (c, _) in records.items()},
             records=store.locations() if store else {},
             files=[f.path for f in store.files] if store else [],
-            checksums=self.settings.swap.checksums, params=params, groups=groups)
+            checksums=self.settings.swap.checksums, params=params, groups=groups, rule=rule)
 
     def flush(self) -> None:
         """Every write-back on disk (raises the first I/O failure)."""
