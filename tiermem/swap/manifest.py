@@ -307,15 +307,17 @@ def _validate(d: dict, run_dir: str) -> None:
                 _need(isinstance(v, list) and len(v) == 2 and
                       all(_is_num(b) and 0 <= b < 1 for b in v), f"{w}.betas",
                       "two numbers in [0, 1)", v)
-            elif k in _NUM_GROUP_KEYS and not isinstance(v, list):
+            elif k == "eps" and isinstance(v, list) and not adam:  # Adafactor's eps pair
+                _need(all(x is None or (_is_num(x) and x >= 0) for x in v), f"{w}.{k}",
+                      "a number >= 0, or a list of them (or null)", v)
+            elif k in _NUM_GROUP_KEYS:
                 _need(_is_num(v) and v >= 0, f"{w}.{k}", "a number >= 0", v)
             elif k in _BOOL_GROUP_KEYS:
                 _need(isinstance(v, bool), f"{w}.{k}", "true or false", v)
             elif k in _OPTIONAL_BOOL_GROUP_KEYS:
                 _need(v is None or isinstance(v, bool), f"{w}.{k}", "true, false or null", v)
             else:  # hyperparameters of other optimizers: JSON scalars, or a list of them
-                # (Adafactor's eps pair)
-                vs = v if isinstance(v, list) else [v]
+                vs = v if isinstance(v, list) and not adam else [v]
                 _need(all(x is None or isinstance(x, (bool, str)) or _is_num(x) for x in vs),
                       f"{w}.{k}", "a number, string, boolean or null, or a list of them", v)
         missing = [k for k in _REQUIRED_GROUP_KEYS if k not in group]
