@@ -19,7 +19,6 @@ Usage: python bench/powerloss.py [--per-point 10] [--steps 4] [--seed 0]
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from _report import machine_facts, markdown_table, write_json  # noqa: E402
+from _harness import markdown_table, parser, run_header, save  # noqa: E402
 
 
 def scenarios(steps: int):
@@ -44,15 +43,12 @@ def scenarios(steps: int):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, json_name="powerloss.json", quick={"steps": 2, "per_point": 4})
     ap.add_argument("--per-point", type=int, default=10, help="crash images per crash point")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="2 steps, 4 images per point")
     args = ap.parse_args()
-    if args.quick:
-        args.steps, args.per_point = 2, 4
+    header = run_header("powerloss")
     from powerloss import Scenario, powerloss
     from tiermem.swap.fsops import SITES
 
@@ -98,11 +94,8 @@ def main() -> int:
     print(f"\n{total[1]} simulated power losses, {total[4]} bad recoveries; "
           f"{sum(m['detected'] for m in mutation)}/{len(mutation)} removed syncs detected; "
           f"{seconds:.0f} s")
-    if args.json:
-        write_json(args.json, {"args": vars(args), "machine": machine_facts(),
-                               "scenarios": results, "mutation": mutation,
-                               "manifest_sweep": sweep,
-                               "seconds": seconds})
+    save(args.json, header, args=vars(args), scenarios=results, mutation=mutation,
+         manifest_sweep=sweep, seconds=seconds)
     ok = sweep["accepted"] == sweep["raw"] == 0
     return 0 if ok and total[4] == 0 and all(m["detected"] for m in mutation) else 1
 
