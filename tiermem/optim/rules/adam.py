@@ -16,7 +16,7 @@ import torch
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update
 from tiermem.kernels.native_adam import state_seed
-from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule, Views
+from tiermem.optim.rules.base import Batch, UpdateRule, Views, check_group_tensors
 from tiermem.partition import Partition, state_kinds
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -37,16 +37,8 @@ class AdamRule(UpdateRule):
 
     def check(self, opt: torch.optim.Optimizer) -> None:
         for g, group in enumerate(opt.param_groups):
-            if group.get("differentiable"):
-                raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not "
-                                           "supported")
+            check_group_tensors(g, group)
             for p in group["params"]:
-                if not p.is_floating_point() or p.is_complex():
-                    raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
-                                               f"floating point, got {p.dtype}")
-                if not p.is_contiguous():
-                    raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
-                                               f"{tuple(p.shape)} is not contiguous")
                 if self.state_dtype == "bf16":
                     self._check_bf16_state(g, p)
 

@@ -50,6 +50,20 @@ class UnsupportedOptimizer(TierMemError, TypeError):
     """An optimizer (or a setting of one) no rule runs exactly."""
 
 
+def check_group_tensors(g: int, group: dict[str, Any]) -> None:
+    """What no rule runs: differentiable steps, and parameters that are not real, contiguous
+    floating-point tensors (a record holds them flat)."""
+    if group.get("differentiable"):
+        raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not supported")
+    for p in group["params"]:
+        if not p.is_floating_point() or p.is_complex():
+            raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
+                                       f"floating point, got {p.dtype}")
+        if not p.is_contiguous():
+            raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
+                                       f"{tuple(p.shape)} is not contiguous")
+
+
 class UpdateRule(ABC):
     """One optimizer family's record layout and per-partition update."""
 

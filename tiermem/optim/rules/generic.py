@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from tiermem.errors import TierMemError
-from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
+from tiermem.optim.rules.base import (Batch, UnsupportedOptimizer, UpdateRule,
+                                      check_group_tensors)
 from tiermem.partition import Partition, WholeLayout
 
 MASTER_KEY = "master_param"
@@ -116,16 +117,7 @@ class ShadowRule(UpdateRule):
                     f"tiermem.offload cannot run {name}: its {attr}() reads the per-parameter "
                     "state outside step(), and tiermem keeps that state in its tiers")
         for g, group in enumerate(opt.param_groups):
-            if group.get("differentiable"):
-                raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not "
-                                           "supported")
-            for p in group["params"]:
-                if not p.is_floating_point() or p.is_complex():
-                    raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
-                                               f"floating point, got {p.dtype}")
-                if not p.is_contiguous():
-                    raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
-                                               f"{tuple(p.shape)} is not contiguous")
+            check_group_tensors(g, group)
             if not self.per_parameter and group["params"]:
                 self._probe_coupling(g, group)
 

@@ -23,7 +23,8 @@ from torch import Tensor
 from torch.optim import (adadelta, adagrad, adamax, asgd, nadam, radam, rmsprop, rprop,
                          sgd)
 
-from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
+from tiermem.optim.rules.base import (Batch, UnsupportedOptimizer, UpdateRule,
+                                      check_group_tensors)
 from tiermem.partition import Partition, state_kinds
 
 MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
@@ -67,19 +68,10 @@ class TorchRule(UpdateRule):
 
     def check(self, opt: torch.optim.Optimizer) -> None:
         for g, group in enumerate(opt.param_groups):
-            if group.get("differentiable"):
-                raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not "
-                                           "supported")
+            check_group_tensors(g, group)
             if group.get("capturable"):
                 raise UnsupportedOptimizer(f"param_groups[{g}]: capturable=True is for CUDA "
                                            "graphs; tiermem updates outside them")
-            for p in group["params"]:
-                if not p.is_floating_point() or p.is_complex():
-                    raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
-                                               f"floating point, got {p.dtype}")
-                if not p.is_contiguous():
-                    raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
-                                               f"{tuple(p.shape)} is not contiguous")
 
     def kinds(self, param: torch.Tensor, group: dict[str, Any], *, keep_master: bool
               ) -> tuple[str, ...]:
