@@ -43,19 +43,12 @@ if str(REPO) not in sys.path:
 
 # -- counts and sizes ------------------------------------------------------------------------
 
-_COUNT_SCALE = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-
-
 def parse_count(text: str) -> int:
-    """'1B' -> 10**9, '250M', '1.5B', '4096'; K, M, B (or G), T are powers of 1000."""
-    t = str(text).strip().upper()
+    """'1B' -> 10**9, '250M', '1.5B', '4096' (tiermem's own parser, as the CLI's)."""
     try:
-        n = float(t[:-1]) * _COUNT_SCALE[t[-1]] if t and t[-1] in _COUNT_SCALE else float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 50M, 1.5B)") from None
-    if n < 1 or n != int(n):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole count")
-    return int(n)
+        return _tiermem_sizes().parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def count_list(text: str) -> list[tuple[str, int]]:
@@ -68,10 +61,7 @@ def count_list(text: str) -> list[tuple[str, int]]:
 
 def format_count(n: int) -> str:
     """The shortest exact spelling parse_count reads back: 10**9 -> '1B', 6_000_000 -> '6M'."""
-    for suffix in ("B", "M", "K"):
-        if n % _COUNT_SCALE[suffix] == 0:
-            return f"{n // _COUNT_SCALE[suffix]}{suffix}"
-    return str(n)
+    return _tiermem_sizes().format_count(n)
 
 
 def parse_size(text: str) -> int:

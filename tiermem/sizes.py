@@ -51,3 +51,27 @@ def yaml_size(nbytes: int) -> str:
         if nbytes and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"
     return str(nbytes)
+
+
+COUNT_SCALE = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """Parameter counts as people write them: '1B' -> 10**9, '250M', '1.5B', '4096'; K, M, B
+    (or G), T are powers of 1000. Raises ValueError saying what is accepted."""
+    t = str(text).strip().upper()
+    try:
+        n = float(t[:-1]) * COUNT_SCALE[t[-1]] if t and t[-1] in COUNT_SCALE else float(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a count (e.g. 50M, 1.5B)") from None
+    if n < 1 or n != int(n):
+        raise ValueError(f"{text!r} must be a positive whole count")
+    return int(n)
+
+
+def format_count(n: int) -> str:
+    """The shortest exact spelling parse_count reads back: 10**9 -> '1B', 6_000_000 -> '6M'."""
+    for suffix in ("B", "M", "K"):
+        if n % COUNT_SCALE[suffix] == 0:
+            return f"{n // COUNT_SCALE[suffix]}{suffix}"
+    return str(n)

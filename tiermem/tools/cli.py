@@ -8,7 +8,7 @@ import sys
 from typing import Sequence
 
 from tiermem.errors import TierMemError
-from tiermem.sizes import parse_size
+from tiermem.sizes import parse_count, parse_size
 
 
 class InputError(TierMemError, ValueError):
@@ -75,16 +75,11 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _count(text: str) -> int:
-    """'1.5B' -> 1_500_000_000; K, M, B (or G), T are powers of 1000."""
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-    t = text.strip().upper()
+    """'1.5B' -> 1_500_000_000 (tiermem.sizes.parse_count), as argparse wants its errors."""
     try:
-        n = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 50M, 1.5B)") from None
-    if n < 1 or n != int(n):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole count")
-    return int(n)
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> int:
@@ -97,13 +92,20 @@ def _positive(text: str) -> int:
     return n
 
 
+def _model_size_given(args: argparse.Namespace, command: str) -> bool:
+    """A synthetic model needs --params, or both --layers and --hidden; else say so."""
+    if args.params is None and (args.layers is None or args.hidden is None):
+        print(f"tiermem {command}: error: give --params, or both --layers and --hidden",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def _cmd_stress(args: argparse.Namespace) -> int:
     from tiermem.config import load_config
     from tiermem.tools.stress import StressArgs, run_stress, step_table, to_json
 
-    if args.params is None and (args.layers is None or args.hidden is None):
-        print("tiermem stress: error: give --params, or both --layers and --hidden",
-              file=sys.stderr)
+    if not _model_size_given(args, "stress"):
         return 2
     settings = load_config(args.config)
     result = run_stress(StressArgs(
@@ -192,9 +194,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from tiermem.tools.stress import PlanError, check_plan, estimate_step, make_plan
     from tiermem.tools.synthetic import choose_shape
 
-    if args.params is None and (args.layers is None or args.hidden is None):
-        print("tiermem plan: error: give --params, or both --layers and --hidden",
-              file=sys.stderr)
+    if not _model_size_given(args, "plan"):
         return 2
     settings = load_config(args.config)
     rates = _probe_rates(args)
