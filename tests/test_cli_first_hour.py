@@ -118,6 +118,18 @@ def test_validate_warns_when_stripes_share_a_device(tmp_path, swap):
     assert "are on one device" in proc.stdout
 
 
+def test_validate_says_when_a_path_is_not_on_a_drive_of_its_own(tmp_path, swap):
+    """The multi-nvme example ran on the root disk and nothing said so: validate names the
+    mount a path is on, and says when that is the root filesystem."""
+    from tiermem.sysinfo import mount_of
+    proc = tiermem("validate", _cfg(tmp_path, f"swap: {{paths: ['{swap}']}}\n"))
+    assert proc.returncode == 0, proc.stderr
+    m = mount_of(str(swap))
+    assert f"mounted at {m.mountpoint}" in proc.stdout
+    if m.mountpoint == "/":
+        assert "is on the root filesystem, not on a drive mounted for it" in proc.stdout
+
+
 def test_shipped_multi_nvme_config_says_what_it_needs():
     text = shipped_configs()["multi-nvme"].read_text()
     assert "mount points of two different drives" in text
