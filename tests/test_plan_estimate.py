@@ -54,3 +54,11 @@ def test_step_device_leaves_the_update_out(tmp_path):
     text = "\n".join(lines)
     assert "update floor: not estimated" in text
     assert "NVMe-bound (the only floor estimated" in text
+
+
+def test_no_update_figure_says_what_to_give(tmp_path):
+    settings, plan = _plan(tmp_path, tiers={"host": {"capacity": 0}})
+    text = "\n".join(estimate_step(plan, settings, read_gbps=2.0, write_gbps=2.0,
+                                   update=None, drives=1))
+    assert "update floor: not measured" in text and "--update-ns" in text
+    assert "NVMe-bound (the only floor estimated" in text

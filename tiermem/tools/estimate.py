@@ -44,15 +44,15 @@ def kernel_for(settings: Settings) -> str:
 
 
 def measure_update(settings: Settings, dtype: str, *, numel: int = MEASURE_ELEMENTS,
-                   repeats: int = 3) -> UpdateCost:
+                   repeats: int = 3) -> UpdateCost | None:
     """Time the CPU update kernel these settings pick on `numel` elements (the best of
-    `repeats` runs after a warm-up); nothing else is allocated."""
+    `repeats` runs after a warm-up); nothing else is allocated. None for a state dtype
+    this measurement does not know (the plan then asks for --update-ns)."""
     kernel = kernel_for(settings)
     o = settings.optimizer
     moments = MOMENT_DTYPES.get(o.state_dtype)
     if moments is None:
-        raise ValueError(f"no update measurement for optimizer.state_dtype "
-                         f"{o.state_dtype!r}; give --update-ns")
+        return None
     gen = torch.Generator().manual_seed(0)
     param = torch.randn(numel, generator=gen)
     grad = torch.randn(numel, generator=gen).to(DTYPES[dtype])
@@ -121,6 +121,9 @@ def estimate_step(plan: Plan, settings: Settings, *, read_gbps: float | None,
     if settings.optimizer.step_device == "device":
         out.append("update floor: not estimated (optimizer.step_device device updates on the "
                    "GPU; the host<->device copies are not counted either)")
+    elif update is None and on_cpu:
+        out.append(f"update floor: not measured for optimizer.state_dtype "
+                   f"{settings.optimizer.state_dtype}; give --update-ns (ns per parameter)")
     elif update is not None and on_cpu:
         compute = on_cpu * update.ns_per_param * 1e-9
         out.append(f"update floor: {_seconds(compute)} ({on_cpu:,} parameters updated on the "
