@@ -57,8 +57,11 @@ def _machine() -> str:
 
 
 def measure_step(args, out: Path) -> None:
+    # Small partitions and few buffers, so that most of even the bf16 state is read from
+    # NVMe every step, as in a run whose state is far larger than its buffers.
     _run([sys.executable, str(HERE / "pipeline.py"), "--params", args.step_params,
-          "--steps", "3", "--state-dtype", "fp32,bf16", "--partition-size", "64MiB",
+          "--steps", "3", "--state-dtype", "fp32,bf16", "--partition-size", "32MiB",
+          "--buffers", "4", "--prefetch", "2",
           "--swap-dir", str(Path(args.swap_dir) / "pipeline"), "--json", str(out)])
 
 
@@ -72,7 +75,8 @@ def measure_io(args, out: Path) -> None:
 
 def measure_durability(args, out: Path) -> None:
     _run([sys.executable, str(HERE / "durability.py"), "--params", args.durability_params,
-          "--steps", "4", "--host", "64MiB", "--swap-dir", str(Path(args.swap_dir) / "dur"),
+          "--steps", "4", "--host", "64MiB", "--partition-size", "32MiB", "--buffers", "4",
+          "--swap-dir", str(Path(args.swap_dir) / "dur"),
           "--json", str(out)])
 
 
@@ -168,7 +172,7 @@ def plot_step(data: dict, png: Path) -> None:
     labels += ["I/O floor\n(fio, same bytes)", "compute floor\n(in-memory AdamW)"]
     values += [data["fio"]["seconds"], data["memory"]["steady"]]
     colors += ["0.55", "0.75"]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(8.5, 3.8))
     bars = ax.bar(labels, values, color=colors)
     for b, v in zip(bars, values):
         ax.annotate(f"{v:.2f} s", (b.get_x() + b.get_width() / 2, v), ha="center",
@@ -252,7 +256,8 @@ def plot_durability(data: dict, png: Path) -> None:
     a1.set_ylabel("seconds per opt.step()")
     a1.set_title(f"step time (x{data['crash_over_scratch']:.2f} for crash_consistent)",
                  fontsize=10)
-    a1.legend(fontsize=8)
+    a1.legend(fontsize=8, loc="upper left")
+    a1.set_ylim(0, max(step) * 1.3)
     width = 0.38
     xs = range(len(modes))
     a2.bar([x - width / 2 for x in xs], [res[m]["write_bytes"] / 1e9 for m in modes], width,
@@ -265,7 +270,8 @@ def plot_durability(data: dict, png: Path) -> None:
     a2.legend(fontsize=8)
     fig.subplots_adjust(bottom=0.22, wspace=0.35)
     _footer(fig, data, f"bench/durability.py, {data['params'] / 1e6:.0f}M fp32 parameters, "
-                       f"host tier {data['host']}")
+                       f"host tier {data['host']}, {data.get('buffers', 8)} x "
+                       f"{data.get('partition_size', '128MiB')} buffers")
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
@@ -292,11 +298,11 @@ def main(argv=None) -> int:
                    help=f"comma list of {', '.join(FIGURES)}")
     p.add_argument("--replot", action="store_true",
                    help="draw from the JSON in --results without measuring")
-    p.add_argument("--step-params", default="128M")
+    p.add_argument("--step-params", default="96M")
     p.add_argument("--durability-params", default="64M")
-    p.add_argument("--probe-size", default="128MiB")
+    p.add_argument("--probe-size", default="64MiB")
     p.add_argument("--bf16-steps", type=int, default=600)
-    p.add_argument("--bf16-elements", type=int, default=1 << 17)
+    p.add_argument("--bf16-elements", type=int, default=1 << 16)
     p.add_argument("--bf16-idle-steps", type=int, default=1000)
     args = p.parse_args(argv)
     only = [f.strip() for f in args.only.split(",") if f.strip()]
