@@ -11,7 +11,9 @@ Writes into docs/guide/img/ (or --out), each figure from its own quick run:
   the weights from fp32 AdamW over the steps of a noisy quadratic, and a second moment
   left with no gradient (the case stochastic rounding is for), on tiermem's kernel;
 - durability-cost.png: step and commit time of swap.durability scratch and
-  crash_consistent, from bench/durability.py.
+  crash_consistent, from bench/durability.py;
+- pipeline-timeline.png: `tiermem stress --plot` of a 20M-parameter model whose state
+  streams through 4 buffers (tracing.md explains how to read it).
 
 The JSON of each run goes to --results (default bench/results/docs-plots/); --replot
 draws the figures from those files without measuring again. Sizes are small so the
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from _harness import HERE, REPO, RESULTS, cpu_model, parser, run_header, save
 
-FIGURES = ("step", "io", "bf16", "durability")
+FIGURES = ("step", "io", "bf16", "durability", "timeline")
 COLORS = {"fp32": "tab:blue", "bf16 nearest": "tab:orange", "bf16 stochastic": "tab:green"}
 
 
@@ -145,6 +147,29 @@ def measure_bf16(args, out: Path) -> None:
          idle_steps=idle, idle_v_mean=decay, quiet=True)
 
 
+TIMELINE_CONFIG = """\
+swap: {{paths: ['{swap}']}}
+io: {{backend: {backend}}}
+tiers: {{host: {{capacity: 16MiB}}}}
+pipeline: {{partition_size: 8MiB, buffer_count: 4, prefetch_depth: 2, zigzag: false}}
+"""
+
+
+def measure_timeline(args, out: Path) -> None:
+    swap = Path(args.swap_dir) / "timeline"
+    swap.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cfg = out.with_suffix(".yaml")
+    cfg.write_text(TIMELINE_CONFIG.format(swap=swap, backend=args.backend))
+    _run([sys.executable, "-m", "tiermem", "stress", "--config", str(cfg), "--params", "20M",
+          "--steps", "4", "--synthetic-grads", "--no-progress", "--json", str(out),
+          "--plot", str(args.out / "pipeline-timeline.png")])
+
+
+def plot_timeline(data: dict, png: Path) -> None:
+    """`tiermem stress --plot` drew it during the run (the plot needs the run's events,
+    which the JSON does not keep)."""
+
+
 # -- figures -------------------------------------------------------------------------------
 
 
@@ -178,6 +203,7 @@ def plot_step(data: dict, png: Path) -> None:
         ax.annotate(f"{v:.2f} s", (b.get_x() + b.get_width() / 2, v), ha="center",
                     va="bottom", fontsize=9)
     a = data["args"]
+    ax.set_ylim(0, max(values) * 1.12)
     ax.set_ylabel("seconds per opt.step()")
     ax.set_title(f"{a['params_text'] if 'params_text' in a else a['params']} fp32 parameters, "
                  f"all state on NVMe: step against its floors (step / max(floors) "
@@ -250,14 +276,14 @@ def plot_durability(data: dict, png: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.4))
     a1.bar(modes, [s - c for s, c in zip(step, commit)], color="tab:blue", label="step")
     a1.bar(modes, commit, bottom=[s - c for s, c in zip(step, commit)], color="tab:red",
-           label="commit (fdatasync + manifest)")
+           label="commit")
     for i, s in enumerate(step):
         a1.annotate(f"{s:.2f} s", (i, s), ha="center", va="bottom", fontsize=9)
     a1.set_ylabel("seconds per opt.step()")
     a1.set_title(f"step time (x{data['crash_over_scratch']:.2f} for crash_consistent)",
                  fontsize=10)
     a1.legend(fontsize=8, loc="upper left")
-    a1.set_ylim(0, max(step) * 1.3)
+    a1.set_ylim(0, max(step) * 1.25)
     width = 0.38
     xs = range(len(modes))
     a2.bar([x - width / 2 for x in xs], [res[m]["write_bytes"] / 1e9 for m in modes], width,
@@ -282,6 +308,7 @@ STEPS = {
     "bf16": ("bf16.json", measure_bf16, plot_bf16, "bf16-error.png"),
     "durability": ("durability.json", measure_durability, plot_durability,
                    "durability-cost.png"),
+    "timeline": ("timeline.json", measure_timeline, plot_timeline, "pipeline-timeline.png"),
 }
 
 
