@@ -38,13 +38,14 @@ Usage: python bench/convergence.py [--quick] [--steps 3000] [--seeds 2] [--combo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import math
 import os
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
 import sysconfig
 import tempfile
 import time
@@ -197,7 +198,12 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(
             2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Written out rather than F.scaled_dot_product_attention, whose CPU backward in bf16
+        # costs 10x the rest of a small model's step; the softmax runs in fp32, as autocast
+        # would run it.
+        scores = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        a = scores.float().masked_fill(causal, -math.inf).softmax(-1).to(v.dtype) @ v
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -334,6 +340,51 @@ def train(combo: Combo, seed: int, corpus: Corpus, setup: Setup,
                       for i in range(0, len(losses), every)]}
 
 
+# -- many runs ----------------------------------------------------------------------------
+
+_DATA: dict[str, Any] = {}  # this process's corpus and evaluation set
+
+
+def _load(max_files: int | None, eval_n: int, seq: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    corpus = load_corpus(max_files)
+    _DATA.update(corpus=corpus, eval_set=eval_windows(corpus, eval_n, seq))
+
+
+def _run(name: str, seed: int, setup: Setup) -> tuple[str, int, dict]:
+    return name, seed, train(COMBOS[name], seed, _DATA["corpus"], setup, _DATA["eval_set"])
+
+
+def run_all(tasks: list[tuple[str, int]], setup: Setup, *, jobs: int, threads: int,
+            max_files: int | None) -> dict[str, list[dict]]:
+    """Every (combination, seed), `jobs` at a time in processes of their own (one core each
+    trains this small a model better than two threads share one run); results keyed by
+    combination in seed order. The runs are the same whatever `jobs` is."""
+    def report(name: str, seed: int, r: dict) -> None:
+        print(f"{name} seed {seed}: train {r['train_loss']:.4f} held-out "
+              f"{r['held_out_loss']:.4f} ({r['seconds']:.0f} s)", flush=True)
+
+    done: dict[tuple[str, int], dict] = {}
+    if jobs <= 1:
+        _load(max_files, setup.eval_windows, setup.seq, threads)
+        for name, seed in tasks:
+            done[name, seed] = _run(name, seed, setup)[2]
+            report(name, seed, done[name, seed])
+    else:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_load,
+                                 initargs=(max_files, setup.eval_windows, setup.seq,
+                                           threads)) as pool:
+            for fut in [pool.submit(_run, n, s, setup) for n, s in tasks]:
+                name, seed, r = fut.result()
+                done[name, seed] = r
+                report(name, seed, r)
+    runs: dict[str, list[dict]] = {}
+    for name, seed in tasks:
+        runs.setdefault(name, []).append(done[name, seed])
+    return runs
+
+
 # -- the table -----------------------------------------------------------------------------
 
 
@@ -425,8 +476,10 @@ def main() -> None:
     p.add_argument("--partition-size", default=d.partition_size,
                    help="a handful of partitions, so the step measures numerics, "
                         "not per-partition bookkeeping")
-    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
-                   help="torch.set_num_threads")
+    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                   help="runs at a time, each in a process of its own (default: the cores)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads in each run (default 1)")
     p.add_argument("--max-files", type=int, default=None, help="only the first N files")
     args = p.parse_args()
 
@@ -442,26 +495,22 @@ def main() -> None:
                   tier=args.tier, swap_dir=args.swap_dir, partition_size=args.partition_size)
     header = run_header("convergence")
     corpus = load_corpus(args.max_files)
-    eval_set = eval_windows(corpus, setup.eval_windows, setup.seq)
     unigram = unigram_loss(corpus)
     params = sum(q.numel() for q in build(setup, 0, "fp32").parameters())
     print(f"corpus: {corpus.info['files']} files of the standard library "
           f"({corpus.info['train_bytes'] / 1e6:.2f} MB train, "
           f"{corpus.info['held_out_bytes'] / 1e6:.2f} MB held out), unigram held-out loss "
           f"{unigram:.4f} nats/byte; model {params / 1e6:.2f}M parameters; {setup.steps} steps "
-          f"of {setup.batch}x{setup.seq} bytes; state in the {setup.tier} tier", flush=True)
+          f"of {setup.batch}x{setup.seq} bytes; state in the {setup.tier} tier; "
+          f"{args.jobs} run(s) at a time, {args.threads} thread(s) each", flush=True)
 
     missing = {n: why for n in names if (why := unavailable(COMBOS[n], setup))}
-    runs: dict[str, list[dict]] = {}
-    for name in names:
-        if name in missing:
-            print(f"{name}: not available: {missing[name]}", flush=True)
-            continue
-        for seed in range(args.seeds):
-            r = train(COMBOS[name], seed, corpus, setup, eval_set)
-            runs.setdefault(name, []).append(r)
-            print(f"{name} seed {seed}: train {r['train_loss']:.4f} held-out "
-                  f"{r['held_out_loss']:.4f} ({r['seconds']:.0f} s)", flush=True)
+    for name, why in missing.items():
+        print(f"{name}: not available: {why}", flush=True)
+    t0 = time.perf_counter()
+    runs = run_all([(n, s) for n in names if n not in missing for s in range(args.seeds)],
+                   setup, jobs=args.jobs, threads=args.threads, max_files=args.max_files)
+    print(f"{time.perf_counter() - t0:.0f} s for all runs", flush=True)
 
     rows, summary = summarise(runs, missing, names)
     table = show_table(HEADERS, rows, title=(

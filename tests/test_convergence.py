@@ -1,0 +1,107 @@
+"""bench/convergence.py in short: the state and master formats still train a language model.
+
+A tiny byte-level GPT (bench/convergence.py's model, 1 block of width 32) trains 200
+steps on the first 100 files of the standard library's source, once through
+tiermem.offload with fp32 state (the reference) and once per other format, all from the
+same weights on the same batches, state in the host tier. Each must bring the held-out
+loss well below the unigram baseline and no more than a stated tolerance worse than the reference.
+A format whose config key or value this tiermem does not have yet is skipped with the
+config error; any other refusal fails. A last test shows the tolerance catches an
+update that is wrong by a factor (AdamW at a tenth of the learning rate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiermem.config import ConfigError, OptimizerSettings, load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import convergence as cv  # noqa: E402
+
+SETUP = cv.Setup(dim=32, layers=1, heads=2, seq=32, batch=32, steps=200, lr=1e-2, warmup=20,
+                 last=20, eval_windows=64, partition_size="64KiB")
+FILES = 100
+SEED = 0
+# Held-out loss at most this fraction of the unigram loss (3.16 nats/byte): a model that
+# learned context. Measured over seeds 0-4: 0.80-0.83 for fp32 state, bf16 state and
+# bf16 weights with fp32 masters.
+LEARNED = 0.9
+# How much worse than the fp32-state run a format may end (relative held-out loss): the
+# issue's goals for a few-thousand-step run, plus 2% for a 200-step run of one seed, whose
+# trajectory a rounding difference changes. Measured over seeds 0-4, as format - fp32
+# state: bf16 state -0.66..+0.33%, bf16 weights with fp32 masters -1.68..+0.18%. Ending
+# better is no defect, so the check is one-sided.
+TOLERANCE = {"fp32.bf16": 0.03, "bf16.fp32.fp32": 0.03, "fp32.int8": 0.03,
+             "bf16.fp32.int8": 0.03, "bf16.kahan.int8": 0.04, "bf16.none.int8": 0.05}
+
+
+def missing_option(combo: cv.Combo) -> str | None:
+    """The config error when this tiermem lacks the key or the value the row asks for
+    (optimizer.master_weights, optimizer.state_dtype int8 before they exist); None when it
+    has them, and then the config must load."""
+    section = combo.optimizer_section()
+    fields = {f.name for f in dataclasses.fields(OptimizerSettings)}
+    hints = typing.get_type_hints(OptimizerSettings)
+    lacking = [k for k, v in section.items()
+               if k not in fields or v not in typing.get_args(hints[k])]
+    if not lacking:
+        return None
+    with pytest.raises(ConfigError) as refused:
+        load_config(cv.tiermem_config(combo, SETUP, "/tmp/unused"))
+    return str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def data():
+    torch.set_num_threads(1)  # this small a model trains fastest on one core
+    corpus = cv.load_corpus(FILES)
+    return corpus, cv.eval_windows(corpus, SETUP.eval_windows, SETUP.seq), cv.unigram_loss(corpus)
+
+
+def run(name: str, data, tmp_path, setup: cv.Setup = SETUP) -> float:
+    corpus, eval_set, _ = data
+    return cv.train(cv.COMBOS[name], SEED, corpus,
+                    dataclasses.replace(setup, swap_dir=str(tmp_path)), eval_set)["held_out_loss"]
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """The fp32-state run's held-out loss; it learned."""
+    loss = run(cv.REFERENCE, data, tmp_path_factory.mktemp("ref"))
+    assert loss < LEARNED * data[2], (loss, data[2])
+    return loss
+
+
+@pytest.mark.parametrize("name", list(TOLERANCE))
+def test_format_trains_like_fp32_state(name, data, reference, tmp_path):
+    combo = cv.COMBOS[name]
+    why = missing_option(combo)
+    if why:
+        pytest.skip(f"not available: {why}")
+    loss = run(name, data, tmp_path)
+    unigram = data[2]
+    assert loss < LEARNED * unigram, f"{name}: held-out {loss:.4f}, unigram {unigram:.4f}"
+    gap = (loss - reference) / reference
+    assert gap <= TOLERANCE[name], (
+        f"{name}: held-out {loss:.4f} vs fp32 state {reference:.4f}: {100 * gap:+.2f}% "
+        f"(allowed {100 * TOLERANCE[name]:g}%)")
+
+
+def test_tolerance_catches_a_wrong_update(data, reference, tmp_path):
+    """The plain AdamW at a tenth of the learning rate stands in for an update that is off
+    by a factor: its gap to the reference is outside every tolerance above."""
+    loss = run("torch", data, tmp_path, dataclasses.replace(SETUP, lr=SETUP.lr / 10))
+    assert (loss - reference) / reference > max(TOLERANCE.values()), (loss, reference)
+
+
+def test_plain_adamw_matches_fp32_state(data, reference, tmp_path):
+    """The reference itself: tiermem's fp32 state trains as torch.optim.AdamW does (the
+    fused kernel and torch's default loop round differently, so not bit for bit)."""
+    assert run("torch", data, tmp_path) == pytest.approx(reference, rel=1e-3)
