@@ -334,6 +334,7 @@ def train(combo: Combo, seed: int, corpus: Corpus, setup: Setup,
     seconds = time.perf_counter() - t0
     every = max(1, setup.steps // 20)
     return {"seed": seed, "train_loss": statistics.fmean(losses[-setup.last:]),
+            "run_mean_loss": statistics.fmean(losses),
             "held_out_loss": evaluate(model, eval_set, setup.batch * 4),
             "seconds": seconds, "ms_per_step": 1000 * seconds / setup.steps,
             "curve": [statistics.fmean(losses[i:i + every])

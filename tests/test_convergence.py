@@ -33,13 +33,16 @@ SEED = 0
 # learned context. Measured over seeds 0-4: 0.80-0.83 for fp32 state, bf16 state and
 # bf16 weights with fp32 masters.
 LEARNED = 0.9
-# How much worse than the fp32-state run a format may end (relative held-out loss): the
-# issue's goals for a few-thousand-step run, plus 2% for a 200-step run of one seed, whose
-# trajectory a rounding difference changes. Measured over seeds 0-4, as format - fp32
-# state: bf16 state -0.66..+0.33%, bf16 weights with fp32 masters -1.68..+0.18%. Ending
-# better is no defect, so the check is one-sided.
-TOLERANCE = {"fp32.bf16": 0.03, "bf16.fp32.fp32": 0.03, "fp32.int8": 0.03,
-             "bf16.fp32.int8": 0.03, "bf16.kahan.int8": 0.04, "bf16.none.int8": 0.05}
+# How much worse than the fp32-state run a format may end, relative, one-sided (ending
+# better is no defect), as (held-out loss, the run's mean train loss). The mean train loss
+# over all 200 steps compares the same batches and is the sharp check; the held-out loss
+# of one short run moves with the trajectory a rounding difference sets off. Measured over
+# seeds 0-4 as format - fp32 state, held-out / run mean: bf16 state -0.66..+0.33% /
+# -0.16..+0.18%, bf16 weights with fp32 masters -1.68..+0.18% / -0.41..+0.11%. Allowed:
+# the issue's goals plus 2% / plus 0.5% (bf16 state and weights: 1% / 1%, as int8's goal).
+TOLERANCE = {"fp32.bf16": (0.03, 0.01), "bf16.fp32.fp32": (0.03, 0.01),
+             "fp32.int8": (0.03, 0.015), "bf16.fp32.int8": (0.03, 0.015),
+             "bf16.kahan.int8": (0.04, 0.025), "bf16.none.int8": (0.05, 0.035)}
 
 
 def missing_option(combo: cv.Combo) -> str | None:
@@ -65,43 +68,52 @@ def data():
     return corpus, cv.eval_windows(corpus, SETUP.eval_windows, SETUP.seq), cv.unigram_loss(corpus)
 
 
-def run(name: str, data, tmp_path, setup: cv.Setup = SETUP) -> float:
+def run(name: str, data, tmp_path, setup: cv.Setup = SETUP) -> dict:
     corpus, eval_set, _ = data
     return cv.train(cv.COMBOS[name], SEED, corpus,
-                    dataclasses.replace(setup, swap_dir=str(tmp_path)), eval_set)["held_out_loss"]
+                    dataclasses.replace(setup, swap_dir=str(tmp_path)), eval_set)
+
+
+def gaps(result: dict, reference: dict) -> tuple[float, float]:
+    """(held-out, run-mean train) loss relative to the reference's, minus 1."""
+    return tuple(result[k] / reference[k] - 1 for k in ("held_out_loss", "run_mean_loss"))
 
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
-    """The fp32-state run's held-out loss; it learned."""
-    loss = run(cv.REFERENCE, data, tmp_path_factory.mktemp("ref"))
-    assert loss < LEARNED * data[2], (loss, data[2])
-    return loss
+    """The fp32-state run; it learned."""
+    result = run(cv.REFERENCE, data, tmp_path_factory.mktemp("ref"))
+    assert result["held_out_loss"] < LEARNED * data[2], (result, data[2])
+    return result
 
 
 @pytest.mark.parametrize("name", list(TOLERANCE))
 def test_format_trains_like_fp32_state(name, data, reference, tmp_path):
-    combo = cv.COMBOS[name]
-    why = missing_option(combo)
+    why = missing_option(cv.COMBOS[name])
     if why:
         pytest.skip(f"not available: {why}")
-    loss = run(name, data, tmp_path)
+    result = run(name, data, tmp_path)
     unigram = data[2]
-    assert loss < LEARNED * unigram, f"{name}: held-out {loss:.4f}, unigram {unigram:.4f}"
-    gap = (loss - reference) / reference
-    assert gap <= TOLERANCE[name], (
-        f"{name}: held-out {loss:.4f} vs fp32 state {reference:.4f}: {100 * gap:+.2f}% "
-        f"(allowed {100 * TOLERANCE[name]:g}%)")
+    assert result["held_out_loss"] < LEARNED * unigram, (
+        f"{name}: held-out {result['held_out_loss']:.4f}, unigram {unigram:.4f}")
+    for what, gap, allowed in zip(("held-out", "run-mean train"), gaps(result, reference),
+                                  TOLERANCE[name]):
+        assert gap <= allowed, (f"{name}: {what} loss {100 * gap:+.2f}% against fp32 state "
+                                f"(allowed {100 * allowed:g}%)")
 
 
 def test_tolerance_catches_a_wrong_update(data, reference, tmp_path):
     """The plain AdamW at a tenth of the learning rate stands in for an update that is off
-    by a factor: its gap to the reference is outside every tolerance above."""
-    loss = run("torch", data, tmp_path, dataclasses.replace(SETUP, lr=SETUP.lr / 10))
-    assert (loss - reference) / reference > max(TOLERANCE.values()), (loss, reference)
+    by a factor (measured: +12..+18% held-out, +24..+28% run mean, seeds 0-4): outside
+    every tolerance above."""
+    result = run("torch", data, tmp_path, dataclasses.replace(SETUP, lr=SETUP.lr / 10))
+    loosest = [max(t[i] for t in TOLERANCE.values()) for i in range(2)]
+    assert all(g > t for g, t in zip(gaps(result, reference), loosest)), (result, reference)
 
 
 def test_plain_adamw_matches_fp32_state(data, reference, tmp_path):
     """The reference itself: tiermem's fp32 state trains as torch.optim.AdamW does (the
     fused kernel and torch's default loop round differently, so not bit for bit)."""
-    assert run("torch", data, tmp_path) == pytest.approx(reference, rel=1e-3)
+    result = run("torch", data, tmp_path)
+    assert result["held_out_loss"] == pytest.approx(reference["held_out_loss"], rel=1e-3)
+    assert result["run_mean_loss"] == pytest.approx(reference["run_mean_loss"], rel=1e-4)
