@@ -520,6 +520,10 @@ def main() -> None:
     runs = run_all([(n, s) for n in names if n not in missing for s in range(args.seeds)],
                    setup, jobs=args.jobs, threads=args.threads, max_files=args.max_files)
     print(f"{time.perf_counter() - t0:.0f} s for all runs", flush=True)
+    try:  # the runs' own folders are gone; the parent goes too when this made it
+        os.rmdir(setup.swap_dir)
+    except OSError:
+        pass
 
     rows, summary = summarise(runs, missing, names)
     table = show_table(HEADERS, rows, title=(
