@@ -38,8 +38,11 @@ LEARNED = 0.9
 # over all 200 steps compares the same batches and is the sharp check; the held-out loss
 # of one short run moves with the trajectory a rounding difference sets off. Measured over
 # seeds 0-4 as format - fp32 state, held-out / run mean: bf16 state -0.66..+0.33% /
-# -0.16..+0.18%, bf16 weights with fp32 masters -1.68..+0.18% / -0.41..+0.11%. Allowed:
-# the issue's goals plus 2% / plus 0.5% (bf16 state and weights: 1% / 1%, as int8's goal).
+# -0.16..+0.18%, bf16 weights with fp32 masters -1.68..+0.18% / -0.41..+0.11%; on the
+# int8 branch (helper/bytes b3e299e, seeds 0-2) fp32.int8 -1.06..+0.19% / -0.52..+0.18%,
+# bf16.fp32.int8 -0.87..+0.38% / -0.34..+0.39%, bf16.kahan.int8 -1.54..+0.16% /
+# -0.45..+0.20%, bf16.none.int8 -0.79..+0.16% / -0.52..+0.31%. Allowed: the issue's
+# goals plus 2% / plus 0.5% (bf16 state and weights: 1% / 1%, as int8's goal).
 TOLERANCE = {"fp32.bf16": (0.03, 0.01), "bf16.fp32.fp32": (0.03, 0.01),
              "fp32.int8": (0.03, 0.015), "bf16.fp32.int8": (0.03, 0.015),
              "bf16.kahan.int8": (0.04, 0.025), "bf16.none.int8": (0.05, 0.035)}
