@@ -36,8 +36,9 @@ none + int8 within 3% of bf16.fp32.fp32.
 Runs go `--jobs` at a time (default: one per core), each in a process of its own with
 `--threads` torch threads (default 1): a model this small trains faster on a core of
 its own than on two shared, and every run is the same whatever the split. The default
-size (0.25M parameters, 3000 steps of 16 x 64 bytes) runs the whole table (20 runs) in
-about ten minutes on two cores; `--quick` in about a minute.
+size (0.25M parameters, 3000 steps of 16 x 64 bytes, about 25 ms of CPU a step on one
+core) runs the whole table (20 runs) in about 10-15 minutes on two quiet cores; `--quick`
+in about a minute.
 
 Usage: python bench/convergence.py [--quick] [--steps 3000] [--seeds 2] [--combos fp32.fp32,fp32.bf16]
 """
@@ -263,8 +264,8 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 class Setup:
     """What a run is made of, besides the combination and the seed."""
 
-    # Sized for the whole table (20 runs) in about ten minutes on two cores, a run per core:
-    # 0.25M parameters, 3000 steps of 16 x 64 bytes (about 20 ms a step on one core).
+    # Sized for the whole table (20 runs) in 10-15 minutes on two quiet cores, a run per
+    # core: 0.25M parameters, 3000 steps of 16 x 64 bytes (about 25 ms of CPU a step).
     dim: int = 96
     layers: int = 2
     heads: int = 4
