@@ -267,3 +267,24 @@ def test_whole_parameter_partitions(tmp_path):
                     if any(s.param is model.fc1.weight for s in p.segments))
         seg = next(s for s in part.segments if s.param is model.fc1.weight)
         assert seg.size("row_var") == 1031 and seg.size("col_var") == 61
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("cls, kw", [
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9)), (torch.optim.Adagrad, dict(lr=0.05)),
+    (torch.optim.RMSprop, dict(lr=0.01, centered=True)), (torch.optim.Adafactor, {})])
+def test_closures_and_lr_schedulers(tmp_path, backend, cls, kw):
+    """step(closure) and an lr scheduler stepping the groups' lr (a plain float, read by
+    the rule each step) end equal to the plain run."""
+    model, opt, ref, ref_opt = pair(cls, kw)
+    batches = make_batches(model, 4)
+
+    def sched(o):
+        return torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+    with tiermem.offload(opt, cfg(tmp_path, backend, "nvme"), model=model):
+        losses = train(model, opt, batches, closure=True, sched=sched(opt))
+    ref_losses = train(ref, ref_opt, batches, closure=True, sched=sched(ref_opt))
+    assert losses == ref_losses
+    params_equal(model, ref, "closure + scheduler")
+    state_equal(opt.state_dict(), ref_opt.state_dict(), "closure + scheduler")
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] != kw.get("lr", 0.01)
