@@ -38,7 +38,7 @@ def _available(name):
 
 def _stress(tmp_path, name, backend="threads", **kw):
     settings = load_config(_config(tmp_path, backend, **kw))
-    return run_stress(StressArgs(settings=settings, params=2_000_000, steps=3, verify=True,
+    return run_stress(StressArgs(settings=settings, params=1_000_000, steps=3, verify=True,
                                  synthetic_grads=True, optimizer=name, progress=False),
                       out=lambda *_: None)
 

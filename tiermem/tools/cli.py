@@ -233,8 +233,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(line)
     if args.update_ns is not None:
         update = UpdateCost(args.update_ns, kernel_for(settings), "given")
-    else:
+    elif args.optimizer in ("adam", "adamw"):
         update = measure_update(settings, args.dtype)
+    else:  # the measurement times Adam's kernels: say so rather than guess
+        update = None
     read, write = rates
     for line in estimate_step(plan, settings, read_gbps=read, write_gbps=write, update=update):
         print(line)
