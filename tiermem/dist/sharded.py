@@ -34,6 +34,7 @@ from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
 from tiermem.optim.state_io import torch_state_dict
+from tiermem.optim.rules import AdamRule, UnsupportedOptimizer
 from tiermem.optim.rules.adam import MASTER_KEY, MOMENTS
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
@@ -100,7 +101,13 @@ class DistributedOffload(Offload):
         if not (dist.is_available() and dist.is_initialized()):
             raise TierMemError("tiermem shards the optimizer state over a process group, but "
                                "torch.distributed is not initialised (init_process_group)")
-        check_optimizer(opt)
+        if not isinstance(check_optimizer(opt), AdamRule):
+            # The shares are stepped by a shadow torch Adam (below), and the state moves
+            # between ranks as Adam's moments: any other optimizer would run as Adam.
+            raise UnsupportedOptimizer(
+                f"tiermem under torch.distributed (process_group= or DTensor parameters) "
+                f"runs torch.optim.Adam/AdamW only, not {type(opt).__module__}."
+                f"{type(opt).__qualname__} yet; in one process every torch optimizer works")
         self.opt = opt
         self.block_name = name  # the user's name=; each rank's directory adds -rank<r>
         d = settings.distributed

@@ -38,8 +38,11 @@ class Installed:
 
     def __init__(self, opt: torch.optim.Optimizer, target: Target) -> None:
         self.opt = opt
+        # Methods of the optimizer besides step() that use its per-parameter state
+        # (schedule-free's train()/eval()): routed to target.call_state_method.
+        extra = tuple(getattr(target, "state_methods", ()))
         # The instance's own entries (normally none: the methods come from its class).
-        self._originals = {name: opt.__dict__.get(name) for name in HOOKED}
+        self._originals = {name: opt.__dict__.get(name) for name in (*HOOKED, *extra)}
 
         # Plain functions bound to the optimizer, so an lr scheduler that wraps opt.step
         # (it re-binds step.__func__ to opt) still lands here.
@@ -62,6 +65,11 @@ class Installed:
         opt.__dict__[ATTR] = target
         for fn in (step, state_dict, load_state_dict, add_param_group):
             setattr(opt, fn.__name__, types.MethodType(fn, opt))
+        for name in extra:
+            def method(opt_self, *args, _name=name, **kwargs):
+                return opt_self.__dict__[ATTR].call_state_method(_name, *args, **kwargs)
+            method.__name__ = name
+            setattr(opt, name, types.MethodType(method, opt))
 
     def remove(self) -> None:
         if self._originals is None:

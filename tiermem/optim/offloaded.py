@@ -653,6 +653,49 @@ class OffloadedOptimizer:
         if self.crash:
             self.commit()
 
+    @property
+    def state_methods(self) -> tuple[str, ...]:
+        """The optimizer's methods besides step() that use the per-parameter state
+        (schedule-free's train()/eval()): the hooks route them to call_state_method."""
+        return self.rule.state_methods()
+
+    def call_state_method(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Run the optimizer's own `name`() over the tiers, one partition at a time, the
+        way a step runs (its shadow holds the partition's weights, or fp32 masters, and the
+        record's state); the model's weights are refreshed from the masters after."""
+        if args or kwargs:
+            raise TierMemError(f"optimizer.{name}() under tiermem takes no arguments")
+        if self.broken:
+            raise TierMemError(self.broken)
+        if self.overlap is not None:
+            self.overlap.require_idle(f"optimizer.{name}()")
+        self.rule.begin_step(self.opt.param_groups)
+        with torch.no_grad(), deferred():
+            for part in self.parts:
+                group = self.opt.param_groups[part.group]
+                with self.tiers.record(part, write=True) as (views, fresh):
+                    if fresh:
+                        self.rule.init(part, views)
+                    master = views.get("master")
+                    batch = Batch(part, group, state={k: [] for k in part.kinds
+                                                      if k != "master"})
+                    slices = {k: part.slices(k) for k in part.kinds}
+                    for i, s in enumerate(part.segments):
+                        weights = s.param.detach().view(-1)[s.start: s.start + s.length]
+                        batch.params.append(weights if master is None
+                                            else master[slices["master"][i]])
+                        batch.segments.append(s)
+                        batch.first.append(float(self.steps[s.index]) == 0)
+                        batch.scalars.append({k: v.clone() if isinstance(v, torch.Tensor)
+                                              else v for k, v in
+                                              self.latest_scalars(s.index).items()})
+                        for k, lst in batch.state.items():
+                            lst.append(views[k][slices[k][i]])
+                    self.rule.run_method(name, batch)
+                    if master is not None:
+                        for s, m in zip(part.segments, batch.params):
+                            s.param.detach().view(-1)[s.start: s.start + s.length].copy_(m)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.add_param_group()")

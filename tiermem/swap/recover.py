@@ -5,7 +5,8 @@ Reads the manifest and the records it names straight from the swap files
 gathers the state into what `torch.save` writes:
 
     {"format": "tiermem-recover-1", "step": N, "durability": ...,
-     "optimizer": <torch Adam/AdamW state_dict: fp32 moments, "master_param"
+     "optimizer": <torch's state_dict of the optimizer (Adam/AdamW, or one of torch's
+                   elementwise optimizers: SGD ... Rprop): fp32 state, "master_param"
                    for low-precision parameters, param_groups>,
      "model": {name: fp32 weight}}   # when the records hold every weight
 
@@ -30,6 +31,23 @@ from tiermem.swap.manifest import RESIDENT_FILE, Manifest, read_manifest
 from tiermem.partition import Partition, Segment
 
 FORMAT = "tiermem-recover-1"
+# Rules whose records hold one value per element of each state kind, under torch's own
+# key names (optim/rules: adam, torch_family): the checkpoint follows from the manifest.
+# tests/test_optimizer_recover.py keeps these in step with the rules.
+ELEMENTWISE_RULES = {"AdamRule", "SGDRule", "AdagradRule", "RMSpropRule", "AdamaxRule",
+                     "NAdamRule", "RAdamRule", "AdadeltaRule", "ASGDRule", "RpropRule"}
+NO_STEP_RULES = {"SGDRule"}  # torch keeps no "step" count in their state
+# torch builds these rules' state when the optimizer is made: kind -> the group value it
+# starts at
+EAGER_RULES = {"AdagradRule": {"sum": "initial_accumulator_value"}}
+
+
+def _scalar(value: Any) -> Any:
+    """A per-parameter scalar as the manifest keeps it (a number, or a 0-d tensor with its
+    dtype) back as torch's state holds it."""
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(value["tensor"], dtype=_dtype(value["dtype"]))
+    return value
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -99,28 +117,37 @@ def gather(run_dir: str) -> dict[str, Any]:
     m = read_manifest(run_dir, None)
     if not m.params:
         raise TierMemError(f"cannot recover: the manifest in {run_dir} lists no parameters")
-    if m.rule != "AdamRule":
-        # Other rules' checkpoints need their own state keys, per-parameter numbers and
-        # layouts: refused rather than written incomplete.
+    if m.rule not in ELEMENTWISE_RULES:
+        # A whole-parameter rule's records hold state of the optimizer's own shapes (the
+        # manifest does not say which): refused rather than written wrong.
         raise TierMemError(
-            f"cannot recover {run_dir}: tiermem recover writes checkpoints of Adam/AdamW "
-            f"runs, and this run's state is {m.rule}'s; resume it with "
+            f"cannot recover {run_dir}: tiermem recover writes checkpoints of runs of Adam, "
+            f"AdamW and torch's elementwise optimizers ({', '.join(sorted(ELEMENTWISE_RULES))}"
+            f"), and this run's state is {m.rule}'s; resume it with "
             "tiermem.offload(..., resume=True) and save optimizer.state_dict()")
+    has_step, eager = m.rule not in NO_STEP_RULES, m.rule in EAGER_RULES
     names = [p["name"] or f"param.{i}" for i, p in enumerate(m.params)]
-    stepped = [i for i, s in enumerate(m.steps) if s > 0]
+    group_of = {i: g for g, group in enumerate(m.groups) for i in group["params"]}
     state: dict[int, dict[str, Any]] = {}
     weights: dict[int, torch.Tensor] = {}
     parts = [_partition(e) for e in m.partitions]
     kinds_of = {s.index: part.kinds for part in parts for s in part.segments}
-    for i in stepped:
+    for i, step in enumerate(m.steps):
+        if step == 0 and not eager:
+            continue  # never stepped: torch keeps no state for it either
         shape = m.params[i]["shape"]
-        st: dict[str, Any] = {"step": torch.tensor(float(m.steps[i]))}
+        st: dict[str, Any] = {"step": torch.tensor(float(step))} if has_step else {}
+        st.update({k: _scalar(v) for k, v in (m.params[i].get("scalars") or {}).items()})
         for k in kinds_of.get(i, ()):
             if k != "master":
-                st[k] = torch.zeros(shape, dtype=torch.float32)
+                # never stepped (Adagrad builds its state when made): torch's starting value
+                fill = m.groups[group_of[i]].get(EAGER_RULES.get(m.rule, {}).get(k), 0.0)
+                st[k] = torch.full(shape, float(fill) if step == 0 else 0.0,
+                                   dtype=torch.float32)
         if m.params[i]["dtype"] != "float32" and "master" in kinds_of.get(i, ()):
             st["master_param"] = torch.zeros(shape, dtype=torch.float32)
-        state[i] = st
+        if st:  # SGD without momentum keeps nothing
+            state[i] = st
     for i, p in enumerate(m.params):
         if "master" in kinds_of.get(i, ()):
             weights[i] = torch.zeros(p["shape"], dtype=torch.float32)
@@ -135,15 +162,22 @@ def gather(run_dir: str) -> dict[str, Any]:
             for s in part.segments:
                 sl = slice(off, off + s.length)
                 off += s.length
+                if m.steps[s.index] == 0 and s.index not in weights:
+                    continue  # never stepped: the starting state set above
                 for k, src in views.items():
                     if k == "master" and s.index in weights:
                         weights[s.index].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+                    if m.steps[s.index] == 0:
+                        continue
                     st = state.get(s.index, {})
                     key = "master_param" if k == "master" else k
                     if key in st:
                         st[key].view(-1)[s.start: s.start + s.length].copy_(src[sl])
     finally:
         records.close()
+    for i, st in state.items():
+        if "master_param" in st and m.steps[i] == 0 and i in weights:
+            st["master_param"] = weights[i].clone()  # never stepped: the weights as they are
     groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g) for g in m.groups]
     out: dict[str, Any] = {"format": FORMAT, "step": m.step, "durability": m.durability,
                            "optimizer": {"state": state, "param_groups": groups}}

@@ -102,6 +102,22 @@ def _rate(text: str) -> float:
     return x
 
 
+def _optimizer(text: str) -> str:
+    from tiermem.tools.optimizers import UnknownOptimizer, choice
+
+    try:
+        choice(text)
+    except UnknownOptimizer as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.lower()
+
+
+_OPTIMIZER_HELP = ("the optimizer, by name (default adamw): adamw, adam, sgd (momentum 0.9), "
+                   "adagrad, rmsprop (centered, momentum 0.9), adamax, nadam, radam, adadelta, "
+                   "asgd, rprop, adafactor, muon (2-D parameters), and with the thirdparty "
+                   "extra lion, lamb, adan")
+
+
 def _model_size_given(args: argparse.Namespace, command: str) -> bool:
     """A synthetic model needs --params, or both --layers and --hidden; else say so."""
     if args.params is None and (args.layers is None or args.hidden is None):
@@ -121,7 +137,7 @@ def _cmd_stress(args: argparse.Namespace) -> int:
     result = run_stress(StressArgs(
         settings=settings, params=args.params, layers=args.layers, hidden=args.hidden,
         dtype=args.dtype, steps=args.steps, grad_accum=args.grad_accum, verify=args.verify,
-        synthetic_grads=args.synthetic_grads, seed=args.seed,
+        synthetic_grads=args.synthetic_grads, seed=args.seed, optimizer=args.optimizer,
         record_events=bool(args.trace or args.plot), progress=not args.no_progress))
     print(step_table(result["steps"]))
     print(f"peak RSS {result['peak_rss'] / 2**30:.2f} GiB")
@@ -203,7 +219,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from tiermem.config import load_config
     from tiermem.tools.estimate import UpdateCost, estimate_step, kernel_for, measure_update
     from tiermem.tools.stress import PlanError, check_plan, make_plan
-    from tiermem.tools.synthetic import choose_shape
+    from tiermem.tools.synthetic import choose_shape, param_shapes
 
     if not _model_size_given(args, "plan"):
         return 2
@@ -211,13 +227,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rates = _probe_rates(args)
     shape = choose_shape(args.params, args.layers, args.hidden)
     plan = make_plan(shape.params, args.dtype, settings, synthetic_grads=args.no_activations,
-                     hidden=shape.hidden, layers=shape.layers)
+                     hidden=shape.hidden, layers=shape.layers, optimizer=args.optimizer,
+                     shapes=param_shapes(shape))
     for line in plan.lines():
         print(line)
     if args.update_ns is not None:
         update = UpdateCost(args.update_ns, kernel_for(settings), "given")
-    else:
+    elif args.optimizer in ("adam", "adamw"):
         update = measure_update(settings, args.dtype)
+    else:  # the measurement times Adam's kernels: say so rather than guess
+        update = None
     read, write = rates
     for line in estimate_step(plan, settings, read_gbps=read, write_gbps=write, update=update):
         print(line)
@@ -364,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="model weights and grads (state: fp32, or bf16 moments with optimizer.state_dtype)")
     s.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
+    s.add_argument("--optimizer", type=_optimizer, default="adamw", metavar="NAME",
+                   help=_OPTIMIZER_HELP)
     s.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
     s.add_argument("--verify", action="store_true",
                    help="recompute sampled partitions in memory and compare bit for bit")
@@ -399,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hidden", type=_positive, help="block width")
     pl.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                     help="model weights and grads (default fp32)")
+    pl.add_argument("--optimizer", type=_optimizer, default="adamw", metavar="NAME",
+                    help=_OPTIMIZER_HELP)
     pl.add_argument("--no-activations", action="store_true",
                     help="leave activations out of the host-memory need")
     pl.add_argument("--probe", metavar="PROBE.json",

@@ -117,13 +117,17 @@ def estimate_step(plan: Plan, settings: Settings, *, read_gbps: float | None,
     else:
         out.append("no optimizer state on NVMe: a step does no NVMe I/O")
     compute = None
-    on_cpu = (plan.tiers["host"] + nvme) // plan.state_per_param
+    # state_per_param is fractional for factored state (Adafactor), 0 for none (plain SGD)
+    on_cpu = (round((plan.tiers["host"] + nvme) / plan.state_per_param)
+              if plan.state_per_param else 0)
     if settings.optimizer.step_device == "device":
         out.append("update floor: not estimated (optimizer.step_device device updates on the "
                    "GPU; the host<->device copies are not counted either)")
     elif update is None and on_cpu:
-        out.append(f"update floor: not measured for optimizer.state_dtype "
-                   f"{settings.optimizer.state_dtype}; give --update-ns (ns per parameter)")
+        what = (f"optimizer.state_dtype {settings.optimizer.state_dtype}"
+                if plan.optimizer in ("adam", "adamw") else f"optimizer {plan.optimizer}")
+        out.append(f"update floor: not measured for {what}; give --update-ns (ns per "
+                   "parameter)")
     elif update is not None and on_cpu:
         compute = on_cpu * update.ns_per_param * 1e-9
         out.append(f"update floor: {_seconds(compute)} ({on_cpu:,} parameters updated on the "

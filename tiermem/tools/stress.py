@@ -2,8 +2,9 @@
 
 Before the first step it prints the memory plan and refuses one that cannot
 fit. With --verify, a seeded sample of partitions (all of them when there are
-few) is recomputed each step from copies taken just before the step, with the
-same kernel, in memory, and compared bit for bit.
+few) is recomputed each step from copies taken just before the step, in memory, and
+compared bit for bit: Adam/AdamW with the same kernel, every other optimizer
+(--optimizer) by its plain torch.optim class stepping the same values.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -26,7 +27,9 @@ from tiermem.optim.rules.adam import MOMENTS
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
 from tiermem.swap.paths import check_paths
-from tiermem.tools.synthetic import SyntheticModel, build_model, fill_synthetic_grads
+from tiermem.tools.optimizers import make_optimizer, plain_reference, state_bytes, verifies_with_plain
+from tiermem.tools.synthetic import (SyntheticModel, build_model, fill_synthetic_grads,
+                                     param_shapes)
 from tiermem.sysinfo import available_memory, free_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +52,7 @@ class Plan:
     weights: int
     grads: int
     state: int
-    state_per_param: int
+    state_per_param: float
     tiers: dict[str, int]
     pinned: int
     swap: int
@@ -57,13 +60,14 @@ class Plan:
     host_need: int
     host_available: int
     disk_free: int
+    optimizer: str = "adamw"
 
     def lines(self) -> list[str]:
         f = format_size
         return [
             f"model: {self.params:,} parameters, {self.dtype}",
             f"weights {f(self.weights)} + grads {f(self.grads)} + optimizer state "
-            f"{f(self.state)} ({self.state_per_param} B/param)",
+            f"{f(self.state)} ({self.state_per_param} B/param, {self.optimizer})",
             "optimizer state per tier: " + ", ".join(f"{k} {f(v)}" for k, v in self.tiers.items()),
             f"pinned host memory {f(self.pinned)}, swap {f(self.swap)} "
             f"(free on disk {f(self.disk_free)})",
@@ -73,13 +77,17 @@ class Plan:
 
 
 def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: bool,
-              hidden: int, layers: int) -> Plan:
+              hidden: int, layers: int, optimizer: str = "adamw",
+              shapes: Sequence[tuple[int, ...]] | None = None) -> Plan:
+    """shapes: the model's parameter shapes (default: one flat parameter of `params`), for
+    rules whose state depends on them (Adafactor's factored statistics; Muon steps 2-D
+    parameters only)."""
     itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    # two moments (4 bytes each, 2 with optimizer.state_dtype bf16), plus an fp32 master
-    # when the model is low-precision
-    per_param = 2 * (2 if settings.optimizer.state_dtype == "bf16" else 4)
-    per_param += 0 if dtype == "fp32" else 4
-    state = params * per_param
+    # What the update rule keeps per parameter (moments, accumulators, an fp32 master for
+    # a low-precision model or a crash-consistent run), from its record layout.
+    state = state_bytes(optimizer, shapes or [(params,)], DTYPES[dtype], settings)
+    per_param = state / params if params else 0
+    per_param = int(per_param) if per_param == int(per_param) else round(per_param, 3)
     gpu = min(state, settings.tiers.gpu.capacity)
     host = min(state - gpu, settings.tiers.host.capacity)
     nvme = state - gpu - host
@@ -90,7 +98,7 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
     return Plan(params, dtype, weights, grads, state, per_param,
                 {"gpu": gpu, "host": host, "nvme": nvme}, host + buffers, nvme, activations,
                 weights + grads + host + buffers + activations, available_memory(),
-                _free_disk(path))
+                _free_disk(path), optimizer)
 
 
 def _free_disk(path: str) -> int:
@@ -179,6 +187,11 @@ class Verifier:
 
     def _reference(self, part: Partition, rec: dict[str, torch.Tensor]) -> dict:
         off = self.tm.offloaded
+        if verifies_with_plain(off.rule):
+            weights = [(s, s.param.detach().reshape(-1)[s.start: s.start + s.length].clone())
+                       for s in part.segments]
+            plain_reference(off, part, rec, weights)
+            return {"record": rec, "weights": weights}
         group = off.opt.param_groups[part.group]
         lists: dict[str, list] = {k: [] for k in ("params", "grads", "steps", *MOMENTS)}
         weights = []
@@ -285,6 +298,7 @@ class StressArgs:
     synthetic_grads: bool = False
     seed: int = 0
     lr: float = 1e-4
+    optimizer: str = "adamw"
     record_events: bool = False
     progress: bool = True
 
@@ -298,7 +312,8 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     # Before the plan: on a path that cannot hold files the free-space figure is nonsense.
     check_paths(a.settings.swap.paths).raise_first()
     plan = make_plan(shape.params, a.dtype, a.settings, synthetic_grads=a.synthetic_grads,
-                     hidden=shape.hidden, layers=shape.layers)
+                     hidden=shape.hidden, layers=shape.layers, optimizer=a.optimizer,
+                     shapes=param_shapes(shape))
     for line in plan.lines():
         out(line)
     check_plan(plan)
@@ -306,7 +321,7 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
                         seed=a.seed)
     out(f"synthetic model: {shape.layers} blocks of hidden {shape.hidden}, embedding "
         f"{shape.embed_rows} x {shape.hidden}, extra {shape.extra}")
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+    opt = make_optimizer(a.optimizer, list(model.parameters()), a.lr)
     result: dict[str, Any] = {"plan": asdict(plan), "shape": asdict(shape), "steps": []}
     with offload(opt, a.settings, model=model, name="stress") as tm:
         tm.discard()  # a stress run's state is not kept

@@ -62,6 +62,19 @@ def choose_shape(params: int | None, layers: int | None = None,
     return Shape(layers, hidden, rest // hidden, rest % hidden)
 
 
+def param_shapes(shape: Shape) -> list[tuple[int, ...]]:
+    """The shapes of SyntheticModel(shape)'s parameters, without making any."""
+    h = shape.hidden
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (4 * h, h), (4 * h,),
+             (h, 4 * h), (h,)]
+    out = block * shape.layers
+    if shape.embed_rows:
+        out.append((shape.embed_rows, h))
+    if shape.extra:
+        out.append((shape.extra,))
+    return out
+
+
 class Block(nn.Module):
     def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
         super().__init__()

@@ -114,6 +114,15 @@ class UpdateRule(ABC):
     def begin_step(self, groups: Sequence[dict[str, Any]]) -> None:
         """A step starts (before any partition of it is updated)."""
 
+    def state_methods(self) -> tuple[str, ...]:
+        """The optimizer's methods besides step() that use the per-parameter state
+        (schedule-free's train()/eval()); tiermem routes them to run_method()."""
+        return ()
+
+    def run_method(self, name: str, batch: Batch) -> None:
+        """Run the optimizer's `name`() (one of state_methods()) on one partition."""
+        raise NotImplementedError(name)
+
     def check_loaded(self, part: Partition, saved: dict[str, Any]) -> None:
         """Raise if a checkpoint's param group `saved` needs another record layout."""
         want = tuple(k for k in part.kinds if k != "master")

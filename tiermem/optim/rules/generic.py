@@ -38,6 +38,10 @@ PROBE_STEPS = 3
 # the probe's parameter shapes by number of dimensions: small, odd, distinct
 PROBE_SHAPES = {0: [(), ()], 1: [(37,), (11,)], 2: [(13, 7), (5, 9)],
                 3: [(4, 5, 3), (3, 2, 6)], 4: [(3, 4, 2, 2), (2, 3, 2, 3)]}
+# Methods besides step() that read or move the per-parameter state (schedule-free's
+# train()/eval() set the weights from it): run partition by partition on shadows, as the
+# step is (OffloadedOptimizer.call_state_method).
+STATE_METHODS = ("train", "eval")
 REFUSED = {
     "torch.optim.lbfgs.LBFGS": "LBFGS re-evaluates the closure several times per step and "
     "keeps one flat history over all parameters; tiermem cannot split it into partitions",
@@ -109,13 +113,6 @@ class ShadowRule(UpdateRule):
             why = REFUSED.get(_name(cls))
             if why:
                 raise UnsupportedOptimizer(f"tiermem.offload cannot run {name}: {why}")
-        for attr in ("train", "eval"):
-            if callable(getattr(type(opt), attr, None)):
-                # schedule-free optimizers move the weights with their state in train()/
-                # eval(), outside step(): with the state in tiers those would do nothing.
-                raise UnsupportedOptimizer(
-                    f"tiermem.offload cannot run {name}: its {attr}() reads the per-parameter "
-                    "state outside step(), and tiermem keeps that state in its tiers")
         for g, group in enumerate(opt.param_groups):
             check_group_tensors(g, group)
             if not self.per_parameter and group["params"]:
@@ -134,6 +131,13 @@ class ShadowRule(UpdateRule):
         for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
             setattr(sh, hooks, type(getattr(opt, hooks, {}))())
         return sh
+
+    def _train_mode(self, sh: torch.optim.Optimizer) -> None:
+        """A probe's shadow steps in training mode (schedule-free's step() refuses to run
+        outside it, and the user may call train() only once the offload block began)."""
+        if "train" in self.state_methods():
+            with torch.no_grad():
+                type(sh).train(sh)
 
     def _run(self, sh: torch.optim.Optimizer, what: str) -> None:
         try:
@@ -160,6 +164,8 @@ class ShadowRule(UpdateRule):
             shadows = [self._shadow({k: _copy(v) for k, v in settings.items()},
                                     [params[i] for i in idx]) for idx in indices]
             with torch.random.fork_rng(devices=[]):
+                for sh in shadows:
+                    self._train_mode(sh)
                 for step in range(PROBE_STEPS):
                     for i, p in enumerate(params):
                         p.grad = grads[step][i].clone()
@@ -212,6 +218,7 @@ class ShadowRule(UpdateRule):
                              ).to(dtype)
         sh = self._shadow({k: _copy(v) for k, v in group.items() if k != "params"}, [p])
         with torch.random.fork_rng(devices=[]):
+            self._train_mode(sh)
             self._run(sh, f"a parameter of shape {tuple(param.shape)}")
         kinds, shapes, dtypes = ["master"] if master else [], {}, {}
         if master:
@@ -255,12 +262,27 @@ class ShadowRule(UpdateRule):
         self._before = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
         self._after = {}
 
+    def state_methods(self) -> tuple[str, ...]:
+        return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
+
+    def run_method(self, name: str, batch: Batch) -> None:
+        """The optimizer's own `name`() on one partition's shadow, as update() steps it
+        (batch.grads empty; a parameter never stepped has no state)."""
+        def call(sh: torch.optim.Optimizer) -> None:
+            with torch.no_grad():
+                getattr(type(sh), name)(sh)
+        self._on_shadow(batch, call)
+
     def update(self, batch: Batch, *, kernel: str) -> None:
+        self._on_shadow(batch, lambda sh: self._run(sh, f"partition {batch.part.id}"))
+
+    def _on_shadow(self, batch: Batch, call: Any) -> None:
         part, group = batch.part, batch.group
         tensors, views = [], []
         for j, s in enumerate(batch.segments):
             t = batch.params[j].view(s.param.shape)
-            t.grad = batch.grads[j].view(s.param.shape)
+            if batch.grads:
+                t.grad = batch.grads[j].view(s.param.shape)
             tensors.append(t)
             views.append({k: batch.state[k][j].view(s.shapes.get(k, s.param.shape))
                           for k in batch.state})
@@ -270,10 +292,12 @@ class ShadowRule(UpdateRule):
         for j, t in enumerate(tensors):
             if not batch.first[j]:
                 sh.state[t] = {**batch.scalars[j], **views[j]}
-        self._run(sh, f"partition {part.id}")
+        call(sh)
         for j, t in enumerate(tensors):
             t.grad = None
             new = sh.state.get(t, {})
+            if not new and batch.first[j] and not batch.grads:
+                continue  # never stepped, and the method made no state: nothing to keep
             for k, view in views[j].items():
                 v = new.get(k)
                 if not isinstance(v, Tensor) or v.shape != view.shape:

@@ -1,0 +1,139 @@
+"""`tiermem stress --optimizer NAME` and `tiermem plan --optimizer NAME`: every named
+optimizer runs verified against its plain torch class on both backends, the plan counts
+what each rule's records hold, and an unknown name is one error line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tiermem.config import load_config
+from tiermem.tools.optimizers import OPTIMIZERS, UnknownOptimizer, choice, state_bytes
+from tiermem.tools.stress import StressArgs, Verifier, run_stress
+from tiermem.tools.synthetic import choose_shape, param_shapes
+
+from offload_helpers import backend_params
+
+
+def _config(tmp_path, backend="threads", host="1MiB", durability="scratch"):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"""
+swap: {{paths: [{tmp_path / 'swap'}], durability: {durability}}}
+io: {{backend: {backend}}}
+tiers: {{host: {{capacity: {host}}}}}
+pipeline: {{partition_size: 1MiB, buffer_count: 3, prefetch_depth: 2}}
+""")
+    return path
+
+
+def _available(name):
+    try:
+        choice(name)
+    except UnknownOptimizer as exc:
+        pytest.skip(str(exc))
+
+
+def _stress(tmp_path, name, backend="threads", **kw):
+    settings = load_config(_config(tmp_path, backend, **kw))
+    return run_stress(StressArgs(settings=settings, params=1_000_000, steps=3, verify=True,
+                                 synthetic_grads=True, optimizer=name, progress=False),
+                      out=lambda *_: None)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_named_optimizer_runs_verified(tmp_path, backend, name):
+    """Bitwise equal to the plain optimizer stepping the same values, state split between
+    the host tier and NVMe; the plan's state bytes are the records' (layout padding
+    aside)."""
+    _available(name)
+    result = _stress(tmp_path, name, backend)
+    assert result["verify"]["ok"], result["verify"]["mismatches"]
+    assert result["verify"]["partitions_checked"] >= 3
+    real = sum(result["tiermem_plan"]["state_bytes"].values())
+    planned = result["plan"]["state"]
+    parts = result["tiermem_plan"]["partitions"]
+    # each record pads each of its kinds (at most 4) to a 4 KiB boundary
+    assert planned <= real <= planned + parts * 4 * 4096, (planned, real)
+
+
+def test_verifier_catches_a_wrong_update(tmp_path, monkeypatch):
+    """Corrupt a sampled SGD record's momentum after the reference was taken: the plain
+    reference disagrees and says where."""
+    original = Verifier.before
+    hit = {}
+
+    def before_then_corrupt(self, step):
+        original(self, step)
+        if step == 2 and not hit:
+            part = next(p for p, _ in self._pending if p.tier == "nvme")
+            with self.tm.offloaded.tiers.record(part, write=True) as (views, _):
+                views["momentum_buffer"][:8] += 1.0
+            hit.update(partition=part.id)
+
+    monkeypatch.setattr(Verifier, "before", before_then_corrupt)
+    result = _stress(tmp_path, "sgd")
+    assert not result["verify"]["ok"]
+    assert f"step 2: partition {hit['partition']} (nvme tier)" in \
+        result["verify"]["mismatches"][0]
+
+
+def test_crash_consistent_run_verifies_with_masters(tmp_path):
+    """A crash-consistent run keeps an fp32 master in every record: the plan counts it and
+    the reference steps the master."""
+    result = _stress(tmp_path, "adagrad", durability="crash_consistent")
+    assert result["verify"]["ok"], result["verify"]["mismatches"]
+    assert result["plan"]["state_per_param"] == 8
+
+
+@pytest.mark.parametrize("name, dtype, per_param", [
+    ("sgd", torch.float32, 4), ("adagrad", torch.float32, 4), ("rmsprop", torch.float32, 12),
+    ("adamw", torch.float32, 8), ("adamw", torch.bfloat16, 12), ("sgd", torch.bfloat16, 8),
+    ("adamax", torch.float32, 8), ("asgd", torch.float32, 4)])
+def test_plan_bytes_per_parameter(name, dtype, per_param):
+    settings = load_config({})
+    shapes = [(1024, 1024), (4096,)]
+    n = 1024 * 1024 + 4096
+    assert state_bytes(name, shapes, dtype, settings) == per_param * n
+
+
+def test_plan_bytes_of_factored_and_matrix_only_rules():
+    """Adafactor keeps a row and a column statistic per matrix (and a full one per
+    vector); Muon steps 2-D parameters only. Both counted on the real shapes without
+    making a tensor of them."""
+    settings = load_config({})
+    rows, cols = 50_000, 4096
+    assert state_bytes("adafactor", [(rows, cols), (cols,)], torch.float32, settings) == \
+        4 * (rows + cols) + 4 * cols
+    assert state_bytes("muon", [(rows, cols), (cols,)], torch.float32, settings) == \
+        4 * rows * cols
+    shape = choose_shape(30_000_000)
+    total = sum(torch.Size(s).numel() for s in param_shapes(shape))
+    assert total == shape.params
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tiermem.tools.cli", *args],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("command", ["stress", "plan"])
+def test_unknown_optimizer_is_one_line_exit_2(command):
+    proc = _cli(command, "--params", "1M", "--optimizer", "bogus")
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "unknown optimizer 'bogus'" in lines[0], proc.stderr
+    assert "sgd" in lines[0] and "adagrad" in lines[0] and "adafactor" in lines[0]
+
+
+def test_plan_command_counts_the_rule(tmp_path):
+    proc = _cli("plan", "--config", str(_config(tmp_path)), "--params", "100M",
+                "--optimizer", "rmsprop")
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "(12 B/param, rmsprop)" in proc.stdout
+    proc = _cli("plan", "--config", str(_config(tmp_path)), "--params", "100M",
+                "--optimizer", "sgd", "--dtype", "bf16")
+    assert "(8 B/param, sgd)" in proc.stdout, proc.stdout

@@ -1,0 +1,237 @@
+"""The optimizers `tiermem stress` and `tiermem plan` run by name, what each keeps per
+parameter (asked of its update rule), and the plain optimizer's in-memory recomputation of
+a partition that `stress --verify` compares with.
+
+A name stands for one optimizer class and its settings (SGD is SGD with momentum 0.9,
+RMSprop is centered with momentum: the settings that keep the most state). Third-party
+names need their package (the `thirdparty` extra); the error says which.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from tiermem.config import Settings
+from tiermem.errors import TierMemError
+from tiermem.optim.rules import AdamRule, UpdateRule, rule_for
+from tiermem.partition import Partition
+
+
+class UnknownOptimizer(TierMemError, ValueError):
+    """A name `--optimizer` does not know, or whose package is not installed."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One `--optimizer NAME`: the class (module, name), its settings, and which parameters
+    it steps."""
+
+    module: str
+    cls: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    matrices_only: bool = False  # Muon: 2-D parameters only
+    package: str | None = None  # the pip package of a third-party optimizer
+
+
+OPTIMIZERS: dict[str, Choice] = {
+    "adamw": Choice("torch.optim", "AdamW", dict(weight_decay=0.01)),
+    "adam": Choice("torch.optim", "Adam"),
+    "sgd": Choice("torch.optim", "SGD", dict(momentum=0.9)),
+    "adagrad": Choice("torch.optim", "Adagrad"),
+    "rmsprop": Choice("torch.optim", "RMSprop", dict(momentum=0.9, centered=True)),
+    "adamax": Choice("torch.optim", "Adamax"),
+    "nadam": Choice("torch.optim", "NAdam"),
+    "radam": Choice("torch.optim", "RAdam"),
+    "adadelta": Choice("torch.optim", "Adadelta"),
+    "asgd": Choice("torch.optim", "ASGD"),
+    "rprop": Choice("torch.optim", "Rprop"),
+    "adafactor": Choice("torch.optim", "Adafactor"),
+    "muon": Choice("torch.optim", "Muon", matrices_only=True),
+    "lion": Choice("lion_pytorch", "Lion", dict(weight_decay=0.01), package="lion-pytorch"),
+    "lamb": Choice("torch_optimizer", "Lamb", package="torch-optimizer"),
+    "adan": Choice("pytorch_optimizer", "Adan", package="pytorch-optimizer"),
+}
+
+
+def known() -> str:
+    return ", ".join(OPTIMIZERS)
+
+
+def choice(name: str) -> Choice:
+    """The Choice for `name`, its class importable; UnknownOptimizer otherwise."""
+    c = OPTIMIZERS.get(name.lower())
+    if c is None:
+        raise UnknownOptimizer(f"unknown optimizer {name!r}; known: {known()}")
+    try:
+        getattr(importlib.import_module(c.module), c.cls)
+    except (ImportError, AttributeError) as exc:
+        hint = (f"pip install {c.package} (or tiermem[thirdparty])" if c.package
+                else "a newer torch")
+        raise UnknownOptimizer(f"optimizer {name!r} needs {c.module}.{c.cls}, which does not "
+                               f"load here ({exc}): {hint}") from None
+    return c
+
+
+def optimizer_class(c: Choice) -> type[torch.optim.Optimizer]:
+    return getattr(importlib.import_module(c.module), c.cls)
+
+
+def stepped(c: Choice, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters the optimizer steps."""
+    return [p for p in params if p.dim() == 2] if c.matrices_only else list(params)
+
+
+def make_optimizer(name: str, params: Sequence[torch.Tensor], lr: float
+                   ) -> torch.optim.Optimizer:
+    c = choice(name)
+    return optimizer_class(c)(stepped(c, params), lr=lr, **c.kwargs)
+
+
+# -- state bytes per parameter: asked of the rule ----------------------------------------
+
+PROXY_DIMS = (11, 13, 17, 19, 23, 29)  # distinct small sizes: each maps back to one dim
+
+
+def _probe_rule(name: str, dtype: torch.dtype, settings: Settings
+                ) -> tuple[UpdateRule, torch.optim.Optimizer]:
+    c = choice(name)
+    dims = (2,) if c.matrices_only else (1, 2)
+    probe = [torch.zeros((7,) * d, dtype=dtype, requires_grad=True) for d in dims]
+    opt = optimizer_class(c)(probe, lr=1e-3, **c.kwargs)
+    o = settings.optimizer
+    return rule_for(opt, state_dtype=o.state_dtype, state_rounding=o.state_rounding), opt
+
+
+def state_bytes(name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype,
+                settings: Settings) -> int:
+    """Bytes of optimizer state the rule running `name` keeps for parameters of `shapes`
+    (of `dtype`, in host memory): its record layout, master weights included (low-precision
+    models, and crash-consistent runs, which commit the weights with the state).
+
+    Whole-parameter rules lay a record out from one step of the optimizer: that step runs
+    on a small stand-in of each shape (a distinct size per dimension), and each state
+    tensor's dimensions map back to the parameter's, so nothing of the real size is made."""
+    rule, opt = _probe_rule(name, dtype, settings)
+    c = choice(name)
+    group = opt.param_groups[0]
+    keep_master = settings.swap.durability == "crash_consistent"
+    total = 0
+    for shape in shapes:
+        if c.matrices_only and len(shape) != 2:
+            continue
+        numel = math.prod(shape)
+        if rule.elementwise:
+            p = torch.zeros(1, dtype=dtype)
+            kinds = rule.kinds(p, group, keep_master=keep_master)
+            moment = 2 if (settings.optimizer.state_dtype == "bf16"
+                           and isinstance(rule, AdamRule)) else 4
+            total += numel * sum(4 if k == "master" else moment for k in kinds)
+            continue
+        total += _whole_bytes(rule, group, shape, dtype, keep_master)
+    return total
+
+
+def _whole_bytes(rule: Any, group: dict, shape: tuple[int, ...], dtype: torch.dtype,
+                 keep_master: bool) -> int:
+    if len(shape) > len(PROXY_DIMS):
+        raise TierMemError(f"a parameter of shape {shape}: more dimensions than the plan "
+                           "probes")
+    proxy = tuple(PROXY_DIMS[:len(shape)])
+    lay = rule.whole_layout(torch.zeros(proxy, dtype=dtype), group, keep_master=keep_master)
+    numel = math.prod(shape)
+    total = 0
+    for k in lay.kinds:
+        itemsize = lay.dtypes[k].itemsize
+        kshape = lay.shapes.get(k)
+        if kshape is None:
+            total += numel * itemsize
+            continue
+        n = 1
+        for d in kshape:
+            if d == 1:
+                continue
+            if d not in proxy:
+                raise TierMemError(
+                    f"{type(rule.opt).__name__}'s state {k!r} has a dimension of {d} for a "
+                    f"parameter of shape {proxy}: the plan cannot scale it to {shape}")
+            n *= shape[proxy.index(d)]
+        total += n * itemsize
+    return total
+
+
+# -- the plain optimizer's recomputation of one partition (stress --verify) ---------------
+
+
+def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
+                    weights: list[tuple[Any, torch.Tensor]]) -> None:
+    """Step copies of `part`'s parameters (or their masters), gradients and state (`rec`,
+    taken from the record before the step) with the plain optimizer, in memory; write the
+    result into `rec` and `weights` (per segment, a copy of the model's weights), which
+    then hold what the tiered step must produce.
+
+    Each segment is stepped as the update rule sees it: a flat slice of its parameter for
+    an elementwise rule (parameters are cut at multiples of 1024 elements, so torch's
+    kernels take the same vector body and tail), the whole parameter otherwise."""
+    rule, opt = off.rule, off.opt
+    group = {k: v for k, v in opt.param_groups[part.group].items() if k != "params"}
+    if off.settings.optimizer.kernel == "fused" and getattr(rule, "has_fused", False):
+        group.update(fused=True, foreach=False)  # what the rule then runs
+    master = "master" in rec
+    params, entries = [], []
+    for i, s in enumerate(part.segments):
+        if s.param.grad is None:
+            continue
+        shape = (s.length,) if rule.elementwise else tuple(s.param.shape)
+        sl = {k: part.slices(k)[i] for k in rec}
+        cur = weights[i][1]
+        p = (rec["master"][sl["master"]] if master else cur).clone().view(shape)
+        g = s.param.grad.reshape(-1)[s.start: s.start + s.length]
+        p.grad = g.to(p.dtype).clone().view(shape)
+        params.append(p)
+        entries.append((i, s, p, sl))
+    if not params:
+        return
+    ref = type(opt).__new__(type(opt))
+    ref.__dict__.update({k: v for k, v in opt.__dict__.items()
+                         if not (isinstance(v, types.MethodType) and v.__self__ is opt)
+                         and not k.startswith("_tiermem")})
+    ref.param_groups = [{**group, "params": params}]
+    ref.state = defaultdict(dict)
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        setattr(ref, hooks, type(getattr(opt, hooks, {}))())
+    for i, s, p, sl in entries:
+        if float(off.steps[s.index]) == 0:
+            continue  # its first step: the optimizer builds its state, as plain torch does
+        st: dict[str, Any] = {}
+        if rule.has_step:
+            st["step"] = off.steps[s.index].clone()
+        st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                   for k, v in off.latest_scalars(s.index).items()})
+        for k in rec:
+            if k != "master":
+                st[rule.torch_keys[k]] = rec[k][sl[k]].clone().view(
+                    s.shapes.get(k, p.shape) if not rule.elementwise else (-1,))
+        ref.state[p] = st
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        type(ref).step(ref)
+    for i, s, p, sl in entries:
+        st = ref.state[p]
+        for k in rec:
+            if k == "master":
+                rec[k][sl[k]].copy_(p.reshape(-1))
+            else:
+                rec[k][sl[k]].copy_(st[rule.torch_keys[k]].reshape(-1))
+        weights[i][1].copy_(p.reshape(-1))
+
+
+def verifies_with_plain(rule: UpdateRule) -> bool:
+    """Adam's own check runs tiermem's kernels (native included); every other rule is
+    checked against its plain optimizer."""
+    return not isinstance(rule, AdamRule)
