@@ -89,6 +89,26 @@ class Offload:
         overlap = self.offloaded.overlap
         return overlap.accumulating() if overlap is not None else contextlib.nullcontext()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters; with
+        parameters.offload over the gradients in the tiers (their norm was computed as they
+        streamed; the step applies the coefficient as it reads each one). Returns the total
+        norm."""
+        weights = self.offloaded.weights
+        if weights is None:
+            return torch.nn.utils.clip_grad_norm_(self.offloaded.params, max_norm, norm_type)
+        return weights.clip_grad_norm_(max_norm, norm_type)
+
+    def param_stats(self) -> dict[str, int]:
+        """The parameter tier's counters (fetches, prefetched, on_demand, out_of_order,
+        evictions, grads_stored, peak_window_bytes, bytes read/written); {} without
+        parameters.offload."""
+        weights = self.offloaded.weights
+        if weights is None:
+            return {}
+        return dict(weights.stats.as_dict(), bytes_read=weights.records.bytes_read,
+                    bytes_written=weights.records.bytes_written)
+
     def events(self) -> list:
         """Timeline spans (telemetry.Event) of the steps recorded so far."""
         self._wait_overlap()
@@ -186,6 +206,9 @@ class Offload:
         no step() raised is raised once the state is safe (or noted on the exit's own)."""
         pending = self.offloaded.end_overlap()
         try:
+            weights, self.offloaded.weights = self.offloaded.weights, None
+            if weights is not None:  # the model gets its weights back first
+                weights.close()
             self._exit_state()
         except BaseException as exc:
             if pending is not None:
