@@ -1,0 +1,282 @@
+"""parameters.offload: training with the model's weights and grads in the tiers gives the
+same numbers as plain training.
+
+The model has the shapes that make a parameter tier hard: a tied embedding (one
+parameter used by two modules), a block called twice in one forward, LayerNorms (whose
+backward needs their weights) and a transposed use of a weight (the tied head). The
+window is smaller than the model, so weights are evicted and fetched again between
+forward and backward; partitions are tiny, so the step opens the parameters of many
+partitions in turn. The same kernel runs on the same numbers: losses, final weights and
+gradients are compared bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tiermem
+from tiermem.config import ConfigError
+from tiermem.errors import TierMemError
+
+from offload_helpers import backend_params
+
+V, D, STEPS = 50, 64, 4
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.b1 = Block(D)
+        self.b2 = Block(D)
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.detour = False  # some steps take another path through the modules
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        x = self.emb(t)
+        x = self.b1(x)
+        if self.detour:
+            x = self.b1(x)  # out of the learned order
+        x = self.b2(x)
+        x = self.b1(x)  # the shared block, a second time
+        return self.head(self.ln(x))
+
+
+def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, V, (4, 8), generator=g), torch.randint(0, V, (4, 8), generator=g))
+            for _ in range(n)]
+
+
+def loss_of(model: nn.Module, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(t).reshape(-1, V), y.reshape(-1))
+
+
+def twins() -> tuple[Net, Net]:
+    torch.manual_seed(0)
+    a = Net()
+    return a, copy.deepcopy(a)
+
+
+def cfg(swap, *, offload: str, backend: str = "threads", state_host: bool = True,
+        window: str = "176KiB", prefetch: int = 2) -> dict:
+    return {
+        "swap": {"paths": [str(swap)]},
+        "io": {"backend": backend, "queue_depth": 8, "block_size": "16KiB"},
+        "tiers": {"host": {"capacity": "64MiB" if state_host else 0}},
+        "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 2},
+        "optimizer": {"kernel": "match"},
+        "parameters": {"offload": offload, "prefetch": prefetch, "window": window},
+    }
+
+
+def make_opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
+
+
+def plain_run(model: Net, data, *, micro: int = 1, clip: float | None = None,
+              detour_at: int | None = None) -> tuple[list[float], list[torch.Tensor]]:
+    opt = make_opt(model)
+    losses, norms = [], []
+    for step in range(len(data) // micro):
+        model.detour = step == detour_at
+        for t, y in data[step * micro:(step + 1) * micro]:
+            loss = loss_of(model, t, y)
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def tiered_run(model: Net, data, config: dict, *, micro: int = 1, clip: float | None = None,
+               detour_at: int | None = None):
+    opt = make_opt(model)
+    losses, norms = [], []
+    with tiermem.offload(opt, config, model=model) as tm:
+        for step in range(len(data) // micro):
+            model.detour = step == detour_at
+            with tm.accumulating():
+                for t, y in data[step * micro:(step + 1) * micro]:
+                    loss = loss_of(model, t, y)
+                    loss.backward()
+                    losses.append(loss.item())
+                    assert all(p.grad is None for p in model.parameters())
+            if clip is not None:
+                norms.append(tm.clip_grad_norm_(clip))
+            opt.step()
+            opt.zero_grad()
+        stats = tm.param_stats()
+        # between uses the weights are not in the model: only the window holds some
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert held <= config_window(config)
+    return losses, norms, stats
+
+
+def config_window(config: dict) -> int:
+    from tiermem.sizes import parse_size
+    return parse_size(config["parameters"]["window"])
+
+
+def assert_same_model(a: nn.Module, b: nn.Module) -> None:
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert p.shape == q.shape, n
+        assert torch.equal(p, q), f"{n}: max diff {(p - q).abs().max().item()}"
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+@pytest.mark.parametrize("state_host", [True, False], ids=["state-host", "state-nvme"])
+def test_training_matches_plain(tmp_path, offload, backend, state_host):
+    ref, model = twins()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, stats = tiered_run(model, data, cfg(tmp_path, offload=offload, backend=backend,
+                                                state_host=state_host))
+    assert got == want
+    assert_same_model(ref, model)
+    assert model.head.weight is model.emb.weight  # still tied after the block
+    # the window is smaller than the model: weights were evicted and read ahead again
+    assert stats["evictions"] > 0 and stats["prefetched"] > 0
+    assert stats["out_of_order"] == 0
+    assert not list(tmp_path.iterdir()) or all(not any(d.iterdir()) for d in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_accumulation_and_clipping_match_torch(tmp_path, offload):
+    ref, model = twins()
+    data = batches(STEPS * 3, seed=2)
+    want, want_norms = plain_run(ref, data, micro=3, clip=0.5)
+    got, got_norms, stats = tiered_run(model, data, cfg(tmp_path, offload=offload),
+                                       micro=3, clip=0.5)
+    assert got == want
+    assert [n.item() for n in got_norms] == [n.item() for n in want_norms]
+    assert all(n > 0.5 for n in want_norms[:1])  # the clip really scaled the first step
+    assert_same_model(ref, model)
+
+
+def test_out_of_order_unit_is_fetched_on_demand(tmp_path):
+    ref, model = twins()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data, detour_at=2)
+    got, _, stats = tiered_run(model, data, cfg(tmp_path, offload="nvme"), detour_at=2)
+    assert got == want
+    assert_same_model(ref, model)
+    assert stats["out_of_order"] > 0
+
+
+@pytest.mark.parametrize("window, prefetch", [("176KiB", 0), ("1MiB", 4)])
+def test_window_and_prefetch_do_not_change_numbers(tmp_path, window, prefetch):
+    ref, model = twins()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, stats = tiered_run(model, data, cfg(tmp_path, offload="nvme", window=window,
+                                                prefetch=prefetch))
+    assert got == want
+    assert_same_model(ref, model)
+    if prefetch == 0:
+        assert stats["prefetched"] == 0
+
+
+def test_grads_left_by_a_backward_without_step_come_back(tmp_path):
+    ref, model = twins()
+    (t, y), = batches(1)
+    loss_of(ref, t, y).backward()
+    opt = make_opt(model)
+    with tiermem.offload(opt, cfg(tmp_path, offload="host"), model=model):
+        loss_of(model, t, y).backward()
+        assert model.emb.weight.grad is None
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_state_dict_inside_the_block(tmp_path):
+    ref, model = twins()
+    data = batches(2)
+    plain_run(ref, data)
+    opt = make_opt(model)
+    with tiermem.offload(opt, cfg(tmp_path, offload="nvme"), model=model):
+        for t, y in data:
+            loss_of(model, t, y).backward()
+            opt.step()
+            opt.zero_grad()
+        sd = model.state_dict()
+        want = ref.state_dict()
+        assert sd.keys() == want.keys()
+        for k in want:
+            assert torch.equal(sd[k], want[k]), k
+        # loading weights inside the block: they go to the records
+        fresh = Net().state_dict()
+        model.load_state_dict(fresh)
+        again = model.state_dict()
+        for k in fresh:
+            assert torch.equal(again[k], fresh[k]), k
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, fresh[k]), k
+
+
+def test_needs_the_model(tmp_path):
+    model = Net()
+    opt = make_opt(model)
+    with pytest.raises(ConfigError, match="model="):
+        with tiermem.offload(opt, cfg(tmp_path, offload="host")):
+            pass
+    assert model.emb.weight.numel() == V * D
+
+
+def test_window_too_small_for_a_partition_is_refused(tmp_path):
+    model = Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = make_opt(model)
+    with pytest.raises(ConfigError, match="parameters.window"):
+        with tiermem.offload(opt, cfg(tmp_path, offload="nvme", window="16KiB"), model=model):
+            pass
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+
+
+def test_unsupported_combinations_are_refused(tmp_path):
+    model = Net()
+    opt = make_opt(model)
+    c = cfg(tmp_path, offload="host")
+    c["pipeline"]["overlap_backward"] = True
+    with pytest.raises(ConfigError, match="overlap_backward"):
+        with tiermem.offload(opt, c, model=model):
+            pass
+    c = cfg(tmp_path, offload="host")
+    c["swap"]["durability"] = "crash_consistent"
+    with pytest.raises(ConfigError, match="crash_consistent"):
+        with tiermem.offload(opt, c, model=model):
+            pass
+
+
+def test_backward_after_a_step_is_refused(tmp_path):
+    model = Net()
+    opt = make_opt(model)
+    (t, y), = batches(1)
+    with tiermem.offload(opt, cfg(tmp_path, offload="host"), model=model):
+        loss_of(model, t, y).backward()
+        loss = loss_of(model, t, y)
+        opt.step()
+        with pytest.raises(TierMemError, match="before opt.step"):
+            loss.backward()
