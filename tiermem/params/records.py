@@ -87,9 +87,15 @@ class Records:
         # every updated weight, which must not add up to a copy of the model in memory.
         self.pending_limit = 256 << 20
         if tier == "host":
-            for i, m in enumerate(self.metas):
-                for kind in (WEIGHT, GRAD):
-                    self.host[kind, i] = aligned_empty(record_bytes(m))
+            # One pinned arena per kind, records back to back: huge pages per record would
+            # waste most of a 2 MiB page on every small parameter.
+            total = sum(record_bytes(m) for m in self.metas)
+            for kind in (WEIGHT, GRAD):
+                arena = aligned_empty(total)
+                off = 0
+                for i, m in enumerate(self.metas):
+                    self.host[kind, i] = arena[off: off + record_bytes(m)]
+                    off += record_bytes(m)
             return
         n = len(self.metas)
         self._parts = {}
