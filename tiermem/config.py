@@ -211,9 +211,10 @@ class ParameterSettings:
         "needs model= in offload().", default="none")
     prefetch: int = doc("Modules whose weights are fetched ahead of the one running, in the "
                         "order learned from the first iteration.", lo=0, hi=1024, default=2)
-    window: Size = doc("Bytes of materialised weights (and gradients read by the step) at "
-                       "most; must hold the largest module plus what prefetch reads ahead.",
-                       lo=4096, default=2 << 30)
+    window: Size = doc("Bytes of materialised weights (and gradients the step reads) at "
+                       "most; must hold the largest module and one optimizer partition's "
+                       "weights and grads; reads ahead only what fits.",
+                       lo=4096, hi=1 << 50, default=2 << 30)
 
 
 @dataclass(frozen=True)
