@@ -402,8 +402,17 @@ class ParamTier:
         i = self.index[id(p)]
         self._unpin(i)
         g, p.grad = p.grad, None
-        if g is None:
-            return
+        if g is not None:
+            self.store_gradient(p, g)
+
+    def store_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        """`g` is (another part of) parameter `p`'s gradient for the coming step: stored or
+        added, as backward's hook does (stress runs give synthetic gradients this way)."""
+        i = self.index[id(p)]
+        if g.shape != self.records.metas[i].shape or g.dtype != self.records.metas[i].dtype:
+            raise TierMemError(f"gradient of {self.names[i]}: got {g.dtype} "
+                               f"{tuple(g.shape)}, expected {self.records.metas[i].dtype} "
+                               f"{tuple(self.records.metas[i].shape)}")
         if g.layout != torch.strided:
             raise TierMemError(f"parameters.offload: {self.names[i]} got a {g.layout} "
                                "gradient; only dense gradients are supported")
@@ -412,6 +421,21 @@ class ParamTier:
         # the norm of the stored (accumulated) gradient: final once backward is
         self.norms[i] = torch.linalg.vector_norm(stored, 2)
         self.stats.grads_stored += 1
+
+    def gradient(self, p: torch.Tensor) -> torch.Tensor | None:
+        """A copy of `p`'s stored gradient as the step will read it (clip applied)."""
+        i = self.index[id(p)]
+        if not self.has_grad[i]:
+            return None
+        self.records.drain()
+        g = self.records.fetch(GRAD, i).wait().clone()
+        if self.clip_coef is not None:
+            g.mul_(self.clip_coef)
+        return g
+
+    def current_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """A copy of `p`'s weights as they are now (window or record)."""
+        return self.weight(self.index[id(p)])
 
     def with_grads(self) -> set[int]:
         """Indices (in model.parameters() order) of parameters holding a gradient."""
@@ -465,8 +489,7 @@ class ParamTier:
                 self._take(n)
                 g = self.records.fetch(GRAD, i).wait()
                 if self.clip_coef is not None:
-                    g.mul_(self.clip_coef.to(g.dtype) if g.dtype != self.clip_coef.dtype
-                           else self.clip_coef)
+                    g.mul_(self.clip_coef)  # as torch's clip: the fp32 coefficient
                 self.params[i].grad = g
                 self.grads_out[i] = n
         return opened
