@@ -334,8 +334,11 @@ class OffloadedOptimizer:
                 views = self.tiers.ready_views(nxt)
                 if views is not None:  # its copy to the device overlaps this update
                     self.lanes.stage(nxt, views)
-            opened = (self.weights.open_for_update(s.param for s in rec.part.segments)
-                      if self.weights is not None else None)
+            opened = None
+            if self.weights is not None:
+                opened = self.weights.open_for_update(s.param for s in rec.part.segments)
+                if nxt is not None:  # its reads overlap this update
+                    self.weights.read_ahead_update(s.param for s in nxt.segments)
             if rec.fresh:
                 self.rule.init(rec.part, rec.views)
             digest = self._update(rec.part, rec.views, stats)

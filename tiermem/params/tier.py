@@ -127,6 +127,7 @@ class ParamTier:
         self.pins: dict[int, int] = {}
         self.dirty: set[int] = set()
         self.grads_out: dict[int, int] = {}  # index -> bytes of a gradient handed to the step
+        self.grads_inflight: dict[int, Fetch] = {}  # gradients read ahead for the step
         self.used = 0
         self._by_storage: dict[int, int] = {}  # data_ptr of a materialised weight -> index
         # the learned order of unit requests
@@ -259,6 +260,11 @@ class ParamTier:
         self.used -= self.live.pop(i)
         self.stats.evictions += 1
 
+    def _drop_grads_inflight(self) -> None:
+        for i in list(self.grads_inflight):
+            self.grads_inflight.pop(i).wait()
+            self.used -= self._bytes(i)
+
     def _drop_grad(self, i: int) -> None:
         n = self.grads_out.pop(i, None)
         if n is not None:
@@ -278,6 +284,11 @@ class ParamTier:
             if not must:
                 return False
             spare = next((i for i in self.inflight if i not in protect), None)
+            early = next((i for i in self.grads_inflight if i not in protect), None)
+            if spare is None and early is not None:
+                self.grads_inflight.pop(early).wait()  # read again when it is needed
+                self.used -= self._bytes(early)
+                continue
             if spare is None:
                 pinned = [self.names[i] for i in self.live if self.pins.get(i)]
                 raise TierMemError(
@@ -485,14 +496,34 @@ class ParamTier:
             self._materialise(i)
             if self.has_grad[i] and i not in self.grads_out:
                 n = self._bytes(i)
-                self._make_room(n, set(self.pins), must=True)
-                self._take(n)
-                g = self.records.fetch(GRAD, i).wait()
+                fetch = self.grads_inflight.pop(i, None)
+                if fetch is None:
+                    self._make_room(n, set(self.pins), must=True)
+                    self._take(n)
+                    fetch = self.records.fetch(GRAD, i)
+                g = fetch.wait()
                 if self.clip_coef is not None:
                     g.mul_(self.clip_coef)  # as torch's clip: the fp32 coefficient
                 self.params[i].grad = g
                 self.grads_out[i] = n
         return opened
+
+    def read_ahead_update(self, params: Iterable[torch.Tensor]) -> None:
+        """The next partition's parameters: start reading their weights and gradients
+        now, as far as the window allows without evicting what is open."""
+        wanted = self.indices(params)
+        protect = set(wanted) | set(self.pins)
+        for i in wanted:
+            if i not in self.live and i not in self.inflight:
+                if not self._make_room(self._bytes(i), protect, must=False):
+                    return
+                self._take(self._bytes(i))
+                self.inflight[i] = self.records.fetch(WEIGHT, i)
+            if self.has_grad[i] and i not in self.grads_out and i not in self.grads_inflight:
+                if not self._make_room(self._bytes(i), protect, must=False):
+                    return
+                self._take(self._bytes(i))
+                self.grads_inflight[i] = self.records.fetch(GRAD, i)
 
     def updated(self, opened: list[int]) -> None:
         """The update of `opened` is done: their weights changed (written back later)."""
@@ -511,6 +542,7 @@ class ParamTier:
             self._drop_grad(i)
         for i in list(self.grads_out):
             self._drop_grad(i)
+        self._drop_grads_inflight()
         self.has_grad = [False] * len(self.params)
         self.norms.clear()
         self.clip_coef = None
@@ -568,6 +600,7 @@ class ParamTier:
                 self._drop_grad(i)
             for i in list(self.inflight):
                 self.inflight.pop(i).wait()
+            self._drop_grads_inflight()
             self.records.drain()
             for i, p in enumerate(self.params):
                 value = self.records.fetch(WEIGHT, i).wait().clone()
