@@ -280,3 +280,45 @@ def test_backward_after_a_step_is_refused(tmp_path):
         opt.step()
         with pytest.raises(TierMemError, match="before opt.step"):
             loss.backward()
+
+
+class Functional(nn.Module):
+    """Uses a child's weights from its own forward: no hook of the child runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Net()
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        x = self.inner.emb(t)
+        x = self.inner.b1(x)
+        # b2.fc1 and the tied head used directly, bypassing their modules' calls
+        x = x + F.linear(torch.relu(F.linear(x, self.inner.b2.fc1.weight,
+                                             self.inner.b2.fc1.bias)),
+                         self.inner.b2.fc2.weight)
+        return F.linear(self.inner.ln(x), self.inner.emb.weight)
+
+
+def test_weights_used_outside_their_module_are_fetched(tmp_path):
+    torch.manual_seed(0)
+    ref = Functional()
+    model = copy.deepcopy(ref)
+    data = batches(STEPS)
+    opt_ref, opt = make_opt(ref), make_opt(model)
+    want, got = [], []
+    for t, y in data:
+        loss = loss_of(ref, t, y)
+        loss.backward()
+        want.append(loss.item())
+        opt_ref.step()
+        opt_ref.zero_grad()
+    with tiermem.offload(opt, cfg(tmp_path, offload="nvme"), model=model) as tm:
+        for t, y in data:
+            loss = loss_of(model, t, y)
+            loss.backward()
+            got.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        assert tm.param_stats()["outside_hooks"] > 0
+    assert got == want
+    assert_same_model(ref, model)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tiermem.config import ConfigError, Settings
 from tiermem.errors import TierMemError
@@ -65,12 +66,36 @@ class ParamStats:
     prefetched: int = 0  # of those, read ahead in the learned order
     on_demand: int = 0  # needed at once: not read ahead (first iteration, out of order)
     out_of_order: int = 0  # units requested against the learned order
+    outside_hooks: int = 0  # weights used by a forward other than their module's own
     evictions: int = 0
     grads_stored: int = 0
     peak_window_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+class UseGuard(TorchFunctionMode):
+    """During the model's forward, a released weight handed to any torch function (a
+    module's weight used from another module's forward, not through its own call) is
+    materialised first, on demand: no op ever sees an empty weight."""
+
+    def __init__(self, tier: "ParamTier") -> None:
+        super().__init__()
+        self.tier = tier
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        tier = self.tier
+        if not tier._busy:
+            for a in (*args, *(kwargs or {}).values()):
+                if type(a) is torch.nn.Parameter:
+                    tier._use(a)
+                elif type(a) in (list, tuple):
+                    for b in a:
+                        if type(b) is torch.nn.Parameter:
+                            tier._use(b)
+        return func(*args, **(kwargs or {}))
 
 
 class ParamTier:
@@ -144,6 +169,7 @@ class ParamTier:
         self._accumulators: list[Any] = []
         self._hooks_ctx: list[Any] = []
         self._closed = False
+        self._busy = False  # inside the tier's own work: UseGuard stands aside
         try:
             for i, p in enumerate(self.params):
                 self.records.write(WEIGHT, i, p.detach())
@@ -226,13 +252,16 @@ class ParamTier:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     def _push_saved_hooks(self, mod: Any, args: Any) -> None:
-        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        ctx.__enter__()
-        self._hooks_ctx.append(ctx)
+        ctxs = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+                UseGuard(self))
+        for c in ctxs:
+            c.__enter__()
+        self._hooks_ctx.append(ctxs)
 
     def _pop_saved_hooks(self) -> None:
         if self._hooks_ctx:
-            self._hooks_ctx.pop().__exit__(None, None, None)
+            for c in reversed(self._hooks_ctx.pop()):
+                c.__exit__(None, None, None)
 
     # -- the window ---------------------------------------------------------------
 
@@ -355,13 +384,29 @@ class ParamTier:
         else:
             self.pins.pop(i, None)
 
+    def _use(self, p: torch.Tensor) -> None:
+        i = self.index.get(id(p))
+        if i is None or i in self.live:
+            return
+        self._busy = True
+        try:
+            self._request(self.unit_of[i])
+            self._materialise(i)
+            self.stats.outside_hooks += 1
+        finally:
+            self._busy = False
+
     def _enter(self, u: int) -> None:
         self._check_open()
-        self._request(u)
-        for i in self.units[u]:
-            self._pin(i)
-        for i in self.units[u]:
-            self._materialise(i)
+        self._busy = True  # the tier's own tensor work is not a use of a weight
+        try:
+            self._request(u)
+            for i in self.units[u]:
+                self._pin(i)
+            for i in self.units[u]:
+                self._materialise(i)
+        finally:
+            self._busy = False
 
     def _leave(self, u: int) -> None:
         for i in self.units[u]:
@@ -510,7 +555,10 @@ class ParamTier:
 
     def read_ahead_update(self, params: Iterable[torch.Tensor]) -> None:
         """The next partition's parameters: start reading their weights and gradients
-        now, as far as the window allows without evicting what is open."""
+        now, as far as the window allows without evicting what is open (nothing with
+        parameters.prefetch 0)."""
+        if not self.prefetch:
+            return
         wanted = self.indices(params)
         protect = set(wanted) | set(self.pins)
         for i in wanted:
