@@ -322,3 +322,42 @@ def test_weights_used_outside_their_module_are_fetched(tmp_path):
         assert tm.param_stats()["outside_hooks"] > 0
     assert got == want
     assert_same_model(ref, model)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_model_matches_tiermem_without_the_parameter_tier(tmp_path, dtype):
+    """A bf16/fp16 model keeps an fp32 master in the optimizer's record: with the weights in
+    the tiers the master, the model's rounded weights and the losses are those of the same
+    run with the weights in memory."""
+    ref, model = twins()
+    ref.to(dtype)
+    model.to(dtype)
+    # a frozen parameter and two param groups: the tier manages every weight, the
+    # optimizer steps only what it holds
+    for m in (ref, model):
+        m.b2.ln.weight.requires_grad_(False)
+    data = batches(STEPS)
+
+    def run(m: Net, offload: str, swap) -> list[float]:
+        groups = [{"params": [p for n, p in m.named_parameters()
+                              if p.requires_grad and n.startswith("b1")], "lr": 2e-2},
+                  {"params": [p for n, p in m.named_parameters()
+                              if p.requires_grad and not n.startswith("b1")]}]
+        opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05, foreach=False)
+        c = cfg(swap, offload=offload)
+        c["optimizer"]["kernel"] = "fused"
+        losses = []
+        with tiermem.offload(opt, c, model=m) as tm:
+            for t, y in data:
+                loss = loss_of(m, t, y)
+                loss.backward()
+                losses.append(loss.item())
+                tm.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+        return losses
+
+    want = run(ref, "none", tmp_path / "a")
+    got = run(model, "nvme", tmp_path / "b")
+    assert got == want
+    assert_same_model(ref, model)
