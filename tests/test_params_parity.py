@@ -127,6 +127,11 @@ def tiered_run(model: Net, data, config: dict, *, micro: int = 1, clip: float | 
             opt.step()
             opt.zero_grad()
         stats = tm.param_stats()
+        plan = tm.plan()["parameters"]
+        assert plan["tier"] == config["parameters"]["offload"]
+        assert plan["weight_bytes"] == sum(p.numel() * 4 for p in type(model)().parameters())
+        assert (plan["swap_bytes"] > 0) == (plan["tier"] == "nvme")
+        assert plan["learned_order"] > 0
         # between uses the weights are not in the model: only the window holds some
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         assert held <= config_window(config)

@@ -146,7 +146,9 @@ class Offload:
                 "swap_bytes": tiers.store.total_bytes if tiers.store else 0,
                 "swap_dirs": tiers.store.dirs if tiers.store else [],
                 "partitions": len(self.offloaded.parts),
-                **({"unwrapped": self.unwrapped} if self.unwrapped else {})}
+                **({"unwrapped": self.unwrapped} if self.unwrapped else {}),
+                **({"parameters": self.offloaded.weights.plan()}
+                   if self.offloaded.weights is not None else {})}
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap) of the

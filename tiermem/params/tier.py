@@ -601,6 +601,16 @@ class ParamTier:
         if self.learned and self.prefetch:
             self._read_ahead(self.learned[: self.prefetch])
 
+    def plan(self) -> dict[str, Any]:
+        """Where the weights and grads are and what the window holds (tm.plan())."""
+        weights = sum(m.nbytes for m in self.records.metas)
+        return {"tier": self.records.tier, "weight_bytes": weights, "grad_bytes": weights,
+                "pinned_bytes": self.records.resident_bytes(),
+                "swap_bytes": self.records.store.total_bytes if self.records.store else 0,
+                "swap_dirs": self.records.store.dirs if self.records.store else [],
+                "window": self.window, "units": len(self.units),
+                "learned_order": len(self.learned) if self.learned is not None else None}
+
     # -- state dicts ----------------------------------------------------------------
 
     def weight(self, i: int) -> torch.Tensor:
