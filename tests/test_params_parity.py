@@ -366,3 +366,17 @@ def test_low_precision_model_matches_tiermem_without_the_parameter_tier(tmp_path
     got = run(model, "nvme", tmp_path / "b")
     assert got == want
     assert_same_model(ref, model)
+
+
+def test_window_below_the_largest_module_is_refused_and_leaves_nothing(tmp_path):
+    model = Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = make_opt(model)
+    c = cfg(tmp_path, offload="nvme", window="8KiB")
+    c["pipeline"]["partition_size"] = "64KiB"
+    with pytest.raises(ConfigError, match="largest module"):
+        with tiermem.offload(opt, c, model=model):
+            pass
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+    assert not any(tmp_path.glob("tiermem-*"))

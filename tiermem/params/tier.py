@@ -145,7 +145,6 @@ class ParamTier:
         self.records = Records([Meta(p.shape, p.dtype) for p in self.params], ps.offload,
                                settings, swap_name + ".params")
         self.records.pending_limit = self.window
-        self._check_window()
         # the window: materialised weights (LRU order), reads in flight, pins, grads out
         self.live: OrderedDict[int, int] = OrderedDict()  # index -> bytes held
         self.inflight: dict[int, Fetch] = {}
@@ -171,6 +170,7 @@ class ParamTier:
         self._closed = False
         self._busy = False  # inside the tier's own work: UseGuard stands aside
         try:
+            self._check_window()
             for i, p in enumerate(self.params):
                 self.records.write(WEIGHT, i, p.detach())
             self.records.drain()
