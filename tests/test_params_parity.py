@@ -380,3 +380,34 @@ def test_window_below_the_largest_module_is_refused_and_leaves_nothing(tmp_path)
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p, q)
     assert not any(tmp_path.glob("tiermem-*"))
+
+
+@pytest.mark.parametrize("which", ["optimizer", "model"])
+def test_zero_grad_before_backward_drops_the_stored_gradients(tmp_path, which):
+    """A backward thrown away by zero_grad (either the optimizer's or the model's) does
+    not reach the step, as in torch; without zero_grad backwards add up."""
+    ref, model = twins()
+    data = batches(6, seed=3)
+
+    def loop(m, opt, step_fn=None):
+        zero = opt.zero_grad if which == "optimizer" else m.zero_grad
+        losses = []
+        for k in range(3):
+            (t, y), (t2, y2) = data[2 * k], data[2 * k + 1]
+            loss_of(m, t, y).backward()  # thrown away
+            zero()
+            loss_of(m, t2, y2).backward()
+            loss_of(m, t, y).backward()  # added
+            losses.append(loss_of(m, t, y).item())
+            opt.step()
+            zero()
+        return losses
+
+    opt_ref = make_opt(ref)
+    want = loop(ref, opt_ref)
+    opt = make_opt(model)
+    with tiermem.offload(opt, cfg(tmp_path, offload="host"), model=model):
+        got = loop(model, opt)
+    assert got == want
+    assert_same_model(ref, model)
+    assert "zero_grad" not in opt.__dict__ and "zero_grad" not in model.__dict__

@@ -192,6 +192,7 @@ class OffloadedOptimizer:
             # Last: the partitions above were laid out from the weights still in memory.
             try:
                 self.weights = ParamTier(model, settings, swap_name=swap_name)
+                self._route_zero_grad(optimizer)
                 self.weights.check_partitions([s.param for s in part.segments]
                                               for part in self.parts)
             except BaseException:
@@ -237,6 +238,26 @@ class OffloadedOptimizer:
         """Remove the hooks (state must have been exported or kept on disk first)."""
         self.end_overlap()
         self._hooks.remove()
+        if "zero_grad" in self.__dict__.get("_zero_grad_had", {}):
+            had = self._zero_grad_had.pop("zero_grad")
+            if had is None:
+                self.opt.__dict__.pop("zero_grad", None)
+            else:
+                self.opt.zero_grad = had
+
+    def _route_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """opt.zero_grad() also forgets the gradients stored in the parameter tier (they
+        are not in p.grad), so a backward after it stores instead of adding, as in torch."""
+        had = optimizer.__dict__.get("zero_grad")
+        self._zero_grad_had = {"zero_grad": had}
+        off = self
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            if off.weights is not None:
+                off.weights.zero_grad(off.params)
+            (had or type(optimizer).zero_grad.__get__(optimizer))(set_to_none)
+
+        optimizer.zero_grad = zero_grad
 
     # -- the step --------------------------------------------------------------
 

@@ -98,6 +98,19 @@ class UseGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Restore:
+    """A handle whose remove() puts an instance attribute back as it was."""
+
+    def __init__(self, obj: Any, name: str, had: Any) -> None:
+        self.obj, self.name, self.had = obj, name, had
+
+    def remove(self) -> None:
+        if self.had is None:
+            self.obj.__dict__.pop(self.name, None)
+        else:
+            setattr(self.obj, self.name, self.had)
+
+
 class ParamTier:
     """Weights and gradients of `model` on `settings.parameters.offload` (host or nvme)."""
 
@@ -240,6 +253,15 @@ class ParamTier:
                                                                   prepend=True))
         self._handles.append(self.model.register_forward_hook(
             lambda mod, args, out: self._pop_saved_hooks(), always_call=True))
+        model, tier = self.model, self
+        had = model.__dict__.get("zero_grad")
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            tier.zero_grad()
+            (had or type(model).zero_grad.__get__(model))(set_to_none)
+
+        model.zero_grad = zero_grad
+        self._handles.append(_Restore(model, "zero_grad", had))
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 # AccumulateGrad lays a gradient out like its parameter (a transposed one
@@ -492,6 +514,16 @@ class ParamTier:
     def current_weight(self, p: torch.Tensor) -> torch.Tensor:
         """A copy of `p`'s weights as they are now (window or record)."""
         return self.weight(self.index[id(p)])
+
+    def zero_grad(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Forget the stored gradients of `params` (all when None), as torch's zero_grad
+        drops p.grad: the next backward stores instead of adding."""
+        for i in (range(len(self.params)) if params is None else self.indices(params)):
+            self.has_grad[i] = False
+            self.norms.pop(i, None)
+            self._drop_grad(i)
+        if not any(self.has_grad):
+            self.clip_coef = None
 
     def with_grads(self) -> set[int]:
         """Indices (in model.parameters() order) of parameters holding a gradient."""
