@@ -411,3 +411,39 @@ def test_zero_grad_before_backward_drops_the_stored_gradients(tmp_path, which):
     assert got == want
     assert_same_model(ref, model)
     assert "zero_grad" not in opt.__dict__ and "zero_grad" not in model.__dict__
+
+
+def test_a_model_built_on_the_meta_device_is_made_module_by_module(tmp_path):
+    """Built on the meta device, the model is never whole in memory: each module's own
+    parameters are made and initialised by its reset_parameters() as they go into their
+    records. Same seed, same initial weights as a model built on the CPU."""
+    torch.manual_seed(0)
+    ref = Net()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Net()
+    assert model.emb.weight.is_meta
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, stats = tiered_run(model, data, cfg(tmp_path, offload="nvme"))
+    assert got == want
+    assert_same_model(ref, model)
+    assert not model.emb.weight.is_meta and model.head.weight is model.emb.weight
+
+
+def test_a_meta_module_without_reset_parameters_is_refused(tmp_path):
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    with torch.device("meta"):
+        model = Bare()
+    opt = make_opt(model)
+    with pytest.raises(TierMemError, match="reset_parameters"):
+        with tiermem.offload(opt, cfg(tmp_path, offload="host"), model=model):
+            pass
+    assert not any(tmp_path.glob("tiermem-*"))

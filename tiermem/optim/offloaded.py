@@ -222,7 +222,10 @@ class OffloadedOptimizer:
             return None
         if self.step_device == "device":
             return "device"
-        on_device = self.emulated or any(s.param.device.type != "cpu" for s in part.segments)
+        # meta: a model built on the meta device, made module by module in the parameter
+        # tier (parameters.offload), on the CPU
+        on_device = self.emulated or any(s.param.device.type not in ("cpu", "meta")
+                                         for s in part.segments)
         return "offload" if on_device else None
 
     def _add_lanes(self, parts: list[Partition]) -> None:

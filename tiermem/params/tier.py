@@ -129,7 +129,7 @@ class ParamTier:
             names.setdefault(id(p), n)
         self.names = [names[id(p)] for p in self.params]
         for i, p in enumerate(self.params):
-            if p.device.type != "cpu":
+            if p.device.type not in ("cpu", "meta"):
                 raise TierMemError(f"parameters.offload: parameter {self.names[i]} is on "
                                    f"{p.device}; only CPU models are supported so far")
             if not p.is_floating_point() or not p.is_contiguous() or p.numel() == 0:
@@ -184,15 +184,16 @@ class ParamTier:
         self._busy = False  # inside the tier's own work: UseGuard stands aside
         try:
             self._check_window()
-            for i, p in enumerate(self.params):
-                self.records.write(WEIGHT, i, p.detach())
-            self.records.drain()
-            # Hooks first: autograd's accumulator nodes record each parameter's shape when
-            # made, so they must be made while the weights are still there.
             self._install()
-            for i in range(len(self.params)):
-                self._release_storage(i)
+            for u in range(len(self.units)):  # module by module: bounded memory
+                self._materialise_meta(u)
+                for i in self.units[u]:
+                    if self.unit_of[i] == u:
+                        self._take_in(i)
+            self.records.drain()
         except BaseException:
+            self._accumulators.clear()
+            self.records.drain()
             for i, p in enumerate(self.params):  # whatever was released comes back
                 if p.numel() == 0 and i not in self.live:
                     try:
@@ -262,16 +263,48 @@ class ParamTier:
 
         model.zero_grad = zero_grad
         self._handles.append(_Restore(model, "zero_grad", had))
-        for i, p in enumerate(self.params):
-            if p.requires_grad:
-                # AccumulateGrad lays a gradient out like its parameter (a transposed one
-                # is copied into the parameter's strides): the weights must be there. Its
-                # node is held so that the same one (and its hook) serves every backward.
-                node = p.view_as(p).grad_fn.next_functions[0][0]
-                self._accumulators.append(node)
-                self._handles.append(node.register_prehook(
-                    lambda grads, i=i: self._before_accumulate(i)))
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _take_in(self, i: int) -> None:
+        """Parameter `i`'s weights (on the CPU now) into their record; its gradient hooks;
+        then its storage released."""
+        p = self.params[i]
+        self.records.write(WEIGHT, i, p.detach())
+        if p.requires_grad:
+            # AccumulateGrad lays a gradient out like its parameter (a transposed one is
+            # copied into the parameter's strides): the weights must be there, and the node
+            # records the parameter's shape and device when made, so it is made now. It is
+            # held so that the same node (and its hook) serves every backward.
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+            self._accumulators.append(node)
+            self._handles.append(node.register_prehook(
+                lambda grads, i=i: self._before_accumulate(i)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._release_storage(i)
+
+    def _materialise_meta(self, u: int) -> None:
+        """A module built on the meta device: its own parameters made on the CPU and
+        initialised by its reset_parameters(), one module at a time, so that the whole model
+        is never in memory."""
+        m = self._unit_modules[u]
+        mine = [i for i in self.units[u] if self.unit_of[i] == u and self.params[i].is_meta]
+        if not mine:
+            return
+        reset = getattr(m, "reset_parameters", None)
+        if reset is None:
+            raise TierMemError(
+                f"parameters.offload: {self.unit_names[u]} ({type(m).__name__}) has parameters "
+                "on the meta device and no reset_parameters() to initialise them")
+        if any(self.params[i].is_meta for i in self.units[u] if i not in mine):
+            raise TierMemError(f"parameters.offload: {self.unit_names[u]} shares a parameter "
+                               "still on the meta device with a module not initialised yet")
+        for i in mine:
+            p = self.params[i]
+            # p.data cannot change a meta tensor into a CPU one; swap_tensors keeps the
+            # Parameter object (the optimizer's, a tied module's) and changes what it is.
+            torch.utils.swap_tensors(p, torch.nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
+        with torch.no_grad():
+            reset()
 
     def _push_saved_hooks(self, mod: Any, args: Any) -> None:
         ctxs = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
