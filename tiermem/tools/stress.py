@@ -75,8 +75,7 @@ class Plan:
             f"(activations ~{f(self.activations)})",
         ] + ([f"weights and grads on the {self.weights_tier} tier "
               f"({f(self.weights + self.grads)}), used through a window of {f(self.window)} "
-              f"(needs at least {f(self.window_need)}); the model is built in memory "
-              f"first ({f(self.weights)} until the block opens)"]
+              f"(needs at least {f(self.window_need)})"]
              if self.weights_tier != "model" else [])
 
 
@@ -389,8 +388,10 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     for line in plan.lines():
         out(line)
     check_plan(plan)
+    # with the weights in the tiers the model is never whole in memory: built on the meta
+    # device, made module by module as its weights go into their records
     model = build_model(a.params, layers=a.layers, hidden=a.hidden, dtype=DTYPES[a.dtype],
-                        seed=a.seed)
+                        seed=a.seed, meta=a.settings.parameters.offload != "none")
     out(f"synthetic model: {shape.layers} blocks of hidden {shape.hidden}, embedding "
         f"{shape.embed_rows} x {shape.hidden}, extra {shape.extra}")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
