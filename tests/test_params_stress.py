@@ -21,13 +21,15 @@ def settings_for(tmp_path, offload: str, *, window: str = "32MiB", backend: str 
     })
 
 
-@pytest.mark.parametrize("offload", ["host", "nvme"])
+@pytest.mark.parametrize("offload, dtype", [("host", "fp32"), ("nvme", "fp32"),
+                                            ("nvme", "bf16")])
 @pytest.mark.parametrize("synthetic", [False, True], ids=["backward", "synthetic-grads"])
-def test_verified_stress_run(tmp_path, offload, synthetic):
+def test_verified_stress_run(tmp_path, offload, synthetic, dtype):
     """Sampled partitions, recomputed in memory from the weights and grads in the
-    parameter tier, are bitwise equal to what the offloaded step wrote."""
+    parameter tier, are bitwise equal to what the offloaded step wrote (bf16: the master
+    in the record, built from the weights in the tier)."""
     result = run_stress(StressArgs(settings=settings_for(tmp_path, offload), layers=2,
-                                   hidden=128, steps=3, verify=True, grad_accum=2,
+                                   hidden=128, steps=3, verify=True, grad_accum=2, dtype=dtype,
                                    synthetic_grads=synthetic, progress=False),
                         out=lambda *_: None)
     assert result["verify"]["ok"], result["verify"]["mismatches"]

@@ -34,9 +34,10 @@ the step ends.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -637,6 +638,20 @@ class ParamTier:
                     return
                 self._take(self._bytes(i))
                 self.grads_inflight[i] = self.records.fetch(GRAD, i)
+
+    @contextlib.contextmanager
+    def materialised(self, params: Iterable[torch.Tensor]) -> Iterator[None]:
+        """`params`' weights in place for the duration, read only (a check, an init)."""
+        idx = self.indices(params)
+        for i in idx:
+            self._pin(i)
+        try:
+            for i in idx:
+                self._materialise(i)
+            yield
+        finally:
+            for i in idx:
+                self._unpin(i)
 
     def updated(self, opened: list[int]) -> None:
         """The update of `opened` is done: their weights changed (written back later)."""

@@ -8,6 +8,7 @@ same kernel, in memory, and compared bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import resource
@@ -255,7 +256,9 @@ class Verifier:
                 for k, v in views.items():
                     taken[k] = v.clone()
             if fresh:  # a never-written record starts as the rule builds it
-                off.rule.init(part, taken)
+                with (off.weights.materialised(s.param for s in part.segments)
+                      if off.weights is not None else contextlib.nullcontext()):
+                    off.rule.init(part, taken)
             self._pending.append((part, self._reference(part, taken)))
 
     def _reference(self, part: Partition, rec: dict[str, torch.Tensor]) -> dict:
