@@ -447,3 +447,15 @@ def test_a_meta_module_without_reset_parameters_is_refused(tmp_path):
         with tiermem.offload(opt, cfg(tmp_path, offload="host"), model=model):
             pass
     assert not any(tmp_path.glob("tiermem-*"))
+
+
+def test_discard_throws_the_weights_away_too(tmp_path):
+    model = Net()
+    opt = make_opt(model)
+    (t, y), = batches(1)
+    with tiermem.offload(opt, cfg(tmp_path, offload="nvme"), model=model) as tm:
+        tm.discard()
+        loss_of(model, t, y).backward()
+        opt.step()
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert not any(tmp_path.glob("tiermem-*"))

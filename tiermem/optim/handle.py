@@ -117,7 +117,8 @@ class Offload:
 
     def discard(self) -> None:
         """Throw the optimizer state away at exit instead of returning it (benchmarks,
-        stress runs): swap files are removed and the optimizer is left with no state."""
+        stress runs): swap files are removed and the optimizer is left with no state. With
+        parameters.offload the weights go too: the model is left with empty parameters."""
         self._discard = True
 
     @property
@@ -209,7 +210,9 @@ class Offload:
         pending = self.offloaded.end_overlap()
         try:
             weights, self.offloaded.weights = self.offloaded.weights, None
-            if weights is not None:  # the model gets its weights back first
+            if weights is not None and self._discard:
+                weights.abandon()  # thrown away with the state: never gathered into memory
+            elif weights is not None:  # the model gets its weights back first
                 weights.close()
             self._exit_state()
         except BaseException as exc:

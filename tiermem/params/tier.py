@@ -48,6 +48,9 @@ from tiermem.params.records import GRAD, WEIGHT, Fetch, Meta, Records
 from tiermem.sizes import format_size
 
 
+MAX_ORDER = 1 << 20  # unit requests recorded before the first step; more are not learned
+
+
 @dataclass(frozen=True)
 class Saved:
     """A tensor autograd saved that views a managed weight, by geometry instead of storage."""
@@ -414,7 +417,8 @@ class ParamTier:
     def _request(self, u: int) -> None:
         """Unit `u` is needed now: follow (or learn) the order, read the next ones ahead."""
         if self.learned is None:
-            if not self._recording or self._recording[-1] != u:
+            if (not self._recording or self._recording[-1] != u) and \
+                    len(self._recording) < MAX_ORDER:
                 self._recording.append(u)
             return
         order, c = self.learned, self._cursor
@@ -761,9 +765,25 @@ class ParamTier:
             self.records.close()
 
     def abandon(self) -> None:
-        """Close without giving weights back (the model is unusable; records removed)."""
+        """Close without giving the weights back (tm.discard(): benchmarks, stress runs):
+        hooks and records removed, every parameter left empty."""
+        if self._closed:
+            return
         self._closed = True
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.records.close()
+        try:
+            for i in list(self.inflight):
+                self.inflight.pop(i).wait()
+            self._drop_grads_inflight()
+            for i in list(self.live):
+                self._drop_grad(i)
+                self._release_storage(i)
+            self.live.clear()
+            self.used = 0
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._accumulators.clear()
+            while self._hooks_ctx:
+                self._pop_saved_hooks()
+            self.records.close()
