@@ -12,6 +12,7 @@ gradients are compared bitwise.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -459,3 +460,39 @@ def test_discard_throws_the_weights_away_too(tmp_path):
         opt.step()
     assert all(p.numel() == 0 for p in model.parameters())
     assert not any(tmp_path.glob("tiermem-*"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_state_dict_inside_the_block(tmp_path, dtype):
+    """opt.state_dict() inside the block (shapes and bf16 masters come from the parameter
+    tier) is that of the run with the weights in memory, and loads back."""
+    ref, model = twins()
+    ref.to(dtype)
+    model.to(dtype)
+    data = batches(2)
+
+    def run(m: Net, offload: str, swap):
+        opt = make_opt(m)
+        c = cfg(swap, offload=offload)
+        c["optimizer"]["kernel"] = "fused"
+        with tiermem.offload(opt, c, model=m):
+            for t, y in data:
+                loss_of(m, t, y).backward()
+                opt.step()
+                opt.zero_grad()
+            sd = opt.state_dict()
+            opt.load_state_dict(sd)
+            again = opt.state_dict()
+            with pytest.raises(TierMemError, match="add_param_group") if offload != "none" \
+                    else contextlib.nullcontext():
+                if offload != "none":
+                    opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+        return sd, again
+
+    want, _ = run(ref, "none", tmp_path / "a")
+    got, again = run(model, "nvme", tmp_path / "b")
+    for sd in (got, again):
+        assert sd["state"].keys() == want["state"].keys()
+        for k, st in want["state"].items():
+            for key, v in st.items():
+                assert torch.equal(sd["state"][k][key], v), (k, key)

@@ -680,12 +680,16 @@ class OffloadedOptimizer:
             st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
                        for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
-            for k, shape, kdtype in self.rule.torch_state_tensors(p, group, dtype):
+            # with the weights in the parameter tier p is empty between uses: its shape
+            # and weights come from the tier
+            shaped = p if self.weights is None else self.weights.stand_in(p)
+            for k, shape, kdtype in self.rule.torch_state_tensors(shaped, group, dtype):
                 st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
             if not st:
                 continue  # torch keeps nothing for it (SGD without momentum)
             if not model_dtype and p.dtype != torch.float32:
-                st[self.rule.torch_keys["master"]] = p.detach().float().clone()
+                weights = p.detach() if self.weights is None else self.weights.current_weight(p)
+                st[self.rule.torch_keys["master"]] = weights.float().clone()
             out[p] = st
         gather(self.tiers, self.parts, self.rule.torch_keys, out)
         return out
@@ -720,12 +724,21 @@ class OffloadedOptimizer:
             self.steps[i] = torch.tensor(0.0)
             self.scalars[i] = {}
         self._next_scalars.clear()
-        self._import(state)
+        if self.weights is not None and any("master" in part.kinds for part in self.parts):
+            # a master missing from the checkpoint is taken from the model's weights
+            with self.weights.materialised(self.params):
+                self._import(state)
+        else:
+            self._import(state)
         self.opt.state.clear()
         if self.crash:
             self.commit()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.weights is not None:
+            raise TierMemError("add_param_group inside the block is not supported with "
+                               "parameters.offload yet: add every param group before "
+                               "tiermem.offload")
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.add_param_group()")
         first_group = len(self.opt.param_groups)

@@ -549,6 +549,12 @@ class ParamTier:
             g.mul_(self.clip_coef)
         return g
 
+    def stand_in(self, p: torch.Tensor) -> torch.Tensor:
+        """A tensor of `p`'s shape and dtype that holds no memory (p is empty between
+        uses): for code that needs only its shape."""
+        m = self.records.metas[self.index[id(p)]]
+        return torch.empty((), dtype=m.dtype, device=p.device).expand(m.shape)
+
     def current_weight(self, p: torch.Tensor) -> torch.Tensor:
         """A copy of `p`'s weights as they are now (window or record)."""
         return self.weight(self.index[id(p)])
