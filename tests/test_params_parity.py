@@ -496,3 +496,28 @@ def test_optimizer_state_dict_inside_the_block(tmp_path, dtype):
         for k, st in want["state"].items():
             for key, v in st.items():
                 assert torch.equal(sd["state"][k][key], v), (k, key)
+
+
+class Checkpointed(Net):
+    """Blocks under activation checkpointing: backward runs their forward again."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(t)
+        x = checkpoint(self.b1, x, use_reentrant=False)
+        x = checkpoint(self.b2, x, use_reentrant=False)
+        x = self.b1(x)
+        return self.head(self.ln(x))
+
+
+def test_activation_checkpointing(tmp_path):
+    torch.manual_seed(0)
+    ref = Checkpointed()
+    model = copy.deepcopy(ref)
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, stats = tiered_run(model, data, cfg(tmp_path, offload="nvme"))
+    assert got == want
+    assert_same_model(ref, model)
+    assert stats["evictions"] > 0
