@@ -521,3 +521,16 @@ def test_activation_checkpointing(tmp_path):
     assert got == want
     assert_same_model(ref, model)
     assert stats["evictions"] > 0
+
+
+def test_weights_too_big_to_give_back_are_a_clear_error(tmp_path, monkeypatch):
+    import tiermem.params.tier as tier_mod
+
+    model = Net()
+    opt = make_opt(model)
+    with pytest.raises(TierMemError, match="do not fit in free host memory"):
+        with tiermem.offload(opt, cfg(tmp_path, offload="nvme"), model=model):
+            monkeypatch.setattr(tier_mod, "available_memory", lambda: 1 << 10)
+    # the optimizer left the block properly all the same
+    assert "step" not in opt.__dict__
+    assert not any(tmp_path.glob("tiermem-*"))

@@ -210,11 +210,17 @@ class Offload:
         pending = self.offloaded.end_overlap()
         try:
             weights, self.offloaded.weights = self.offloaded.weights, None
-            if weights is not None and self._discard:
-                weights.abandon()  # thrown away with the state: never gathered into memory
-            elif weights is not None:  # the model gets its weights back first
-                weights.close()
+            failed = None
+            try:
+                if weights is not None and self._discard:
+                    weights.abandon()  # thrown away with the state: never gathered
+                elif weights is not None:  # the model gets its weights back first
+                    weights.close()
+            except BaseException as exc:  # the optimizer state still leaves properly
+                failed = exc
             self._exit_state()
+            if failed is not None:
+                raise failed
         except BaseException as exc:
             if pending is not None:
                 exc.add_note(f"tiermem: an update run during backward had failed too: "

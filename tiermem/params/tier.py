@@ -46,6 +46,7 @@ from tiermem.config import ConfigError, Settings
 from tiermem.errors import TierMemError
 from tiermem.params.records import GRAD, WEIGHT, Fetch, Meta, Records
 from tiermem.sizes import format_size
+from tiermem.sysinfo import available_memory
 
 
 MAX_ORDER = 1 << 20  # unit requests recorded before the first step; more are not learned
@@ -739,6 +740,14 @@ class ParamTier:
         consumed by a step, as torch would hold it), remove the hooks and the records."""
         if self._closed:
             return
+        need = sum(m.nbytes for m in self.records.metas) - sum(self.live.values())
+        if need > available_memory() * 0.8:
+            self.abandon()
+            raise TierMemError(
+                f"the model's weights ({format_size(need)} more) do not fit in free host memory "
+                f"({format_size(available_memory())}) to be given back at the end of the "
+                "block; they were thrown away. Save what you need inside the block and call "
+                "tm.discard() to leave without gathering them")
         try:
             for i in list(self.live):
                 if i in self.dirty:
