@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiermem.config import load_config
@@ -34,7 +34,8 @@ ops = st.lists(st.tuples(st.integers(0, 3), st.sampled_from([WEIGHT, GRAD]), st.
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("tier", ["host", "nvme"])
-@settings(max_examples=30)
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(spec=shapes, program=ops, seed=st.integers(0, 2**16))
 def test_records_read_back_what_was_written(tmp_path, backend, tier, spec, program, seed):
     metas = [Meta(torch.Size([n]), dt) for n, dt in spec]
