@@ -37,7 +37,8 @@ def phase(args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-3)
     cfg = {"swap": {"paths": [args.swap], "durability": args.phase},
            "tiers": {"host": {"capacity": args.host}},
-           "pipeline": {"partition_size": "128MiB", "buffer_count": 8, "prefetch_depth": 6},
+           "pipeline": {"partition_size": args.partition_size, "buffer_count": args.buffers,
+                        "prefetch_depth": args.buffers - 2},
            "optimizer": {"kernel": "fused"}}
     commit_s: list[float] = []
     real_commit = tiermem.tiers.manager.TierManager.commit
@@ -72,11 +73,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--host", default="512MiB", help="pinned host tier (written through "
                     "every step in crash-consistent mode)")
+    ap.add_argument("--partition-size", default="128MiB", help="pipeline.partition_size")
+    ap.add_argument("--buffers", type=int, default=8,
+                    help="pipeline.buffer_count (prefetch depth: 2 fewer); at least 3")
     ap.add_argument("--swap-dir", "--swap", dest="swap",
                     default=str(Path.home() / ".cache/tiermem/bench-durability"))
     add_phase_args(ap)  # each mode runs in a child process of its own
     args = ap.parse_args(argv)
     parse_size(args.host)  # a bad size fails here, not in a child
+    parse_size(args.partition_size)
+    if args.buffers < 3:
+        ap.error("--buffers: at least 3 (the prefetch depth is 2 fewer, at least 1)")
     if serve_phase(args, {mode: phase for mode in MODES}):
         return 0
     header = run_header("durability", argv)
@@ -95,8 +102,10 @@ def main(argv=None) -> int:
         ["durability", "set-up s", "step s", "vs scratch", "written GB/step", "read GB/step",
          "commit s", "swap GiB"], rows,
         title=f"{format_count(args.params)} fp32 parameters, host tier {args.host}, rest on "
-              f"NVMe ({args.swap}); median of steps 2..{args.steps}")
+              f"NVMe ({args.swap}); {args.buffers} x {args.partition_size} buffers; median of "
+              f"steps 2..{args.steps}")
     save(args.json, header, params=args.params, host=args.host, steps=args.steps,
+         partition_size=args.partition_size, buffers=args.buffers,
          results=results, crash_over_scratch=ratio(results["crash_consistent"]["step_s"], base),
          table=table)
     return 0

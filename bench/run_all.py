@@ -45,7 +45,7 @@ TITLES = {"io": "I/O engine against fio (bench/io_vs_fio.py)",
 BASE_ARGS = {"overlap": ["--threads", "1", "--batch", "1"]}
 FULL_ARGS = {"overlap": ["--iters", "4", "--rounds", "5"]}
 # Environment per benchmark: OpenMP threads that spin while waiting would take the core
-# the overlapped update runs on (docs/guide/tuning.md measures with this).
+# the overlapped update runs on (docs/dev/tuning-measurements.md measures with this).
 ENV = {"overlap": {"OMP_WAIT_POLICY": "PASSIVE"}}
 VARIES = ("Figures vary by up to 25% from run to run on this shared machine; only ratios "
           "between figures of one run mean anything.")

@@ -13,7 +13,6 @@ import copy
 import os
 import signal
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -203,6 +202,56 @@ def resume_one_step_apart(rank: int, world: int, tmp: str) -> None:
         assert read_manifest(run_dir, None).step == 2
         train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=2)
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
+def kept_guard(rank: int, world: int, tmp: str) -> None:
+    """Issue 16 on the sharded path: after an exit that keeps each rank's share on disk (it
+    does not fit in host memory, or the block ended on an exception), opt.step() raises naming
+    the rank's directory and the exact resume call, name= included, instead of starting Adam
+    over at step 1; that call, followed as printed, continues the run bitwise."""
+    import warnings
+    from unittest import mock
+
+    model, opt, ref_model, ref_opt = pair()
+    cfg = small_cfg(tmp)
+    with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tiermem.offload(opt, cfg, model=model, name="keep"):
+                train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+    said = [str(w.message) for w in caught if "does not fit" in str(w.message)]
+    assert said and "name='keep', resume=True" in said[0], said
+    assert not opt.state
+    run_dir = os.path.join(tmp, f"tiermem-keep-rank{rank}")
+    try:
+        opt.step()
+    except tiermem.TierMemError as exc:
+        text = str(exc)
+        assert f"rank {rank}'s share" in text and run_dir in text, text
+        assert "tiermem.offload(optimizer, config, model=model, name='keep', resume=True)" \
+            in text, text
+    else:
+        raise AssertionError("opt.step() after a keep-on-disk exit did not raise")
+    with tiermem.offload(opt, cfg, model=model, name="keep", resume=True) as tm:
+        assert tm.resumed_step == 2, tm.resumed_step
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=2)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+    # An exception that ends the block keeps every share on disk too: a caller who catches
+    # it and steps on must hear where the state went.
+    model, opt, *_ = pair()
+    try:
+        with tiermem.offload(opt, cfg, model=model, name="err"):
+            train_pair(rank, world, model, opt, *pair()[2:], 1)
+            raise _Stop()
+    except _Stop:
+        pass
+    try:
+        opt.step()
+    except tiermem.TierMemError as exc:
+        assert "tiermem-err-rank" in str(exc) and "name='err', resume=True" in str(exc), exc
+    else:
+        raise AssertionError("opt.step() after an exit on an exception did not raise")
 
 
 def placeholders(rank: int, world: int, tmp: str) -> None:
@@ -399,6 +448,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "state-dict": lambda r, d: state_dict_roundtrip(r, world, d),
         "resume-one-step-apart": lambda r, d: resume_one_step_apart(r, world, d),
         "placeholders": lambda r, d: placeholders(r, world, d),
+        "kept-guard": lambda r, d: kept_guard(r, world, d),
         "dcp-save": lambda r, d: dcp_save(r, world, d, extra["ckpt"]),
         "dcp-load": lambda r, d: dcp_load(r, world, d, extra["ckpt"]),
         "fsdp2": lambda r, d: fsdp2(r, world, d),

@@ -118,6 +118,18 @@ def test_validate_warns_when_stripes_share_a_device(tmp_path, swap):
     assert "are on one device" in proc.stdout
 
 
+def test_validate_says_when_a_path_is_not_on_a_drive_of_its_own(tmp_path, swap):
+    """The multi-nvme example ran on the root disk and nothing said so: validate names the
+    mount a path is on, and says when that is the root filesystem."""
+    from tiermem.sysinfo import mount_of
+    proc = tiermem("validate", _cfg(tmp_path, f"swap: {{paths: ['{swap}']}}\n"))
+    assert proc.returncode == 0, proc.stderr
+    m = mount_of(str(swap))
+    assert f"mounted at {m.mountpoint}" in proc.stdout
+    if m.mountpoint == "/":
+        assert "is on the root filesystem, not on a drive mounted for it" in proc.stdout
+
+
 def test_shipped_multi_nvme_config_says_what_it_needs():
     text = shipped_configs()["multi-nvme"].read_text()
     assert "mount points of two different drives" in text
@@ -183,23 +195,64 @@ def test_doctor_reports_each_topic(tmp_path, swap):
     assert proc.returncode == 1 and "ERROR swap path" in proc.stdout
 
 
+def _plan_cfg(tmp_path, swap):
+    return _cfg(tmp_path, f"swap: {{paths: ['{swap}']}}\ntiers: {{host: {{capacity: 0}}}}\n"
+                          "pipeline: {partition_size: 64MiB, buffer_count: 4}\n")
+
+
 def test_plan_estimates_from_probe_figures(tmp_path, swap):
-    cfg = _cfg(tmp_path, f"swap: {{paths: ['{swap}']}}\ntiers: {{host: {{capacity: 0}}}}\n"
-                         "pipeline: {partition_size: 64MiB, buffer_count: 4}\n")
+    """The step time is the larger of the NVMe floor (probe rates) and the update floor (the
+    kernel's ns/param), and the plan says which one dominates."""
+    cfg = _plan_cfg(tmp_path, swap)
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps({"measurements": [
         {"backend": "io_uring", "block_size": 1 << 20, "queue_depth": 8, "write_gbps": 1.0,
          "read_gbps": 2.0}]}))
     proc = tiermem("plan", "--config", cfg, "--params", "1B", "--probe", probe,
-                   "--no-activations")
+                   "--no-activations", "--update-ns", "2")
     assert proc.returncode in (0, 1), proc.stderr
     # 1B fp32 params: 8 GB of state on NVMe; zigzag skips the 4 x 64 MiB still buffered
     nvme = 8_000_000_000
-    expected = (nvme - 4 * (64 << 20)) / 2e9 + nvme / 1e9
-    assert f"estimated opt.step() time >= {expected:.3g} s" in proc.stdout
+    io = (nvme - 4 * (64 << 20)) / 2e9 + nvme / 1e9
+    assert f"NVMe floor: {io:.3g} s (at 2 GB/s read and 1 GB/s write" in proc.stdout
+    assert "update floor: 2 s (1,000,000,000 parameters updated on the CPU at 2 ns/param, " \
+           "kernel fused, given)" in proc.stdout
+    assert f"estimated opt.step() time ~{io:.3g} s: NVMe-bound ({io / 2:.2g}x the update " \
+           "floor" in proc.stdout
     assert os.listdir(swap) == []
     _one_error_line(tiermem("plan", "--params", "1B", "--probe", tmp_path / "nope.json"),
                     "--probe")
+
+
+def test_plan_says_when_the_update_dominates(tmp_path, swap):
+    cfg = _plan_cfg(tmp_path, swap)
+    proc = tiermem("plan", "--config", cfg, "--params", "1B", "--read-gbps", "20",
+                   "--write-gbps", "20", "--no-activations", "--update-ns", "5")
+    io = (8e9 - 4 * (64 << 20) + 8e9) / 20e9
+    assert "update floor: 5 s" in proc.stdout
+    assert f"estimated opt.step() time ~5 s: update-bound ({5 / io:.2g}x the NVMe floor" \
+        in proc.stdout, proc.stdout
+    # match runs the plain optimizer's CPU kernel; the plan names it
+    cfg2 = _cfg(tmp_path, cfg.read_text() + "optimizer: {kernel: match}\n")
+    proc = tiermem("plan", "--config", cfg2, "--params", "1B", "--no-activations",
+                   "--update-ns", "5")
+    assert "kernel single_tensor, given" in proc.stdout
+    assert "estimated opt.step() time >= 5 s (update floor; the NVMe floor is unknown)" \
+        in proc.stdout
+    _one_error_line(tiermem("plan", "--params", "1B", "--read-gbps", "0"), "--read-gbps")
+
+
+def test_plan_measures_the_update_kernel_and_allocates_no_state(tmp_path, swap):
+    cfg = _plan_cfg(tmp_path, swap)
+    proc = tiermem("plan", "--config", cfg, "--params", "10M", "--no-activations",
+                   "--read-gbps", "1", "--write-gbps", "1")
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("update floor"))
+    assert "kernel fused, measured here on 4M elements" in line, line
+    ns = float(line.split(" ns/param")[0].rsplit(" ", 1)[1])
+    assert ns > 0
+    assert "-bound (" in proc.stdout
+    assert os.listdir(swap) == []  # the plan wrote nothing to the swap path
 
 
 def _run_dir(swap: Path, name: str, manifest: dict | None) -> Path:

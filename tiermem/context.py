@@ -17,7 +17,7 @@ import torch
 from tiermem.config import Settings, load_config
 from tiermem.dist import sharded
 from tiermem.errors import TierMemError
-from tiermem.optim.handle import KEPT, Offload, forget_kept, kept_dir, mark_kept
+from tiermem.optim.handle import Offload, forget_kept, kept_dir, put_kept
 from tiermem.optim.hooks import installed
 from tiermem.optim.lifecycle import (ACTIVE, caller, check_arguments, check_swap_paths,
                                      explain_run_dir)
@@ -53,8 +53,7 @@ def offload(optimizer: torch.optim.Optimizer,
     check_arguments(optimizer, model, settings, name)
     # A block that kept this optimizer's state on disk made opt.step() raise; a new block
     # lifts that (resume continues the state; a fresh start is what the user asked for).
-    kept = optimizer.__dict__.get(KEPT)
-    forget_kept(optimizer)
+    kept = forget_kept(optimizer)
     try:
         if sharded.wanted(optimizer, process_group):  # each rank tiers its share only
             if settings.parameters.offload != "none":
@@ -83,7 +82,7 @@ def offload(optimizer: torch.optim.Optimizer,
                 raise StaleSwapError(why) from exc
     except BaseException:
         if kept is not None and kept_dir(optimizer) is None and installed(optimizer) is None:
-            mark_kept(optimizer, kept, os.path.basename(kept).removeprefix("tiermem-"), None)
+            put_kept(optimizer, kept)  # a refused block leaves the guard as it was
         raise
     handle.unwrapped = unwrapped
     ACTIVE[optimizer] = f"name={name!r}, opened at {caller()}"

@@ -30,7 +30,7 @@ from tiermem.dist.collectives import Collectives
 from tiermem.config import Settings
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
-from tiermem.optim.handle import Offload
+from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
 from tiermem.optim.state_io import torch_state_dict
@@ -102,6 +102,7 @@ class DistributedOffload(Offload):
                                "torch.distributed is not initialised (init_process_group)")
         check_optimizer(opt)
         self.opt = opt
+        self.block_name = name  # the user's name=; each rank's directory adds -rank<r>
         d = settings.distributed
         self.coll = Collectives(process_group, d.timeout, name)
         try:
@@ -364,6 +365,15 @@ class DistributedOffload(Offload):
 
     # -- leaving the block -----------------------------------------------------------------
 
+    @property
+    def name(self) -> str:
+        return self.block_name
+
+    def _mark_kept(self) -> None:
+        # The user's optimizer (not the shadow) is what the user steps: guard that one.
+        mark_kept(self.opt, self.kept_on_disk, self.name, self.offloaded.committed_step,
+                  rank=self.rank)
+
     def _full_state_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() * 2 for p in self.layout.params)
 
@@ -396,6 +406,7 @@ class DistributedOffload(Offload):
         except BaseException as err:
             exc.add_note(f"tiermem: rank {self.rank} could not keep its share on disk ({err})")
             return
+        self._mark_kept()  # a caught exception must not let opt.step() start Adam over
         exc.add_note(f"tiermem: rank {self.rank} left on {type(exc).__name__}; "
                      f"{self.where_state_is()}")
 
@@ -432,6 +443,7 @@ class DistributedOffload(Offload):
                                f"back or gathered ({failed}); the swap files were kept in "
                                f"{dirs}") from failed
         self.kept_on_disk = off.keep_on_disk()
+        self._mark_kept()
         bad = [self.coll.global_rank(r) for r, row in enumerate(flags) if not row[0]]
         if bad:
             raise TierMemError(f"rank(s) {bad} could not write back their share of the "
@@ -440,6 +452,7 @@ class DistributedOffload(Offload):
         warnings.warn(
             f"tiermem: the whole optimizer state ({format_size(self._full_state_nbytes())}) "
             f"does not fit in the free host memory of every rank, so each rank keeps its "
-            f"share on disk (rank {self.rank}: {self.kept_on_disk}). Resume with "
-            "tiermem.offload(optimizer, config, resume=True) on the same world size.",
+            f"share on disk (rank {self.rank}: {self.kept_on_disk}), and opt.step() raises "
+            f"until it is resumed. Resume with {resume_call(self.name)} on every rank, with "
+            "the same world size.",
             TierMemWarning, stacklevel=4)

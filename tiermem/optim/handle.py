@@ -35,33 +35,50 @@ def resume_call(name: str) -> str:
             "tiermem.offload(optimizer, config, model=model, resume=True)")
 
 
-def mark_kept(opt: torch.optim.Optimizer, run_dir: str, name: str, step: int | None) -> None:
+def mark_kept(opt: torch.optim.Optimizer, run_dir: str, name: str, step: int | None, *,
+              rank: int | None = None) -> None:
     """After a block kept the state on disk, opt.state is empty: a plain opt.step() would
-    start Adam over from step 1 without a word. Make it raise, saying where the state is."""
+    start Adam over from step 1 without a word. Make it raise, saying where the state is.
+    rank: under torch.distributed, the rank whose share `run_dir` holds."""
     which = f"of committed step {step} " if step is not None else ""
-    message = (f"opt.step(): this optimizer's state {which}was kept on disk in {run_dir} when "
-               f"its tiermem.offload block ended, and opt.state is empty; stepping now would "
-               f"start Adam over from step 1. Resume it with `with {resume_call(name)}:`, or, "
-               "to start over on purpose, call tiermem.optim.handle.forget_kept(optimizer)")
+    if rank is None:
+        what, how = "this optimizer's state", f"`with {resume_call(name)}:`"
+    else:
+        what = f"rank {rank}'s share of this optimizer's state"
+        how = (f"`with {resume_call(name)}:` on every rank, with the same world size")
+    message = (f"opt.step(): {what} {which}was kept on disk in {run_dir} when its "
+               f"tiermem.offload block ended, and opt.state is empty; stepping now would "
+               f"start Adam over from step 1. Resume it with {how}, or, to start over on "
+               "purpose, call tiermem.optim.handle.forget_kept(optimizer)")
+    put_kept(opt, (run_dir, message))
+
+
+def put_kept(opt: torch.optim.Optimizer, kept: tuple[str, str]) -> None:
+    """Install the guard `kept` = (run directory, the error opt.step() raises)."""
+    message = kept[1]
 
     def step(opt_self, closure=None):
         raise TierMemError(message)
 
-    opt.__dict__[KEPT] = run_dir
+    opt.__dict__[KEPT] = kept
     opt.__dict__["step"] = types.MethodType(step, opt)
 
 
 def kept_dir(opt: torch.optim.Optimizer) -> str | None:
     """The run directory a block kept `opt`'s state in (opt.step() raises until it is
     resumed or forgotten), or None."""
-    return opt.__dict__.get(KEPT)
+    kept = opt.__dict__.get(KEPT)
+    return kept[0] if kept is not None else None
 
 
-def forget_kept(opt: torch.optim.Optimizer) -> None:
+def forget_kept(opt: torch.optim.Optimizer) -> tuple[str, str] | None:
     """Let `opt.step()` run plainly again after a block kept its state on disk (the kept
-    directory stays; `tiermem clean` removes it)."""
-    if opt.__dict__.pop(KEPT, None) is not None:
+    directory stays; `tiermem clean` removes it). Returns the guard lifted (for put_kept),
+    or None."""
+    kept = opt.__dict__.pop(KEPT, None)
+    if kept is not None:
         opt.__dict__.pop("step", None)
+    return kept
 
 
 class Offload:
@@ -168,7 +185,7 @@ class Offload:
             which = (f"of committed step {self.offloaded.committed_step} "
                      if self.offloaded.committed_step is not None else "")
             return (f"the optimizer state {which}stays on disk in {self.kept_on_disk}; resume "
-                    f"with {resume_call(self.offloaded.swap_name)}")
+                    f"with {resume_call(self.name)}")
         if self._discard:
             return "the optimizer state was discarded (stress/benchmark run)"
         return (f"the optimizer state of step {self.offloaded.steps_taken} was handed back to the "
@@ -275,14 +292,19 @@ class Offload:
             f"tiermem: the optimizer state ({format_size(need)}) does not fit in free host "
             f"memory ({format_size(available_memory())}), so it stays on disk in "
             f"{self.kept_on_disk}, and opt.step() raises until it is resumed. Resume with "
-            f"{resume_call(off.swap_name)} and the same model, optimizer and config.",
+            f"{resume_call(self.name)} and the same model, optimizer and config.",
             TierMemWarning, stacklevel=3)
+
+    @property
+    def name(self) -> str:
+        """The block's name= (what a resume must pass again)."""
+        return self.offloaded.swap_name
 
     def _mark_kept(self) -> None:
         off = self.offloaded
         # steps_taken counts this block's steps only, not the state's: name a step only
         # where it is the state's (a crash_consistent commit).
-        mark_kept(off.opt, self.kept_on_disk, off.swap_name, off.committed_step)
+        mark_kept(off.opt, self.kept_on_disk, self.name, off.committed_step)
 
     def leave(self, exc: BaseException | None) -> None:
         """The one way out of the block; `exc` is what ended it (None: it ended normally).

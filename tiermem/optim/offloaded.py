@@ -431,7 +431,14 @@ class OffloadedOptimizer:
         copies_back = []
         updated = []
         off = 0
-        with timed(stats, "transfer_seconds", f"grads in p{part.id}", part.id):
+        # A host record updated from host grads (a CPU model's, or those the lanes already
+        # copied over) gathers and writes back within host memory, copying nothing across
+        # host<->device: a timeline shows these spans on the host optimizer's lane, so a
+        # CPU-only run has no host<->device lane.
+        on_host = all(v.device.type == "cpu" for v in views.values()) and (
+            host_grads is not None or all(s.param.device.type == "cpu" for s in part.segments))
+        track = "host optimizer" if on_host else None
+        with timed(stats, "transfer_seconds", f"grads in p{part.id}", part.id, track):
             for i, s in enumerate(part.segments):
                 sl = slice(off, off + s.length)
                 off += s.length
@@ -472,7 +479,7 @@ class OffloadedOptimizer:
         if host_grads is not None:
             self.lanes.weights_to_device(part, copies_back, stats)
             return None
-        with timed(stats, "transfer_seconds", f"weights out p{part.id}", part.id):
+        with timed(stats, "transfer_seconds", f"weights out p{part.id}", part.id, track):
             for s, target in copies_back:
                 # Refresh the model's (low-precision or device) weights from the master.
                 s.param.detach().view(-1)[s.start: s.start + s.length].copy_(target)

@@ -88,8 +88,9 @@ class StepStats:
 
 @contextmanager
 def timed(stats: StepStats, name: str, label: str | None = None,
-          partition: int | None = None) -> Iterator[None]:
-    """Add the wall time of the block to `stats.<name>`; with recording on, also an Event."""
+          partition: int | None = None, track: str | None = None) -> Iterator[None]:
+    """Add the wall time of the block to `stats.<name>`; with recording on, also an Event
+    (on `track`, else the one `name` belongs to)."""
     t0 = time.monotonic()
     try:
         yield
@@ -97,8 +98,8 @@ def timed(stats: StepStats, name: str, label: str | None = None,
         t1 = time.monotonic()
         setattr(stats, name, getattr(stats, name) + t1 - t0)
         if stats.events is not None:
-            stats.events.append(Event(TRACKS[name], label or TRACKS[name], t0, t1, stats.step,
-                                      partition))
+            stats.events.append(Event(track or TRACKS[name], label or TRACKS[name], t0, t1,
+                                      stats.step, partition))
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:

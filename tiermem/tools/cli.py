@@ -92,6 +92,16 @@ def _positive(text: str) -> int:
     return n
 
 
+def _rate(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return x
+
+
 def _model_size_given(args: argparse.Namespace, command: str) -> bool:
     """A synthetic model needs --params, or both --layers and --hidden; else say so."""
     if args.params is None and (args.layers is None or args.hidden is None):
@@ -210,7 +220,8 @@ def _param_flags(p: argparse.ArgumentParser) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from tiermem.config import load_config
-    from tiermem.tools.stress import PlanError, check_plan, estimate_step, make_plan
+    from tiermem.tools.estimate import UpdateCost, estimate_step, kernel_for, measure_update
+    from tiermem.tools.stress import PlanError, check_plan, make_plan
     from tiermem.tools.synthetic import choose_shape
 
     if not _model_size_given(args, "plan"):
@@ -222,7 +233,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                      hidden=shape.hidden, layers=shape.layers, embed_rows=shape.embed_rows)
     for line in plan.lines():
         print(line)
-    for line in estimate_step(plan, settings, *rates):
+    if args.update_ns is not None:
+        update = UpdateCost(args.update_ns, kernel_for(settings), "given")
+    else:
+        update = measure_update(settings, args.dtype)
+    read, write = rates
+    for line in estimate_step(plan, settings, read_gbps=read, write_gbps=write, update=update):
         print(line)
     try:
         check_plan(plan)
@@ -407,8 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="leave activations out of the host-memory need")
     pl.add_argument("--probe", metavar="PROBE.json",
                     help="read/write GB/s from `tiermem probe --json` output")
-    pl.add_argument("--read-gbps", type=float, help="NVMe read GB/s (instead of --probe)")
-    pl.add_argument("--write-gbps", type=float, help="NVMe write GB/s (instead of --probe)")
+    pl.add_argument("--read-gbps", type=_rate, help="NVMe read GB/s (instead of --probe)")
+    pl.add_argument("--write-gbps", type=_rate, help="NVMe write GB/s (instead of --probe)")
+    pl.add_argument("--update-ns", type=_rate, metavar="NS",
+                    help="the update kernel's ns per parameter (default: measured now on a "
+                         "64 MB tensor set)")
     _param_flags(pl)
     pl.set_defaults(func=_cmd_plan)
     for cmd, helptext, func in (

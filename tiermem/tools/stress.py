@@ -128,37 +128,6 @@ def _free_disk(path: str) -> int:
     return free_bytes(path or "/")
 
 
-def estimate_step(plan: Plan, settings: Settings, read_gbps: float | None,
-                  write_gbps: float | None) -> list[str]:
-    """What the NVMe tier costs per step at the given rates (a floor on the step time: the
-    Adam arithmetic overlaps with the transfers, and gradients are not counted)."""
-    nvme = plan.tiers["nvme"]
-    # weights and grads on NVMe: weights read for forward and again (at most) for
-    # backward, grads written, both read by the step, the weights written back
-    params_io = plan.weights_tier == "nvme"
-    if not nvme and not params_io:
-        return ["no optimizer state on NVMe: a step does no NVMe I/O"]
-    p = settings.pipeline
-    # With zigzag the partitions still in the buffers from the last step need no read.
-    skipped = min(nvme, p.buffer_count * p.partition_size) if p.zigzag else 0
-    reads, writes = nvme - skipped, nvme
-    if params_io:
-        reads += 3 * plan.weights + plan.grads
-        writes += plan.weights + plan.grads
-    report = check_paths(settings.swap.paths)
-    drives = len({c.device for c in report.checks if c.device is not None}) or 1
-    out = [f"NVMe per step: read {format_size(reads)}, write {format_size(writes)}, over "
-           f"{drives} drive(s)"]
-    if not read_gbps or not write_gbps:
-        return out + ["no NVMe rates: measure them with `tiermem probe --json probe.json`, "
-                      "then give --probe probe.json (or --read-gbps/--write-gbps)"]
-    seconds = (reads / (read_gbps * 1e9) + writes / (write_gbps * 1e9)) / drives
-    what = "iteration (weights and grads moved too)" if params_io else "opt.step()"
-    return out + [f"estimated {what} time >= {seconds:.3g} s (NVMe-bound, at "
-                  f"{read_gbps:.3g} GB/s read and {write_gbps:.3g} GB/s write per drive; the "
-                  "arithmetic overlaps with it)"]
-
-
 def check_plan(plan: Plan) -> None:
     """Raise PlanError naming the tier that overflows and by how much."""
     if plan.tiers["gpu"] and not torch.cuda.is_available():

@@ -1,0 +1,64 @@
+"""`tiermem plan`'s update measurement: it times the kernel the config picks (the one the
+pipeline runs), in each configuration plan can describe, and the estimate's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiermem.config import load_config
+from tiermem.tools.estimate import UpdateCost, estimate_step, kernel_for, measure_update
+from tiermem.tools.stress import make_plan
+
+
+@pytest.mark.parametrize("optimizer,dtype,kernel", [
+    ({"kernel": "fused"}, "fp32", "fused"),
+    ({"kernel": "match"}, "fp32", "single_tensor"),
+    ({"kernel": "native"}, "fp32", "native"),
+    ({"kernel": "native"}, "bf16", "native"),
+    ({"kernel": "fused", "state_dtype": "bf16"}, "fp32", "native"),
+    ({"kernel": "fused"}, "fp16", "fused"),
+])
+def test_measure_update_runs_the_configured_kernel(optimizer, dtype, kernel):
+    settings = load_config({"optimizer": optimizer})
+    assert kernel_for(settings) == kernel
+    cost = measure_update(settings, dtype, numel=1 << 16, repeats=1)
+    assert cost.kernel == kernel and cost.ns_per_param > 0
+    assert "measured here on 65536 elements" in cost.source
+
+
+def _plan(tmp_path, **cfg):
+    swap = tmp_path / "swap"
+    swap.mkdir(mode=0o700, exist_ok=True)
+    settings = load_config({"swap": {"paths": [str(swap)]}, **cfg})
+    return settings, make_plan(10**9, "fp32", settings, synthetic_grads=True, hidden=1024,
+                               layers=1)
+
+
+def test_host_tier_counts_for_the_update_not_for_nvme(tmp_path):
+    settings, plan = _plan(tmp_path, tiers={"host": {"capacity": "4GB"}},
+                           pipeline={"zigzag": False})
+    lines = estimate_step(plan, settings, read_gbps=1.0, write_gbps=1.0,
+                          update=UpdateCost(1.0, "fused", "given"), drives=1)
+    text = "\n".join(lines)
+    # 8 GB of state, 4 GB on the host tier: 4 GB read and written; every element updated
+    assert "NVMe floor: 8 s" in text
+    assert "update floor: 1 s (1,000,000,000 parameters" in text
+    assert "~8 s: NVMe-bound (8x the update floor" in text
+
+
+def test_step_device_leaves_the_update_out(tmp_path):
+    settings, plan = _plan(tmp_path, tiers={"host": {"capacity": 0}},
+                           optimizer={"step_device": "device"})
+    lines = estimate_step(plan, settings, read_gbps=2.0, write_gbps=2.0,
+                          update=UpdateCost(1.0, "fused", "given"), drives=2)
+    text = "\n".join(lines)
+    assert "update floor: not estimated" in text
+    assert "NVMe-bound (the only floor estimated" in text
+
+
+def test_no_update_figure_says_what_to_give(tmp_path):
+    settings, plan = _plan(tmp_path, tiers={"host": {"capacity": 0}})
+    text = "\n".join(estimate_step(plan, settings, read_gbps=2.0, write_gbps=2.0,
+                                   update=None, drives=1))
+    assert "update floor: not measured" in text and "--update-ns" in text
+    assert "NVMe-bound (the only floor estimated" in text
