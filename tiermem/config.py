@@ -202,6 +202,22 @@ class DistributedSettings:
 
 
 @dataclass(frozen=True)
+class ParameterSettings:
+    """Where the model's weights and gradients live between uses (docs/guide/parameters.md)."""
+
+    offload: Literal["none", "host", "nvme"] = doc(
+        "none: weights and grads stay where the model put them; host: in pinned host "
+        "records; nvme: in swap files; either way materialised module by module by hooks, "
+        "needs model= in offload().", default="none")
+    prefetch: int = doc("Modules whose weights are fetched ahead of the one running, in the "
+                        "order learned from the first iteration.", lo=0, hi=1024, default=2)
+    window: Size = doc("Bytes of materialised weights (and gradients the step reads) at "
+                       "most; must hold the largest module and one optimizer partition's "
+                       "weights and grads; reads ahead only what fits.",
+                       lo=4096, hi=1 << 50, default=2 << 30)
+
+
+@dataclass(frozen=True)
 class Settings:
     """A whole tiermem config."""
 
@@ -216,6 +232,8 @@ class Settings:
                                        default_factory=OptimizerSettings)
     distributed: DistributedSettings = doc("Sharding under torch.distributed.",
                                            default_factory=DistributedSettings)
+    parameters: ParameterSettings = doc("Weights and gradients in the tiers.",
+                                        default_factory=ParameterSettings)
 
     def validate(self) -> None:
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,

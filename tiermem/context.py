@@ -56,6 +56,9 @@ def offload(optimizer: torch.optim.Optimizer,
     kept = forget_kept(optimizer)
     try:
         if sharded.wanted(optimizer, process_group):  # each rank tiers its share only
+            if settings.parameters.offload != "none":
+                raise TierMemError("parameters.offload is not supported under "
+                                   "torch.distributed yet; set parameters.offload: none")
             check_swap_paths(settings)
             handle: Offload = sharded.DistributedOffload(optimizer, settings, model=model,
                                                          name=name, resume=resume,

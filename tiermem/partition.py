@@ -153,7 +153,8 @@ def state_kinds(param: torch.Tensor, amsgrad: bool, keep_master: bool = False
     """Record contents for `param`: an fp32 master copy unless the update can run in place
     on the parameter itself (fp32, in host memory) and `keep_master` is off (a
     crash-consistent run keeps the weights in the record so they are committed with it)."""
-    in_place = (param.dtype == torch.float32 and param.device.type == "cpu"
+    # meta: a model built on the meta device that the parameter tier makes on the CPU
+    in_place = (param.dtype == torch.float32 and param.device.type in ("cpu", "meta")
                 and not keep_master)
     kinds = () if in_place else ("master",)
     kinds += ("exp_avg", "exp_avg_sq")

@@ -106,6 +106,26 @@ class Offload:
         overlap = self.offloaded.overlap
         return overlap.accumulating() if overlap is not None else contextlib.nullcontext()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters; with
+        parameters.offload over the gradients in the tiers (their norm was computed as they
+        streamed; the step applies the coefficient as it reads each one). Returns the total
+        norm."""
+        weights = self.offloaded.weights
+        if weights is None:
+            return torch.nn.utils.clip_grad_norm_(self.offloaded.params, max_norm, norm_type)
+        return weights.clip_grad_norm_(max_norm, norm_type)
+
+    def param_stats(self) -> dict[str, int]:
+        """The parameter tier's counters (fetches, prefetched, on_demand, out_of_order,
+        evictions, grads_stored, peak_window_bytes, bytes read/written); {} without
+        parameters.offload."""
+        weights = self.offloaded.weights
+        if weights is None:
+            return {}
+        return dict(weights.stats.as_dict(), bytes_read=weights.records.bytes_read,
+                    bytes_written=weights.records.bytes_written)
+
     def events(self) -> list:
         """Timeline spans (telemetry.Event) of the steps recorded so far."""
         self._wait_overlap()
@@ -114,7 +134,8 @@ class Offload:
 
     def discard(self) -> None:
         """Throw the optimizer state away at exit instead of returning it (benchmarks,
-        stress runs): swap files are removed and the optimizer is left with no state."""
+        stress runs): swap files are removed and the optimizer is left with no state. With
+        parameters.offload the weights go too: the model is left with empty parameters."""
         self._discard = True
 
     @property
@@ -143,7 +164,9 @@ class Offload:
                 "swap_bytes": tiers.store.total_bytes if tiers.store else 0,
                 "swap_dirs": tiers.store.dirs if tiers.store else [],
                 "partitions": len(self.offloaded.parts),
-                **({"unwrapped": self.unwrapped} if self.unwrapped else {})}
+                **({"unwrapped": self.unwrapped} if self.unwrapped else {}),
+                **({"parameters": self.offloaded.weights.plan()}
+                   if self.offloaded.weights is not None else {})}
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap) of the
@@ -203,7 +226,18 @@ class Offload:
         no step() raised is raised once the state is safe (or noted on the exit's own)."""
         pending = self.offloaded.end_overlap()
         try:
+            weights, self.offloaded.weights = self.offloaded.weights, None
+            failed = None
+            try:
+                if weights is not None and self._discard:
+                    weights.abandon()  # thrown away with the state: never gathered
+                elif weights is not None:  # the model gets its weights back first
+                    weights.close()
+            except BaseException as exc:  # the optimizer state still leaves properly
+                failed = exc
             self._exit_state()
+            if failed is not None:
+                raise failed
         except BaseException as exc:
             if pending is not None:
                 exc.add_note(f"tiermem: an update run during backward had failed too: "

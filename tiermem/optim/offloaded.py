@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.autograd.profiler import record_function
 
-from tiermem.config import Settings
+from tiermem.config import ConfigError, Settings
 from tiermem.device.lanes import CudaBackend, DeferredBackend, DeviceLanes
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import kernel_matching
@@ -24,6 +24,7 @@ from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import Batch, UpdateRule, rule_for
 from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
 from tiermem.kernels.checksum import record_digest
+from tiermem.params.tier import ParamTier
 from tiermem.partition import Partition, build_partitions
 from tiermem.tiers.pipeline import Views
 from tiermem.signals import deferred
@@ -49,6 +50,30 @@ def scalar_from_json(value: Any) -> Any:
     return value
 
 
+def check_weights_supported(settings: Settings, model: torch.nn.Module | None, streams: Any,
+                            resume: bool) -> None:
+    """What parameters.offload needs, and what it cannot run with yet: refused, never run
+    half right."""
+    if model is None:
+        raise ConfigError("parameters.offload", settings.parameters.offload,
+                          "needs the model: pass model= to tiermem.offload(opt, config, "
+                          "model=model), whose modules' hooks fetch the weights")
+    if resume:
+        raise TierMemError("resume=True is not supported with parameters.offload yet (the "
+                           "weight records are not kept on disk)")
+    if settings.pipeline.overlap_backward:
+        raise ConfigError("pipeline.overlap_backward", True,
+                          "not supported with parameters.offload yet (the step reads the "
+                          "gradients from the parameter tier after backward); set it false")
+    if settings.swap.durability == "crash_consistent":
+        raise ConfigError("swap.durability", "crash_consistent",
+                          "not supported with parameters.offload yet (commits do not include "
+                          "the weight records); use scratch")
+    if streams is not None:
+        raise TierMemError("parameters.offload runs CPU models only so far: streams= is not "
+                           "supported with it")
+
+
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
     """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
     return rule_for(opt)
@@ -64,12 +89,17 @@ class OffloadedOptimizer:
                  streams: CudaBackend | DeferredBackend | None = None) -> None:
         """resume_previous: resume from the commit before the last (manifest.PREVIOUS);
         keep_previous: every commit keeps the one before it (both: torch.distributed);
-        streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters)."""
+        streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters).
+        With parameters.offload the model's weights and grads move to a ParamTier once the
+        state is laid out (each partition's parameters are opened from it for its update)."""
         o = settings.optimizer
         self.rule = rule_for(optimizer, state_dtype=o.state_dtype,
                              state_rounding=o.state_rounding)
         self.opt = optimizer
         self.settings = settings
+        self.weights: ParamTier | None = None
+        if settings.parameters.offload != "none":
+            check_weights_supported(settings, model, streams, resume)
         self.swap_name = swap_name
         self.crash = settings.swap.durability == "crash_consistent"
         self.keep_previous = keep_previous
@@ -158,6 +188,20 @@ class OffloadedOptimizer:
                 self.detach()
                 self.tiers.close(remove_swap=True)
                 raise
+        if settings.parameters.offload != "none":
+            # Last: the partitions above were laid out from the weights still in memory.
+            try:
+                self.weights = ParamTier(model, settings, swap_name=swap_name)
+                self._route_zero_grad(optimizer)
+                self.weights.check_partitions([s.param for s in part.segments]
+                                              for part in self.parts)
+            except BaseException:
+                if self.weights is not None:
+                    self.weights.close()
+                    self.weights = None
+                self.detach()
+                self.tiers.close(remove_swap=True)
+                raise
 
     # -- set-up ----------------------------------------------------------------
 
@@ -178,7 +222,10 @@ class OffloadedOptimizer:
             return None
         if self.step_device == "device":
             return "device"
-        on_device = self.emulated or any(s.param.device.type != "cpu" for s in part.segments)
+        # meta: a model built on the meta device, made module by module in the parameter
+        # tier (parameters.offload), on the CPU
+        on_device = self.emulated or any(s.param.device.type not in ("cpu", "meta")
+                                         for s in part.segments)
         return "offload" if on_device else None
 
     def _add_lanes(self, parts: list[Partition]) -> None:
@@ -194,6 +241,26 @@ class OffloadedOptimizer:
         """Remove the hooks (state must have been exported or kept on disk first)."""
         self.end_overlap()
         self._hooks.remove()
+        if "zero_grad" in self.__dict__.get("_zero_grad_had", {}):
+            had = self._zero_grad_had.pop("zero_grad")
+            if had is None:
+                self.opt.__dict__.pop("zero_grad", None)
+            else:
+                self.opt.zero_grad = had
+
+    def _route_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """opt.zero_grad() also forgets the gradients stored in the parameter tier (they
+        are not in p.grad), so a backward after it stores instead of adding, as in torch."""
+        had = optimizer.__dict__.get("zero_grad")
+        self._zero_grad_had = {"zero_grad": had}
+        off = self
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            if off.weights is not None:
+                off.weights.zero_grad(off.params)
+            (had or type(optimizer).zero_grad.__get__(optimizer))(set_to_none)
+
+        optimizer.zero_grad = zero_grad
 
     # -- the step --------------------------------------------------------------
 
@@ -223,8 +290,11 @@ class OffloadedOptimizer:
         return loss
 
     def _step_tiers(self) -> None:
-        stepped = {i for i, p in enumerate(self.params) if p.grad is not None}
-        if any(self.params[i].grad.is_sparse for i in stepped):
+        if self.weights is not None:  # the grads are in the parameter tier, not in p.grad
+            stepped = {i for i, p in enumerate(self.params) if self.weights.has_gradient(p)}
+        else:
+            stepped = {i for i, p in enumerate(self.params) if p.grad is not None}
+        if self.weights is None and any(self.params[i].grad.is_sparse for i in stepped):
             raise TierMemError(f"{type(self.opt).__name__} under tiermem does not support "
                                "sparse gradients")
         stats = self.begin_step()  # refuses a group changed since the layout
@@ -234,6 +304,8 @@ class OffloadedOptimizer:
             try:
                 self.update(self.tiers.order(
                     lambda part: any(s.index in stepped for s in part.segments)), stats)
+                if self.weights is not None:
+                    self.weights.step_done()
                 self.tiers.end_step(stats)
             except BaseException as exc:
                 if self.lanes is not None:
@@ -286,9 +358,16 @@ class OffloadedOptimizer:
                 views = self.tiers.ready_views(nxt)
                 if views is not None:  # its copy to the device overlaps this update
                     self.lanes.stage(nxt, views)
+            opened = None
+            if self.weights is not None:
+                opened = self.weights.open_for_update(s.param for s in rec.part.segments)
+                if nxt is not None:  # its reads overlap this update
+                    self.weights.read_ahead_update(s.param for s in nxt.segments)
             if rec.fresh:
                 self.rule.init(rec.part, rec.views)
             digest = self._update(rec.part, rec.views, stats)
+            if opened is not None:
+                self.weights.updated(opened)
             self.tiers.release(rec, stats, digest)  # the disk works while after() runs
             if after is not None:
                 after(rec.part)
@@ -608,12 +687,16 @@ class OffloadedOptimizer:
             st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
                        for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
-            for k, shape, kdtype in self.rule.torch_state_tensors(p, group, dtype):
+            # with the weights in the parameter tier p is empty between uses: its shape
+            # and weights come from the tier
+            shaped = p if self.weights is None else self.weights.stand_in(p)
+            for k, shape, kdtype in self.rule.torch_state_tensors(shaped, group, dtype):
                 st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
             if not st:
                 continue  # torch keeps nothing for it (SGD without momentum)
             if not model_dtype and p.dtype != torch.float32:
-                st[self.rule.torch_keys["master"]] = p.detach().float().clone()
+                weights = p.detach() if self.weights is None else self.weights.current_weight(p)
+                st[self.rule.torch_keys["master"]] = weights.float().clone()
             out[p] = st
         gather(self.tiers, self.parts, self.rule.torch_keys, out)
         return out
@@ -648,7 +731,12 @@ class OffloadedOptimizer:
             self.steps[i] = torch.tensor(0.0)
             self.scalars[i] = {}
         self._next_scalars.clear()
-        self._import(state)
+        if self.weights is not None and any("master" in part.kinds for part in self.parts):
+            # a master missing from the checkpoint is taken from the model's weights
+            with self.weights.materialised(self.params):
+                self._import(state)
+        else:
+            self._import(state)
         self.opt.state.clear()
         if self.crash:
             self.commit()
@@ -697,6 +785,10 @@ class OffloadedOptimizer:
                             s.param.detach().view(-1)[s.start: s.start + s.length].copy_(m)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.weights is not None:
+            raise TierMemError("add_param_group inside the block is not supported with "
+                               "parameters.offload yet: add every param group before "
+                               "tiermem.offload")
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.add_param_group()")
         first_group = len(self.opt.param_groups)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from tiermem.errors import TierMemError
 from tiermem.sizes import parse_count, parse_size
@@ -127,13 +127,25 @@ def _model_size_given(args: argparse.Namespace, command: str) -> bool:
     return True
 
 
+def _with_param_flags(settings: Any, args: argparse.Namespace) -> Any:
+    """--offload-params / --param-window over the config's parameters section."""
+    import dataclasses
+
+    ps = settings.parameters
+    if args.offload_params is not None:
+        ps = dataclasses.replace(ps, offload=args.offload_params)
+    if args.param_window is not None:
+        ps = dataclasses.replace(ps, window=args.param_window)
+    return dataclasses.replace(settings, parameters=ps)
+
+
 def _cmd_stress(args: argparse.Namespace) -> int:
     from tiermem.config import load_config
     from tiermem.tools.stress import StressArgs, run_stress, step_table, to_json
 
     if not _model_size_given(args, "stress"):
         return 2
-    settings = load_config(args.config)
+    settings = _with_param_flags(load_config(args.config), args)
     result = run_stress(StressArgs(
         settings=settings, params=args.params, layers=args.layers, hidden=args.hidden,
         dtype=args.dtype, steps=args.steps, grad_accum=args.grad_accum, verify=args.verify,
@@ -215,6 +227,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if report.errors else 0
 
 
+def _param_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--offload-params", choices=["none", "host", "nvme"],
+                   help="weights and grads in the tiers (parameters.offload; default: config)")
+    p.add_argument("--param-window", type=_size, metavar="SIZE",
+                   help="bytes of materialised weights at most (parameters.window)")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from tiermem.config import load_config
     from tiermem.tools.estimate import UpdateCost, estimate_step, kernel_for, measure_update
@@ -223,12 +242,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if not _model_size_given(args, "plan"):
         return 2
-    settings = load_config(args.config)
+    settings = _with_param_flags(load_config(args.config), args)
     rates = _probe_rates(args)
     shape = choose_shape(args.params, args.layers, args.hidden)
     plan = make_plan(shape.params, args.dtype, settings, synthetic_grads=args.no_activations,
                      hidden=shape.hidden, layers=shape.layers, optimizer=args.optimizer,
-                     shapes=param_shapes(shape))
+                     shapes=param_shapes(shape), embed_rows=shape.embed_rows)
     for line in plan.lines():
         print(line)
     if args.update_ns is not None:
@@ -392,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fill gradients from a seeded generator instead of forward/backward")
     s.add_argument("--seed", type=int, default=0,
                    help="seeds weights, tokens, gradients and the verified sample (default 0)")
+    _param_flags(s)
     s.add_argument("--json", metavar="OUT", help="write plan, per-step stats, verification")
     s.add_argument("--trace", metavar="OUT.json", help="Chrome/Perfetto trace of every step")
     s.add_argument("--plot", metavar="OUT.png", help="timeline and throughput plot")
@@ -431,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--update-ns", type=_rate, metavar="NS",
                     help="the update kernel's ns per parameter (default: measured now on a "
                          "64 MB tensor set)")
+    _param_flags(pl)
     pl.set_defaults(func=_cmd_plan)
     for cmd, helptext, func in (
             ("ls", "list run directories under the swap paths: in use, kept, committed, "

@@ -116,6 +116,13 @@ def estimate_step(plan: Plan, settings: Settings, *, read_gbps: float | None,
                        "probe.json`, then give --probe probe.json (or --read-gbps/--write-gbps)")
     else:
         out.append("no optimizer state on NVMe: a step does no NVMe I/O")
+    if plan.weights_tier == "nvme":
+        # weights read for forward and again (at most) for backward and by the step, grads
+        # written and read back, the updated weights written
+        out.append(f"weights and grads on NVMe per iteration: read "
+                   f"{format_size(3 * plan.weights + plan.grads)}, write "
+                   f"{format_size(plan.weights + plan.grads)} (forward, backward and the step; "
+                   "not in the figures below)")
     compute = None
     # state_per_param is fractional for factored state (Adafactor), 0 for none (plain SGD)
     on_cpu = (round((plan.tiers["host"] + nvme) / plan.state_per_param)

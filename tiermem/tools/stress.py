@@ -9,6 +9,7 @@ compared bit for bit: Adam/AdamW with the same kernel, every other optimizer
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import resource
@@ -61,6 +62,10 @@ class Plan:
     host_available: int
     disk_free: int
     optimizer: str = "adamw"
+    # parameters.offload: where weights and grads live, and the window they are used in
+    weights_tier: str = "model"
+    window: int = 0
+    window_need: int = 0  # the least window the largest module and partition need
 
     def lines(self) -> list[str]:
         f = format_size
@@ -73,12 +78,15 @@ class Plan:
             f"(free on disk {f(self.disk_free)})",
             f"host memory needed {f(self.host_need)} of {f(self.host_available)} available "
             f"(activations ~{f(self.activations)})",
-        ]
+        ] + ([f"weights and grads on the {self.weights_tier} tier "
+              f"({f(self.weights + self.grads)}), used through a window of {f(self.window)} "
+              f"(needs at least {f(self.window_need)})"]
+             if self.weights_tier != "model" else [])
 
 
 def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: bool,
               hidden: int, layers: int, optimizer: str = "adamw",
-              shapes: Sequence[tuple[int, ...]] | None = None) -> Plan:
+              shapes: Sequence[tuple[int, ...]] | None = None, embed_rows: int = 0) -> Plan:
     """shapes: the model's parameter shapes (default: one flat parameter of `params`), for
     rules whose state depends on them (Adafactor's factored statistics; Muon steps 2-D
     parameters only)."""
@@ -95,10 +103,32 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
     activations = 0 if synthetic_grads else BATCH * SEQ * hidden * max(1, layers) * 24 * 4
     weights = grads = params * itemsize
     path = swap_dir(settings)
+    ps = settings.parameters
+    in_memory = weights + grads  # where the model keeps them
+    swap = nvme
+    window_need = 0
+    pinned = host + buffers
+    if ps.offload != "none":
+        # The largest module (a block's 4h x h linear, or the embedding table) and one
+        # partition's parameters (the largest one whole: a partition opens its
+        # parameters whole), weights and grads, with a page of padding and a footer each.
+        largest = max(4 * hidden * hidden, embed_rows * hidden)
+        # a rule keeping no state per parameter (plain SGD) has all of them in one partition
+        per_part = int(settings.pipeline.partition_size // per_param) if per_param else params
+        window_need = max(largest * itemsize, 2 * (largest + per_part) * itemsize) + (64 << 10)
+        # the window, and as much again in write buffers in flight (records.pending_limit)
+        in_memory = 2 * ps.window
+        if ps.offload == "host":
+            pinned += weights + grads
+            in_memory += weights + grads
+        else:
+            swap += weights + grads
     return Plan(params, dtype, weights, grads, state, per_param,
-                {"gpu": gpu, "host": host, "nvme": nvme}, host + buffers, nvme, activations,
-                weights + grads + host + buffers + activations, available_memory(),
-                _free_disk(path), optimizer)
+                {"gpu": gpu, "host": host, "nvme": nvme}, pinned, swap, activations,
+                in_memory + host + buffers + activations, available_memory(),
+                _free_disk(path), optimizer,
+                weights_tier="model" if ps.offload == "none" else ps.offload,
+                window=ps.window if ps.offload != "none" else 0, window_need=window_need)
 
 
 def _free_disk(path: str) -> int:
@@ -113,6 +143,13 @@ def check_plan(plan: Plan) -> None:
     if plan.tiers["gpu"] and not torch.cuda.is_available():
         raise PlanError("the plan puts optimizer state on the gpu tier but no CUDA device "
                         "is available; set tiers.gpu.capacity: 0")
+    if plan.host_need > plan.host_available and plan.weights_tier != "model":
+        raise PlanError(
+            f"host memory overflows by {format_size(plan.host_need - plan.host_available)}: "
+            f"the parameter window and its write buffers {format_size(2 * plan.window)} + "
+            f"host tier and buffers {format_size(plan.pinned)} + activations "
+            f"{format_size(plan.activations)} > {format_size(plan.host_available)} available; "
+            "lower parameters.window or tiers.host.capacity, or use parameters.offload: nvme")
     if plan.host_need > plan.host_available:
         raise PlanError(
             f"host memory overflows by {format_size(plan.host_need - plan.host_available)}: "
@@ -122,6 +159,12 @@ def check_plan(plan: Plan) -> None:
             "Offloading the optimizer state does not shrink weights, gradients or "
             "activations: use fewer parameters, lower tiers.host.capacity, or "
             "--synthetic-grads to skip the forward pass.")
+    if plan.window and plan.window < plan.window_need:
+        raise PlanError(
+            f"parameters.window {format_size(plan.window)} cannot hold the largest module and "
+            f"one optimizer partition's weights and gradients (about "
+            f"{format_size(plan.window_need)}): raise parameters.window or lower "
+            "pipeline.partition_size")
     if plan.swap > plan.disk_free:
         raise PlanError(f"the nvme tier overflows by {format_size(plan.swap - plan.disk_free)}: "
                         f"{format_size(plan.swap)} of swap, {format_size(plan.disk_free)} free "
@@ -142,6 +185,16 @@ class Mismatch:
     def __str__(self) -> str:
         return (f"step {self.step}: partition {self.partition} ({self.tier} tier) {self.tensor} "
                 f"differs from the in-memory reference (max |diff| {self.max_abs_diff:.3g})")
+
+
+def _weights_of(off: Any, p: torch.Tensor) -> torch.Tensor:
+    """`p`'s weights now: from the parameter tier with parameters.offload."""
+    return p.detach() if off.weights is None else off.weights.current_weight(p)
+
+
+def _grad_of(off: Any, p: torch.Tensor) -> torch.Tensor | None:
+    """`p`'s gradient for the coming step: from the parameter tier with parameters.offload."""
+    return p.grad if off.weights is None else off.weights.gradient(p)
 
 
 @dataclass
@@ -182,7 +235,9 @@ class Verifier:
                 for k, v in views.items():
                     taken[k] = v.clone()
             if fresh:  # a never-written record starts as the rule builds it
-                off.rule.init(part, taken)
+                with (off.weights.materialised(s.param for s in part.segments)
+                      if off.weights is not None else contextlib.nullcontext()):
+                    off.rule.init(part, taken)
             self._pending.append((part, self._reference(part, taken)))
 
     def _reference(self, part: Partition, rec: dict[str, torch.Tensor]) -> dict:
@@ -195,16 +250,19 @@ class Verifier:
         group = off.opt.param_groups[part.group]
         lists: dict[str, list] = {k: [] for k in ("params", "grads", "steps", *MOMENTS)}
         weights = []
+        grads: dict[int, torch.Tensor] = {}  # per segment number, the gradient (if any)
         pos = 0
-        for s in part.segments:
+        for n, s in enumerate(part.segments):
             sl = slice(pos, pos + s.length)
             pos += s.length
             p = s.param
-            cur = p.detach().reshape(-1)[s.start: s.start + s.length].clone()
+            cur = _weights_of(off, p).reshape(-1)[s.start: s.start + s.length].clone()
             weights.append((s, cur))
-            if p.grad is None:
+            full = _grad_of(off, p)
+            if full is None:
                 continue
-            g = p.grad.reshape(-1)[s.start: s.start + s.length].float().clone()
+            grads[n] = full.reshape(-1)[s.start: s.start + s.length]
+            g = grads[n].float().clone()
             lists["params"].append(rec["master"][sl] if "master" in rec else cur)
             lists["grads"].append(g)
             lists["steps"].append(off.steps[s.index] + 1)
@@ -212,7 +270,8 @@ class Verifier:
                 if k in rec:
                     lists[k].append(rec[k][sl])
         if lists["params"] and off.settings.optimizer.state_dtype == "bf16":
-            self._reference_bf16_state(part, rec, lists["params"], lists["steps"], group)
+            self._reference_bf16_state(part, rec, lists["params"], lists["steps"], group,
+                                       grads)
         elif lists["params"]:
             kernel = off.settings.optimizer.kernel
             if kernel == "match":
@@ -227,14 +286,15 @@ class Verifier:
                         decoupled_weight_decay=bool(group.get("decoupled_weight_decay")))
         if "master" in rec:
             pos = 0
-            for s, cur in weights:
-                if s.param.grad is not None:
+            for n, (s, cur) in enumerate(weights):
+                if n in grads:
                     cur.copy_(rec["master"][pos: pos + s.length])
                 pos += s.length
         return {"record": rec, "weights": weights}
 
     def _reference_bf16_state(self, part: Partition, rec: dict[str, torch.Tensor],
-                              params: list, steps: list, group: dict) -> None:
+                              params: list, steps: list, group: dict,
+                              grads: dict[int, torch.Tensor]) -> None:
         """bf16 moments: the native kernel per segment, rounded and seeded as the pipeline
         does (optimizer.state_rounding; the stream of (step, partition) at the element's
         record position). params: per stepped segment, the record's master or a copy of
@@ -243,15 +303,15 @@ class Verifier:
 
         opt = self.tm.offloaded.settings.optimizer
         pos, k = 0, 0
-        for s in part.segments:
+        for n, s in enumerate(part.segments):
             sl = slice(pos, pos + s.length)
             pos += s.length
-            if s.param.grad is None:
+            if n not in grads:
                 continue
             master, step, k = params[k], steps[k], k + 1
             adam_fused_mixed(
                 master=master,
-                grad=s.param.grad.reshape(-1)[s.start: s.start + s.length],
+                grad=grads[n],
                 exp_avg=rec["exp_avg"][sl], exp_avg_sq=rec["exp_avg_sq"][sl],
                 max_exp_avg_sq=rec["max_exp_avg_sq"][sl] if group["amsgrad"] else None,
                 step=step, lr=group["lr"], beta1=float(group["betas"][0]),
@@ -270,7 +330,7 @@ class Verifier:
                 for k, v in views.items():
                     self._check(step, part, k, v, ref["record"][k])
             for s, expected in ref["weights"]:
-                got = s.param.detach().reshape(-1)[s.start: s.start + s.length]
+                got = _weights_of(off, s.param).reshape(-1)[s.start: s.start + s.length]
                 self._check(step, part, f"weights of param {s.index}", got, expected)
             self.checked += 1
         self._pending = []
@@ -313,12 +373,14 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     check_paths(a.settings.swap.paths).raise_first()
     plan = make_plan(shape.params, a.dtype, a.settings, synthetic_grads=a.synthetic_grads,
                      hidden=shape.hidden, layers=shape.layers, optimizer=a.optimizer,
-                     shapes=param_shapes(shape))
+                     shapes=param_shapes(shape), embed_rows=shape.embed_rows)
     for line in plan.lines():
         out(line)
     check_plan(plan)
+    # with the weights in the tiers the model is never whole in memory: built on the meta
+    # device, made module by module as its weights go into their records
     model = build_model(a.params, layers=a.layers, hidden=a.hidden, dtype=DTYPES[a.dtype],
-                        seed=a.seed)
+                        seed=a.seed, meta=a.settings.parameters.offload != "none")
     out(f"synthetic model: {shape.layers} blocks of hidden {shape.hidden}, embedding "
         f"{shape.embed_rows} x {shape.hidden}, extra {shape.extra}")
     opt = make_optimizer(a.optimizer, list(model.parameters()), a.lr)
@@ -333,7 +395,7 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
         try:
             for step in range(1, a.steps + 1):
                 t0 = time.perf_counter()
-                _gradients(model, a, step)
+                _gradients(model, a, step, tm)
                 if verifier:
                     verifier.before(step)
                 opt.step()
@@ -358,6 +420,7 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
         finally:
             if bar is not None:
                 bar.close()
+        result["param_stats"] = tm.param_stats()
         final = tm.stats()  # flushes: io_seconds and GB/s of the last step are now known
         for row, stats in zip(result["steps"], final):
             row.update(stats)
@@ -370,7 +433,16 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     return result
 
 
-def _gradients(model: SyntheticModel, a: StressArgs, step: int) -> None:
+def _gradients(model: SyntheticModel, a: StressArgs, step: int, tm: Offload) -> None:
+    weights = tm.offloaded.weights
+    if a.synthetic_grads and weights is not None:
+        # the same seeded gradients, handed to the parameter tier as backward's hooks would
+        gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+        for p in model.parameters():
+            shape = weights.records.metas[weights.index[id(p)]]
+            g = torch.empty(shape.shape, dtype=shape.dtype).normal_(0, 1e-3, generator=gen)
+            weights.store_gradient(p, g)
+        return
     if a.synthetic_grads:
         fill_synthetic_grads(model, step, a.seed)
         return

@@ -106,6 +106,11 @@ class SyntheticModel(nn.Module):
         self.embed = nn.Parameter(torch.empty(shape.embed_rows, shape.hidden, dtype=dtype)) \
             if shape.embed_rows else None
         self.extra = nn.Parameter(torch.empty(shape.extra, dtype=dtype)) if shape.extra else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The model's own parameters (the blocks' modules have theirs); also what the
+        parameter tier calls when the model was built on the meta device."""
         with torch.no_grad():
             for p in (self.embed, self.extra):
                 if p is not None:
@@ -127,9 +132,13 @@ class SyntheticModel(nn.Module):
 
 
 def build_model(params: int | None, *, layers: int | None = None, hidden: int | None = None,
-                dtype: torch.dtype = torch.float32, seed: int = 0) -> SyntheticModel:
+                dtype: torch.dtype = torch.float32, seed: int = 0,
+                meta: bool = False) -> SyntheticModel:
+    """meta: built on the meta device (no memory), for parameters.offload to make module by
+    module."""
     torch.manual_seed(seed)
-    return SyntheticModel(choose_shape(params, layers, hidden), dtype)
+    with torch.device("meta" if meta else "cpu"):
+        return SyntheticModel(choose_shape(params, layers, hidden), dtype)
 
 
 def fill_synthetic_grads(model: nn.Module, step: int, seed: int = 0) -> None:

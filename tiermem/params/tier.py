@@ -1,0 +1,804 @@
+"""ParamTier: the model's weights and gradients in the tiers, materialised module by module.
+
+Units are the modules that own parameters directly (a parameter owned by two
+modules, a tied embedding, belongs to the first and is fetched for both).
+Leaf-owner granularity keeps the window small (a transformer block's weights
+are fetched linear by linear) while a module's forward still sees all of its
+own weights at once.
+
+Between uses a parameter's storage is released (`p.data` becomes an empty
+tensor) and its weights live in a record (records.py). A forward pre-hook
+materialises the module's parameters into buffers of their own; the forward
+post-hook unpins them, and they stay in the window (least recently used
+first out) until room is needed. Autograd's saved tensors never hold a
+window buffer: a saved tensor that views a managed weight is packed as
+(parameter, geometry) and unpacked by materialising the parameter again,
+on demand if it was evicted, so backward always sees the right weights
+whatever the window holds.
+
+The order units are needed in (forward pre-hooks and backward unpacks) is
+recorded on the first iteration; afterwards each request is checked against it
+and the next `parameters.prefetch` units are read ahead. A unit out of the
+learned order is fetched on demand (and counted): never run with a stale or
+missing weight.
+
+Gradients leave memory as they become final (post-accumulate-grad hooks) into
+their records, added to the stored one when the record already holds a
+gradient since the last step (torch's own accumulation), and the squared norm of
+the stored value is kept, so `clip_grad_norm_` needs no pass over the grads. The
+optimizer step opens the parameters of one partition at a time
+(`open_for_update`): weights materialised, the gradient read back and scaled by
+the clip coefficient; the updated weights are written back when evicted or when
+the step ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tiermem.config import ConfigError, Settings
+from tiermem.errors import TierMemError
+from tiermem.params.records import GRAD, WEIGHT, Fetch, Meta, Records
+from tiermem.sizes import format_size
+from tiermem.sysinfo import available_memory
+
+
+MAX_ORDER = 1 << 20  # unit requests recorded before the first step; more are not learned
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A tensor autograd saved that views a managed weight, by geometry instead of storage."""
+
+    index: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # elements after the parameter's own storage offset
+    version: int  # ParamTier.steps when saved
+
+
+@dataclass
+class ParamStats:
+    """Counters since the block opened."""
+
+    fetches: int = 0  # weight records brought into the window
+    prefetched: int = 0  # of those, read ahead in the learned order
+    on_demand: int = 0  # needed at once: not read ahead (first iteration, out of order)
+    out_of_order: int = 0  # units requested against the learned order
+    outside_hooks: int = 0  # weights used by a forward other than their module's own
+    evictions: int = 0
+    grads_stored: int = 0
+    peak_window_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class UseGuard(TorchFunctionMode):
+    """During the model's forward, a released weight handed to any torch function (a
+    module's weight used from another module's forward, not through its own call) is
+    materialised first, on demand: no op ever sees an empty weight."""
+
+    def __init__(self, tier: "ParamTier") -> None:
+        super().__init__()
+        self.tier = tier
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        tier = self.tier
+        if not tier._busy:
+            for a in (*args, *(kwargs or {}).values()):
+                if type(a) is torch.nn.Parameter:
+                    tier._use(a)
+                elif type(a) in (list, tuple):
+                    for b in a:
+                        if type(b) is torch.nn.Parameter:
+                            tier._use(b)
+        return func(*args, **(kwargs or {}))
+
+
+class _Restore:
+    """A handle whose remove() puts an instance attribute back as it was."""
+
+    def __init__(self, obj: Any, name: str, had: Any) -> None:
+        self.obj, self.name, self.had = obj, name, had
+
+    def remove(self) -> None:
+        if self.had is None:
+            self.obj.__dict__.pop(self.name, None)
+        else:
+            setattr(self.obj, self.name, self.had)
+
+
+class ParamTier:
+    """Weights and gradients of `model` on `settings.parameters.offload` (host or nvme)."""
+
+    def __init__(self, model: torch.nn.Module, settings: Settings, *, swap_name: str) -> None:
+        ps = settings.parameters
+        if ps.offload == "none":
+            raise TierMemError("parameters.offload is none: there is no parameter tier to make")
+        self.model = model
+        self.settings = settings
+        self.prefetch = ps.prefetch
+        self.window = ps.window
+        self.params: list[torch.nn.Parameter] = list(model.parameters())
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        names: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
+        self.names = [names[id(p)] for p in self.params]
+        for i, p in enumerate(self.params):
+            if p.device.type not in ("cpu", "meta"):
+                raise TierMemError(f"parameters.offload: parameter {self.names[i]} is on "
+                                   f"{p.device}; only CPU models are supported so far")
+            if not p.is_floating_point() or not p.is_contiguous() or p.numel() == 0:
+                raise TierMemError(f"parameters.offload: parameter {self.names[i]} "
+                                   f"({p.dtype}, shape {tuple(p.shape)}) must be a non-empty "
+                                   "contiguous floating-point tensor")
+        # units: modules owning parameters directly, with the indices they use
+        self.units: list[tuple[int, ...]] = []
+        self.unit_names: list[str] = []
+        self.unit_of: list[int] = [-1] * len(self.params)
+        self._unit_modules: list[torch.nn.Module] = []
+        for mname, m in model.named_modules(remove_duplicate=True):
+            own = []
+            for p in m._parameters.values():
+                if p is not None and id(p) in self.index and self.index[id(p)] not in own:
+                    own.append(self.index[id(p)])
+            if not own:
+                continue
+            u = len(self.units)
+            self.units.append(tuple(own))
+            self.unit_names.append(mname or "<root>")
+            self._unit_modules.append(m)
+            for i in own:
+                if self.unit_of[i] < 0:
+                    self.unit_of[i] = u
+        self.records = Records([Meta(p.shape, p.dtype) for p in self.params], ps.offload,
+                               settings, swap_name + ".params")
+        self.records.pending_limit = self.window
+        # the window: materialised weights (LRU order), reads in flight, pins, grads out
+        self.live: OrderedDict[int, int] = OrderedDict()  # index -> bytes held
+        self.inflight: dict[int, Fetch] = {}
+        self.pins: dict[int, int] = {}
+        self.dirty: set[int] = set()
+        self.grads_out: dict[int, int] = {}  # index -> bytes of a gradient handed to the step
+        self.grads_inflight: dict[int, Fetch] = {}  # gradients read ahead for the step
+        self.used = 0
+        self._by_storage: dict[int, int] = {}  # data_ptr of a materialised weight -> index
+        # the learned order of unit requests
+        self.learned: list[int] | None = None
+        self._recording: list[int] = []
+        self._cursor = 0
+        # gradients
+        self.has_grad = [False] * len(self.params)
+        self.norms: dict[int, torch.Tensor] = {}
+        self.clip_coef: torch.Tensor | None = None
+        self.steps = 0
+        self.stats = ParamStats()
+        self._handles: list[Any] = []
+        self._accumulators: list[Any] = []
+        self._hooks_ctx: list[Any] = []
+        self._closed = False
+        self._busy = False  # inside the tier's own work: UseGuard stands aside
+        try:
+            self._check_window()
+            self._install()
+            for u in range(len(self.units)):  # module by module: bounded memory
+                self._materialise_meta(u)
+                for i in self.units[u]:
+                    if self.unit_of[i] == u:
+                        self._take_in(i)
+            self.records.drain()
+        except BaseException:
+            self._accumulators.clear()
+            self.records.drain()
+            for i, p in enumerate(self.params):  # whatever was released comes back
+                if p.numel() == 0 and i not in self.live:
+                    try:
+                        p.data = self.records.fetch(WEIGHT, i).wait().clone()
+                    except TierMemError:
+                        pass
+            for h in self._handles:
+                h.remove()
+            self.records.close()
+            raise
+
+    def check_partitions(self, partitions: Iterable[Iterable[torch.Tensor]]) -> None:
+        """Refuse an optimizer parameter that is not the model's (its weights would not be
+        in the tier), and a partition whose parameters' weights and gradients (opened
+        together for its update) do not fit in the window."""
+        for n, params in enumerate(partitions):
+            idx = self.indices(params)
+            need = sum(2 * self._bytes(i) for i in idx)
+            if need > self.window:
+                raise ConfigError(
+                    "parameters.window", self.window,
+                    f"must hold the weights and gradients of one optimizer partition, opened "
+                    f"together for its update: partition {n} ({self.names[idx[0]]}, ...) needs "
+                    f"{format_size(need)}; raise it or lower pipeline.partition_size")
+
+    # -- set-up -------------------------------------------------------------------
+
+    def _bytes(self, i: int) -> int:
+        return self.records.slot_bytes(i)
+
+    def _check_window(self) -> None:
+        need, worst = 0, None
+        for u, own in enumerate(self.units):
+            b = sum(self._bytes(i) for i in own)
+            if b > need:
+                need, worst = b, u
+        if need > self.window:
+            raise ConfigError(
+                "parameters.window", self.window,
+                f"must hold the largest module's weights: {self.unit_names[worst]} needs "
+                f"{format_size(need)} ({format_size(need - self.window)} more); raise it or "
+                "split that module")
+
+    def _install(self) -> None:
+        for u, m in enumerate(self._unit_modules):
+            self._handles.append(m.register_forward_pre_hook(
+                lambda mod, args, u=u: self._enter(u)))
+            self._handles.append(m.register_forward_hook(
+                lambda mod, args, out, u=u: self._leave(u), always_call=True))
+            self._handles.append(m.register_state_dict_post_hook(
+                lambda mod, sd, prefix, meta, u=u: self._fill_state_dict(u, sd, prefix)))
+            self._handles.append(m.register_load_state_dict_pre_hook(
+                lambda mod, *args, u=u: self._enter_load(u)))
+            self._handles.append(m.register_load_state_dict_post_hook(
+                lambda mod, keys, u=u: self._leave_load(u)))
+        # the root brackets a forward with the saved-tensor hooks
+        self._handles.append(self.model.register_forward_pre_hook(self._push_saved_hooks,
+                                                                  prepend=True))
+        self._handles.append(self.model.register_forward_hook(
+            lambda mod, args, out: self._pop_saved_hooks(), always_call=True))
+        model, tier = self.model, self
+        had = model.__dict__.get("zero_grad")
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            tier.zero_grad()
+            (had or type(model).zero_grad.__get__(model))(set_to_none)
+
+        model.zero_grad = zero_grad
+        self._handles.append(_Restore(model, "zero_grad", had))
+
+    def _take_in(self, i: int) -> None:
+        """Parameter `i`'s weights (on the CPU now) into their record; its gradient hooks;
+        then its storage released."""
+        p = self.params[i]
+        self.records.write(WEIGHT, i, p.detach())
+        if p.requires_grad:
+            # AccumulateGrad lays a gradient out like its parameter (a transposed one is
+            # copied into the parameter's strides): the weights must be there, and the node
+            # records the parameter's shape and device when made, so it is made now. It is
+            # held so that the same node (and its hook) serves every backward.
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+            self._accumulators.append(node)
+            self._handles.append(node.register_prehook(
+                lambda grads, i=i: self._before_accumulate(i)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._release_storage(i)
+
+    def _materialise_meta(self, u: int) -> None:
+        """A module built on the meta device: its own parameters made on the CPU and
+        initialised by its reset_parameters(), one module at a time, so that the whole model
+        is never in memory."""
+        m = self._unit_modules[u]
+        mine = [i for i in self.units[u] if self.unit_of[i] == u and self.params[i].is_meta]
+        if not mine:
+            return
+        reset = getattr(m, "reset_parameters", None)
+        if reset is None:
+            raise TierMemError(
+                f"parameters.offload: {self.unit_names[u]} ({type(m).__name__}) has parameters "
+                "on the meta device and no reset_parameters() to initialise them")
+        if any(self.params[i].is_meta for i in self.units[u] if i not in mine):
+            raise TierMemError(f"parameters.offload: {self.unit_names[u]} shares a parameter "
+                               "still on the meta device with a module not initialised yet")
+        for i in mine:
+            p = self.params[i]
+            # p.data cannot change a meta tensor into a CPU one; swap_tensors keeps the
+            # Parameter object (the optimizer's, a tied module's) and changes what it is.
+            torch.utils.swap_tensors(p, torch.nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
+        with torch.no_grad():
+            reset()
+
+    def _push_saved_hooks(self, mod: Any, args: Any) -> None:
+        ctxs = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+                UseGuard(self))
+        for c in ctxs:
+            c.__enter__()
+        self._hooks_ctx.append(ctxs)
+
+    def _pop_saved_hooks(self) -> None:
+        if self._hooks_ctx:
+            for c in reversed(self._hooks_ctx.pop()):
+                c.__exit__(None, None, None)
+
+    # -- the window ---------------------------------------------------------------
+
+    def _release_storage(self, i: int) -> None:
+        p = self.params[i]
+        self._by_storage.pop(p.untyped_storage().data_ptr(), None)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _install_weight(self, i: int, value: torch.Tensor) -> None:
+        p = self.params[i]
+        p.data = value
+        self._by_storage[value.untyped_storage().data_ptr()] = i
+        self.live[i] = self._bytes(i)
+
+    def _take(self, n: int) -> None:
+        self.used += n
+        self.stats.peak_window_bytes = max(self.stats.peak_window_bytes, self.used)
+
+    def _evict(self, i: int) -> None:
+        if i in self.dirty:
+            self.records.write(WEIGHT, i, self.params[i].detach())
+            self.dirty.discard(i)
+        self._drop_grad(i)
+        self._release_storage(i)
+        self.used -= self.live.pop(i)
+        self.stats.evictions += 1
+
+    def _drop_grads_inflight(self) -> None:
+        for i in list(self.grads_inflight):
+            self.grads_inflight.pop(i).wait()
+            self.used -= self._bytes(i)
+
+    def _drop_grad(self, i: int) -> None:
+        n = self.grads_out.pop(i, None)
+        if n is not None:
+            self.params[i].grad = None
+            self.used -= n
+
+    def _make_room(self, n: int, protect: set[int], *, must: bool) -> bool:
+        """Evict unpinned weights (least recently used first) until `n` more bytes fit.
+        Reads ahead that nobody waits for yet are dropped last. False (or an error when
+        `must`) if the pinned weights leave no room."""
+        while self.used + n > self.window:
+            victim = next((i for i in self.live if not self.pins.get(i)
+                           and i not in protect), None)
+            if victim is not None:
+                self._evict(victim)
+                continue
+            if not must:
+                return False
+            spare = next((i for i in self.inflight if i not in protect), None)
+            early = next((i for i in self.grads_inflight if i not in protect), None)
+            if spare is None and early is not None:
+                self.grads_inflight.pop(early).wait()  # read again when it is needed
+                self.used -= self._bytes(early)
+                continue
+            if spare is None:
+                pinned = [self.names[i] for i in self.live if self.pins.get(i)]
+                raise TierMemError(
+                    f"parameters.window ({format_size(self.window)}) cannot hold "
+                    f"{format_size(n)} more: {format_size(self.used)} is in use by weights "
+                    f"in use now ({', '.join(pinned[:4])}{', ...' if len(pinned) > 4 else ''})"
+                    "; raise parameters.window")
+            self.inflight.pop(spare).wait()  # its buffer is freed with it
+            self.used -= self._bytes(spare)
+        return True
+
+    def _materialise(self, i: int) -> None:
+        if i in self.live:
+            self.live.move_to_end(i)
+            return
+        fetch = self.inflight.pop(i, None)
+        if fetch is None:
+            self._make_room(self._bytes(i), set(self.pins), must=True)
+            self._take(self._bytes(i))
+            fetch = self.records.fetch(WEIGHT, i)
+            self.stats.on_demand += 1
+        else:
+            self.stats.prefetched += 1
+        self.stats.fetches += 1
+        self._install_weight(i, fetch.wait())
+
+    def _read_ahead(self, units: Iterable[int]) -> None:
+        wanted = [i for u in units for i in self.units[u]]
+        protect = set(wanted) | set(self.pins)
+        for i in wanted:
+            if i in self.live or i in self.inflight:
+                continue
+            if not self._make_room(self._bytes(i), protect, must=False):
+                return
+            self._take(self._bytes(i))
+            self.inflight[i] = self.records.fetch(WEIGHT, i)
+
+    def _request(self, u: int) -> None:
+        """Unit `u` is needed now: follow (or learn) the order, read the next ones ahead."""
+        if self.learned is None:
+            if (not self._recording or self._recording[-1] != u) and \
+                    len(self._recording) < MAX_ORDER:
+                self._recording.append(u)
+            return
+        order, c = self.learned, self._cursor
+        if c < len(order) and order[c] == u:
+            c += 1
+        elif not (c > 0 and order[c - 1] == u):
+            self.stats.out_of_order += 1
+            try:
+                c = order.index(u, c) + 1
+            except ValueError:
+                pass  # not ahead in the order: keep the place, fetch this one on demand
+        self._cursor = c
+        if self.prefetch:
+            self._read_ahead(order[c: c + self.prefetch])
+
+    def _pin(self, i: int) -> None:
+        self.pins[i] = self.pins.get(i, 0) + 1
+
+    def _unpin(self, i: int) -> None:
+        left = self.pins.get(i, 0) - 1
+        if left > 0:
+            self.pins[i] = left
+        else:
+            self.pins.pop(i, None)
+
+    def _use(self, p: torch.Tensor) -> None:
+        i = self.index.get(id(p))
+        if i is None or i in self.live:
+            return
+        self._busy = True
+        try:
+            self._request(self.unit_of[i])
+            self._materialise(i)
+            self.stats.outside_hooks += 1
+        finally:
+            self._busy = False
+
+    def _enter(self, u: int) -> None:
+        self._check_open()
+        self._busy = True  # the tier's own tensor work is not a use of a weight
+        try:
+            self._request(u)
+            for i in self.units[u]:
+                self._pin(i)
+            for i in self.units[u]:
+                self._materialise(i)
+        finally:
+            self._busy = False
+
+    def _leave(self, u: int) -> None:
+        for i in self.units[u]:
+            self._unpin(i)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierMemError("the parameter tier of this model was closed")
+
+    # -- saved tensors --------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.layout != torch.strided:
+            return t
+        try:
+            i = self._by_storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            return t
+        if i is None:
+            return t
+        p = self.params[i]
+        if t.dtype != p.dtype or p.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            return t  # a reinterpretation: keep it (the values stay right, the window grows)
+        return Saved(i, t.size(), t.stride(), t.storage_offset() - p.storage_offset(),
+                     self.steps)
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, Saved):
+            return x
+        if x.version != self.steps:
+            raise TierMemError(
+                f"backward needs {self.names[x.index]} as its forward saw it, but an optimizer "
+                "step has changed it since; run backward before opt.step()")
+        self._check_open()
+        self._request(self.unit_of[x.index])
+        self._materialise(x.index)
+        p = self.params[x.index].detach()
+        return p.as_strided(x.size, x.stride, p.storage_offset() + x.offset)
+
+    # -- gradients ------------------------------------------------------------------
+
+    def _before_accumulate(self, i: int) -> None:
+        self._check_open()
+        self._request(self.unit_of[i])
+        self._pin(i)
+        self._materialise(i)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        i = self.index[id(p)]
+        self._unpin(i)
+        g, p.grad = p.grad, None
+        if g is not None:
+            self.store_gradient(p, g)
+
+    def store_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        """`g` is (another part of) parameter `p`'s gradient for the coming step: stored or
+        added, as backward's hook does (stress runs give synthetic gradients this way)."""
+        i = self.index[id(p)]
+        if g.shape != self.records.metas[i].shape or g.dtype != self.records.metas[i].dtype:
+            raise TierMemError(f"gradient of {self.names[i]}: got {g.dtype} "
+                               f"{tuple(g.shape)}, expected {self.records.metas[i].dtype} "
+                               f"{tuple(self.records.metas[i].shape)}")
+        if g.layout != torch.strided:
+            raise TierMemError(f"parameters.offload: {self.names[i]} got a {g.layout} "
+                               "gradient; only dense gradients are supported")
+        stored = self.records.accumulate(i, g, add=self.has_grad[i])
+        self.has_grad[i] = True
+        # the norm of the stored (accumulated) gradient: final once backward is
+        self.norms[i] = torch.linalg.vector_norm(stored, 2)
+        self.stats.grads_stored += 1
+
+    def gradient(self, p: torch.Tensor) -> torch.Tensor | None:
+        """A copy of `p`'s stored gradient as the step will read it (clip applied)."""
+        i = self.index[id(p)]
+        if not self.has_grad[i]:
+            return None
+        self.records.drain()
+        g = self.records.fetch(GRAD, i).wait().clone()
+        if self.clip_coef is not None:
+            g.mul_(self.clip_coef)
+        return g
+
+    def stand_in(self, p: torch.Tensor) -> torch.Tensor:
+        """A tensor of `p`'s shape and dtype that holds no memory (p is empty between
+        uses): for code that needs only its shape."""
+        m = self.records.metas[self.index[id(p)]]
+        return torch.empty((), dtype=m.dtype, device=p.device).expand(m.shape)
+
+    def current_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """A copy of `p`'s weights as they are now (window or record)."""
+        return self.weight(self.index[id(p)])
+
+    def zero_grad(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Forget the stored gradients of `params` (all when None), as torch's zero_grad
+        drops p.grad: the next backward stores instead of adding."""
+        for i in (range(len(self.params)) if params is None else self.indices(params)):
+            self.has_grad[i] = False
+            self.norms.pop(i, None)
+            self._drop_grad(i)
+        if not any(self.has_grad):
+            self.clip_coef = None
+
+    def with_grads(self) -> set[int]:
+        """Indices (in model.parameters() order) of parameters holding a gradient."""
+        return {i for i, h in enumerate(self.has_grad) if h}
+
+    def has_gradient(self, p: torch.Tensor) -> bool:
+        i = self.index.get(id(p))
+        return i is not None and self.has_grad[i]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the stored gradients by their global norm, as torch.nn.utils.clip_grad_norm_
+        over model.parameters(): returns the total norm; the step applies the coefficient
+        as it reads each gradient."""
+        if norm_type != 2.0:
+            raise TierMemError(f"clip_grad_norm_ with parameters.offload computes the 2-norm "
+                               f"as gradients stream; norm_type={norm_type} is not supported")
+        norms = [self.norms[i] for i in range(len(self.params)) if self.has_grad[i]]
+        if not norms:
+            return torch.tensor(0.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # a second clip before the step multiplies again, as torch's would
+        self.clip_coef = coef if self.clip_coef is None else self.clip_coef * coef
+        return total
+
+    # -- the optimizer step ---------------------------------------------------------
+
+    def indices(self, params: Iterable[torch.Tensor]) -> list[int]:
+        out: list[int] = []
+        for p in params:
+            i = self.index.get(id(p))
+            if i is None:
+                raise TierMemError("the optimizer holds a parameter that is not the model's "
+                                   "(parameters.offload manages model.parameters() only)")
+            if i not in out:
+                out.append(i)
+        return out
+
+    def open_for_update(self, params: Iterable[torch.Tensor]) -> list[int]:
+        """Materialise `params` with their gradients (scaled by the clip coefficient) for
+        the update about to run; returns their indices for updated()."""
+        self._check_open()
+        opened = self.indices(params)
+        for i in opened:
+            self._pin(i)
+        for i in opened:
+            self._materialise(i)
+            if self.has_grad[i] and i not in self.grads_out:
+                n = self._bytes(i)
+                fetch = self.grads_inflight.pop(i, None)
+                if fetch is None:
+                    self._make_room(n, set(self.pins), must=True)
+                    self._take(n)
+                    fetch = self.records.fetch(GRAD, i)
+                g = fetch.wait()
+                if self.clip_coef is not None:
+                    g.mul_(self.clip_coef)  # as torch's clip: the fp32 coefficient
+                self.params[i].grad = g
+                self.grads_out[i] = n
+        return opened
+
+    def read_ahead_update(self, params: Iterable[torch.Tensor]) -> None:
+        """The next partition's parameters: start reading their weights and gradients
+        now, as far as the window allows without evicting what is open (nothing with
+        parameters.prefetch 0)."""
+        if not self.prefetch:
+            return
+        wanted = self.indices(params)
+        protect = set(wanted) | set(self.pins)
+        for i in wanted:
+            if i not in self.live and i not in self.inflight:
+                if not self._make_room(self._bytes(i), protect, must=False):
+                    return
+                self._take(self._bytes(i))
+                self.inflight[i] = self.records.fetch(WEIGHT, i)
+            if self.has_grad[i] and i not in self.grads_out and i not in self.grads_inflight:
+                if not self._make_room(self._bytes(i), protect, must=False):
+                    return
+                self._take(self._bytes(i))
+                self.grads_inflight[i] = self.records.fetch(GRAD, i)
+
+    @contextlib.contextmanager
+    def materialised(self, params: Iterable[torch.Tensor]) -> Iterator[None]:
+        """`params`' weights in place for the duration, read only (a check, an init)."""
+        idx = self.indices(params)
+        for i in idx:
+            self._pin(i)
+        try:
+            for i in idx:
+                self._materialise(i)
+            yield
+        finally:
+            for i in idx:
+                self._unpin(i)
+
+    def updated(self, opened: list[int]) -> None:
+        """The update of `opened` is done: their weights changed (written back later)."""
+        for i in opened:
+            if self.has_grad[i]:
+                self.dirty.add(i)
+            self._unpin(i)
+
+    def step_done(self) -> None:
+        """The step consumed every gradient: write the updated weights back, forget the
+        gradients, and freeze (or follow) the learned order for the next iteration."""
+        for i in list(self.live):
+            if i in self.dirty:
+                self.records.write(WEIGHT, i, self.params[i].detach())
+                self.dirty.discard(i)
+            self._drop_grad(i)
+        for i in list(self.grads_out):
+            self._drop_grad(i)
+        self._drop_grads_inflight()
+        self.has_grad = [False] * len(self.params)
+        self.norms.clear()
+        self.clip_coef = None
+        self.steps += 1
+        if self.learned is None and self._recording:
+            self.learned = self._recording
+        self._cursor = 0
+        if self.learned and self.prefetch:
+            self._read_ahead(self.learned[: self.prefetch])
+
+    def plan(self) -> dict[str, Any]:
+        """Where the weights and grads are and what the window holds (tm.plan())."""
+        weights = sum(m.nbytes for m in self.records.metas)
+        return {"tier": self.records.tier, "weight_bytes": weights, "grad_bytes": weights,
+                "pinned_bytes": self.records.resident_bytes(),
+                "swap_bytes": self.records.store.total_bytes if self.records.store else 0,
+                "swap_dirs": self.records.store.dirs if self.records.store else [],
+                "window": self.window, "units": len(self.units),
+                "learned_order": len(self.learned) if self.learned is not None else None}
+
+    # -- state dicts ----------------------------------------------------------------
+
+    def weight(self, i: int) -> torch.Tensor:
+        """Parameter `i`'s current weights as a tensor of their own."""
+        if i in self.live:
+            return self.params[i].detach().clone()
+        self.records.drain()
+        return self.records.fetch(WEIGHT, i).wait().clone()
+
+    def _fill_state_dict(self, u: int, sd: dict, prefix: str) -> None:
+        m = self._unit_modules[u]
+        for name, p in m._parameters.items():
+            key = prefix + name
+            if p is None or key not in sd or id(p) not in self.index:
+                continue
+            i = self.index[id(p)]
+            value = self.weight(i)
+            sd[key] = torch.nn.Parameter(value, requires_grad=p.requires_grad) \
+                if isinstance(sd[key], torch.nn.Parameter) else value
+
+    def _enter_load(self, u: int) -> None:
+        self._check_open()
+        for i in self.units[u]:
+            self._pin(i)
+            self._materialise(i)
+
+    def _leave_load(self, u: int) -> None:
+        for i in self.units[u]:
+            self.dirty.add(i)
+            self._unpin(i)
+
+    # -- leaving ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give the model its weights back as ordinary tensors (and any gradient not yet
+        consumed by a step, as torch would hold it), remove the hooks and the records."""
+        if self._closed:
+            return
+        need = sum(m.nbytes for m in self.records.metas) - sum(self.live.values())
+        if need > available_memory() * 0.8:
+            self.abandon()
+            raise TierMemError(
+                f"the model's weights ({format_size(need)} more) do not fit in free host memory "
+                f"({format_size(available_memory())}) to be given back at the end of the "
+                "block; they were thrown away. Save what you need inside the block and call "
+                "tm.discard() to leave without gathering them")
+        try:
+            for i in list(self.live):
+                if i in self.dirty:
+                    self.records.write(WEIGHT, i, self.params[i].detach())
+            self.dirty.clear()
+            for i in list(self.grads_out):
+                self._drop_grad(i)
+            for i in list(self.inflight):
+                self.inflight.pop(i).wait()
+            self._drop_grads_inflight()
+            self.records.drain()
+            for i, p in enumerate(self.params):
+                value = self.records.fetch(WEIGHT, i).wait().clone()
+                grad = (self.records.fetch(GRAD, i).wait().clone() if self.has_grad[i]
+                        else None)
+                self._release_storage(i)
+                p.data = value
+                if grad is not None:
+                    p.grad = grad
+            self.live.clear()
+            self.used = 0
+        finally:
+            self._closed = True
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._accumulators.clear()
+            while self._hooks_ctx:
+                self._pop_saved_hooks()
+            self.records.close()
+
+    def abandon(self) -> None:
+        """Close without giving the weights back (tm.discard(): benchmarks, stress runs):
+        hooks and records removed, every parameter left empty."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for i in list(self.inflight):
+                self.inflight.pop(i).wait()
+            self._drop_grads_inflight()
+            for i in list(self.live):
+                self._drop_grad(i)
+                self._release_storage(i)
+            self.live.clear()
+            self.used = 0
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._accumulators.clear()
+            while self._hooks_ctx:
+                self._pop_saved_hooks()
+            self.records.close()
