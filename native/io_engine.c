@@ -22,7 +22,6 @@
 #include "tiermem_native.h"
 #include "completion.h"
 
-#define SUBMIT_EACH_MIN (256u << 10) /* see queue_piece */
 #define WAKE_TAG ((uint64_t)1) /* user_data of the eventfd read; pieces are
                                    pointers, never 1 */
 
@@ -41,7 +40,6 @@ struct tm_engine {
     unsigned file_slots;
     int fixed_files_ok;
     int buffers_registered;
-    int submit_each; /* one piece per io_uring_enter: block_size >= SUBMIT_EACH_MIN */
     int wake_fd;
     uint64_t wake_val;
     pthread_t worker;
@@ -102,16 +100,6 @@ static void queue_piece(tm_engine *e, piece *p)
         sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, p);
     e->pieces_in_ring++;
-    /* Large pieces go in one per io_uring_enter, as fio submits by default
-     * (iodepth_batch 1): a batch of adjacent pieces is submitted under a block plug,
-     * which merges them into requests of up to max_sectors_kb before they reach the
-     * device. The device then sees fewer, larger requests in flight (at depth 8 with
-     * 1 MiB pieces: 4 of 2 MiB on the virtio disk of docs/dev/io-benchmark.md),
-     * which it serves more slowly than 8 of 1 MiB. A syscall per piece costs nothing
-     * at that size; small pieces stay batched, where the syscalls would cost and
-     * merging them helps. */
-    if (e->submit_each)
-        io_uring_submit(&e->ring);
 }
 
 static void fill_op(tm_engine *e, int op);
@@ -265,7 +253,6 @@ int tm_engine_create(unsigned queue_depth, unsigned block_size,
         return -ENOMEM;
     e->queue_depth = queue_depth;
     e->block_size = block_size;
-    e->submit_each = block_size >= SUBMIT_EACH_MIN;
     struct io_uring_params params;
     memset(&params, 0, sizeof params);
     /* COOP_TASKRUN: completions are only needed when the worker enters the

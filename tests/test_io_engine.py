@@ -20,8 +20,7 @@ from tiermem.io.buffers import BufferPool
 from tiermem.io import DIRECT_ALIGN, IOEngine
 
 KiB = 1024
-# from 256 KiB the io_uring worker submits each piece with its own io_uring_enter
-BLOCK_SIZES = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB]
+BLOCK_SIZES = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB]
 
 
 def as_bytes(buf) -> bytes:
