@@ -19,6 +19,10 @@ the run and restores the original count afterwards, on Ctrl-C and SIGTERM too.
 The engine's buffers are allocated while the pages are reserved, so both sides
 use hugetlb pages; the page kind they actually got is reported.
 
+Each pass also reads the disk's own counters (/sys/dev/block/MAJ:MIN/stat): how many
+requests were in flight at the device on average while it was busy, and how large the
+requests were after the block layer split or merged them, for fio and the engine alike.
+
 Quick smoke test:  PYTHONPATH=. python3 bench/io_vs_fio.py --size 512MiB --rounds 1
 Full run (root):   PYTHONPATH=. python3 bench/io_vs_fio.py
 """
@@ -73,10 +77,41 @@ class Measurement:
     op: str
     nbytes: int
     seconds: float
+    queue: float | None = None  # requests in flight at the device on average while busy
+    request_kib: float | None = None  # average size of the requests the device completed
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9
+
+
+class DeviceCounters:
+    """The block device's own counters (/sys/dev/block/MAJ:MIN/stat) around one pass: how
+    many requests were really in flight at the device (time_in_queue / io_ticks, iostat's
+    aqu-sz over the busy time only, so fio's start-up does not count) and how large they
+    were after the block layer split or merged them. Other users of the disk add to both."""
+
+    def __init__(self, directory: Path) -> None:
+        st = os.stat(directory)
+        self.path = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
+        if not self.path.exists():
+            self.path = None  # e.g. an overlay or network filesystem: no counters
+
+    def read(self) -> list[int] | None:
+        if self.path is None:
+            return None
+        with open(self.path) as f:
+            return [int(x) for x in f.read().split()]
+
+    @staticmethod
+    def summary(before: list[int] | None, after: list[int] | None,
+                op: str) -> tuple[float | None, float | None]:
+        if before is None or after is None:
+            return None, None
+        d = [a - b for a, b in zip(after, before)]
+        ios, sectors = (d[0], d[2]) if op == "read" else (d[4], d[6])
+        queue = d[10] / d[9] if d[9] > 0 else None  # time_in_queue ms / io_ticks ms
+        return queue, (sectors * 512 / 1024 / ios if ios else None)
 
 
 # -- arguments -------------------------------------------------------------------------------
@@ -476,7 +511,8 @@ def build_tools(args: argparse.Namespace, path: Path, engines: dict, deepspeed: 
     return tools
 
 
-def run_rounds(tools: dict[str, Measure], depths: Sequence[int], rounds: int) -> list[Measurement]:
+def run_rounds(tools: dict[str, Measure], depths: Sequence[int], rounds: int,
+               counters: DeviceCounters | None = None) -> list[Measurement]:
     """Interleave tools within each round (per depth: all writes, then all reads) so that
     disk drift shared with other users of the machine hits every tool alike."""
     results = []
@@ -484,11 +520,16 @@ def run_rounds(tools: dict[str, Measure], depths: Sequence[int], rounds: int) ->
         for depth in depths:
             for op in OPS:
                 for name, measure in tools.items():
+                    before = counters.read() if counters else None
                     nbytes, seconds = measure(op, depth)
-                    m = Measurement(r, name, depth, op, nbytes, seconds)
+                    queue, kib = DeviceCounters.summary(
+                        before, counters.read() if counters else None, op)
+                    m = Measurement(r, name, depth, op, nbytes, seconds, queue, kib)
                     results.append(m)
+                    seen = (f"  device: {queue:5.2f} in flight, {kib:6.0f} KiB/request"
+                            if queue is not None and kib is not None else "")
                     print(f"round {r}/{rounds}  qd {depth:<3} {op:<5}  {name:<16} "
-                          f"{m.gbps:6.2f} GB/s", flush=True)
+                          f"{m.gbps:6.2f} GB/s{seen}", flush=True)
     return results
 
 
@@ -496,8 +537,14 @@ def summarize(results: Sequence[Measurement]) -> list[dict[str, Any]]:
     """Median GB/s per (tool, depth, op), with ratios to fio and DeepSpeed at the same
     depth and op, and whether tiermem met its goals."""
     groups: dict[tuple[str, int, str], list[float]] = {}
+    queues: dict[tuple[str, int, str], list[float]] = {}
+    sizes: dict[tuple[str, int, str], list[float]] = {}
     for m in results:
         groups.setdefault((m.tool, m.depth, m.op), []).append(m.gbps)
+        if m.queue is not None:
+            queues.setdefault((m.tool, m.depth, m.op), []).append(m.queue)
+        if m.request_kib is not None:
+            sizes.setdefault((m.tool, m.depth, m.op), []).append(m.request_kib)
     medians = {k: statistics.median(v) for k, v in groups.items()}
     rows = []
     for (tool, depth, op), gbps in medians.items():
@@ -505,7 +552,11 @@ def summarize(results: Sequence[Measurement]) -> list[dict[str, Any]]:
         ds = medians.get((DEEPSPEED, depth, op))
         row = {"tool": tool, "depth": depth, "op": op, "gbps_median": gbps,
                "gbps_rounds": groups[tool, depth, op],
-               "vs_fio": ratio(gbps, fio), "vs_deepspeed": ratio(gbps, ds)}
+               "vs_fio": ratio(gbps, fio), "vs_deepspeed": ratio(gbps, ds),
+               "device_queue_median": (statistics.median(queues[tool, depth, op])
+                                       if (tool, depth, op) in queues else None),
+               "request_kib_median": (statistics.median(sizes[tool, depth, op])
+                                      if (tool, depth, op) in sizes else None)}
         if tool in ENGINE_TOOLS:
             row["meets_fio_goal"] = row["vs_fio"] is not None and row["vs_fio"] >= GOAL_VS_FIO
             row["meets_deepspeed_goal"] = (None if ds is None
@@ -528,12 +579,15 @@ def show_results(summary: Sequence[dict[str, Any]], deepspeed_status: str) -> st
     rows = [[r["tool"], r["depth"], r["op"], f"{r['gbps_median']:.2f}",
              _ratio_cell(r["vs_fio"], GOAL_VS_FIO, r["tool"] in ENGINE_TOOLS, "n/a"),
              _ratio_cell(r["vs_deepspeed"], GOAL_VS_DEEPSPEED, r["tool"] in ENGINE_TOOLS,
-                         ds_missing)]
+                         ds_missing),
+             "n/a" if r["device_queue_median"] is None else f"{r['device_queue_median']:.2f}",
+             "n/a" if r["request_kib_median"] is None else f"{r['request_kib_median']:.0f}"]
             for r in summary]
     print()
     return show_table(
         ["backend/tool", "depth", "op", "GB/s (median)", f"vs fio (goal >= {GOAL_VS_FIO})",
-         f"vs DeepSpeed aio (goal >= {GOAL_VS_DEEPSPEED})"], rows)
+         f"vs DeepSpeed aio (goal >= {GOAL_VS_DEEPSPEED})", "in flight at device",
+         "KiB/request"], rows)
 
 
 def fill_file(engine: IOEngine, path: Path, size: int,
@@ -604,7 +658,7 @@ def run_with_tools(args: argparse.Namespace, aio: Any, path: Path,
               f"pages={facts['engine_buffers']['pages']}, registered={registered}", flush=True)
         facts["fill"] = fill_file(engines[URING, max(args.depths)], path, args.size, buffers)
         tools = build_tools(args, path, engines, deepspeed, buffers, reservation)
-        return run_rounds(tools, args.depths, args.rounds)
+        return run_rounds(tools, args.depths, args.rounds, DeviceCounters(args.directory))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

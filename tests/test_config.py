@@ -43,7 +43,7 @@ def test_defaults():
     assert s.swap.checksums is True
     assert s.tiers.gpu.capacity == 0 and s.tiers.host.capacity == 2 << 30
     assert s.pipeline == PipelineSettings(64 << 20, 4, 2, True)
-    assert s.placement == [] and s.optimizer.kernel == "fused"
+    assert s.placement == [] and s.optimizer.kernel == "auto"
 
 
 def test_settings_object_passes_through():

@@ -147,10 +147,11 @@ class PlacementRule:
 class OptimizerSettings:
     """How the update runs."""
 
-    kernel: Literal["fused", "match", "native"] = doc(
-        "fused: torch's fused Adam kernel on each partition; match: the same implementation "
-        "the wrapped optimizer would run (bitwise parity); native: tiermem's SIMD kernel "
-        "(native/adam.c, within 1e-6 of fused).", default="fused")
+    kernel: Literal["auto", "fused", "match", "native"] = doc(
+        "auto: the fastest kernel that holds the parity tests (native for Adam/AdamW updated "
+        "on the CPU, fused elsewhere); fused: torch's fused kernel on each partition; match: "
+        "the same implementation the wrapped optimizer would run (bitwise parity); native: "
+        "tiermem's SIMD kernel (native/adam.c, within 1e-6 of fused).", default="auto")
     state_dtype: Literal["fp32", "bf16"] = doc(
         "Storage dtype of exp_avg, exp_avg_sq (and max_exp_avg_sq): bf16 keeps 2 bytes per "
         "moment instead of 4 (a master weight stays fp32) and runs the update in tiermem's "
@@ -172,15 +173,15 @@ class OptimizerSettings:
             key, value = (("optimizer.kernel", self.kernel) if self.kernel == "native"
                           else ("optimizer.state_dtype", self.state_dtype))
             raise ConfigError(
-                key, value, "with optimizer.step_device device use optimizer.kernel fused or "
-                "match and optimizer.state_dtype fp32 (the native kernel and bf16 state run "
+                key, value, "with optimizer.step_device device use optimizer.kernel auto, fused "
+                "or match and optimizer.state_dtype fp32 (the native kernel and bf16 state run "
                 "on the CPU); or set optimizer.step_device: cpu")
         if self.state_dtype == "bf16" and self.kernel == "match":
             # match promises bitwise parity with the wrapped optimizer, which keeps
             # fp32 moments: no bf16 store can keep that promise.
             raise ConfigError(
                 "optimizer.kernel", self.kernel,
-                "with optimizer.state_dtype bf16 use fused or native (the update then runs "
+                "with optimizer.state_dtype bf16 use auto, fused or native (the update runs "
                 "tiermem's native kernel); match promises bitwise parity with the wrapped "
                 "optimizer's fp32 state")
 

@@ -399,9 +399,8 @@ class OffloadedOptimizer:
         """Update `part`'s record in place. Returns the record's CRC32C when the native
         kernel computed it in the same pass (a checksummed record about to be written),
         else None: the swap store then hashes the record itself."""
-        kernel = self.settings.optimizer.kernel
         route = self._route(part)
-        if self.rule.wants_native(kernel, part, on_host=route is None and not self.emulated):
+        if self.runs_native(part):
             return self._update_native(part, views, stats)
         if route == "device":
             self.lanes.update_on_device(
@@ -411,6 +410,12 @@ class OffloadedOptimizer:
         return self._gathered_update(part, views, None, stats,
                                      host_grads=self.lanes.grads_on_host(part, stats)
                                      if route == "offload" else None)
+
+    def runs_native(self, part: Partition) -> bool:
+        """Whether tiermem's native kernel updates `part` (in `_update_native`): the rule
+        wants it for this kernel setting and the update runs on host memory."""
+        return self.rule.wants_native(self.settings.optimizer.kernel, part,
+                                      on_host=self._route(part) is None and not self.emulated)
 
     def _gathered_update(self, part: Partition, views: Views,
                          scratch: torch.Tensor | None, stats: StepStats | None = None, *,
@@ -470,6 +475,8 @@ class OffloadedOptimizer:
         kernel = self.settings.optimizer.kernel
         if kernel == "match":  # what torch would run where this update runs
             kernel = kernel_matching(group, batch.params[0].device)
+        elif kernel == "auto":  # native where it runs (runs_native); torch's fused here
+            kernel = "fused"
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 record_function(f"tiermem.update p{part.id}"):
             self.rule.update(batch, kernel=kernel)

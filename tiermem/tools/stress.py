@@ -276,6 +276,8 @@ class Verifier:
             kernel = off.settings.optimizer.kernel
             if kernel == "match":
                 kernel = kernel_matching(group, part.segments[0].param.device)
+            elif kernel == "auto":
+                kernel = "native" if off.runs_native(part) else "fused"
             adam_update(kernel=kernel, params=lists["params"], grads=lists["grads"],
                         exp_avgs=lists["exp_avg"], exp_avg_sqs=lists["exp_avg_sq"],
                         max_exp_avg_sqs=lists["max_exp_avg_sq"], steps=lists["steps"],

@@ -87,11 +87,11 @@ class AdamRule(UpdateRule):
 
     def wants_native(self, kernel: str, part: Partition, *, on_host: bool) -> bool:
         """The native kernel's single pass (grads of any float dtype in, low-precision
-        weights out, CRCs) runs this partition: bf16 state always, kernel native on CPU
-        models in fp32, bf16 or fp16."""
+        weights out, CRCs) runs this partition: bf16 state always, kernel native or auto
+        (the default: native is the faster one there) on CPU models in fp32, bf16 or fp16."""
         if self.state_dtype == "bf16":
             return True
-        return kernel == "native" and on_host and all(
+        return kernel in ("native", "auto") and on_host and all(
             s.param.device.type == "cpu" and s.param.dtype in (torch.float32, *MIXED_OUT)
             for s in part.segments)
 

@@ -34,10 +34,11 @@ def implementation(group: dict[str, Any], kernel: str, has_fused: bool) -> str:
     """"single_tensor", "multi_tensor" or "fused": what runs a group with these flags.
 
     kernel "match" (and "native", which only Adam has) is what the plain optimizer runs on
-    the CPU; "fused" is torch's fused kernel where the optimizer has one, else the match."""
+    the CPU; "fused" and "auto" are torch's fused kernel where the optimizer has one, else
+    the match."""
     if kernel in ("single_tensor", "multi_tensor"):  # already matched (kernel_matching)
         return kernel
-    if kernel == "fused" and has_fused:
+    if kernel in ("fused", "auto") and has_fused:
         return "fused"
     if group.get("fused"):
         return "fused"
