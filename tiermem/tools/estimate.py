@@ -37,8 +37,9 @@ class UpdateCost:
 def kernel_for(settings: Settings) -> str:
     """The kernel the CPU update of a plain torch Adam/AdamW runs under these settings."""
     o = settings.optimizer
-    if o.state_dtype != "fp32" or o.kernel == "native":
-        return "native"  # bf16 state always runs tiermem's native kernel
+    if o.state_dtype != "fp32" or o.kernel in ("native", "auto"):
+        # bf16 state always runs tiermem's native kernel; auto picks it for a CPU step
+        return "native"
     # match: what a plain (unfused, foreach unset) torch optimizer runs on CPU tensors
     return "fused" if o.kernel == "fused" else "single_tensor"
 
