@@ -236,3 +236,152 @@ def test_refuses_bad_arguments():
         lb.adam_lowbit_native(grad=g, **bad, **kw)
     with pytest.raises(ValueError, match="rounding"):
         lb.adam_lowbit_native(grad=g, rounding="up", **s, **kw)
+
+
+# -- 2. through tiermem.offload, against the reference --------------------------------------
+
+import copy  # noqa: E402
+
+import tiermem  # noqa: E402
+from tiermem.config import ConfigError  # noqa: E402
+from tiermem.errors import TierMemError  # noqa: E402
+from tiermem.partition import build_partitions  # noqa: E402
+
+from offload_helpers import (Synthetic, backend_params, config, make_batches,  # noqa: E402
+                             side_used, loss_of)
+
+
+class ReferenceInt8Adam:
+    """The reference kernel as an optimizer, segment by segment on the partition layout
+    tiermem builds (each segment's blocks start at its element 0; seeds (step, partition
+    id), stream offsets the element's place in its record): an fp32 master (the param
+    itself for fp32 models), a Kahan term, or the bf16 weights themselves."""
+
+    def __init__(self, params, hp: dict, *, rounding: str, partition_size: int,
+                 master_weights: str = "fp32"):
+        self.params = list(params)
+        self.hp, self.rounding, self.mw = hp, rounding, master_weights
+        self.steps = [0] * len(self.params)
+        self.master = [p.detach().float().clone().reshape(-1) for p in self.params]
+        parts = build_partitions([{"params": self.params}], {}, partition_size,
+                                 state_dtype="int8", master_weights=master_weights)
+        self.segments = [[] for _ in self.params]
+        for part in parts:
+            off = 0
+            for s in part.segments:
+                n = s.length
+                self.segments[s.index].append({
+                    "start": s.start, "pid": part.id, "off": off,
+                    "exp_avg": torch.zeros(n, dtype=torch.uint8),
+                    "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
+                    "exp_avg_scale": torch.zeros(lb.blocks(n)),
+                    "exp_avg_sq_scale": torch.zeros(lb.blocks(n)),
+                    "kahan": torch.zeros(n, dtype=torch.bfloat16)
+                    if master_weights == "kahan" and s.param.dtype != torch.float32 else None})
+                off += n
+
+    def step(self):
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            self.steps[i] += 1
+            grad = p.grad.reshape(-1)
+            low = p.dtype != torch.float32 and self.mw != "fp32"
+            for seg in self.segments[i]:
+                n = seg["exp_avg"].numel()
+                sl = slice(seg["start"], seg["start"] + n)
+                weights = p.detach().view(-1)[sl] if low else self.master[i][sl]
+                lb.adam_lowbit_reference(
+                    param=weights, grad=grad[sl], master=self.mw if low else "fp32",
+                    step=self.steps[i], rounding=self.rounding,
+                    seed=na.state_seed(step=self.steps[i], partition=seg["pid"]),
+                    offset=seg["off"], **{k: seg[k] for k in (
+                        "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
+                        "kahan")}, **self.hp)
+            if not low:
+                with torch.no_grad():
+                    p.copy_(self.master[i].view_as(p))
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def moments(self, i: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            out[k] = torch.cat([lb.dequantize(seg[k], seg[k + "_scale"], signed=signed)
+                                for seg in self.segments[i]])
+        return out
+
+
+def train(model, opt, batches):
+    for i, micro in enumerate(batches):
+        for tokens, target in micro:
+            loss_of(model, tokens, target, side_used(i)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def hyper(**kw):
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False,
+              decoupled_weight_decay=True)
+    hp.update(kw)
+    return hp
+
+
+E2E = {
+    # name: (model dtype, master_weights, AdamW kwargs, config keywords)
+    "fp32-all-nvme": (torch.float32, "fp32", dict(lr=1e-2, weight_decay=0.05), dict(host=0)),
+    "fp32-mixed": (torch.float32, "fp32", dict(lr=1e-2), dict(host="128KiB", buffer_count=4)),
+    "bf16-master-nvme": (torch.bfloat16, "fp32", dict(lr=1e-2, weight_decay=0.1),
+                         dict(host=0)),
+    "bf16-kahan-mixed": (torch.bfloat16, "kahan", dict(lr=1e-2, maximize=True),
+                         dict(host="128KiB", buffer_count=4)),
+    "bf16-none-nvme": (torch.bfloat16, "none", dict(lr=1e-2), dict(host=0)),
+}
+
+
+def _int8_cfg(path, master_weights="fp32", rounding="stochastic", **kw):
+    cfg = config(path, kernel="fused", **kw)
+    cfg["optimizer"].update(state_dtype="int8", state_rounding=rounding,
+                            master_weights=master_weights)
+    return cfg
+
+
+@pytest.mark.parametrize("case", list(E2E))
+@pytest.mark.parametrize("backend", backend_params())
+def test_offload_matches_reference(tmp_path, backend, case):
+    dtype, mw, kw, cfg_kw = E2E[case]
+    model = Synthetic().to(dtype)
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    hp = hyper(lr=kw["lr"], weight_decay=kw.get("weight_decay", 0.01),
+               maximize=kw.get("maximize", False))
+    ref = ReferenceInt8Adam(ref_model.parameters(), hp, rounding="stochastic",
+                            partition_size=64 << 10, master_weights=mw)
+    cfg = _int8_cfg(tmp_path, mw, backend=backend, **cfg_kw)
+    batches = make_batches(model, 5)
+    with tiermem.offload(opt, cfg) as tm:
+        train(model, opt, batches)
+        plan = tm.plan()
+        sd = opt.state_dict()
+    train(ref_model, ref, batches)
+    assert plan["state_bytes"]["nvme"] > 0 and plan["partitions"] >= 3
+    if "mixed" in case:
+        assert plan["state_bytes"]["host"] > 0
+    for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+        assert_bitwise(p.detach(), q.detach(), f"param {i}")
+        if ref.steps[i] == 0:
+            assert i not in sd["state"]
+            continue
+        st = sd["state"][i]
+        assert float(st["step"]) == ref.steps[i]
+        for k, t in ref.moments(i).items():
+            assert st[k].dtype == torch.float32
+            assert_bitwise(st[k].reshape(-1), t, f"param {i} {k}")
+        if dtype != torch.float32 and mw == "fp32":
+            assert_bitwise(st["master_param"].reshape(-1), ref.master[i], f"param {i} master")
+        if mw == "kahan":
+            want = p.detach().float().reshape(-1) + torch.cat(
+                [seg["kahan"].float() for seg in ref.segments[i]])
+            assert_bitwise(st["master_param"].reshape(-1), want, f"param {i} p + kahan")

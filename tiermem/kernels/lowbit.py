@@ -27,7 +27,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-BLOCK = 256  # divides CUT_ALIGN, so a partition cut never splits a block
+from tiermem.partition import QUANT_BLOCK
+
+BLOCK = QUANT_BLOCK  # 256: divides CUT_ALIGN, so a partition cut never splits a block
 TOP = 1.875  # the largest code's value
 M_EBIAS, V_EBIAS = 112, 96  # 127 - exponent bias of exp_avg's / exp_avg_sq's code
 NAN_CODE = 1

@@ -27,7 +27,8 @@ import torch
 from tiermem.errors import TierMemError
 from tiermem.swap.integrity import check
 from tiermem.swap.manifest import RESIDENT_FILE, Manifest, read_manifest
-from tiermem.partition import Partition, Segment
+from tiermem.kernels.lowbit import dequantize
+from tiermem.partition import SCALE_KINDS, Partition, Segment
 
 FORMAT = "tiermem-recover-1"
 
@@ -116,7 +117,7 @@ def gather(run_dir: str) -> dict[str, Any]:
         shape = m.params[i]["shape"]
         st: dict[str, Any] = {"step": torch.tensor(float(m.steps[i]))}
         for k in kinds_of.get(i, ()):
-            if k != "master":
+            if k not in ("master", "kahan") and k not in SCALE_KINDS:
                 st[k] = torch.zeros(shape, dtype=torch.float32)
         if m.params[i]["dtype"] != "float32" and "master" in kinds_of.get(i, ()):
             st["master_param"] = torch.zeros(shape, dtype=torch.float32)
@@ -131,17 +132,23 @@ def gather(run_dir: str) -> dict[str, Any]:
             if part.id in fresh:
                 continue
             views = part.views(records.read(part))
-            off = 0
-            for s in part.segments:
-                sl = slice(off, off + s.length)
-                off += s.length
+            scale_of = {m: k for k, m in SCALE_KINDS.items() if k in views}
+            slices = {k: part.slices(k) for k in views}
+            for n, s in enumerate(part.segments):
                 for k, src in views.items():
+                    if k in SCALE_KINDS:
+                        continue
+                    sl = slices[k][n]
+                    value = src[sl]
+                    if k in scale_of:  # int8 codes: the fp32 moments torch keeps
+                        value = dequantize(value, views[scale_of[k]][slices[scale_of[k]][n]],
+                                           signed=k == "exp_avg")
                     if k == "master" and s.index in weights:
-                        weights[s.index].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+                        weights[s.index].view(-1)[s.start: s.start + s.length].copy_(value)
                     st = state.get(s.index, {})
                     key = "master_param" if k == "master" else k
                     if key in st:
-                        st[key].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+                        st[key].view(-1)[s.start: s.start + s.length].copy_(value)
     finally:
         records.close()
     groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g) for g in m.groups]
