@@ -11,10 +11,12 @@
  *   exp_avg_sq  no sign, 5-bit exponent (bias 31), 3-bit mantissa
  *
  * A magnitude code c >= 8 stands for (1 + (c & 7) / 8) * 2^((c >> 3) - bias); 0
- * for zero, 1 for NaN (any non-finite moment is stored as NaN), 2..7 are
- * unused. The largest code is 1.875, and the scale is the block's largest finite
- * magnitude / 1.875, so every value keeps 3 mantissa bits (relative error at most
- * 1/16) down to 2^-14 (exp_avg) or 2^-30 (exp_avg_sq) of the block's largest.
+ * for zero (stored +0: the sign of a zero moment is not kept), 1 for NaN (any non-finite moment is stored as NaN), 2..7 are
+ * unused. The largest code is 1.875; the scale is the power of two that puts the
+ * block's largest finite magnitude in (0.9375, 1.875], so scaling is exact (a
+ * dequantised block quantises back to itself; magnitudes of 2^126 and more lose
+ * bits to fp32 subnormals) and every value keeps 3 mantissa bits (relative error at
+ * most 1/16) down to 2^-14 (exp_avg) or 2^-30 (exp_avg_sq) of the block's largest.
  * The second moment gets the wider range because it holds squares. Below the
  * range, exp_avg rounds to 0 or the smallest code; exp_avg_sq rounds *up* to
  * the smallest code, never to 0: a zero denominator would turn a tiny exp_avg
@@ -129,7 +131,7 @@ static inline uint8_t enc_m(float x, float inv, int sr, uint32_t r16)
         float thr = sr ? (65535.5f - (float)r16) * 0x1p-16f : 0.5f;
         c = t >= thr ? 8u : 0u;
     }
-    return (uint8_t)(c | (x < 0.0f ? 0x80u : 0u));
+    return (uint8_t)(c | (x < 0.0f && c ? 0x80u : 0u));  /* zero is stored +0 */
 }
 
 static inline uint8_t enc_v(float x, float inv, int sr, uint32_t r16)
@@ -144,14 +146,20 @@ static inline uint8_t enc_v(float x, float inv, int sr, uint32_t r16)
     return a > 0.0f ? 8u : 0u;  /* up, never to 0 (see the top of the file) */
 }
 
-/* scale and its inverse from a block's largest finite magnitude */
+/* The scale of a block from its largest finite magnitude: the power of two that puts
+ * it in (0.9375, 1.875], so scaling is exact both ways (a dequantised block quantises
+ * back to the same codes and scale); 0 below FLT_MIN. */
 static inline void block_scale(float amax, float *scale, float *inv)
 {
-    float s = amax / Q_TOP;
-    if (!(s >= FLT_MIN))
-        s = 0.0f;
+    if (!(amax >= FLT_MIN)) {
+        *scale = *inv = 0.0f;
+        return;
+    }
+    float s = f32_from_bits(f32_bits(amax) & 0x7F800000u);
+    if (amax > Q_TOP * s && s < 0x1p127f)
+        s *= 2.0f;
     *scale = s;
-    *inv = s > 0.0f ? 1.0f / s : 0.0f;
+    *inv = 1.0f / s;
 }
 
 static inline float load_g1(const lb_job *j, int64_t i)
@@ -287,8 +295,9 @@ enc_m16(__m512 x, float inv, int sr, __m512i r16)
         __mmask16 up = _mm512_cmp_ps_mask(t, thr, _CMP_GE_OQ);
         c = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(up, _mm512_set1_epi32(8)), norm, c);
     }
-    c = _mm512_mask_or_epi32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), c,
-                             _mm512_set1_epi32(0x80));
+    c = _mm512_mask_or_epi32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
+                                    _mm512_test_epi32_mask(c, c),
+                             c, _mm512_set1_epi32(0x80));
     return _mm512_mask_mov_epi32(c, _mm512_cmp_ps_mask(ax, _mm512_set1_ps(INFINITY),
                                                        _CMP_NLT_UQ),
                                  _mm512_set1_epi32(Q_NAN));

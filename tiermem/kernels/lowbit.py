@@ -12,7 +12,9 @@ One segment's update, one keyword-only signature, two kernels behind `lowbit_upd
 
 The format (native/adam_lowbit.c has the full rationale): blocks of BLOCK = 256
 elements, a block starting at each segment's element 0, one fp32 scale per block and
-moment (the block's largest finite magnitude / 1.875), one byte per element: exp_avg
+moment (the power of two that puts the block's largest finite magnitude in
+(0.9375, 1.875], so a dequantised block quantises back to itself), one byte per
+element: exp_avg
 sign + 4-bit exponent + 3-bit mantissa, exp_avg_sq 5-bit exponent + 3-bit mantissa;
 code 0 is zero, code 1 NaN (any non-finite moment). `quantize` / `dequantize` convert a
 segment between fp32 and that format (state_dict() and load_state_dict() use them).
@@ -125,8 +127,10 @@ def _scales(x: Tensor) -> tuple[Tensor, Tensor]:
     a = x.abs()
     a = torch.where(a < math.inf, a, 0.0)  # NaN compares false: dropped too
     a = torch.nn.functional.pad(a, (0, blocks(n) * BLOCK - n)).view(-1, BLOCK)
-    s = a.amax(dim=1) / _f32(TOP) if n else a.new_zeros(0)
-    s = torch.where(s >= FLT_MIN, s, 0.0)
+    amax = a.amax(dim=1) if n else a.new_zeros(0)
+    s = _as_f32(amax.view(torch.int32).to(torch.int64) & 0x7F800000)
+    s = torch.where((amax > TOP * s) & (s < 2.0 ** 127), s * 2, s)
+    s = torch.where(amax >= FLT_MIN, s, 0.0)
     inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
     return s, inv
 
@@ -148,7 +152,7 @@ def _encode(x: Tensor, inv: Tensor, r16: Tensor | None, *, signed: bool) -> Tens
         low = torch.where(a > 0, 8, 0)  # up, never to 0
     c = torch.where(u >= ((ebias + 1) << 23), cn, low)
     if signed:
-        c = c | torch.where(x < 0, 0x80, 0)
+        c = c | torch.where((x < 0) & (c != 0), 0x80, 0)  # zero is stored +0
     c = torch.where(ax < math.inf, c, NAN_CODE)
     return c.to(torch.uint8)
 
