@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import strategies as hs
 
 from tiermem.kernels import lowbit as lb
 from tiermem.kernels import native_adam as na
@@ -107,14 +107,14 @@ def test_kernel_matches_reference(name, master, gdt, out, rounding):
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(0, 2100), master=st.sampled_from(["fp32", "kahan", "none"]),
-       rounding=st.sampled_from(["nearest", "stochastic"]),
-       offset=st.sampled_from([0, 1000, 2 ** 32 - 5000, 5 * 2 ** 32 + 17]),
-       seed=st.integers(0, 2 ** 64 - 1), spread=st.sampled_from([0, 3, 12, 30]),
-       scale=st.sampled_from([1.0, 1e-30, 1e30]), specials=st.booleans(),
-       threads=st.sampled_from([1, 2]), maximize=st.booleans(),
-       decoupled=st.booleans(), wd=st.sampled_from([0.0, 0.1]),
-       beta1=st.sampled_from([0.0, 0.9, 0.6]), isa_name=st.sampled_from(ISAS))
+@given(n=hs.integers(0, 2100), master=hs.sampled_from(["fp32", "kahan", "none"]),
+       rounding=hs.sampled_from(["nearest", "stochastic"]),
+       offset=hs.sampled_from([0, 1000, 2 ** 32 - 5000, 5 * 2 ** 32 + 17]),
+       seed=hs.integers(0, 2 ** 64 - 1), spread=hs.sampled_from([0, 3, 12, 30]),
+       scale=hs.sampled_from([1.0, 1e-30, 1e30]), specials=hs.booleans(),
+       threads=hs.sampled_from([1, 2]), maximize=hs.booleans(),
+       decoupled=hs.booleans(), wd=hs.sampled_from([0.0, 0.1]),
+       beta1=hs.sampled_from([0.0, 0.9, 0.6]), isa_name=hs.sampled_from(ISAS))
 def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, spread, scale,
                                              specials, threads, maximize, decoupled, wd,
                                              beta1, isa_name):
@@ -398,3 +398,174 @@ def test_offload_matches_reference(tmp_path, backend, case):
             want = p.detach().float().reshape(-1) + torch.cat(
                 [seg["kahan"].float() for seg in ref.segments[i]])
             assert_bitwise(st["master_param"].reshape(-1), want, f"param {i} p + kahan")
+
+
+# -- 3. torch format, resume, recover, bytes, errors ----------------------------------------
+
+def _native_cfg(path, **kw):
+    cfg = config(path, kernel="native", host="128KiB", buffer_count=4)
+    cfg["optimizer"].update(state_dtype="int8", **kw)
+    return cfg
+
+
+@pytest.mark.parametrize("dtype,mw", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
+                                      (torch.bfloat16, "kahan")])
+def test_state_dict_round_trip(tmp_path, dtype, mw):
+    """state_dict() dequantises exactly; loading it into a fresh int8-state optimizer and
+    going on is bitwise the same as going on with the original (a Kahan term comes back
+    from master_param - weight)."""
+    model = Synthetic().to(dtype)
+    twin_model = copy.deepcopy(model)
+    batches = make_batches(model, 6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, _native_cfg(tmp_path / "a", master_weights=mw)):
+        train(model, opt, batches[:3])
+        sd = copy.deepcopy(opt.state_dict())
+        twin_model.load_state_dict(model.state_dict())
+        for st in sd["state"].values():
+            for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                assert st[k].dtype == torch.float32
+                q, s = lb.quantize(st[k].reshape(-1)[:256], signed=signed)
+                assert_bitwise(lb.dequantize(q, s, signed=signed), st[k].reshape(-1)[:256], k)
+        train(model, opt, batches[3:])
+    twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=1e-2)
+    with tiermem.offload(twin_opt, _native_cfg(tmp_path / "b", master_weights=mw)):
+        twin_opt.load_state_dict(sd)
+        got = twin_opt.state_dict()
+        for i, st in sd["state"].items():
+            for k in st:
+                assert_bitwise(got["state"][i][k], st[k], f"reloaded {i} {k}")
+        train(twin_model, twin_opt, batches[3:])
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert_bitwise(q.detach(), p.detach(), "after reload")
+
+
+def test_fp32_checkpoint_is_quantised_to_nearest_on_import(tmp_path):
+    model = Synthetic()
+    batches = make_batches(model, 2)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, plain, batches)
+    sd = copy.deepcopy(plain.state_dict())
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(fresh, _native_cfg(tmp_path)):
+        fresh.load_state_dict(sd)
+        got = fresh.state_dict()
+    # blocks start at each segment's element 0; these parameters are each one segment
+    for i, st in sd["state"].items():
+        for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            x = st[k].reshape(-1)
+            want = lb.dequantize(*lb.quantize(x, signed=signed), signed=signed)
+            assert_bitwise(got["state"][i][k].reshape(-1), want, f"{i} {k}")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("backend", backend_params())
+def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap):
+    """A run killed after its step 2 (crash_run.py, int8 state, overlap_backward on or
+    off): `tiermem recover` writes the fp32 moments of the commit, a resume continues
+    bitwise where an uninterrupted run goes, and a resume with another state_dtype is
+    refused by name."""
+    from crash_run import (backward_grads, crash_config, make_model, make_optimizer,
+                           run_killed, set_grads)
+    from tiermem.swap.recover import gather
+
+    grads = backward_grads if overlap else set_grads
+    swap = tmp_path / "swap"
+    run_killed(swap, backend, "after-step:2", 4, "fp32", "int8",
+               "overlap" if overlap else "synthetic")
+    cfg = crash_config(str(swap), backend, "int8")
+    cfg["pipeline"]["overlap_backward"] = overlap
+    twin = make_model()
+    twin_opt = make_optimizer(twin)
+    twin_cfg = crash_config(str(tmp_path / "twin"), backend, "int8")
+    twin_cfg["pipeline"]["overlap_backward"] = overlap
+    with tiermem.offload(twin_opt, twin_cfg, model=twin) as tm:
+        for k in (1, 2):
+            grads(twin, k)
+            twin_opt.step()
+        at2 = copy.deepcopy(twin_opt.state_dict())
+        w2 = [p.detach().clone() for p in twin.parameters()]
+        grads(twin, 3)
+        twin_opt.step()
+        tm.discard()
+    ckpt = gather(str(swap / "tiermem-default"))
+    assert ckpt["step"] == 2
+    for i, st in ckpt["optimizer"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise(st[k], at2["state"][i][k], f"recovered {i} {k}")
+    for (name, _), w in zip(twin.named_parameters(), w2):
+        assert_bitwise(ckpt["model"][name], w, name)
+    other = make_optimizer(make_model())
+    with pytest.raises(TierMemError, match="stored as int8, this config says "
+                                           "optimizer.state_dtype bf16"):
+        with tiermem.offload(other, crash_config(str(swap), backend, "bf16"), resume=True):
+            pass
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == 2
+        grads(model, 3)
+        opt.step()
+        tm.discard()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert_bitwise(p.detach(), q.detach(), "step 3 after resume")
+
+
+def test_bytes_per_parameter(tmp_path):
+    """Record bytes per element: fp32 model 8 -> 2.03 with int8; bf16 model 12 -> 6.03
+    (fp32 master), 4.03 (kahan), 2.03 (none)."""
+    want = {(torch.float32, "fp32", "fp32"): 8, (torch.float32, "int8", "fp32"): 2 + 8 / 256,
+            (torch.bfloat16, "fp32", "fp32"): 12,
+            (torch.bfloat16, "int8", "fp32"): 6 + 8 / 256,
+            (torch.bfloat16, "int8", "kahan"): 4 + 8 / 256,
+            (torch.bfloat16, "int8", "none"): 2 + 8 / 256}
+    for (dtype, sd, mw), per in want.items():
+        model = torch.nn.Linear(1024, 1024, bias=False).to(dtype)
+        opt = torch.optim.AdamW(model.parameters())
+        cfg = config(tmp_path / f"{dtype}-{sd}-{mw}", kernel="native", partition_size="1MiB")
+        cfg["optimizer"].update(state_dtype=sd, master_weights=mw)
+        with tiermem.offload(opt, cfg) as tm:
+            got = tm.plan()["state_bytes"]["nvme"] / model.weight.numel()
+            tm.discard()
+        assert got == pytest.approx(per, rel=0.01), (dtype, sd, mw)
+
+
+@pytest.mark.parametrize("doc,key,word", [
+    ({"optimizer": {"state_dtype": "int4"}}, "optimizer.state_dtype", "'int8'"),
+    ({"optimizer": {"state_dtype": "int8", "kernel": "match"}}, "optimizer.kernel",
+     "bitwise parity"),
+    ({"optimizer": {"state_dtype": "int8", "step_device": "device"}},
+     "optimizer.state_dtype", "step_device"),
+    ({"optimizer": {"master_weights": "kahan"}}, "optimizer.master_weights", "int8"),
+    ({"optimizer": {"master_weights": "fp16"}}, "optimizer.master_weights", "'kahan'"),
+    ({"optimizer": {"state_dtype": "int8", "master_weights": "none"},
+      "swap": {"durability": "crash_consistent"}}, "optimizer.master_weights",
+     "crash_consistent"),
+    ({"optimizer": {"state_dtype": "int8"}, "tiers": {"gpu": {"capacity": "1GiB"}}},
+     "optimizer.state_dtype", "tiers.gpu.capacity"),
+])
+def test_config_errors(doc, key, word):
+    with pytest.raises(ConfigError) as info:
+        tiermem.load_config(doc)
+    assert info.value.key == key
+    assert word in str(info.value)
+
+
+@pytest.mark.parametrize("dtype,kw,cfg,word", [
+    (torch.float32, dict(amsgrad=True), {}, "amsgrad"),
+    (torch.float16, {}, dict(master_weights="kahan"), "fp16"),
+    (torch.float64, {}, {}, "torch.float64"),
+])
+def test_refuses_what_the_kernel_cannot_run(tmp_path, dtype, kw, cfg, word):
+    p = torch.nn.Parameter(torch.zeros(10, dtype=dtype))
+    opt = torch.optim.AdamW([p], **kw)
+    with pytest.raises(TierMemError, match=word):
+        tiermem.offload(opt, _native_cfg(tmp_path, **cfg)).__enter__()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_master_weights_need_adam(tmp_path):
+    p = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    with pytest.raises(TierMemError, match="Adam/AdamW only"):
+        tiermem.offload(torch.optim.SGD([p], lr=0.1),
+                        _native_cfg(tmp_path, master_weights="none")).__enter__()

@@ -146,6 +146,15 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
             f"swap.durability: {m.durability}, this config says {durability}; resume with "
             f"{m.durability}")
     expected = layout_of(parts)
+    kept = {p["moment_dtype"] for p in m.partitions}
+    want = {p["moment_dtype"] for p in expected}
+    if kept and want and kept != want:
+        raise TierMemError(
+            f"cannot resume from {run_dir}: the kept moments are stored as "
+            f"{_STATE_NAMES.get(min(kept), min(kept))}, this config says "
+            f"optimizer.state_dtype {_STATE_NAMES.get(min(want), min(want))}; resume with "
+            f"state_dtype {_STATE_NAMES.get(min(kept), min(kept))}, or load a state_dict() "
+            "to convert")
     if m.partitions != expected:
         diff = next((i for i, (a, b) in enumerate(zip(m.partitions, expected)) if a != b),
                     min(len(m.partitions), len(expected)))
@@ -236,6 +245,7 @@ _KINDS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
 # uint8: optimizer.state_dtype int8 (blockwise codes, their scales in the *_scale kinds)
 _MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16, "uint8": torch.uint8}
+_STATE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "uint8": "int8"}  # optimizer.state_dtype
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
 _PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments",
               "moment_dtype"}
