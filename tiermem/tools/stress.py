@@ -9,6 +9,7 @@ same kernel, in memory, and compared bit for bit.
 from __future__ import annotations
 
 import json
+import math
 import random
 import resource
 import sys
@@ -23,7 +24,7 @@ from tiermem.context import Offload, offload
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update, kernel_matching
 from tiermem.optim.rules.adam import MOMENTS
-from tiermem.partition import Partition
+from tiermem.partition import QUANT_BLOCK, Partition
 from tiermem.sizes import format_size
 from tiermem.swap.paths import check_paths
 from tiermem.tools.synthetic import SyntheticModel, build_model, fill_synthetic_grads
@@ -49,7 +50,7 @@ class Plan:
     weights: int
     grads: int
     state: int
-    state_per_param: int
+    state_per_param: float
     tiers: dict[str, int]
     pinned: int
     swap: int
@@ -63,7 +64,7 @@ class Plan:
         return [
             f"model: {self.params:,} parameters, {self.dtype}",
             f"weights {f(self.weights)} + grads {f(self.grads)} + optimizer state "
-            f"{f(self.state)} ({self.state_per_param} B/param)",
+            f"{f(self.state)} ({self.state_per_param:.4g} B/param)",
             "optimizer state per tier: " + ", ".join(f"{k} {f(v)}" for k, v in self.tiers.items()),
             f"pinned host memory {f(self.pinned)}, swap {f(self.swap)} "
             f"(free on disk {f(self.disk_free)})",
@@ -75,11 +76,8 @@ class Plan:
 def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: bool,
               hidden: int, layers: int) -> Plan:
     itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    # two moments (4 bytes each, 2 with optimizer.state_dtype bf16), plus an fp32 master
-    # when the model is low-precision
-    per_param = 2 * (2 if settings.optimizer.state_dtype == "bf16" else 4)
-    per_param += 0 if dtype == "fp32" else 4
-    state = params * per_param
+    per_param = state_bytes_per_param(dtype, settings)
+    state = math.ceil(params * per_param)
     gpu = min(state, settings.tiers.gpu.capacity)
     host = min(state - gpu, settings.tiers.host.capacity)
     nvme = state - gpu - host
@@ -91,6 +89,18 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
                 {"gpu": gpu, "host": host, "nvme": nvme}, host + buffers, nvme, activations,
                 weights + grads + host + buffers + activations, available_memory(),
                 _free_disk(path))
+
+
+def state_bytes_per_param(dtype: str, settings: Settings) -> float:
+    """Record bytes per parameter of Adam: two moments (4 bytes each; 2 with
+    optimizer.state_dtype bf16; 1 + 4/256 for the block scales with int8), plus what a
+    low-precision model keeps of its weight (optimizer.master_weights: an fp32 master 4,
+    a bf16 Kahan term 2, none 0)."""
+    o = settings.optimizer
+    per = 2 * {"fp32": 4, "bf16": 2, "int8": 1 + 4 / QUANT_BLOCK}[o.state_dtype]
+    if dtype != "fp32":
+        per += {"fp32": 4, "kahan": 2, "none": 0}[o.master_weights]
+    return per
 
 
 def _free_disk(path: str) -> int:
@@ -222,7 +232,9 @@ class Verifier:
             for k in MOMENTS:
                 if k in rec:
                     lists[k].append(rec[k][sl])
-        if lists["params"] and off.settings.optimizer.state_dtype == "bf16":
+        if lists["params"] and off.settings.optimizer.state_dtype == "int8":
+            self._reference_int8_state(part, rec, lists["params"], lists["steps"], group)
+        elif lists["params"] and off.settings.optimizer.state_dtype == "bf16":
             self._reference_bf16_state(part, rec, lists["params"], lists["steps"], group)
         elif lists["params"]:
             kernel = off.settings.optimizer.kernel
@@ -243,6 +255,36 @@ class Verifier:
                     cur.copy_(rec["master"][pos: pos + s.length])
                 pos += s.length
         return {"record": rec, "weights": weights}
+
+    def _reference_int8_state(self, part: Partition, rec: dict[str, torch.Tensor],
+                              params: list, steps: list, group: dict) -> None:
+        """int8 moments: kernels.lowbit's plain-torch reference per segment, seeded as the
+        pipeline seeds it; the native kernel must match it bit for bit. params: per
+        stepped segment, the record's master or a copy of the model's weights (fp32, or
+        bf16 with optimizer.master_weights kahan/none), updated here."""
+        from tiermem.kernels.lowbit import adam_lowbit_reference
+        from tiermem.kernels.native_adam import state_seed
+
+        opt = self.tm.offloaded.settings.optimizer
+        slices = {k: part.slices(k) for k in rec}
+        k = 0
+        for n, s in enumerate(part.segments):
+            if s.param.grad is None:
+                continue
+            param, step, k = params[k], steps[k], k + 1
+            sl = slices["exp_avg"][n]
+            adam_lowbit_reference(
+                param=param, grad=s.param.grad.reshape(-1)[s.start: s.start + s.length],
+                **{kind: rec[kind][slices[kind][n]] for kind in (
+                    "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")},
+                kahan=rec["kahan"][slices["kahan"][n]] if "kahan" in rec else None,
+                master="fp32" if param.dtype == torch.float32 else opt.master_weights,
+                step=step, lr=group["lr"], beta1=float(group["betas"][0]),
+                beta2=float(group["betas"][1]), eps=group["eps"],
+                weight_decay=group["weight_decay"], maximize=bool(group["maximize"]),
+                decoupled_weight_decay=bool(group.get("decoupled_weight_decay")),
+                rounding=opt.state_rounding, seed=state_seed(step=step, partition=part.id),
+                offset=sl.start)
 
     def _reference_bf16_state(self, part: Partition, rec: dict[str, torch.Tensor],
                               params: list, steps: list, group: dict) -> None:
@@ -425,14 +467,15 @@ STEP_TABLE_LEGEND = [
     "wall: the whole step (gradients + opt.step()); opt.step(): tiermem's part of it;",
     "update: Adam arithmetic; stall: opt.step() waiting on NVMe; read/write rates are over",
     "the time NVMe transfers were in flight (I/O-busy time); overlap: the share of that",
-    "time hidden behind compute (— when the step did no NVMe I/O).",
+    "time hidden behind compute (— when the step did no NVMe I/O); B/param: NVMe bytes read",
+    "and written per parameter (optimizer.state_dtype and master_weights set it).",
 ]
 
 
 def step_table(rows: list[dict]) -> str:
     """The per-step table printed at the end, each column saying what it measures."""
-    cols = ["step", "wall", "opt.step()", "update", "stall", "read", "written", "read rate",
-            "write rate", "overlap"]
+    cols = ["step", "wall", "opt.step()", "update", "stall", "read", "written", "B/param",
+            "read rate", "write rate", "overlap"]
     body = []
     for r in rows:
         rd, wr = sum(r["read_bytes"].values()), sum(r["write_bytes"].values())
@@ -440,6 +483,7 @@ def step_table(rows: list[dict]) -> str:
         body.append([str(r["step"]), fmt_seconds(r.get("seconds", r["step_seconds"])),
                      fmt_seconds(r["step_seconds"]), fmt_seconds(r["update_seconds"]),
                      fmt_seconds(r["stall_seconds"]), format_size(rd), format_size(wr),
+                     f"{r['bytes_per_param']:.3g}" if "bytes_per_param" in r else "—",
                      fmt_rate(r["read_gbps"] * 1e9) if rd else "—",
                      fmt_rate(r["write_gbps"] * 1e9) if wr else "—",
                      f"{r['overlap']:.2f}" if io and (rd or wr) else "—"])
