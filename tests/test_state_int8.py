@@ -569,3 +569,51 @@ def test_master_weights_need_adam(tmp_path):
     with pytest.raises(TierMemError, match="Adam/AdamW only"):
         tiermem.offload(torch.optim.SGD([p], lr=0.1),
                         _native_cfg(tmp_path, master_weights="none")).__enter__()
+
+
+# -- stress, plan -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,mw,per", [("fp32", "fp32", 2 + 8 / 256),
+                                          ("bf16", "fp32", 6 + 8 / 256),
+                                          ("bf16", "kahan", 4 + 8 / 256),
+                                          ("bf16", "none", 2 + 8 / 256)])
+@pytest.mark.parametrize("backend", backend_params())
+def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per):
+    """`tiermem stress --state-dtype int8 --master-weights ... --verify`: every sampled
+    partition bitwise equal to the plain-torch reference; the plan and the per-step
+    B/param say what the records hold."""
+    from tiermem.tools import cli
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"swap: {{paths: [{tmp_path / 'swap'}]}}\nio: {{backend: {backend}}}\n"
+                   "tiers: {host: {capacity: 0}}\n"
+                   "pipeline: {partition_size: 1MiB, zigzag: false}\n")
+    out = tmp_path / "r.json"
+    rc = cli.main(["stress", "--config", str(cfg), "--params", "1M", "--steps", "2",
+                   "--dtype", dtype, "--state-dtype", "int8", "--master-weights", mw,
+                   "--synthetic-grads", "--verify", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    import json
+    result = json.loads(out.read_text())
+    assert result["plan"]["state_per_param"] == pytest.approx(per)
+    assert result["verify"]["ok"] and result["verify"]["partitions_checked"] >= 2
+    # every record is written each step (records still in a buffer are not read again):
+    # the record bytes, with the footers and page padding of 1 MiB records on top
+    step = result["steps"][1]
+    written = sum(step["write_bytes"].values())
+    assert written / result["plan"]["params"] == pytest.approx(per, rel=0.03)
+    read = sum(step["read_bytes"].values())
+    assert step["bytes_per_param"] == pytest.approx((read + written) / 1_000_000, rel=0.01)
+
+
+def test_plan_flags(capsys):
+    from tiermem.tools import cli
+
+    for flags, per in ((["--dtype", "bf16"], "12 B/param"),
+                       (["--dtype", "bf16", "--state-dtype", "int8", "--master-weights",
+                         "none"], "2.031 B/param"),
+                       (["--state-dtype", "int8"], "2.031 B/param")):
+        assert cli.main(["plan", "--params", "1B", *flags]) == 0
+        assert per in capsys.readouterr().out
+    assert cli.main(["plan", "--params", "1B", "--master-weights", "kahan"]) == 2
+    assert "optimizer.master_weights" in capsys.readouterr().err
