@@ -68,7 +68,7 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
                     src = st.get(keys[k])
                     if src is None:
                         src = s.param.detach() if k == "master" else None
-                    if k in SCALE_OF:
+                    if SCALE_OF.get(k) in views:  # int8 codes
                         scale = views[SCALE_OF[k]][slices[SCALE_OF[k]][i]]
                         if src is None:
                             dst.zero_()
@@ -113,7 +113,7 @@ def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
                     if key not in st:
                         continue
                     value = src[slices[k][i]]
-                    if k in SCALE_OF:
+                    if SCALE_OF.get(k) in views:  # int8 codes
                         value = dequantize(value, views[SCALE_OF[k]][slices[SCALE_OF[k]][i]],
                                            signed=k == "exp_avg")
                     st[key].view(-1)[s.start: s.start + s.size(k)].copy_(value)
