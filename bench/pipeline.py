@@ -150,7 +150,8 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
     # fio 3.33 can abort in its exit path with --mem=mmaphuge ("double free") after it
     # printed complete results: those still count; a run without them does not.
     runtimes = {j["jobname"]: j[j["jobname"]]["runtime"] / 1e3 for j in jobs}
-    gbps = {name: nbytes / runtimes[name] / 1e9 if name in runtimes else 0.0
+    # fio reports whole milliseconds: a tiny job (a --quick smoke run) can take "0"
+    gbps = {name: nbytes / runtimes[name] / 1e9 if runtimes.get(name) else 0.0
             for name, (_, nbytes) in sizes.items()}
     return {"seconds": max(runtimes.values()), "per_job_seconds": runtimes, "depth": depth,
             "read_gbps": gbps["read"], "write_gbps": gbps["write"]}
@@ -201,8 +202,9 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return out
 
 
-# (reference label, label) -> the goal for the ratio of their step times
-GOALS = {("fp32", "bf16"): 0.6, ("fp32", "int8"): 0.35, ("fp32", "none+int8"): 0.25}
+# (model dtype, reference label, label) -> the goal for the ratio of their steps
+GOALS = {("fp32", "fp32", "bf16"): 0.6, ("fp32", "fp32", "int8"): 0.35,
+         ("bf16", "fp32", "none+int8"): 0.25}
 
 
 def main(argv=None) -> int:
@@ -250,8 +252,8 @@ def main(argv=None) -> int:
             step_row(f"tiermem step (NVMe, {dt} state)", by_dtype[dt]),
             [f"{dt} / {first} state step", f"{ratio:.3f}",
              f"state bytes {by_dtype[dt]['state_bytes'] / tm['state_bytes']:.2f}x"
-             + (f"; goal <= {GOALS[first, dt]}: " + goal_text(ratio, GOALS[first, dt])
-                if (first, dt) in GOALS else "")])),
+             + (f"; goal <= {GOALS[key]}: " + goal_text(ratio, GOALS[key])
+                if (key := (args.model_dtype, first, dt)) in GOALS else "")])),
         ["I/O floor (fio, concurrent r+w)", f"{fio['seconds']:.2f} s",
          f"read {fio['read_gbps']:.2f} GB/s, write {fio['write_gbps']:.2f} GB/s "
          f"({fio['variant']}; " + ", ".join(f"{k}: {v['seconds']:.2f} s"
