@@ -15,6 +15,9 @@ otherwise (scratch-mode fp32 models update their weights in place, so the
 weights live in the model's own checkpoint). Parameters are named as the model
 named them when `model=` was given to `tiermem.offload`, else `param.<index>`.
 The checkpoint is built in host memory: it needs as much RAM as the state.
+int8 records (optimizer.state_dtype int8) come out as their exact fp32 values, as
+state_dict() gives them; a Kahan term (optimizer.master_weights kahan, scratch runs
+only) is left out: the bf16 weights are the model's own checkpoint.
 """
 
 from __future__ import annotations
