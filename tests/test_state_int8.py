@@ -617,3 +617,28 @@ def test_plan_flags(capsys):
         assert per in capsys.readouterr().out
     assert cli.main(["plan", "--params", "1B", "--master-weights", "kahan"]) == 2
     assert "optimizer.master_weights" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=hs.lists(hs.integers(1, 5000), min_size=1, max_size=40),
+       pages=hs.integers(16, 40), master=hs.booleans())
+def test_int8_records_fit_their_partition(sizes, pages, master):
+    """However many short parameters a partition holds (each adds a part-empty block and
+    its scales), its record fits partition_size less the footer's page, and every
+    segment's blocks are counted: ceil(length / 256) scales per moment."""
+    from tiermem.partition import RECORD_ALIGN, blocks as nblocks
+
+    params = [torch.zeros(n, dtype=torch.bfloat16 if master else torch.float32)
+              for n in sizes]
+    size = pages * RECORD_ALIGN
+    parts = build_partitions([{"params": params}], {}, size, state_dtype="int8",
+                             keep_master=master)
+    covered = [0] * len(params)
+    for part in parts:
+        assert part.record_bytes <= size - RECORD_ALIGN or len(part.segments) == 1
+        for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+            assert part.sizes[k] == sum(nblocks(s.length) for s in part.segments)
+        for s in part.segments:
+            covered[s.index] += s.length
+            assert s.start % 1024 == 0
+    assert covered == sizes
