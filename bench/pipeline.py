@@ -246,14 +246,16 @@ def main(argv=None) -> int:
                 f"overlap {r['overlap']:.2f}"]
 
     dtype_ratios = {dt: r["steady"] / tm["steady"] for dt, r in by_dtype.items() if dt != first}
+    goals = {dt: g for (model, ref, dt), g in GOALS.items()
+             if (model, ref) == (args.model_dtype, first)}
     rows = [
         step_row(f"tiermem step (NVMe, {first} state)", tm),
         *(row for dt, ratio in dtype_ratios.items() for row in (
             step_row(f"tiermem step (NVMe, {dt} state)", by_dtype[dt]),
             [f"{dt} / {first} state step", f"{ratio:.3f}",
              f"state bytes {by_dtype[dt]['state_bytes'] / tm['state_bytes']:.2f}x"
-             + (f"; goal <= {GOALS[key]}: " + goal_text(ratio, GOALS[key])
-                if (key := (args.model_dtype, first, dt)) in GOALS else "")])),
+             + (f"; goal <= {goals[dt]}: " + goal_text(ratio, goals[dt])
+                if dt in goals else "")])),
         ["I/O floor (fio, concurrent r+w)", f"{fio['seconds']:.2f} s",
          f"read {fio['read_gbps']:.2f} GB/s, write {fio['write_gbps']:.2f} GB/s "
          f"({fio['variant']}; " + ", ".join(f"{k}: {v['seconds']:.2f} s"
