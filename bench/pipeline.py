@@ -10,13 +10,17 @@ its optimizer state on NVMe (host tier 0, pinned buffers <= 1 GiB). Reported:
   (torch.optim.AdamW(fused=True));
 - step / max(floors), goal <= 1.10, and peak RSS against
   weights + grads + host tier + buffers + 10%;
-- with `--state-dtype fp32,bf16`, the same step with each optimizer.state_dtype
+- with `--state-dtype fp32,bf16,int8`, the same step with each optimizer.state_dtype
   (the floors are measured for the first) and each one's step time against the
-  first's: bf16 moments halve the bytes an fp32 model's step moves, goal <= 0.6.
+  first's: bf16 moments halve the bytes an fp32 model's step moves, goal <= 0.6;
+  int8 moments quarter them, goal <= 0.35;
+- with `--model-dtype bf16 --master-weights fp32,kahan,none` (and int8 in
+  --state-dtype) a bf16 model, each optimizer.master_weights with int8 moments too:
+  none + int8 against the fp32-master, fp32-state step, goal <= 0.25.
 
 Each phase runs in its own process so peak RSS and page cache are its own.
-Usage: python bench/pipeline.py [--params 1B] [--steps 4] [--state-dtype fp32,bf16]
-       [--json out.json]
+Usage: python bench/pipeline.py [--params 1B] [--steps 4] [--state-dtype fp32,bf16,int8]
+       [--model-dtype bf16 --master-weights fp32,kahan,none] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,17 +41,19 @@ from _harness import (add_phase_args, add_pipeline_args, fio_layout, goal_text,
 TENSOR_ELEMS = 1 << 24  # 16M-element parameters: large enough that per-tensor overhead is nil
 
 
-def _model(n_params: int, seed: int = 0, tensor_elems: int = TENSOR_ELEMS):
-    """fp32 parameters with fixed gradients; the values do not change the timing."""
+def _model(n_params: int, seed: int = 0, tensor_elems: int = TENSOR_ELEMS,
+           dtype: str = "fp32"):
+    """Parameters (fp32 or bf16) with fixed gradients; the values do not change the timing."""
     import torch
 
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     g = torch.Generator().manual_seed(seed)
     params = []
     left = n_params
     while left > 0:
         n = min(tensor_elems, left)
-        p = torch.nn.Parameter(torch.empty(n).uniform_(-1, 1, generator=g))
-        p.grad = torch.empty(n).uniform_(-1e-3, 1e-3, generator=g)
+        p = torch.nn.Parameter(torch.empty(n).uniform_(-1, 1, generator=g).to(dt))
+        p.grad = torch.empty(n).uniform_(-1e-3, 1e-3, generator=g).to(dt)
         params.append(p)
         left -= n
     return params
@@ -57,7 +63,7 @@ def phase_memory(args: argparse.Namespace) -> dict:
     """Compute floor: torch's fused AdamW with all state in RAM."""
     import torch
 
-    params = _model(args.params)
+    params = _model(args.params, dtype=args.model_dtype)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     times = time_calls(opt.step, args.steps)["seconds"]
     return {"step_seconds": times, "steady": statistics.median(steady(times))}
@@ -69,10 +75,11 @@ def phase_tiermem(args: argparse.Namespace) -> dict:
 
     import tiermem
 
-    params = _model(args.params)
+    params = _model(args.params, dtype=args.model_dtype)
     base_rss = peak_rss()
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
-    cfg = offload_config(args, state_dtype=args.state_dtype[0])
+    cfg = offload_config(args, state_dtype=args.state_dtype[0],
+                         master_weights=args.master_weights[0])
     with tiermem.offload(opt, cfg, name="bench-pipeline") as tm:
         plan = tm.plan()
         times = time_calls(opt.step, args.steps)["seconds"]
@@ -143,7 +150,8 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
     # fio 3.33 can abort in its exit path with --mem=mmaphuge ("double free") after it
     # printed complete results: those still count; a run without them does not.
     runtimes = {j["jobname"]: j[j["jobname"]]["runtime"] / 1e3 for j in jobs}
-    gbps = {name: nbytes / runtimes[name] / 1e9 if name in runtimes else 0.0
+    # fio reports whole milliseconds: a tiny job (a --quick smoke run) can take "0"
+    gbps = {name: nbytes / runtimes[name] / 1e9 if runtimes.get(name) else 0.0
             for name, (_, nbytes) in sizes.items()}
     return {"seconds": max(runtimes.values()), "per_job_seconds": runtimes, "depth": depth,
             "read_gbps": gbps["read"], "write_gbps": gbps["write"]}
@@ -159,16 +167,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checksum-cost", action="store_true",
                    help="also run the tiermem step with checksums off and report the cost")
     p.add_argument("--state-dtype", default="fp32",
-                   help="optimizer.state_dtype, or a comma list (fp32,bf16) to time each in "
-                        "this run; the floors are measured for the first")
+                   help="optimizer.state_dtype, or a comma list (fp32,bf16,int8) to time each "
+                        "in this run; the floors are measured for the first")
+    p.add_argument("--model-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the synthetic model's weights and grads (default fp32)")
+    p.add_argument("--master-weights", default="fp32",
+                   help="optimizer.master_weights of a bf16 model, or a comma list "
+                        "(fp32,kahan,none); kahan and none are timed with int8 state only")
     add_phase_args(p)
     a = p.parse_args(argv)
     a.params_text, a.params = a.params, parse_count(a.params)
     a.state_dtype = a.state_dtype.split(",")
+    a.master_weights = a.master_weights.split(",")
     for dt in a.state_dtype:
-        if dt not in ("fp32", "bf16"):
-            p.error(f"--state-dtype: {dt!r} is not fp32 or bf16")
+        if dt not in ("fp32", "bf16", "int8"):
+            p.error(f"--state-dtype: {dt!r} is not fp32, bf16 or int8")
+    for mw in a.master_weights:
+        if mw not in ("fp32", "kahan", "none"):
+            p.error(f"--master-weights: {mw!r} is not fp32, kahan or none")
+    if a.master_weights != ["fp32"] and a.model_dtype != "bf16":
+        p.error("--master-weights kahan/none are for a bf16 model: add --model-dtype bf16")
     return a
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(label, state_dtype, master_weights) of each timed step, in order; the first is the
+    reference the others are compared with."""
+    out = []
+    for mw in args.master_weights:
+        for dt in args.state_dtype:
+            if mw != "fp32" and dt != "int8":
+                continue  # master-less weights run with int8 moments only
+            out.append((dt if mw == "fp32" else f"{mw}+{dt}", dt, mw))
+    return out
+
+
+# (model dtype, reference label, label) -> the issue's goal for the ratio of their steps
+GOALS = {("fp32", "fp32", "bf16"): 0.6, ("fp32", "fp32", "int8"): 0.35,
+         ("bf16", "fp32", "none+int8"): 0.25}
 
 
 def main(argv=None) -> int:
@@ -179,16 +215,18 @@ def main(argv=None) -> int:
     raw = sys.argv[1:] if argv is None else list(argv)
     os.makedirs(args.swap_dir, exist_ok=True)
     by_dtype = {}
-    for dt in args.state_dtype:
-        by_dtype[dt] = run_phase(__file__, "tiermem", raw + ["--state-dtype", dt])
-        print(f"tiermem steps, {dt} state: "
-              f"{[round(t, 2) for t in by_dtype[dt]['step_seconds']]} s", flush=True)
-    first = args.state_dtype[0]
+    for label, dt, mw in variants(args):
+        by_dtype[label] = run_phase(__file__, "tiermem",
+                                    raw + ["--state-dtype", dt, "--master-weights", mw])
+        print(f"tiermem steps, {label} state: "
+              f"{[round(t, 2) for t in by_dtype[label]['step_seconds']]} s", flush=True)
+    first = variants(args)[0][0]
     tm = by_dtype[first]
     bare = None
     if args.checksum_cost:
         bare = run_phase(__file__, "tiermem", [a for a in raw if a != "--checksum-cost"]
-                          + ["--checksums", "off", "--state-dtype", first])
+                          + ["--checksums", "off", "--state-dtype", variants(args)[0][1],
+                             "--master-weights", variants(args)[0][2]])
         print(f"tiermem steps, checksums off: {[round(t, 2) for t in bare['step_seconds']]} s",
               flush=True)
     mem = run_phase(__file__, "memory", raw)
@@ -196,7 +234,7 @@ def main(argv=None) -> int:
     fio = phase_fio(args, int(tm["read_bytes"]), int(tm["write_bytes"]))
     floor = max(fio["seconds"], mem["steady"])
     ratio = tm["steady"] / floor
-    weights = grads = args.params * 4
+    weights = grads = args.params * (4 if args.model_dtype == "fp32" else 2)
     buffers = tm["plan"]["pinned_bytes"]
     rss_bound = (weights + grads + buffers) * 1.10
     def step_row(what: str, r: dict) -> list[str]:
@@ -208,14 +246,16 @@ def main(argv=None) -> int:
                 f"overlap {r['overlap']:.2f}"]
 
     dtype_ratios = {dt: r["steady"] / tm["steady"] for dt, r in by_dtype.items() if dt != first}
+    goals = {dt: g for (model, ref, dt), g in GOALS.items()
+             if (model, ref) == (args.model_dtype, first)}
     rows = [
         step_row(f"tiermem step (NVMe, {first} state)", tm),
         *(row for dt, ratio in dtype_ratios.items() for row in (
             step_row(f"tiermem step (NVMe, {dt} state)", by_dtype[dt]),
             [f"{dt} / {first} state step", f"{ratio:.3f}",
              f"state bytes {by_dtype[dt]['state_bytes'] / tm['state_bytes']:.2f}x"
-             + ("; goal <= 0.6: " + goal_text(ratio, 0.6)
-                if (first, dt) == ("fp32", "bf16") else "")])),
+             + (f"; goal <= {goals[dt]}: " + goal_text(ratio, goals[dt])
+                if dt in goals else "")])),
         ["I/O floor (fio, concurrent r+w)", f"{fio['seconds']:.2f} s",
          f"read {fio['read_gbps']:.2f} GB/s, write {fio['write_gbps']:.2f} GB/s "
          f"({fio['variant']}; " + ", ".join(f"{k}: {v['seconds']:.2f} s"
@@ -230,7 +270,7 @@ def main(argv=None) -> int:
          + goal_text(tm["peak_rss"], rss_bound)],
     ]
     table = show_table(["what", "time", "detail"], rows, title=(
-        f"\n{args.params_text} fp32 parameters, {first} state on NVMe: "
+        f"\n{args.params_text} {args.model_dtype} parameters, {first} state on NVMe: "
         f"{tm['plan']['state_bytes']['nvme'] / 1e9:.2f} GB in {tm['plan']['partitions']} "
         f"partitions, pinned {buffers / 2**30:.2f} GiB, {args.backend}, "
         f"bs {args.block_size}, qd {args.queue_depth}\n"))

@@ -23,7 +23,7 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["io_engine.c", "memory.c", "thread_pool.c", "adam.c", "crc32c.c"]
+SOURCES = ["io_engine.c", "memory.c", "thread_pool.c", "adam.c", "adam_lowbit.c", "crc32c.c"]
 
 MISSING_LIBURING = (
     "tiermem: cannot build the native I/O engine: liburing development files "
@@ -87,7 +87,7 @@ def make_ffibuilder() -> FFI:
         include_dirs=[os.path.relpath(HERE)] + includes,
         library_dirs=libdirs,
         libraries=["uring", "pthread", "m"],
-        # -ffp-contract=off: adam.c's SIMD and scalar paths must round alike, so
+        # -ffp-contract=off: adam.c's and adam_lowbit.c's SIMD and scalar paths must round alike, so
         # no multiply-add may be fused unless the source asks for an FMA.
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function",
                             "-ffp-contract=off"],

@@ -82,6 +82,25 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
                      uint64_t seed, uint64_t index0, int nthreads, int crc_mask,
                      uint32_t *crcs);
 
+/* Adam/AdamW with 8-bit blockwise moments (adam_lowbit.c): exp_avg and exp_avg_sq
+ * one byte per element, one fp32 scale per 256 elements (a call's blocks start at
+ * its element 0), dequantised, updated in fp32 and quantised again in one pass.
+ * master_mode: 0 = p is fp32 (out: optional bf16/fp16 copy, out_dtype 1 or 2),
+ * 1 = kahan (p: the bf16 weights, comp: a bf16 compensation term), 2 = none (p:
+ * the bf16 weights, rounded back stochastically). stochastic: the moments' codes
+ * rounded with the bits of stream (seed, index0 + i), else to nearest even.
+ * crc_mask bits 1, 2, 4, 8, 16, 32: CRC32C of p, exp_avg, exp_avg_scale,
+ * exp_avg_sq, exp_avg_sq_scale, comp after the update into crcs[0..5]. Returns
+ * 0, -EINVAL, -ENOMEM, or -ERANGE when index0 .. index0 + n crosses a multiple
+ * of 2^32. */
+int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_avg,
+                        float *exp_avg_scale, uint8_t *exp_avg_sq, float *exp_avg_sq_scale,
+                        const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
+                        double lr, double beta1, double beta2, double eps,
+                        double weight_decay, double step, int maximize, int decoupled,
+                        int stochastic, uint64_t seed, uint64_t index0, int nthreads,
+                        int crc_mask, uint32_t *crcs);
+
 /* CRC32C (crc32c.c): standard CRC-32C values; crc = 0 starts one, a previous
  * value continues it. _sw is the portable table path; _hw the SSE4.2 one where
  * tm_crc32c_hw_supported() (elsewhere it answers with the portable path).

@@ -61,9 +61,9 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def crash_config(swap: str, backend: str, state_dtype: str = "fp32") -> dict:
     """Mixed placement (one host-tier record, the rest on NVMe), tiny partitions."""
-    if state_dtype == "bf16":  # no kernel reproduces torch's bitwise with bf16 moments
+    if state_dtype != "fp32":  # no kernel reproduces torch's bitwise with bf16/int8 moments
         cfg = crash_config(swap, backend)
-        cfg["optimizer"] = {"kernel": "native", "state_dtype": "bf16"}
+        cfg["optimizer"] = {"kernel": "native", "state_dtype": state_dtype}
         return cfg
     return {"swap": {"paths": [swap], "durability": "crash_consistent"},
             "io": {"backend": backend, "block_size": "16KiB", "queue_depth": 8},

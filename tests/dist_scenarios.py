@@ -116,6 +116,46 @@ def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="re
     compare_runs(model, opt, ref_model, ref_opt, exact=check is assert_same_tensor)
 
 
+def int8_parity(rank: int, world: int, tmp: str) -> None:
+    """optimizer.state_dtype int8 on shares: with nearest rounding the codes depend only on
+    the values and on blocks at multiples of 256 elements of each parameter (shares are
+    cut on CUT_ALIGN), so each rank's run equals the plain-torch int8 reference on whole
+    parameters fed the mean gradient, bit for bit."""
+    from test_state_int8 import ReferenceInt8Adam, hyper
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.05, foreach=False)
+    refs = [ReferenceInt8Adam(g["params"], hyper(lr=g.get("lr", 1e-2), weight_decay=0.05),
+                              rounding="nearest", partition_size=1 << 30)
+            for g in groups_of(ref_model)]
+    batches = make_batches(model, STEPS, seed=10 + rank)
+    cfg = small_cfg(tmp, host="128KiB")
+    cfg["optimizer"] = {"kernel": "native", "state_dtype": "int8", "state_rounding": "nearest"}
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        for i, micro in enumerate(batches):
+            local_backward(model, micro, i, rank)
+            opt.step()
+            opt.zero_grad()
+            local_backward(ref_model, micro, i, rank)
+            averaged(ref_model, world)
+            for ref in refs:
+                ref.step()
+                ref.zero_grad()
+            for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+                assert_same_tensor(p.detach(), q.detach(), f"rank {rank} step {i} {n}")
+        sd = opt.state_dict()  # collective: every rank gets the whole state
+        tm.discard()
+    index = 0
+    for ref in refs:
+        for j in range(len(ref.params)):
+            if ref.steps[j]:
+                for k, t in ref.moments(j).items():
+                    assert_same_tensor(sd["state"][index][k].reshape(-1), t,
+                                       f"rank {rank} param {index} {k}")
+            index += 1
+
+
 def barrier() -> None:
     dist.barrier()
 
@@ -446,6 +486,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "parity-lanes-cpu": lambda r, d: parity(r, world, d, "threads", lanes="cpu"),
         "parity-lanes-device": lambda r, d: parity(r, world, d, "threads", lanes="device"),
         "state-dict": lambda r, d: state_dict_roundtrip(r, world, d),
+        "int8-nearest": lambda r, d: int8_parity(r, world, d),
         "resume-one-step-apart": lambda r, d: resume_one_step_apart(r, world, d),
         "placeholders": lambda r, d: placeholders(r, world, d),
         "kept-guard": lambda r, d: kept_guard(r, world, d),

@@ -5,8 +5,12 @@ in parameter order, holding at most `partition_size` bytes of state. Its record
 is the state tensors of its elements back to back (fp32 master weight when the
 model is low-precision, exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad), each
 starting on a 4 KiB boundary so a record moves with O_DIRECT as one transfer.
-The moments are fp32, or bf16 with `optimizer.state_dtype: bf16`; the master
-is always fp32.
+The moments are fp32, bf16 with `optimizer.state_dtype: bf16`, or one byte per
+element with `int8` (blockwise codes: each segment's moments come in blocks of
+QUANT_BLOCK elements, the first at the segment's element 0, with one fp32 scale per
+block and moment in the kinds `exp_avg_scale`, `exp_avg_sq_scale`); the master is
+always fp32, and a bf16 model with `optimizer.master_weights: kahan` keeps a bf16
+compensation term (kind `kahan`) instead.
 
 A parameter is cut only at element offsets that are multiples of CUT_ALIGN:
 torch's vectorised Adam kernels then see the same vector/tail split on a
@@ -27,7 +31,10 @@ import torch
 RECORD_ALIGN = 4096
 CUT_ALIGN = 1024  # elements; a multiple of every SIMD width torch uses
 STATE_BYTES = 4  # bytes of an fp32 state element (the master; moments unless bf16)
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.state_dtype
+# optimizer.state_dtype -> the moments' storage dtype (int8: unsigned bytes holding codes)
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+QUANT_BLOCK = 256  # elements per int8 block: divides CUT_ALIGN, so no cut splits a block
+SCALE_KINDS = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}  # -> moment
 
 
 def align_up(n: int, to: int = RECORD_ALIGN) -> int:
@@ -49,7 +56,9 @@ class Segment:
     def size(self, kind: str) -> int:
         """Elements of `kind` this segment keeps in the record."""
         shape = self.shapes.get(kind)
-        return self.length if shape is None else math.prod(shape)
+        if shape is None:
+            return blocks(self.length) if kind in SCALE_KINDS else self.length
+        return math.prod(shape)
 
 
 @dataclass
@@ -112,7 +121,23 @@ def record_of(part: Partition, views: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def kind_dtype(kind: str, moment_dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if kind == "master" else moment_dtype
+    if kind == "master" or kind in SCALE_KINDS:
+        return torch.float32
+    return torch.bfloat16 if kind == "kahan" else moment_dtype
+
+
+def blocks(n: int) -> int:
+    """int8 blocks (scale entries) of an n-element segment."""
+    return -(-n // QUANT_BLOCK)
+
+
+def _units(n: int, kinds: Sequence[str]) -> int:
+    """Elements a segment of n counts for against a partition's capacity: whole blocks
+    when the record holds scales, so a partition's scale count never exceeds what its
+    capacity was sized for, however many short segments it holds."""
+    if any(k in SCALE_KINDS for k in kinds):
+        return blocks(n) * QUANT_BLOCK
+    return n
 
 
 def record_layout(numel: int, kinds: Sequence[str], moment_dtype: torch.dtype,
@@ -126,7 +151,8 @@ def record_layout(numel: int, kinds: Sequence[str], moment_dtype: torch.dtype,
     for kind in kinds:
         offsets[kind] = off
         dt = dtypes.get(kind) or kind_dtype(kind, moment_dtype)
-        off = align_up(off + sizes.get(kind, numel) * dt.itemsize)
+        n = sizes.get(kind, blocks(numel) if kind in SCALE_KINDS else numel)
+        off = align_up(off + n * dt.itemsize)
     return offsets, off
 
 
@@ -141,22 +167,33 @@ def partition_capacity(kinds: Sequence[str], moment_dtype: torch.dtype,
     room = partition_size - RECORD_ALIGN
     # A rule with no state per element (plain SGD) still cuts partitions as if it had one
     # byte: they then hold no record bytes but keep the step loop's usual granularity.
-    per_elem = max(1, sum(kind_dtype(k, moment_dtype).itemsize for k in kinds))
-    cap = room // per_elem // CUT_ALIGN * CUT_ALIGN
+    per_elem = max(1.0, sum(kind_dtype(k, moment_dtype).itemsize
+                            / (QUANT_BLOCK if k in SCALE_KINDS else 1) for k in kinds))
+    cap = int(room // per_elem) // CUT_ALIGN * CUT_ALIGN
     while cap > CUT_ALIGN and record_layout(cap, kinds, moment_dtype)[1] > room:
         cap -= CUT_ALIGN
     return max(CUT_ALIGN, cap)
 
 
-def state_kinds(param: torch.Tensor, amsgrad: bool, keep_master: bool = False
-                ) -> tuple[str, ...]:
+def state_kinds(param: torch.Tensor, amsgrad: bool, keep_master: bool = False,
+                state_dtype: str = "fp32", master_weights: str = "fp32") -> tuple[str, ...]:
     """Record contents for `param`: an fp32 master copy unless the update can run in place
     on the parameter itself (fp32, in host memory) and `keep_master` is off (a
-    crash-consistent run keeps the weights in the record so they are committed with it)."""
+    crash-consistent run keeps the weights in the record so they are committed with it).
+    A low-precision parameter with `master_weights` kahan keeps a bf16 compensation term
+    instead, with none nothing: its own weights are updated. int8 moments
+    (`state_dtype`) come each followed by its block scales."""
     # meta: a model built on the meta device that the parameter tier makes on the CPU
     in_place = (param.dtype == torch.float32 and param.device.type in ("cpu", "meta")
                 and not keep_master)
-    kinds = () if in_place else ("master",)
+    if in_place:
+        kinds: tuple[str, ...] = ()
+    elif param.dtype != torch.float32 and master_weights != "fp32":
+        kinds = ("kahan",) if master_weights == "kahan" else ()
+    else:
+        kinds = ("master",)
+    if state_dtype == "int8":
+        return kinds + ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
     kinds += ("exp_avg", "exp_avg_sq")
     return kinds + (("max_exp_avg_sq",) if amsgrad else ())
 
@@ -211,14 +248,14 @@ def rule_tier(name: str, rules: Sequence) -> str | None:
 def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                      partition_size: int, rules: Sequence = (), first_id: int = 0,
                      first_index: int = 0, keep_master: bool = False,
-                     state_dtype: str = "fp32",
+                     state_dtype: str = "fp32", master_weights: str = "fp32",
                      kinds: Sequence[Sequence[tuple[str, ...]]] | None = None,
                      whole: Sequence[Sequence[WholeLayout]] | None = None
                      ) -> list[Partition]:
     """Partitions of every parameter in `param_groups`, in group and parameter order.
 
     `names` maps id(param) to its name for placement rules; `state_dtype` is
-    optimizer.state_dtype ("fp32" or "bf16": the moments' dtype); `keep_master` puts an
+    optimizer.state_dtype ("fp32", "bf16" or "int8": the moments' format); `keep_master` puts an
     fp32 master weight in every record (crash-consistent runs); `kinds`, per group per
     parameter, what its record holds (an update rule's layout; Adam's by default). A
     partition never
@@ -239,7 +276,8 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
         cap = 0
         for j, p in enumerate(group["params"]):
             kinds_p = (kinds[g][j] if kinds is not None
-                       else state_kinds(p, bool(group.get("amsgrad", False)), keep_master))
+                       else state_kinds(p, bool(group.get("amsgrad", False)), keep_master,
+                                        state_dtype, master_weights))
             forced = rule_tier(names.get(id(p), ""), rules)
             start, n = 0, p.numel()
             while start < n:
@@ -248,7 +286,7 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                                         forced=forced)
                     parts.append(current)
                     cap = partition_capacity(kinds_p, moment_dtype, partition_size)
-                room = cap - sum(s.length for s in current.segments)
+                room = cap - sum(_units(s.length, kinds_p) for s in current.segments)
                 take = min(n - start, room)
                 if take < n - start:  # cutting inside the param: keep the cut aligned
                     take = (start + take) // CUT_ALIGN * CUT_ALIGN - start

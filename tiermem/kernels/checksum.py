@@ -109,7 +109,7 @@ def record_digest(part: Partition, views: dict[str, torch.Tensor],
         size = part.dtype(kind).itemsize
         for seg, seg_crcs in zip(part.segments, crcs, strict=True):
             if seg_crcs is None:
-                d.hash_to(d.pos + seg.length * size)
+                d.hash_to(d.pos + seg.size(kind) * size)
             else:
-                d.add(seg_crcs[kind], seg.length * size)
+                d.add(seg_crcs[kind], seg.size(kind) * size)
     return d.finish(part.record_bytes)

@@ -170,10 +170,19 @@ class Offload:
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-step figures (bytes per tier, GB/s, update/transfer/stall time, overlap) of the
-        last 1000 steps."""
+        last 1000 steps; `bytes_per_param`: NVMe bytes read and written in the step per
+        parameter element this optimizer holds (optimizer.state_dtype and master_weights
+        set it: 16 for fp32 state on an fp32 model all on NVMe, about 4 with int8)."""
         self._wait_overlap()
         self.offloaded.tiers.flush()  # completes the last step's writes and their timings
-        return [s.as_dict() for s in self.offloaded.history]
+        numel = max(1, sum(p.numel for p in self.offloaded.parts))
+        out = []
+        for s in self.offloaded.history:
+            row = s.as_dict()
+            moved = sum(row["read_bytes"].values()) + sum(row["write_bytes"].values())
+            row["bytes_per_param"] = moved / numel
+            out.append(row)
+        return out
 
     @property
     def last_step(self) -> StepStats | None:

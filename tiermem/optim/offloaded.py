@@ -93,8 +93,14 @@ class OffloadedOptimizer:
         With parameters.offload the model's weights and grads move to a ParamTier once the
         state is laid out (each partition's parameters are opened from it for its update)."""
         o = settings.optimizer
-        self.rule = rule_for(optimizer, state_dtype=o.state_dtype,
-                             state_rounding=o.state_rounding)
+        options = dict(state_dtype=o.state_dtype, state_rounding=o.state_rounding)
+        if o.master_weights != "fp32":
+            if not isinstance(optimizer, torch.optim.Adam):
+                raise TierMemError(
+                    f"optimizer.master_weights {o.master_weights} runs Adam/AdamW only, not "
+                    f"{type(optimizer).__name__}; use master_weights fp32")
+            options["master_weights"] = o.master_weights
+        self.rule = rule_for(optimizer, **options)
         self.opt = optimizer
         self.settings = settings
         self.weights: ParamTier | None = None
@@ -136,6 +142,7 @@ class OffloadedOptimizer:
                                       settings.pipeline.partition_size, settings.placement,
                                       keep_master=self._keep_master,
                                       state_dtype=settings.optimizer.state_dtype,
+                                      master_weights=settings.optimizer.master_weights,
                                       **self._layouts(optimizer.param_groups))
         self.budgets = Budgets(settings.tiers.gpu.capacity, settings.tiers.host.capacity)
         self.budgets.assign(self.parts)
@@ -533,6 +540,7 @@ class OffloadedOptimizer:
                       checksums=hashed)
         fp32_copies = []  # fp32 models with a master: the kernel writes low precision only
         updated = []  # segment numbers with a gradient, in order
+        slices = {k: part.slices(k) for k in batch.state}  # int8 scales: one per block
         off = 0
         for n, s in enumerate(part.segments):
             sl = slice(off, off + s.length)
@@ -548,7 +556,7 @@ class OffloadedOptimizer:
             batch.steps.append(self.steps[s.index])
             batch.offsets.append(sl.start)
             for k, lst in batch.state.items():
-                lst.append(views[k][sl])
+                lst.append(views[k][slices[k][n]])
             if fp32_model:
                 fp32_copies.append((weights, master[sl]))
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
@@ -560,7 +568,7 @@ class OffloadedOptimizer:
                 return None
             crcs: list[dict[str, int] | None] = [None] * len(part.segments)
             for n, c in zip(updated, got, strict=True):
-                crcs[n] = c
+                crcs[n] = c if all(k in c for k in hashed) else None  # else hashed here
             return record_digest(part, views, crcs)
 
     # -- crash-consistent commits --------------------------------------------------
@@ -808,6 +816,7 @@ class OffloadedOptimizer:
                                    self.settings.placement, first_id=len(self.parts),
                                    first_index=len(self.params), keep_master=self._keep_master,
                                    state_dtype=self.settings.optimizer.state_dtype,
+                                   master_weights=self.settings.optimizer.master_weights,
                                    **self._layouts([group]))
             for part in new:
                 part.group = first_group

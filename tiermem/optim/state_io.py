@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-from tiermem.partition import Partition
+from tiermem.kernels.lowbit import bf16_nearest, dequantize, quantize
+from tiermem.partition import SCALE_KINDS, Partition
 from tiermem.tiers.manager import TierManager
 
 
@@ -39,22 +40,46 @@ def torch_state_dict(opt: torch.optim.Optimizer, state: dict[torch.Tensor, dict[
         opt.state = saved
 
 
+SCALE_OF = {m: k for k, m in SCALE_KINDS.items()}  # int8 moment -> its scales' kind
+
+
 def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
             state: dict[torch.Tensor, dict[str, Any]]) -> None:
     """Write per-parameter `state` (torch's layout; `keys`: record kind -> state key) into
     every record. A kind the state lacks is zero, a master the model's weights; copy_
-    casts, so bf16 moments are rounded to nearest even here."""
+    casts, so bf16 moments are rounded to nearest even here, and int8 moments are
+    quantised (to nearest) with their scales. A Kahan term is what the fp32 master
+    (keys["master"]) adds to the model's bf16 weight, rounded to nearest."""
     for part in parts:
         with tiers.record(part, write=True) as (views, _):
             slices = {k: part.slices(k) for k in views}
             for i, s in enumerate(part.segments):
                 st = state.get(s.param, {})
                 for k in views:
+                    if k in SCALE_KINDS:
+                        continue  # written with its moment
+                    dst = views[k][slices[k][i]]
+                    if k == "kahan":
+                        src = st.get(keys["master"])
+                        dst.zero_() if src is None else dst.copy_(bf16_nearest(
+                            src.reshape(-1)[s.start: s.start + s.length].float()
+                            - s.param.detach().reshape(-1)[s.start: s.start + s.length].float()))
+                        continue
                     src = st.get(keys[k])
                     if src is None:
                         src = s.param.detach() if k == "master" else None
-                    dst = views[k][slices[k][i]]
-                    if src is None:
+                    if SCALE_OF.get(k) in views:  # int8 codes
+                        scale = views[SCALE_OF[k]][slices[SCALE_OF[k]][i]]
+                        if src is None:
+                            dst.zero_()
+                            scale.zero_()
+                        else:
+                            codes, sc = quantize(
+                                src.reshape(-1)[s.start: s.start + s.length].cpu(),
+                                signed=k == "exp_avg")
+                            dst.copy_(codes)
+                            scale.copy_(sc)
+                    elif src is None:
                         dst.zero_()
                     else:
                         dst.copy_(src.reshape(-1)[s.start: s.start + s.size(k)])
@@ -63,7 +88,10 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
 def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
            out: dict[torch.Tensor, dict[str, Any]]) -> None:
     """Copy every written record into the per-parameter tensors `out` holds (those it
-    lacks are skipped; `keys`: record kind -> state key). Copies widen exactly."""
+    lacks are skipped; `keys`: record kind -> state key). Copies widen exactly; int8
+    moments are dequantised (exactly: code value * scale); a Kahan term is added to the
+    master (keys["master"], the model's weight as exported) in fp32, as the update
+    computes the weight."""
     for part in parts:
         with tiers.record(part, write=False) as (views, fresh):
             if fresh:
@@ -74,7 +102,18 @@ def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
                 if st is None:
                     continue
                 for k, src in views.items():
+                    if k in SCALE_KINDS:
+                        continue
+                    if k == "kahan":
+                        if keys["master"] in st:
+                            w = st[keys["master"]].view(-1)[s.start: s.start + s.length]
+                            w.copy_(w.float() + src[slices[k][i]].float())
+                        continue
                     key = keys[k]
-                    if key in st:
-                        st[key].view(-1)[s.start: s.start + s.size(k)].copy_(
-                            src[slices[k][i]])
+                    if key not in st:
+                        continue
+                    value = src[slices[k][i]]
+                    if SCALE_OF.get(k) in views:  # int8 codes
+                        value = dequantize(value, views[SCALE_OF[k]][slices[SCALE_OF[k]][i]],
+                                           signed=k == "exp_avg")
+                    st[key].view(-1)[s.start: s.start + s.size(k)].copy_(value)

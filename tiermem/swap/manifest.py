@@ -34,7 +34,7 @@ import torch
 
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.kernels.checksum import crc32c
-from tiermem.partition import Partition, record_layout
+from tiermem.partition import SCALE_KINDS, Partition, blocks, record_layout
 from tiermem.swap.integrity import FOOTER_BYTES
 from tiermem.swap import fsops
 
@@ -146,6 +146,15 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
             f"swap.durability: {m.durability}, this config says {durability}; resume with "
             f"{m.durability}")
     expected = layout_of(parts)
+    kept = {p["moment_dtype"] for p in m.partitions}
+    want = {p["moment_dtype"] for p in expected}
+    if kept and want and kept != want:
+        raise TierMemError(
+            f"cannot resume from {run_dir}: the kept moments are stored as "
+            f"{_STATE_NAMES.get(min(kept), min(kept))}, this config says "
+            f"optimizer.state_dtype {_STATE_NAMES.get(min(want), min(want))}; resume with "
+            f"state_dtype {_STATE_NAMES.get(min(kept), min(kept))}, or load a state_dict() "
+            "to convert")
     if m.partitions != expected:
         diff = next((i for i, (a, b) in enumerate(zip(m.partitions, expected)) if a != b),
                     min(len(m.partitions), len(expected)))
@@ -231,9 +240,12 @@ def _dict(v, where: str, keys: set[str] | None = None) -> dict:
 
 _DURABILITY = ("scratch", "crash_consistent")
 _TIERS = ("gpu", "host", "nvme")
-_KINDS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_KINDS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
+          "exp_avg_sq_scale", "kahan")
+# uint8: optimizer.state_dtype int8 (blockwise codes, their scales in the *_scale kinds)
 _MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                  "float16": torch.float16}
+                  "float16": torch.float16, "uint8": torch.uint8}
+_STATE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "uint8": "int8"}  # optimizer.state_dtype
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
 _PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments",
               "moment_dtype"}
@@ -346,7 +358,7 @@ def _validate(d: dict, run_dir: str) -> None:
                        for x in kinds)
         _need(len(kinds) > 0 and names_ok and len(set(kinds)) == len(kinds), f"{w}.kinds",
               f"distinct names from {_KINDS}" if adam else "distinct state names", kinds)
-        total = 0
+        total = nblocks = 0
         for j, seg in enumerate(_list(part["segments"], f"{w}.segments")):
             sw = f"{w}.segments[{j}]"
             index, start, length = _list(seg, sw, 3)
@@ -360,6 +372,7 @@ def _validate(d: dict, run_dir: str) -> None:
                   f"inside parameter {index} ({sizes[index]} elements)", seg)
             covered[index] += length
             total += length
+            nblocks += blocks(length)
         _need(part["numel"] == total and _is_int(part["numel"]), f"{w}.numel",
               f"{total}, the sum of its segments", part["numel"])
         _uint(part["record_bytes"], f"{w}.record_bytes")
@@ -369,7 +382,8 @@ def _validate(d: dict, run_dir: str) -> None:
         if adam:
             # Adam's layout follows from kinds and numel; other rules' records may hold state
             # of other sizes, which resume checks against the live layout instead.
-            fits = record_layout(total, kinds, _MOMENT_DTYPES[part["moment_dtype"]])[1]
+            fits = record_layout(total, kinds, _MOMENT_DTYPES[part["moment_dtype"]],
+                                 {k: nblocks for k in kinds if k in SCALE_KINDS})[1]
             _need(part["record_bytes"] == fits and _is_int(part["record_bytes"]),
                   f"{w}.record_bytes", f"{fits}, what its kinds and numel lay out",
                   part["record_bytes"])

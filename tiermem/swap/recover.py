@@ -16,6 +16,9 @@ otherwise (scratch-mode fp32 models update their weights in place, so the
 weights live in the model's own checkpoint). Parameters are named as the model
 named them when `model=` was given to `tiermem.offload`, else `param.<index>`.
 The checkpoint is built in host memory: it needs as much RAM as the state.
+int8 records (optimizer.state_dtype int8) come out as their exact fp32 values, as
+state_dict() gives them; a Kahan term (optimizer.master_weights kahan, scratch runs
+only) is left out: the bf16 weights are the model's own checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import torch
 from tiermem.errors import TierMemError
 from tiermem.swap.integrity import check
 from tiermem.swap.manifest import RESIDENT_FILE, Manifest, read_manifest
-from tiermem.partition import Partition, Segment
+from tiermem.kernels.lowbit import dequantize
+from tiermem.partition import SCALE_KINDS, Partition, Segment
 
 FORMAT = "tiermem-recover-1"
 # Rules whose records hold one value per element of each state kind, under torch's own
@@ -139,7 +143,7 @@ def gather(run_dir: str) -> dict[str, Any]:
         st: dict[str, Any] = {"step": torch.tensor(float(step))} if has_step else {}
         st.update({k: _scalar(v) for k, v in (m.params[i].get("scalars") or {}).items()})
         for k in kinds_of.get(i, ()):
-            if k != "master":
+            if k not in ("master", "kahan") and k not in SCALE_KINDS:
                 # never stepped (Adagrad builds its state when made): torch's starting value
                 fill = m.groups[group_of[i]].get(EAGER_RULES.get(m.rule, {}).get(k), 0.0)
                 st[k] = torch.full(shape, float(fill) if step == 0 else 0.0,
@@ -158,21 +162,27 @@ def gather(run_dir: str) -> dict[str, Any]:
             if part.id in fresh:
                 continue
             views = part.views(records.read(part))
-            off = 0
-            for s in part.segments:
-                sl = slice(off, off + s.length)
-                off += s.length
+            scale_of = {moment: k for k, moment in SCALE_KINDS.items() if k in views}
+            slices = {k: part.slices(k) for k in views}
+            for n, s in enumerate(part.segments):
                 if m.steps[s.index] == 0 and s.index not in weights:
                     continue  # never stepped: the starting state set above
                 for k, src in views.items():
+                    if k in SCALE_KINDS:
+                        continue
+                    sl = slices[k][n]
+                    value = src[sl]
+                    if k in scale_of:  # int8 codes: the fp32 moments torch keeps
+                        value = dequantize(value, views[scale_of[k]][slices[scale_of[k]][n]],
+                                           signed=k == "exp_avg")
                     if k == "master" and s.index in weights:
-                        weights[s.index].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+                        weights[s.index].view(-1)[s.start: s.start + s.length].copy_(value)
                     if m.steps[s.index] == 0:
                         continue
                     st = state.get(s.index, {})
                     key = "master_param" if k == "master" else k
                     if key in st:
-                        st[key].view(-1)[s.start: s.start + s.length].copy_(src[sl])
+                        st[key].view(-1)[s.start: s.start + s.length].copy_(value)
     finally:
         records.close()
     for i, st in state.items():

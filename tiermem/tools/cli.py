@@ -137,6 +137,27 @@ def _with_param_flags(settings: Any, args: argparse.Namespace) -> Any:
     if args.param_window is not None:
         ps = dataclasses.replace(ps, window=args.param_window)
     return dataclasses.replace(settings, parameters=ps)
+def _with_state_flags(settings, args: argparse.Namespace):
+    """The config with --state-dtype / --master-weights applied (validated as the config
+    keys optimizer.state_dtype and optimizer.master_weights are)."""
+    from tiermem.config import load_config, as_yaml_data
+
+    over = {k: v for k, v in (("state_dtype", args.state_dtype),
+                              ("master_weights", args.master_weights)) if v is not None}
+    if not over:
+        return settings
+    data = as_yaml_data(settings)
+    data["optimizer"].update(over)
+    return load_config(data)
+
+
+def _state_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"],
+                   help="optimizer.state_dtype: how the moments are stored (default: the "
+                        "config's)")
+    p.add_argument("--master-weights", choices=["fp32", "kahan", "none"],
+                   help="optimizer.master_weights of a bf16 model (kahan and none need "
+                        "--state-dtype int8; default: the config's)")
 
 
 def _cmd_stress(args: argparse.Namespace) -> int:
@@ -145,7 +166,7 @@ def _cmd_stress(args: argparse.Namespace) -> int:
 
     if not _model_size_given(args, "stress"):
         return 2
-    settings = _with_param_flags(load_config(args.config), args)
+    settings = _with_param_flags(_with_state_flags(load_config(args.config), args), args)
     result = run_stress(StressArgs(
         settings=settings, params=args.params, layers=args.layers, hidden=args.hidden,
         dtype=args.dtype, steps=args.steps, grad_accum=args.grad_accum, verify=args.verify,
@@ -242,7 +263,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if not _model_size_given(args, "plan"):
         return 2
-    settings = _with_param_flags(load_config(args.config), args)
+    settings = _with_param_flags(_with_state_flags(load_config(args.config), args), args)
     rates = _probe_rates(args)
     shape = choose_shape(args.params, args.layers, args.hidden)
     plan = make_plan(shape.params, args.dtype, settings, synthetic_grads=args.no_activations,
@@ -400,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", type=_positive, help="transformer-like blocks")
     s.add_argument("--hidden", type=_positive, help="block width")
     s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="model weights and grads (state: fp32, or bf16 moments with optimizer.state_dtype)")
+                   help="model weights and grads (the moments: --state-dtype)")
+    _state_flags(s)
     s.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
     s.add_argument("--optimizer", type=_optimizer, default="adamw", metavar="NAME",
                    help=_OPTIMIZER_HELP)
@@ -442,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model weights and grads (default fp32)")
     pl.add_argument("--optimizer", type=_optimizer, default="adamw", metavar="NAME",
                     help=_OPTIMIZER_HELP)
+    _state_flags(pl)
     pl.add_argument("--no-activations", action="store_true",
                     help="leave activations out of the host-memory need")
     pl.add_argument("--probe", metavar="PROBE.json",

@@ -21,7 +21,8 @@ import torch
 from tiermem.config import Settings
 from tiermem.errors import TierMemError
 from tiermem.optim.rules import AdamRule, UpdateRule, rule_for
-from tiermem.partition import Partition
+from tiermem.partition import (MOMENT_DTYPES, QUANT_BLOCK, SCALE_KINDS, Partition,
+                               kind_dtype)
 
 
 class UnknownOptimizer(TierMemError, ValueError):
@@ -106,7 +107,10 @@ def _probe_rule(name: str, dtype: torch.dtype, settings: Settings
     probe = [torch.zeros((7,) * d, dtype=dtype, requires_grad=True) for d in dims]
     opt = optimizer_class(c)(probe, lr=1e-3, **c.kwargs)
     o = settings.optimizer
-    return rule_for(opt, state_dtype=o.state_dtype, state_rounding=o.state_rounding), opt
+    options = dict(state_dtype=o.state_dtype, state_rounding=o.state_rounding)
+    if o.master_weights != "fp32" and isinstance(opt, torch.optim.Adam):
+        options["master_weights"] = o.master_weights  # what only the Adam rule takes
+    return rule_for(opt, **options), opt
 
 
 def state_bytes(name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype,
@@ -130,9 +134,12 @@ def state_bytes(name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
         if rule.elementwise:
             p = torch.zeros(1, dtype=dtype)
             kinds = rule.kinds(p, group, keep_master=keep_master)
-            moment = 2 if (settings.optimizer.state_dtype == "bf16"
-                           and isinstance(rule, AdamRule)) else 4
-            total += numel * sum(4 if k == "master" else moment for k in kinds)
+            # only the Adam rule keeps its moments in another dtype than fp32
+            moments = MOMENT_DTYPES[settings.optimizer.state_dtype if isinstance(rule, AdamRule)
+                                   else "fp32"]
+            total += math.ceil(numel * sum(
+                4 / QUANT_BLOCK if k in SCALE_KINDS else kind_dtype(k, moments).itemsize
+                for k in kinds))
             continue
         total += _whole_bytes(rule, group, shape, dtype, keep_master)
     return total

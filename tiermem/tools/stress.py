@@ -72,7 +72,7 @@ class Plan:
         return [
             f"model: {self.params:,} parameters, {self.dtype}",
             f"weights {f(self.weights)} + grads {f(self.grads)} + optimizer state "
-            f"{f(self.state)} ({self.state_per_param} B/param, {self.optimizer})",
+            f"{f(self.state)} ({self.state_per_param:.4g} B/param, {self.optimizer})",
             "optimizer state per tier: " + ", ".join(f"{k} {f(v)}" for k, v in self.tiers.items()),
             f"pinned host memory {f(self.pinned)}, swap {f(self.swap)} "
             f"(free on disk {f(self.disk_free)})",
@@ -269,7 +269,10 @@ class Verifier:
             for k in MOMENTS:
                 if k in rec:
                     lists[k].append(rec[k][sl])
-        if lists["params"] and off.settings.optimizer.state_dtype == "bf16":
+        if lists["params"] and off.settings.optimizer.state_dtype == "int8":
+            self._reference_int8_state(part, rec, lists["params"], lists["steps"], group,
+                                       grads)
+        elif lists["params"] and off.settings.optimizer.state_dtype == "bf16":
             self._reference_bf16_state(part, rec, lists["params"], lists["steps"], group,
                                        grads)
         elif lists["params"]:
@@ -293,6 +296,37 @@ class Verifier:
                     cur.copy_(rec["master"][pos: pos + s.length])
                 pos += s.length
         return {"record": rec, "weights": weights}
+
+    def _reference_int8_state(self, part: Partition, rec: dict[str, torch.Tensor],
+                              params: list, steps: list, group: dict,
+                              grads: dict[int, torch.Tensor]) -> None:
+        """int8 moments: kernels.lowbit's plain-torch reference per segment, seeded as the
+        pipeline seeds it; the native kernel must match it bit for bit. params: per
+        stepped segment, the record's master or a copy of the model's weights (fp32, or
+        bf16 with optimizer.master_weights kahan/none), updated here."""
+        from tiermem.kernels.lowbit import adam_lowbit_reference
+        from tiermem.kernels.native_adam import state_seed
+
+        opt = self.tm.offloaded.settings.optimizer
+        slices = {k: part.slices(k) for k in rec}
+        k = 0
+        for n, s in enumerate(part.segments):
+            if n not in grads:
+                continue
+            param, step, k = params[k], steps[k], k + 1
+            sl = slices["exp_avg"][n]
+            adam_lowbit_reference(
+                param=param, grad=grads[n],
+                **{kind: rec[kind][slices[kind][n]] for kind in (
+                    "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")},
+                kahan=rec["kahan"][slices["kahan"][n]] if "kahan" in rec else None,
+                master="fp32" if param.dtype == torch.float32 else opt.master_weights,
+                step=step, lr=group["lr"], beta1=float(group["betas"][0]),
+                beta2=float(group["betas"][1]), eps=group["eps"],
+                weight_decay=group["weight_decay"], maximize=bool(group["maximize"]),
+                decoupled_weight_decay=bool(group.get("decoupled_weight_decay")),
+                rounding=opt.state_rounding, seed=state_seed(step=step, partition=part.id),
+                offset=sl.start)
 
     def _reference_bf16_state(self, part: Partition, rec: dict[str, torch.Tensor],
                               params: list, steps: list, group: dict,
@@ -490,14 +524,15 @@ STEP_TABLE_LEGEND = [
     "wall: the whole step (gradients + opt.step()); opt.step(): tiermem's part of it;",
     "update: Adam arithmetic; stall: opt.step() waiting on NVMe; read/write rates are over",
     "the time NVMe transfers were in flight (I/O-busy time); overlap: the share of that",
-    "time hidden behind compute (— when the step did no NVMe I/O).",
+    "time hidden behind compute (— when the step did no NVMe I/O); B/param: NVMe bytes read",
+    "and written per parameter (optimizer.state_dtype and master_weights set it).",
 ]
 
 
 def step_table(rows: list[dict]) -> str:
     """The per-step table printed at the end, each column saying what it measures."""
-    cols = ["step", "wall", "opt.step()", "update", "stall", "read", "written", "read rate",
-            "write rate", "overlap"]
+    cols = ["step", "wall", "opt.step()", "update", "stall", "read", "written", "B/param",
+            "read rate", "write rate", "overlap"]
     body = []
     for r in rows:
         rd, wr = sum(r["read_bytes"].values()), sum(r["write_bytes"].values())
@@ -505,6 +540,7 @@ def step_table(rows: list[dict]) -> str:
         body.append([str(r["step"]), fmt_seconds(r.get("seconds", r["step_seconds"])),
                      fmt_seconds(r["step_seconds"]), fmt_seconds(r["update_seconds"]),
                      fmt_seconds(r["stall_seconds"]), format_size(rd), format_size(wr),
+                     f"{r['bytes_per_param']:.3g}" if "bytes_per_param" in r else "—",
                      fmt_rate(r["read_gbps"] * 1e9) if rd else "—",
                      fmt_rate(r["write_gbps"] * 1e9) if wr else "—",
                      f"{r['overlap']:.2f}" if io and (rd or wr) else "—"])

@@ -5,6 +5,11 @@ the parameter itself (a low-precision or device parameter, or a crash-consistent
 run, which commits weights with the state), exp_avg, exp_avg_sq, and
 max_exp_avg_sq with amsgrad; moments in fp32, or bf16 with optimizer.state_dtype.
 The update runs one of kernels.adam's kernels, all behind one dispatcher.
+
+With state_dtype int8 the moments are blockwise 8-bit codes with their scales
+(partition.SCALE_KINDS) and the update runs kernels.lowbit per segment; a bf16
+parameter's record then holds, per optimizer.master_weights, an fp32 master, a bf16
+Kahan compensation term, or no weight at all.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update
+from tiermem.kernels.lowbit import lowbit_update
 from tiermem.kernels.native_adam import state_seed
 from tiermem.optim.rules.base import Batch, UpdateRule, Views, check_group_tensors
 from tiermem.partition import Partition, state_kinds
@@ -31,33 +37,45 @@ class AdamRule(UpdateRule):
     elementwise = True
     torch_keys = {"master": MASTER_KEY, **{k: k for k in MOMENTS}}
 
-    def __init__(self, *, state_dtype: str = "fp32", state_rounding: str = "nearest") -> None:
+    def __init__(self, *, state_dtype: str = "fp32", state_rounding: str = "nearest",
+                 master_weights: str = "fp32") -> None:
         self.state_dtype = state_dtype
         self.state_rounding = state_rounding
+        self.master_weights = master_weights
 
     def check(self, opt: torch.optim.Optimizer) -> None:
         for g, group in enumerate(opt.param_groups):
             check_group_tensors(g, group)
+            if self.state_dtype == "int8" and group.get("amsgrad"):
+                raise TierMemError(
+                    f"param_groups[{g}]: optimizer.state_dtype int8 keeps no max_exp_avg_sq; "
+                    "use amsgrad=False, or state_dtype fp32 or bf16")
             for p in group["params"]:
-                if self.state_dtype == "bf16":
-                    self._check_bf16_state(g, p)
+                if self.state_dtype != "fp32":
+                    self._check_low_state(g, p)
+                if self.master_weights != "fp32" and p.dtype == torch.float16:
+                    raise TierMemError(
+                        f"param_groups[{g}]: optimizer.master_weights {self.master_weights} "
+                        "updates bf16 weights, and a parameter is fp16; use master_weights "
+                        "fp32 or a bf16 model")
 
-    @staticmethod
-    def _check_bf16_state(g: int, p: torch.Tensor) -> None:
-        """bf16 moments are updated by the native CPU kernel only: refuse what it cannot run."""
+    def _check_low_state(self, g: int, p: torch.Tensor) -> None:
+        """bf16/int8 moments are updated by the native CPU kernels only: refuse what they
+        cannot run."""
         if p.device.type != "cpu":
             raise TierMemError(
-                f"param_groups[{g}]: optimizer.state_dtype bf16 needs the Adam step on "
-                f"the CPU for now, and a parameter is on {p.device}; use state_dtype "
+                f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} needs the Adam "
+                f"step on the CPU for now, and a parameter is on {p.device}; use state_dtype "
                 "fp32 for models off the CPU")
         if p.dtype not in (torch.float32, *MIXED_OUT):
             raise TierMemError(
-                f"param_groups[{g}]: optimizer.state_dtype bf16 supports fp32, bf16 and "
-                f"fp16 parameters, not {p.dtype}")
+                f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} supports fp32, "
+                f"bf16 and fp16 parameters, not {p.dtype}")
 
     def kinds(self, param: torch.Tensor, group: dict[str, Any], *, keep_master: bool
               ) -> tuple[str, ...]:
-        return state_kinds(param, bool(group.get("amsgrad", False)), keep_master)
+        return state_kinds(param, bool(group.get("amsgrad", False)), keep_master,
+                           self.state_dtype, self.master_weights)
 
     def check_group(self, part: Partition, group: dict[str, Any]) -> None:
         if bool(group.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
@@ -75,9 +93,9 @@ class AdamRule(UpdateRule):
 
     def init(self, part: Partition, views: Views) -> None:
         """Zero moments; the master weights from the model."""
-        for k in MOMENTS:
-            if k in views:
-                views[k].zero_()
+        for k in views:
+            if k != "master":
+                views[k].zero_()  # moments, int8 scales and a Kahan term all start at 0
         if "master" in views:
             off = 0
             for s in part.segments:
@@ -87,9 +105,10 @@ class AdamRule(UpdateRule):
 
     def wants_native(self, kernel: str, part: Partition, *, on_host: bool) -> bool:
         """The native kernel's single pass (grads of any float dtype in, low-precision
-        weights out, CRCs) runs this partition: bf16 state always, kernel native or auto
-        (the default: native is the faster one there) on CPU models in fp32, bf16 or fp16."""
-        if self.state_dtype == "bf16":
+        weights out, CRCs) runs this partition: bf16 or int8 state always, kernel native or
+        auto (the default: native is the faster one there) on CPU models in fp32, bf16 or
+        fp16."""
+        if self.state_dtype != "fp32":
             return True
         return kernel in ("native", "auto") and on_host and all(
             s.param.device.type == "cpu" and s.param.dtype in (torch.float32, *MIXED_OUT)
@@ -97,6 +116,8 @@ class AdamRule(UpdateRule):
 
     def update(self, batch: Batch, *, kernel: str) -> list[dict[str, int]] | None:
         group = batch.group
+        if self.state_dtype == "int8":
+            return self._update_int8(batch)
         rounding = {}
         if self.state_dtype == "bf16":
             # Stochastic rounding draws the bits of stream (step, partition) at each
@@ -115,3 +136,31 @@ class AdamRule(UpdateRule):
             maximize=bool(group["maximize"]),
             decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
             weights_out=batch.weights_out, checksums=batch.checksums, **rounding)
+
+    def _update_int8(self, batch: Batch) -> list[dict[str, int]]:
+        """kernels.lowbit per segment: the native pass on CPU tensors, the torch reference
+        elsewhere. params[i] is the fp32 weight the update runs on (a master, or an fp32
+        model), or with master_weights kahan/none the bf16 model weight itself."""
+        group = batch.group
+        beta1, beta2 = (float(b) for b in group["betas"])
+        st = batch.state
+        out = []
+        for i, param in enumerate(batch.params):
+            master = "fp32" if param.dtype == torch.float32 else self.master_weights
+            native = param.device.type == "cpu" and batch.grads[i].device.type == "cpu"
+            out.append(lowbit_update(
+                kernel="native" if native else "reference", param=param, grad=batch.grads[i],
+                exp_avg=st["exp_avg"][i], exp_avg_scale=st["exp_avg_scale"][i],
+                exp_avg_sq=st["exp_avg_sq"][i], exp_avg_sq_scale=st["exp_avg_sq_scale"][i],
+                kahan=st["kahan"][i] if "kahan" in st else None,
+                weight_out=batch.weights_out[i] if batch.weights_out else None,
+                master=master, step=batch.steps[i], lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"],
+                maximize=bool(group["maximize"]),
+                decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
+                rounding=self.state_rounding,
+                seed=state_seed(step=batch.steps[i], partition=batch.part.id),
+                offset=batch.offsets[i],
+                checksums=[k for k in batch.checksums if k != "master" or master == "fp32"]
+                if native else ()))
+        return out

@@ -1,0 +1,622 @@
+/* The Adam/AdamW update with 8-bit moments (optimizer.state_dtype: int8), and the
+ * master-less weight formats of bf16 models (optimizer.master_weights), in one pass.
+ *
+ * Moments are stored blockwise: each run of QB = 256 elements (a call's first
+ * block starts at its element 0; its last may be short) keeps one fp32 scale per
+ * moment and one byte per element. A byte is a small float relative to the
+ * scale (a "dynamic exponent" code, like fp8 but with the exponent range chosen
+ * per moment):
+ *
+ *   exp_avg     sign, 4-bit exponent (bias 15), 3-bit mantissa
+ *   exp_avg_sq  no sign, 5-bit exponent (bias 31), 3-bit mantissa
+ *
+ * A magnitude code c >= 8 stands for (1 + (c & 7) / 8) * 2^((c >> 3) - bias); 0
+ * for zero (stored +0: the sign of a zero moment is not kept), 1 for NaN (any non-finite moment is stored as NaN), 2..7 are
+ * unused. The largest code is 1.875; the scale is the power of two that puts the
+ * block's largest finite magnitude in (0.9375, 1.875], so scaling is exact (a
+ * dequantised block quantises back to itself; magnitudes of 2^126 and more lose
+ * bits to fp32 subnormals) and every value keeps 3 mantissa bits (relative error at
+ * most 1/16) down to 2^-14 (exp_avg) or 2^-30 (exp_avg_sq) of the block's largest.
+ * The second moment gets the wider range because it holds squares. Below the
+ * range, exp_avg rounds to 0 or the smallest code; exp_avg_sq rounds *up* to
+ * the smallest code, never to 0: a zero denominator would turn a tiny exp_avg
+ * into a step of lr * m / eps. A block whose scale would be 0 or subnormal is
+ * all zeros.
+ *
+ * Per block: dequantise (code value * old scale), the Adam arithmetic of adam.c
+ * in fp32 (the parameter step uses those fp32 moments), then the new scales from
+ * the block's fp32 moments and the codes, rounded to nearest even or
+ * stochastically: 16 random bits per element and moment from the counter-based
+ * hash of numeric.h (exp_avg the low 16, exp_avg_sq the high 16 of
+ * sr_bits(index0 + i)), added below the kept mantissa, then truncated, so the
+ * rounding is unbiased and a decaying exp_avg_sq keeps moving instead of
+ * freezing at a code.
+ *
+ * Weights (master_mode): 0 fp32 p (a master in the record, or an fp32 model),
+ * with an optional bf16/fp16 copy written out as adam.c does; 1 kahan: p is the
+ * bf16 model weight and comp a bf16 compensation term in the record, the update
+ * runs on p + comp in fp32, the new weight is rounded to nearest even and the
+ * rounding error is kept in comp (rounded to nearest); 2 none: p is the bf16
+ * model weight, updated in fp32 and rounded back stochastically with the bits of
+ * a second key (so they are independent of the moments' bits).
+ *
+ * Paths: AVX-512 (F, BW, VL) and portable scalar C, bitwise the same (every
+ * operation is correctly rounded, -ffp-contract=off, fmaf() where the vector
+ * path uses an FMA). Large calls are split over threads by chunks of whole
+ * blocks; CRC32C of each array written (crc_mask) is taken chunk by chunk right
+ * after the chunk was updated, by the thread that updated it. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "numeric.h"
+#include "tiermem_native.h"
+
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+enum { LB_F32 = 0, LB_BF16 = 1, LB_F16 = 2 };
+enum { MW_FP32 = 0, MW_KAHAN = 1, MW_NONE = 2 };
+enum { CRC_P = 1, CRC_M = 2, CRC_MS = 4, CRC_V = 8, CRC_VS = 16, CRC_COMP = 32 };
+#define LB_NARRAYS 6
+
+#define QB 256                    /* elements per quantisation block */
+#define LB_CHUNK (64 * 1024)      /* threads take chunks of this many (whole blocks) */
+#define LB_PAR_MIN (256 * 1024)   /* below this, no threads */
+#define LB_MAX_THREADS 64
+#define M_EBIAS 112u              /* 127 - 15: exp_avg's exponent bias, rebased */
+#define V_EBIAS 96u               /* 127 - 31: exp_avg_sq's */
+#define Q_TOP 1.875f              /* the largest code's value */
+#define Q_NAN 1u
+#define W_KEY 0xA511E9B3u         /* second key word for the weights' bits (none) */
+
+typedef struct lb_job {
+    void *p;             /* float (MW_FP32) or uint16_t bf16 (the model's weight) */
+    uint16_t *comp;      /* MW_KAHAN */
+    uint8_t *m, *v;
+    float *ms, *vs;      /* one scale per block */
+    const void *g;
+    void *out;           /* MW_FP32 only: bf16/fp16 copy of p, or NULL */
+    int g_dtype, out_dtype, mw, sr;
+    uint32_t idx0, k0, k1;
+    int maximize, wd_mode, small;
+    float wd, decay, c1, c1m1, b2, c2, bc2s, eps, nss;
+} lb_job;
+
+/* -- scalar ------------------------------------------------------------------------ */
+
+static inline float dec_m(uint8_t c, float s)
+{
+    uint32_t mag = c & 0x7Fu, bits;
+    if (mag == Q_NAN)
+        bits = 0x7FC00000u;
+    else
+        bits = (mag >= 8 ? (mag << 20) + (M_EBIAS << 23) : 0u) | ((uint32_t)(c & 0x80u) << 24);
+    return f32_from_bits(bits) * s;
+}
+
+static inline float dec_v(uint8_t c, float s)
+{
+    uint32_t bits = c == Q_NAN ? 0x7FC00000u : c >= 8 ? ((uint32_t)c << 20) + (V_EBIAS << 23)
+                                                      : 0u;
+    return f32_from_bits(bits) * s;
+}
+
+/* The code of x (a = |x| / scale, as a * inv) at mantissa bits t; r16: random bits. */
+static inline uint32_t enc_norm(uint32_t u, uint32_t ebias, int sr, uint32_t r16, uint32_t top)
+{
+    uint32_t t = u - (ebias << 23);
+    uint32_t rnd = sr ? ((r16 << 4) | 8u) : (0x7FFFFu + ((t >> 20) & 1u));
+    uint32_t c = (t + rnd) >> 20;
+    return c > top ? top : c;
+}
+
+static inline uint8_t enc_m(float x, float inv, int sr, uint32_t r16)
+{
+    float ax = fabsf(x);
+    if (!(ax < INFINITY))
+        return Q_NAN;
+    float a = ax * inv;
+    uint32_t u = f32_bits(a), c;
+    if (u >= ((M_EBIAS + 1) << 23)) {
+        c = enc_norm(u, M_EBIAS, sr, r16, 0x7Fu);
+    } else {
+        float t = a * 0x1p14f;  /* below the smallest code, in its units: [0, 1) */
+        float thr = sr ? (65535.5f - (float)r16) * 0x1p-16f : 0.5f;
+        c = t >= thr ? 8u : 0u;
+    }
+    return (uint8_t)(c | (x < 0.0f && c ? 0x80u : 0u));  /* zero is stored +0 */
+}
+
+static inline uint8_t enc_v(float x, float inv, int sr, uint32_t r16)
+{
+    float ax = fabsf(x);
+    if (!(ax < INFINITY))
+        return Q_NAN;
+    float a = ax * inv;
+    uint32_t u = f32_bits(a);
+    if (u >= ((V_EBIAS + 1) << 23))
+        return (uint8_t)enc_norm(u, V_EBIAS, sr, r16, 0xFFu);
+    return a > 0.0f ? 8u : 0u;  /* up, never to 0 (see the top of the file) */
+}
+
+/* The scale of a block from its largest finite magnitude: the power of two that puts
+ * it in (0.9375, 1.875], so scaling is exact both ways (a dequantised block quantises
+ * back to the same codes and scale); 0 below FLT_MIN. */
+static inline void block_scale(float amax, float *scale, float *inv)
+{
+    if (!(amax >= FLT_MIN)) {
+        *scale = *inv = 0.0f;
+        return;
+    }
+    float s = f32_from_bits(f32_bits(amax) & 0x7F800000u);
+    if (amax > Q_TOP * s && s < 0x1p127f)
+        s *= 2.0f;
+    *scale = s;
+    *inv = 1.0f / s;
+}
+
+static inline float load_g1(const lb_job *j, int64_t i)
+{
+    if (j->g_dtype == LB_F32)
+        return ((const float *)j->g)[i];
+    uint16_t h = ((const uint16_t *)j->g)[i];
+    return j->g_dtype == LB_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+static void block_scalar(const lb_job *j, int64_t b0, int len)
+{
+    float tm[QB], tv[QB];
+    int64_t blk = b0 / QB;
+    float ms = j->ms[blk], vs = j->vs[blk], am = 0.0f, av = 0.0f;
+    for (int k = 0; k < len; k++) {
+        int64_t i = b0 + k;
+        float g = load_g1(j, i), p;
+        if (j->mw == MW_FP32)
+            p = ((float *)j->p)[i];
+        else if (j->mw == MW_KAHAN)
+            p = bf16_to_f32(((uint16_t *)j->p)[i]) + bf16_to_f32(j->comp[i]);
+        else
+            p = bf16_to_f32(((uint16_t *)j->p)[i]);
+        float m = dec_m(j->m[i], ms), v = dec_v(j->v[i], vs);
+        if (j->maximize)
+            g = -g;
+        if (j->wd_mode == 1)
+            g = fmaf(p, j->wd, g);
+        else if (j->wd_mode == 2)
+            p = p * j->decay;
+        float d = g - m;
+        m = j->small ? fmaf(j->c1, d, m) : fmaf(j->c1m1, d, g);
+        float cg = j->c2 * g;
+        float vb = v * j->b2;
+        v = fmaf(cg, g, vb);
+        float denom = sqrtf(v) / j->bc2s + j->eps;
+        float upd = (j->nss * m) / denom;
+        p = p + upd;
+        if (j->mw == MW_FP32) {
+            ((float *)j->p)[i] = p;
+            if (j->out) {
+                uint16_t *o = (uint16_t *)j->out;
+                o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
+            }
+        } else if (j->mw == MW_KAHAN) {
+            uint16_t nb = f32_to_bf16(p);
+            ((uint16_t *)j->p)[i] = nb;
+            j->comp[i] = f32_to_bf16(p - bf16_to_f32(nb));
+        } else {
+            uint32_t rw = sr_bits(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1);
+            ((uint16_t *)j->p)[i] = f32_to_bf16_sr(p, rw & 0xFFFFu);
+        }
+        tm[k] = m;
+        tv[k] = v;
+        float a = fabsf(m);
+        if (a < INFINITY && a > am)
+            am = a;
+        a = fabsf(v);
+        if (a < INFINITY && a > av)
+            av = a;
+    }
+    float ims, ivs;
+    block_scale(am, &ms, &ims);
+    block_scale(av, &vs, &ivs);
+    j->ms[blk] = ms;
+    j->vs[blk] = vs;
+    for (int k = 0; k < len; k++) {
+        int64_t i = b0 + k;
+        uint32_t r = j->sr ? sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1) : 0u;
+        j->m[i] = enc_m(tm[k], ims, j->sr, r & 0xFFFFu);
+        j->v[i] = enc_v(tv[k], ivs, j->sr, r >> 16);
+    }
+}
+
+/* -- AVX-512 ----------------------------------------------------------------------- */
+
+#if TM_X86
+#define TGT_LB TM_TGT_AVX512
+
+static inline TGT_LB __attribute__((always_inline)) __m512
+dec_m16(__m128i codes, float s)
+{
+    __m512i c = _mm512_cvtepu8_epi32(codes);
+    __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+    __mmask16 norm = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(8));
+    __m512i bits = _mm512_maskz_mov_epi32(norm, _mm512_add_epi32(
+        _mm512_slli_epi32(mag, 20), _mm512_set1_epi32((int)(M_EBIAS << 23))));
+    bits = _mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)),
+                                                   24));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(Q_NAN)),
+                                 _mm512_set1_epi32((int)0x7FC00000u));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(s));
+}
+
+static inline TGT_LB __attribute__((always_inline)) __m512
+dec_v16(__m128i codes, float s)
+{
+    __m512i c = _mm512_cvtepu8_epi32(codes);
+    __mmask16 norm = _mm512_cmpge_epu32_mask(c, _mm512_set1_epi32(8));
+    __m512i bits = _mm512_maskz_mov_epi32(norm, _mm512_add_epi32(
+        _mm512_slli_epi32(c, 20), _mm512_set1_epi32((int)(V_EBIAS << 23))));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(Q_NAN)),
+                                 _mm512_set1_epi32((int)0x7FC00000u));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(s));
+}
+
+static inline TGT_LB __attribute__((always_inline)) __m512i
+enc_norm16(__m512i u, uint32_t ebias, int sr, __m512i r16, uint32_t top)
+{
+    __m512i t = _mm512_sub_epi32(u, _mm512_set1_epi32((int)(ebias << 23)));
+    __m512i rnd = sr ? _mm512_or_si512(_mm512_slli_epi32(r16, 4), _mm512_set1_epi32(8))
+                     : _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), _mm512_and_si512(
+                           _mm512_srli_epi32(t, 20), _mm512_set1_epi32(1)));
+    __m512i c = _mm512_srli_epi32(_mm512_add_epi32(t, rnd), 20);
+    return _mm512_min_epu32(c, _mm512_set1_epi32((int)top));
+}
+
+static inline TGT_LB __attribute__((always_inline)) __m512i
+enc_m16(__m512 x, float inv, int sr, __m512i r16)
+{
+    __m512 ax = _mm512_abs_ps(x);
+    __m512 a = _mm512_mul_ps(ax, _mm512_set1_ps(inv));
+    __m512i u = _mm512_castps_si512(a);
+    __mmask16 norm = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32((int)((M_EBIAS + 1) << 23)));
+    __m512i c = enc_norm16(u, M_EBIAS, sr, r16, 0x7F);
+    if (norm != (__mmask16)0xFFFF) {  /* some lane below the smallest code: rare */
+        __m512 t = _mm512_mul_ps(a, _mm512_set1_ps(0x1p14f));
+        __m512 thr = sr ? _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(65535.5f),
+                                                      _mm512_cvtepi32_ps(r16)),
+                                        _mm512_set1_ps(0x1p-16f))
+                        : _mm512_set1_ps(0.5f);
+        __mmask16 up = _mm512_cmp_ps_mask(t, thr, _CMP_GE_OQ);
+        c = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(up, _mm512_set1_epi32(8)), norm, c);
+    }
+    c = _mm512_mask_or_epi32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) &
+                                    _mm512_test_epi32_mask(c, c),
+                             c, _mm512_set1_epi32(0x80));
+    return _mm512_mask_mov_epi32(c, _mm512_cmp_ps_mask(ax, _mm512_set1_ps(INFINITY),
+                                                       _CMP_NLT_UQ),
+                                 _mm512_set1_epi32(Q_NAN));
+}
+
+static inline TGT_LB __attribute__((always_inline)) __m512i
+enc_v16(__m512 x, float inv, int sr, __m512i r16)
+{
+    __m512 ax = _mm512_abs_ps(x);
+    __m512 a = _mm512_mul_ps(ax, _mm512_set1_ps(inv));
+    __m512i u = _mm512_castps_si512(a);
+    __mmask16 norm = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32((int)((V_EBIAS + 1) << 23)));
+    __m512i c = enc_norm16(u, V_EBIAS, sr, r16, 0xFF);
+    if (norm != (__mmask16)0xFFFF) {
+        __mmask16 pos = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
+        c = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(pos, _mm512_set1_epi32(8)), norm, c);
+    }
+    return _mm512_mask_mov_epi32(c, _mm512_cmp_ps_mask(ax, _mm512_set1_ps(INFINITY),
+                                                       _CMP_NLT_UQ),
+                                 _mm512_set1_epi32(Q_NAN));
+}
+
+static inline TGT_LB __attribute__((always_inline)) __m512
+bf16x16(__m256i h)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline TGT_LB __attribute__((always_inline)) void
+block512(const lb_job *j, int64_t b0, int len, int gdt, int mw, int odt, int sr)
+{
+    float tm[QB] __attribute__((aligned(64))), tv[QB] __attribute__((aligned(64)));
+    int64_t blk = b0 / QB;
+    float ms = j->ms[blk], vs = j->vs[blk];
+    __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps();
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    for (int k = 0; k < len; k += 16) {
+        int64_t i = b0 + k;
+        __mmask16 km = len - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - k)) - 1u);
+        __m512 g;
+        if (gdt == LB_F32) {
+            g = _mm512_maskz_loadu_ps(km, (const float *)j->g + i);
+        } else {
+            __m256i h = _mm256_maskz_loadu_epi16(km, (const uint16_t *)j->g + i);
+            g = gdt == LB_BF16 ? bf16x16(h) : _mm512_cvtph_ps(h);
+        }
+        __m512 p;
+        if (mw == MW_FP32) {
+            p = _mm512_maskz_loadu_ps(km, (const float *)j->p + i);
+        } else {
+            p = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i));
+            if (mw == MW_KAHAN)
+                p = _mm512_add_ps(p, bf16x16(_mm256_maskz_loadu_epi16(km, j->comp + i)));
+        }
+        __m512 m = dec_m16(_mm_maskz_loadu_epi8(km, j->m + i), ms);
+        __m512 v = dec_v16(_mm_maskz_loadu_epi8(km, j->v + i), vs);
+        if (j->maximize)
+            g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g),
+                                                     _mm512_set1_epi32((int)0x80000000u)));
+        if (j->wd_mode == 1)
+            g = _mm512_fmadd_ps(p, _mm512_set1_ps(j->wd), g);
+        else if (j->wd_mode == 2)
+            p = _mm512_mul_ps(p, _mm512_set1_ps(j->decay));
+        __m512 d = _mm512_sub_ps(g, m);
+        m = j->small ? _mm512_fmadd_ps(_mm512_set1_ps(j->c1), d, m)
+                     : _mm512_fmadd_ps(_mm512_set1_ps(j->c1m1), d, g);
+        __m512 cg = _mm512_mul_ps(_mm512_set1_ps(j->c2), g);
+        __m512 vb = _mm512_mul_ps(v, _mm512_set1_ps(j->b2));
+        v = _mm512_fmadd_ps(cg, g, vb);
+        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(j->bc2s)),
+                                     _mm512_set1_ps(j->eps));
+        __m512 upd = _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(j->nss), m), denom);
+        p = _mm512_add_ps(p, upd);
+        if (mw == MW_FP32) {
+            _mm512_mask_storeu_ps((float *)j->p + i, km, p);
+            if (odt >= 0) {
+                __m256i h = odt == LB_BF16 ? bf16_rne16(p)
+                    : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                _mm256_mask_storeu_epi16((uint16_t *)j->out + i, km, h);
+            }
+        } else if (mw == MW_KAHAN) {
+            __m256i nb = bf16_rne16(p);
+            _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
+            _mm256_mask_storeu_epi16(j->comp + i, km, bf16_rne16(_mm512_sub_ps(p, bf16x16(nb))));
+        } else {
+            __m512i rw = _mm512_and_si512(sr_bits16(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1),
+                                          _mm512_set1_epi32(0xFFFF));
+            __m512i u = _mm512_castps_si512(p);
+            __m256i nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
+            _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
+        }
+        _mm512_store_ps(tm + k, m);
+        _mm512_store_ps(tv + k, v);
+        __m512 a = _mm512_abs_ps(m);
+        am = _mm512_mask_max_ps(am, km & _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), am, a);
+        a = _mm512_abs_ps(v);
+        av = _mm512_mask_max_ps(av, km & _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), av, a);
+    }
+    float ims, ivs;
+    block_scale(_mm512_reduce_max_ps(am), &ms, &ims);
+    block_scale(_mm512_reduce_max_ps(av), &vs, &ivs);
+    j->ms[blk] = ms;
+    j->vs[blk] = vs;
+    for (int k = 0; k < len; k += 16) {
+        int64_t i = b0 + k;
+        __mmask16 km = len - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - k)) - 1u);
+        __m512i r = sr ? sr_bits16(j->idx0 + (uint32_t)i, j->k0, j->k1) : _mm512_setzero_si512();
+        __m512i cm = enc_m16(_mm512_load_ps(tm + k), ims, sr,
+                             _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
+        __m512i cv = enc_v16(_mm512_load_ps(tv + k), ivs, sr, _mm512_srli_epi32(r, 16));
+        _mm512_mask_cvtepi32_storeu_epi8(j->m + i, km, cm);
+        _mm512_mask_cvtepi32_storeu_epi8(j->v + i, km, cv);
+    }
+}
+
+static inline TGT_LB __attribute__((always_inline)) void
+range512(const lb_job *j, int64_t begin, int64_t end, int gdt, int mw, int odt, int sr)
+{
+    lb_job c = *j;  /* a local whose address never escapes: fields stay in registers */
+    for (int64_t b = begin; b < end; b += QB)
+        block512(&c, b, (int)(end - b < QB ? end - b : QB), gdt, mw, odt, sr);
+}
+
+/* Each combination gets its own loop with them as constants. */
+#define LB_SR(G, MW, O)                                                                \
+    do {                                                                               \
+        if (j->sr)                                                                     \
+            range512(j, begin, end, G, MW, O, 1);                                      \
+        else                                                                           \
+            range512(j, begin, end, G, MW, O, 0);                                      \
+    } while (0)
+#define LB_OUT(G, MW)                                                                  \
+    do {                                                                               \
+        if (odt == LB_BF16)                                                            \
+            LB_SR(G, MW, LB_BF16);                                                     \
+        else if (odt == LB_F16)                                                        \
+            LB_SR(G, MW, LB_F16);                                                      \
+        else                                                                           \
+            LB_SR(G, MW, -1);                                                          \
+    } while (0)
+#define LB_MW(G)                                                                       \
+    do {                                                                               \
+        if (j->mw == MW_FP32)                                                          \
+            LB_OUT(G, MW_FP32);                                                        \
+        else if (j->mw == MW_KAHAN)                                                    \
+            LB_SR(G, MW_KAHAN, -1);                                                    \
+        else                                                                           \
+            LB_SR(G, MW_NONE, -1);                                                     \
+    } while (0)
+
+static TGT_LB void lowbit_avx512(const lb_job *j, int64_t begin, int64_t end)
+{
+    int odt = j->out ? j->out_dtype : -1;
+    if (j->g_dtype == LB_F32)
+        LB_MW(LB_F32);
+    else if (j->g_dtype == LB_BF16)
+        LB_MW(LB_BF16);
+    else
+        LB_MW(LB_F16);
+}
+#endif /* TM_X86 */
+
+static void lowbit_scalar(const lb_job *j, int64_t begin, int64_t end)
+{
+    lb_job c = *j;
+    for (int64_t b = begin; b < end; b += QB)
+        block_scalar(&c, b, (int)(end - b < QB ? end - b : QB));
+}
+
+/* -- threads and checksums ---------------------------------------------------------- */
+
+typedef void (*lb_fn)(const lb_job *, int64_t, int64_t);
+
+typedef struct {
+    const lb_job *job;
+    lb_fn fn;
+    int64_t n;
+    int64_t next;         /* next chunk (atomic) */
+    int crc_mask;
+    uint32_t *chunk_crcs; /* LB_NARRAYS per chunk */
+} lb_task;
+
+static size_t arr_elem(const lb_job *j, int a)
+{
+    static const size_t sz[LB_NARRAYS] = {0, 1, 4, 1, 4, 2};
+    return a == 0 ? (j->mw == MW_FP32 ? 4 : 2) : sz[a];
+}
+
+static const char *arr_base(const lb_job *j, int a)
+{
+    switch (a) {
+    case 0: return (const char *)j->p;
+    case 1: return (const char *)j->m;
+    case 2: return (const char *)j->ms;
+    case 3: return (const char *)j->v;
+    case 4: return (const char *)j->vs;
+    default: return (const char *)j->comp;
+    }
+}
+
+/* Elements [b, e) of array a: blocks for the scale arrays. */
+static void arr_range(int a, int64_t b, int64_t e, int64_t *lo, int64_t *hi)
+{
+    if (a == 2 || a == 4) {
+        *lo = b / QB;
+        *hi = (e + QB - 1) / QB;
+    } else {
+        *lo = b;
+        *hi = e;
+    }
+}
+
+static void *run_chunks(void *arg)
+{
+    lb_task *t = arg;
+    int64_t nchunks = (t->n + LB_CHUNK - 1) / LB_CHUNK;
+    for (;;) {
+        int64_t k = __atomic_fetch_add(&t->next, 1, __ATOMIC_RELAXED);
+        if (k >= nchunks)
+            return NULL;
+        int64_t b = k * LB_CHUNK, e = b + LB_CHUNK < t->n ? b + LB_CHUNK : t->n;
+        t->fn(t->job, b, e);
+        for (int a = 0; a < LB_NARRAYS; a++) {
+            if (!(t->crc_mask & (1 << a)))
+                continue;
+            int64_t lo, hi;
+            arr_range(a, b, e, &lo, &hi);
+            size_t sz = arr_elem(t->job, a);
+            t->chunk_crcs[LB_NARRAYS * k + a] = tm_crc32c(0, arr_base(t->job, a) + lo * sz,
+                                                          (size_t)(hi - lo) * sz);
+        }
+    }
+}
+
+int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_avg,
+                        float *exp_avg_scale, uint8_t *exp_avg_sq, float *exp_avg_sq_scale,
+                        const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
+                        double lr, double beta1, double beta2, double eps,
+                        double weight_decay, double step, int maximize, int decoupled,
+                        int stochastic, uint64_t seed, uint64_t index0, int nthreads,
+                        int crc_mask, uint32_t *crcs)
+{
+    if (n < 0 || grad_dtype < LB_F32 || grad_dtype > LB_F16 || master_mode < MW_FP32 ||
+        master_mode > MW_NONE || crc_mask < 0 || crc_mask >= (1 << LB_NARRAYS) ||
+        (crc_mask && !crcs))
+        return -EINVAL;
+    if (out && (master_mode != MW_FP32 || (out_dtype != LB_BF16 && out_dtype != LB_F16)))
+        return -EINVAL;
+    /* The random bits hash 32 bits of stream index: a call stays in one window. */
+    if ((index0 & 0xFFFFFFFFu) + (uint64_t)n > ((uint64_t)1 << 32))
+        return -ERANGE;
+    for (int a = 0; a < LB_NARRAYS; a++)
+        if (crc_mask & (1 << a))
+            crcs[a] = 0;
+    if (n == 0)
+        return 0;
+    if (!p || !exp_avg || !exp_avg_scale || !exp_avg_sq || !exp_avg_sq_scale || !grad ||
+        (master_mode == MW_KAHAN) != (comp != NULL) || ((crc_mask & CRC_COMP) && !comp))
+        return -EINVAL;
+
+    double bc1 = 1.0 - pow(beta1, step);
+    double bc2 = 1.0 - pow(beta2, step);
+    double step_size = lr / bc1;
+    uint64_t key = splitmix64(seed ^ splitmix64(index0 >> 32));
+    lb_job j = {
+        .p = p, .comp = comp, .m = exp_avg, .v = exp_avg_sq, .ms = exp_avg_scale,
+        .vs = exp_avg_sq_scale, .g = grad, .out = out, .g_dtype = grad_dtype,
+        .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic,
+        .idx0 = (uint32_t)index0, .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
+        .maximize = !!maximize, .wd_mode = weight_decay != 0.0 ? (decoupled ? 2 : 1) : 0,
+        .wd = (float)weight_decay, .decay = (float)(1.0 - lr * weight_decay),
+        .c1 = (float)(1.0 - beta1), .b2 = (float)beta2, .c2 = (float)(1.0 - beta2),
+        .bc2s = (float)sqrt(bc2), .eps = (float)eps, .nss = (float)(-step_size),
+    };
+    j.c1m1 = j.c1 - 1.0f;
+    j.small = fabsf(j.c1) < 0.5f;
+    lb_fn fn = lowbit_scalar;
+#if TM_X86
+    if (tm_adam_get_isa() == 2)
+        fn = lowbit_avx512;
+#endif
+    int64_t nchunks = (n + LB_CHUNK - 1) / LB_CHUNK;
+    uint32_t *chunk_crcs = NULL;
+    if (crc_mask) {
+        chunk_crcs = malloc(sizeof(uint32_t) * LB_NARRAYS * (size_t)nchunks);
+        if (!chunk_crcs)
+            return -ENOMEM;
+    }
+    lb_task t = {&j, fn, n, 0, crc_mask, chunk_crcs};
+    int parts = 1;
+    if (n >= LB_PAR_MIN && nthreads > 1)
+        parts = nthreads < nchunks ? nthreads : (int)nchunks;
+    if (parts > LB_MAX_THREADS)
+        parts = LB_MAX_THREADS;
+    pthread_t th[LB_MAX_THREADS];
+    int started = 0;
+    for (int k = 1; k < parts; k++) {
+        if (pthread_create(&th[started], NULL, run_chunks, &t) != 0)
+            break;  /* fewer threads: the chunks left are taken by those running */
+        started++;
+    }
+    run_chunks(&t);
+    for (int k = 0; k < started; k++)
+        pthread_join(th[k], NULL);
+    if (crc_mask) {
+        for (int a = 0; a < LB_NARRAYS; a++) {
+            if (!(crc_mask & (1 << a)))
+                continue;
+            size_t sz = arr_elem(&j, a);
+            uint32_t c = 0;
+            for (int64_t k = 0; k < nchunks; k++) {
+                int64_t b = k * LB_CHUNK, e = b + LB_CHUNK < n ? b + LB_CHUNK : n, lo, hi;
+                arr_range(a, b, e, &lo, &hi);
+                c = tm_crc32c_combine(c, chunk_crcs[LB_NARRAYS * k + a],
+                                      (uint64_t)(hi - lo) * sz);
+            }
+            crcs[a] = c;
+        }
+        free(chunk_crcs);
+    }
+    return 0;
+}

@@ -1,0 +1,644 @@
+"""optimizer.state_dtype: int8 — blockwise 8-bit moments — and optimizer.master_weights.
+
+1. the native kernel (native/adam_lowbit.c) equals the plain-torch reference
+   (tiermem.kernels.lowbit.adam_lowbit_reference) bit for bit on both paths (AVX-512,
+   scalar), over hypothesis-drawn lengths (tails), offsets, seeds, thread counts and
+   values (zeros, huge and tiny magnitudes, NaN and inf gradients); the code itself:
+   round trips, bounds, unbiased stochastic rounding, NaN policy;
+2. tiermem.offload with int8 state on both I/O backends, host and NVMe partitions: the
+   model and its state equal the reference run segment by segment;
+3. state_dict() / load_state_dict(), resume, recover, config errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from tiermem.kernels import lowbit as lb
+from tiermem.kernels import native_adam as na
+
+from adam_helpers import assert_bitwise, isa
+
+ISAS = [i for i in na.supported_isas() if i in ("scalar", "avx512")]
+
+
+def _state(n: int, master: str, gen: torch.Generator, scale: float = 1.0):
+    p = torch.randn(n, generator=gen) * scale
+    return {
+        "param": p if master == "fp32" else p.bfloat16(),
+        "exp_avg": torch.zeros(n, dtype=torch.uint8),
+        "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
+        "exp_avg_scale": torch.zeros(lb.blocks(n)),
+        "exp_avg_sq_scale": torch.zeros(lb.blocks(n)),
+        "kahan": torch.zeros(n, dtype=torch.bfloat16) if master == "kahan" else None,
+    }
+
+
+def _clone(s):
+    return {k: (v.clone() if v is not None else None) for k, v in s.items()}
+
+
+def _grads(n, steps, gen, dtype, spread, specials):
+    out = []
+    for _ in range(steps):
+        g = torch.randn(n, generator=gen) * torch.logspace(-spread, spread, max(n, 1))[:n]
+        if n:
+            g[:: 7] = 0.0
+            if specials:
+                g[n // 2] = math.nan
+                g[n // 3] = math.inf
+                g[-1] = 3e38
+        out.append(g.to(dtype))
+    return out
+
+
+def _run(kernel, state, grads, *, master, rounding, out_dtype=None, seed0=7, offset=0,
+         threads=None, **hp):
+    out = torch.zeros(state["param"].numel(), dtype=out_dtype) if out_dtype else None
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    kw.update(hp)
+    for s, g in enumerate(grads, 1):
+        lb.lowbit_update(kernel=kernel, grad=g, weight_out=out, master=master, step=s,
+                         rounding=rounding, seed=seed0 + s, offset=offset, num_threads=threads,
+                         **state, **kw)
+    return out
+
+
+def _assert_same(a, b, what):
+    """Bitwise, except that an fp32 NaN is any NaN: which operand's NaN an IEEE operation
+    passes on (and its sign) depends on operand order, which the C compiler may swap;
+    every stored low-precision NaN is canonical (bf16 0x7FC0, the code 1)."""
+    for k in a:
+        if a[k] is None:
+            continue
+        x, y = a[k], b[k]
+        if x.dtype == torch.float32:
+            nan = torch.isnan(x)
+            assert torch.equal(nan, torch.isnan(y)), f"{what}: {k}: NaNs differ"
+            x, y = x.masked_fill(nan, 0.0), y.masked_fill(nan, 0.0)
+        assert_bitwise(x, y, f"{what}: {k}")
+
+
+# -- 1. kernel == reference -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("master,gdt,out", [
+    ("fp32", torch.float32, None), ("fp32", torch.bfloat16, torch.bfloat16),
+    ("fp32", torch.float16, torch.float16), ("kahan", torch.bfloat16, None),
+    ("none", torch.bfloat16, None), ("none", torch.float32, None)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_kernel_matches_reference(name, master, gdt, out, rounding):
+    gen = torch.Generator().manual_seed(3)
+    n = 3 * 256 + 77  # a short tail block
+    state = _state(n, master, gen)
+    ref = _clone(state)
+    grads = _grads(n, 4, gen, gdt, 4, specials=False)
+    with isa(name):
+        o1 = _run("native", state, grads, master=master, rounding=rounding, out_dtype=out)
+    o2 = _run("reference", ref, grads, master=master, rounding=rounding, out_dtype=out)
+    _assert_same(state, ref, f"{name} {master} {rounding}")
+    if out is not None:
+        assert_bitwise(o1, o2, "weight_out")
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=hs.integers(0, 2100), master=hs.sampled_from(["fp32", "kahan", "none"]),
+       rounding=hs.sampled_from(["nearest", "stochastic"]),
+       offset=hs.sampled_from([0, 1000, 2 ** 32 - 5000, 5 * 2 ** 32 + 17]),
+       seed=hs.integers(0, 2 ** 64 - 1), spread=hs.sampled_from([0, 3, 12, 30]),
+       scale=hs.sampled_from([1.0, 1e-30, 1e30]), specials=hs.booleans(),
+       threads=hs.sampled_from([1, 2]), maximize=hs.booleans(),
+       decoupled=hs.booleans(), wd=hs.sampled_from([0.0, 0.1]),
+       beta1=hs.sampled_from([0.0, 0.9, 0.6]), isa_name=hs.sampled_from(ISAS))
+def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, spread, scale,
+                                             specials, threads, maximize, decoupled, wd,
+                                             beta1, isa_name):
+    gen = torch.Generator().manual_seed(seed % 1000)
+    state = _state(n, master, gen, scale)
+    ref = _clone(state)
+    grads = [g * scale for g in _grads(n, 3, gen, torch.float32, spread, specials)]
+    hp = dict(maximize=maximize, decoupled_weight_decay=decoupled, weight_decay=wd,
+              beta1=beta1)
+    seed0 = seed % (2 ** 63)
+    with isa(isa_name):
+        _run("native", state, grads, master=master, rounding=rounding, offset=offset,
+             seed0=seed0, threads=threads, **hp)
+    _run("reference", ref, grads, master=master, rounding=rounding, offset=offset,
+         seed0=seed0, **hp)
+    _assert_same(state, ref, "hypothesis")
+
+
+def test_threads_and_checksums_agree():
+    """A threaded call (several chunks) equals a one-thread call, and the CRCs it returns
+    are those of the arrays it left."""
+    from tiermem.kernels.checksum import crc32c
+    gen = torch.Generator().manual_seed(1)
+    n = 300_000 + 123
+    a = _state(n, "fp32", gen)
+    b = _clone(a)
+    grads = _grads(n, 2, gen, torch.float32, 3, specials=False)
+    _run("native", a, grads, master="fp32", rounding="stochastic", threads=1)
+    _run("native", b, grads, master="fp32", rounding="stochastic", threads=2)
+    _assert_same(a, b, "threads")
+    crcs = lb.adam_lowbit_native(
+        param=a["param"], grad=grads[0], exp_avg=a["exp_avg"], exp_avg_sq=a["exp_avg_sq"],
+        exp_avg_scale=a["exp_avg_scale"], exp_avg_sq_scale=a["exp_avg_sq_scale"], step=3,
+        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=2,
+        checksums=("master", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"))
+    want = {"master": a["param"], "exp_avg": a["exp_avg"], "exp_avg_scale": a["exp_avg_scale"],
+            "exp_avg_sq": a["exp_avg_sq"], "exp_avg_sq_scale": a["exp_avg_sq_scale"]}
+    for k, t in want.items():
+        assert crcs[k] == crc32c(t), k
+
+
+def test_relative_error_bound():
+    """Inside a code's range (down to 2^-14 of the block's largest for exp_avg, 2^-30 for
+    exp_avg_sq) nearest rounding keeps every value within 1/16 relative (3 mantissa
+    bits)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256 * 64, generator=gen) * torch.logspace(-3, 0, 256 * 64)
+    for signed, xx in ((True, x), (False, x.square())):
+        q, s = lb.quantize(xx, signed=signed)
+        y = lb.dequantize(q, s, signed=signed)
+        big = xx.abs() > xx.abs().view(-1, 256).amax(1).repeat_interleave(256) * 1e-4
+        rel = ((y - xx).abs() / xx.abs())[big]
+        assert 0 < rel.max().item() <= 1 / 16 + 1e-6
+
+
+def test_codes_keep_their_values():
+    """Encoding the decoded value of each code gives the code back, in a block whose
+    largest value is the largest code (scale 1)."""
+    for signed, top in ((True, 0x7F), (False, 0xFF)):
+        codes = torch.tensor([c for c in range(256) if (c & (0x7F if signed else 0xFF)) >= 8
+                              or c == 0], dtype=torch.uint8)  # -0 (0x80) comes back +0
+        codes = torch.cat([codes, torch.tensor([top], dtype=torch.uint8)])
+        vals = lb.dequantize(codes, torch.ones(lb.blocks(codes.numel())), signed=signed)
+        # blocks of 256: scale per block is its absmax / 1.875, the top code 1.875 -> 1
+        q, s = lb.quantize(vals, signed=signed)
+        back = lb.dequantize(q, s, signed=signed)
+        assert_bitwise(back, vals, f"signed={signed}")
+
+
+def test_dequantised_blocks_quantise_back_to_themselves():
+    """Power-of-two scales make dequantising exact: what state_dict() exports loads back
+    to the same values, in blocks of any magnitude (a block whose largest value rounded
+    down to 0.9375 may come back as the same values under half the scale)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(256 * 40 + 100, generator=gen) * torch.logspace(-30, 30, 256 * 40 + 100)
+    for signed, xx in ((True, x), (False, x.square())):
+        q, s = lb.quantize(xx, signed=signed, rounding="stochastic", seed=9)
+        y = lb.dequantize(q, s, signed=signed)
+        q2, s2 = lb.quantize(y, signed=signed)
+        assert_bitwise(lb.dequantize(q2, s2, signed=signed), y, "values")
+
+
+def test_stochastic_rounding_is_unbiased():
+    """The mean of many stochastic encodings of one value is the value."""
+    n = 256 * 400
+    x = torch.full((n,), 0.3)
+    x[::256] = 1.875  # block max: scale 1
+    q, s = lb.quantize(x, signed=True, rounding="stochastic", seed=5)
+    y = lb.dequantize(q, s, signed=True)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[::256] = False
+    assert y[mask].mean().item() == pytest.approx(0.3, rel=2e-3)
+    qn, sn = lb.quantize(x, signed=True)
+    assert lb.dequantize(qn, sn, signed=True)[mask].unique().numel() == 1
+
+
+def test_second_moment_never_rounds_to_zero():
+    """A positive exp_avg_sq far below its block's largest comes back as the smallest
+    code, never 0 (a zero denominator would make a huge step)."""
+    x = torch.tensor([1.0, 1e-20, 0.0, 1e-12] + [0.5] * 252)
+    for rounding in ("nearest", "stochastic"):
+        q, s = lb.quantize(x, signed=False, rounding=rounding, seed=3)
+        y = lb.dequantize(q, s, signed=False)
+        assert y[1] > 0 and y[3] > 0 and y[2] == 0
+
+
+def test_nan_policy():
+    """A non-finite moment is stored as NaN in its own element only: the block's scale
+    comes from the finite ones, and the neighbours keep their values."""
+    x = torch.linspace(-1, 1, 256)
+    x[10], x[20] = math.nan, math.inf
+    q, s = lb.quantize(x, signed=True)
+    assert torch.isfinite(s).all() and s[0] == 1.0
+    y = lb.dequantize(q, s, signed=True)
+    assert torch.isnan(y[10]) and torch.isnan(y[20])
+    ok = torch.ones(256, dtype=torch.bool)
+    ok[[10, 20]] = False
+    assert torch.isfinite(y[ok]).all()
+
+
+def test_refuses_bad_arguments():
+    n = 300
+    s = _state(n, "fp32", torch.Generator().manual_seed(0))
+    g = torch.zeros(n)
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1)
+    with pytest.raises(ValueError, match="window"):
+        lb.adam_lowbit_native(grad=g, offset=2 ** 32 - 10, **s, **kw)
+    with pytest.raises(TypeError, match="bf16 weights"):
+        lb.adam_lowbit_native(grad=g, master="none", **{**s, "kahan": None}, **kw)
+    bad = dict(s, exp_avg_scale=torch.zeros(1))
+    with pytest.raises(ValueError, match="exp_avg_scale"):
+        lb.adam_lowbit_native(grad=g, **bad, **kw)
+    with pytest.raises(ValueError, match="rounding"):
+        lb.adam_lowbit_native(grad=g, rounding="up", **s, **kw)
+
+
+# -- 2. through tiermem.offload, against the reference --------------------------------------
+
+import copy  # noqa: E402
+
+import tiermem  # noqa: E402
+from tiermem.config import ConfigError  # noqa: E402
+from tiermem.errors import TierMemError  # noqa: E402
+from tiermem.partition import build_partitions  # noqa: E402
+
+from offload_helpers import (Synthetic, backend_params, config, make_batches,  # noqa: E402
+                             side_used, loss_of)
+
+
+class ReferenceInt8Adam:
+    """The reference kernel as an optimizer, segment by segment on the partition layout
+    tiermem builds (each segment's blocks start at its element 0; seeds (step, partition
+    id), stream offsets the element's place in its record): an fp32 master (the param
+    itself for fp32 models), a Kahan term, or the bf16 weights themselves."""
+
+    def __init__(self, params, hp: dict, *, rounding: str, partition_size: int,
+                 master_weights: str = "fp32"):
+        self.params = list(params)
+        self.hp, self.rounding, self.mw = hp, rounding, master_weights
+        self.steps = [0] * len(self.params)
+        self.master = [p.detach().float().clone().reshape(-1) for p in self.params]
+        parts = build_partitions([{"params": self.params}], {}, partition_size,
+                                 state_dtype="int8", master_weights=master_weights)
+        self.segments = [[] for _ in self.params]
+        for part in parts:
+            off = 0
+            for s in part.segments:
+                n = s.length
+                self.segments[s.index].append({
+                    "start": s.start, "pid": part.id, "off": off,
+                    "exp_avg": torch.zeros(n, dtype=torch.uint8),
+                    "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
+                    "exp_avg_scale": torch.zeros(lb.blocks(n)),
+                    "exp_avg_sq_scale": torch.zeros(lb.blocks(n)),
+                    "kahan": torch.zeros(n, dtype=torch.bfloat16)
+                    if master_weights == "kahan" and s.param.dtype != torch.float32 else None})
+                off += n
+
+    def step(self):
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            self.steps[i] += 1
+            grad = p.grad.reshape(-1)
+            low = p.dtype != torch.float32 and self.mw != "fp32"
+            for seg in self.segments[i]:
+                n = seg["exp_avg"].numel()
+                sl = slice(seg["start"], seg["start"] + n)
+                weights = p.detach().view(-1)[sl] if low else self.master[i][sl]
+                lb.adam_lowbit_reference(
+                    param=weights, grad=grad[sl], master=self.mw if low else "fp32",
+                    step=self.steps[i], rounding=self.rounding,
+                    seed=na.state_seed(step=self.steps[i], partition=seg["pid"]),
+                    offset=seg["off"], **{k: seg[k] for k in (
+                        "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
+                        "kahan")}, **self.hp)
+            if not low:
+                with torch.no_grad():
+                    p.copy_(self.master[i].view_as(p))
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def moments(self, i: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            out[k] = torch.cat([lb.dequantize(seg[k], seg[k + "_scale"], signed=signed)
+                                for seg in self.segments[i]])
+        return out
+
+
+def train(model, opt, batches):
+    for i, micro in enumerate(batches):
+        for tokens, target in micro:
+            loss_of(model, tokens, target, side_used(i)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def hyper(**kw):
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False,
+              decoupled_weight_decay=True)
+    hp.update(kw)
+    return hp
+
+
+E2E = {
+    # name: (model dtype, master_weights, AdamW kwargs, config keywords)
+    "fp32-all-nvme": (torch.float32, "fp32", dict(lr=1e-2, weight_decay=0.05), dict(host=0)),
+    "fp32-mixed": (torch.float32, "fp32", dict(lr=1e-2), dict(host="128KiB", buffer_count=4)),
+    "bf16-master-nvme": (torch.bfloat16, "fp32", dict(lr=1e-2, weight_decay=0.1),
+                         dict(host=0)),
+    "bf16-kahan-mixed": (torch.bfloat16, "kahan", dict(lr=1e-2, maximize=True),
+                         dict(host="128KiB", buffer_count=4)),
+    "bf16-none-nvme": (torch.bfloat16, "none", dict(lr=1e-2), dict(host=0)),
+}
+
+
+def _int8_cfg(path, master_weights="fp32", rounding="stochastic", **kw):
+    cfg = config(path, kernel="fused", **kw)
+    cfg["optimizer"].update(state_dtype="int8", state_rounding=rounding,
+                            master_weights=master_weights)
+    return cfg
+
+
+@pytest.mark.parametrize("case", list(E2E))
+@pytest.mark.parametrize("backend", backend_params())
+def test_offload_matches_reference(tmp_path, backend, case):
+    dtype, mw, kw, cfg_kw = E2E[case]
+    model = Synthetic().to(dtype)
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    hp = hyper(lr=kw["lr"], weight_decay=kw.get("weight_decay", 0.01),
+               maximize=kw.get("maximize", False))
+    ref = ReferenceInt8Adam(ref_model.parameters(), hp, rounding="stochastic",
+                            partition_size=64 << 10, master_weights=mw)
+    cfg = _int8_cfg(tmp_path, mw, backend=backend, **cfg_kw)
+    batches = make_batches(model, 5)
+    with tiermem.offload(opt, cfg) as tm:
+        train(model, opt, batches)
+        plan = tm.plan()
+        sd = opt.state_dict()
+    train(ref_model, ref, batches)
+    assert plan["state_bytes"]["nvme"] > 0 and plan["partitions"] >= 3
+    if "mixed" in case:
+        assert plan["state_bytes"]["host"] > 0
+    for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+        assert_bitwise(p.detach(), q.detach(), f"param {i}")
+        if ref.steps[i] == 0:
+            assert i not in sd["state"]
+            continue
+        st = sd["state"][i]
+        assert float(st["step"]) == ref.steps[i]
+        for k, t in ref.moments(i).items():
+            assert st[k].dtype == torch.float32
+            assert_bitwise(st[k].reshape(-1), t, f"param {i} {k}")
+        if dtype != torch.float32 and mw == "fp32":
+            assert_bitwise(st["master_param"].reshape(-1), ref.master[i], f"param {i} master")
+        if mw == "kahan":
+            want = p.detach().float().reshape(-1) + torch.cat(
+                [seg["kahan"].float() for seg in ref.segments[i]])
+            assert_bitwise(st["master_param"].reshape(-1), want, f"param {i} p + kahan")
+
+
+# -- 3. torch format, resume, recover, bytes, errors ----------------------------------------
+
+def _native_cfg(path, **kw):
+    cfg = config(path, kernel="native", host="128KiB", buffer_count=4)
+    cfg["optimizer"].update(state_dtype="int8", **kw)
+    return cfg
+
+
+@pytest.mark.parametrize("dtype,mw", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
+                                      (torch.bfloat16, "kahan")])
+def test_state_dict_round_trip(tmp_path, dtype, mw):
+    """state_dict() dequantises exactly; loading it into a fresh int8-state optimizer and
+    going on is bitwise the same as going on with the original (a Kahan term comes back
+    from master_param - weight)."""
+    model = Synthetic().to(dtype)
+    twin_model = copy.deepcopy(model)
+    batches = make_batches(model, 6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, _native_cfg(tmp_path / "a", master_weights=mw)):
+        train(model, opt, batches[:3])
+        sd = copy.deepcopy(opt.state_dict())
+        twin_model.load_state_dict(model.state_dict())
+        for st in sd["state"].values():
+            for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                assert st[k].dtype == torch.float32
+                q, s = lb.quantize(st[k].reshape(-1)[:256], signed=signed)
+                assert_bitwise(lb.dequantize(q, s, signed=signed), st[k].reshape(-1)[:256], k)
+        train(model, opt, batches[3:])
+    twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=1e-2)
+    with tiermem.offload(twin_opt, _native_cfg(tmp_path / "b", master_weights=mw)):
+        twin_opt.load_state_dict(sd)
+        got = twin_opt.state_dict()
+        for i, st in sd["state"].items():
+            for k in st:
+                assert_bitwise(got["state"][i][k], st[k], f"reloaded {i} {k}")
+        train(twin_model, twin_opt, batches[3:])
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert_bitwise(q.detach(), p.detach(), "after reload")
+
+
+def test_fp32_checkpoint_is_quantised_to_nearest_on_import(tmp_path):
+    model = Synthetic()
+    batches = make_batches(model, 2)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, plain, batches)
+    sd = copy.deepcopy(plain.state_dict())
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(fresh, _native_cfg(tmp_path)):
+        fresh.load_state_dict(sd)
+        got = fresh.state_dict()
+    # blocks start at each segment's element 0; these parameters are each one segment
+    for i, st in sd["state"].items():
+        for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            x = st[k].reshape(-1)
+            want = lb.dequantize(*lb.quantize(x, signed=signed), signed=signed)
+            assert_bitwise(got["state"][i][k].reshape(-1), want, f"{i} {k}")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("backend", backend_params())
+def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap):
+    """A run killed after its step 2 (crash_run.py, int8 state, overlap_backward on or
+    off): `tiermem recover` writes the fp32 moments of the commit, a resume continues
+    bitwise where an uninterrupted run goes, and a resume with another state_dtype is
+    refused by name."""
+    from crash_run import (backward_grads, crash_config, make_model, make_optimizer,
+                           run_killed, set_grads)
+    from tiermem.swap.recover import gather
+
+    grads = backward_grads if overlap else set_grads
+    swap = tmp_path / "swap"
+    run_killed(swap, backend, "after-step:2", 4, "fp32", "int8",
+               "overlap" if overlap else "synthetic")
+    cfg = crash_config(str(swap), backend, "int8")
+    cfg["pipeline"]["overlap_backward"] = overlap
+    twin = make_model()
+    twin_opt = make_optimizer(twin)
+    twin_cfg = crash_config(str(tmp_path / "twin"), backend, "int8")
+    twin_cfg["pipeline"]["overlap_backward"] = overlap
+    with tiermem.offload(twin_opt, twin_cfg, model=twin) as tm:
+        for k in (1, 2):
+            grads(twin, k)
+            twin_opt.step()
+        at2 = copy.deepcopy(twin_opt.state_dict())
+        w2 = [p.detach().clone() for p in twin.parameters()]
+        grads(twin, 3)
+        twin_opt.step()
+        tm.discard()
+    ckpt = gather(str(swap / "tiermem-default"))
+    assert ckpt["step"] == 2
+    for i, st in ckpt["optimizer"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise(st[k], at2["state"][i][k], f"recovered {i} {k}")
+    for (name, _), w in zip(twin.named_parameters(), w2):
+        assert_bitwise(ckpt["model"][name], w, name)
+    other = make_optimizer(make_model())
+    with pytest.raises(TierMemError, match="stored as int8, this config says "
+                                           "optimizer.state_dtype bf16"):
+        with tiermem.offload(other, crash_config(str(swap), backend, "bf16"), resume=True):
+            pass
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == 2
+        grads(model, 3)
+        opt.step()
+        tm.discard()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert_bitwise(p.detach(), q.detach(), "step 3 after resume")
+
+
+def test_bytes_per_parameter(tmp_path):
+    """Record bytes per element: fp32 model 8 -> 2.03 with int8; bf16 model 12 -> 6.03
+    (fp32 master), 4.03 (kahan), 2.03 (none)."""
+    want = {(torch.float32, "fp32", "fp32"): 8, (torch.float32, "int8", "fp32"): 2 + 8 / 256,
+            (torch.bfloat16, "fp32", "fp32"): 12,
+            (torch.bfloat16, "int8", "fp32"): 6 + 8 / 256,
+            (torch.bfloat16, "int8", "kahan"): 4 + 8 / 256,
+            (torch.bfloat16, "int8", "none"): 2 + 8 / 256}
+    for (dtype, sd, mw), per in want.items():
+        model = torch.nn.Linear(1024, 1024, bias=False).to(dtype)
+        opt = torch.optim.AdamW(model.parameters())
+        cfg = config(tmp_path / f"{dtype}-{sd}-{mw}", kernel="native", partition_size="1MiB")
+        cfg["optimizer"].update(state_dtype=sd, master_weights=mw)
+        with tiermem.offload(opt, cfg) as tm:
+            got = tm.plan()["state_bytes"]["nvme"] / model.weight.numel()
+            tm.discard()
+        assert got == pytest.approx(per, rel=0.01), (dtype, sd, mw)
+
+
+@pytest.mark.parametrize("doc,key,word", [
+    ({"optimizer": {"state_dtype": "int4"}}, "optimizer.state_dtype", "'int8'"),
+    ({"optimizer": {"state_dtype": "int8", "kernel": "match"}}, "optimizer.kernel",
+     "bitwise parity"),
+    ({"optimizer": {"state_dtype": "int8", "step_device": "device"}},
+     "optimizer.state_dtype", "step_device"),
+    ({"optimizer": {"master_weights": "kahan"}}, "optimizer.master_weights", "int8"),
+    ({"optimizer": {"master_weights": "fp16"}}, "optimizer.master_weights", "'kahan'"),
+    ({"optimizer": {"state_dtype": "int8", "master_weights": "none"},
+      "swap": {"durability": "crash_consistent"}}, "optimizer.master_weights",
+     "crash_consistent"),
+    ({"optimizer": {"state_dtype": "int8"}, "tiers": {"gpu": {"capacity": "1GiB"}}},
+     "optimizer.state_dtype", "tiers.gpu.capacity"),
+])
+def test_config_errors(doc, key, word):
+    with pytest.raises(ConfigError) as info:
+        tiermem.load_config(doc)
+    assert info.value.key == key
+    assert word in str(info.value)
+
+
+@pytest.mark.parametrize("dtype,kw,cfg,word", [
+    (torch.float32, dict(amsgrad=True), {}, "amsgrad"),
+    (torch.float16, {}, dict(master_weights="kahan"), "fp16"),
+    (torch.float64, {}, {}, "torch.float64"),
+])
+def test_refuses_what_the_kernel_cannot_run(tmp_path, dtype, kw, cfg, word):
+    p = torch.nn.Parameter(torch.zeros(10, dtype=dtype))
+    opt = torch.optim.AdamW([p], **kw)
+    with pytest.raises(TierMemError, match=word):
+        tiermem.offload(opt, _native_cfg(tmp_path, **cfg)).__enter__()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_master_weights_need_adam(tmp_path):
+    p = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    with pytest.raises(TierMemError, match="Adam/AdamW only"):
+        tiermem.offload(torch.optim.SGD([p], lr=0.1),
+                        _native_cfg(tmp_path, master_weights="none")).__enter__()
+
+
+# -- stress, plan -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,mw,per", [("fp32", "fp32", 2 + 8 / 256),
+                                          ("bf16", "fp32", 6 + 8 / 256),
+                                          ("bf16", "kahan", 4 + 8 / 256),
+                                          ("bf16", "none", 2 + 8 / 256)])
+@pytest.mark.parametrize("backend", backend_params())
+def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per):
+    """`tiermem stress --state-dtype int8 --master-weights ... --verify`: every sampled
+    partition bitwise equal to the plain-torch reference; the plan and the per-step
+    B/param say what the records hold."""
+    from tiermem.tools import cli
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"swap: {{paths: [{tmp_path / 'swap'}]}}\nio: {{backend: {backend}}}\n"
+                   "tiers: {host: {capacity: 0}}\n"
+                   "pipeline: {partition_size: 1MiB, zigzag: false}\n")
+    out = tmp_path / "r.json"
+    rc = cli.main(["stress", "--config", str(cfg), "--params", "1M", "--steps", "2",
+                   "--dtype", dtype, "--state-dtype", "int8", "--master-weights", mw,
+                   "--synthetic-grads", "--verify", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    import json
+    result = json.loads(out.read_text())
+    assert result["plan"]["state_per_param"] == pytest.approx(per)
+    assert result["verify"]["ok"] and result["verify"]["partitions_checked"] >= 2
+    # every record is written each step (records still in a buffer are not read again):
+    # the record bytes, with the footers and page padding of 1 MiB records on top
+    step = result["steps"][1]
+    written = sum(step["write_bytes"].values())
+    assert written / result["plan"]["params"] == pytest.approx(per, rel=0.03)
+    read = sum(step["read_bytes"].values())
+    assert step["bytes_per_param"] == pytest.approx((read + written) / 1_000_000, rel=0.01)
+
+
+def test_plan_flags(capsys):
+    from tiermem.tools import cli
+
+    for flags, per in ((["--dtype", "bf16"], "12 B/param"),
+                       (["--dtype", "bf16", "--state-dtype", "int8", "--master-weights",
+                         "none"], "2.031 B/param"),
+                       (["--state-dtype", "int8"], "2.031 B/param")):
+        assert cli.main(["plan", "--params", "1B", *flags]) == 0
+        assert per in capsys.readouterr().out
+    assert cli.main(["plan", "--params", "1B", "--master-weights", "kahan"]) == 2
+    assert "optimizer.master_weights" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=hs.lists(hs.integers(1, 5000), min_size=1, max_size=40),
+       pages=hs.integers(16, 40), master=hs.booleans())
+def test_int8_records_fit_their_partition(sizes, pages, master):
+    """However many short parameters a partition holds (each adds a part-empty block and
+    its scales), its record fits partition_size less the footer's page, and every
+    segment's blocks are counted: ceil(length / 256) scales per moment."""
+    from tiermem.partition import RECORD_ALIGN, blocks as nblocks
+
+    params = [torch.zeros(n, dtype=torch.bfloat16 if master else torch.float32)
+              for n in sizes]
+    size = pages * RECORD_ALIGN
+    parts = build_partitions([{"params": params}], {}, size, state_dtype="int8",
+                             keep_master=master)
+    covered = [0] * len(params)
+    for part in parts:
+        assert part.record_bytes <= size - RECORD_ALIGN or len(part.segments) == 1
+        for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+            assert part.sizes[k] == sum(nblocks(s.length) for s in part.segments)
+        for s in part.segments:
+            covered[s.index] += s.length
+            assert s.start % 1024 == 0
+    assert covered == sizes

@@ -1,0 +1,370 @@
+"""Adam/AdamW on 8-bit blockwise moments (optimizer.state_dtype: int8), and the weight
+formats of bf16 models without an fp32 master (optimizer.master_weights).
+
+One segment's update, one keyword-only signature, two kernels behind `lowbit_update`:
+
+- "native": native/adam_lowbit.c (AVX-512 or scalar, threaded), one pass that
+  dequantises, updates and quantises, and can return the CRC32C of what it wrote;
+- "reference": the same arithmetic in plain torch (fp32 operations, each correctly
+  rounded: fused multiply-adds and sqrt emulated through round-to-odd in float64), bit for bit
+  the native result. Tests hold the native kernel to it; it also runs wherever the
+  native kernel cannot (tensors off the CPU).
+
+The format (native/adam_lowbit.c has the full rationale): blocks of BLOCK = 256
+elements, a block starting at each segment's element 0, one fp32 scale per block and
+moment (the power of two that puts the block's largest finite magnitude in
+(0.9375, 1.875], so a dequantised block quantises back to itself), one byte per
+element: exp_avg
+sign + 4-bit exponent + 3-bit mantissa, exp_avg_sq 5-bit exponent + 3-bit mantissa;
+code 0 is zero, code 1 NaN (any non-finite moment). `quantize` / `dequantize` convert a
+segment between fp32 and that format (state_dict() and load_state_dict() use them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from tiermem.partition import QUANT_BLOCK
+
+BLOCK = QUANT_BLOCK  # 256: divides CUT_ALIGN, so a partition cut never splits a block
+TOP = 1.875  # the largest code's value
+M_EBIAS, V_EBIAS = 112, 96  # 127 - exponent bias of exp_avg's / exp_avg_sq's code
+NAN_CODE = 1
+MASTERS = {"fp32": 0, "kahan": 1, "none": 2}
+GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+ROUNDINGS = ("nearest", "stochastic")
+# crc_mask bits of the arrays the native pass can checksum
+CRC_ARRAYS = {"master": 1, "exp_avg": 2, "exp_avg_scale": 4, "exp_avg_sq": 8,
+              "exp_avg_sq_scale": 16, "kahan": 32}
+W_KEY = 0xA511E9B3
+M32 = 0xFFFFFFFF
+M64 = (1 << 64) - 1
+FLT_MIN = 2.0 ** -126
+
+
+def blocks(n: int) -> int:
+    """Scale entries of an n-element segment."""
+    return -(-n // BLOCK)
+
+
+# -- the reference ---------------------------------------------------------------------
+
+def _f32(x: float) -> Tensor:
+    return torch.tensor(x, dtype=torch.float64).float()
+
+
+def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """fp32 a*b + c rounded once: the product is exact in float64, the sum is made
+    round-to-odd there (TwoSum gives its error), and a round-to-odd float64 rounds to
+    the correctly rounded fp32 (53 >= 24 + 2 bits)."""
+    p = a.double() * b.double()
+    c = c.double().expand_as(p)
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf))
+    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    return s.float()
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & M32
+
+
+def sr_bits(idx: Tensor, k0: int, k1: int) -> Tensor:
+    """numeric.h's sr_bits on int64 indices (taken mod 2^32)."""
+    x = (_mul32(idx & M32, 0x9E3779B1) + k0) & M32
+    x ^= x >> 16
+    x = _mul32(x, 0x7FEB352D)
+    x ^= x >> 15
+    x ^= k1
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _keys(seed: int, offset: int) -> tuple[int, int]:
+    key = splitmix64(seed ^ splitmix64(offset >> 32))
+    return key & M32, key >> 32
+
+
+def _as_f32(bits: Tensor) -> Tensor:
+    return (((bits & M32) ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
+
+
+def _per_element(scale: Tensor, n: int) -> Tensor:
+    return scale.repeat_interleave(BLOCK)[:n]
+
+
+def dequantize(codes: Tensor, scale: Tensor, *, signed: bool) -> Tensor:
+    """fp32 values of one segment's codes (exp_avg: signed, exp_avg_sq: not)."""
+    c = codes.view(torch.uint8).to(torch.int64)
+    mag = c & 0x7F if signed else c
+    bits = torch.where(mag >= 8, (mag << 20) + ((M_EBIAS if signed else V_EBIAS) << 23), 0)
+    if signed:
+        bits = bits | ((c & 0x80) << 24)
+    bits = torch.where(mag == NAN_CODE, 0x7FC00000, bits)
+    return _as_f32(bits) * _per_element(scale.float(), c.numel())
+
+
+def _scales(x: Tensor) -> tuple[Tensor, Tensor]:
+    n = x.numel()
+    a = x.abs()
+    a = torch.where(a < math.inf, a, 0.0)  # NaN compares false: dropped too
+    a = torch.nn.functional.pad(a, (0, blocks(n) * BLOCK - n)).view(-1, BLOCK)
+    amax = a.amax(dim=1) if n else a.new_zeros(0)
+    s = _as_f32(amax.view(torch.int32).to(torch.int64) & 0x7F800000)
+    s = torch.where((amax > TOP * s) & (s < 2.0 ** 127), s * 2, s)
+    s = torch.where(amax >= FLT_MIN, s, 0.0)
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    return s, inv
+
+
+def _encode(x: Tensor, inv: Tensor, r16: Tensor | None, *, signed: bool) -> Tensor:
+    n = x.numel()
+    ax = x.abs()
+    a = ax * _per_element(inv, n)
+    u = a.view(torch.int32).to(torch.int64)
+    ebias = M_EBIAS if signed else V_EBIAS
+    t = u - (ebias << 23)
+    rnd = (r16 << 4) | 8 if r16 is not None else 0x7FFFF + ((t >> 20) & 1)
+    cn = torch.clamp((t + rnd) >> 20, max=0x7F if signed else 0xFF)
+    if signed:
+        thr = ((65535.5 - r16.float()) * 2.0 ** -16 if r16 is not None
+               else torch.tensor(0.5))
+        low = torch.where(a * 2.0 ** 14 >= thr, 8, 0)
+    else:
+        low = torch.where(a > 0, 8, 0)  # up, never to 0
+    c = torch.where(u >= ((ebias + 1) << 23), cn, low)
+    if signed:
+        c = c | torch.where((x < 0) & (c != 0), 0x80, 0)  # zero is stored +0
+    c = torch.where(ax < math.inf, c, NAN_CODE)
+    return c.to(torch.uint8)
+
+
+def quantize(x: Tensor, *, signed: bool, rounding: str = "nearest", seed: int = 0,
+             offset: int = 0, high: bool = False) -> tuple[Tensor, Tensor]:
+    """(codes, scales) of one segment's fp32 values; stochastic rounding draws the
+    low (`high` False: exp_avg) or high 16 bits of sr_bits(offset + i)."""
+    x = x.float().reshape(-1)
+    s, inv = _scales(x)
+    r16 = None
+    if rounding == "stochastic":
+        k0, k1 = _keys(seed, offset)
+        r = sr_bits(torch.arange(x.numel(), dtype=torch.int64) + (offset & M32), k0, k1)
+        r16 = r >> 16 if high else r & 0xFFFF
+    return _encode(x, inv, r16, signed=signed), s
+
+
+def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
+                          exp_avg_scale: Tensor, exp_avg_sq: Tensor,
+                          exp_avg_sq_scale: Tensor, kahan: Tensor | None = None,
+                          weight_out: Tensor | None = None, master: str = "fp32",
+                          step: float | int | Tensor, lr: float | Tensor, beta1: float,
+                          beta2: float, eps: float, weight_decay: float = 0.0,
+                          maximize: bool = False, decoupled_weight_decay: bool = True,
+                          rounding: str = "stochastic", seed: int = 0, offset: int = 0,
+                          checksums: Sequence[str] = (), num_threads: int | None = None
+                          ) -> dict[str, int]:
+    """The update in plain torch, on any device; every tensor updated in place."""
+    _check_args(master, rounding, kahan, weight_out, param)
+    if checksums:
+        raise ValueError("checksums: the reference kernel computes none; hash the record")
+    step = float(step.item() if isinstance(step, Tensor) else step)
+    lr = float(lr)
+    n = param.numel()
+    if n == 0:
+        return {}
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    c1 = _f32(1.0 - beta1)
+    c1m1 = c1 - 1.0
+    small = bool(c1.abs() < 0.5)
+    b2, c2 = _f32(beta2), _f32(1.0 - beta2)
+    bc2s, eps32, nss = _f32(math.sqrt(bc2)), _f32(eps), _f32(-(lr / bc1))
+    wd, decay = _f32(weight_decay), _f32(1.0 - lr * weight_decay)
+    g = grad.reshape(-1).float()
+    if master == "fp32":
+        p = param.reshape(-1).float()
+    else:
+        p = param.reshape(-1).float()
+        if master == "kahan":
+            p = p + kahan.reshape(-1).float()
+    m = dequantize(exp_avg, exp_avg_scale, signed=True)
+    v = dequantize(exp_avg_sq, exp_avg_sq_scale, signed=False)
+    if maximize:
+        g = -g
+    if weight_decay != 0.0:
+        if decoupled_weight_decay:
+            p = p * decay
+        else:
+            g = _fma(p, wd.expand_as(p), g)
+    d = g - m
+    m = _fma(c1.expand_as(d), d, m) if small else _fma(c1m1.expand_as(d), d, g)
+    cg = c2 * g
+    v = _fma(cg, g, v * b2)
+    # torch's fp32 sqrt is not correctly rounded on every CPU build; float64's is, and
+    # rounding it to fp32 is then too (53 >= 2 * 24 + 2 bits).
+    denom = torch.sqrt(v.double()).float() / bc2s + eps32
+    p = p + (nss * m) / denom
+    idx = torch.arange(n, dtype=torch.int64, device=p.device) + (offset & M32)
+    k0, k1 = _keys(seed, offset)
+    if master == "fp32":
+        param.view(-1).copy_(p)
+        if weight_out is not None:  # to nearest even, as the kernel writes it
+            weight_out.view(-1).copy_(bf16_nearest(p) if weight_out.dtype == torch.bfloat16
+                                      else p)
+    elif master == "kahan":
+        nb = bf16_nearest(p)
+        param.view(-1).copy_(nb)
+        kahan.view(-1).copy_(bf16_nearest(p - nb.float()))
+    else:
+        rw = sr_bits(idx, k0 ^ W_KEY, k1) & 0xFFFF
+        param.view(-1).copy_(bf16_stochastic(p, rw))
+    r = sr_bits(idx, k0, k1) if rounding == "stochastic" else None
+    sm, im = _scales(m)
+    sv, iv = _scales(v)
+    exp_avg.view(-1).copy_(_encode(m, im, r & 0xFFFF if r is not None else None, signed=True))
+    exp_avg_sq.view(-1).copy_(_encode(v, iv, r >> 16 if r is not None else None,
+                                      signed=False))
+    exp_avg_scale.copy_(sm)
+    exp_avg_sq_scale.copy_(sv)
+    return {}
+
+
+def bf16_nearest(x: Tensor) -> Tensor:
+    """x to bf16, nearest even, every NaN the canonical 0x7FC0 (torch's vector
+    conversion keeps a NaN's sign)."""
+    return torch.where(torch.isnan(x), _BF16_NAN, x.to(torch.bfloat16))
+
+
+_BF16_NAN = torch.tensor(0x7FC0, dtype=torch.int16).view(torch.bfloat16)
+
+
+def bf16_stochastic(x: Tensor, r16: Tensor) -> Tensor:
+    """x + 16 random bits, truncated to bf16 (NaN: 0x7FC0), as numeric.h rounds."""
+    u = x.view(torch.int32).to(torch.int64) & M32
+    h = ((u + r16) >> 16) & 0xFFFF
+    h = torch.where(torch.isnan(x), 0x7FC0, h)
+    return ((h ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)
+
+
+def _check_args(master: str, rounding: str, kahan: Tensor | None, weight_out: Tensor | None,
+                param: Tensor) -> None:
+    if master not in MASTERS:
+        raise ValueError(f"master: {master!r}; expected one of {', '.join(MASTERS)}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: {rounding!r}; expected one of {', '.join(ROUNDINGS)}")
+    if (master == "kahan") != (kahan is not None):
+        raise ValueError("kahan: the compensation term goes with master='kahan' only")
+    if master == "fp32" and param.dtype != torch.float32:
+        raise TypeError(f"param: master='fp32' updates an fp32 tensor, got {param.dtype}")
+    if master != "fp32":
+        if param.dtype != torch.bfloat16:
+            raise TypeError(f"param: master={master!r} updates bf16 weights, got "
+                            f"{param.dtype}")
+        if weight_out is not None:
+            raise ValueError(f"weight_out: master={master!r} updates the weights themselves")
+
+
+# -- the native kernel -----------------------------------------------------------------
+
+def _check(t: Tensor, what: str, dtypes: Sequence[torch.dtype], n: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: the native kernel runs on CPU tensors, got {t.device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{what}: dtype {t.dtype} not supported here (expected "
+                        f"{' or '.join(str(d) for d in dtypes)})")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: must be contiguous")
+    if t.numel() != n:
+        raise ValueError(f"{what}: has {t.numel()} elements, expected {n}")
+
+
+def _ptr(ffi, t: Tensor | None, ctype: str):
+    return ffi.NULL if t is None else ffi.cast(ctype, t.data_ptr())
+
+
+def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
+                       exp_avg_scale: Tensor, exp_avg_sq: Tensor, exp_avg_sq_scale: Tensor,
+                       kahan: Tensor | None = None, weight_out: Tensor | None = None,
+                       master: str = "fp32", step: float | int | Tensor, lr: float | Tensor,
+                       beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+                       maximize: bool = False, decoupled_weight_decay: bool = True,
+                       rounding: str = "stochastic", seed: int = 0, offset: int = 0,
+                       checksums: Sequence[str] = (), num_threads: int | None = None
+                       ) -> dict[str, int]:
+    """native/adam_lowbit.c on one segment; returns {array: CRC32C} for `checksums`
+    (names among CRC_ARRAYS; "master" is `param`, "kahan" the compensation term)."""
+    from tiermem._lib import ffi, lib
+    from tiermem.kernels import native_adam  # the ISA choice (TIERMEM_ADAM_ISA) is shared
+
+    native_adam.isa()  # applies TIERMEM_ADAM_ISA before the first call
+    _check_args(master, rounding, kahan, weight_out, param)
+    n = param.numel()
+    _check(param, "param", (param.dtype,), n)
+    _check(grad, "grad", tuple(GRAD_DTYPES), n)
+    _check(exp_avg, "exp_avg", (torch.uint8,), n)
+    _check(exp_avg_sq, "exp_avg_sq", (torch.uint8,), n)
+    _check(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
+    _check(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
+    if kahan is not None:
+        _check(kahan, "kahan", (torch.bfloat16,), n)
+    if weight_out is not None:
+        _check(weight_out, "weight_out", tuple(OUT_DTYPES), n)
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= M64:
+            raise ValueError(f"{name}: expected an integer in 0..2**64-1, got {value!r}")
+    mask = 0
+    for name in checksums:
+        if name not in CRC_ARRAYS:
+            raise ValueError(f"checksums: unknown array {name!r}; expected some of "
+                             f"{', '.join(CRC_ARRAYS)}")
+        mask |= CRC_ARRAYS[name]
+    step = float(step.item() if isinstance(step, Tensor) else step)
+    if n and step < 1:
+        raise ValueError(f"step must be the count after this step's increment (>= 1), "
+                         f"got {step}")
+    threads = torch.get_num_threads() if num_threads is None else int(num_threads)
+    crcs = ffi.new("uint32_t[6]")
+    rc = lib.tm_adam_lowbit_step(
+        _ptr(ffi, param, "void *"), MASTERS[master], _ptr(ffi, kahan, "uint16_t *"),
+        _ptr(ffi, exp_avg, "uint8_t *"), _ptr(ffi, exp_avg_scale, "float *"),
+        _ptr(ffi, exp_avg_sq, "uint8_t *"), _ptr(ffi, exp_avg_sq_scale, "float *"),
+        _ptr(ffi, grad, "void *"), GRAD_DTYPES[grad.dtype], _ptr(ffi, weight_out, "void *"),
+        OUT_DTYPES[weight_out.dtype] if weight_out is not None else 0, n, float(lr),
+        float(beta1), float(beta2), float(eps), float(weight_decay), step, int(maximize),
+        int(decoupled_weight_decay), int(rounding == "stochastic"), seed, offset,
+        max(1, threads), mask, crcs)
+    if rc == -34:  # ERANGE
+        raise ValueError(f"offset {offset} + {n} elements crosses a 2^32-element window of "
+                         "the random stream; split the call there")
+    if rc != 0:
+        raise RuntimeError(f"tm_adam_lowbit_step failed: {os.strerror(-rc)}")
+    return {name: crcs[bit.bit_length() - 1] for name, bit in CRC_ARRAYS.items()
+            if mask & bit}
+
+
+KERNELS = {"native": adam_lowbit_native, "reference": adam_lowbit_reference}
+
+
+def lowbit_update(*, kernel: str, **kwargs) -> dict[str, int]:
+    """Run `kernel` ("native" or "reference") on one segment."""
+    return KERNELS[kernel](**kwargs)
