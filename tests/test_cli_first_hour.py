@@ -216,7 +216,7 @@ def test_plan_estimates_from_probe_figures(tmp_path, swap):
     io = (nvme - 4 * (64 << 20)) / 2e9 + nvme / 1e9
     assert f"NVMe floor: {io:.3g} s (at 2 GB/s read and 1 GB/s write" in proc.stdout
     assert "update floor: 2 s (1,000,000,000 parameters updated on the CPU at 2 ns/param, " \
-           "kernel fused, given)" in proc.stdout
+           "kernel native, given)" in proc.stdout
     assert f"estimated opt.step() time ~{io:.3g} s: NVMe-bound ({io / 2:.2g}x the update " \
            "floor" in proc.stdout
     assert os.listdir(swap) == []
@@ -248,7 +248,7 @@ def test_plan_measures_the_update_kernel_and_allocates_no_state(tmp_path, swap):
                    "--read-gbps", "1", "--write-gbps", "1")
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("update floor"))
-    assert "kernel fused, measured here on 4M elements" in line, line
+    assert "kernel native, measured here on 4M elements" in line, line
     ns = float(line.split(" ns/param")[0].rsplit(" ", 1)[1])
     assert ns > 0
     assert "-bound (" in proc.stdout
