@@ -1,0 +1,97 @@
+"""The native SGD and Adagrad kernels (native/rules.c) against the plain torch optimizers
+on the same inputs: bitwise, and their in-pass CRCs against a CRC of what they wrote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tiermem.kernels.adagrad import adagrad_update
+from tiermem.kernels.checksum import crc32c
+from tiermem.kernels.sgd import sgd_update
+
+SIZES = st.sampled_from([1, 7, 15, 16, 17, 1023, 1024, 1037, 16 * 1024 + 5, 300_000 + 3])
+
+
+def _data(n: int, seed: int, positive: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    return x.abs() if positive else x
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=SIZES, seed=st.integers(0, 2**16), momentum=st.sampled_from([0.0, 0.9, 0.5]),
+       dampening=st.sampled_from([0.0, 0.1]), nesterov=st.booleans(),
+       weight_decay=st.sampled_from([0.0, 1e-2]), maximize=st.booleans(),
+       impl=st.sampled_from(["fused", "single", "foreach"]), steps=st.integers(1, 3))
+def test_sgd_native_bitwise(n, seed, momentum, dampening, nesterov, weight_decay, maximize,
+                            impl, steps):
+    if nesterov and (momentum == 0 or dampening != 0):
+        nesterov = False  # torch refuses it
+    flags = {"fused": dict(fused=True), "single": dict(foreach=False),
+             "foreach": dict(foreach=True)}[impl]
+    ref = _data(n, seed).requires_grad_(True)
+    opt = torch.optim.SGD([ref], lr=0.013, momentum=momentum, dampening=dampening,
+                          nesterov=nesterov, weight_decay=weight_decay, maximize=maximize,
+                          **flags)
+    p = ref.detach().clone()
+    buf = torch.zeros(n)
+    for k in range(steps):
+        grad = _data(n, seed + 1 + k)
+        ref.grad = grad.clone()
+        opt.step()
+        crcs = sgd_update(kernel="native", params=[p], grads=[grad],
+                          momentum_buffers=[buf] if momentum else [], first=[k == 0],
+                          lr=0.013, momentum=momentum, dampening=dampening,
+                          weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                          checksums=("momentum_buffer", "params") if momentum else ("params",),
+                          match={"fused": "fused", "single": "single_tensor",
+                                 "foreach": "multi_tensor"}[impl])
+        assert torch.equal(p, ref.detach())
+        assert crcs[0]["params"] == crc32c(p)
+        if momentum:
+            assert torch.equal(buf, opt.state[ref]["momentum_buffer"])
+            assert crcs[0]["momentum_buffer"] == crc32c(buf)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=SIZES, seed=st.integers(0, 2**16), lr_decay=st.sampled_from([0.0, 0.01]),
+       weight_decay=st.sampled_from([0.0, 1e-2]), eps=st.sampled_from([1e-10, 1e-3]),
+       init=st.sampled_from([0.0, 0.1]), maximize=st.booleans(), steps=st.integers(1, 3))
+def test_adagrad_native_bitwise_with_fused(n, seed, lr_decay, weight_decay, eps, init,
+                                           maximize, steps):
+    ref = _data(n, seed).requires_grad_(True)
+    opt = torch.optim.Adagrad([ref], lr=0.05, lr_decay=lr_decay, weight_decay=weight_decay,
+                              eps=eps, initial_accumulator_value=init, maximize=maximize,
+                              fused=True)
+    p = ref.detach().clone()
+    s = torch.full((n,), init)
+    for k in range(steps):
+        grad = _data(n, seed + 1 + k)
+        ref.grad = grad.clone()
+        opt.step()
+        crcs = adagrad_update(kernel="native", params=[p], grads=[grad], state_sums=[s],
+                              steps=[torch.tensor(float(k + 1))], lr=0.05, lr_decay=lr_decay,
+                              weight_decay=weight_decay, eps=eps, maximize=maximize,
+                              checksums=("sum",))
+        assert torch.equal(s, opt.state[ref]["sum"])
+        assert torch.equal(p, ref.detach())
+        assert crcs[0] == {"sum": crc32c(s)}
+
+
+def test_native_refuses_what_it_cannot_run():
+    p, g = torch.zeros(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="fp32 CPU"):
+        sgd_update(kernel="native", params=[p], grads=[g], momentum_buffers=[], first=[True],
+                   lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                   maximize=False)
+    with pytest.raises(ValueError, match="unknown array 'sum'"):
+        sgd_update(kernel="native", params=[p.float()], grads=[g.float()],
+                   momentum_buffers=[], first=[True], lr=0.1, momentum=0.0, dampening=0.0,
+                   weight_decay=0.0, nesterov=False, maximize=False, checksums=("sum",))
+    with pytest.raises(ValueError, match="cannot compute checksums"):
+        adagrad_update(kernel="fused", params=[p.float()], grads=[g.float()],
+                       state_sums=[torch.zeros(8)], steps=[torch.tensor(1.0)], lr=0.1,
+                       lr_decay=0.0, weight_decay=0.0, eps=1e-10, maximize=False,
+                       checksums=("sum",))
