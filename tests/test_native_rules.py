@@ -3,6 +3,8 @@ on the same inputs: bitwise, and their in-pass CRCs against a CRC of what they w
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -10,6 +12,10 @@ from hypothesis import given, settings, strategies as st
 from tiermem.kernels.adagrad import adagrad_update
 from tiermem.kernels.checksum import crc32c
 from tiermem.kernels.sgd import sgd_update
+from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config,
+                             make_batches, train)
+
+import tiermem
 
 SIZES = st.sampled_from([1, 7, 15, 16, 17, 1023, 1024, 1037, 16 * 1024 + 5, 300_000 + 3])
 
@@ -95,3 +101,43 @@ def test_native_refuses_what_it_cannot_run():
                        state_sums=[torch.zeros(8)], steps=[torch.tensor(1.0)], lr=0.1,
                        lr_decay=0.0, weight_decay=0.0, eps=1e-10, maximize=False,
                        checksums=("sum",))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("cls, kw", [
+    (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, weight_decay=1e-2,
+                               initial_accumulator_value=0.1, fused=True)),
+    # (a plain fused SGD fails on this model's gradless parameter, inside torch)
+    (torch.optim.SGD, dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-2,
+                           foreach=True)),
+    (torch.optim.SGD, dict(lr=0.01, momentum=0.9, dampening=0.1, maximize=True)),
+], ids=["adagrad-fused", "sgd-nesterov-foreach", "sgd-dampening-forloop"])
+def test_tiered_native_step_equals_torch(tmp_path, monkeypatch, backend, cls, kw):
+    """State on NVMe with checksums: the rule runs the native kernel, whose in-pass CRCs
+    seal the records (a wrong CRC fails the next read), and the result equals torch's."""
+    import tiermem.kernels.adagrad as adagrad_kernels
+    import tiermem.kernels.sgd as sgd_kernels
+    mod = adagrad_kernels if cls is torch.optim.Adagrad else sgd_kernels
+    hashed = []
+    native = mod.KERNELS["native"]
+
+    def counting(**kwargs):
+        hashed.append(bool(kwargs.get("checksums")))
+        return native(**kwargs)
+    monkeypatch.setitem(mod.KERNELS, "native", counting)
+    model = Synthetic(vocab=300, hidden=130, out=9)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
+    batches = make_batches(model, 4)
+    with tiermem.offload(opt, config(tmp_path, backend=backend, host=0, kernel="match"),
+                         model=model):
+        train(model, opt, batches)
+        sd = opt.state_dict()
+    train(ref, ref_opt, batches)
+    assert any(hashed)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), n)
+    for i, state in ref_opt.state_dict()["state"].items():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert_same_tensor(sd["state"][i][k], v, f"state[{i}][{k}]")
