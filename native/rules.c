@@ -25,10 +25,10 @@
  *
  * torch's scalar tail loop (the last n % vector-width elements of each tensor)
  * is compiled differently; the Python side runs torch's own kernel on those.
- * Every operation is correctly rounded, the file is built with
- * -ffp-contract=off and calls fmaf() exactly where an FMA is meant, so the
- * compiler's vectorisation of these loops (target clones below) cannot change
- * a result. */
+ * Three paths (AVX-512, AVX2+FMA, portable C, picked at run time) give the
+ * same bits: every operation is correctly rounded, the file is built with
+ * -ffp-contract=off, and the scalar code calls fmaf() exactly where the SIMD
+ * code has an FMA. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <math.h>
@@ -46,10 +46,13 @@
 #define TM_RULES_PAR_MIN (256 * 1024)   /* below this, no threads */
 #define TM_RULES_MAX_THREADS 64
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TM_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#if defined(__x86_64__) || defined(__i386__)
+#define TM_X86 1
+#include <immintrin.h>
+#define TGT_AVX2 __attribute__((target("avx2,fma")))
+#define TGT_AVX512 __attribute__((target("avx512f,fma")))
 #else
-#define TM_CLONES
+#define TM_X86 0
 #endif
 
 typedef struct rules_job {
@@ -61,41 +64,116 @@ typedef struct rules_job {
     int crc_mask;  /* 1: state, 2: params */
     int64_t begin, end;
     uint32_t crc_s, crc_p;
+    void (*fn)(const struct rules_job *, int64_t, int64_t);
 } rules_job;
 
-TM_CLONES
-static void sgd_run(const rules_job *j, int64_t a, int64_t b)
+/* One element, portable: also the tail of the SIMD paths (same roundings). */
+static inline void sgd_one(const rules_job *j, int64_t i)
 {
-    float *restrict p = j->p, *restrict m = j->s;
-    const float *restrict g = j->g;
-    const float lr = j->lr, wd = j->wd, mom = j->mom, d1 = j->damp1;
-    for (int64_t i = a; i < b; i++) {
-        float x = j->maximize ? -g[i] : g[i];
-        if (wd != 0.0f)
-            x = fmaf(p[i], wd, x);
-        if (m) {
-            float buf = j->first ? x : fmaf(d1, x, m[i] * mom);
-            m[i] = buf;
-            x = j->nesterov ? fmaf(buf, mom, x) : buf;
-        }
-        p[i] = fmaf(x, lr, p[i]);  /* lr holds -lr */
+    float x = j->maximize ? -j->g[i] : j->g[i];
+    if (j->wd != 0.0f)
+        x = fmaf(j->p[i], j->wd, x);
+    if (j->s) {
+        float buf = j->first ? x : fmaf(j->damp1, x, j->s[i] * j->mom);
+        j->s[i] = buf;
+        x = j->nesterov ? fmaf(buf, j->mom, x) : buf;
     }
+    j->p[i] = fmaf(x, j->lr, j->p[i]);  /* lr holds -lr */
 }
 
-TM_CLONES
-static void adagrad_run(const rules_job *j, int64_t a, int64_t b)
+static inline void adagrad_one(const rules_job *j, int64_t i)
 {
-    float *restrict p = j->p, *restrict s = j->s;
-    const float *restrict g = j->g;
-    const float wd = j->wd, clr = j->clr, eps = j->eps;
-    for (int64_t i = a; i < b; i++) {
-        float x = j->maximize ? -g[i] : g[i];
-        if (wd != 0.0f)
-            x = fmaf(p[i], wd, x);
-        float sum = fmaf(x, x, s[i]);
-        s[i] = sum;
-        p[i] = p[i] - (clr * x) / (sqrtf(sum) + eps);
-    }
+    float x = j->maximize ? -j->g[i] : j->g[i];
+    if (j->wd != 0.0f)
+        x = fmaf(j->p[i], j->wd, x);
+    float sum = fmaf(x, x, j->s[i]);
+    j->s[i] = sum;
+    j->p[i] = j->p[i] - (j->clr * x) / (sqrtf(sum) + j->eps);
+}
+
+static void sgd_scalar(const rules_job *j, int64_t a, int64_t b)
+{
+    for (int64_t i = a; i < b; i++)
+        sgd_one(j, i);
+}
+
+static void adagrad_scalar(const rules_job *j, int64_t a, int64_t b)
+{
+    for (int64_t i = a; i < b; i++)
+        adagrad_one(j, i);
+}
+
+#if TM_X86
+static TGT_AVX512 inline __m512 tm_xor512(__m512 a, __m512 b)
+{
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
+
+/* The SIMD bodies, written once per width: V is the vector type, W its lanes. */
+#define SIMD_BODIES(SFX, TGT, V, W, LOAD, STORE, SET1, MUL, ADD, SUB, DIV, SQRT, FMA, XOR)  \
+static TGT void sgd_##SFX(const rules_job *j, int64_t a, int64_t b)                   \
+{                                                                                     \
+    const V lr = SET1(j->lr), wd = SET1(j->wd), mom = SET1(j->mom), d1 = SET1(j->damp1); \
+    const V sign = SET1(j->maximize ? -0.0f : 0.0f);                                  \
+    const int use_wd = j->wd != 0.0f, first = j->first, nest = j->nesterov;           \
+    float *p = j->p, *m = j->s;                                                       \
+    const float *g = j->g;                                                            \
+    int64_t i = a;                                                                    \
+    for (; i + W <= b; i += W) {                                                      \
+        V pv = LOAD(p + i);                                                           \
+        V x = XOR(LOAD(g + i), sign);                                                 \
+        if (use_wd)                                                                   \
+            x = FMA(pv, wd, x);                                                       \
+        if (m) {                                                                      \
+            V buf = first ? x : FMA(d1, x, MUL(LOAD(m + i), mom));                    \
+            STORE(m + i, buf);                                                        \
+            x = nest ? FMA(buf, mom, x) : buf;                                        \
+        }                                                                             \
+        STORE(p + i, FMA(x, lr, pv));                                                 \
+    }                                                                                 \
+    sgd_scalar(j, i, b);                                                              \
+}                                                                                     \
+static TGT void adagrad_##SFX(const rules_job *j, int64_t a, int64_t b)               \
+{                                                                                     \
+    const V wd = SET1(j->wd), clr = SET1(j->clr), eps = SET1(j->eps);                \
+    const V sign = SET1(j->maximize ? -0.0f : 0.0f);                                  \
+    const int use_wd = j->wd != 0.0f;                                                 \
+    float *p = j->p, *s = j->s;                                                       \
+    const float *g = j->g;                                                            \
+    int64_t i = a;                                                                    \
+    for (; i + W <= b; i += W) {                                                      \
+        V pv = LOAD(p + i);                                                           \
+        V x = XOR(LOAD(g + i), sign);                                                 \
+        if (use_wd)                                                                   \
+            x = FMA(pv, wd, x);                                                       \
+        V sum = FMA(x, x, LOAD(s + i));                                               \
+        STORE(s + i, sum);                                                            \
+        STORE(p + i, SUB(pv, DIV(MUL(clr, x), ADD(SQRT(sum), eps))));                 \
+    }                                                                                 \
+    adagrad_scalar(j, i, b);                                                          \
+}
+
+SIMD_BODIES(avx2, TGT_AVX2, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
+            _mm256_mul_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_div_ps, _mm256_sqrt_ps,
+            _mm256_fmadd_ps, _mm256_xor_ps)
+SIMD_BODIES(avx512, TGT_AVX512, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps,
+            _mm512_set1_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_sub_ps, _mm512_div_ps,
+            _mm512_sqrt_ps, _mm512_fmadd_ps, tm_xor512)
+#endif
+
+typedef void (*rules_fn)(const rules_job *, int64_t, int64_t);
+
+/* The best path this CPU has (decided once; all give the same bits). */
+static rules_fn pick(int kind)
+{
+#if TM_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"))
+        return kind == 0 ? sgd_avx512 : adagrad_avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return kind == 0 ? sgd_avx2 : adagrad_avx2;
+#endif
+    return kind == 0 ? sgd_scalar : adagrad_scalar;
 }
 
 static void *rules_work(void *arg)
@@ -104,10 +182,7 @@ static void *rules_work(void *arg)
     uint32_t cs = 0, cp = 0;
     for (int64_t a = j->begin; a < j->end; a += TM_RULES_CHUNK) {
         int64_t b = a + TM_RULES_CHUNK < j->end ? a + TM_RULES_CHUNK : j->end;
-        if (j->kind == 0)
-            sgd_run(j, a, b);
-        else
-            adagrad_run(j, a, b);
+        j->fn(j, a, b);
         size_t len = (size_t)(b - a) * sizeof(float);
         if ((j->crc_mask & 1) && j->s)
             cs = tm_crc32c(cs, j->s + a, len);
@@ -182,6 +257,7 @@ int tm_sgd_step(float *p, float *momentum_buffer, const float *grad, int64_t n, 
     j.maximize = maximize;
     j.first = first;
     j.crc_mask = crc_mask;
+    j.fn = pick(j.kind);
     return run_split(&j, n, nthreads, crc_mask ? crcs : NULL);
 }
 
@@ -203,5 +279,6 @@ int tm_adagrad_step(float *p, float *state_sum, const float *grad, int64_t n, do
     j.eps = (float)eps;
     j.maximize = maximize;
     j.crc_mask = crc_mask;
+    j.fn = pick(j.kind);
     return run_split(&j, n, nthreads, crc_mask ? crcs : NULL);
 }
