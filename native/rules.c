@@ -163,14 +163,40 @@ SIMD_BODIES(avx512, TGT_AVX512, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps,
 
 typedef void (*rules_fn)(const rules_job *, int64_t, int64_t);
 
-/* The best path this CPU has (decided once; all give the same bits). */
-static rules_fn pick(int kind)
+/* -1: the best path this CPU has; 0 scalar, 1 AVX2+FMA, 2 AVX-512 (tests force each). */
+static int forced_isa = -1;
+
+static int isa_supported(int isa)
 {
+    if (isa == 0)
+        return 1;
 #if TM_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"))
+    if (isa == 1)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == 2)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+#endif
+    return 0;
+}
+
+int tm_rules_set_isa(int isa)
+{
+    if (isa != -1 && !isa_supported(isa))
+        return 0;
+    forced_isa = isa;
+    return 1;
+}
+
+static rules_fn pick(int kind)
+{
+    int isa = forced_isa;
+    if (isa < 0)
+        isa = isa_supported(2) ? 2 : isa_supported(1) ? 1 : 0;
+#if TM_X86
+    if (isa == 2)
         return kind == 0 ? sgd_avx512 : adagrad_avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (isa == 1)
         return kind == 0 ? sgd_avx2 : adagrad_avx2;
 #endif
     return kind == 0 ? sgd_scalar : adagrad_scalar;

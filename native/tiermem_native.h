@@ -125,6 +125,8 @@ uint32_t tm_crc32c_threads(const void *buf, size_t len, int nthreads);
 int tm_sgd_step(float *p, float *momentum_buffer, const float *grad, int64_t n, double lr,
                 double momentum, double dampening, double weight_decay, int nesterov,
                 int maximize, int first, int nthreads, int crc_mask, uint32_t *crcs);
+/* Force a path (0 scalar, 1 AVX2+FMA, 2 AVX-512; -1 the best): 0 if unsupported. */
+int tm_rules_set_isa(int isa);
 int tm_adagrad_step(float *p, float *state_sum, const float *grad, int64_t n, double lr,
                     double lr_decay, double weight_decay, double eps, double step,
                     int maximize, int nthreads, int crc_mask, uint32_t *crcs);

@@ -11,11 +11,23 @@ from hypothesis import given, settings, strategies as st
 
 from tiermem.kernels.adagrad import adagrad_update
 from tiermem.kernels.checksum import crc32c
+from tiermem.kernels.native_rules import set_isa
 from tiermem.kernels.sgd import sgd_update
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config,
                              make_batches, train)
 
 import tiermem
+
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def isa(request):
+    """Each SIMD path of rules.c on its own (all must equal torch bitwise)."""
+    if not set_isa(request.param):
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    set_isa("auto")
+
 
 SIZES = st.sampled_from([1, 7, 15, 16, 17, 1023, 1024, 1037, 16 * 1024 + 5, 300_000 + 3])
 
@@ -31,7 +43,7 @@ def _data(n: int, seed: int, positive: bool = False) -> torch.Tensor:
        dampening=st.sampled_from([0.0, 0.1]), nesterov=st.booleans(),
        weight_decay=st.sampled_from([0.0, 1e-2]), maximize=st.booleans(),
        impl=st.sampled_from(["fused", "single", "foreach"]), steps=st.integers(1, 3))
-def test_sgd_native_bitwise(n, seed, momentum, dampening, nesterov, weight_decay, maximize,
+def test_sgd_native_bitwise(isa, n, seed, momentum, dampening, nesterov, weight_decay, maximize,
                             impl, steps):
     if nesterov and (momentum == 0 or dampening != 0):
         nesterov = False  # torch refuses it
@@ -65,7 +77,7 @@ def test_sgd_native_bitwise(n, seed, momentum, dampening, nesterov, weight_decay
 @given(n=SIZES, seed=st.integers(0, 2**16), lr_decay=st.sampled_from([0.0, 0.01]),
        weight_decay=st.sampled_from([0.0, 1e-2]), eps=st.sampled_from([1e-10, 1e-3]),
        init=st.sampled_from([0.0, 0.1]), maximize=st.booleans(), steps=st.integers(1, 3))
-def test_adagrad_native_bitwise_with_fused(n, seed, lr_decay, weight_decay, eps, init,
+def test_adagrad_native_bitwise_with_fused(isa, n, seed, lr_decay, weight_decay, eps, init,
                                            maximize, steps):
     ref = _data(n, seed).requires_grad_(True)
     opt = torch.optim.Adagrad([ref], lr=0.05, lr_decay=lr_decay, weight_decay=weight_decay,

@@ -9,7 +9,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from tiermem._lib import lib
 from tiermem.kernels.checksum import combine, crc32c
+
+ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 
 # Elements per vector of torch's fused CPU kernels at each capability it dispatches to:
 # the last numel % width elements of a tensor go through its scalar loop.
@@ -22,6 +25,14 @@ def vector_width() -> int:
 
 def tail_length(n: int) -> int:
     return n % vector_width()
+
+
+def set_isa(name: str) -> bool:
+    """Force the SIMD path of rules.c ("scalar", "avx2", "avx512", or "auto" for the
+    best): False when this CPU lacks it. All paths give the same bits."""
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}; expected one of {', '.join(ISAS)}")
+    return bool(lib.tm_rules_set_isa(ISAS[name]))
 
 
 def native_threads() -> int:
