@@ -60,7 +60,7 @@ def adagrad_native(*, params: list[Tensor], grads: list[Tensor], state_sums: lis
         if tail:
             torch._fused_adagrad_([params[i][body:]], [grads[i][body:]],
                                   [state_sums[i][body:]],
-                                  [torch.tensor(step, dtype=torch.float32)], lr=lr,
+                                  [torch.tensor(step, dtype=torch.float32)], lr=float(lr),
                                   lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
                                   maximize=maximize, grad_scale=None, found_inf=None)
         out.append(with_tail_crcs(mask, crcs, body, {"sum": state_sums[i],

@@ -72,7 +72,8 @@ def sgd_native(*, params: list[Tensor], grads: list[Tensor], momentum_buffers: l
         if tail:
             torch._fused_sgd_([params[i][body:]], [grads[i][body:]],
                               [buf[body:]] if buf is not None else [],
-                              weight_decay=weight_decay, momentum=momentum, lr=lr,
+                              weight_decay=weight_decay, momentum=momentum,
+                              lr=float(lr),
                               dampening=dampening, nesterov=nesterov, maximize=maximize,
                               is_first_step=bool(first[i]), grad_scale=None, found_inf=None)
         out.append(with_tail_crcs(mask, crcs, body, {"momentum_buffer": buf,
