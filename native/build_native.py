@@ -23,7 +23,8 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["io_engine.c", "memory.c", "thread_pool.c", "adam.c", "adam_lowbit.c", "crc32c.c"]
+SOURCES = ["io_engine.c", "memory.c", "thread_pool.c", "adam.c", "adam_lowbit.c", "crc32c.c",
+           "rules.c"]
 
 MISSING_LIBURING = (
     "tiermem: cannot build the native I/O engine: liburing development files "

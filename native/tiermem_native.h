@@ -115,3 +115,18 @@ int tm_crc32c_hw_supported(void);
 int tm_crc32c_fold_supported(void);
 uint32_t tm_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 uint32_t tm_crc32c_threads(const void *buf, size_t len, int nthreads);
+
+/* SGD and Adagrad on fp32 runs (rules.c), the arithmetic of torch's fused CPU
+ * kernels' vector body. momentum_buffer is NULL exactly when momentum == 0;
+ * first: the buffer starts as this step's gradient. step is Adagrad's count
+ * after this step's increment. crc_mask bit 1: crcs[0] = CRC32C of the state
+ * after the update, bit 2: crcs[1] = that of p; hashed chunk by chunk in the
+ * same pass. Returns 0, or -EINVAL. */
+int tm_sgd_step(float *p, float *momentum_buffer, const float *grad, int64_t n, double lr,
+                double momentum, double dampening, double weight_decay, int nesterov,
+                int maximize, int first, int nthreads, int crc_mask, uint32_t *crcs);
+/* Force a path (0 scalar, 1 AVX2+FMA, 2 AVX-512; -1 the best): 0 if unsupported. */
+int tm_rules_set_isa(int isa);
+int tm_adagrad_step(float *p, float *state_sum, const float *grad, int64_t n, double lr,
+                    double lr_decay, double weight_decay, double eps, double step,
+                    int maximize, int nthreads, int crc_mask, uint32_t *crcs);

@@ -554,6 +554,7 @@ class OffloadedOptimizer:
             batch.weights_out.append(None if master is None or fp32_model else weights)
             batch.grads.append(s.param.grad.reshape(-1)[s.start: s.start + s.length])
             batch.steps.append(self.steps[s.index])
+            batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
             batch.offsets.append(sl.start)
             for k, lst in batch.state.items():
                 lst.append(views[k][slices[k][n]])

@@ -23,6 +23,8 @@ from torch import Tensor
 from torch.optim import (adadelta, adagrad, adamax, asgd, nadam, radam, rmsprop, rprop,
                          sgd)
 
+from tiermem.kernels.adagrad import adagrad_update
+from tiermem.kernels.sgd import sgd_update
 from tiermem.optim.rules.base import (Batch, UnsupportedOptimizer, UpdateRule,
                                       check_group_tensors)
 from tiermem.partition import Partition, state_kinds
@@ -67,7 +69,7 @@ class TorchRule(UpdateRule):
 
     all_kinds: ClassVar[tuple[str, ...]] = ()
 
-    def check(self, opt: torch.optim.Optimizer) -> None:
+    def _check(self, opt: torch.optim.Optimizer) -> None:
         for g, group in enumerate(opt.param_groups):
             check_group_tensors(g, group)
             if group.get("capturable"):
@@ -92,7 +94,28 @@ class TorchRule(UpdateRule):
         """State kinds torch starts at a value other than zero."""
         return {}
 
-    def update(self, batch: Batch, *, kernel: str) -> None:
+    #: implementations (see implementation()) the rule's native kernel equals bitwise
+    native_matches: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, opt: torch.optim.Optimizer) -> None:
+        self._groups = opt.param_groups
+        self._check(opt)
+
+    def wants_native(self, kernel: str, part: Partition, *, on_host: bool) -> bool:
+        """tiermem's one-pass kernel (native/rules.c) runs fp32 CPU partitions whose group's
+        implementation it equals bitwise: it returns the CRCs of what it wrote, so a
+        checksummed record needs no second pass."""
+        if not self.native_matches or not on_host:
+            return False
+        impl = implementation(self._groups[part.group], kernel, self.has_fused)
+        if impl not in self.native_matches:
+            return False
+        self._native_impl = impl
+        return all(s.param.device.type == "cpu" and s.param.dtype == torch.float32
+                   and (s.param.grad is None or s.param.grad.dtype == torch.float32)
+                   for s in part.segments)
+
+    def update(self, batch: Batch, *, kernel: str) -> list[dict[str, int]] | None:
         group = batch.group
         fill = self.first_fill(group)
         if fill:
@@ -100,12 +123,22 @@ class TorchRule(UpdateRule):
                 if first:
                     for k, v in fill.items():
                         batch.state[k][j].fill_(v)
+        if kernel == "native":
+            names = tuple("params" if k == "master" else k for k in batch.checksums)
+            got = self.run_native(batch, group, names)
+            return [{("master" if k == "params" else k): c for k, c in crcs.items()}
+                    for crcs in got]
         impl = implementation(group, kernel, self.has_fused)
         fn = getattr(self.module, f"_{impl}_{self.name}")
         # torch's loops increment the step counts they are given: private copies of the
         # count before this step.
         before = [s - 1 for s in batch.steps]
         self.run(fn, batch, before, group, impl)
+        return None
+
+    def run_native(self, batch: Batch, group: dict[str, Any], checksums: tuple[str, ...]
+                   ) -> list[dict[str, int]]:
+        raise NotImplementedError
 
     def run(self, fn: Callable, batch: Batch, steps: list[Tensor], group: dict[str, Any],
             impl: str) -> None:
@@ -124,6 +157,14 @@ class SGDRule(TorchRule):
     module, name, has_fused = sgd, "sgd", True
     all_kinds = ("momentum_buffer",)
     has_step = False
+    native_matches = ("fused", "single_tensor", "multi_tensor")
+
+    def run_native(self, batch, group, checksums):
+        return sgd_update(kernel="native", params=batch.params, grads=batch.grads,
+                          momentum_buffers=batch.state.get("momentum_buffer", []),
+                          first=batch.first, checksums=checksums, match=self._native_impl,
+                          **_flags(group, "lr", "momentum", "dampening", "weight_decay",
+                                   "nesterov", "maximize"))
 
     def kinds_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
@@ -161,6 +202,15 @@ class AdagradRule(TorchRule):
     module, name, has_fused = adagrad, "adagrad", True
     all_kinds = ("sum",)
     eager_state = True
+    # torch's for-loop and foreach Adagrad round a few elements differently (addcdiv)
+    native_matches = ("fused",)
+
+    def run_native(self, batch, group, checksums):
+        return adagrad_update(kernel="native", params=batch.params, grads=batch.grads,
+                              state_sums=batch.state["sum"], steps=batch.steps,
+                              checksums=checksums,
+                              **_flags(group, "lr", "lr_decay", "weight_decay", "eps",
+                                       "maximize"))
 
     def kinds_for(self, group):
         return ("sum",)

@@ -1,0 +1,82 @@
+"""What the native SGD and Adagrad kernels (native/rules.c, kernels/sgd.py and
+kernels/adagrad.py) share: argument checks, the CRC mask, the thread count and the
+tail torch's fused kernels update in their scalar loop."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from tiermem._lib import lib
+from tiermem.kernels.checksum import combine, crc32c
+
+ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+
+# Elements per vector of torch's fused CPU kernels at each capability it dispatches to:
+# the last numel % width elements of a tensor go through its scalar loop.
+_WIDTH = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}
+
+
+def vector_width() -> int:
+    return _WIDTH.get(torch.backends.cpu.get_cpu_capability(), 8)
+
+
+def tail_length(n: int) -> int:
+    return n % vector_width()
+
+
+def set_isa(name: str) -> bool:
+    """Force the SIMD path of rules.c ("scalar", "avx2", "avx512", or "auto" for the
+    best): False when this CPU lacks it. All paths give the same bits."""
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}; expected one of {', '.join(ISAS)}")
+    return bool(lib.tm_rules_set_isa(ISAS[name]))
+
+
+def native_threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def check_native(t: Tensor, what: str, n: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        raise TypeError(f"{what}: the native kernel updates fp32 CPU tensors, got "
+                        f"{t.dtype} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: must be contiguous (got strides {tuple(t.stride())})")
+    if t.numel() != n:
+        raise ValueError(f"{what}: has {t.numel()} elements, the parameters have {n}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{what}: updated in place outside autograd; call under "
+                           "torch.no_grad() or pass a detached tensor")
+
+
+def crc_arrays(checksums: Sequence[str], *, state: str | None) -> int:
+    """The C kernels' crc_mask for `checksums` (bit 1: the state, bit 2: the params)."""
+    mask = 0
+    for name in checksums:
+        if name == "params":
+            mask |= 2
+        elif state is not None and name == state:
+            mask |= 1
+        else:
+            allowed = ", ".join(x for x in (state, "params") if x)
+            raise ValueError(f"checksums: unknown array {name!r}; expected some of {allowed}")
+    return mask
+
+
+def with_tail_crcs(mask: int, crcs, body: int, arrays: dict[str, Tensor | None]
+                   ) -> dict[str, int]:
+    """The segment's CRCs: the kernel's over [0, body), continued over the tail torch
+    updated."""
+    out = {}
+    for bit, (name, t) in zip((1, 2), arrays.items()):
+        if mask & bit and t is not None:
+            c = crcs[bit - 1]
+            if body < t.numel():
+                c = combine(c, crc32c(t[body:]), (t.numel() - body) * 4)
+            out[name] = c
+    return out
