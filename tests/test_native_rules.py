@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tiermem.kernels.adagrad import adagrad_update
 from tiermem.kernels.checksum import crc32c
@@ -38,7 +38,8 @@ def _data(n: int, seed: int, positive: bool = False) -> torch.Tensor:
     return x.abs() if positive else x
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # isa is set per case
 @given(n=SIZES, seed=st.integers(0, 2**16), momentum=st.sampled_from([0.0, 0.9, 0.5]),
        dampening=st.sampled_from([0.0, 0.1]), nesterov=st.booleans(),
        weight_decay=st.sampled_from([0.0, 1e-2]), maximize=st.booleans(),
@@ -73,7 +74,8 @@ def test_sgd_native_bitwise(isa, n, seed, momentum, dampening, nesterov, weight_
             assert crcs[0]["momentum_buffer"] == crc32c(buf)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # isa is set per case
 @given(n=SIZES, seed=st.integers(0, 2**16), lr_decay=st.sampled_from([0.0, 0.01]),
        weight_decay=st.sampled_from([0.0, 1e-2]), eps=st.sampled_from([1e-10, 1e-3]),
        init=st.sampled_from([0.0, 0.1]), maximize=st.booleans(), steps=st.integers(1, 3))

@@ -148,8 +148,10 @@ class OptimizerSettings:
     """How the update runs."""
 
     kernel: Literal["auto", "fused", "match", "native"] = doc(
-        "auto: the fastest kernel that holds the parity tests (native for Adam/AdamW updated "
-        "on the CPU, fused elsewhere); fused: torch's fused kernel on each partition; match: "
+        "auto: the fastest kernel that holds the parity tests (Adam/AdamW: native updated on "
+        "the CPU, fused elsewhere; the torch family: what the plain optimizer runs, or "
+        "tiermem's native SGD/Adagrad where it equals that bitwise); fused: torch's fused "
+        "kernel on each partition; match: "
         "the same implementation the wrapped optimizer would run (bitwise parity); native: "
         "tiermem's SIMD kernel (native/adam.c, within 1e-6 of fused).", default="auto")
     state_dtype: Literal["fp32", "bf16", "int8"] = doc(

@@ -480,10 +480,10 @@ class OffloadedOptimizer:
             # cut short, its partition already queued for the worker): nothing to step.
             return None
         kernel = self.settings.optimizer.kernel
+        if kernel == "auto":  # native where it runs (runs_native); here what the rule says
+            kernel = self.rule.auto_kernel
         if kernel == "match":  # what torch would run where this update runs
             kernel = kernel_matching(group, batch.params[0].device)
-        elif kernel == "auto":  # native where it runs (runs_native); torch's fused here
-            kernel = "fused"
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 record_function(f"tiermem.update p{part.id}"):
             self.rule.update(batch, kernel=kernel)

@@ -95,7 +95,7 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
     # a low-precision model or a crash-consistent run), from its record layout.
     state = state_bytes(optimizer, shapes or [(params,)], DTYPES[dtype], settings)
     per_param = state / params if params else 0
-    per_param = int(per_param) if per_param == int(per_param) else round(per_param, 3)
+    per_param = int(per_param) if per_param == int(per_param) else round(per_param, 6)
     gpu = min(state, settings.tiers.gpu.capacity)
     host = min(state - gpu, settings.tiers.host.capacity)
     nvme = state - gpu - host

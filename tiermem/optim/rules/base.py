@@ -78,6 +78,9 @@ class UpdateRule(ABC):
     #: torch builds every parameter's state when the optimizer is made, not at its first
     #: step (Adagrad): exported state includes parameters never stepped
     eager_state: ClassVar[bool] = False
+    #: the kernel optimizer.kernel auto runs where the native one does not: Adam's torch
+    #: fused kernel (faster, within 1e-6), the torch family's match (bitwise with plain)
+    auto_kernel: ClassVar[str] = "fused"
 
     def scalar_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """Per-parameter 0-d state besides step (ASGD's eta, mu), kept on the host and in

@@ -35,12 +35,14 @@ MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in s
 def implementation(group: dict[str, Any], kernel: str, has_fused: bool) -> str:
     """"single_tensor", "multi_tensor" or "fused": what runs a group with these flags.
 
-    kernel "match" (and "native", which only Adam has) is what the plain optimizer runs on
-    the CPU; "fused" and "auto" are torch's fused kernel where the optimizer has one, else
-    the match."""
+    kernel "match" and "auto" (and "native", which only Adam has) are what the plain
+    optimizer runs on the CPU: the default keeps the torch family bitwise equal to the
+    plain optimizer (tiermem's native kernels run where they equal that bit for bit, see
+    TorchRule.wants_native); "fused" is torch's fused kernel where the optimizer has one,
+    else the match."""
     if kernel in ("single_tensor", "multi_tensor"):  # already matched (kernel_matching)
         return kernel
-    if kernel in ("fused", "auto") and has_fused:
+    if kernel == "fused" and has_fused:
         return "fused"
     if group.get("fused"):
         return "fused"
@@ -53,6 +55,7 @@ class TorchRule(UpdateRule):
     """One torch.optim optimizer, run by its module's functional implementations."""
 
     elementwise = True
+    auto_kernel = "match"
     module: ClassVar[Any]
     name: ClassVar[str]  # the functions' suffix: _single_tensor_<name>, ...
     has_fused: ClassVar[bool] = False
