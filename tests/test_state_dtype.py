@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 import tiermem
 from tiermem.kernels import native_adam as na
+from tiermem.kernels.lowbit import fma32, splitmix64
 
 from adam_helpers import assert_bitwise, bits, isa
 from tiermem.config import ConfigError
@@ -41,7 +42,6 @@ from offload_helpers import (Synthetic, backend_params, config, make_batches, si
 
 ISAS = na.supported_isas()
 M32 = 0xFFFFFFFF
-M64 = (1 << 64) - 1
 
 
 # -- the reference --------------------------------------------------------------------------
@@ -49,28 +49,6 @@ M64 = (1 << 64) - 1
 def f32(x: float) -> torch.Tensor:
     """x (a Python double) rounded once to fp32, as a 0-dim tensor."""
     return torch.tensor(x, dtype=torch.float64).float()
-
-
-def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """fp32 a*b + c rounded once. The product is exact in float64; the sum is made
-    round-to-odd there (TwoSum gives its error), and rounding a round-to-odd float64 to
-    fp32 is the correctly rounded result (53 >= 24 + 2 bits)."""
-    p = a.double() * b.double()
-    c = c.double().expand_as(p)
-    s = p + c
-    bb = s - p
-    err = (p - (s - bb)) + (c - bb)
-    even = (s.view(torch.int64) & 1) == 0
-    toward = torch.where(err > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf))
-    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
-    return s.float()
-
-
-def splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
 
 
 def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -156,14 +134,14 @@ def reference_step(*, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
         if decoupled_weight_decay:
             pw = mul(pw, f32(1.0 - lr * weight_decay))
         else:
-            g = fma(pw, f32(weight_decay), g)
+            g = fma32(pw, f32(weight_decay), g)
     m32, v32 = m.float(), v.float()
     d = sub(g, m32)
     if abs(c1.item()) < 0.5:
-        m32 = fma(c1, d, m32)
+        m32 = fma32(c1, d, m32)
     else:
-        m32 = fma(sub(c1, f32(1.0)), d, g)
-    v32 = fma(mul(c2, g), g, mul(v32, b2))
+        m32 = fma32(sub(c1, f32(1.0)), d, g)
+    v32 = fma32(mul(c2, g), g, mul(v32, b2))
     vv = v32
     if amsgrad:
         a = vmax.float()
@@ -208,7 +186,7 @@ def test_reference_fma_is_correctly_rounded():
     rc = -(ra.double() * rb.double()).float()  # near-cancellation
     rc[::2] = torch.randn(1500, generator=g)
     a, b, c = torch.cat([a, ra]), torch.cat([b, rb]), torch.cat([c, rc])
-    got = fma(a, b, c)
+    got = fma32(a, b, c)
     naive = (a.double() * b.double() + c.double()).float()
     for i in list(range(4)) + list(range(4, 3004, 7)):
         exact = Fraction(a[i].item()) * Fraction(b[i].item()) + Fraction(c[i].item())

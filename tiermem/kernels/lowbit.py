@@ -59,7 +59,7 @@ def _f32(x: float) -> Tensor:
     return torch.tensor(x, dtype=torch.float64).float()
 
 
-def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+def fma32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     """fp32 a*b + c rounded once: the product is exact in float64, the sum is made
     round-to-odd there (TwoSum gives its error), and a round-to-odd float64 rounds to
     the correctly rounded fp32 (53 >= 24 + 2 bits)."""
@@ -213,11 +213,11 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         if decoupled_weight_decay:
             p = p * decay
         else:
-            g = _fma(p, wd.expand_as(p), g)
+            g = fma32(p, wd.expand_as(p), g)
     d = g - m
-    m = _fma(c1.expand_as(d), d, m) if small else _fma(c1m1.expand_as(d), d, g)
+    m = fma32(c1.expand_as(d), d, m) if small else fma32(c1m1.expand_as(d), d, g)
     cg = c2 * g
-    v = _fma(cg, g, v * b2)
+    v = fma32(cg, g, v * b2)
     # torch's fp32 sqrt is not correctly rounded on every CPU build; float64's is, and
     # rounding it to fp32 is then too (53 >= 2 * 24 + 2 bits).
     denom = torch.sqrt(v.double()).float() / bc2s + eps32
