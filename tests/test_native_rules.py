@@ -102,7 +102,7 @@ def test_adagrad_native_bitwise_with_fused(isa, n, seed, lr_decay, weight_decay,
 
 def test_native_refuses_what_it_cannot_run():
     p, g = torch.zeros(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
-    with pytest.raises(TypeError, match="fp32 CPU"):
+    with pytest.raises(TypeError, match="float32 CPU tensors"):
         sgd_update(kernel="native", params=[p], grads=[g], momentum_buffers=[], first=[True],
                    lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                    maximize=False)

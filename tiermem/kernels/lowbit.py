@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from tiermem.kernels.native_rules import check_tensor
 from tiermem.partition import QUANT_BLOCK
 
 BLOCK = QUANT_BLOCK  # 256: divides CUT_ALIGN, so a partition cut never splits a block
@@ -284,20 +285,6 @@ def _check_args(master: str, rounding: str, kahan: Tensor | None, weight_out: Te
 
 # -- the native kernel -----------------------------------------------------------------
 
-def _check(t: Tensor, what: str, dtypes: Sequence[torch.dtype], n: int) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: the native kernel runs on CPU tensors, got {t.device}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{what}: dtype {t.dtype} not supported here (expected "
-                        f"{' or '.join(str(d) for d in dtypes)})")
-    if not t.is_contiguous():
-        raise ValueError(f"{what}: must be contiguous")
-    if t.numel() != n:
-        raise ValueError(f"{what}: has {t.numel()} elements, expected {n}")
-
-
 def _ptr(ffi, t: Tensor | None, ctype: str):
     return ffi.NULL if t is None else ffi.cast(ctype, t.data_ptr())
 
@@ -319,16 +306,16 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     native_adam.isa()  # applies TIERMEM_ADAM_ISA before the first call
     _check_args(master, rounding, kahan, weight_out, param)
     n = param.numel()
-    _check(param, "param", (param.dtype,), n)
-    _check(grad, "grad", tuple(GRAD_DTYPES), n)
-    _check(exp_avg, "exp_avg", (torch.uint8,), n)
-    _check(exp_avg_sq, "exp_avg_sq", (torch.uint8,), n)
-    _check(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
-    _check(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
+    check_tensor(param, "param", (param.dtype,), n)
+    check_tensor(grad, "grad", tuple(GRAD_DTYPES), n)
+    check_tensor(exp_avg, "exp_avg", (torch.uint8,), n)
+    check_tensor(exp_avg_sq, "exp_avg_sq", (torch.uint8,), n)
+    check_tensor(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
+    check_tensor(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
     if kahan is not None:
-        _check(kahan, "kahan", (torch.bfloat16,), n)
+        check_tensor(kahan, "kahan", (torch.bfloat16,), n)
     if weight_out is not None:
-        _check(weight_out, "weight_out", tuple(OUT_DTYPES), n)
+        check_tensor(weight_out, "weight_out", tuple(OUT_DTYPES), n)
     for name, value in (("seed", seed), ("offset", offset)):
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= M64:
             raise ValueError(f"{name}: expected an integer in 0..2**64-1, got {value!r}")

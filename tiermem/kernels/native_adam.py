@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from tiermem._lib import ffi, lib
+from tiermem.kernels.native_rules import check_tensor
 
 ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
@@ -88,24 +89,6 @@ def _apply_env() -> None:
             raise ValueError(f"{ENV_ISA}={name!r}: {exc}") from None
 
 
-def _check(t: Tensor, what: str, dtypes: Sequence[torch.dtype], n: int) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: the native Adam kernel runs on CPU tensors, "
-                         f"got one on {t.device}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{what}: dtype {t.dtype} not supported here "
-                        f"(expected {' or '.join(str(d) for d in dtypes)})")
-    if not t.is_contiguous():
-        raise ValueError(f"{what}: must be contiguous (got strides {tuple(t.stride())})")
-    if t.numel() != n:
-        raise ValueError(f"{what}: has {t.numel()} elements, the parameters have {n}")
-    if t.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(f"{what}: updated in place outside autograd; call under "
-                           "torch.no_grad() or pass a detached tensor")
-
-
 def _ptr(t: Tensor | None, ctype: str):
     return ffi.NULL if t is None else ffi.cast(ctype, t.data_ptr())
 
@@ -143,16 +126,16 @@ def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
     (empty without checksums)."""
     _apply_env()
     n = master.numel()
-    _check(master, "master", (torch.float32,), n)
-    _check(grad, "grad", tuple(GRAD_DTYPES), n)
-    _check(exp_avg, "exp_avg", STATE_DTYPES, n)
-    _check(exp_avg_sq, "exp_avg_sq", (exp_avg.dtype,), n)
+    check_tensor(master, "master", (torch.float32,), n)
+    check_tensor(grad, "grad", tuple(GRAD_DTYPES), n)
+    check_tensor(exp_avg, "exp_avg", STATE_DTYPES, n)
+    check_tensor(exp_avg_sq, "exp_avg_sq", (exp_avg.dtype,), n)
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("amsgrad needs max_exp_avg_sq")
-        _check(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg.dtype,), n)
+        check_tensor(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg.dtype,), n)
     if weight_out is not None:
-        _check(weight_out, "weight_out", tuple(OUT_DTYPES), n)
+        check_tensor(weight_out, "weight_out", tuple(OUT_DTYPES), n)
     mode = _state_mode(exp_avg.dtype, rounding, seed, offset)
     mask = 0
     for name in checksums:
@@ -234,12 +217,12 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     step_values = []
     for i in range(k):
         n = params[i].numel()
-        _check(params[i], f"params[{i}]", (torch.float32,), n)
-        _check(grads[i], f"grads[{i}]", tuple(GRAD_DTYPES), n)
-        _check(exp_avgs[i], f"exp_avgs[{i}]", (torch.float32,), n)
-        _check(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", (torch.float32,), n)
+        check_tensor(params[i], f"params[{i}]", (torch.float32,), n)
+        check_tensor(grads[i], f"grads[{i}]", tuple(GRAD_DTYPES), n)
+        check_tensor(exp_avgs[i], f"exp_avgs[{i}]", (torch.float32,), n)
+        check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", (torch.float32,), n)
         if amsgrad:
-            _check(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", (torch.float32,), n)
+            check_tensor(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", (torch.float32,), n)
         s = steps[i]
         step_values.append(float(s.item() if isinstance(s, Tensor) else s))
     i = 0

@@ -39,12 +39,17 @@ def native_threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-def check_native(t: Tensor, what: str, n: int) -> None:
+def check_tensor(t: Tensor, what: str, dtypes: Sequence[torch.dtype], n: int) -> None:
+    """What every native kernel needs of an array it reads or updates in place: a
+    contiguous CPU tensor of one of `dtypes` with `n` elements, outside autograd."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or t.dtype != torch.float32:
-        raise TypeError(f"{what}: the native kernel updates fp32 CPU tensors, got "
-                        f"{t.dtype} on {t.device}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: the native kernels run on CPU tensors, got one on "
+                         f"{t.device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{what}: dtype {t.dtype} not supported here (the native kernel "
+                        f"takes {' or '.join(str(d) for d in dtypes)} CPU tensors)")
     if not t.is_contiguous():
         raise ValueError(f"{what}: must be contiguous (got strides {tuple(t.stride())})")
     if t.numel() != n:
@@ -52,6 +57,11 @@ def check_native(t: Tensor, what: str, n: int) -> None:
     if t.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(f"{what}: updated in place outside autograd; call under "
                            "torch.no_grad() or pass a detached tensor")
+
+
+def check_native(t: Tensor, what: str, n: int) -> None:
+    """An fp32 array of the SGD/Adagrad kernels."""
+    check_tensor(t, what, (torch.float32,), n)
 
 
 def crc_arrays(checksums: Sequence[str], *, state: str | None) -> int:
