@@ -534,21 +534,27 @@ def test_bytes_per_parameter(tmp_path):
     ({"optimizer": {"state_dtype": "int4"}}, "optimizer.state_dtype", "'int8'"),
     ({"optimizer": {"state_dtype": "int8", "kernel": "match"}}, "optimizer.kernel",
      "bitwise parity"),
-    ({"optimizer": {"state_dtype": "int8", "step_device": "device"}},
-     "optimizer.state_dtype", "step_device"),
+    ({"optimizer": {"state_dtype": "int8", "step_device": "device", "kernel": "native"}},
+     "optimizer.kernel", "step_device"),
     ({"optimizer": {"master_weights": "kahan"}}, "optimizer.master_weights", "int8"),
     ({"optimizer": {"master_weights": "fp16"}}, "optimizer.master_weights", "'kahan'"),
     ({"optimizer": {"state_dtype": "int8", "master_weights": "none"},
       "swap": {"durability": "crash_consistent"}}, "optimizer.master_weights",
      "crash_consistent"),
-    ({"optimizer": {"state_dtype": "int8"}, "tiers": {"gpu": {"capacity": "1GiB"}}},
-     "optimizer.state_dtype", "tiers.gpu.capacity"),
 ])
 def test_config_errors(doc, key, word):
     with pytest.raises(ConfigError) as info:
         tiermem.load_config(doc)
     assert info.value.key == key
     assert word in str(info.value)
+
+
+def test_int8_loads_with_the_gpu_tier_and_the_device_step():
+    """int8 records on the gpu tier or in the device slots run kernels.lowbit's torch
+    reference there (tests/test_device_step.py checks it against the native pass)."""
+    s = tiermem.load_config({"optimizer": {"state_dtype": "int8", "step_device": "device"},
+                             "tiers": {"gpu": {"capacity": "1GiB"}}})
+    assert s.optimizer.state_dtype == "int8" and s.tiers.gpu.capacity == 1 << 30
 
 
 @pytest.mark.parametrize("dtype,kw,cfg,word", [

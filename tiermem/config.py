@@ -176,14 +176,15 @@ class OptimizerSettings:
 
     def validate(self) -> None:
         if self.step_device == "device" and (self.kernel == "native"
-                                             or self.state_dtype != "fp32"):
-            # Both run tiermem's native kernel, which updates host memory only.
+                                             or self.state_dtype == "bf16"):
+            # Both run tiermem's native kernel only, which updates host memory. (int8 state
+            # has a torch kernel for device memory: kernels.lowbit's reference.)
             key, value = (("optimizer.kernel", self.kernel) if self.kernel == "native"
                           else ("optimizer.state_dtype", self.state_dtype))
             raise ConfigError(
                 key, value, "with optimizer.step_device device use optimizer.kernel auto, fused "
-                "or match and optimizer.state_dtype fp32 (the native kernel and bf16/int8 state "
-                "run on the CPU); or set optimizer.step_device: cpu")
+                "or match and optimizer.state_dtype fp32 or int8 (the native kernel and bf16 "
+                "state run on the CPU); or set optimizer.step_device: cpu")
         if self.state_dtype != "fp32" and self.kernel == "match":
             # match promises bitwise parity with the wrapped optimizer, which keeps
             # fp32 moments: no bf16 store can keep that promise.
@@ -261,12 +262,6 @@ class Settings:
                 "optimizer.master_weights", self.optimizer.master_weights,
                 "fp32 with swap.durability crash_consistent (a commit keeps the weights in "
                 "the records; kahan and none keep them only in the model)")
-        if self.optimizer.state_dtype == "int8" and (
-                self.tiers.gpu.capacity > 0 or any(r.tier == "gpu" for r in self.placement)):
-            raise ConfigError(
-                "optimizer.state_dtype", "int8",
-                "host and nvme tiers (the int8 kernel runs on the CPU); set "
-                "tiers.gpu.capacity: 0 and place no state on gpu, or use state_dtype fp32")
         pinned = self.tiers.host.capacity + self.pipeline.buffer_count * self.pipeline.partition_size
         total = physical_memory()
         if pinned > total * 0.9:

@@ -148,6 +148,7 @@ class OffloadedOptimizer:
         self.budgets.assign(self.parts)
         # Streams, events and buffers between host memory and the device, made once.
         self.lanes: DeviceLanes | None = None
+        self._refuse_offload_route(self.parts)
         self._add_lanes(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
@@ -234,6 +235,18 @@ class OffloadedOptimizer:
         on_device = self.emulated or any(s.param.device.type not in ("cpu", "meta")
                                          for s in part.segments)
         return "offload" if on_device else None
+
+    def _refuse_offload_route(self, parts: list[Partition]) -> None:
+        """master_weights kahan/none update the model's bf16 weights in place: through the
+        "offload" route the update runs on host grads while those weights stay on the
+        device, so it cannot (step_device device and the gpu tier update them there)."""
+        mw = self.settings.optimizer.master_weights
+        if mw != "fp32" and any(self._route(p) == "offload" for p in parts):
+            raise ConfigError(
+                "optimizer.master_weights", mw,
+                "fp32 for a model off the CPU with optimizer.step_device cpu (the weights "
+                "live only on the device, the update would run on the host); or set "
+                "optimizer.step_device: device")
 
     def _add_lanes(self, parts: list[Partition]) -> None:
         routed = [p for p in parts if self._route(p) is not None]
@@ -471,6 +484,7 @@ class OffloadedOptimizer:
                 batch.params.append(target)
                 batch.grads.append(g)
                 batch.segments.append(s)
+                batch.offsets.append(sl.start)
                 self._gather_counts(batch, s)
                 updated.append(s.index)
                 for k, lst in batch.state.items():
@@ -822,6 +836,7 @@ class OffloadedOptimizer:
             for part in new:
                 part.group = first_group
             self.budgets.assign(new)
+            self._refuse_offload_route(new)
             self._add_lanes(new)  # slots grow to the largest record: harmless if refused below
             self.tiers.add(new)
         except BaseException:

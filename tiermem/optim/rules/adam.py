@@ -60,13 +60,13 @@ class AdamRule(UpdateRule):
                         "fp32 or a bf16 model")
 
     def _check_low_state(self, g: int, p: torch.Tensor) -> None:
-        """bf16/int8 moments are updated by the native CPU kernels only: refuse what they
-        cannot run."""
-        if p.device.type != "cpu":
+        """bf16 moments are updated by the native CPU kernel only (int8 ones also by
+        kernels.lowbit's torch reference, on any device): refuse what they cannot run."""
+        if p.device.type != "cpu" and self.state_dtype == "bf16":
             raise TierMemError(
                 f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} needs the Adam "
                 f"step on the CPU for now, and a parameter is on {p.device}; use state_dtype "
-                "fp32 for models off the CPU")
+                "fp32 or int8 for models off the CPU")
         if p.dtype not in (torch.float32, *MIXED_OUT):
             raise TierMemError(
                 f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} supports fp32, "
@@ -105,10 +105,14 @@ class AdamRule(UpdateRule):
 
     def wants_native(self, kernel: str, part: Partition, *, on_host: bool) -> bool:
         """The native kernel's single pass (grads of any float dtype in, low-precision
-        weights out, CRCs) runs this partition: bf16 or int8 state always, kernel native or
-        auto (the default: native is the faster one there) on CPU models in fp32, bf16 or
-        fp16."""
-        if self.state_dtype != "fp32":
+        weights out, CRCs) runs this partition: bf16 state always, int8 state in place on
+        the host, and with kernel native or auto (the default: native is the faster one
+        there) CPU models in fp32, bf16 or fp16."""
+        if self.state_dtype == "int8":
+            # Elsewhere (a GPU-tier record, a device slot of the lanes) the gathered update
+            # runs kernels.lowbit's reference, bit for bit the native pass.
+            return on_host
+        if self.state_dtype == "bf16":
             return True
         return kernel in ("native", "auto") and on_host and all(
             s.param.device.type == "cpu" and s.param.dtype in (torch.float32, *MIXED_OUT)
