@@ -158,10 +158,12 @@ class OptimizerSettings:
         "Storage of exp_avg, exp_avg_sq (and max_exp_avg_sq): bf16 keeps 2 bytes per "
         "moment instead of 4, int8 1 byte plus an fp32 scale per 256 (blockwise 8-bit codes; "
         "no amsgrad); both run the update in tiermem's native CPU kernels whatever "
-        "optimizer.kernel says (docs/guide/numerics.md).", default="fp32")
+        "optimizer.kernel says (int8 records off the host: its torch equivalent; "
+        "docs/guide/numerics.md).", default="fp32")
     state_rounding: Literal["stochastic", "nearest"] = doc(
         "How bf16 or int8 state is rounded when stored: stochastic (unbiased, seeded by step "
-        "and partition) or nearest (even); ignored with fp32 state.", default="stochastic")
+        "and partition for bf16, by step and parameter for int8) or nearest (even); ignored "
+        "with fp32 state.", default="stochastic")
     master_weights: Literal["fp32", "kahan", "none"] = doc(
         "What a bf16 parameter's record keeps of its weight: fp32 (a master copy), kahan (a "
         "bf16 compensation term: the update runs on weight + term, the rounding error is "
