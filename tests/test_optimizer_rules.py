@@ -2,7 +2,7 @@
 
 The table is torch's own: each optim_db entry's optim_inputs_func(device="cpu"). Each
 configuration runs on the small model both with tiermem (tiny partitions, so large
-parameters are cut across partitions; all state on NVMe or split host/NVMe) and
+parameters are cut across partitions; all state on NVMe, and split host/NVMe) and
 plainly, and must end equal: bitwise for the elementwise family (torch's functional
 implementations on the segment views) and for whole-parameter rules (the optimizer's own
 step()). Then state_dict() must equal the plain one, and a plain optimizer loaded from
@@ -52,9 +52,9 @@ def db_rows():
             kw = dict(inp.kwargs)
             if n % 2 and "foreach" in entry.supported_impls and "fused" not in kw:
                 kw["foreach"] = True  # every other row runs the multi-tensor implementation
-            placement = "mixed" if n % 2 == 0 else "nvme"
-            rows.append(pytest.param(cls, kw, placement,
-                                     id=f"{cls.__name__}-{n}-{placement}-{inp.desc}"))
+            for placement in ("nvme", "mixed"):
+                rows.append(pytest.param(cls, kw, placement,
+                                         id=f"{cls.__name__}-{n}-{placement}-{inp.desc}"))
     return rows
 
 
