@@ -19,7 +19,7 @@ from tiermem.config import Settings
 from tiermem.errors import TierMemError
 from tiermem.io import IOEngine, Request
 from tiermem.io.buffers import aligned_empty
-from tiermem.partition import RECORD_ALIGN, Partition, align_up
+from tiermem.partition import Partition, align_up
 from tiermem.swap.store import SwapStore
 
 WEIGHT, GRAD = "weight", "grad"
@@ -130,11 +130,11 @@ class Records:
         return sum(t.numel() for t in self.host.values())
 
     def _buffer(self, index: int) -> torch.Tensor:
-        # Page-aligned for O_DIRECT: a little more than needed, cut at the first page.
-        n = self.slot_bytes(index)
-        raw = torch.empty(n + RECORD_ALIGN, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % RECORD_ALIGN
-        return raw[skip: skip + n]
+        # Mapped on its own (page-aligned for O_DIRECT) and unmapped when the last view of
+        # it dies: from malloc, a freed buffer below glibc's mmap threshold (which grows to
+        # 32 MiB as big tensors are freed) stays in the heap, and the window's churn of
+        # buffers of every size leaves the process holding far more than the window.
+        return aligned_empty(self.slot_bytes(index), huge_pages=False, lock=False)
 
     def _landed(self, key: tuple[str, int]) -> None:
         got = self.pending.pop(key, None)
