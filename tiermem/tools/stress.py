@@ -126,12 +126,14 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
                                  itemsize, largest) if verify else 0
     if ps.offload != "none":
         # The largest module (a block's 4h x h linear, or the embedding table) and one
-        # partition's parameters (the largest one whole: a partition opens its
-        # parameters whole), weights and grads, with a page of padding and a footer each.
+        # partition's parameters, weights and grads, with a page of padding and a footer
+        # each. A partition opens its parameters whole: the ones it cuts at either end can
+        # each be the largest.
         largest = max(4 * hidden * hidden, embed_rows * hidden, largest if shapes else 0)
         # a rule keeping no state per parameter (plain SGD) has all of them in one partition
         per_part = int(settings.pipeline.partition_size // per_param) if per_param else params
-        window_need = max(largest * itemsize, 2 * (largest + per_part) * itemsize) + (64 << 10)
+        opened = min(params, per_part + 2 * largest)
+        window_need = max(largest * itemsize, 2 * opened * itemsize) + (64 << 10)
         # the window, and as much again in write buffers in flight (records.pending_limit)
         in_memory = 2 * ps.window
         if ps.offload == "host":
