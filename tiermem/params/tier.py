@@ -163,8 +163,10 @@ class ParamTier:
         self.records = Records([Meta(p.shape, p.dtype) for p in self.params], ps.offload,
                                settings, swap_name + ".params")
         self.records.pending_limit = self.window
+        self.records.recycler.limit = 2 * self.window  # the window and its writes in flight
         # the window: materialised weights (LRU order), reads in flight, pins, grads out
         self.live: OrderedDict[int, int] = OrderedDict()  # index -> bytes held
+        self.bufs: dict[int, torch.Tensor] = {}  # index -> the fetch buffer it lives in
         self.inflight: dict[int, Fetch] = {}
         self.pins: dict[int, int] = {}
         self.dirty: set[int] = set()
@@ -328,13 +330,26 @@ class ParamTier:
     def _release_storage(self, i: int) -> None:
         p = self.params[i]
         self._by_storage.pop(p.untyped_storage().data_ptr(), None)
+        self.bufs.pop(i, None)
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    def _install_weight(self, i: int, value: torch.Tensor) -> None:
+    def _install_weight(self, i: int, value: torch.Tensor, buf: torch.Tensor) -> None:
         p = self.params[i]
         p.data = value
         self._by_storage[value.untyped_storage().data_ptr()] = i
+        self.bufs[i] = buf
         self.live[i] = self._bytes(i)
+
+    def _write_back(self, i: int) -> None:
+        """Parameter `i`'s changed weights to their record: from the buffer they live in
+        when the parameter still views it whole (no copy), else copied."""
+        p, buf = self.params[i].detach(), self.bufs.get(i)
+        if (buf is not None and p.data_ptr() == buf.data_ptr() and p.is_contiguous()
+                and p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
+            self.bufs.pop(i)
+            self.records.write_buffer(WEIGHT, i, buf)  # the weights are released next
+        else:
+            self.records.write(WEIGHT, i, p)
 
     def _take(self, n: int) -> None:
         self.used += n
@@ -342,7 +357,7 @@ class ParamTier:
 
     def _evict(self, i: int) -> None:
         if i in self.dirty:
-            self.records.write(WEIGHT, i, self.params[i].detach())
+            self._write_back(i)
             self.dirty.discard(i)
         self._drop_grad(i)
         self._release_storage(i)
@@ -402,7 +417,7 @@ class ParamTier:
         else:
             self.stats.prefetched += 1
         self.stats.fetches += 1
-        self._install_weight(i, fetch.wait())
+        self._install_weight(i, fetch.wait(), fetch.buf)
 
     def _read_ahead(self, units: Iterable[int]) -> None:
         wanted = [i for u in units for i in self.units[u]]
