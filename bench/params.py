@@ -127,10 +127,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default torch's); 1 on a machine shared with other "
+                        "work, where spinning OpenMP threads cost the compute several times")
     add_pipeline_args(p, swap_dir=os.path.join(tempfile.gettempdir(), "tiermem-bench-params"),
                       partition_size="4MiB", buffers=4, prefetch=2,
                       kernels=["fused", "match", "native"])
     args = p.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     os.makedirs(args.swap_dir, exist_ok=True)
     header = run_header("params")
     plain = run(args, offload=False)
@@ -159,6 +165,7 @@ def main() -> None:
     table = show_table(["what", "seconds", "note"], rows,
                        title=f"{args.params:,} parameters, {args.dtype}, window {args.window}, "
                              f"prefetch {args.param_prefetch}, {args.backend} "
+                             f"{'' if not args.threads else f'{args.threads} thread(s), '}"
                              f"qd {args.queue_depth} bs {args.block_size}")
     w = tiered["weight_bytes"]
     print("bytes per iteration: " + ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in moved.items())

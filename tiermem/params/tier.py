@@ -126,6 +126,12 @@ class ParamTier:
         self.model = model
         self.settings = settings
         self.prefetch = ps.prefetch
+        # Bytes the reads ahead keep in flight at least (past `prefetch` units when those
+        # are small): a unit is often one linear of a few MiB, and two of them leave most
+        # of the I/O queue idle while the layer computes. Half the window at most, so the
+        # units in use keep their room.
+        self.ahead_bytes = min(settings.io.queue_depth * settings.io.block_size,
+                               ps.window // 2)
         self.window = ps.window
         self.params: list[torch.nn.Parameter] = list(model.parameters())
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -430,6 +436,15 @@ class ParamTier:
             self._take(self._bytes(i))
             self.inflight[i] = self.records.fetch(WEIGHT, i)
 
+    def _ahead(self, order: list[int], c: int) -> list[int]:
+        """The units to read ahead from position `c` of `order`: `prefetch` of them, and
+        more while the ones taken hold fewer than ahead_bytes."""
+        end, held = c, 0
+        while end < len(order) and (end - c < self.prefetch or held < self.ahead_bytes):
+            held += sum(self._bytes(i) for i in self.units[order[end]])
+            end += 1
+        return order[c: end]
+
     def _request(self, u: int) -> None:
         """Unit `u` is needed now: follow (or learn) the order, read the next ones ahead."""
         if self.learned is None:
@@ -448,7 +463,7 @@ class ParamTier:
                 pass  # not ahead in the order: keep the place, fetch this one on demand
         self._cursor = c
         if self.prefetch:
-            self._read_ahead(order[c: c + self.prefetch])
+            self._read_ahead(self._ahead(order, c))
 
     def _pin(self, i: int) -> None:
         self.pins[i] = self.pins.get(i, 0) + 1
@@ -705,7 +720,7 @@ class ParamTier:
             self.learned = self._recording
         self._cursor = 0
         if self.learned and self.prefetch:
-            self._read_ahead(self.learned[: self.prefetch])
+            self._read_ahead(self._ahead(self.learned, 0))
 
     def plan(self) -> dict[str, Any]:
         """Where the weights and grads are and what the window holds (tm.plan())."""
