@@ -700,6 +700,11 @@ class ParamTier:
             if self.has_grad[i]:
                 self.dirty.add(i)
             self._unpin(i)
+            if i in self.live and not self.pins.get(i):
+                # first out: the step visits each parameter once, so what it updated is
+                # done with, and least-recently-used order would evict the weights the
+                # rest of the step still needs instead (read again)
+                self.live.move_to_end(i, last=False)
 
     def step_done(self) -> None:
         """The step consumed every gradient: write the updated weights back, forget the
