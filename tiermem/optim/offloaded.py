@@ -377,6 +377,11 @@ class OffloadedOptimizer:
         ahead, writes behind), the rule updates it, the tiers take it back. done/ahead:
         NVMe partitions visited earlier in this step / expected after `parts`."""
         after = self._after_update()
+        # the parameter tier reads weights and gradients as many partitions ahead as the
+        # state pipeline reads records (one partition's update is too short to cover one
+        # parameter's read)
+        position = {part.id: k for k, part in enumerate(parts)}
+        depth = self.settings.pipeline.prefetch_depth
         for rec in self.tiers.visit(parts, stats, done=done, ahead=ahead):
             nxt = rec.following
             if self.lanes is not None and nxt is not None and self._route(nxt) is not None:
@@ -386,8 +391,11 @@ class OffloadedOptimizer:
             opened = None
             if self.weights is not None:
                 opened = self.weights.open_for_update(s.param for s in rec.part.segments)
-                if nxt is not None:  # its reads overlap this update
-                    self.weights.read_ahead_update(s.param for s in nxt.segments)
+                if nxt is not None:  # their reads overlap this update
+                    k = position.get(nxt.id)
+                    coming = [nxt] if k is None else parts[k: k + depth]
+                    self.weights.read_ahead_update(s.param for q in coming
+                                                   for s in q.segments)
             if rec.fresh:
                 self.rule.init(rec.part, rec.views)
             digest = self._update(rec.part, rec.views, stats)

@@ -19,7 +19,8 @@ from tiermem.config import Settings
 from tiermem.errors import TierMemError
 from tiermem.io import IOEngine, Request
 from tiermem.io.buffers import aligned_empty
-from tiermem.partition import RECORD_ALIGN, Partition, align_up
+from tiermem.params.recycle import Recycler
+from tiermem.partition import Partition, align_up
 from tiermem.swap.store import SwapStore
 
 WEIGHT, GRAD = "weight", "grad"
@@ -86,6 +87,8 @@ class Records:
         # Bytes of write buffers in flight before the oldest is waited for: the step writes
         # every updated weight, which must not add up to a copy of the model in memory.
         self.pending_limit = 256 << 20
+        # buffers in use and kept for reuse, at most (the owner sets it with pending_limit)
+        self.recycler = Recycler(2 * self.pending_limit)
         if tier == "host":
             # One pinned arena per kind, records back to back: huge pages per record would
             # waste most of a 2 MiB page on every small parameter.
@@ -130,11 +133,8 @@ class Records:
         return sum(t.numel() for t in self.host.values())
 
     def _buffer(self, index: int) -> torch.Tensor:
-        # Page-aligned for O_DIRECT: a little more than needed, cut at the first page.
-        n = self.slot_bytes(index)
-        raw = torch.empty(n + RECORD_ALIGN, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % RECORD_ALIGN
-        return raw[skip: skip + n]
+        # Page-aligned for O_DIRECT, reused by size rather than left to malloc (recycle.py)
+        return self.recycler.get(self.slot_bytes(index))
 
     def _landed(self, key: tuple[str, int]) -> None:
         got = self.pending.pop(key, None)
@@ -172,6 +172,18 @@ class Records:
         self._landed((kind, index))  # one write per record in flight: they land in order
         buf = self._buffer(index)
         buf[: meta.nbytes].copy_(as_bytes(value))
+        self._issue(kind, index, buf)
+
+    def write_buffer(self, kind: str, index: int, buf: torch.Tensor) -> None:
+        """Store the contents of `buf`, a buffer a fetch of this record brought in (and
+        its owner changed since), without a copy: the record keeps `buf` until the write
+        lands, and the caller must not touch it again."""
+        if self.tier == "host" or buf.numel() != self.slot_bytes(index):
+            self.write(kind, index, buf[: self.metas[index].nbytes].view(
+                self.metas[index].dtype).view(self.metas[index].shape))
+            return
+        self._reap()
+        self._landed((kind, index))
         self._issue(kind, index, buf)
 
     def _issue(self, kind: str, index: int, buf: torch.Tensor) -> None:
@@ -227,3 +239,4 @@ class Records:
             if self.engine is not None:
                 self.engine.close()
             self.host.clear()
+            self.recycler.clear()

@@ -186,7 +186,9 @@ def _cmd_stress(args: argparse.Namespace) -> int:
         synthetic_grads=args.synthetic_grads, seed=args.seed, optimizer=args.optimizer,
         record_events=bool(args.trace or args.plot), progress=not args.no_progress))
     print(step_table(result["steps"]))
-    print(f"peak RSS {result['peak_rss'] / 2**30:.2f} GiB")
+    plan = result["plan"]["host_need"]
+    print(f"peak RSS {result['peak_rss'] / 2**30:.2f} GiB, {result['peak_rss'] / plan:.2f}x "
+          f"the plan's host figure ({plan / 2**30:.2f} GiB)")
     if args.json:
         with open(args.json, "w") as f:
             f.write(to_json(result) + "\n")
