@@ -538,9 +538,6 @@ def test_bytes_per_parameter(tmp_path):
      "optimizer.state_dtype", "step_device"),
     ({"optimizer": {"master_weights": "kahan"}}, "optimizer.master_weights", "int8"),
     ({"optimizer": {"master_weights": "fp16"}}, "optimizer.master_weights", "'kahan'"),
-    ({"optimizer": {"state_dtype": "int8", "master_weights": "none"},
-      "swap": {"durability": "crash_consistent"}}, "optimizer.master_weights",
-     "crash_consistent"),
     ({"optimizer": {"state_dtype": "int8"}, "tiers": {"gpu": {"capacity": "1GiB"}}},
      "optimizer.state_dtype", "tiers.gpu.capacity"),
 ])

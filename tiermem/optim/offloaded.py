@@ -441,6 +441,7 @@ class OffloadedOptimizer:
         batch = Batch(part, group, state={k: [] for k in part.kinds if k != "master"})
         slices = {k: part.slices(k) for k in part.kinds}
         copies_back = []
+        kept = []  # (record's copy, model weights): master_weights kahan/none, committed
         updated = []
         off = 0
         # A host record updated from host grads (a CPU model's, or those the lanes already
@@ -468,6 +469,8 @@ class OffloadedOptimizer:
                     copies_back.append((s, target))
                 else:
                     target = s.param.detach().view(-1)[s.start: s.start + s.length]
+                    if "weight" in views:
+                        kept.append((views["weight"][sl], target))
                 batch.params.append(target)
                 batch.grads.append(g)
                 batch.segments.append(s)
@@ -487,6 +490,8 @@ class OffloadedOptimizer:
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 record_function(f"tiermem.update p{part.id}"):
             self.rule.update(batch, kernel=kernel)
+            for rec, weights in kept:
+                rec.copy_(weights)
         for index, sc in zip(updated, batch.scalars):
             if sc:
                 self._next_scalars[index] = sc
@@ -539,6 +544,10 @@ class OffloadedOptimizer:
                       state={k: [] for k in part.kinds if k != "master"}, weights_out=[],
                       checksums=hashed)
         fp32_copies = []  # fp32 models with a master: the kernel writes low precision only
+        # master_weights kahan/none in a crash-consistent run: the kernel updates the
+        # model's bf16 weights, copied right after into the record (views["weight"]) so
+        # that the commit holds them; the kernel's CRC of the weights is the copy's
+        kept = []
         updated = []  # segment numbers with a gradient, in order
         slices = {k: part.slices(k) for k in batch.state}  # int8 scales: one per block
         off = 0
@@ -560,11 +569,15 @@ class OffloadedOptimizer:
                 lst.append(views[k][slices[k][n]])
             if fp32_model:
                 fp32_copies.append((weights, master[sl]))
+            if "weight" in views:
+                kept.append((views["weight"][slices["weight"][n]], weights))
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 record_function(f"tiermem.update p{part.id}"):
             got = self.rule.update(batch, kernel="native") if batch.params else []
             for weights, m in fp32_copies:
                 weights.copy_(m)
+            for rec, weights in kept:
+                rec.copy_(weights)
             if not hashed:
                 return None
             crcs: list[dict[str, int] | None] = [None] * len(part.segments)
@@ -646,14 +659,16 @@ class OffloadedOptimizer:
         self.committed_step = manifest.step if manifest.durability == "crash_consistent" else None
 
     def _restore_weights(self) -> None:
-        """The model's weights from the committed fp32 masters."""
+        """The model's weights from the committed records: fp32 masters, or the bf16
+        weights a record keeps without one (master_weights kahan/none)."""
         for part in self.parts:
             with self.tiers.record(part, write=False) as (views, fresh):
                 if fresh:
                     continue  # never stepped nor initialised: the model's weights are its own
-                for s, sl in zip(part.segments, part.slices("master")):
+                kind = "master" if "master" in views else "weight"
+                for s, sl in zip(part.segments, part.slices(kind)):
                     s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
-                        views["master"][sl])
+                        views[kind][sl])
 
     def _initialise(self, parts: list[Partition]) -> None:
         """Build every never-written record (zero state, master from the model) in place."""
@@ -747,8 +762,10 @@ class OffloadedOptimizer:
             self.steps[i] = torch.tensor(0.0)
             self.scalars[i] = {}
         self._next_scalars.clear()
-        if self.weights is not None and any("master" in part.kinds for part in self.parts):
-            # a master missing from the checkpoint is taken from the model's weights
+        if self.weights is not None and any("master" in part.kinds or "weight" in part.kinds
+                                            for part in self.parts):
+            # a master missing from the checkpoint (and a record's copy of the weights) is
+            # taken from the model's weights
             with self.weights.materialised(self.params):
                 self._import(state)
         else:
