@@ -607,8 +607,12 @@ class OffloadedOptimizer:
         groups = [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                    "params": [index[id(p)] for p in g["params"]]}
                   for g in self.opt.param_groups]
-        params = [{"name": self.names.get(id(p), ""), "shape": list(p.shape),
-                   "dtype": str(p.dtype).removeprefix("torch.")} for p in self.params]
+        # with parameters.offload a parameter is empty between uses: its shape is the tier's
+        shaped = (self.params if self.weights is None
+                  else [self.weights.stand_in(p) for p in self.params])
+        params = [{"name": self.names.get(id(p), ""), "shape": list(q.shape),
+                   "dtype": str(p.dtype).removeprefix("torch.")}
+                  for p, q in zip(self.params, shaped)]
         for i, entry in enumerate(params):
             scalars = self.latest_scalars(i)
             if scalars:
