@@ -26,7 +26,7 @@ from tiermem.optim.rules import Batch, UpdateRule, rule_for
 from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
 from tiermem.kernels.checksum import record_digest
 from tiermem.params.tier import ParamTier
-from tiermem.partition import Partition, build_partitions
+from tiermem.partition import Partition, Segment, build_partitions
 from tiermem.tiers.pipeline import Views
 from tiermem.signals import deferred
 from tiermem.telemetry.stats import StepStats, timed
@@ -85,10 +85,14 @@ class OffloadedOptimizer:
                  model: torch.nn.Module | None = None, swap_name: str = "default",
                  resume: bool = False, resume_previous: bool = False,
                  keep_previous: bool = False,
-                 streams: CudaBackend | DeferredBackend | None = None) -> None:
+                 streams: CudaBackend | DeferredBackend | None = None,
+                 origins: Sequence[tuple[int, int]] = ()) -> None:
         """resume_previous: resume from the commit before the last (manifest.PREVIOUS);
         keep_previous: every commit keeps the one before it (both: torch.distributed);
-        streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters).
+        streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters);
+        origins: per parameter, the user's parameter it is a piece of and the piece's first
+        element there (a rank's shares; default: itself, from element 0), which keys the
+        random streams of stochastic rounding (UpdateRule: Batch.origins).
         With parameters.offload the model's weights and grads move to a ParamTier once the
         state is laid out (each partition's parameters are opened from it for its update)."""
         o = settings.optimizer
@@ -116,6 +120,7 @@ class OffloadedOptimizer:
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = [torch.tensor(0.0) for _ in self.params]
+        self.origins = list(origins)
         # Each parameter's other scalar state (rule.scalar_keys: ASGD's eta, mu, ...) as
         # its last completed step left it, and the values this step's update made, which
         # replace them when the parameter's next step is counted: every segment of a
@@ -147,6 +152,7 @@ class OffloadedOptimizer:
         self.budgets.assign(self.parts)
         # Streams, events and buffers between host memory and the device, made once.
         self.lanes: DeviceLanes | None = None
+        self._refuse_offload_route(self.parts)
         self._add_lanes(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
@@ -244,6 +250,18 @@ class OffloadedOptimizer:
         on_device = self.emulated or any(s.param.device.type not in ("cpu", "meta")
                                          for s in part.segments)
         return "offload" if on_device else None
+
+    def _refuse_offload_route(self, parts: list[Partition]) -> None:
+        """master_weights kahan/none update the model's bf16 weights in place: through the
+        "offload" route the update runs on host grads while those weights stay on the
+        device, so it cannot (step_device device and the gpu tier update them there)."""
+        mw = self.settings.optimizer.master_weights
+        if mw != "fp32" and any(self._route(p) == "offload" for p in parts):
+            raise ConfigError(
+                "optimizer.master_weights", mw,
+                "fp32 for a model off the CPU with optimizer.step_device cpu (the weights "
+                "live only on the device, the update would run on the host); or set "
+                "optimizer.step_device: device")
 
     def _add_lanes(self, parts: list[Partition]) -> None:
         routed = [p for p in parts if self._route(p) is not None]
@@ -432,6 +450,12 @@ class OffloadedOptimizer:
                                      host_grads=self.lanes.grads_on_host(part, stats)
                                      if route == "offload" else None)
 
+    def _origin(self, s: Segment) -> tuple[int, int]:
+        """The user's parameter `s` is part of, and the element of it `s` starts at."""
+        index, start = (self.origins[s.index] if s.index < len(self.origins)
+                        else (s.index, 0))
+        return index, start + s.start
+
     def runs_native(self, part: Partition) -> bool:
         """Whether tiermem's native kernel updates `part` (in `_update_native`): the rule
         wants it for this kernel setting and the update runs on host memory."""
@@ -488,6 +512,8 @@ class OffloadedOptimizer:
                 batch.params.append(target)
                 batch.grads.append(g)
                 batch.segments.append(s)
+                batch.offsets.append(sl.start)
+                batch.origins.append(self._origin(s))
                 self._gather_counts(batch, s)
                 updated.append(s.index)
                 for k, lst in batch.state.items():
@@ -579,6 +605,8 @@ class OffloadedOptimizer:
             batch.steps.append(self.steps[s.index])
             batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
             batch.offsets.append(sl.start)
+            batch.segments.append(s)
+            batch.origins.append(self._origin(s))
             for k, lst in batch.state.items():
                 lst.append(views[k][slices[k][n]])
             if fp32_model:
@@ -868,6 +896,7 @@ class OffloadedOptimizer:
             for part in new:
                 part.group = first_group
             self.budgets.assign(new)
+            self._refuse_offload_route(new)
             self._add_lanes(new)  # slots grow to the largest record: harmless if refused below
             self.tiers.add(new)
         except BaseException:

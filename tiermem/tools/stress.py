@@ -300,12 +300,11 @@ class Verifier:
     def _reference_int8_state(self, part: Partition, rec: dict[str, torch.Tensor],
                               params: list, steps: list, group: dict,
                               grads: dict[int, torch.Tensor]) -> None:
-        """int8 moments: kernels.lowbit's plain-torch reference per segment, seeded as the
-        pipeline seeds it; the native kernel must match it bit for bit. params: per
+        """int8 moments: kernels.lowbit's plain-torch reference per segment, on the
+        streams the pipeline uses (optim.rules.adam.int8_segment); the native kernel must match it bit for bit. params: per
         stepped segment, the record's master or a copy of the model's weights (fp32, or
         bf16 with optimizer.master_weights kahan/none), updated here."""
-        from tiermem.kernels.lowbit import adam_lowbit_reference
-        from tiermem.kernels.native_adam import state_seed
+        from tiermem.optim.rules.adam import int8_segment
 
         opt = self.tm.offloaded.settings.optimizer
         slices = {k: part.slices(k) for k in rec}
@@ -314,8 +313,8 @@ class Verifier:
             if n not in grads:
                 continue
             param, step, k = params[k], steps[k], k + 1
-            sl = slices["exp_avg"][n]
-            adam_lowbit_reference(
+            int8_segment(
+                kernel="reference", start=s.start, param_index=s.index,
                 param=param, grad=grads[n],
                 **{kind: rec[kind][slices[kind][n]] for kind in (
                     "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")},
@@ -325,8 +324,7 @@ class Verifier:
                 beta2=float(group["betas"][1]), eps=group["eps"],
                 weight_decay=group["weight_decay"], maximize=bool(group["maximize"]),
                 decoupled_weight_decay=bool(group.get("decoupled_weight_decay")),
-                rounding=opt.state_rounding, seed=state_seed(step=step, partition=part.id),
-                offset=sl.start)
+                rounding=opt.state_rounding)
 
     def _reference_bf16_state(self, part: Partition, rec: dict[str, torch.Tensor],
                               params: list, steps: list, group: dict,
