@@ -85,6 +85,31 @@ def test_records_keep_the_weights_and_the_plan_counts_them(tmp_path):
             == pytest.approx(per, rel=0.001)
 
 
+@pytest.mark.parametrize("master", MASTERS)
+def test_keeping_the_weights_changes_no_number(tmp_path, master):
+    """The copy of the weights in the record changes the layout (fewer elements a
+    partition), not the arithmetic: a crash-consistent run trains bitwise as a scratch run
+    (int8 rounding streams are keyed by parameter, not by partition)."""
+    out = {}
+    for durability in ("scratch", "crash_consistent"):
+        model = make_model(torch.bfloat16)
+        opt = make_optimizer(model)
+        cfg = low_config(str(tmp_path / durability), "threads", master)
+        cfg["swap"]["durability"] = durability
+        with tiermem.offload(opt, cfg, model=model) as tm:
+            for k in (1, 2, 3):
+                set_grads(model, k)
+                opt.step()
+            out[durability] = ([p.detach().clone() for p in model.parameters()],
+                               copy.deepcopy(opt.state_dict()), tm.plan()["partitions"])
+            tm.discard()
+    (w0, sd0, n0), (w1, sd1, n1) = out["scratch"], out["crash_consistent"]
+    assert n1 > n0  # the layouts differ
+    for a, b in zip(w0, w1):
+        assert_same_tensor(b, a, "weights")
+    compare_state_dicts(sd1, sd0)
+
+
 @pytest.mark.parametrize("reference", [(b.values[0], m) for b in BACKEND_PARAMS
                                        for m in MASTERS], indirect=True,
                          ids=[f"{b.values[0]}-{m}" for b in BACKEND_PARAMS for m in MASTERS])
