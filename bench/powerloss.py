@@ -7,7 +7,8 @@ set-up and of each step (and at the end), with --per-point disk images each
 (none / all / a prefix of the unsynced operations, the last write torn, random
 subsets with writes torn at 4 KiB). Every image is recovered (`tiermem
 recover`) and resumed (`resume=True`) and judged bitwise against plain torch
-AdamW. A bad recovery (a wrong state accepted, a committed step lost or
+AdamW (bf16 models with int8 moments and master_weights kahan/none, whose records
+keep the bf16 weights: against an uninterrupted run of the same config). A bad recovery (a wrong state accepted, a committed step lost or
 refused, recover and resume disagreeing, a non-tiermem exception) is a bug.
 
 Then the mutation check: each sync site of the commit path switched off in
