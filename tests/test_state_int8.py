@@ -561,9 +561,6 @@ def test_bytes_per_parameter(tmp_path):
      "optimizer.kernel", "step_device"),
     ({"optimizer": {"master_weights": "kahan"}}, "optimizer.master_weights", "int8"),
     ({"optimizer": {"master_weights": "fp16"}}, "optimizer.master_weights", "'kahan'"),
-    ({"optimizer": {"state_dtype": "int8", "master_weights": "none"},
-      "swap": {"durability": "crash_consistent"}}, "optimizer.master_weights",
-     "crash_consistent"),
 ])
 def test_config_errors(doc, key, word):
     with pytest.raises(ConfigError) as info:

@@ -168,8 +168,9 @@ class OptimizerSettings:
         "What a bf16 parameter's record keeps of its weight: fp32 (a master copy), kahan (a "
         "bf16 compensation term: the update runs on weight + term, the rounding error is "
         "kept) or none (the bf16 weight is updated and rounded back stochastically); kahan "
-        "and none need state_dtype int8 and scratch durability; fp32 parameters are their "
-        "own master whatever it says.", default="fp32")
+        "and none need state_dtype int8, and with crash_consistent durability the records "
+        "also keep the bf16 weights (2 B/param); fp32 parameters are their own master "
+        "whatever it says.", default="fp32")
     step_device: Literal["cpu", "device"] = doc(
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
         "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "
@@ -257,13 +258,6 @@ class Settings:
     def validate(self) -> None:
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,
         # with one warning (tiermem.io.buffers), so the defaults work for any user.
-        if (self.optimizer.master_weights != "fp32"
-                and self.swap.durability == "crash_consistent"):
-            # A commit must hold every weight; without a master they live only in the model.
-            raise ConfigError(
-                "optimizer.master_weights", self.optimizer.master_weights,
-                "fp32 with swap.durability crash_consistent (a commit keeps the weights in "
-                "the records; kahan and none keep them only in the model)")
         pinned = self.tiers.host.capacity + self.pipeline.buffer_count * self.pipeline.partition_size
         total = physical_memory()
         if pinned > total * 0.9:

@@ -10,6 +10,7 @@ first, so a read always returns the latest bytes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,6 +23,7 @@ from tiermem.io.buffers import aligned_empty
 from tiermem.params.recycle import Recycler
 from tiermem.partition import Partition, align_up
 from tiermem.swap.store import SwapStore
+from tiermem.swap.rundir import RunDir, remove_run_dir, run_dirs
 
 WEIGHT, GRAD = "weight", "grad"
 
@@ -45,6 +47,18 @@ def record_bytes(meta: Meta) -> int:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
+
+
+def drop_run_dirs(paths: Sequence[str], name: str) -> None:
+    """Remove the run directories `name` left under `paths` (taken over first: a live run
+    holding one is refused by name, never removed)."""
+    for d in run_dirs(paths, name):
+        if os.path.lexists(d):
+            held = RunDir.adopt(d)
+            try:
+                remove_run_dir(d)
+            finally:
+                held.release()
 
 
 class Fetch:
@@ -71,7 +85,10 @@ class Records:
     """Weight and gradient records of `metas` (one per parameter) on `tier`."""
 
     def __init__(self, metas: Sequence[Meta], tier: str, settings: Settings,
-                 swap_name: str) -> None:
+                 swap_name: str, *, drop_stale: bool = False) -> None:
+        """drop_stale: remove the records a crashed run left under `swap_name` first (a
+        crash-consistent resume: weights come back from the optimizer's commit, and
+        gradients are never durable), instead of refusing the stale directory."""
         if tier not in ("host", "nvme"):
             raise TierMemError(f"parameters.offload: {tier!r} has no records")
         self.metas = list(metas)
@@ -108,6 +125,8 @@ class Records:
                 p.record_bytes = record_bytes(m)
                 self._parts[kind, i] = p
         s = settings
+        if drop_stale:
+            drop_run_dirs(s.swap.paths, swap_name)
         self.engine = IOEngine(s.io.backend, s.io.queue_depth, s.io.block_size)
         try:
             self.store = SwapStore(self.engine, s.swap.paths, swap_name,

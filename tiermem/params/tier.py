@@ -119,7 +119,10 @@ class _Restore:
 class ParamTier:
     """Weights and gradients of `model` on `settings.parameters.offload` (host or nvme)."""
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, *, swap_name: str) -> None:
+    def __init__(self, model: torch.nn.Module, settings: Settings, *, swap_name: str,
+                 resume: bool = False) -> None:
+        """resume: a crash-consistent run is resumed; the weight and gradient records a
+        crashed run left are working copies (the commit holds the weights), dropped."""
         ps = settings.parameters
         if ps.offload == "none":
             raise TierMemError("parameters.offload is none: there is no parameter tier to make")
@@ -167,7 +170,7 @@ class ParamTier:
                 if self.unit_of[i] < 0:
                     self.unit_of[i] = u
         self.records = Records([Meta(p.shape, p.dtype) for p in self.params], ps.offload,
-                               settings, swap_name + ".params")
+                               settings, swap_name + ".params", drop_stale=resume)
         self.records.pending_limit = self.window
         self.records.recycler.limit = 2 * self.window  # the window and its writes in flight
         # the window: materialised weights (LRU order), reads in flight, pins, grads out
@@ -681,8 +684,11 @@ class ParamTier:
                 self.grads_inflight[i] = self.records.fetch(GRAD, i)
 
     @contextlib.contextmanager
-    def materialised(self, params: Iterable[torch.Tensor]) -> Iterator[None]:
-        """`params`' weights in place for the duration, read only (a check, an init)."""
+    def materialised(self, params: Iterable[torch.Tensor], *, changed: bool = False
+                     ) -> Iterator[None]:
+        """`params`' weights in place for the duration: read only (a check, an init), or
+        `changed` (a crash-consistent resume or roll-back writing the committed weights):
+        then written back to their records like updated ones."""
         idx = self.indices(params)
         for i in idx:
             self._pin(i)
@@ -690,6 +696,8 @@ class ParamTier:
             for i in idx:
                 self._materialise(i)
             yield
+            if changed:
+                self.dirty.update(idx)
         finally:
             for i in idx:
                 self._unpin(i)

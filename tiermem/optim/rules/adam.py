@@ -9,7 +9,10 @@ The update runs one of kernels.adam's kernels, all behind one dispatcher.
 With state_dtype int8 the moments are blockwise 8-bit codes with their scales
 (partition.SCALE_KINDS) and the update runs kernels.lowbit per segment; a bf16
 parameter's record then holds, per optimizer.master_weights, an fp32 master, a bf16
-Kahan compensation term, or no weight at all.
+Kahan compensation term, or no weight at all. Without an fp32 master a crash-consistent
+record also holds the model's bf16 weights (kind "weight"): the update runs on the
+model's weights as in a scratch run, and OffloadedOptimizer copies them into the record
+right after, so a commit holds the weights and the state of the same step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from tiermem.partition import QUANT_BLOCK, Partition, state_kinds
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
 MIXED_OUT = (torch.bfloat16, torch.float16)  # model dtypes the native kernel writes directly
+# kinds holding the weights themselves: an fp32 master, or (master_weights kahan/none,
+# crash-consistent) a copy of the model's bf16 weights
+WEIGHT_KINDS = ("master", "weight")
 
 
 class AdamRule(UpdateRule):
@@ -92,16 +98,17 @@ class AdamRule(UpdateRule):
                                "tiermem.offload has not; load it before entering offload")
 
     def init(self, part: Partition, views: Views) -> None:
-        """Zero moments; the master weights from the model."""
+        """Zero moments; the master weights (or the bf16 weights' copy) from the model."""
         for k in views:
-            if k != "master":
+            if k not in WEIGHT_KINDS:
                 views[k].zero_()  # moments, int8 scales and a Kahan term all start at 0
-        if "master" in views:
-            off = 0
-            for s in part.segments:
-                views["master"][off: off + s.length].copy_(
-                    s.param.detach().reshape(-1)[s.start: s.start + s.length])
-                off += s.length
+        for k in WEIGHT_KINDS:
+            if k in views:
+                off = 0
+                for s in part.segments:
+                    views[k][off: off + s.length].copy_(
+                        s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                    off += s.length
 
     def wants_native(self, kernel: str, part: Partition, *, on_host: bool) -> bool:
         """The native kernel's single pass (grads of any float dtype in, low-precision
@@ -147,13 +154,19 @@ class AdamRule(UpdateRule):
         model), or with master_weights kahan/none the bf16 model weight itself."""
         group = batch.group
         beta1, beta2 = (float(b) for b in group["betas"])
-        st = batch.state
+        st = {k: v for k, v in batch.state.items() if k != "weight"}
         out = []
         for i, param in enumerate(batch.params):
             master = "fp32" if param.dtype == torch.float32 else self.master_weights
             native = param.device.type == "cpu" and batch.grads[i].device.type == "cpu"
+            # The kernel's "master" array is `param`: an fp32 master's CRC, or, without one,
+            # that of the bf16 weights the caller copies into the record's "weight" kind
+            # right after (the same bytes).
+            wanted = [k for k in batch.checksums if k not in WEIGHT_KINDS]
+            if ("master" if master == "fp32" else "weight") in batch.checksums:
+                wanted.append("master")
             index, start = batch.origins[i]
-            out.append(int8_segment(
+            crcs = int8_segment(
                 kernel="native" if native else "reference", start=start,
                 param_index=index, param=param, grad=batch.grads[i],
                 exp_avg=st["exp_avg"][i], exp_avg_scale=st["exp_avg_scale"][i],
@@ -165,8 +178,10 @@ class AdamRule(UpdateRule):
                 maximize=bool(group["maximize"]),
                 decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
                 rounding=self.state_rounding,
-                checksums=[k for k in batch.checksums if k != "master" or master == "fp32"]
-                if native else ()))
+                checksums=wanted if native else ())
+            if master != "fp32" and "master" in crcs:
+                crcs["weight"] = crcs.pop("master")
+            out.append(crcs)
         return out
 
 
