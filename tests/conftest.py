@@ -42,6 +42,19 @@ def backend_param(name: str):
 
 
 BACKEND_PARAMS = [backend_param(b) for b in BACKENDS]
+# Kill-point sweeps run every point with every combination only with
+# TIERMEM_FULL_SWEEP=1 (docs/dev/reliability.md); by default see sweep().
+FULL_SWEEP = os.environ.get("TIERMEM_FULL_SWEEP") == "1"
+
+
+def sweep(points: list, combos: list) -> list[tuple]:
+    """(combination, point) pairs of a kill-point sweep: all of them with FULL_SWEEP, else
+    each point once with the combinations taken in turn, so that every point and every
+    combination still runs (a kill costs a child process: the whole cross would double
+    the suite)."""
+    if FULL_SWEEP:
+        return [(c, p) for c in combos for p in points]
+    return [(combos[i % len(combos)], p) for i, p in enumerate(points)]
 _URING_OK, _URING_WHY = io_uring_status()
 needs_io_uring = pytest.mark.skipif(not _URING_OK, reason=_URING_WHY)
 

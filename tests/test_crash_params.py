@@ -25,7 +25,7 @@ import torch
 import tiermem
 import tiermem.swap.store
 import tiermem.tools.cli
-from conftest import BACKEND_PARAMS
+from conftest import BACKEND_PARAMS, sweep
 from crash_run import backward_grads, crash_config, make_model, make_optimizer, run_killed
 from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
 from test_crash import expected_step
@@ -121,8 +121,9 @@ IDS = ["-".join(k) for k in KEYS]
 N_POINTS = 9
 
 
-@pytest.mark.parametrize("case", KEYS, indirect=True, ids=IDS)
-@pytest.mark.parametrize("which", range(N_POINTS))
+@pytest.mark.parametrize("case,which", [
+    pytest.param(key, which, id=f"{'-'.join(key)}-{which}")
+    for key, which in sweep(list(range(N_POINTS)), KEYS)], indirect=["case"])
 def test_resume_after_kill(tmp_path, case, which):
     point, n = _points(case)[which]
     swap = tmp_path / "swap"

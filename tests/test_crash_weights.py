@@ -18,7 +18,7 @@ import torch
 
 import tiermem
 import tiermem.tools.cli
-from conftest import BACKEND_PARAMS
+from conftest import BACKEND_PARAMS, sweep
 from crash_run import crash_config, make_model, make_optimizer, run_killed, set_grads
 from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
 from test_crash import POINTS, expected_step
@@ -110,10 +110,12 @@ def test_keeping_the_weights_changes_no_number(tmp_path, master):
     compare_state_dicts(sd1, sd0)
 
 
-@pytest.mark.parametrize("reference", [(b.values[0], m) for b in BACKEND_PARAMS
-                                       for m in MASTERS], indirect=True,
-                         ids=[f"{b.values[0]}-{m}" for b in BACKEND_PARAMS for m in MASTERS])
-@pytest.mark.parametrize("point,n", POINTS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(POINTS)])
+REFS = [(b.values[0], m) for b in BACKEND_PARAMS for m in MASTERS]
+
+
+@pytest.mark.parametrize("reference,point,n", [
+    pytest.param(ref, point, n, id=f"{ref[0]}-{ref[1]}-{point}-{i}")
+    for ref, (i, (point, n)) in sweep(list(enumerate(POINTS)), REFS)], indirect=["reference"])
 def test_resume_after_kill(tmp_path, point, n, reference, request):
     backend, master = request.node.callspec.params["reference"]
     partitions, ref = reference
