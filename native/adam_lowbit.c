@@ -85,8 +85,7 @@ typedef struct lb_job {
     void *out;           /* MW_FP32 only: bf16/fp16 copy of p, or NULL */
     int g_dtype, out_dtype, mw, sr;
     uint32_t idx0, k0, k1;
-    int maximize, wd_mode, small;
-    float wd, decay, c1, c1m1, b2, c2, bc2s, eps, nss;
+    tm_adam_coef k;      /* the Adam arithmetic's coefficients (numeric.h) */
 } lb_job;
 
 /* -- scalar ------------------------------------------------------------------------ */
@@ -185,20 +184,8 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
         else
             p = bf16_to_f32(((uint16_t *)j->p)[i]);
         float m = dec_m(j->m[i], ms), v = dec_v(j->v[i], vs);
-        if (j->maximize)
-            g = -g;
-        if (j->wd_mode == 1)
-            g = fmaf(p, j->wd, g);
-        else if (j->wd_mode == 2)
-            p = p * j->decay;
-        float d = g - m;
-        m = j->small ? fmaf(j->c1, d, m) : fmaf(j->c1m1, d, g);
-        float cg = j->c2 * g;
-        float vb = v * j->b2;
-        v = fmaf(cg, g, vb);
-        float denom = sqrtf(v) / j->bc2s + j->eps;
-        float upd = (j->nss * m) / denom;
-        p = p + upd;
+        tm_moments1(&j->k, &g, &p, &m, &v);
+        p = tm_param_step1(&j->k, p, m, v);
         if (j->mw == MW_FP32) {
             ((float *)j->p)[i] = p;
             if (j->out) {
@@ -326,99 +313,172 @@ bf16x16(__m256i h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* Pass 1 on 16 elements (lanes km) of the block at b0 (old scales ms, vs): dequantise,
+ * the Adam step, the weights stored; the new fp32 moments come back in m, v. */
 static inline TGT_LB __attribute__((always_inline)) void
-block512(const lb_job *j, int64_t b0, int len, int gdt, int mw, int odt, int sr)
+update16(const lb_job *j, int64_t i, __mmask16 km, float ms, float vs, int gdt, int mw,
+         int odt, __m512 *mo, __m512 *vo)
 {
-    float tm[QB] __attribute__((aligned(64))), tv[QB] __attribute__((aligned(64)));
-    int64_t blk = b0 / QB;
-    float ms = j->ms[blk], vs = j->vs[blk];
-    __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps();
-    const __m512 inf = _mm512_set1_ps(INFINITY);
-    for (int k = 0; k < len; k += 16) {
-        int64_t i = b0 + k;
-        __mmask16 km = len - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - k)) - 1u);
-        __m512 g;
-        if (gdt == LB_F32) {
-            g = _mm512_maskz_loadu_ps(km, (const float *)j->g + i);
-        } else {
-            __m256i h = _mm256_maskz_loadu_epi16(km, (const uint16_t *)j->g + i);
-            g = gdt == LB_BF16 ? bf16x16(h) : _mm512_cvtph_ps(h);
-        }
-        __m512 p;
-        if (mw == MW_FP32) {
-            p = _mm512_maskz_loadu_ps(km, (const float *)j->p + i);
-        } else {
-            p = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i));
-            if (mw == MW_KAHAN)
-                p = _mm512_add_ps(p, bf16x16(_mm256_maskz_loadu_epi16(km, j->comp + i)));
-        }
-        __m512 m = dec_m16(_mm_maskz_loadu_epi8(km, j->m + i), ms);
-        __m512 v = dec_v16(_mm_maskz_loadu_epi8(km, j->v + i), vs);
-        if (j->maximize)
-            g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g),
-                                                     _mm512_set1_epi32((int)0x80000000u)));
-        if (j->wd_mode == 1)
-            g = _mm512_fmadd_ps(p, _mm512_set1_ps(j->wd), g);
-        else if (j->wd_mode == 2)
-            p = _mm512_mul_ps(p, _mm512_set1_ps(j->decay));
-        __m512 d = _mm512_sub_ps(g, m);
-        m = j->small ? _mm512_fmadd_ps(_mm512_set1_ps(j->c1), d, m)
-                     : _mm512_fmadd_ps(_mm512_set1_ps(j->c1m1), d, g);
-        __m512 cg = _mm512_mul_ps(_mm512_set1_ps(j->c2), g);
-        __m512 vb = _mm512_mul_ps(v, _mm512_set1_ps(j->b2));
-        v = _mm512_fmadd_ps(cg, g, vb);
-        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(j->bc2s)),
-                                     _mm512_set1_ps(j->eps));
-        __m512 upd = _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(j->nss), m), denom);
-        p = _mm512_add_ps(p, upd);
-        if (mw == MW_FP32) {
-            _mm512_mask_storeu_ps((float *)j->p + i, km, p);
-            if (odt >= 0) {
-                __m256i h = odt == LB_BF16 ? bf16_rne16(p)
-                    : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                _mm256_mask_storeu_epi16((uint16_t *)j->out + i, km, h);
-            }
-        } else if (mw == MW_KAHAN) {
-            __m256i nb = bf16_rne16(p);
-            _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
-            _mm256_mask_storeu_epi16(j->comp + i, km, bf16_rne16(_mm512_sub_ps(p, bf16x16(nb))));
-        } else {
-            __m512i rw = _mm512_and_si512(sr_bits16(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1),
-                                          _mm512_set1_epi32(0xFFFF));
-            __m512i u = _mm512_castps_si512(p);
-            __m256i nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
-            _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
-        }
-        _mm512_store_ps(tm + k, m);
-        _mm512_store_ps(tv + k, v);
-        __m512 a = _mm512_abs_ps(m);
-        am = _mm512_mask_max_ps(am, km & _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), am, a);
-        a = _mm512_abs_ps(v);
-        av = _mm512_mask_max_ps(av, km & _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), av, a);
+    __m512 g;
+    if (gdt == LB_F32) {
+        g = _mm512_maskz_loadu_ps(km, (const float *)j->g + i);
+    } else {
+        __m256i h = _mm256_maskz_loadu_epi16(km, (const uint16_t *)j->g + i);
+        g = gdt == LB_BF16 ? bf16x16(h) : _mm512_cvtph_ps(h);
     }
-    float ims, ivs;
-    block_scale(_mm512_reduce_max_ps(am), &ms, &ims);
-    block_scale(_mm512_reduce_max_ps(av), &vs, &ivs);
-    j->ms[blk] = ms;
-    j->vs[blk] = vs;
-    for (int k = 0; k < len; k += 16) {
-        int64_t i = b0 + k;
-        __mmask16 km = len - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - k)) - 1u);
-        __m512i r = sr ? sr_bits16(j->idx0 + (uint32_t)i, j->k0, j->k1) : _mm512_setzero_si512();
-        __m512i cm = enc_m16(_mm512_load_ps(tm + k), ims, sr,
-                             _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
-        __m512i cv = enc_v16(_mm512_load_ps(tv + k), ivs, sr, _mm512_srli_epi32(r, 16));
-        _mm512_mask_cvtepi32_storeu_epi8(j->m + i, km, cm);
-        _mm512_mask_cvtepi32_storeu_epi8(j->v + i, km, cv);
+    __m512 p;
+    if (mw == MW_FP32) {
+        p = _mm512_maskz_loadu_ps(km, (const float *)j->p + i);
+    } else {
+        p = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i));
+        if (mw == MW_KAHAN)
+            p = _mm512_add_ps(p, bf16x16(_mm256_maskz_loadu_epi16(km, j->comp + i)));
     }
+    __m512 m = dec_m16(_mm_maskz_loadu_epi8(km, j->m + i), ms);
+    __m512 v = dec_v16(_mm_maskz_loadu_epi8(km, j->v + i), vs);
+    tm_moments16(&j->k, &g, &p, &m, &v);
+    p = tm_param_step16(&j->k, p, m, v);
+    if (mw == MW_FP32) {
+        _mm512_mask_storeu_ps((float *)j->p + i, km, p);
+        if (odt >= 0) {
+            __m256i h = odt == LB_BF16 ? bf16_rne16(p)
+                : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_mask_storeu_epi16((uint16_t *)j->out + i, km, h);
+        }
+    } else if (mw == MW_KAHAN) {
+        __m256i nb = bf16_rne16(p);
+        _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
+        _mm256_mask_storeu_epi16(j->comp + i, km, bf16_rne16(_mm512_sub_ps(p, bf16x16(nb))));
+    } else {
+        __m512i rw = _mm512_and_si512(sr_bits16(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1),
+                                      _mm512_set1_epi32(0xFFFF));
+        __m512i u = _mm512_castps_si512(p);
+        __m256i nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
+        _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
+    }
+    *mo = m;
+    *vo = v;
 }
 
+/* Pass 2 on 16 elements: the codes of fp32 moments m, v at the block's new scales
+ * (inverses ims, ivs), stored. */
 static inline TGT_LB __attribute__((always_inline)) void
-range512(const lb_job *j, int64_t begin, int64_t end, int gdt, int mw, int odt, int sr)
+encode16(const lb_job *j, int64_t i, __mmask16 km, __m512 m, __m512 v, float ims, float ivs,
+         int sr)
 {
-    lb_job c = *j;  /* a local whose address never escapes: fields stay in registers */
-    for (int64_t b = begin; b < end; b += QB)
-        block512(&c, b, (int)(end - b < QB ? end - b : QB), gdt, mw, odt, sr);
+    __m512i r = sr ? sr_bits16(j->idx0 + (uint32_t)i, j->k0, j->k1) : _mm512_setzero_si512();
+    __m512i cm = enc_m16(m, ims, sr, _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
+    __m512i cv = enc_v16(v, ivs, sr, _mm512_srli_epi32(r, 16));
+    _mm512_mask_cvtepi32_storeu_epi8(j->m + i, km, cm);
+    _mm512_mask_cvtepi32_storeu_epi8(j->v + i, km, cv);
+}
+
+/* The largest finite magnitude so far, per lane. */
+static inline TGT_LB __attribute__((always_inline)) __m512
+max_finite(__m512 acc, __m512 x, __mmask16 km)
+{
+    __m512 a = _mm512_abs_ps(x);
+    return _mm512_mask_max_ps(acc, km & _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY),
+                                                           _CMP_LT_OQ), acc, a);
+}
+
+/* A block's new scales, from the per-lane maxima; stored at block blk. */
+static inline TGT_LB __attribute__((always_inline)) void
+new_scales(const lb_job *j, int64_t blk, __m512 am, __m512 av, float *ims, float *ivs)
+{
+    float ms, vs;
+    block_scale(_mm512_reduce_max_ps(am), &ms, ims);
+    block_scale(_mm512_reduce_max_ps(av), &vs, ivs);
+    j->ms[blk] = ms;
+    j->vs[blk] = vs;
+}
+
+static inline TGT_LB __attribute__((always_inline)) __mmask16
+lanes(int left)
+{
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+/* As in adam.c: the divider keeps the out-of-order window from reaching far ahead and
+ * the hardware prefetcher stops at each 4 KiB page, so the lines LB_PF elements ahead are
+ * asked for in every array the update reads. */
+#define LB_PF 1024
+
+static inline TGT_LB __attribute__((always_inline)) void
+prefetch16(const lb_job *j, int64_t i, int gdt, int mw)
+{
+    _mm_prefetch((const char *)j->g + (i + LB_PF) * (gdt == LB_F32 ? 4 : 2), _MM_HINT_T0);
+    _mm_prefetch((const char *)j->p + (i + LB_PF) * (mw == MW_FP32 ? 4 : 2), _MM_HINT_T0);
+    if (mw == MW_KAHAN)
+        _mm_prefetch((const char *)(j->comp + i + LB_PF), _MM_HINT_T0);
+    _mm_prefetch((const char *)(j->m + i + LB_PF), _MM_HINT_T0);
+    _mm_prefetch((const char *)(j->v + i + LB_PF), _MM_HINT_T0);
+}
+
+/* The blocks of [begin, end). A block's codes need its new scales, so they need all of
+ * its fp32 moments first: pass 1 keeps them in a small buffer, pass 2 encodes them. Run
+ * one after the other, pass 1 waits on the divider (a sqrt and two divides per vector)
+ * while the integer units idle, and pass 2 the other way round. So the two are
+ * interleaved: while pass 1 runs on full block b, each of its vectors is followed by
+ * pass 2 on the same vector of block b - 1 (two buffers, one per block). Every element
+ * goes through exactly the same operations as unpipelined; only their order changes. */
+static inline TGT_LB __attribute__((always_inline)) void
+range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt, int sr)
+{
+    lb_job c = *jin;  /* a local whose address never escapes: fields stay in registers */
+    const lb_job *j = &c;
+    float buf[2][2][QB] __attribute__((aligned(64)));  /* [block parity][m, v] */
+    int64_t prev = -1;   /* start of the block whose codes are pending, or -1 */
+    int prev_len = 0, cur = 0;
+    float pims = 0.0f, pivs = 0.0f;
+    for (int64_t b = begin; b < end; b += QB) {
+        int len = (int)(end - b < QB ? end - b : QB);
+        int64_t blk = b / QB;
+        float ms = j->ms[blk], vs = j->vs[blk];
+        float *tm = buf[cur][0], *tv = buf[cur][1];
+        __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps();
+        if (prev >= 0 && len == QB && prev_len == QB) {
+            const float *pm = buf[cur ^ 1][0], *pv = buf[cur ^ 1][1];
+            for (int k = 0; k < QB; k += 16) {
+                __m512 m, v;
+                if (b + k + LB_PF < end)
+                    prefetch16(j, b + k, gdt, mw);
+                update16(j, b + k, (__mmask16)0xFFFF, ms, vs, gdt, mw, odt, &m, &v);
+                _mm512_store_ps(tm + k, m);
+                _mm512_store_ps(tv + k, v);
+                am = max_finite(am, m, (__mmask16)0xFFFF);
+                av = max_finite(av, v, (__mmask16)0xFFFF);
+                encode16(j, prev + k, (__mmask16)0xFFFF, _mm512_load_ps(pm + k),
+                         _mm512_load_ps(pv + k), pims, pivs, sr);
+            }
+        } else {
+            for (int k = 0; k < len; k += 16) {
+                __mmask16 km = lanes(len - k);
+                __m512 m, v;
+                update16(j, b + k, km, ms, vs, gdt, mw, odt, &m, &v);
+                _mm512_store_ps(tm + k, m);
+                _mm512_store_ps(tv + k, v);
+                am = max_finite(am, m, km);
+                av = max_finite(av, v, km);
+            }
+            if (prev >= 0) {
+                const float *pm = buf[cur ^ 1][0], *pv = buf[cur ^ 1][1];
+                for (int k = 0; k < prev_len; k += 16)
+                    encode16(j, prev + k, lanes(prev_len - k), _mm512_load_ps(pm + k),
+                             _mm512_load_ps(pv + k), pims, pivs, sr);
+            }
+        }
+        new_scales(j, blk, am, av, &pims, &pivs);
+        prev = b;
+        prev_len = len;
+        cur ^= 1;
+    }
+    if (prev >= 0) {
+        const float *pm = buf[cur ^ 1][0], *pv = buf[cur ^ 1][1];
+        for (int k = 0; k < prev_len; k += 16)
+            encode16(j, prev + k, lanes(prev_len - k), _mm512_load_ps(pm + k),
+                     _mm512_load_ps(pv + k), pims, pivs, sr);
+    }
 }
 
 /* Each combination gets its own loop with them as constants. */
@@ -558,22 +618,14 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_a
         (master_mode == MW_KAHAN) != (comp != NULL) || ((crc_mask & CRC_COMP) && !comp))
         return -EINVAL;
 
-    double bc1 = 1.0 - pow(beta1, step);
-    double bc2 = 1.0 - pow(beta2, step);
-    double step_size = lr / bc1;
     uint64_t key = splitmix64(seed ^ splitmix64(index0 >> 32));
     lb_job j = {
         .p = p, .comp = comp, .m = exp_avg, .v = exp_avg_sq, .ms = exp_avg_scale,
         .vs = exp_avg_sq_scale, .g = grad, .out = out, .g_dtype = grad_dtype,
         .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic,
         .idx0 = (uint32_t)index0, .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
-        .maximize = !!maximize, .wd_mode = weight_decay != 0.0 ? (decoupled ? 2 : 1) : 0,
-        .wd = (float)weight_decay, .decay = (float)(1.0 - lr * weight_decay),
-        .c1 = (float)(1.0 - beta1), .b2 = (float)beta2, .c2 = (float)(1.0 - beta2),
-        .bc2s = (float)sqrt(bc2), .eps = (float)eps, .nss = (float)(-step_size),
+        .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };
-    j.c1m1 = j.c1 - 1.0f;
-    j.small = fabsf(j.c1) < 0.5f;
     lb_fn fn = lowbit_scalar;
 #if TM_X86
     if (tm_adam_get_isa() == 2)
