@@ -202,20 +202,34 @@ bf16_rne16(__m512 x)
         _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16), x);
 }
 
+/* sr_bits in two parts: the Weyl step idx * SR_W + k0 of the 16 indices idx .. idx+15,
+ * and the rest. A loop over consecutive vectors adds 16 * SR_W to the Weyl step instead
+ * of multiplying again (the same value mod 2^32). */
 static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
-sr_bits16(uint32_t idx, uint32_t k0, uint32_t k1)
+sr_weyl16(uint32_t idx, uint32_t k0)
 {
     __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)idx),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
                                                    12, 13, 14, 15));
-    x = _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_W)),
-                         _mm512_set1_epi32((int)k0));
+    return _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_W)),
+                            _mm512_set1_epi32((int)k0));
+}
+
+static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
+sr_mix16(__m512i x, uint32_t k1)
+{
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_M1));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
     x = _mm512_xor_si512(x, _mm512_set1_epi32((int)k1));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_M2));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
+sr_bits16(uint32_t idx, uint32_t k0, uint32_t k1)
+{
+    return sr_mix16(sr_weyl16(idx, k0), k1);
 }
 
 
