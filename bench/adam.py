@@ -37,6 +37,7 @@ refreshed with param_bf16.copy_(master) (tiermem's fused path does exactly this 
 Each figure is the median of --reps timed steps after one untimed warm-up step; each
 round of steps starts with one timed triad pass, and the bound uses their median.
 Quick smoke test:  python3 bench/adam.py --params 10M --reps 2
+One dtype, no DeepSpeed (quick iterations): python3 bench/adam.py --params 100M --dtypes fp32 --no-deepspeed
 Full run:          python3 bench/adam.py            (100M and 400M, fp32 and bf16-mixed)
 """
 
