@@ -1,17 +1,19 @@
 """A training iteration with the model's weights and grads on NVMe, against the I/O floor.
 
-A synthetic model (tiermem.tools.synthetic) trains with parameters.offload: nvme
-and all optimizer state on NVMe. Per iteration (median over --iters after one
-warm-up iteration, which also teaches the fetch order) the script records the
-wall time and the bytes the iteration moved: weights read for forward and
-backward, gradients written (and read back by the step), weights written back,
-optimizer state read and written. In the same run it times the I/O engine
-moving that many bytes alone (reads then writes of a scratch file, same block
-size, queue depth and backend), and the same iteration in memory (plain AdamW,
-no tiermem). It reports iteration / max(I/O floor, in-memory iteration) against
-the goal 1.2.
+A synthetic model (tiermem.tools.synthetic, built on the meta device) trains with
+parameters.offload: nvme and all optimizer state on NVMe. Per iteration (median
+over --iters after one warm-up iteration, which also teaches the fetch order) the
+script records the forward, backward and step times and the bytes the iteration
+moved: parameter records (weights read for forward, backward and the step,
+gradients written and read back, weights written back) and optimizer state read
+and written. In the same run it measures the I/O floor of those bytes with fio
+(a read job and a write job at once, the engine's block size and queue depth,
+O_DIRECT io_uring, on files laid out first), the I/O engine alone moving them
+(reads, then writes), and the same iteration in memory (plain AdamW, no
+tiermem). It reports iteration / max(I/O floor, in-memory iteration) against the
+goal 1.2.
 
-Usage: python bench/params.py [--params 50M --dtype bf16 --window 64MiB] [--quick]
+Usage: python bench/params.py [--params 50M --window 128MiB --threads 1] [--quick]
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
-from _harness import (add_pipeline_args, goal_text, offload_config, parse_count,
+from _harness import (add_pipeline_args, fio_layout, goal_text, offload_config, parse_count,
                       parse_size, parser, run_header, save, settings, show_table)
+from pipeline import _fio_concurrent
 
 GOAL = 1.2
 
@@ -60,52 +64,99 @@ def io_floor(args, read_bytes: int, write_bytes: int) -> float:
         os.rmdir(os.path.dirname(path))
 
 
-def run(args, offload: bool) -> tuple[list[float], int, int]:
-    """Iteration times (after the warm-up) and the bytes one timed iteration moved."""
+PHASES = ("forward", "backward", "step")
+
+
+def fio_floor(args, read_bytes: int, write_bytes: int) -> dict:
+    """fio moving the iteration's bytes at the engine's block size (O_DIRECT, io_uring):
+    a read job and a write job at once, each at the full queue depth and each at half
+    of it; the faster is the floor. Both files are laid out first, so the writes
+    overwrite in place as the records do (a write that extends a file is slower on ext4)
+    and no job is timed while fio makes its file."""
+    from io_vs_fio import HugePageReservation, pages_for
+
+    d = os.path.join(args.swap_dir, "fio-floor")
+    os.makedirs(d, exist_ok=True)
+    files = [os.path.join(d, "read.bin"), os.path.join(d, "write.bin")]
+    bs = parse_size(args.block_size)
+    results = {}
+    try:
+        for f, n in zip(files, (read_bytes, write_bytes)):
+            if n:
+                fio_layout(f, n)
+        with HugePageReservation(2 * pages_for(bs * args.queue_depth, 2 << 20) + 8):
+            for name, depth in (("2 jobs x depth", args.queue_depth),
+                                ("2 jobs x depth/2", max(1, args.queue_depth // 2))):
+                for _ in range(3):
+                    r = _fio_concurrent(*map(Path, files), read_bytes, write_bytes, bs, depth)
+                    # a job that moved bytes in no time did not run (fio 3.33 sometimes
+                    # reports one so): not a floor; run it again
+                    if all(r["per_job_seconds"].get(k) for k, n in
+                           (("read", read_bytes), ("write", write_bytes)) if n):
+                        results[name] = r
+                        break
+    finally:
+        for f in files:
+            if os.path.exists(f):
+                os.unlink(f)
+        os.rmdir(d)
+    if not results:
+        raise RuntimeError("fio gave no complete run for the floor")
+    best = min(results, key=lambda k: results[k]["seconds"])
+    return {**results[best], "variant": best, "variants": results}
+
+
+def run(args, offload: bool) -> dict:
+    """Per timed iteration (after the warm-up): its phases' seconds, and with `offload` the
+    bytes it moved (parameter records and optimizer state apart) and the tier's counters."""
     import torch
 
     import tiermem
     from tiermem.tools.synthetic import build_model
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = build_model(args.params, dtype=dtype, seed=0)
+    model = build_model(args.params, dtype=dtype, seed=0, meta=offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
 
-    def iteration() -> None:
+    def iteration() -> dict[str, float]:
         tokens = torch.randint(0, 1 << 30, (args.batch, args.seq), generator=gen)
-        model(tokens).backward()
+        t0 = time.perf_counter()
+        loss = model(tokens)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        t3 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0}
 
-    times: list[float] = []
     if not offload:
-        for i in range(args.iters + 1):
-            t0 = time.perf_counter()
-            iteration()
-            if i:
-                times.append(time.perf_counter() - t0)
-        return times, 0, 0
+        iteration()
+        return {"times": [iteration() for _ in range(args.iters)]}
     cfg = offload_config(args)
     cfg["parameters"] = {"offload": "nvme", "prefetch": args.param_prefetch,
                          "window": args.window}
     with tiermem.offload(opt, cfg, model=model, name="bench-params") as tm:
         tm.discard()
-        iteration()
+        iteration()  # learns the fetch order; the state records are built fresh
         before = tm.param_stats()
-        read0 = sum(sum(s["read_bytes"].values()) for s in tm.stats())
-        write0 = sum(sum(s["write_bytes"].values()) for s in tm.stats())
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            iteration()
-            times.append(time.perf_counter() - t0)
+        state0 = tm.stats()
+        times = [iteration() for _ in range(args.iters)]
         after = tm.param_stats()
-        stats = tm.stats()
-        reads = (after["bytes_read"] - before["bytes_read"]
-                 + sum(sum(s["read_bytes"].values()) for s in stats) - read0)
-        writes = (after["bytes_written"] - before["bytes_written"]
-                  + sum(sum(s["write_bytes"].values()) for s in stats) - write0)
-    return times, reads // args.iters, writes // args.iters
+        state = tm.stats()[len(state0):]
+        plan = tm.plan()
+    n = args.iters
+    moved = {
+        "param_read": (after["bytes_read"] - before["bytes_read"]) // n,
+        "param_written": (after["bytes_written"] - before["bytes_written"]) // n,
+        "state_read": sum(sum(s["read_bytes"].values()) for s in state) // n,
+        "state_written": sum(sum(s["write_bytes"].values()) for s in state) // n,
+    }
+    counters = {k: (after[k] - before[k]) / n for k in (
+        "fetches", "prefetched", "on_demand", "out_of_order", "evictions", "grads_stored")}
+    weights = plan["parameters"]["weight_bytes"]
+    return {"times": times, "moved": moved, "counters": counters, "weight_bytes": weights}
 
 
 def main() -> None:
@@ -118,26 +169,55 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default torch's); 1 on a machine shared with other "
+                        "work, where spinning OpenMP threads cost the compute several times")
     add_pipeline_args(p, swap_dir=os.path.join(tempfile.gettempdir(), "tiermem-bench-params"),
                       partition_size="4MiB", buffers=4, prefetch=2,
                       kernels=["fused", "match", "native"])
     args = p.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     os.makedirs(args.swap_dir, exist_ok=True)
     header = run_header("params")
-    plain, _, _ = run(args, offload=False)
-    tiered, reads, writes = run(args, offload=True)
-    floor = io_floor(args, reads, writes)
-    it, mem = statistics.median(tiered), statistics.median(plain)
-    bound = max(floor, mem)
-    rows = [["in-memory iteration (plain AdamW)", f"{mem:.3g} s", ""],
-            ["I/O floor of the iteration's bytes", f"{floor:.3g} s",
-             f"read {reads / 2**20:.1f} MiB, write {writes / 2**20:.1f} MiB"],
+    plain = run(args, offload=False)
+    tiered = run(args, offload=True)
+    moved = tiered["moved"]
+    reads = moved["param_read"] + moved["state_read"]
+    writes = moved["param_written"] + moved["state_written"]
+    fio = fio_floor(args, reads, writes)
+    engine = io_floor(args, reads, writes)
+    med = {k: statistics.median(t[k] for t in tiered["times"]) for k in (*PHASES, "total")}
+    mem = {k: statistics.median(t[k] for t in plain["times"]) for k in (*PHASES, "total")}
+    floor = fio["seconds"]
+    bound = max(floor, mem["total"])
+    it = med["total"]
+    mib = 2 ** 20
+    rows = [["in-memory iteration (plain AdamW)", f"{mem['total']:.3g} s",
+             ", ".join(f"{k} {mem[k]:.3g} s" for k in PHASES)],
+            ["I/O floor: fio, the iteration's bytes (concurrent r+w)", f"{floor:.3g} s",
+             f"read {reads / mib:.1f} MiB, write {writes / mib:.1f} MiB; {fio['variant']}, "
+             f"{fio['read_gbps']:.2f} / {fio['write_gbps']:.2f} GB/s"],
+            ["the I/O engine alone, same bytes (reads, then writes)", f"{engine:.3g} s", ""],
             ["iteration, weights+grads+state on NVMe", f"{it:.3g} s",
-             f"{it / bound:.2f}x max(floor, in-memory): {goal_text(it / bound, GOAL)}"]]
+             ", ".join(f"{k} {med[k]:.3g} s" for k in PHASES)],
+            ["iteration / max(I/O floor, in-memory)", f"{it / bound:.2f}x",
+             goal_text(it / bound, GOAL)]]
     table = show_table(["what", "seconds", "note"], rows,
-                       title=f"{args.params:,} parameters, {args.dtype}, window {args.window}")
-    save(args.json, header, settings=settings(args), table=table, plain=plain, tiered=tiered,
-         read_bytes=reads, write_bytes=writes, io_floor=floor, ratio=it / bound, goal=GOAL)
+                       title=f"{args.params:,} parameters, {args.dtype}, window {args.window}, "
+                             f"prefetch {args.param_prefetch}, {args.backend} "
+                             f"{'' if not args.threads else f'{args.threads} thread(s), '}"
+                             f"qd {args.queue_depth} bs {args.block_size}")
+    w = tiered["weight_bytes"]
+    print("bytes per iteration: " + ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in moved.items())
+          + (f" (weights {w / mib:.1f} MiB)" if w else ""))
+    print("parameter tier per iteration: " + ", ".join(
+        f"{k} {v:g}" for k, v in tiered["counters"].items()))
+    save(args.json, header, settings=settings(args), table=table, plain=plain["times"],
+         tiered=tiered["times"], moved=moved, counters=tiered["counters"],
+         weight_bytes=w, read_bytes=reads, write_bytes=writes, io_floor=floor, fio=fio,
+         engine_floor=engine, ratio=it / bound, goal=GOAL)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ set-up and of each step (and at the end), with --per-point disk images each
 (none / all / a prefix of the unsynced operations, the last write torn, random
 subsets with writes torn at 4 KiB). Every image is recovered (`tiermem
 recover`) and resumed (`resume=True`) and judged bitwise against plain torch
-AdamW. A bad recovery (a wrong state accepted, a committed step lost or
+AdamW (bf16 models with int8 moments and master_weights kahan/none, whose records
+keep the bf16 weights: against an uninterrupted run of the same config). A bad recovery (a wrong state accepted, a committed step lost or
 refused, recover and resume disagreeing, a non-tiermem exception) is a bug.
 
 Then the mutation check: each sync site of the commit path switched off in
@@ -39,6 +40,9 @@ def scenarios(steps: int):
     out = [Scenario(b, paths, dtype, "synthetic", steps)
            for b in backends for paths in (1, 2) for dtype in ("fp32", "bf16")]
     out += [Scenario(b, 1, "fp32", "overlap", steps) for b in backends]
+    # a bf16 model with int8 moments whose records keep the bf16 weights (kahan / none)
+    out += [Scenario(b, paths, "bf16", "synthetic", steps, master)
+            for b in backends for paths, master in ((1, "kahan"), (2, "none"))]
     return out
 
 
@@ -74,16 +78,19 @@ def main() -> int:
         if site == "resident.fsync":
             continue  # scratch mode's keep-on-disk, not a commit
         paths = 2 if site == "swap.create.dirsync" else 1
-        with tempfile.TemporaryDirectory(prefix="tiermem-powerloss-") as root:
-            rep = powerloss(Scenario("threads", paths, "fp32", steps=2), root,
-                            per_point=args.per_point, seed=args.seed,
-                            disabled=frozenset([site]))
-        mutation.append({"site": site, "paths": paths, "images": rep.images, "bad": rep.bad,
-                         "detected": rep.bad > 0, "first": rep.failures[:1]})
+        # fp32 state, and records holding the bf16 weights (kahan, int8 moments)
+        for dtype, master in (("fp32", "fp32"), ("bf16", "kahan")):
+            with tempfile.TemporaryDirectory(prefix="tiermem-powerloss-") as root:
+                rep = powerloss(Scenario("threads", paths, dtype, steps=2, master=master),
+                                root, per_point=args.per_point, seed=args.seed,
+                                disabled=frozenset([site]))
+            mutation.append({"site": site, "paths": paths, "master": master,
+                             "images": rep.images, "bad": rep.bad, "detected": rep.bad > 0,
+                             "first": rep.failures[:1]})
     print()
-    print(markdown_table(["sync switched off", "swap paths", "power losses", "bad",
-                          "detected"],
-                         [[m["site"], m["paths"], m["images"], m["bad"],
+    print(markdown_table(["sync switched off", "swap paths", "master_weights", "power losses",
+                          "bad", "detected"],
+                         [[m["site"], m["paths"], m["master"], m["images"], m["bad"],
                            "yes" if m["detected"] else "NO"] for m in mutation]))
     sweep = manifest_sweep()
     print(f"\nmanifest sweep: {sweep['mutations']} single-field changes (every field x null, "

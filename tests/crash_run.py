@@ -2,10 +2,14 @@
 
 Run as a script by tests/test_crash.py:
 
-    python crash_run.py SWAP BACKEND POINT:N STEPS [MODEL_DTYPE [STATE_DTYPE [GRADS]]]
+    python crash_run.py SWAP BACKEND POINT:N STEPS [MODEL_DTYPE [STATE_DTYPE [GRADS [MASTER [PARAMS]]]]]
 
 GRADS: "synthetic" (default: set from a seeded generator) or "overlap" (a real
 backward with pipeline.overlap_backward, so records are written during backward).
+MASTER: optimizer.master_weights (fp32 by default; kahan and none with int8 state and
+a bf16 model, whose records then keep the bf16 weights). PARAMS: parameters.offload
+(none by default; host or nvme put the weights and grads in the parameter tier, whose
+gradients come from a real backward: GRADS "backward").
 
 POINT is where the N-th (1-based) event of its kind sends SIGKILL:
   write-before   before a swap record write is issued
@@ -59,11 +63,13 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
 
 
-def crash_config(swap: str, backend: str, state_dtype: str = "fp32") -> dict:
+def crash_config(swap: str, backend: str, state_dtype: str = "fp32",
+                 master_weights: str = "fp32") -> dict:
     """Mixed placement (one host-tier record, the rest on NVMe), tiny partitions."""
     if state_dtype != "fp32":  # no kernel reproduces torch's bitwise with bf16/int8 moments
         cfg = crash_config(swap, backend)
-        cfg["optimizer"] = {"kernel": "native", "state_dtype": state_dtype}
+        cfg["optimizer"] = {"kernel": "native", "state_dtype": state_dtype,
+                            "master_weights": master_weights}
         return cfg
     return {"swap": {"paths": [swap], "durability": "crash_consistent"},
             "io": {"backend": backend, "block_size": "16KiB", "queue_depth": 8},
@@ -135,19 +141,21 @@ def _arm(point: str, n: int) -> None:
 
 
 def main(swap: str, backend: str, spec: str, steps: int, dtype: str = "fp32",
-         state_dtype: str = "fp32", grads: str = "synthetic") -> None:
+         state_dtype: str = "fp32", grads: str = "synthetic", master: str = "fp32",
+         params: str = "none") -> None:
     import tiermem
 
     point, n = spec.split(":")
     _arm(point, int(n))
     model = make_model(torch.bfloat16 if dtype == "bf16" else torch.float32)
     opt = make_optimizer(model)
-    cfg = crash_config(swap, backend, state_dtype)
+    cfg = crash_config(swap, backend, state_dtype, master)
     cfg["pipeline"]["overlap_backward"] = grads == "overlap"
+    cfg["parameters"] = {"offload": params}
     with tiermem.offload(opt, cfg, model=model):
         for k in range(1, steps + 1):
             print(f"begin {k}", flush=True)
-            if grads == "overlap":
+            if grads in ("overlap", "backward"):
                 backward_grads(model, k)  # the worker updates and writes during it
             else:
                 set_grads(model, k)

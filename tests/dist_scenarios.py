@@ -116,22 +116,28 @@ def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="re
     compare_runs(model, opt, ref_model, ref_opt, exact=check is assert_same_tensor)
 
 
-def int8_parity(rank: int, world: int, tmp: str) -> None:
-    """optimizer.state_dtype int8 on shares: with nearest rounding the codes depend only on
-    the values and on blocks at multiples of 256 elements of each parameter (shares are
-    cut on CUT_ALIGN), so each rank's run equals the plain-torch int8 reference on whole
-    parameters fed the mean gradient, bit for bit."""
+def int8_parity(rank: int, world: int, tmp: str, master: str = "fp32",
+                rounding: str = "nearest") -> None:
+    """optimizer.state_dtype int8 on shares: quantisation blocks sit at multiples of 256
+    elements of each parameter (shares are cut on CUT_ALIGN) and stochastic rounding draws
+    from the stream of (step, the user's parameter) at the element's place in it, so each
+    rank's run equals the plain-torch int8 reference on whole parameters fed the mean
+    gradient, bit for bit, whatever the rounding. master kahan/none: a bf16 model whose
+    shares of weights (and Kahan terms) are updated by their owner and gathered."""
     from test_state_int8 import ReferenceInt8Adam, hyper
 
-    model = Synthetic()
+    model = Synthetic() if master == "fp32" else Synthetic().to(torch.bfloat16)
     ref_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.05, foreach=False)
+    groups = groups_of(ref_model)
+    firsts = [sum(len(g["params"]) for g in groups[:k]) for k in range(len(groups))]
     refs = [ReferenceInt8Adam(g["params"], hyper(lr=g.get("lr", 1e-2), weight_decay=0.05),
-                              rounding="nearest", partition_size=1 << 30)
-            for g in groups_of(ref_model)]
+                              rounding=rounding, master_weights=master, first=first)
+            for g, first in zip(groups, firsts)]
     batches = make_batches(model, STEPS, seed=10 + rank)
     cfg = small_cfg(tmp, host="128KiB")
-    cfg["optimizer"] = {"kernel": "native", "state_dtype": "int8", "state_rounding": "nearest"}
+    cfg["optimizer"] = {"kernel": "native", "state_dtype": "int8", "state_rounding": rounding,
+                        "master_weights": master}
     with tiermem.offload(opt, cfg, model=model) as tm:
         for i, micro in enumerate(batches):
             local_backward(model, micro, i, rank)
@@ -487,6 +493,8 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "parity-lanes-device": lambda r, d: parity(r, world, d, "threads", lanes="device"),
         "state-dict": lambda r, d: state_dict_roundtrip(r, world, d),
         "int8-nearest": lambda r, d: int8_parity(r, world, d),
+        "int8-kahan": lambda r, d: int8_parity(r, world, d, "kahan"),
+        "int8-none-stochastic": lambda r, d: int8_parity(r, world, d, "none", "stochastic"),
         "resume-one-step-apart": lambda r, d: resume_one_step_apart(r, world, d),
         "placeholders": lambda r, d: placeholders(r, world, d),
         "kept-guard": lambda r, d: kept_guard(r, world, d),

@@ -18,7 +18,6 @@ from torch import nn
 
 from adam_helpers import assert_bitwise
 
-import tiermem
 from tiermem.io import io_uring_status
 
 _URING_OK, _URING_WHY = io_uring_status()

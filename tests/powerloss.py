@@ -429,14 +429,19 @@ class Scenario:
     dtype: str = "fp32"  # model dtype
     grads: str = "synthetic"  # or "overlap": real backward, pipeline.overlap_backward
     steps: int = 3
+    # optimizer.master_weights: kahan / none run a bf16 model with int8 moments, whose
+    # records keep the bf16 weights (kind "weight")
+    master: str = "fp32"
 
     @property
     def name(self) -> str:
-        return f"{self.backend}-{self.paths}path-{self.dtype}-{self.grads}"
+        tail = "" if self.master == "fp32" else f"-int8-{self.master}"
+        return f"{self.backend}-{self.paths}path-{self.dtype}-{self.grads}{tail}"
 
     def config(self, root: str) -> dict:
         paths = [os.path.join(root, f"swap{i}") for i in range(self.paths)]
-        cfg = crash_config(paths[0], self.backend)
+        cfg = (crash_config(paths[0], self.backend) if self.master == "fp32"
+               else crash_config(paths[0], self.backend, "int8", self.master))
         cfg["swap"]["paths"] = paths
         cfg["pipeline"]["overlap_backward"] = self.grads == "overlap"
         return cfg
@@ -457,8 +462,11 @@ _REFS: dict[Scenario, list] = {}
 def reference(s: Scenario) -> list[tuple[list[torch.Tensor], dict[int, dict]]]:
     """Plain fp32 torch AdamW from the model's starting weights (upcast) on the gradients
     the model gives (rounded to its dtype): fp32 weights and per-parameter state."""
-    key = Scenario(s.backend, 1, s.dtype, s.grads, s.steps)
+    key = Scenario(s.backend, 1, s.dtype, s.grads, s.steps, s.master)
     if key in _REFS:
+        return _REFS[key]
+    if s.master != "fp32":
+        _REFS[key] = _uninterrupted(key)
         return _REFS[key]
     assert not (s.dtype == "bf16" and s.grads == "overlap"), "no reference for that pairing"
     model = s.model()
@@ -480,6 +488,30 @@ def reference(s: Scenario) -> list[tuple[list[torch.Tensor], dict[int, dict]]]:
     return out
 
 
+def _uninterrupted(s: Scenario) -> list[tuple[list[torch.Tensor], dict[int, dict]]]:
+    """No plain torch optimizer runs int8 moments with kahan/none weights: the reference is
+    the same tiermem run, never crashed (its own directory), weights in fp32 (exactly) as
+    recover writes them, and the whole torch-format state (master_param: weight + term)."""
+    import tempfile
+
+    model = s.model()
+    opt = make_optimizer(model)
+    root = tempfile.mkdtemp(prefix="tiermem-powerloss-ref-")
+    try:
+        out = []
+        with tiermem.offload(opt, s.config(root), model=model) as tm:
+            for k in range(s.steps + 1):
+                if k:
+                    s.grad(model, k)
+                    opt.step()
+                out.append(([p.detach().float() for p in model.parameters()],
+                            {"full": copy.deepcopy(opt.state_dict()["state"])}))
+            tm.discard()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def _same(a: Any, b: torch.Tensor) -> bool:
     return (isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
             and torch.equal(a, b))
@@ -487,6 +519,18 @@ def _same(a: Any, b: torch.Tensor) -> bool:
 
 def _state_matches(state: dict, ref_w: list[torch.Tensor], ref_st: dict, lowp: bool) -> str:
     """'' when `state` (torch state_dict["state"]) is the reference's, else what differs."""
+    if "full" in ref_st:  # an uninterrupted tiermem run's state: every tensor, bitwise
+        full = ref_st["full"]
+        if set(state) != set(full):
+            return f"state of parameters {sorted(state)}, expected {sorted(full)}"
+        for i, r in full.items():
+            for k, v in r.items():
+                got = state[i].get(k)
+                ok = (float(got) == float(v) if k == "step" and got is not None
+                      else _same(got, v))
+                if not ok:
+                    return f"state[{i}][{k}]"
+        return ""
     for i, w in enumerate(ref_w):
         r, st = ref_st.get(i), state.get(i) or {}
         if r:

@@ -9,7 +9,6 @@ bitwise comparisons fail (test_dropped_wait_is_caught shows they do). The tests 
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,8 @@ from tiermem.errors import TierMemError
 from conftest import REPO
 from faults import inject
 from offload_helpers import (Synthetic, assert_same_tensor, available_backends,
-                             backend_params, compare_runs, config, listdir, loss_of,
+                             backend_params, compare_runs, compare_state_dicts, config,
+                             listdir, loss_of,
                              lowp_step, make_batches, side_used, train, twin)
 
 CUDA = torch.cuda.is_available()
@@ -129,6 +129,54 @@ def test_bf16_weights_each_step(tmp_path, backend, step_device):
             assert_same_tensor(sd["state"][i]["master_param"], r.detach(), f"{names[i]} master")
             assert_same_tensor(sd["state"][i]["exp_avg_sq"], ref.state[r]["exp_avg_sq"],
                                f"{names[i]} exp_avg_sq")
+
+
+def int8_run(tmp_path, backend, *, dtype, master, step_device=None, mix="mixed"):
+    """Synthetic (in `dtype`) with int8 moments: through the emulated lanes (step_device
+    given) or updated in place on the host (None: the native pass on host records).
+    Returns the weights and the exported state after STEPS steps."""
+    torch.manual_seed(0)
+    model = Synthetic().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    cfg = lane_config(tmp_path, step_device or "cpu", kernel="auto", backend=backend,
+                      **MIXES[mix])
+    cfg["optimizer"].update(state_dtype="int8", master_weights=master)
+    emulate = step_device is not None
+    with tiermem.offload(opt, cfg, streams=DeferredBackend() if emulate else None) as tm:
+        train(model, opt, make_batches(model, STEPS))
+        weights = [p.detach().clone() for p in model.parameters()]
+        sd, stats = opt.state_dict(), tm.stats()
+        tm.discard()
+    if emulate:
+        assert all(s["h2d_bytes"] > 0 for s in stats)  # the records really crossed the lanes
+    return weights, sd
+
+
+@pytest.mark.parametrize("dtype,master,step_device", [
+    (torch.float32, "fp32", "cpu"), (torch.float32, "fp32", "device"),
+    (torch.bfloat16, "fp32", "cpu"), (torch.bfloat16, "fp32", "device"),
+    (torch.bfloat16, "kahan", "device"), (torch.bfloat16, "none", "device")])
+@pytest.mark.parametrize("backend", backend_params())
+def test_int8_state_through_the_lanes(tmp_path, backend, dtype, master, step_device):
+    """optimizer.state_dtype int8 on a model off the CPU (emulated): the update runs where
+    the lanes put the record (the host for step_device cpu, the device slot for device:
+    kernels.lowbit's reference on a GPU) and equals, bit for bit, the native pass on host
+    records (laid out differently: the lanes keep an fp32 model's master; the update does
+    not depend on where partitions are cut)."""
+    got = int8_run(tmp_path / "lanes", backend, dtype=dtype, master=master,
+                   step_device=step_device)
+    want = int8_run(tmp_path / "host", backend, dtype=dtype, master=master)
+    for i, (w, r) in enumerate(zip(got[0], want[0])):
+        assert_same_tensor(w, r, f"param {i}")
+    compare_state_dicts(got[1], want[1])
+
+
+@pytest.mark.parametrize("master", ["kahan", "none"])
+def test_master_less_weights_refuse_the_offload_route(tmp_path, master):
+    """kahan/none update the model's bf16 weights where they live: with step_device cpu a
+    model off the CPU would be updated on host grads away from them, so it is refused."""
+    with pytest.raises(ConfigError, match="optimizer.step_device: device"):
+        int8_run(tmp_path, "threads", dtype=torch.bfloat16, master=master, step_device="cpu")
 
 
 @pytest.mark.parametrize("step_device", ["cpu", "device"])
@@ -382,7 +430,7 @@ def test_property_bitwise(tmp_path, sizes, steps, step_device, host_fraction, bf
 
 
 @pytest.mark.parametrize("optimizer", [{"kernel": "native"}, {"state_dtype": "bf16"}])
-def test_device_step_refuses_the_native_kernel(optimizer):
+def test_device_step_refuses_the_native_kernel_and_bf16_state(optimizer):
     with pytest.raises(ConfigError, match="optimizer.step_device device"):
         tiermem.load_config({"optimizer": {"step_device": "device", **optimizer}})
 
@@ -530,3 +578,44 @@ def test_cuda_crash_consistent_refuses_gpu_tier(tmp_path):
     with pytest.raises(TierMemError, match="crash_consistent does not support the gpu tier"):
         with tiermem.offload(opt, cfg):
             pass
+
+
+@needs_cuda
+@pytest.mark.parametrize("master", ["fp32", "kahan", "none"])
+@pytest.mark.parametrize("mix", ["gpu", "nvme", "gpu+host+nvme"])
+def test_cuda_int8_state(tmp_path, mix, master):
+    """int8 moments of a bf16 CUDA model on the gpu tier and through the device slots
+    (step_device device): kernels.lowbit's reference on the GPU, bit for bit the native
+    pass on the same model on the CPU (the same seeded gradients on both)."""
+    def run(device, swap, gpu, host):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]
+                                    ).to(device=device, dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        cfg = lane_config(swap, "device" if device == "cuda" else "cpu", kernel="auto",
+                          host=host, partition_size="64KiB", buffer_count=4)
+        cfg["tiers"]["gpu"]["capacity"] = gpu
+        cfg["optimizer"].update(state_dtype="int8", master_weights=master)
+        gen = torch.Generator().manual_seed(1)
+        with tiermem.offload(opt, cfg) as tm:
+            for _ in range(3):
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape, generator=gen).to(device=device,
+                                                                    dtype=p.dtype)
+                opt.step()
+                opt.zero_grad()
+            out = ([p.detach().cpu() for p in model.parameters()],
+                   torch.utils._pytree.tree_map(
+                       lambda t: t.cpu() if isinstance(t, torch.Tensor) else t,
+                       opt.state_dict()))
+            tm.discard()
+        return out
+
+    state = 4 * 256 * 257 * 8
+    gpu, host = {"gpu": (2 * state, 0), "nvme": (0, 0),
+                 "gpu+host+nvme": (state // 3, state // 3)}[mix]
+    got = run("cuda", tmp_path / "cuda", gpu, host)
+    want = run("cpu", tmp_path / "cpu", 0, "64MiB")
+    for i, (w, r) in enumerate(zip(got[0], want[0])):
+        assert_same_tensor(w, r, f"param {i}")
+    compare_state_dicts(got[1], want[1])

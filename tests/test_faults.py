@@ -131,7 +131,6 @@ def test_a_disk_that_stays_broken_hands_the_state_back_from_memory(tmp_path, bac
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 200), torch.nn.Linear(200, 128))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt_state = None
     with pytest.raises(tiermem.TierMemError, match="gathered from memory") as info:
         with tiermem.offload(opt, _cfg(tmp_path, backend, 1)) as tm:
             inject(tm, "write", 5, times=10**6)

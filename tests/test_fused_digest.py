@@ -46,13 +46,14 @@ class Ragged(torch.nn.Module):
 
 
 def _run(tmp_path, *, dtype, state, amsgrad, crash=False, steps=3, kernel="native",
-         rounding="nearest"):
+         rounding="nearest", master="fp32"):
     torch.manual_seed(0)
     model = Ragged(dtype)
     opt = torch.optim.AdamW(model.parameters(), amsgrad=amsgrad, weight_decay=0.1)
     cfg = {"swap": {"paths": [str(tmp_path)], "checksums": True},
            "tiers": {"host": {"capacity": "96KiB" if crash else 0}},
-           "optimizer": {"kernel": kernel, "state_dtype": state, "state_rounding": rounding},
+           "optimizer": {"kernel": kernel, "state_dtype": state, "state_rounding": rounding,
+                         "master_weights": master},
            "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 1,
                         "zigzag": False}}
     if crash:
@@ -93,3 +94,13 @@ def test_stochastic_rounding_and_crash_consistent_host_records(tmp_path, sealed)
 def test_torch_kernels_leave_the_hash_to_the_store(tmp_path, sealed):
     _run(tmp_path, dtype=torch.float32, state="fp32", amsgrad=False, kernel="fused")
     assert sealed and all(d is None for _, d in sealed)
+
+
+@pytest.mark.parametrize("master", ["kahan", "none"])
+def test_crash_consistent_records_with_the_bf16_weights(tmp_path, sealed, master):
+    """int8 moments, master_weights kahan/none, crash_consistent: the record's copy of the
+    bf16 weights (kind "weight") is sealed with the kernel's CRC of the weights it wrote."""
+    tiers, _ = _run(tmp_path, dtype=torch.bfloat16, state="int8", amsgrad=False, crash=True,
+                    rounding="stochastic", master=master)
+    assert tiers == {"host", "nvme"}
+    assert sum(d is not None for _, d in sealed) >= 6

@@ -7,7 +7,6 @@ import errno
 import os
 import subprocess
 import sys
-import threading
 import time
 import warnings
 
@@ -17,7 +16,7 @@ import torch
 
 from conftest import REPO, aligned, filled, read_file
 from tiermem.errors import TierMemIOError, TierMemWarning
-from tiermem.io import IOEngine, thread_backend
+from tiermem.io import IOEngine
 
 KiB = 1024
 

@@ -2,7 +2,7 @@
 
 The table is torch's own: each optim_db entry's optim_inputs_func(device="cpu"). Each
 configuration runs on the small model both with tiermem (tiny partitions, so large
-parameters are cut across partitions; all state on NVMe or split host/NVMe) and
+parameters are cut across partitions; all state on NVMe, and split host/NVMe) and
 plainly, and must end equal: bitwise for the elementwise family (torch's functional
 implementations on the segment views) and for whole-parameter rules (the optimizer's own
 step()). Then state_dict() must equal the plain one, and a plain optimizer loaded from
@@ -52,9 +52,9 @@ def db_rows():
             kw = dict(inp.kwargs)
             if n % 2 and "foreach" in entry.supported_impls and "fused" not in kw:
                 kw["foreach"] = True  # every other row runs the multi-tensor implementation
-            placement = "mixed" if n % 2 == 0 else "nvme"
-            rows.append(pytest.param(cls, kw, placement,
-                                     id=f"{cls.__name__}-{n}-{placement}-{inp.desc}"))
+            for placement in ("nvme", "mixed"):
+                rows.append(pytest.param(cls, kw, placement,
+                                         id=f"{cls.__name__}-{n}-{placement}-{inp.desc}"))
     return rows
 
 
@@ -120,11 +120,16 @@ def test_optim_db_parity(tmp_path, backend, cls, kw, placement):
 @pytest.mark.parametrize("cls, kw", [
     (torch.optim.ASGD, dict(t0=1)), (torch.optim.NAdam, dict(weight_decay=0.1)),
     (torch.optim.SGD, dict(momentum=0.9, dampening=0.5)), (torch.optim.Rprop, {}),
-    (torch.optim.Adafactor, {})])
+    (torch.optim.Adafactor, {}), (torch.optim.Adagrad, dict(lr_decay=0.01)),
+    (torch.optim.RMSprop, dict(centered=True, momentum=0.9)), (torch.optim.Adamax, {}),
+    (torch.optim.RAdam, dict(decoupled_weight_decay=True, weight_decay=0.1)),
+    (torch.optim.Adadelta, {}), (torch.optim.Muon, {}),
+    (torch.optim.AdamW, dict(amsgrad=True))], ids=lambda v: getattr(v, "__name__", None))
 def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):
-    """Kept per-parameter scalars (ASGD's eta, mu; NAdam's mu_product) and records come
-    back from the committed manifest: a resumed run continues exactly as an uninterrupted
-    one. (No host memory to hand the state back to keeps it on disk, as a crash does.)"""
+    """Every rule: kept per-parameter scalars (ASGD's eta, mu; NAdam's mu_product) and
+    records come back from the committed manifest, and a resumed run continues exactly as
+    an uninterrupted one. (No host memory to hand the state back to keeps it on disk, as a
+    crash does.)"""
     model, opt, ref, ref_opt = pair(cls, kw)
     batches = make_batches(model, 5)
     c = cfg(tmp_path, "threads", "mixed")

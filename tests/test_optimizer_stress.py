@@ -130,10 +130,12 @@ def test_unknown_optimizer_is_one_line_exit_2(command):
 
 
 def test_plan_command_counts_the_rule(tmp_path):
+    # --update-ns: the bytes are what is checked here, not the kernel measurement
+    # (tests/test_cli_first_hour.py checks that)
     proc = _cli("plan", "--config", str(_config(tmp_path)), "--params", "100M",
-                "--optimizer", "rmsprop")
+                "--optimizer", "rmsprop", "--update-ns", "1")
     assert proc.returncode in (0, 1), proc.stderr
     assert "(12 B/param, rmsprop)" in proc.stdout
     proc = _cli("plan", "--config", str(_config(tmp_path)), "--params", "100M",
-                "--optimizer", "sgd", "--dtype", "bf16")
+                "--optimizer", "sgd", "--dtype", "bf16", "--update-ns", "1")
     assert "(8 B/param, sgd)" in proc.stdout, proc.stdout

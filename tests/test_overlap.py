@@ -22,7 +22,6 @@ from faults import inject
 from offload_helpers import (Synthetic, backend_params, compare_runs, config, listdir,
                              loss_of, make_batches, side_used, twin)
 from tiermem.optim.offloaded import OffloadedOptimizer
-from tiermem.partition import build_partitions
 
 STEPS = 6
 

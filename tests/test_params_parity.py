@@ -270,10 +270,65 @@ def test_unsupported_combinations_are_refused(tmp_path):
         with tiermem.offload(opt, c, model=model):
             pass
     c = cfg(tmp_path, offload="host")
-    c["swap"]["durability"] = "crash_consistent"
-    with pytest.raises(ConfigError, match="crash_consistent"):
-        with tiermem.offload(opt, c, model=model):
+    with pytest.raises(TierMemError, match="needs swap.durability crash_consistent"):
+        with tiermem.offload(opt, c, model=model, resume=True):
             pass
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_crash_consistent_matches_plain_and_resumes(tmp_path, offload):
+    """swap.durability crash_consistent: the tied, shared model trains as plain torch does
+    (accumulation and clipping too), and a copy of the run directory taken after a step's
+    commit (what a crash leaves; the parameter tier's records are not copied: the commit
+    holds the weights) resumes into a fresh model and goes on bitwise."""
+    import shutil
+
+    ref, model = twins()
+    data = batches(STEPS * 2, seed=3)
+    want, want_norms = plain_run(ref, data, micro=2, clip=0.5)
+    # a partition with fp32 masters holds fewer elements: b1.fc2's weights and grads, with
+    # the NVMe footers, need 192 KiB of window
+    c = cfg(tmp_path / "a", offload=offload, window="256KiB")
+    c["swap"]["durability"] = "crash_consistent"
+    opt = make_opt(model)
+    half = STEPS // 2
+    got, got_norms = [], []
+    with tiermem.offload(opt, c, model=model) as tm:
+        for step in range(STEPS):
+            for t, y in data[step * 2:(step + 1) * 2]:
+                loss = loss_of(model, t, y)
+                loss.backward()
+                got.append(loss.item())
+            got_norms.append(tm.clip_grad_norm_(0.5).item())
+            opt.step()
+            opt.zero_grad()
+            if step + 1 == half:
+                assert tm.committed_step == half
+                shutil.copytree(tmp_path / "a" / "tiermem-default", tmp_path / "kept")
+    assert got == want
+    assert got_norms == [n.item() for n in want_norms]
+    assert_same_model(ref, model)
+    _, again = twins()
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()  # the resume puts the committed weights back
+    opt = make_opt(again)
+    assert not (tmp_path / "a" / "tiermem-default").exists()  # removed at exit
+    (tmp_path / "kept").rename(tmp_path / "a" / "tiermem-default")  # the manifest's place
+    resumed = []
+    with tiermem.offload(opt, c, model=again, resume=True) as tm:
+        assert tm.resumed_step == half
+        for step in range(half, STEPS):
+            for t, y in data[step * 2:(step + 1) * 2]:
+                loss = loss_of(again, t, y)
+                loss.backward()
+                resumed.append(loss.item())
+            tm.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+    assert resumed == want[half * 2:]
+    assert_same_model(ref, again)
+    assert again.head.weight is again.emb.weight
 
 
 def test_backward_after_a_step_is_refused(tmp_path):

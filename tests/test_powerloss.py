@@ -28,6 +28,10 @@ SCENARIOS = [
     pytest.param(Scenario("threads", 1, "fp32", "overlap"), id="threads-overlap"),
     pytest.param(Scenario("io_uring", 1, "fp32", "overlap"), id="io_uring-overlap",
                  marks=needs_io_uring),
+    # bf16 weights kept in the records (master_weights kahan/none, int8 moments)
+    pytest.param(Scenario("threads", 1, "bf16", master="kahan"), id="threads-int8-kahan"),
+    pytest.param(Scenario("io_uring", 2, "bf16", master="none"), id="io_uring-2path-int8-none",
+                 marks=needs_io_uring),
 ]
 
 
@@ -58,13 +62,16 @@ def test_power_loss_both_backends_two_paths(tmp_path, backend):
 COMMIT_SITES = [s for s in SITES if s != "resident.fsync"]
 
 
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
 @pytest.mark.parametrize("site", COMMIT_SITES)
-def test_harness_fails_without_each_sync(tmp_path, site):
+def test_harness_fails_without_each_sync(tmp_path, site, master):
     """Each sync is needed: without it some crash image loses a committed step (or worse).
-    The second swap path's file is the only one whose entry no manifest fsync covers."""
+    The second swap path's file is the only one whose entry no manifest fsync covers.
+    kahan: records holding the model's bf16 weights (int8 moments) are covered too."""
     paths = 2 if site == "swap.create.dirsync" else 1
-    rep = powerloss(Scenario("threads", paths, "fp32", steps=2), _root(tmp_path), per_point=3,
-                    disabled=frozenset([site]), stop_at_bad=True)
+    dtype = "fp32" if master == "fp32" else "bf16"
+    rep = powerloss(Scenario("threads", paths, dtype, steps=2, master=master), _root(tmp_path),
+                    per_point=3, disabled=frozenset([site]), stop_at_bad=True)
     assert rep.bad >= 1, f"{site} switched off, yet every recovery was good"
 
 

@@ -183,6 +183,31 @@ def test_threads_and_checksums_agree():
         assert crcs[k] == crc32c(t), k
 
 
+@pytest.mark.parametrize("master", ["fp32", "none"])
+def test_segment_across_a_stream_window(master):
+    """A segment crossing a 2^32-element window of its stream (the kernels' counter) runs
+    as one call per window (the kernel alone refuses it), native and reference agree; a
+    start off a block boundary, which such a cut would split, is refused."""
+    from tiermem.optim.rules.adam import WINDOW, int8_segment
+    gen = torch.Generator().manual_seed(3)
+    n, start = 4 * 256, WINDOW - 3 * 256  # the window ends after the third block
+    a = _state(n, master, gen)
+    b, c = _clone(a), _clone(a)
+    g = _grads(n, 1, gen, torch.float32, 2, specials=False)[0]
+    kw = dict(grad=g, master=master, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.01, rounding="stochastic", param_index=5)
+    got = int8_segment(kernel="native", start=start, checksums=("exp_avg",), **a, **kw)
+    assert got == {}  # split: the store hashes the record
+    int8_segment(kernel="reference", start=start, **b, **kw)
+    _assert_same(a, b, "native vs reference")
+    with pytest.raises(ValueError, match="2\\^32"):  # the kernel alone refuses the crossing
+        lb.lowbit_update(kernel="native", seed=na.state_seed(step=1, partition=5),
+                         offset=start, **c, **{k: v for k, v in kw.items()
+                                              if k not in ("param_index",)})
+    with pytest.raises(TierMemError, match="block boundary"):
+        int8_segment(kernel="native", start=start + 1, **_clone(a), **kw)
+
+
 def test_relative_error_bound():
     """Inside a code's range (down to 2^-14 of the block's largest for exp_avg, 2^-30 for
     exp_avg_sq) nearest rounding keeps every value within 1/16 relative (3 mantissa
@@ -292,33 +317,31 @@ from offload_helpers import (Synthetic, backend_params, config, make_batches,  #
 
 
 class ReferenceInt8Adam:
-    """The reference kernel as an optimizer, segment by segment on the partition layout
-    tiermem builds (each segment's blocks start at its element 0; seeds (step, partition
-    id), stream offsets the element's place in its record): an fp32 master (the param
-    itself for fp32 models), a Kahan term, or the bf16 weights themselves."""
+    """The reference kernel as an optimizer on whole parameters: blocks at multiples of
+    BLOCK of each parameter, parameter k's element e rounded with the bits of stream (step,
+    k) at index e. tiermem cuts parameters into partitions (and ranks' shares) on
+    CUT_ALIGN, so its run equals this one whatever the cut. The weights are an fp32
+    master (the param itself for fp32 models), bf16 weights with a Kahan term, or the bf16
+    weights alone."""
 
-    def __init__(self, params, hp: dict, *, rounding: str, partition_size: int,
-                 master_weights: str = "fp32"):
+    def __init__(self, params, hp: dict, *, rounding: str, master_weights: str = "fp32",
+                 first: int = 0):
+        """first: the index of params[0] in the optimizer's flattened parameters (a later
+        parameter group's reference)."""
+        self.first = first
         self.params = list(params)
         self.hp, self.rounding, self.mw = hp, rounding, master_weights
         self.steps = [0] * len(self.params)
         self.master = [p.detach().float().clone().reshape(-1) for p in self.params]
-        parts = build_partitions([{"params": self.params}], {}, partition_size,
-                                 state_dtype="int8", master_weights=master_weights)
-        self.segments = [[] for _ in self.params]
-        for part in parts:
-            off = 0
-            for s in part.segments:
-                n = s.length
-                self.segments[s.index].append({
-                    "start": s.start, "pid": part.id, "off": off,
-                    "exp_avg": torch.zeros(n, dtype=torch.uint8),
-                    "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
-                    "exp_avg_scale": torch.zeros(lb.blocks(n)),
-                    "exp_avg_sq_scale": torch.zeros(lb.blocks(n)),
-                    "kahan": torch.zeros(n, dtype=torch.bfloat16)
-                    if master_weights == "kahan" and s.param.dtype != torch.float32 else None})
-                off += n
+        self.segments = [[{
+            "start": 0,
+            "exp_avg": torch.zeros(p.numel(), dtype=torch.uint8),
+            "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.uint8),
+            "exp_avg_scale": torch.zeros(lb.blocks(p.numel())),
+            "exp_avg_sq_scale": torch.zeros(lb.blocks(p.numel())),
+            "kahan": torch.zeros(p.numel(), dtype=torch.bfloat16)
+            if master_weights == "kahan" and p.dtype != torch.float32 else None}]
+            for p in self.params]
 
     def step(self):
         for i, p in enumerate(self.params):
@@ -334,8 +357,8 @@ class ReferenceInt8Adam:
                 lb.adam_lowbit_reference(
                     param=weights, grad=grad[sl], master=self.mw if low else "fp32",
                     step=self.steps[i], rounding=self.rounding,
-                    seed=na.state_seed(step=self.steps[i], partition=seg["pid"]),
-                    offset=seg["off"], **{k: seg[k] for k in (
+                    seed=na.state_seed(step=self.steps[i], partition=self.first + i),
+                    offset=seg["start"], **{k: seg[k] for k in (
                         "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
                         "kahan")}, **self.hp)
             if not low:
@@ -398,7 +421,7 @@ def test_offload_matches_reference(tmp_path, backend, case):
     hp = hyper(lr=kw["lr"], weight_decay=kw.get("weight_decay", 0.01),
                maximize=kw.get("maximize", False))
     ref = ReferenceInt8Adam(ref_model.parameters(), hp, rounding="stochastic",
-                            partition_size=64 << 10, master_weights=mw)
+                            master_weights=mw)
     cfg = _int8_cfg(tmp_path, mw, backend=backend, **cfg_kw)
     batches = make_batches(model, 5)
     with tiermem.offload(opt, cfg) as tm:
@@ -561,21 +584,24 @@ def test_bytes_per_parameter(tmp_path):
     ({"optimizer": {"state_dtype": "int4"}}, "optimizer.state_dtype", "'int8'"),
     ({"optimizer": {"state_dtype": "int8", "kernel": "match"}}, "optimizer.kernel",
      "bitwise parity"),
-    ({"optimizer": {"state_dtype": "int8", "step_device": "device"}},
-     "optimizer.state_dtype", "step_device"),
+    ({"optimizer": {"state_dtype": "int8", "step_device": "device", "kernel": "native"}},
+     "optimizer.kernel", "step_device"),
     ({"optimizer": {"master_weights": "kahan"}}, "optimizer.master_weights", "int8"),
     ({"optimizer": {"master_weights": "fp16"}}, "optimizer.master_weights", "'kahan'"),
-    ({"optimizer": {"state_dtype": "int8", "master_weights": "none"},
-      "swap": {"durability": "crash_consistent"}}, "optimizer.master_weights",
-     "crash_consistent"),
-    ({"optimizer": {"state_dtype": "int8"}, "tiers": {"gpu": {"capacity": "1GiB"}}},
-     "optimizer.state_dtype", "tiers.gpu.capacity"),
 ])
 def test_config_errors(doc, key, word):
     with pytest.raises(ConfigError) as info:
         tiermem.load_config(doc)
     assert info.value.key == key
     assert word in str(info.value)
+
+
+def test_int8_loads_with_the_gpu_tier_and_the_device_step():
+    """int8 records on the gpu tier or in the device slots run kernels.lowbit's torch
+    reference there (tests/test_device_step.py checks it against the native pass)."""
+    s = tiermem.load_config({"optimizer": {"state_dtype": "int8", "step_device": "device"},
+                             "tiers": {"gpu": {"capacity": "1GiB"}}})
+    assert s.optimizer.state_dtype == "int8" and s.tiers.gpu.capacity == 1 << 30
 
 
 @pytest.mark.parametrize("dtype,kw,cfg,word", [

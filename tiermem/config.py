@@ -158,16 +158,19 @@ class OptimizerSettings:
         "Storage of exp_avg, exp_avg_sq (and max_exp_avg_sq): bf16 keeps 2 bytes per "
         "moment instead of 4, int8 1 byte plus an fp32 scale per 256 (blockwise 8-bit codes; "
         "no amsgrad); both run the update in tiermem's native CPU kernels whatever "
-        "optimizer.kernel says (docs/guide/numerics.md).", default="fp32")
+        "optimizer.kernel says (int8 records off the host: its torch equivalent; "
+        "docs/guide/numerics.md).", default="fp32")
     state_rounding: Literal["stochastic", "nearest"] = doc(
         "How bf16 or int8 state is rounded when stored: stochastic (unbiased, seeded by step "
-        "and partition) or nearest (even); ignored with fp32 state.", default="stochastic")
+        "and partition for bf16, by step and parameter for int8) or nearest (even); ignored "
+        "with fp32 state.", default="stochastic")
     master_weights: Literal["fp32", "kahan", "none"] = doc(
         "What a bf16 parameter's record keeps of its weight: fp32 (a master copy), kahan (a "
         "bf16 compensation term: the update runs on weight + term, the rounding error is "
         "kept) or none (the bf16 weight is updated and rounded back stochastically); kahan "
-        "and none need state_dtype int8 and scratch durability; fp32 parameters are their "
-        "own master whatever it says.", default="fp32")
+        "and none need state_dtype int8, and with crash_consistent durability the records "
+        "also keep the bf16 weights (2 B/param); fp32 parameters are their own master "
+        "whatever it says.", default="fp32")
     step_device: Literal["cpu", "device"] = doc(
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
         "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "
@@ -176,14 +179,15 @@ class OptimizerSettings:
 
     def validate(self) -> None:
         if self.step_device == "device" and (self.kernel == "native"
-                                             or self.state_dtype != "fp32"):
-            # Both run tiermem's native kernel, which updates host memory only.
+                                             or self.state_dtype == "bf16"):
+            # Both run tiermem's native kernel only, which updates host memory. (int8 state
+            # has a torch kernel for device memory: kernels.lowbit's reference.)
             key, value = (("optimizer.kernel", self.kernel) if self.kernel == "native"
                           else ("optimizer.state_dtype", self.state_dtype))
             raise ConfigError(
                 key, value, "with optimizer.step_device device use optimizer.kernel auto, fused "
-                "or match and optimizer.state_dtype fp32 (the native kernel and bf16/int8 state "
-                "run on the CPU); or set optimizer.step_device: cpu")
+                "or match and optimizer.state_dtype fp32 or int8 (the native kernel and bf16 "
+                "state run on the CPU); or set optimizer.step_device: cpu")
         if self.state_dtype != "fp32" and self.kernel == "match":
             # match promises bitwise parity with the wrapped optimizer, which keeps
             # fp32 moments: no bf16 store can keep that promise.
@@ -254,19 +258,6 @@ class Settings:
     def validate(self) -> None:
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,
         # with one warning (tiermem.io.buffers), so the defaults work for any user.
-        if (self.optimizer.master_weights != "fp32"
-                and self.swap.durability == "crash_consistent"):
-            # A commit must hold every weight; without a master they live only in the model.
-            raise ConfigError(
-                "optimizer.master_weights", self.optimizer.master_weights,
-                "fp32 with swap.durability crash_consistent (a commit keeps the weights in "
-                "the records; kahan and none keep them only in the model)")
-        if self.optimizer.state_dtype == "int8" and (
-                self.tiers.gpu.capacity > 0 or any(r.tier == "gpu" for r in self.placement)):
-            raise ConfigError(
-                "optimizer.state_dtype", "int8",
-                "host and nvme tiers (the int8 kernel runs on the CPU); set "
-                "tiers.gpu.capacity: 0 and place no state on gpu, or use state_dtype fp32")
         pinned = self.tiers.host.capacity + self.pipeline.buffer_count * self.pipeline.partition_size
         total = physical_memory()
         if pinned > total * 0.9:

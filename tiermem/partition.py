@@ -10,7 +10,9 @@ element with `int8` (blockwise codes: each segment's moments come in blocks of
 QUANT_BLOCK elements, the first at the segment's element 0, with one fp32 scale per
 block and moment in the kinds `exp_avg_scale`, `exp_avg_sq_scale`); the master is
 always fp32, and a bf16 model with `optimizer.master_weights: kahan` keeps a bf16
-compensation term (kind `kahan`) instead.
+compensation term (kind `kahan`) instead. With kahan or none a crash-consistent run
+also keeps a copy of the model's bf16 weights (kind `weight`): the weights then live
+in the committed record, not only in the model.
 
 A parameter is cut only at element offsets that are multiples of CUT_ALIGN:
 torch's vectorised Adam kernels then see the same vector/tail split on a
@@ -35,6 +37,9 @@ STATE_BYTES = 4  # bytes of an fp32 state element (the master; moments unless bf
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 QUANT_BLOCK = 256  # elements per int8 block: divides CUT_ALIGN, so no cut splits a block
 SCALE_KINDS = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}  # -> moment
+# bf16 kinds of master_weights kahan/none: the compensation term, and the model's weights
+# as a crash-consistent record keeps them
+LOW_WEIGHT_KINDS = ("weight", "kahan")
 
 
 def align_up(n: int, to: int = RECORD_ALIGN) -> int:
@@ -123,7 +128,8 @@ def record_of(part: Partition, views: dict[str, torch.Tensor]) -> torch.Tensor:
 def kind_dtype(kind: str, moment_dtype: torch.dtype) -> torch.dtype:
     if kind == "master" or kind in SCALE_KINDS:
         return torch.float32
-    return torch.bfloat16 if kind == "kahan" else moment_dtype
+    # kahan and weight belong to master_weights kahan/none, which runs bf16 models only
+    return torch.bfloat16 if kind in LOW_WEIGHT_KINDS else moment_dtype
 
 
 def blocks(n: int) -> int:
@@ -181,15 +187,18 @@ def state_kinds(param: torch.Tensor, amsgrad: bool, keep_master: bool = False,
     on the parameter itself (fp32, in host memory) and `keep_master` is off (a
     crash-consistent run keeps the weights in the record so they are committed with it).
     A low-precision parameter with `master_weights` kahan keeps a bf16 compensation term
-    instead, with none nothing: its own weights are updated. int8 moments
-    (`state_dtype`) come each followed by its block scales."""
+    instead, with none nothing: its own weights are updated; with `keep_master` it then
+    keeps a bf16 copy of those weights ("weight", written by every update), so a commit
+    still holds them. int8 moments (`state_dtype`) come each followed by its block
+    scales."""
     # meta: a model built on the meta device that the parameter tier makes on the CPU
     in_place = (param.dtype == torch.float32 and param.device.type in ("cpu", "meta")
                 and not keep_master)
     if in_place:
         kinds: tuple[str, ...] = ()
     elif param.dtype != torch.float32 and master_weights != "fp32":
-        kinds = ("kahan",) if master_weights == "kahan" else ()
+        kinds = ("weight",) if keep_master else ()
+        kinds += ("kahan",) if master_weights == "kahan" else ()
     else:
         kinds = ("master",)
     if state_dtype == "int8":

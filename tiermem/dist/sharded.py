@@ -168,7 +168,9 @@ class DistributedOffload(Offload):
                                   model=named if model is not None else None,
                                   swap_name=f"{name}-rank{self.rank}", resume=resume,
                                   resume_previous=previous, keep_previous=True,
-                                  streams=self.streams)
+                                  streams=self.streams,
+                                  origins=[(pc.index, pc.start) for pcs in lay.pieces
+                                           for pc in pcs])
 
     def _one_step_back(self, off: OffloadedOptimizer, flags: list[list[float]],
                        settings: Settings, model: Any, name: str) -> OffloadedOptimizer:

@@ -8,6 +8,7 @@ lr schedulers and zero_grad are untouched. `detach()` puts everything back.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -25,7 +26,7 @@ from tiermem.optim.rules import Batch, UpdateRule, rule_for
 from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
 from tiermem.kernels.checksum import record_digest
 from tiermem.params.tier import ParamTier
-from tiermem.partition import Partition, build_partitions
+from tiermem.partition import Partition, Segment, build_partitions
 from tiermem.tiers.pipeline import Views
 from tiermem.signals import deferred
 from tiermem.telemetry.stats import StepStats, timed
@@ -58,17 +59,15 @@ def check_weights_supported(settings: Settings, model: torch.nn.Module | None, s
         raise ConfigError("parameters.offload", settings.parameters.offload,
                           "needs the model: pass model= to tiermem.offload(opt, config, "
                           "model=model), whose modules' hooks fetch the weights")
-    if resume:
-        raise TierMemError("resume=True is not supported with parameters.offload yet (the "
-                           "weight records are not kept on disk)")
+    if resume and settings.swap.durability != "crash_consistent":
+        # A scratch run keeps no weights on disk (an fp32 model's records hold none).
+        raise TierMemError("resume=True with parameters.offload needs swap.durability "
+                           "crash_consistent, whose commits hold the weights; a scratch run "
+                           "keeps only the optimizer state on disk")
     if settings.pipeline.overlap_backward:
         raise ConfigError("pipeline.overlap_backward", True,
                           "not supported with parameters.offload yet (the step reads the "
                           "gradients from the parameter tier after backward); set it false")
-    if settings.swap.durability == "crash_consistent":
-        raise ConfigError("swap.durability", "crash_consistent",
-                          "not supported with parameters.offload yet (commits do not include "
-                          "the weight records); use scratch")
     if streams is not None:
         raise TierMemError("parameters.offload runs CPU models only so far: streams= is not "
                            "supported with it")
@@ -86,10 +85,14 @@ class OffloadedOptimizer:
                  model: torch.nn.Module | None = None, swap_name: str = "default",
                  resume: bool = False, resume_previous: bool = False,
                  keep_previous: bool = False,
-                 streams: CudaBackend | DeferredBackend | None = None) -> None:
+                 streams: CudaBackend | DeferredBackend | None = None,
+                 origins: Sequence[tuple[int, int]] = ()) -> None:
         """resume_previous: resume from the commit before the last (manifest.PREVIOUS);
         keep_previous: every commit keeps the one before it (both: torch.distributed);
-        streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters).
+        streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters);
+        origins: per parameter, the user's parameter it is a piece of and the piece's first
+        element there (a rank's shares; default: itself, from element 0), which keys the
+        random streams of stochastic rounding (UpdateRule: Batch.origins).
         With parameters.offload the model's weights and grads move to a ParamTier once the
         state is laid out (each partition's parameters are opened from it for its update)."""
         o = settings.optimizer
@@ -117,6 +120,7 @@ class OffloadedOptimizer:
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = [torch.tensor(0.0) for _ in self.params]
+        self.origins = list(origins)
         # Each parameter's other scalar state (rule.scalar_keys: ASGD's eta, mu, ...) as
         # its last completed step left it, and the values this step's update made, which
         # replace them when the parameter's next step is counted: every segment of a
@@ -148,6 +152,7 @@ class OffloadedOptimizer:
         self.budgets.assign(self.parts)
         # Streams, events and buffers between host memory and the device, made once.
         self.lanes: DeviceLanes | None = None
+        self._refuse_offload_route(self.parts)
         self._add_lanes(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
@@ -170,14 +175,17 @@ class OffloadedOptimizer:
                 # The commit gone back to is the latest from now on: a crash, or a step
                 # rolled back, must not find the later one (its records get overwritten).
                 write_manifest(self.tiers.run_dir(), manifest)
+            # With parameters.offload the weights are restored, or step 0 committed, once
+            # the parameter tier holds them (a model built on the meta device has none yet).
+            later = settings.parameters.offload != "none"
             if resume:
-                if self.crash:
+                if self.crash and not later:
                     self._restore_weights()
                 optimizer.state.clear()  # the kept state is the one to continue from
             elif existing:
                 self._import(existing)
                 optimizer.state.clear()  # the tiers hold it now; free the RAM
-            if self.crash and not resume:
+            if self.crash and not resume and not later:
                 # Step 0 committed: every record, weights included, on disk before training.
                 self._initialise(self.parts)
                 self.commit()
@@ -198,16 +206,24 @@ class OffloadedOptimizer:
         if settings.parameters.offload != "none":
             # Last: the partitions above were laid out from the weights still in memory.
             try:
-                self.weights = ParamTier(model, settings, swap_name=swap_name)
+                self.weights = ParamTier(model, settings, swap_name=swap_name, resume=resume)
                 self._route_zero_grad(optimizer)
                 self.weights.check_partitions([s.param for s in part.segments]
                                               for part in self.parts)
+                if self.crash and resume:
+                    # The committed records hold every weight the optimizer updates (fp32
+                    # masters, or the bf16 copies of master_weights kahan/none): the tier's
+                    # own weight records are working copies, rewritten from them.
+                    self._restore_weights()
+                elif self.crash:
+                    self._initialise(self.parts)
+                    self.commit()
             except BaseException:
                 if self.weights is not None:
                     self.weights.close()
                     self.weights = None
                 self.detach()
-                self.tiers.close(remove_swap=True)
+                self.tiers.close(remove_swap=not resume)  # a failed resume keeps the state
                 raise
 
     # -- set-up ----------------------------------------------------------------
@@ -234,6 +250,18 @@ class OffloadedOptimizer:
         on_device = self.emulated or any(s.param.device.type not in ("cpu", "meta")
                                          for s in part.segments)
         return "offload" if on_device else None
+
+    def _refuse_offload_route(self, parts: list[Partition]) -> None:
+        """master_weights kahan/none update the model's bf16 weights in place: through the
+        "offload" route the update runs on host grads while those weights stay on the
+        device, so it cannot (step_device device and the gpu tier update them there)."""
+        mw = self.settings.optimizer.master_weights
+        if mw != "fp32" and any(self._route(p) == "offload" for p in parts):
+            raise ConfigError(
+                "optimizer.master_weights", mw,
+                "fp32 for a model off the CPU with optimizer.step_device cpu (the weights "
+                "live only on the device, the update would run on the host); or set "
+                "optimizer.step_device: device")
 
     def _add_lanes(self, parts: list[Partition]) -> None:
         routed = [p for p in parts if self._route(p) is not None]
@@ -359,6 +387,11 @@ class OffloadedOptimizer:
         ahead, writes behind), the rule updates it, the tiers take it back. done/ahead:
         NVMe partitions visited earlier in this step / expected after `parts`."""
         after = self._after_update()
+        # the parameter tier reads weights and gradients as many partitions ahead as the
+        # state pipeline reads records (one partition's update is too short to cover one
+        # parameter's read)
+        position = {part.id: k for k, part in enumerate(parts)}
+        depth = self.settings.pipeline.prefetch_depth
         for rec in self.tiers.visit(parts, stats, done=done, ahead=ahead):
             nxt = rec.following
             if self.lanes is not None and nxt is not None and self._route(nxt) is not None:
@@ -368,13 +401,20 @@ class OffloadedOptimizer:
             opened = None
             if self.weights is not None:
                 opened = self.weights.open_for_update(s.param for s in rec.part.segments)
-                if nxt is not None:  # its reads overlap this update
-                    self.weights.read_ahead_update(s.param for s in nxt.segments)
-            if rec.fresh:
-                self.rule.init(rec.part, rec.views)
-            digest = self._update(rec.part, rec.views, stats)
-            if opened is not None:
-                self.weights.updated(opened)
+                if nxt is not None:  # their reads overlap this update
+                    k = position.get(nxt.id)
+                    coming = [nxt] if k is None else parts[k: k + depth]
+                    self.weights.read_ahead_update(s.param for q in coming
+                                                   for s in q.segments)
+            try:
+                if rec.fresh:
+                    self.rule.init(rec.part, rec.views)
+                digest = self._update(rec.part, rec.views, stats)
+            finally:
+                # also when the update failed: the window must not keep them pinned (a
+                # crash-consistent roll-back then rewrites their weights)
+                if opened is not None:
+                    self.weights.updated(opened)
             self.tiers.release(rec, stats, digest)  # the disk works while after() runs
             if after is not None:
                 after(rec.part)
@@ -418,6 +458,12 @@ class OffloadedOptimizer:
                                      host_grads=self.lanes.grads_on_host(part, stats)
                                      if route == "offload" else None)
 
+    def _origin(self, s: Segment) -> tuple[int, int]:
+        """The user's parameter `s` is part of, and the element of it `s` starts at."""
+        index, start = (self.origins[s.index] if s.index < len(self.origins)
+                        else (s.index, 0))
+        return index, start + s.start
+
     def runs_native(self, part: Partition) -> bool:
         """Whether tiermem's native kernel updates `part` (in `_update_native`): the rule
         wants it for this kernel setting and the update runs on host memory."""
@@ -441,6 +487,7 @@ class OffloadedOptimizer:
         batch = Batch(part, group, state={k: [] for k in part.kinds if k != "master"})
         slices = {k: part.slices(k) for k in part.kinds}
         copies_back = []
+        kept = []  # (record's copy, model weights): master_weights kahan/none, committed
         updated = []
         off = 0
         # A host record updated from host grads (a CPU model's, or those the lanes already
@@ -468,9 +515,13 @@ class OffloadedOptimizer:
                     copies_back.append((s, target))
                 else:
                     target = s.param.detach().view(-1)[s.start: s.start + s.length]
+                    if "weight" in views:
+                        kept.append((views["weight"][sl], target))
                 batch.params.append(target)
                 batch.grads.append(g)
                 batch.segments.append(s)
+                batch.offsets.append(sl.start)
+                batch.origins.append(self._origin(s))
                 self._gather_counts(batch, s)
                 updated.append(s.index)
                 for k, lst in batch.state.items():
@@ -487,6 +538,8 @@ class OffloadedOptimizer:
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 record_function(f"tiermem.update p{part.id}"):
             self.rule.update(batch, kernel=kernel)
+            for rec, weights in kept:
+                rec.copy_(weights)
         for index, sc in zip(updated, batch.scalars):
             if sc:
                 self._next_scalars[index] = sc
@@ -539,6 +592,10 @@ class OffloadedOptimizer:
                       state={k: [] for k in part.kinds if k != "master"}, weights_out=[],
                       checksums=hashed)
         fp32_copies = []  # fp32 models with a master: the kernel writes low precision only
+        # master_weights kahan/none in a crash-consistent run: the kernel updates the
+        # model's bf16 weights, copied right after into the record (views["weight"]) so
+        # that the commit holds them; the kernel's CRC of the weights is the copy's
+        kept = []
         updated = []  # segment numbers with a gradient, in order
         slices = {k: part.slices(k) for k in batch.state}  # int8 scales: one per block
         off = 0
@@ -556,15 +613,21 @@ class OffloadedOptimizer:
             batch.steps.append(self.steps[s.index])
             batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
             batch.offsets.append(sl.start)
+            batch.segments.append(s)
+            batch.origins.append(self._origin(s))
             for k, lst in batch.state.items():
                 lst.append(views[k][slices[k][n]])
             if fp32_model:
                 fp32_copies.append((weights, master[sl]))
+            if "weight" in views:
+                kept.append((views["weight"][slices["weight"][n]], weights))
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 record_function(f"tiermem.update p{part.id}"):
             got = self.rule.update(batch, kernel="native") if batch.params else []
             for weights, m in fp32_copies:
                 weights.copy_(m)
+            for rec, weights in kept:
+                rec.copy_(weights)
             if not hashed:
                 return None
             crcs: list[dict[str, int] | None] = [None] * len(part.segments)
@@ -580,8 +643,12 @@ class OffloadedOptimizer:
         groups = [{**{k: jsonable(v) for k, v in g.items() if k != "params"},
                    "params": [index[id(p)] for p in g["params"]]}
                   for g in self.opt.param_groups]
-        params = [{"name": self.names.get(id(p), ""), "shape": list(p.shape),
-                   "dtype": str(p.dtype).removeprefix("torch.")} for p in self.params]
+        # with parameters.offload a parameter is empty between uses: its shape is the tier's
+        shaped = (self.params if self.weights is None
+                  else [self.weights.stand_in(p) for p in self.params])
+        params = [{"name": self.names.get(id(p), ""), "shape": list(q.shape),
+                   "dtype": str(p.dtype).removeprefix("torch.")}
+                  for p, q in zip(self.params, shaped)]
         for i, entry in enumerate(params):
             scalars = self.latest_scalars(i)
             if scalars:
@@ -646,20 +713,33 @@ class OffloadedOptimizer:
         self.committed_step = manifest.step if manifest.durability == "crash_consistent" else None
 
     def _restore_weights(self) -> None:
-        """The model's weights from the committed fp32 masters."""
+        """The model's weights from the committed records: fp32 masters, or the bf16
+        weights a record keeps without one (master_weights kahan/none); with
+        parameters.offload into the parameter tier, partition by partition."""
         for part in self.parts:
             with self.tiers.record(part, write=False) as (views, fresh):
                 if fresh:
                     continue  # never stepped nor initialised: the model's weights are its own
-                for s, sl in zip(part.segments, part.slices("master")):
-                    s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
-                        views["master"][sl])
+                kind = "master" if "master" in views else "weight"
+                with self._model_weights(part, changed=True):
+                    for s, sl in zip(part.segments, part.slices(kind)):
+                        s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
+                            views[kind][sl])
+
+    def _model_weights(self, part: Partition, *, changed: bool = False
+                       ) -> contextlib.AbstractContextManager:
+        """`part`'s parameters hold their weights for the duration (with
+        parameters.offload: materialised from the tier, written back after if `changed`)."""
+        if self.weights is None:
+            return contextlib.nullcontext()
+        return self.weights.materialised([s.param for s in part.segments], changed=changed)
 
     def _initialise(self, parts: list[Partition]) -> None:
         """Build every never-written record (zero state, master from the model) in place."""
         for part in parts:
             if self.tiers.is_fresh(part):
-                with self.tiers.record(part, write=True) as (views, _):
+                with self.tiers.record(part, write=True) as (views, _), \
+                        self._model_weights(part):
                     self.rule.init(part, views)
 
     def keep_on_disk(self) -> str:
@@ -747,8 +827,10 @@ class OffloadedOptimizer:
             self.steps[i] = torch.tensor(0.0)
             self.scalars[i] = {}
         self._next_scalars.clear()
-        if self.weights is not None and any("master" in part.kinds for part in self.parts):
-            # a master missing from the checkpoint is taken from the model's weights
+        if self.weights is not None and any("master" in part.kinds or "weight" in part.kinds
+                                            for part in self.parts):
+            # a master missing from the checkpoint (and a record's copy of the weights) is
+            # taken from the model's weights
             with self.weights.materialised(self.params):
                 self._import(state)
         else:
@@ -822,6 +904,7 @@ class OffloadedOptimizer:
             for part in new:
                 part.group = first_group
             self.budgets.assign(new)
+            self._refuse_offload_route(new)
             self._add_lanes(new)  # slots grow to the largest record: harmless if refused below
             self.tiers.add(new)
         except BaseException:

@@ -49,7 +49,8 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
     every record. A kind the state lacks is zero, a master the model's weights; copy_
     casts, so bf16 moments are rounded to nearest even here, and int8 moments are
     quantised (to nearest) with their scales. A Kahan term is what the fp32 master
-    (keys["master"]) adds to the model's bf16 weight, rounded to nearest."""
+    (keys["master"]) adds to the model's bf16 weight, rounded to nearest; a record's copy
+    of the bf16 weights (kind "weight") is the model's weights."""
     for part in parts:
         with tiers.record(part, write=True) as (views, _):
             slices = {k: part.slices(k) for k in views}
@@ -59,6 +60,9 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
                     if k in SCALE_KINDS:
                         continue  # written with its moment
                     dst = views[k][slices[k][i]]
+                    if k == "weight":  # the record's copy of the model's bf16 weights
+                        dst.copy_(s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                        continue
                     if k == "kahan":
                         src = st.get(keys["master"])
                         dst.zero_() if src is None else dst.copy_(bf16_nearest(
@@ -102,8 +106,8 @@ def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
                 if st is None:
                     continue
                 for k, src in views.items():
-                    if k in SCALE_KINDS:
-                        continue
+                    if k in SCALE_KINDS or k == "weight":
+                        continue  # scales: read with their moment; weight: the model's own
                     if k == "kahan":
                         if keys["master"] in st:
                             w = st[keys["master"]].view(-1)[s.start: s.start + s.length]

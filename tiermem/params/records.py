@@ -10,6 +10,7 @@ first, so a read always returns the latest bytes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,8 +20,10 @@ from tiermem.config import Settings
 from tiermem.errors import TierMemError
 from tiermem.io import IOEngine, Request
 from tiermem.io.buffers import aligned_empty
-from tiermem.partition import RECORD_ALIGN, Partition, align_up
+from tiermem.params.recycle import Recycler
+from tiermem.partition import Partition, align_up
 from tiermem.swap.store import SwapStore
+from tiermem.swap.rundir import RunDir, remove_run_dir, run_dirs
 
 WEIGHT, GRAD = "weight", "grad"
 
@@ -44,6 +47,18 @@ def record_bytes(meta: Meta) -> int:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
+
+
+def drop_run_dirs(paths: Sequence[str], name: str) -> None:
+    """Remove the run directories `name` left under `paths` (taken over first: a live run
+    holding one is refused by name, never removed)."""
+    for d in run_dirs(paths, name):
+        if os.path.lexists(d):
+            held = RunDir.adopt(d)
+            try:
+                remove_run_dir(d)
+            finally:
+                held.release()
 
 
 class Fetch:
@@ -70,7 +85,10 @@ class Records:
     """Weight and gradient records of `metas` (one per parameter) on `tier`."""
 
     def __init__(self, metas: Sequence[Meta], tier: str, settings: Settings,
-                 swap_name: str) -> None:
+                 swap_name: str, *, drop_stale: bool = False) -> None:
+        """drop_stale: remove the records a crashed run left under `swap_name` first (a
+        crash-consistent resume: weights come back from the optimizer's commit, and
+        gradients are never durable), instead of refusing the stale directory."""
         if tier not in ("host", "nvme"):
             raise TierMemError(f"parameters.offload: {tier!r} has no records")
         self.metas = list(metas)
@@ -86,6 +104,8 @@ class Records:
         # Bytes of write buffers in flight before the oldest is waited for: the step writes
         # every updated weight, which must not add up to a copy of the model in memory.
         self.pending_limit = 256 << 20
+        # buffers in use and kept for reuse, at most (the owner sets it with pending_limit)
+        self.recycler = Recycler(2 * self.pending_limit)
         if tier == "host":
             # One pinned arena per kind, records back to back: huge pages per record would
             # waste most of a 2 MiB page on every small parameter.
@@ -105,6 +125,8 @@ class Records:
                 p.record_bytes = record_bytes(m)
                 self._parts[kind, i] = p
         s = settings
+        if drop_stale:
+            drop_run_dirs(s.swap.paths, swap_name)
         self.engine = IOEngine(s.io.backend, s.io.queue_depth, s.io.block_size)
         try:
             self.store = SwapStore(self.engine, s.swap.paths, swap_name,
@@ -130,11 +152,8 @@ class Records:
         return sum(t.numel() for t in self.host.values())
 
     def _buffer(self, index: int) -> torch.Tensor:
-        # Page-aligned for O_DIRECT: a little more than needed, cut at the first page.
-        n = self.slot_bytes(index)
-        raw = torch.empty(n + RECORD_ALIGN, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % RECORD_ALIGN
-        return raw[skip: skip + n]
+        # Page-aligned for O_DIRECT, reused by size rather than left to malloc (recycle.py)
+        return self.recycler.get(self.slot_bytes(index))
 
     def _landed(self, key: tuple[str, int]) -> None:
         got = self.pending.pop(key, None)
@@ -172,6 +191,18 @@ class Records:
         self._landed((kind, index))  # one write per record in flight: they land in order
         buf = self._buffer(index)
         buf[: meta.nbytes].copy_(as_bytes(value))
+        self._issue(kind, index, buf)
+
+    def write_buffer(self, kind: str, index: int, buf: torch.Tensor) -> None:
+        """Store the contents of `buf`, a buffer a fetch of this record brought in (and
+        its owner changed since), without a copy: the record keeps `buf` until the write
+        lands, and the caller must not touch it again."""
+        if self.tier == "host" or buf.numel() != self.slot_bytes(index):
+            self.write(kind, index, buf[: self.metas[index].nbytes].view(
+                self.metas[index].dtype).view(self.metas[index].shape))
+            return
+        self._reap()
+        self._landed((kind, index))
         self._issue(kind, index, buf)
 
     def _issue(self, kind: str, index: int, buf: torch.Tensor) -> None:
@@ -227,3 +258,4 @@ class Records:
             if self.engine is not None:
                 self.engine.close()
             self.host.clear()
+            self.recycler.clear()

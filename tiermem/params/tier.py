@@ -119,13 +119,22 @@ class _Restore:
 class ParamTier:
     """Weights and gradients of `model` on `settings.parameters.offload` (host or nvme)."""
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, *, swap_name: str) -> None:
+    def __init__(self, model: torch.nn.Module, settings: Settings, *, swap_name: str,
+                 resume: bool = False) -> None:
+        """resume: a crash-consistent run is resumed; the weight and gradient records a
+        crashed run left are working copies (the commit holds the weights), dropped."""
         ps = settings.parameters
         if ps.offload == "none":
             raise TierMemError("parameters.offload is none: there is no parameter tier to make")
         self.model = model
         self.settings = settings
         self.prefetch = ps.prefetch
+        # Bytes the reads ahead keep in flight at least (past `prefetch` units when those
+        # are small): a unit is often one linear of a few MiB, and two of them leave most
+        # of the I/O queue idle while the layer computes. Half the window at most, so the
+        # units in use keep their room.
+        self.ahead_bytes = min(settings.io.queue_depth * settings.io.block_size,
+                               ps.window // 2)
         self.window = ps.window
         self.params: list[torch.nn.Parameter] = list(model.parameters())
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -161,10 +170,12 @@ class ParamTier:
                 if self.unit_of[i] < 0:
                     self.unit_of[i] = u
         self.records = Records([Meta(p.shape, p.dtype) for p in self.params], ps.offload,
-                               settings, swap_name + ".params")
+                               settings, swap_name + ".params", drop_stale=resume)
         self.records.pending_limit = self.window
+        self.records.recycler.limit = 2 * self.window  # the window and its writes in flight
         # the window: materialised weights (LRU order), reads in flight, pins, grads out
         self.live: OrderedDict[int, int] = OrderedDict()  # index -> bytes held
+        self.bufs: dict[int, torch.Tensor] = {}  # index -> the fetch buffer it lives in
         self.inflight: dict[int, Fetch] = {}
         self.pins: dict[int, int] = {}
         self.dirty: set[int] = set()
@@ -328,13 +339,26 @@ class ParamTier:
     def _release_storage(self, i: int) -> None:
         p = self.params[i]
         self._by_storage.pop(p.untyped_storage().data_ptr(), None)
+        self.bufs.pop(i, None)
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    def _install_weight(self, i: int, value: torch.Tensor) -> None:
+    def _install_weight(self, i: int, value: torch.Tensor, buf: torch.Tensor) -> None:
         p = self.params[i]
         p.data = value
         self._by_storage[value.untyped_storage().data_ptr()] = i
+        self.bufs[i] = buf
         self.live[i] = self._bytes(i)
+
+    def _write_back(self, i: int) -> None:
+        """Parameter `i`'s changed weights to their record: from the buffer they live in
+        when the parameter still views it whole (no copy), else copied."""
+        p, buf = self.params[i].detach(), self.bufs.get(i)
+        if (buf is not None and p.data_ptr() == buf.data_ptr() and p.is_contiguous()
+                and p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
+            self.bufs.pop(i)
+            self.records.write_buffer(WEIGHT, i, buf)  # the weights are released next
+        else:
+            self.records.write(WEIGHT, i, p)
 
     def _take(self, n: int) -> None:
         self.used += n
@@ -342,7 +366,7 @@ class ParamTier:
 
     def _evict(self, i: int) -> None:
         if i in self.dirty:
-            self.records.write(WEIGHT, i, self.params[i].detach())
+            self._write_back(i)
             self.dirty.discard(i)
         self._drop_grad(i)
         self._release_storage(i)
@@ -402,7 +426,7 @@ class ParamTier:
         else:
             self.stats.prefetched += 1
         self.stats.fetches += 1
-        self._install_weight(i, fetch.wait())
+        self._install_weight(i, fetch.wait(), fetch.buf)
 
     def _read_ahead(self, units: Iterable[int]) -> None:
         wanted = [i for u in units for i in self.units[u]]
@@ -414,6 +438,15 @@ class ParamTier:
                 return
             self._take(self._bytes(i))
             self.inflight[i] = self.records.fetch(WEIGHT, i)
+
+    def _ahead(self, order: list[int], c: int) -> list[int]:
+        """The units to read ahead from position `c` of `order`: `prefetch` of them, and
+        more while the ones taken hold fewer than ahead_bytes."""
+        end, held = c, 0
+        while end < len(order) and (end - c < self.prefetch or held < self.ahead_bytes):
+            held += sum(self._bytes(i) for i in self.units[order[end]])
+            end += 1
+        return order[c: end]
 
     def _request(self, u: int) -> None:
         """Unit `u` is needed now: follow (or learn) the order, read the next ones ahead."""
@@ -433,7 +466,7 @@ class ParamTier:
                 pass  # not ahead in the order: keep the place, fetch this one on demand
         self._cursor = c
         if self.prefetch:
-            self._read_ahead(order[c: c + self.prefetch])
+            self._read_ahead(self._ahead(order, c))
 
     def _pin(self, i: int) -> None:
         self.pins[i] = self.pins.get(i, 0) + 1
@@ -651,8 +684,11 @@ class ParamTier:
                 self.grads_inflight[i] = self.records.fetch(GRAD, i)
 
     @contextlib.contextmanager
-    def materialised(self, params: Iterable[torch.Tensor]) -> Iterator[None]:
-        """`params`' weights in place for the duration, read only (a check, an init)."""
+    def materialised(self, params: Iterable[torch.Tensor], *, changed: bool = False
+                     ) -> Iterator[None]:
+        """`params`' weights in place for the duration: read only (a check, an init), or
+        `changed` (a crash-consistent resume or roll-back writing the committed weights):
+        then written back to their records like updated ones."""
         idx = self.indices(params)
         for i in idx:
             self._pin(i)
@@ -660,6 +696,8 @@ class ParamTier:
             for i in idx:
                 self._materialise(i)
             yield
+            if changed:
+                self.dirty.update(idx)
         finally:
             for i in idx:
                 self._unpin(i)
@@ -670,6 +708,11 @@ class ParamTier:
             if self.has_grad[i]:
                 self.dirty.add(i)
             self._unpin(i)
+            if i in self.live and not self.pins.get(i):
+                # first out: the step visits each parameter once, so what it updated is
+                # done with, and least-recently-used order would evict the weights the
+                # rest of the step still needs instead (read again)
+                self.live.move_to_end(i, last=False)
 
     def step_done(self) -> None:
         """The step consumed every gradient: write the updated weights back, forget the
@@ -690,7 +733,7 @@ class ParamTier:
             self.learned = self._recording
         self._cursor = 0
         if self.learned and self.prefetch:
-            self._read_ahead(self.learned[: self.prefetch])
+            self._read_ahead(self._ahead(self.learned, 0))
 
     def plan(self) -> dict[str, Any]:
         """Where the weights and grads are and what the window holds (tm.plan())."""

@@ -241,7 +241,7 @@ def _dict(v, where: str, keys: set[str] | None = None) -> dict:
 _DURABILITY = ("scratch", "crash_consistent")
 _TIERS = ("gpu", "host", "nvme")
 _KINDS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
-          "exp_avg_sq_scale", "kahan")
+          "exp_avg_sq_scale", "kahan", "weight")
 # uint8: optimizer.state_dtype int8 (blockwise codes, their scales in the *_scale kinds)
 _MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16, "uint8": torch.uint8}

@@ -17,8 +17,12 @@ weights live in the model's own checkpoint). Parameters are named as the model
 named them when `model=` was given to `tiermem.offload`, else `param.<index>`.
 The checkpoint is built in host memory: it needs as much RAM as the state.
 int8 records (optimizer.state_dtype int8) come out as their exact fp32 values, as
-state_dict() gives them; a Kahan term (optimizer.master_weights kahan, scratch runs
-only) is left out: the bf16 weights are the model's own checkpoint.
+state_dict() gives them. With optimizer.master_weights kahan or none a crash-consistent
+record keeps the model's bf16 weights (kind "weight"): "model" holds those (in fp32,
+exactly: what the model held at that step, loadable into a plain bf16 model), and the
+optimizer's "master_param" what state_dict() gives, the weight plus its Kahan term
+added in fp32 (the value the next step's update starts from; without kahan, the weight).
+A scratch run's Kahan term is left out: its bf16 weights are the model's own checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ NO_STEP_RULES = {"SGDRule"}  # torch keeps no "step" count in their state
 # torch builds these rules' state when the optimizer is made: kind -> the group value it
 # starts at
 EAGER_RULES = {"AdagradRule": {"sum": "initial_accumulator_value"}}
+# kinds that hold weights, not torch state: an fp32 master, the bf16 weights a record keeps
+# without one (master_weights kahan/none, crash-consistent) and their Kahan term
+WEIGHT_KINDS = ("master", "weight", "kahan")
 
 
 def _scalar(value: Any) -> Any:
@@ -143,17 +150,18 @@ def gather(run_dir: str) -> dict[str, Any]:
         st: dict[str, Any] = {"step": torch.tensor(float(step))} if has_step else {}
         st.update({k: _scalar(v) for k, v in (m.params[i].get("scalars") or {}).items()})
         for k in kinds_of.get(i, ()):
-            if k not in ("master", "kahan") and k not in SCALE_KINDS:
+            if k not in WEIGHT_KINDS and k not in SCALE_KINDS:
                 # never stepped (Adagrad builds its state when made): torch's starting value
                 fill = m.groups[group_of[i]].get(EAGER_RULES.get(m.rule, {}).get(k), 0.0)
                 st[k] = torch.full(shape, float(fill) if step == 0 else 0.0,
                                    dtype=torch.float32)
-        if m.params[i]["dtype"] != "float32" and "master" in kinds_of.get(i, ()):
+        if m.params[i]["dtype"] != "float32" and (
+                {"master", "weight"} & set(kinds_of.get(i, ()))):
             st["master_param"] = torch.zeros(shape, dtype=torch.float32)
         if st:  # SGD without momentum keeps nothing
             state[i] = st
     for i, p in enumerate(m.params):
-        if "master" in kinds_of.get(i, ()):
+        if {"master", "weight"} & set(kinds_of.get(i, ())):
             weights[i] = torch.zeros(p["shape"], dtype=torch.float32)
     fresh = set(m.fresh)
     records = _Records(run_dir, m)
@@ -167,6 +175,7 @@ def gather(run_dir: str) -> dict[str, Any]:
             for n, s in enumerate(part.segments):
                 if m.steps[s.index] == 0 and s.index not in weights:
                     continue  # never stepped: the starting state set above
+                # in record order: a "weight" kind comes before its "kahan" term
                 for k, src in views.items():
                     if k in SCALE_KINDS:
                         continue
@@ -175,12 +184,17 @@ def gather(run_dir: str) -> dict[str, Any]:
                     if k in scale_of:  # int8 codes: the fp32 moments torch keeps
                         value = dequantize(value, views[scale_of[k]][slices[scale_of[k]][n]],
                                            signed=k == "exp_avg")
-                    if k == "master" and s.index in weights:
+                    if k in ("master", "weight") and s.index in weights:
                         weights[s.index].view(-1)[s.start: s.start + s.length].copy_(value)
                     if m.steps[s.index] == 0:
                         continue
                     st = state.get(s.index, {})
-                    key = "master_param" if k == "master" else k
+                    if k == "kahan":
+                        if "master_param" in st:  # weight + term, in fp32, as the update
+                            w = st["master_param"].view(-1)[s.start: s.start + s.length]
+                            w.copy_(w + value.float())
+                        continue
+                    key = "master_param" if k in ("master", "weight") else k
                     if key in st:
                         st[key].view(-1)[s.start: s.start + s.length].copy_(value)
     finally:

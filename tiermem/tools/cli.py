@@ -151,6 +151,19 @@ def _with_state_flags(settings, args: argparse.Namespace):
     return load_config(data)
 
 
+def _model_flags(p: argparse.ArgumentParser, example: str) -> None:
+    """The config and the synthetic model's size, dtype and optimizer (stress and plan)."""
+    p.add_argument("--config", help="YAML config (default: built-in)")
+    p.add_argument("--params", type=_count, help=f"parameter count, e.g. {example}")
+    p.add_argument("--layers", type=_positive, help="transformer-like blocks")
+    p.add_argument("--hidden", type=_positive, help="block width")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="model weights and grads (default fp32; the moments: --state-dtype)")
+    p.add_argument("--optimizer", type=_optimizer, default="adamw", metavar="NAME",
+                   help=_OPTIMIZER_HELP)
+    _state_flags(p)
+
+
 def _state_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"],
                    help="optimizer.state_dtype: how the moments are stored (default: the "
@@ -173,7 +186,9 @@ def _cmd_stress(args: argparse.Namespace) -> int:
         synthetic_grads=args.synthetic_grads, seed=args.seed, optimizer=args.optimizer,
         record_events=bool(args.trace or args.plot), progress=not args.no_progress))
     print(step_table(result["steps"]))
-    print(f"peak RSS {result['peak_rss'] / 2**30:.2f} GiB")
+    plan = result["plan"]["host_need"]
+    print(f"peak RSS {result['peak_rss'] / 2**30:.2f} GiB, {result['peak_rss'] / plan:.2f}x "
+          f"the plan's host figure ({plan / 2**30:.2f} GiB)")
     if args.json:
         with open(args.json, "w") as f:
             f.write(to_json(result) + "\n")
@@ -416,16 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' = stdout only)")
     p.set_defaults(func=_cmd_probe)
     s = sub.add_parser("stress", help="train a synthetic model through tiermem and check it")
-    s.add_argument("--config", help="YAML config (default: built-in)")
-    s.add_argument("--params", type=_count, help="parameter count, e.g. 50M, 1.5B")
-    s.add_argument("--layers", type=_positive, help="transformer-like blocks")
-    s.add_argument("--hidden", type=_positive, help="block width")
-    s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="model weights and grads (the moments: --state-dtype)")
-    _state_flags(s)
+    _model_flags(s, "50M, 1.5B")
     s.add_argument("--steps", type=_positive, default=3, help="optimizer steps (default 3)")
-    s.add_argument("--optimizer", type=_optimizer, default="adamw", metavar="NAME",
-                   help=_OPTIMIZER_HELP)
     s.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
     s.add_argument("--verify", action="store_true",
                    help="recompute sampled partitions in memory and compare bit for bit")
@@ -456,15 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_doctor)
     pl = sub.add_parser("plan", help="the memory and disk plan of a model size and an estimated "
                         "step time; allocates nothing")
-    pl.add_argument("--config", help="YAML config (default: built-in)")
-    pl.add_argument("--params", type=_count, help="parameter count, e.g. 7B")
-    pl.add_argument("--layers", type=_positive, help="transformer-like blocks")
-    pl.add_argument("--hidden", type=_positive, help="block width")
-    pl.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                    help="model weights and grads (default fp32)")
-    pl.add_argument("--optimizer", type=_optimizer, default="adamw", metavar="NAME",
-                    help=_OPTIMIZER_HELP)
-    _state_flags(pl)
+    _model_flags(pl, "7B")
     pl.add_argument("--no-activations", action="store_true",
                     help="leave activations out of the host-memory need")
     pl.add_argument("--probe", metavar="PROBE.json",

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import types
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -20,7 +18,7 @@ import torch
 
 from tiermem.config import Settings
 from tiermem.errors import TierMemError
-from tiermem.optim.rules import AdamRule, UpdateRule, rule_for
+from tiermem.optim.rules import AdamRule, UpdateRule, rule_for, shadow_optimizer
 from tiermem.partition import (MOMENT_DTYPES, QUANT_BLOCK, SCALE_KINDS, Partition,
                                kind_dtype)
 
@@ -205,14 +203,7 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
         entries.append((i, s, p, sl))
     if not params:
         return
-    ref = type(opt).__new__(type(opt))
-    ref.__dict__.update({k: v for k, v in opt.__dict__.items()
-                         if not (isinstance(v, types.MethodType) and v.__self__ is opt)
-                         and not k.startswith("_tiermem")})
-    ref.param_groups = [{**group, "params": params}]
-    ref.state = defaultdict(dict)
-    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
-        setattr(ref, hooks, type(getattr(opt, hooks, {}))())
+    ref = shadow_optimizer(opt, group, params)
     for i, s, p, sl in entries:
         if float(off.steps[s.index]) == 0:
             continue  # its first step: the optimizer builds its state, as plain torch does

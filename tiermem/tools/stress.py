@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import resource
 import sys
@@ -66,6 +67,9 @@ class Plan:
     weights_tier: str = "model"
     window: int = 0
     window_need: int = 0  # the least window the largest module and partition need
+    # the process before the run (interpreter, torch, tiermem), measured at plan time
+    baseline: int = 0
+    verify: int = 0  # --verify's copies of the sampled partitions, held across the step
 
     def lines(self) -> list[str]:
         f = format_size
@@ -77,7 +81,8 @@ class Plan:
             f"pinned host memory {f(self.pinned)}, swap {f(self.swap)} "
             f"(free on disk {f(self.disk_free)})",
             f"host memory needed {f(self.host_need)} of {f(self.host_available)} available "
-            f"(activations ~{f(self.activations)})",
+            f"(this process now {f(self.baseline)}, activations ~{f(self.activations)}"
+            + (f", verify copies {f(self.verify)}" if self.verify else "") + ")",
         ] + ([f"weights and grads on the {self.weights_tier} tier "
               f"({f(self.weights + self.grads)}), used through a window of {f(self.window)} "
               f"(needs at least {f(self.window_need)})"]
@@ -86,10 +91,17 @@ class Plan:
 
 def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: bool,
               hidden: int, layers: int, optimizer: str = "adamw",
-              shapes: Sequence[tuple[int, ...]] | None = None, embed_rows: int = 0) -> Plan:
+              shapes: Sequence[tuple[int, ...]] | None = None, embed_rows: int = 0,
+              verify: bool = False) -> Plan:
     """shapes: the model's parameter shapes (default: one flat parameter of `params`), for
     rules whose state depends on them (Adafactor's factored statistics; Muon steps 2-D
-    parameters only)."""
+    parameters only). verify: count --verify's copies.
+
+    The host figure is what the process will hold at its peak: what it holds now, the
+    weights and grads where the model keeps them (or the parameter window and its write
+    buffers), the host tier and the pipeline's buffers, and the larger of the activations
+    (forward and backward) and --verify's copies (held across opt.step(), after backward
+    has freed the activations)."""
     itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
     # What the update rule keeps per parameter (moments, accumulators, an fp32 master for
     # a low-precision model or a crash-consistent run), from its record layout.
@@ -102,20 +114,26 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
     buffers = settings.pipeline.buffer_count * settings.pipeline.partition_size if nvme else 0
     activations = 0 if synthetic_grads else BATCH * SEQ * hidden * max(1, layers) * 24 * 4
     weights = grads = params * itemsize
+    baseline = process_rss()
     path = swap_dir(settings)
     ps = settings.parameters
     in_memory = weights + grads  # where the model keeps them
     swap = nvme
     window_need = 0
     pinned = host + buffers
+    largest = max((math.prod(s) for s in shapes), default=params) if shapes else params
+    verify_bytes = _verify_bytes(state, per_param, settings.pipeline.partition_size,
+                                 itemsize, largest) if verify else 0
     if ps.offload != "none":
         # The largest module (a block's 4h x h linear, or the embedding table) and one
-        # partition's parameters (the largest one whole: a partition opens its
-        # parameters whole), weights and grads, with a page of padding and a footer each.
-        largest = max(4 * hidden * hidden, embed_rows * hidden)
+        # partition's parameters, weights and grads, with a page of padding and a footer
+        # each. A partition opens its parameters whole: the ones it cuts at either end can
+        # each be the largest.
+        largest = max(4 * hidden * hidden, embed_rows * hidden, largest if shapes else 0)
         # a rule keeping no state per parameter (plain SGD) has all of them in one partition
         per_part = int(settings.pipeline.partition_size // per_param) if per_param else params
-        window_need = max(largest * itemsize, 2 * (largest + per_part) * itemsize) + (64 << 10)
+        opened = min(params, per_part + 2 * largest)
+        window_need = max(largest * itemsize, 2 * opened * itemsize) + (64 << 10)
         # the window, and as much again in write buffers in flight (records.pending_limit)
         in_memory = 2 * ps.window
         if ps.offload == "host":
@@ -125,10 +143,57 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
             swap += weights + grads
     return Plan(params, dtype, weights, grads, state, per_param,
                 {"gpu": gpu, "host": host, "nvme": nvme}, pinned, swap, activations,
-                in_memory + host + buffers + activations, available_memory(),
-                _free_disk(path), optimizer,
+                baseline + in_memory + host + buffers + max(activations, verify_bytes),
+                available_memory(), _free_disk(path), optimizer,
                 weights_tier="model" if ps.offload == "none" else ps.offload,
-                window=ps.window if ps.offload != "none" else 0, window_need=window_need)
+                window=ps.window if ps.offload != "none" else 0, window_need=window_need,
+                baseline=baseline, verify=verify_bytes)
+
+
+def _verify_bytes(state: int, per_param: float, partition_size: int, itemsize: int,
+                  largest: int) -> int:
+    """What Verifier holds at most: per sampled partition a copy of its record and of its
+    parameters' weights; while one is computed, its largest parameter's weights and
+    gradient whole (fetched from the tier) and its gradient slice in fp32."""
+    parts = max(1, -(-state // partition_size)) if state else 1
+    sample = parts if parts <= VERIFY_ALL_UP_TO else VERIFY_SAMPLE
+    record = min(state, partition_size)
+    per_part = min(int(record / per_param), largest) if per_param else largest
+    return sample * (record + per_part * itemsize) + 2 * largest * itemsize + per_part * 4
+
+
+def process_rss() -> int:
+    """Bytes this process holds in memory now (VmRSS; the peak so far where /proc is
+    missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_rss() -> int:
+    """The process's peak resident bytes so far (VmHWM)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def bound_heap(threshold: int = 1 << 20) -> bool:
+    """Pin glibc's mmap threshold, so that a freed tensor of `threshold` bytes or more goes
+    back to the system at once. Left alone, glibc raises the threshold (up to 32 MiB) each
+    time a big block is freed, and a run that churns through the model's weights module by
+    module keeps every freed buffer below it in its heap: a run measured at 1.75x its plan
+    held 1.2x with this. False where there is no glibc (nothing changes)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_MMAP_THRESHOLD = -3
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def _free_disk(path: str) -> int:
@@ -136,6 +201,12 @@ def _free_disk(path: str) -> int:
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
     return free_bytes(path or "/")
+
+
+def _rest(plan: Plan) -> str:
+    f = format_size
+    return (f"this process {f(plan.baseline)} + the larger of activations "
+            f"{f(plan.activations)} and verify copies {f(plan.verify)}")
 
 
 def check_plan(plan: Plan) -> None:
@@ -147,15 +218,15 @@ def check_plan(plan: Plan) -> None:
         raise PlanError(
             f"host memory overflows by {format_size(plan.host_need - plan.host_available)}: "
             f"the parameter window and its write buffers {format_size(2 * plan.window)} + "
-            f"host tier and buffers {format_size(plan.pinned)} + activations "
-            f"{format_size(plan.activations)} > {format_size(plan.host_available)} available; "
+            f"host tier and buffers {format_size(plan.pinned)} + {_rest(plan)} > "
+            f"{format_size(plan.host_available)} available; "
             "lower parameters.window or tiers.host.capacity, or use parameters.offload: nvme")
     if plan.host_need > plan.host_available:
         raise PlanError(
             f"host memory overflows by {format_size(plan.host_need - plan.host_available)}: "
             f"weights {format_size(plan.weights)} + grads {format_size(plan.grads)} + host "
-            f"tier and buffers {format_size(plan.pinned)} + activations "
-            f"{format_size(plan.activations)} > {format_size(plan.host_available)} available. "
+            f"tier and buffers {format_size(plan.pinned)} + {_rest(plan)} > "
+            f"{format_size(plan.host_available)} available. "
             "Offloading the optimizer state does not shrink weights, gradients or "
             "activations: use fewer parameters, lower tiers.host.capacity, or "
             "--synthetic-grads to skip the forward pass.")
@@ -300,12 +371,11 @@ class Verifier:
     def _reference_int8_state(self, part: Partition, rec: dict[str, torch.Tensor],
                               params: list, steps: list, group: dict,
                               grads: dict[int, torch.Tensor]) -> None:
-        """int8 moments: kernels.lowbit's plain-torch reference per segment, seeded as the
-        pipeline seeds it; the native kernel must match it bit for bit. params: per
+        """int8 moments: kernels.lowbit's plain-torch reference per segment, on the
+        streams the pipeline uses (optim.rules.adam.int8_segment); the native kernel must match it bit for bit. params: per
         stepped segment, the record's master or a copy of the model's weights (fp32, or
         bf16 with optimizer.master_weights kahan/none), updated here."""
-        from tiermem.kernels.lowbit import adam_lowbit_reference
-        from tiermem.kernels.native_adam import state_seed
+        from tiermem.optim.rules.adam import int8_segment
 
         opt = self.tm.offloaded.settings.optimizer
         slices = {k: part.slices(k) for k in rec}
@@ -314,8 +384,8 @@ class Verifier:
             if n not in grads:
                 continue
             param, step, k = params[k], steps[k], k + 1
-            sl = slices["exp_avg"][n]
-            adam_lowbit_reference(
+            int8_segment(
+                kernel="reference", start=s.start, param_index=s.index,
                 param=param, grad=grads[n],
                 **{kind: rec[kind][slices[kind][n]] for kind in (
                     "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")},
@@ -325,8 +395,7 @@ class Verifier:
                 beta2=float(group["betas"][1]), eps=group["eps"],
                 weight_decay=group["weight_decay"], maximize=bool(group["maximize"]),
                 decoupled_weight_decay=bool(group.get("decoupled_weight_decay")),
-                rounding=opt.state_rounding, seed=state_seed(step=step, partition=part.id),
-                offset=sl.start)
+                rounding=opt.state_rounding)
 
     def _reference_bf16_state(self, part: Partition, rec: dict[str, torch.Tensor],
                               params: list, steps: list, group: dict,
@@ -407,9 +476,11 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     shape = choose_shape(a.params, a.layers, a.hidden)
     # Before the plan: on a path that cannot hold files the free-space figure is nonsense.
     check_paths(a.settings.swap.paths).raise_first()
+    bound_heap()
     plan = make_plan(shape.params, a.dtype, a.settings, synthetic_grads=a.synthetic_grads,
                      hidden=shape.hidden, layers=shape.layers, optimizer=a.optimizer,
-                     shapes=param_shapes(shape), embed_rows=shape.embed_rows)
+                     shapes=param_shapes(shape), embed_rows=shape.embed_rows,
+                     verify=a.verify)
     for line in plan.lines():
         out(line)
     check_plan(plan)
@@ -425,6 +496,8 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
         tm.discard()  # a stress run's state is not kept
         tm.record_events(a.record_events)
         result["tiermem_plan"] = tm.plan()
+        # the peak after each phase: which one raised it, when a run holds more than planned
+        phases = result["peak_rss_after"] = {"build": peak_rss()}
         verifier = Verifier(tm, a.seed) if a.verify else None
         bar = _progress(a.steps, a.progress)
         log = a.progress and bar is None  # not a terminal: one plain line per step
@@ -432,9 +505,12 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
             for step in range(1, a.steps + 1):
                 t0 = time.perf_counter()
                 _gradients(model, a, step, tm)
+                phases[f"step {step} gradients"] = peak_rss()
                 if verifier:
                     verifier.before(step)
+                    phases[f"step {step} verify copies"] = peak_rss()
                 opt.step()
+                phases[f"step {step} opt.step()"] = peak_rss()
                 if verifier:
                     verifier.after(step)
                 opt.zero_grad(set_to_none=False)
@@ -461,7 +537,7 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
         for row, stats in zip(result["steps"], final):
             row.update(stats)
         result["events"] = tm.events() if a.record_events else []
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss"] = peak_rss()
     if verifier:
         result["verify"] = {"partitions_checked": verifier.checked,
                             "mismatches": [str(m) for m in verifier.mismatches],

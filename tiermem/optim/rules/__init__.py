@@ -6,7 +6,7 @@ import torch
 
 from tiermem.optim.rules.adam import AdamRule
 from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
-from tiermem.optim.rules.generic import AdafactorRule, MuonRule, ShadowRule
+from tiermem.optim.rules.generic import AdafactorRule, MuonRule, ShadowRule, shadow_optimizer
 from tiermem.optim.rules.torch_family import TORCH_RULES
 
 # Rules for named classes; any other torch.optim.Optimizer gets the generic ShadowRule.
@@ -30,4 +30,5 @@ def rule_for(opt: torch.optim.Optimizer, **options) -> UpdateRule:
         f"{type(opt).__module__}.{type(opt).__qualname__}")
 
 
-__all__ = ["AdafactorRule", "AdamRule", "Batch", "MuonRule", "ShadowRule", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_for"]
+__all__ = ["AdafactorRule", "AdamRule", "Batch", "MuonRule", "ShadowRule", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_for",
+           "shadow_optimizer"]

@@ -9,7 +9,10 @@ The update runs one of kernels.adam's kernels, all behind one dispatcher.
 With state_dtype int8 the moments are blockwise 8-bit codes with their scales
 (partition.SCALE_KINDS) and the update runs kernels.lowbit per segment; a bf16
 parameter's record then holds, per optimizer.master_weights, an fp32 master, a bf16
-Kahan compensation term, or no weight at all.
+Kahan compensation term, or no weight at all. Without an fp32 master a crash-consistent
+record also holds the model's bf16 weights (kind "weight"): the update runs on the
+model's weights as in a scratch run, and OffloadedOptimizer copies them into the record
+right after, so a commit holds the weights and the state of the same step.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from tiermem.kernels.adam import adam_update
 from tiermem.kernels.lowbit import lowbit_update
 from tiermem.kernels.native_adam import state_seed
 from tiermem.optim.rules.base import Batch, UpdateRule, Views, check_group_tensors
-from tiermem.partition import Partition, state_kinds
+from tiermem.partition import QUANT_BLOCK, Partition, state_kinds
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
 MIXED_OUT = (torch.bfloat16, torch.float16)  # model dtypes the native kernel writes directly
+# kinds holding the weights themselves: an fp32 master, or (master_weights kahan/none,
+# crash-consistent) a copy of the model's bf16 weights
+WEIGHT_KINDS = ("master", "weight")
 
 
 class AdamRule(UpdateRule):
@@ -60,13 +66,13 @@ class AdamRule(UpdateRule):
                         "fp32 or a bf16 model")
 
     def _check_low_state(self, g: int, p: torch.Tensor) -> None:
-        """bf16/int8 moments are updated by the native CPU kernels only: refuse what they
-        cannot run."""
-        if p.device.type != "cpu":
+        """bf16 moments are updated by the native CPU kernel only (int8 ones also by
+        kernels.lowbit's torch reference, on any device): refuse what they cannot run."""
+        if p.device.type != "cpu" and self.state_dtype == "bf16":
             raise TierMemError(
                 f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} needs the Adam "
                 f"step on the CPU for now, and a parameter is on {p.device}; use state_dtype "
-                "fp32 for models off the CPU")
+                "fp32 or int8 for models off the CPU")
         if p.dtype not in (torch.float32, *MIXED_OUT):
             raise TierMemError(
                 f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} supports fp32, "
@@ -92,23 +98,28 @@ class AdamRule(UpdateRule):
                                "tiermem.offload has not; load it before entering offload")
 
     def init(self, part: Partition, views: Views) -> None:
-        """Zero moments; the master weights from the model."""
+        """Zero moments; the master weights (or the bf16 weights' copy) from the model."""
         for k in views:
-            if k != "master":
+            if k not in WEIGHT_KINDS:
                 views[k].zero_()  # moments, int8 scales and a Kahan term all start at 0
-        if "master" in views:
-            off = 0
-            for s in part.segments:
-                views["master"][off: off + s.length].copy_(
-                    s.param.detach().reshape(-1)[s.start: s.start + s.length])
-                off += s.length
+        for k in WEIGHT_KINDS:
+            if k in views:
+                off = 0
+                for s in part.segments:
+                    views[k][off: off + s.length].copy_(
+                        s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                    off += s.length
 
     def wants_native(self, kernel: str, part: Partition, *, on_host: bool) -> bool:
         """The native kernel's single pass (grads of any float dtype in, low-precision
-        weights out, CRCs) runs this partition: bf16 or int8 state always, kernel native or
-        auto (the default: native is the faster one there) on CPU models in fp32, bf16 or
-        fp16."""
-        if self.state_dtype != "fp32":
+        weights out, CRCs) runs this partition: bf16 state always, int8 state in place on
+        the host, and with kernel native or auto (the default: native is the faster one
+        there) CPU models in fp32, bf16 or fp16."""
+        if self.state_dtype == "int8":
+            # Elsewhere (a GPU-tier record, a device slot of the lanes) the gathered update
+            # runs kernels.lowbit's reference, bit for bit the native pass.
+            return on_host
+        if self.state_dtype == "bf16":
             return True
         return kernel in ("native", "auto") and on_host and all(
             s.param.device.type == "cpu" and s.param.dtype in (torch.float32, *MIXED_OUT)
@@ -143,13 +154,21 @@ class AdamRule(UpdateRule):
         model), or with master_weights kahan/none the bf16 model weight itself."""
         group = batch.group
         beta1, beta2 = (float(b) for b in group["betas"])
-        st = batch.state
+        st = {k: v for k, v in batch.state.items() if k != "weight"}
         out = []
         for i, param in enumerate(batch.params):
             master = "fp32" if param.dtype == torch.float32 else self.master_weights
             native = param.device.type == "cpu" and batch.grads[i].device.type == "cpu"
-            out.append(lowbit_update(
-                kernel="native" if native else "reference", param=param, grad=batch.grads[i],
+            # The kernel's "master" array is `param`: an fp32 master's CRC, or, without one,
+            # that of the bf16 weights the caller copies into the record's "weight" kind
+            # right after (the same bytes).
+            wanted = [k for k in batch.checksums if k not in WEIGHT_KINDS]
+            if ("master" if master == "fp32" else "weight") in batch.checksums:
+                wanted.append("master")
+            index, start = batch.origins[i]
+            crcs = int8_segment(
+                kernel="native" if native else "reference", start=start,
+                param_index=index, param=param, grad=batch.grads[i],
                 exp_avg=st["exp_avg"][i], exp_avg_scale=st["exp_avg_scale"][i],
                 exp_avg_sq=st["exp_avg_sq"][i], exp_avg_sq_scale=st["exp_avg_sq_scale"][i],
                 kahan=st["kahan"][i] if "kahan" in st else None,
@@ -159,8 +178,50 @@ class AdamRule(UpdateRule):
                 maximize=bool(group["maximize"]),
                 decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
                 rounding=self.state_rounding,
-                seed=state_seed(step=batch.steps[i], partition=batch.part.id),
-                offset=batch.offsets[i],
-                checksums=[k for k in batch.checksums if k != "master" or master == "fp32"]
-                if native else ()))
+                checksums=wanted if native else ())
+            if master != "fp32" and "master" in crcs:
+                crcs["weight"] = crcs.pop("master")
+            out.append(crcs)
         return out
+
+
+
+WINDOW = 1 << 32  # elements of one stream window (the kernels' 32-bit counter)
+ARRAYS = ("param", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale",
+          "kahan", "weight_out")
+
+
+def int8_segment(*, kernel: str, start: int, param_index: int, step, checksums=(),
+                 **kwargs) -> dict[str, int]:
+    """kernels.lowbit's `kernel` on one segment: elements start .. start+n of parameter
+    `param_index` (kwargs: the segment's ARRAYS and the hyperparameters).
+
+    Element e of parameter k draws its rounding bits from stream (step, k) at index e, and
+    quantisation blocks start at multiples of BLOCK of the parameter (partition cuts fall
+    on CUT_ALIGN): the update does not depend on how parameters are cut into partitions,
+    ranks' shares or segments. A segment crossing a 2^32-element window of its stream (the
+    kernels' counter is 32 bits) runs as one call per window; its CRCs (one per array and
+    call) are then left out, and the store hashes the record."""
+    n = kwargs["param"].numel()
+    cuts = [0]
+    nxt = (start // WINDOW + 1) * WINDOW - start
+    while nxt < n:
+        cuts.append(nxt)
+        nxt += WINDOW
+    if len(cuts) > 1 and start % QUANT_BLOCK:
+        # (a share cut off CUT_ALIGN, e.g. an FSDP2 shard): a window cut would split a block
+        raise TierMemError(
+            f"parameter {param_index}: an int8 segment at element {start} crosses a "
+            f"2^32-element window of its random stream off a {QUANT_BLOCK}-element block "
+            "boundary; use optimizer.state_dtype fp32 or bf16 for this parameter's sharding")
+    seed = state_seed(step=step, partition=param_index)
+    if len(cuts) == 1:
+        return lowbit_update(kernel=kernel, step=step, seed=seed, offset=start,
+                             checksums=checksums, **kwargs)
+    for a, b in zip(cuts, cuts[1:] + [n]):
+        piece = {k: v if k not in ARRAYS or v is None else
+                 v[a // QUANT_BLOCK: -(-b // QUANT_BLOCK)] if k.endswith("_scale") else v[a:b]
+                 for k, v in kwargs.items()}
+        lowbit_update(kernel=kernel, step=step, seed=seed, offset=start + a, checksums=(),
+                      **piece)
+    return {}

@@ -43,6 +43,9 @@ class Batch:
     # those copies and the optimizer keeps them as the parameter's new values.
     first: list[bool] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)  # of each entry, in order
+    # Per segment: the user's parameter and the element of it the segment starts at (a
+    # rank's share is a piece of one): what keys stochastic rounding's random streams.
+    origins: list[tuple[int, int]] = field(default_factory=list)
     scalars: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 

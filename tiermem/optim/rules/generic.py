@@ -79,6 +79,22 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+
+def shadow_optimizer(opt: torch.optim.Optimizer, group: dict[str, Any],
+                     params: list[Tensor]) -> torch.optim.Optimizer:
+    """An optimizer of `opt`'s class and attributes stepping only `params` in one group,
+    with empty state and none of the user's hooks (tiermem's own bound methods left out,
+    so its step is the class's own)."""
+    sh = type(opt).__new__(type(opt))
+    sh.__dict__.update({k: v for k, v in opt.__dict__.items()
+                        if not (isinstance(v, types.MethodType) and v.__self__ is opt)
+                        and not k.startswith("_tiermem")})
+    sh.param_groups = [{**group, "params": params}]
+    sh.state = defaultdict(dict)
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        setattr(sh, hooks, type(getattr(opt, hooks, {}))())
+    return sh
+
 class ShadowRule(UpdateRule):
     """A torch.optim.Optimizer subclass stepped by its own step() on whole parameters."""
 
@@ -119,18 +135,7 @@ class ShadowRule(UpdateRule):
                 self._probe_coupling(g, group)
 
     def _shadow(self, group: dict[str, Any], params: list[Tensor]) -> torch.optim.Optimizer:
-        """An optimizer of the same class and attributes stepping only `params`, with empty
-        state and none of the user's hooks (tiermem's own bound methods left out)."""
-        opt = self.opt
-        sh = type(opt).__new__(type(opt))
-        sh.__dict__.update({k: v for k, v in opt.__dict__.items()
-                            if not (isinstance(v, types.MethodType) and v.__self__ is opt)
-                            and not k.startswith("_tiermem")})
-        sh.param_groups = [{**group, "params": params}]
-        sh.state = defaultdict(dict)
-        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
-            setattr(sh, hooks, type(getattr(opt, hooks, {}))())
-        return sh
+        return shadow_optimizer(self.opt, group, params)
 
     def _train_mode(self, sh: torch.optim.Optimizer) -> None:
         """A probe's shadow steps in training mode (schedule-free's step() refuses to run

@@ -1,0 +1,161 @@
+"""Weights that live outside an fp32 master, committed with the state (crash_consistent).
+
+optimizer.master_weights kahan / none (a bf16 model, int8 moments): the model's bf16
+weights are the only copy of the weights, so a crash-consistent record keeps them too
+(kind "weight", copied in by every update). A child (tests/crash_run.py) is killed at
+every point tests/test_crash.py kills one, on both backends; resuming from what it left
+must give bitwise the weights and optimizer state of an uninterrupted run at the last
+committed step and go on from there as it does, and `tiermem recover` must write those
+weights (loadable into a plain bf16 model) and that state.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiermem
+import tiermem.tools.cli
+from conftest import BACKEND_PARAMS
+from crash_run import crash_config, make_model, make_optimizer, run_killed, set_grads
+from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
+from test_crash import POINTS, expected_step
+from tiermem.errors import TierMemError
+from tiermem.swap.rundir import StaleSwapError
+
+STEPS = 3
+MASTERS = ("kahan", "none")
+
+
+def low_config(swap: str, backend: str, master: str) -> dict:
+    return crash_config(swap, backend, "int8", master)
+
+
+def uninterrupted(tmp_path_factory, backend: str, master: str, steps: int
+                  ) -> tuple[int, list[tuple[list[torch.Tensor], dict]]]:
+    """(records per step, the weights and state_dict after 0..steps steps) of a run that
+    is never killed: what a resume must give back."""
+    model = make_model(torch.bfloat16)
+    opt = make_optimizer(model)
+    cfg = low_config(str(tmp_path_factory.mktemp(f"ref-{master}")), backend, master)
+    out = []
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        plan = tm.plan()
+        assert plan["partitions"] >= 3 and plan["state_bytes"]["host"] > 0
+        for k in range(steps + 1):
+            if k:
+                set_grads(model, k)
+                opt.step()
+            out.append(([p.detach().clone() for p in model.parameters()],
+                        copy.deepcopy(opt.state_dict())))
+        tm.discard()
+    return plan["partitions"], out
+
+
+_REFS: dict[tuple[str, str], tuple[int, list]] = {}
+
+
+@pytest.fixture
+def reference(tmp_path_factory, request):
+    backend, master = request.param
+    if (backend, master) not in _REFS:
+        _REFS[backend, master] = uninterrupted(tmp_path_factory, backend, master, STEPS + 1)
+    return _REFS[backend, master]
+
+
+def test_records_keep_the_weights_and_the_plan_counts_them(tmp_path):
+    """2 B/param more in a crash-consistent record: kahan + int8 4.03 -> 6.03, none + int8
+    2.03 -> 4.03; the plan's arithmetic says the same."""
+    from tiermem.tools.optimizers import state_bytes
+
+    for master, per in (("kahan", 6 + 8 / 256), ("none", 4 + 8 / 256)):
+        model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters())
+        cfg = {"swap": {"paths": [str(tmp_path / master)], "durability": "crash_consistent"},
+               "tiers": {"host": {"capacity": 0}}, "pipeline": {"partition_size": "1MiB"},
+               "optimizer": {"state_dtype": "int8", "master_weights": master}}
+        with tiermem.offload(opt, cfg, model=model) as tm:
+            got = tm.plan()["state_bytes"]["nvme"] / model.weight.numel()
+            tm.discard()
+        assert got == pytest.approx(per, rel=0.01), master
+        settings = tiermem.load_config(cfg)
+        assert state_bytes("adamw", [(1 << 20,)], torch.bfloat16, settings) / (1 << 20) \
+            == pytest.approx(per, rel=0.001)
+
+
+@pytest.mark.parametrize("master", MASTERS)
+def test_keeping_the_weights_changes_no_number(tmp_path, master):
+    """The copy of the weights in the record changes the layout (fewer elements a
+    partition), not the arithmetic: a crash-consistent run trains bitwise as a scratch run
+    (int8 rounding streams are keyed by parameter, not by partition)."""
+    out = {}
+    for durability in ("scratch", "crash_consistent"):
+        model = make_model(torch.bfloat16)
+        opt = make_optimizer(model)
+        cfg = low_config(str(tmp_path / durability), "threads", master)
+        cfg["swap"]["durability"] = durability
+        with tiermem.offload(opt, cfg, model=model) as tm:
+            for k in (1, 2, 3):
+                set_grads(model, k)
+                opt.step()
+            out[durability] = ([p.detach().clone() for p in model.parameters()],
+                               copy.deepcopy(opt.state_dict()), tm.plan()["partitions"])
+            tm.discard()
+    (w0, sd0, n0), (w1, sd1, n1) = out["scratch"], out["crash_consistent"]
+    assert n1 > n0  # the layouts differ
+    for a, b in zip(w0, w1):
+        assert_same_tensor(b, a, "weights")
+    compare_state_dicts(sd1, sd0)
+
+
+@pytest.mark.parametrize("reference", [(b.values[0], m) for b in BACKEND_PARAMS
+                                       for m in MASTERS], indirect=True,
+                         ids=[f"{b.values[0]}-{m}" for b in BACKEND_PARAMS for m in MASTERS])
+@pytest.mark.parametrize("point,n", POINTS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(POINTS)])
+def test_resume_after_kill(tmp_path, point, n, reference, request):
+    backend, master = request.node.callspec.params["reference"]
+    partitions, ref = reference
+    swap = tmp_path / "swap"
+    out = run_killed(swap, backend, f"{point}:{n(partitions)}", STEPS, "bf16", "int8",
+                     "synthetic", master)
+    step = expected_step(point, out)
+    cfg = low_config(str(swap), backend, master)
+    model = make_model(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)  # a resume must put the committed weights back
+    opt = make_optimizer(model)
+    if step < 0:
+        with pytest.raises(TierMemError, match="manifest.json does not exist"):
+            with tiermem.offload(opt, cfg, model=model, resume=True):
+                pass
+        with pytest.raises(StaleSwapError, match="did not finish cleanly"):
+            with tiermem.offload(opt, cfg, model=model):
+                pass
+        return
+    weights, state = ref[step]
+    ckpt = tmp_path / "recovered.pt"
+    assert tiermem.tools.cli.main(["recover", str(swap_dir(swap)), "-o", str(ckpt)]) == 0
+    recovered = torch.load(ckpt)
+    assert recovered["step"] == step
+    plain = make_model(torch.bfloat16)
+    plain.load_state_dict(recovered["model"])  # loads into a plain model, exactly
+    for (name, p), w in zip(plain.named_parameters(), weights):
+        assert_same_tensor(recovered["model"][name], w.float(), f"recovered {name}")
+        assert_same_tensor(p.detach(), w, f"loaded {name}")
+    compare_state_dicts(recovered["optimizer"], state)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == step
+        for (name, p), w in zip(model.named_parameters(), weights):
+            assert_same_tensor(p.detach(), w, f"resumed at step {step}: {name}")
+        compare_state_dicts(opt.state_dict(), state)
+        set_grads(model, step + 1)
+        opt.step()
+        assert tm.committed_step == step + 1
+        compare_state_dicts(opt.state_dict(), ref[step + 1][1])
+        tm.discard()
+    for (name, p), w in zip(model.named_parameters(), ref[step + 1][0]):
+        assert_same_tensor(p.detach(), w, f"step {step + 1} after resume: {name}")
+    assert not swap_dir(swap).exists()
