@@ -37,6 +37,7 @@ refreshed with param_bf16.copy_(master) (tiermem's fused path does exactly this 
 Each figure is the median of --reps timed steps after one untimed warm-up step; each
 round of steps starts with one timed triad pass, and the bound uses their median.
 Quick smoke test:  python3 bench/adam.py --params 10M --reps 2
+One dtype, no DeepSpeed (quick iterations): python3 bench/adam.py --params 100M --dtypes fp32 --no-deepspeed
 Full run:          python3 bench/adam.py            (100M and 400M, fp32 and bf16-mixed)
 """
 
@@ -314,12 +315,12 @@ def _measure_group(prob: Problem, reps: int, skip: dict[str, str], triad: Triad,
 
 
 def measure(sizes: Sequence[tuple[str, int]], reps: int,
-            skip: dict[str, str]) -> list[dict]:
+            skip: dict[str, str], dtypes: Sequence[str] = DTYPES) -> list[dict]:
     """Rows for every (size, dtype, implementation) plus one bandwidth-bound row per
     (size, dtype), with ratios to torch fused and to the bound of the same group."""
     rows = []
     for label, n in sizes:
-        for dtype in DTYPES:
+        for dtype in dtypes:
             prob = Problem(n, dtype)
             results, triad_times = measure_group(prob, reps, skip)
             del prob
@@ -386,11 +387,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7,
                    help="timed steps per implementation after one warm-up; the median "
                         "is reported (default 7)")
+    p.add_argument("--dtypes", default=",".join(DTYPES),
+                   help=f"comma-separated dtypes to measure, of {', '.join(DTYPES)} "
+                        "(default: both)")
     p.add_argument("--no-deepspeed", action="store_true",
                    help="skip DeepSpeedCPUAdam even when it is installed")
     a = p.parse_args(argv)
     if a.reps < 1:
         p.error("--reps must be at least 1")
+    a.dtype_list = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    bad = [d for d in a.dtype_list if d not in DTYPES]
+    if bad or not a.dtype_list:
+        p.error(f"--dtypes: {a.dtypes!r}; expected some of {', '.join(DTYPES)}")
     try:
         a.sizes = count_list(a.params)
     except argparse.ArgumentTypeError as exc:
@@ -402,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     header = run_header("adam", argv)
     skip = {DEEPSPEED: "skipped (--no-deepspeed)"} if args.no_deepspeed else {}
-    rows = measure(args.sizes, args.reps, skip)
+    rows = measure(args.sizes, args.reps, skip, args.dtype_list)
     table = show_results(rows)
     print(f"\nns/param: median of {args.reps} step(s) after a warm-up, "
           f"{torch.get_num_threads()} torch threads; bound = 28 B/param / in-place triad "
@@ -412,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
                              peak_rss_bytes=peak_rss())
     settings = {"params": args.params, "sizes": dict(args.sizes), "reps": args.reps,
+                "dtypes": args.dtype_list,
                 "no_deepspeed": args.no_deepspeed, "json": str(args.json),
                 "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
     save(args.json, header, settings=settings, bytes_per_param=BYTES_PER_PARAM, rows=rows,

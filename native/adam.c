@@ -17,8 +17,9 @@
  *
  * Arithmetic follows the vectorised body of torch's fused CPU Adam
  * (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, as torch 2.13's AVX-512 build
- * computes it): coefficients are formed in double and rounded to float once,
- * then per element, in float:
+ * computes it); the scalar and AVX-512 paths here and in adam_lowbit.c share it
+ * through numeric.h (tm_adam_coef_make, tm_moments*, tm_param_step*): coefficients
+ * are formed in double and rounded to float once, then per element, in float:
  *
  *   g  = maximize ? -grad : grad
  *   Adam:  g = fma(p, wd, g)          AdamW: p = p * (1 - lr*wd)   (when wd != 0)
@@ -77,11 +78,9 @@ typedef struct adam_job {
     int s_mode;               /* ST_*: moment storage and rounding */
     uint32_t idx0;            /* stream index of element 0 (low 32 bits; ST_BF16_SR) */
     uint32_t k0, k1;          /* hash key for this job's 2^32-element window */
-    int amsgrad, maximize;
-    int wd_mode;              /* 0 none, 1 L2 (Adam), 2 decoupled (AdamW) */
-    int small;                /* |1 - beta1| < 0.5: lerp from m, else from g */
+    int amsgrad;
     int nt_out;               /* streaming stores for out (AVX-512 path only) */
-    float wd, decay, c1, c1m1, b2, c2, bc2s, eps, nss;
+    tm_adam_coef k;           /* the arithmetic's coefficients (numeric.h) */
 } adam_job;
 
 static inline float load_g(const adam_job *j, int64_t i)
@@ -115,23 +114,11 @@ static void adam_scalar(const adam_job *jin, int64_t begin, int64_t end)
         float p = j->p[i];
         float m = bf ? bf16_to_f32(m16[i]) : m32[i];
         float v = bf ? bf16_to_f32(v16[i]) : v32[i];
-        if (j->maximize)
-            g = -g;
-        if (j->wd_mode == 1)
-            g = fmaf(p, j->wd, g);
-        else if (j->wd_mode == 2)
-            p = p * j->decay;
-        float d = g - m;
-        m = j->small ? fmaf(j->c1, d, m) : fmaf(j->c1m1, d, g);
-        float cg = j->c2 * g;
-        float vb = v * j->b2;
-        v = fmaf(cg, g, vb);
+        tm_moments1(&j->k, &g, &p, &m, &v);
         float vv = v;
         if (j->amsgrad)
             vv = max_nan(bf ? bf16_to_f32(vm16[i]) : vm32[i], v);
-        float denom = sqrtf(vv) / j->bc2s + j->eps;
-        float upd = (j->nss * m) / denom;
-        p = p + upd;
+        p = tm_param_step1(&j->k, p, m, vv);
         j->p[i] = p;
         if (j->s_mode == ST_F32) {
             m32[i] = m;
@@ -249,26 +236,26 @@ adam8(const adam_job *j, float *pp, void *mp, void *vp, void *vmp, const void *g
             g = _mm256_cvtph_ps(h);
     }
     __m256 p = _mm256_loadu_ps(pp), m = load8(mp, sdt), v = load8(vp, sdt);
-    if (j->maximize)
+    if (j->k.maximize)
         g = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
-    if (j->wd_mode == 1)
-        g = _mm256_fmadd_ps(p, _mm256_set1_ps(j->wd), g);
-    else if (j->wd_mode == 2)
-        p = _mm256_mul_ps(p, _mm256_set1_ps(j->decay));
+    if (j->k.wd_mode == 1)
+        g = _mm256_fmadd_ps(p, _mm256_set1_ps(j->k.wd), g);
+    else if (j->k.wd_mode == 2)
+        p = _mm256_mul_ps(p, _mm256_set1_ps(j->k.decay));
     __m256 d = _mm256_sub_ps(g, m);
-    m = j->small ? _mm256_fmadd_ps(_mm256_set1_ps(j->c1), d, m)
-                 : _mm256_fmadd_ps(_mm256_set1_ps(j->c1m1), d, g);
-    __m256 cg = _mm256_mul_ps(_mm256_set1_ps(j->c2), g);
-    __m256 vb = _mm256_mul_ps(v, _mm256_set1_ps(j->b2));
+    m = j->k.small ? _mm256_fmadd_ps(_mm256_set1_ps(j->k.c1), d, m)
+                   : _mm256_fmadd_ps(_mm256_set1_ps(j->k.c1m1), d, g);
+    __m256 cg = _mm256_mul_ps(_mm256_set1_ps(j->k.c2), g);
+    __m256 vb = _mm256_mul_ps(v, _mm256_set1_ps(j->k.b2));
     v = _mm256_fmadd_ps(cg, g, vb);
     __m256 vv = v;
     if (j->amsgrad) {
         __m256 a = load8(vmp, sdt);
         vv = _mm256_or_ps(_mm256_max_ps(a, v), _mm256_cmp_ps(a, v, _CMP_UNORD_Q));
     }
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(j->bc2s)),
-                                 _mm256_set1_ps(j->eps));
-    __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(j->nss), m), denom);
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(j->k.bc2s)),
+                                 _mm256_set1_ps(j->k.eps));
+    __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(j->k.nss), m), denom);
     p = _mm256_add_ps(p, upd);
     _mm256_storeu_ps(pp, p);
     __m256i r = sdt == ST_BF16_SR ? sr_bits8(idx, j->k0, j->k1) : _mm256_setzero_si256();
@@ -400,19 +387,7 @@ adam16(const adam_job *j, int64_t i, __mmask16 k, int nt)
     __m512 p = _mm512_maskz_loadu_ps(k, j->p + i);
     __m512 m = load16(j->m, i, k, sdt);
     __m512 v = load16(j->v, i, k, sdt);
-    if (j->maximize)
-        g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g),
-                                                 _mm512_set1_epi32((int)0x80000000u)));
-    if (j->wd_mode == 1)
-        g = _mm512_fmadd_ps(p, _mm512_set1_ps(j->wd), g);
-    else if (j->wd_mode == 2)
-        p = _mm512_mul_ps(p, _mm512_set1_ps(j->decay));
-    __m512 d = _mm512_sub_ps(g, m);
-    m = j->small ? _mm512_fmadd_ps(_mm512_set1_ps(j->c1), d, m)
-                 : _mm512_fmadd_ps(_mm512_set1_ps(j->c1m1), d, g);
-    __m512 cg = _mm512_mul_ps(_mm512_set1_ps(j->c2), g);
-    __m512 vb = _mm512_mul_ps(v, _mm512_set1_ps(j->b2));
-    v = _mm512_fmadd_ps(cg, g, vb);
+    tm_moments16(&j->k, &g, &p, &m, &v);
     __m512 vv = v;
     if (j->amsgrad) {
         __m512 a = load16(j->vmax, i, k, sdt);
@@ -420,10 +395,7 @@ adam16(const adam_job *j, int64_t i, __mmask16 k, int nt)
         vv = _mm512_mask_mov_ps(_mm512_max_ps(a, v), un,
                                 _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
     }
-    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), _mm512_set1_ps(j->bc2s)),
-                                 _mm512_set1_ps(j->eps));
-    __m512 upd = _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(j->nss), m), denom);
-    p = _mm512_add_ps(p, upd);
+    p = tm_param_step16(&j->k, p, m, vv);
     _mm512_mask_storeu_ps(j->p + i, k, p);
     __m512i r = sdt == ST_BF16_SR ? sr_bits16(j->idx0 + (uint32_t)i, j->k0, j->k1)
                                   : _mm512_setzero_si512();
@@ -706,6 +678,17 @@ static int grow_pool(int want)
     return pool.nworkers;
 }
 
+#define TM_ADAM_SPIN 4096  /* pause instructions, about 0.2-0.5 ms */
+
+static inline void spin_pause(void)
+{
+#if TM_X86
+    _mm_pause();
+#else
+    __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
 /* CRCs of the arrays in crc_mask over [0, n), from the chunk CRCs, in order. */
 static void join_crcs(const adam_task *t, uint32_t crcs[4])
 {
@@ -755,6 +738,12 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
     }
     pthread_mutex_unlock(&pool.mu);
     run_chunks(&t);
+    /* The workers finish at most a chunk after this thread (tens of microseconds): wait
+     * for them spinning first. Sleeping on the condition and being woken costs a system
+     * call each way, and on a VM the wake-up of a halted vCPU more than that chunk. */
+    for (int spin = 0; spin < TM_ADAM_SPIN && __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE);
+         spin++)
+        spin_pause();
     pthread_mutex_lock(&pool.mu);
     while (pool.pending > 0)
         pthread_cond_wait(&pool.done, &pool.mu);
@@ -814,22 +803,12 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
     if (!p || !exp_avg || !exp_avg_sq || !grad || (amsgrad && !max_exp_avg_sq))
         return -EINVAL;
 
-    /* Coefficients in double, rounded to float once, as torch forms them. */
-    double bc1 = 1.0 - pow(beta1, step);
-    double bc2 = 1.0 - pow(beta2, step);
-    double step_size = lr / bc1;
     adam_job j = {
         .p = p, .m = exp_avg, .v = exp_avg_sq, .vmax = amsgrad ? max_exp_avg_sq : NULL,
         .g = grad, .out = out, .g_dtype = grad_dtype, .out_dtype = out_dtype,
-        .s_mode = state_mode,
-        .amsgrad = !!amsgrad, .maximize = !!maximize,
-        .wd_mode = weight_decay != 0.0 ? (decoupled ? 2 : 1) : 0,
-        .wd = (float)weight_decay, .decay = (float)(1.0 - lr * weight_decay),
-        .c1 = (float)(1.0 - beta1), .b2 = (float)beta2, .c2 = (float)(1.0 - beta2),
-        .bc2s = (float)sqrt(bc2), .eps = (float)eps, .nss = (float)(-step_size),
+        .s_mode = state_mode, .amsgrad = !!amsgrad,
+        .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };
-    j.c1m1 = j.c1 - 1.0f;
-    j.small = fabsf(j.c1) < 0.5f;
     /* Stream the low-precision copy past the caches when it is far bigger than
      * them: it is not read again in this step. */
     j.nt_out = out != NULL && n >= (int64_t)8 * 1024 * 1024;

@@ -85,8 +85,7 @@ typedef struct lb_job {
     void *out;           /* MW_FP32 only: bf16/fp16 copy of p, or NULL */
     int g_dtype, out_dtype, mw, sr;
     uint32_t idx0, k0, k1;
-    int maximize, wd_mode, small;
-    float wd, decay, c1, c1m1, b2, c2, bc2s, eps, nss;
+    tm_adam_coef k;      /* the Adam arithmetic's coefficients (numeric.h) */
 } lb_job;
 
 /* -- scalar ------------------------------------------------------------------------ */
@@ -185,20 +184,8 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
         else
             p = bf16_to_f32(((uint16_t *)j->p)[i]);
         float m = dec_m(j->m[i], ms), v = dec_v(j->v[i], vs);
-        if (j->maximize)
-            g = -g;
-        if (j->wd_mode == 1)
-            g = fmaf(p, j->wd, g);
-        else if (j->wd_mode == 2)
-            p = p * j->decay;
-        float d = g - m;
-        m = j->small ? fmaf(j->c1, d, m) : fmaf(j->c1m1, d, g);
-        float cg = j->c2 * g;
-        float vb = v * j->b2;
-        v = fmaf(cg, g, vb);
-        float denom = sqrtf(v) / j->bc2s + j->eps;
-        float upd = (j->nss * m) / denom;
-        p = p + upd;
+        tm_moments1(&j->k, &g, &p, &m, &v);
+        p = tm_param_step1(&j->k, p, m, v);
         if (j->mw == MW_FP32) {
             ((float *)j->p)[i] = p;
             if (j->out) {
@@ -240,31 +227,56 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
 #if TM_X86
 #define TGT_LB TM_TGT_AVX512
 
-static inline TGT_LB __attribute__((always_inline)) __m512
-dec_m16(__m128i codes, float s)
+/* The codes' values before scaling, from the codes widened to 32 bits (exp_avg's sign
+ * extended, exp_avg_sq's zero extended): any code. */
+static inline TGT_LB __attribute__((always_inline)) __m512i
+dec_m16_bits(__m512i c)
 {
-    __m512i c = _mm512_cvtepu8_epi32(codes);
     __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
     __mmask16 norm = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(8));
     __m512i bits = _mm512_maskz_mov_epi32(norm, _mm512_add_epi32(
         _mm512_slli_epi32(mag, 20), _mm512_set1_epi32((int)(M_EBIAS << 23))));
     bits = _mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)),
                                                    24));
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(Q_NAN)),
+    return _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(Q_NAN)),
                                  _mm512_set1_epi32((int)0x7FC00000u));
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(s));
 }
 
-static inline TGT_LB __attribute__((always_inline)) __m512
-dec_v16(__m128i codes, float s)
+static inline TGT_LB __attribute__((always_inline)) __m512i
+dec_v16_bits(__m512i c)
 {
-    __m512i c = _mm512_cvtepu8_epi32(codes);
     __mmask16 norm = _mm512_cmpge_epu32_mask(c, _mm512_set1_epi32(8));
     __m512i bits = _mm512_maskz_mov_epi32(norm, _mm512_add_epi32(
         _mm512_slli_epi32(c, 20), _mm512_set1_epi32((int)(V_EBIAS << 23))));
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(Q_NAN)),
+    return _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(Q_NAN)),
                                  _mm512_set1_epi32((int)0x7FC00000u));
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(s));
+}
+
+/* Both moments' values of 16 codes (lanes km; the rest decode as 0). When every code is
+ * a number (>= 8, the usual case) each value is its code moved into place, the exponent
+ * bias added by an OR (the code's bits and the bias's do not overlap: exp_avg's sign
+ * extended code shifted left 20 has its sign in bits 27-31, which (x | 0x38000000) &
+ * 0xBFF00000 turns into bit 31 and the bias 112 << 23), bit for bit the general path. */
+static inline TGT_LB __attribute__((always_inline)) void
+dec16(const lb_job *j, int64_t i, __mmask16 km, float ms, float vs, __m512 *m, __m512 *v)
+{
+    __m512i cm = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(km, j->m + i));
+    __m512i cv = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(km, j->v + i));
+    __mmask16 num = _mm512_test_epi32_mask(cm, _mm512_set1_epi32(0x78)) &
+                    _mm512_test_epi32_mask(cv, _mm512_set1_epi32(0xF8));
+    __m512i bm, bv;
+    if (num == (__mmask16)0xFFFF) {
+        bm = _mm512_ternarylogic_epi32(_mm512_slli_epi32(cm, 20),
+                                       _mm512_set1_epi32((int)(M_EBIAS << 23)),
+                                       _mm512_set1_epi32((int)0xBFF00000u), 0xA8);
+        bv = _mm512_or_si512(_mm512_slli_epi32(cv, 20),
+                             _mm512_set1_epi32((int)(V_EBIAS << 23)));
+    } else {
+        bm = dec_m16_bits(cm);
+        bv = dec_v16_bits(cv);
+    }
+    *m = _mm512_mul_ps(_mm512_castsi512_ps(bm), _mm512_set1_ps(ms));
+    *v = _mm512_mul_ps(_mm512_castsi512_ps(bv), _mm512_set1_ps(vs));
 }
 
 static inline TGT_LB __attribute__((always_inline)) __m512i
@@ -326,99 +338,279 @@ bf16x16(__m256i h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* Pass 1 on 16 elements (lanes km) of the block at b0 (old scales ms, vs): dequantise,
+ * the Adam step, the weights stored; the new fp32 moments come back in m, v. */
 static inline TGT_LB __attribute__((always_inline)) void
-block512(const lb_job *j, int64_t b0, int len, int gdt, int mw, int odt, int sr)
+update16(const lb_job *j, int64_t i, __mmask16 km, float ms, float vs, int gdt, int mw,
+         int odt, __m512 *mo, __m512 *vo)
 {
-    float tm[QB] __attribute__((aligned(64))), tv[QB] __attribute__((aligned(64)));
-    int64_t blk = b0 / QB;
-    float ms = j->ms[blk], vs = j->vs[blk];
-    __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps();
-    const __m512 inf = _mm512_set1_ps(INFINITY);
-    for (int k = 0; k < len; k += 16) {
-        int64_t i = b0 + k;
-        __mmask16 km = len - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - k)) - 1u);
-        __m512 g;
-        if (gdt == LB_F32) {
-            g = _mm512_maskz_loadu_ps(km, (const float *)j->g + i);
-        } else {
-            __m256i h = _mm256_maskz_loadu_epi16(km, (const uint16_t *)j->g + i);
-            g = gdt == LB_BF16 ? bf16x16(h) : _mm512_cvtph_ps(h);
-        }
-        __m512 p;
-        if (mw == MW_FP32) {
-            p = _mm512_maskz_loadu_ps(km, (const float *)j->p + i);
-        } else {
-            p = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i));
-            if (mw == MW_KAHAN)
-                p = _mm512_add_ps(p, bf16x16(_mm256_maskz_loadu_epi16(km, j->comp + i)));
-        }
-        __m512 m = dec_m16(_mm_maskz_loadu_epi8(km, j->m + i), ms);
-        __m512 v = dec_v16(_mm_maskz_loadu_epi8(km, j->v + i), vs);
-        if (j->maximize)
-            g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g),
-                                                     _mm512_set1_epi32((int)0x80000000u)));
-        if (j->wd_mode == 1)
-            g = _mm512_fmadd_ps(p, _mm512_set1_ps(j->wd), g);
-        else if (j->wd_mode == 2)
-            p = _mm512_mul_ps(p, _mm512_set1_ps(j->decay));
-        __m512 d = _mm512_sub_ps(g, m);
-        m = j->small ? _mm512_fmadd_ps(_mm512_set1_ps(j->c1), d, m)
-                     : _mm512_fmadd_ps(_mm512_set1_ps(j->c1m1), d, g);
-        __m512 cg = _mm512_mul_ps(_mm512_set1_ps(j->c2), g);
-        __m512 vb = _mm512_mul_ps(v, _mm512_set1_ps(j->b2));
-        v = _mm512_fmadd_ps(cg, g, vb);
-        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(j->bc2s)),
-                                     _mm512_set1_ps(j->eps));
-        __m512 upd = _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(j->nss), m), denom);
-        p = _mm512_add_ps(p, upd);
-        if (mw == MW_FP32) {
-            _mm512_mask_storeu_ps((float *)j->p + i, km, p);
-            if (odt >= 0) {
-                __m256i h = odt == LB_BF16 ? bf16_rne16(p)
-                    : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                _mm256_mask_storeu_epi16((uint16_t *)j->out + i, km, h);
-            }
-        } else if (mw == MW_KAHAN) {
-            __m256i nb = bf16_rne16(p);
-            _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
-            _mm256_mask_storeu_epi16(j->comp + i, km, bf16_rne16(_mm512_sub_ps(p, bf16x16(nb))));
-        } else {
-            __m512i rw = _mm512_and_si512(sr_bits16(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1),
-                                          _mm512_set1_epi32(0xFFFF));
-            __m512i u = _mm512_castps_si512(p);
-            __m256i nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
-            _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
-        }
-        _mm512_store_ps(tm + k, m);
-        _mm512_store_ps(tv + k, v);
-        __m512 a = _mm512_abs_ps(m);
-        am = _mm512_mask_max_ps(am, km & _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), am, a);
-        a = _mm512_abs_ps(v);
-        av = _mm512_mask_max_ps(av, km & _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), av, a);
+    __m512 g;
+    if (gdt == LB_F32) {
+        g = _mm512_maskz_loadu_ps(km, (const float *)j->g + i);
+    } else {
+        __m256i h = _mm256_maskz_loadu_epi16(km, (const uint16_t *)j->g + i);
+        g = gdt == LB_BF16 ? bf16x16(h) : _mm512_cvtph_ps(h);
     }
-    float ims, ivs;
-    block_scale(_mm512_reduce_max_ps(am), &ms, &ims);
-    block_scale(_mm512_reduce_max_ps(av), &vs, &ivs);
-    j->ms[blk] = ms;
-    j->vs[blk] = vs;
-    for (int k = 0; k < len; k += 16) {
-        int64_t i = b0 + k;
-        __mmask16 km = len - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - k)) - 1u);
-        __m512i r = sr ? sr_bits16(j->idx0 + (uint32_t)i, j->k0, j->k1) : _mm512_setzero_si512();
-        __m512i cm = enc_m16(_mm512_load_ps(tm + k), ims, sr,
-                             _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
-        __m512i cv = enc_v16(_mm512_load_ps(tv + k), ivs, sr, _mm512_srli_epi32(r, 16));
-        _mm512_mask_cvtepi32_storeu_epi8(j->m + i, km, cm);
-        _mm512_mask_cvtepi32_storeu_epi8(j->v + i, km, cv);
+    __m512 p;
+    if (mw == MW_FP32) {
+        p = _mm512_maskz_loadu_ps(km, (const float *)j->p + i);
+    } else {
+        p = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i));
+        if (mw == MW_KAHAN)
+            p = _mm512_add_ps(p, bf16x16(_mm256_maskz_loadu_epi16(km, j->comp + i)));
     }
+    __m512 m, v;
+    dec16(j, i, km, ms, vs, &m, &v);
+    tm_moments16(&j->k, &g, &p, &m, &v);
+    p = tm_param_step16(&j->k, p, m, v);
+    if (mw == MW_FP32) {
+        _mm512_mask_storeu_ps((float *)j->p + i, km, p);
+        if (odt >= 0) {
+            __m256i h = odt == LB_BF16 ? bf16_rne16(p)
+                : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_mask_storeu_epi16((uint16_t *)j->out + i, km, h);
+        }
+    } else if (mw == MW_KAHAN) {
+        __m256i nb = bf16_rne16(p);
+        _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
+        _mm256_mask_storeu_epi16(j->comp + i, km, bf16_rne16(_mm512_sub_ps(p, bf16x16(nb))));
+    } else {
+        __m512i rw = _mm512_and_si512(sr_bits16(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1),
+                                      _mm512_set1_epi32(0xFFFF));
+        __m512i u = _mm512_castps_si512(p);
+        __m256i nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
+        _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
+    }
+    *mo = m;
+    *vo = v;
+}
+
+/* Pass 2 on 16 elements, any values: the codes of fp32 moments m, v at the block's new
+ * scales (inverses ims, ivs), stored; x: the Weyl step of their random bits. */
+static inline TGT_LB __attribute__((always_inline)) void
+encode16(const lb_job *j, int64_t i, __mmask16 km, __m512 m, __m512 v, float ims, float ivs,
+         int sr, __m512i x)
+{
+    __m512i r = sr ? sr_mix16(x, j->k1) : _mm512_setzero_si512();
+    __m512i cm = enc_m16(m, ims, sr, _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
+    __m512i cv = enc_v16(v, ivs, sr, _mm512_srli_epi32(r, 16));
+    _mm512_mask_cvtepi32_storeu_epi8(j->m + i, km, cm);
+    _mm512_mask_cvtepi32_storeu_epi8(j->v + i, km, cv);
+}
+
+/* The code of a in [2^-(bias-112) ... 1.875] (u its bits, r: sr_mix16 lanes, of which
+ * `hi` picks the 16 bits), as enc_norm16 computes it: (u - (ebias << 23) + rnd) >> 20,
+ * the subtraction folded into the rounding constant. Never above the top code there. */
+static inline TGT_LB __attribute__((always_inline)) __m512i
+enc_fast16(__m512i u, uint32_t ebias, int sr, __m512i r, int hi)
+{
+    __m512i rnd;
+    if (sr) {
+        __m512i r16x16 = hi ? _mm512_srli_epi32(r, 12) : _mm512_slli_epi32(r, 4);
+        rnd = _mm512_and_si512(r16x16, _mm512_set1_epi32(0xFFFF0));
+        rnd = _mm512_add_epi32(rnd, _mm512_set1_epi32((int)(8u - (ebias << 23))));
+    } else {  /* bit 20 of u - (ebias << 23) is bit 20 of u */
+        rnd = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 20),
+                                                _mm512_set1_epi32(1)),
+                               _mm512_set1_epi32((int)(0x7FFFFu - (ebias << 23))));
+    }
+    return _mm512_srli_epi32(_mm512_add_epi32(u, rnd), 20);
+}
+
+/* Pass 2 on 16 elements of a block that moment_scale() cleared: every moment finite and
+ * in the normal range of the codes (exp_avg_sq also >= 0, so its absolute value is
+ * itself), so the codes are enc_norm16's without the checks for the rest (zero, below the
+ * range, above the top, NaN), bit for bit those of encode16. */
+static inline TGT_LB __attribute__((always_inline)) void
+encode16_fast(const lb_job *j, int64_t i, __m512 m, __m512 v, float ims, float ivs, int sr,
+              __m512i x)
+{
+    __m512i r = sr ? sr_mix16(x, j->k1) : _mm512_setzero_si512();
+    __m512i um = _mm512_castps_si512(_mm512_mul_ps(_mm512_abs_ps(m), _mm512_set1_ps(ims)));
+    __m512i uv = _mm512_castps_si512(_mm512_mul_ps(v, _mm512_set1_ps(ivs)));
+    __m512i cm = enc_fast16(um, M_EBIAS, sr, r, 0);
+    cm = _mm512_mask_or_epi32(cm, _mm512_cmplt_epi32_mask(_mm512_castps_si512(m),
+                                                          _mm512_setzero_si512()),
+                              cm, _mm512_set1_epi32(0x80));
+    __m512i cv = enc_fast16(uv, V_EBIAS, sr, r, 1);
+    _mm_storeu_si128((__m128i *)(j->m + i), _mm512_cvtepi32_epi8(cm));
+    _mm_storeu_si128((__m128i *)(j->v + i), _mm512_cvtepi32_epi8(cv));
+}
+
+/* A block's moments in pass 1: the largest and smallest magnitude bits per lane (as
+ * unsigned integers they order like the magnitudes, NaN and infinity above all).
+ * exp_avg_sq's bits are taken as they are: it is +0 or more, or NaN (a sum of
+ * products of a number with itself and of non-negative factors); were it ever negative
+ * (or -0), its sign bit would put it above infinity and the block on the full path. */
+typedef struct {
+    __m512i mmax, mmin, vmax, vmin;
+} lb_range;
+
+static inline TGT_LB __attribute__((always_inline)) void
+range_reset(lb_range *q)
+{
+    q->mmax = q->vmax = _mm512_setzero_si512();
+    q->mmin = q->vmin = _mm512_set1_epi32(-1);
 }
 
 static inline TGT_LB __attribute__((always_inline)) void
-range512(const lb_job *j, int64_t begin, int64_t end, int gdt, int mw, int odt, int sr)
+range_add(lb_range *q, __m512 m, __m512 v, __mmask16 km)
 {
-    lb_job c = *j;  /* a local whose address never escapes: fields stay in registers */
-    for (int64_t b = begin; b < end; b += QB)
-        block512(&c, b, (int)(end - b < QB ? end - b : QB), gdt, mw, odt, sr);
+    __m512i am = _mm512_castps_si512(_mm512_abs_ps(m));
+    __m512i av = _mm512_castps_si512(v);  /* >= +0 or NaN: see moment_scale */
+    q->mmax = _mm512_mask_max_epu32(q->mmax, km, q->mmax, am);
+    q->mmin = _mm512_mask_min_epu32(q->mmin, km, q->mmin, am);
+    q->vmax = _mm512_mask_max_epu32(q->vmax, km, q->vmax, av);
+    q->vmin = _mm512_mask_min_epu32(q->vmin, km, q->vmin, av);
+}
+
+/* The largest finite magnitude among the n values at x (a block with NaN or infinity). */
+static inline TGT_LB __attribute__((always_inline)) float
+finite_max(const float *x, int n)
+{
+    __m512 acc = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) {
+        __mmask16 km = n - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - k)) - 1u);
+        __m512 a = _mm512_abs_ps(_mm512_maskz_load_ps(km, x + k));
+        acc = _mm512_mask_max_ps(acc, km & _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY),
+                                                              _CMP_LT_OQ), acc, a);
+    }
+    return _mm512_reduce_max_ps(acc);
+}
+
+/* One moment's new scale (stored at *scale) and inverse, and whether encode16_fast may
+ * code the block: all finite, its smallest magnitude at least `lowest` and its largest
+ * at most the top code once scaled. */
+static inline TGT_LB __attribute__((always_inline)) int
+moment_scale(__m512i vmax, __m512i vmin, const float *x, int n, float lowest, float *scale,
+             float *inv)
+{
+    uint32_t hi = _mm512_reduce_max_epu32(vmax), lo = _mm512_reduce_min_epu32(vmin);
+    int finite = hi < 0x7F800000u;
+    block_scale(finite ? f32_from_bits(hi) : finite_max(x, n), scale, inv);
+    return finite && *inv > 0.0f && f32_from_bits(lo) * *inv >= lowest &&
+           f32_from_bits(hi) * *inv <= Q_TOP;
+}
+
+static inline TGT_LB __attribute__((always_inline)) __mmask16
+lanes(int left)
+{
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+/* As in adam.c: the divider keeps the out-of-order window from reaching far ahead and
+ * the hardware prefetcher stops at each 4 KiB page, so the lines LB_PF elements ahead are
+ * asked for in every array the update reads. */
+#ifndef LB_PF
+#define LB_PF 1024
+#endif
+
+static inline TGT_LB __attribute__((always_inline)) void
+prefetch16(const lb_job *j, int64_t i, int gdt, int mw)
+{
+    _mm_prefetch((const char *)j->g + (i + LB_PF) * (gdt == LB_F32 ? 4 : 2), _MM_HINT_T0);
+    _mm_prefetch((const char *)j->p + (i + LB_PF) * (mw == MW_FP32 ? 4 : 2), _MM_HINT_T0);
+    if (mw == MW_KAHAN)
+        _mm_prefetch((const char *)(j->comp + i + LB_PF), _MM_HINT_T0);
+    _mm_prefetch((const char *)(j->m + i + LB_PF), _MM_HINT_T0);
+    _mm_prefetch((const char *)(j->v + i + LB_PF), _MM_HINT_T0);
+}
+
+/* A block's codes still to be written: where, its fp32 moments and new scales. */
+typedef struct {
+    int64_t at;    /* first element, or -1 for none */
+    int len, fast;
+    float ims, ivs;
+    const float *m, *v;
+} lb_pending;
+
+static inline TGT_LB __attribute__((always_inline)) void
+encode_block(const lb_job *j, const lb_pending *q, int sr, __m512i *x)
+{
+    const __m512i step = _mm512_set1_epi32((int)(16u * SR_W));
+    for (int k = 0; k < q->len; k += 16) {
+        __m512 m = _mm512_load_ps(q->m + k), v = _mm512_load_ps(q->v + k);
+        if (q->fast && k + 16 <= q->len)
+            encode16_fast(j, q->at + k, m, v, q->ims, q->ivs, sr, *x);
+        else
+            encode16(j, q->at + k, lanes(q->len - k), m, v, q->ims, q->ivs, sr, *x);
+        *x = _mm512_add_epi32(*x, step);
+    }
+}
+
+/* The blocks of [begin, end). A block's codes need its new scales, so they need all of
+ * its fp32 moments first: pass 1 keeps them in a small buffer, pass 2 encodes them. Run
+ * one after the other, pass 1 waits on the divider (a sqrt and two divides per vector)
+ * while the integer units idle, and pass 2 the other way round. So the two are
+ * interleaved: while pass 1 runs on full block b, each of its vectors is followed by
+ * pass 2 on the same vector of block b - 1 (two buffers, one per block). Pass 2 takes a
+ * short cut where the block allows (encode16_fast). Every element's result is exactly
+ * what the plain order gives; the random bits' Weyl step advances vector by vector. */
+static inline TGT_LB __attribute__((always_inline)) void
+range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt, int sr)
+{
+    lb_job c = *jin;  /* a local whose address never escapes: fields stay in registers */
+    const lb_job *j = &c;
+    float buf[2][2][QB] __attribute__((aligned(64)));  /* [block parity][m, v] */
+    lb_pending prev = {.at = -1};
+    int cur = 0;
+    __m512i x = sr ? sr_weyl16(j->idx0 + (uint32_t)begin, j->k0) : _mm512_setzero_si512();
+    const __m512i step = _mm512_set1_epi32((int)(16u * SR_W));
+    for (int64_t b = begin; b < end; b += QB) {
+        int len = (int)(end - b < QB ? end - b : QB);
+        int64_t blk = b / QB;
+        float ms = j->ms[blk], vs = j->vs[blk];
+        float *tm = buf[cur][0], *tv = buf[cur][1];
+        lb_range q;
+        range_reset(&q);
+        if (prev.at >= 0 && len == QB && prev.len == QB) {
+#define LB_PIPELINED(ENCODE)                                                           \
+            for (int k = 0; k < QB; k += 16) {                                         \
+                __m512 m, v;                                                           \
+                if (b + k + LB_PF < end)                                               \
+                    prefetch16(j, b + k, gdt, mw);                                     \
+                update16(j, b + k, (__mmask16)0xFFFF, ms, vs, gdt, mw, odt, &m, &v);   \
+                _mm512_store_ps(tm + k, m);                                            \
+                _mm512_store_ps(tv + k, v);                                            \
+                range_add(&q, m, v, (__mmask16)0xFFFF);                                \
+                ENCODE;                                                                \
+                x = _mm512_add_epi32(x, step);                                         \
+            }
+            if (prev.fast) {
+                LB_PIPELINED(encode16_fast(j, prev.at + k, _mm512_load_ps(prev.m + k),
+                                           _mm512_load_ps(prev.v + k), prev.ims, prev.ivs,
+                                           sr, x))
+            } else {
+                LB_PIPELINED(encode16(j, prev.at + k, (__mmask16)0xFFFF,
+                                      _mm512_load_ps(prev.m + k), _mm512_load_ps(prev.v + k),
+                                      prev.ims, prev.ivs, sr, x))
+            }
+#undef LB_PIPELINED
+        } else {
+            for (int k = 0; k < len; k += 16) {
+                __mmask16 km = lanes(len - k);
+                __m512 m, v;
+                update16(j, b + k, km, ms, vs, gdt, mw, odt, &m, &v);
+                _mm512_store_ps(tm + k, m);
+                _mm512_store_ps(tv + k, v);
+                range_add(&q, m, v, km);
+            }
+            if (prev.at >= 0)
+                encode_block(j, &prev, sr, &x);
+        }
+        float nms, nvs;
+        prev.fast = moment_scale(q.mmax, q.mmin, tm, len, 0x1p-14f, &nms, &prev.ims);
+        prev.fast &= moment_scale(q.vmax, q.vmin, tv, len, 0x1p-30f, &nvs, &prev.ivs);
+        j->ms[blk] = nms;
+        j->vs[blk] = nvs;
+        prev.at = b;
+        prev.len = len;
+        prev.m = tm;
+        prev.v = tv;
+        cur ^= 1;
+    }
+    if (prev.at >= 0)
+        encode_block(j, &prev, sr, &x);
 }
 
 /* Each combination gets its own loop with them as constants. */
@@ -558,22 +750,14 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_a
         (master_mode == MW_KAHAN) != (comp != NULL) || ((crc_mask & CRC_COMP) && !comp))
         return -EINVAL;
 
-    double bc1 = 1.0 - pow(beta1, step);
-    double bc2 = 1.0 - pow(beta2, step);
-    double step_size = lr / bc1;
     uint64_t key = splitmix64(seed ^ splitmix64(index0 >> 32));
     lb_job j = {
         .p = p, .comp = comp, .m = exp_avg, .v = exp_avg_sq, .ms = exp_avg_scale,
         .vs = exp_avg_sq_scale, .g = grad, .out = out, .g_dtype = grad_dtype,
         .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic,
         .idx0 = (uint32_t)index0, .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
-        .maximize = !!maximize, .wd_mode = weight_decay != 0.0 ? (decoupled ? 2 : 1) : 0,
-        .wd = (float)weight_decay, .decay = (float)(1.0 - lr * weight_decay),
-        .c1 = (float)(1.0 - beta1), .b2 = (float)beta2, .c2 = (float)(1.0 - beta2),
-        .bc2s = (float)sqrt(bc2), .eps = (float)eps, .nss = (float)(-step_size),
+        .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };
-    j.c1m1 = j.c1 - 1.0f;
-    j.small = fabsf(j.c1) < 0.5f;
     lb_fn fn = lowbit_scalar;
 #if TM_X86
     if (tm_adam_get_isa() == 2)

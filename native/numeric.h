@@ -5,6 +5,7 @@
 #ifndef TM_NUMERIC_H
 #define TM_NUMERIC_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -117,6 +118,68 @@ static inline uint16_t f32_to_f16(float f)
     return sign | (uint16_t)q;
 }
 
+
+/* -- the Adam/AdamW arithmetic shared by adam.c and adam_lowbit.c -------------------
+ *
+ * Coefficients are formed in double and rounded to float once, as torch's fused CPU
+ * Adam forms them; per element, in float (every operation correctly rounded):
+ *
+ *   g  = maximize ? -grad : grad
+ *   Adam:  g = fma(p, wd, g)          AdamW: p = p * (1 - lr*wd)   (when wd != 0)
+ *   m  = |1-beta1| < 0.5 ? fma(1-beta1, g - m, m) : fma((1-beta1) - 1, g - m, g)
+ *   v  = fma((1-beta2) * g, g, v * beta2)
+ *   p  = p + ((-lr/bc1) * m) / (sqrt(v') / sqrt(bc2) + eps)   (v' = v, or amsgrad's max)
+ *
+ * tm_moments* is the part up to v, tm_param_step* the last line; both kernels call
+ * exactly these, on one element (scalar paths) or 16 lanes (AVX-512). */
+typedef struct tm_adam_coef {
+    int maximize;
+    int wd_mode;              /* 0 none, 1 L2 (Adam), 2 decoupled (AdamW) */
+    int small;                /* |1 - beta1| < 0.5: lerp from m, else from g */
+    float wd, decay, c1, c1m1, b2, c2, bc2s, eps, nss;
+} tm_adam_coef;
+
+static inline tm_adam_coef tm_adam_coef_make(double lr, double beta1, double beta2,
+                                             double eps, double weight_decay, double step,
+                                             int maximize, int decoupled)
+{
+    double bc1 = 1.0 - pow(beta1, step);
+    double bc2 = 1.0 - pow(beta2, step);
+    tm_adam_coef c = {
+        .maximize = !!maximize,
+        .wd_mode = weight_decay != 0.0 ? (decoupled ? 2 : 1) : 0,
+        .wd = (float)weight_decay, .decay = (float)(1.0 - lr * weight_decay),
+        .c1 = (float)(1.0 - beta1), .b2 = (float)beta2, .c2 = (float)(1.0 - beta2),
+        .bc2s = (float)sqrt(bc2), .eps = (float)eps, .nss = (float)(-(lr / bc1)),
+    };
+    c.c1m1 = c.c1 - 1.0f;
+    c.small = fabsf(c.c1) < 0.5f;
+    return c;
+}
+
+static inline __attribute__((always_inline)) void
+tm_moments1(const tm_adam_coef *c, float *g, float *p, float *m, float *v)
+{
+    if (c->maximize)
+        *g = -*g;
+    if (c->wd_mode == 1)
+        *g = fmaf(*p, c->wd, *g);
+    else if (c->wd_mode == 2)
+        *p = *p * c->decay;
+    float d = *g - *m;
+    *m = c->small ? fmaf(c->c1, d, *m) : fmaf(c->c1m1, d, *g);
+    float cg = c->c2 * *g;
+    float vb = *v * c->b2;
+    *v = fmaf(cg, *g, vb);
+}
+
+static inline __attribute__((always_inline)) float
+tm_param_step1(const tm_adam_coef *c, float p, float m, float vv)
+{
+    float denom = sqrtf(vv) / c->bc2s + c->eps;
+    return p + (c->nss * m) / denom;
+}
+
 #if TM_X86
 /* AVX-512 forms of the helpers above, bit for bit the same. */
 #define TM_TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
@@ -139,20 +202,61 @@ bf16_rne16(__m512 x)
         _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16), x);
 }
 
+/* sr_bits in two parts: the Weyl step idx * SR_W + k0 of the 16 indices idx .. idx+15,
+ * and the rest. A loop over consecutive vectors adds 16 * SR_W to the Weyl step instead
+ * of multiplying again (the same value mod 2^32). */
 static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
-sr_bits16(uint32_t idx, uint32_t k0, uint32_t k1)
+sr_weyl16(uint32_t idx, uint32_t k0)
 {
     __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)idx),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
                                                    12, 13, 14, 15));
-    x = _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_W)),
-                         _mm512_set1_epi32((int)k0));
+    return _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_W)),
+                            _mm512_set1_epi32((int)k0));
+}
+
+static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
+sr_mix16(__m512i x, uint32_t k1)
+{
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_M1));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
     x = _mm512_xor_si512(x, _mm512_set1_epi32((int)k1));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_M2));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
+sr_bits16(uint32_t idx, uint32_t k0, uint32_t k1)
+{
+    return sr_mix16(sr_weyl16(idx, k0), k1);
+}
+
+
+static inline TGT_AVX512_H __attribute__((always_inline)) void
+tm_moments16(const tm_adam_coef *c, __m512 *g, __m512 *p, __m512 *m, __m512 *v)
+{
+    if (c->maximize)
+        *g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(*g),
+                                                  _mm512_set1_epi32((int)0x80000000u)));
+    if (c->wd_mode == 1)
+        *g = _mm512_fmadd_ps(*p, _mm512_set1_ps(c->wd), *g);
+    else if (c->wd_mode == 2)
+        *p = _mm512_mul_ps(*p, _mm512_set1_ps(c->decay));
+    __m512 d = _mm512_sub_ps(*g, *m);
+    *m = c->small ? _mm512_fmadd_ps(_mm512_set1_ps(c->c1), d, *m)
+                  : _mm512_fmadd_ps(_mm512_set1_ps(c->c1m1), d, *g);
+    __m512 cg = _mm512_mul_ps(_mm512_set1_ps(c->c2), *g);
+    __m512 vb = _mm512_mul_ps(*v, _mm512_set1_ps(c->b2));
+    *v = _mm512_fmadd_ps(cg, *g, vb);
+}
+
+static inline TGT_AVX512_H __attribute__((always_inline)) __m512
+tm_param_step16(const tm_adam_coef *c, __m512 p, __m512 m, __m512 vv)
+{
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), _mm512_set1_ps(c->bc2s)),
+                                 _mm512_set1_ps(c->eps));
+    return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->nss), m), denom));
 }
 
 #undef TGT_AVX512_H

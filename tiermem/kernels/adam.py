@@ -91,7 +91,12 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     one {array: CRC32C} per segment; else None."""
     from tiermem.kernels import native_adam as impl  # the native module, loaded on first use
 
+    if weights_out is not None and all(w is None for w in weights_out):
+        weights_out = None  # an fp32 model's own weights: nothing to write besides them
     if weights_out is None and not checksums and rounding is None:
+        # One C call per run of segments that lie end to end (a host record's state always
+        # does; the model's weights and grads often do): each call hands its work to the
+        # kernel's threads and waits for the last of them.
         impl.adam_native(params=params, grads=grads, exp_avgs=exp_avgs,
                          exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
                          steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
