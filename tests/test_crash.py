@@ -70,6 +70,34 @@ def assert_weights(model: torch.nn.Module, weights: list[torch.Tensor], what: st
 # (point, n as a function of P = records per step). The step-0 commit at set-up
 # writes P records, then syncs and renames manifest 1; step k writes records
 # kP+1..(k+1)P and commits manifest k+1.
+def poisoned(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every weight 7.0: a resume must put the committed weights back."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)
+    return model
+
+
+def refused_before_first_commit(opt, cfg, model) -> None:
+    """Killed before the first commit: there is no state to resume, and the directory is
+    reported rather than reused."""
+    with pytest.raises(TierMemError, match="manifest.json does not exist"):
+        with tiermem.offload(opt, cfg, model=model, resume=True):
+            pass
+    with pytest.raises(StaleSwapError, match="did not finish cleanly"):
+        with tiermem.offload(opt, cfg, model=model):
+            pass
+
+
+def recover(swap, tmp_path, step: int) -> dict:
+    """`tiermem recover`'s checkpoint of the run in `swap`, which must be of `step`."""
+    ckpt = tmp_path / "recovered.pt"
+    assert tiermem.tools.cli.main(["recover", str(swap_dir(swap)), "-o", str(ckpt)]) == 0
+    recovered = torch.load(ckpt)
+    assert recovered["step"] == step
+    return recovered
+
+
 POINTS = [
     ("write-before", lambda P: 2),          # set-up, nothing committed yet
     ("sync", lambda P: 1),                  # set-up, records written, not flushed
@@ -93,25 +121,12 @@ def test_resume_after_kill(tmp_path, backend, point, n, partitions, reference):
     step = expected_step(point, out)
     cfg = crash_config(str(swap), backend)
     model = make_model()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(7.0)  # a resume must put the committed weights back
-    opt = make_optimizer(model)
+    opt = make_optimizer(poisoned(model))
     if step < 0:
-        # Killed before the first commit: there is no state to resume, and the directory
-        # is reported rather than reused.
-        with pytest.raises(TierMemError, match="manifest.json does not exist"):
-            with tiermem.offload(opt, cfg, model=model, resume=True):
-                pass
-        with pytest.raises(StaleSwapError, match="did not finish cleanly"):
-            with tiermem.offload(opt, cfg, model=model):
-                pass
+        refused_before_first_commit(opt, cfg, model)
         return
     weights, state = reference[step]
-    ckpt = tmp_path / "recovered.pt"
-    assert tiermem.tools.cli.main(["recover", str(swap_dir(swap)), "-o", str(ckpt)]) == 0
-    recovered = torch.load(ckpt)
-    assert recovered["step"] == step
+    recovered = recover(swap, tmp_path, step)
     for (name, _), w in zip(make_model().named_parameters(), weights):
         assert_same_tensor(recovered["model"][name], w, f"recovered {name}")
     compare_state_dicts(recovered["optimizer"], state)

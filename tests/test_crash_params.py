@@ -28,9 +28,8 @@ import tiermem.tools.cli
 from conftest import BACKEND_PARAMS, sweep
 from crash_run import backward_grads, crash_config, make_model, make_optimizer, run_killed
 from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
-from test_crash import expected_step
+from test_crash import expected_step, poisoned, recover, refused_before_first_commit
 from tiermem.errors import TierMemError
-from tiermem.swap.rundir import StaleSwapError
 
 STEPS = 3
 
@@ -134,24 +133,13 @@ def test_resume_after_kill(tmp_path, case, which):
     step = expected_step(point, out)
     cfg = case.config(str(swap))
     model = make(case.master)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(7.0)  # a resume must put the committed weights back
-    opt = make_optimizer(model)
+    opt = make_optimizer(poisoned(model))
     if step < 0:
-        with pytest.raises(TierMemError, match="manifest.json does not exist"):
-            with tiermem.offload(opt, cfg, model=model, resume=True):
-                pass
-        with pytest.raises(StaleSwapError, match="did not finish cleanly"):
-            with tiermem.offload(opt, cfg, model=model):
-                pass
+        refused_before_first_commit(opt, cfg, model)
         return
     weights, state = case.ref[step]
     names = list(make(case.master).state_dict())
-    ckpt = tmp_path / "recovered.pt"
-    assert tiermem.tools.cli.main(["recover", str(swap_dir(swap)), "-o", str(ckpt)]) == 0
-    recovered = torch.load(ckpt)
-    assert recovered["step"] == step
+    recovered = recover(swap, tmp_path, step)
     plain = make(case.master)
     plain.load_state_dict(recovered["model"])
     for (name, p), w in zip(plain.named_parameters(), weights):

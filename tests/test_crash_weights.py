@@ -21,9 +21,7 @@ import tiermem.tools.cli
 from conftest import BACKEND_PARAMS, sweep
 from crash_run import crash_config, make_model, make_optimizer, run_killed, set_grads
 from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
-from test_crash import POINTS, expected_step
-from tiermem.errors import TierMemError
-from tiermem.swap.rundir import StaleSwapError
+from test_crash import POINTS, expected_step, poisoned, recover, refused_before_first_commit
 
 STEPS = 3
 MASTERS = ("kahan", "none")
@@ -125,23 +123,12 @@ def test_resume_after_kill(tmp_path, point, n, reference, request):
     step = expected_step(point, out)
     cfg = low_config(str(swap), backend, master)
     model = make_model(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(7.0)  # a resume must put the committed weights back
-    opt = make_optimizer(model)
+    opt = make_optimizer(poisoned(model))
     if step < 0:
-        with pytest.raises(TierMemError, match="manifest.json does not exist"):
-            with tiermem.offload(opt, cfg, model=model, resume=True):
-                pass
-        with pytest.raises(StaleSwapError, match="did not finish cleanly"):
-            with tiermem.offload(opt, cfg, model=model):
-                pass
+        refused_before_first_commit(opt, cfg, model)
         return
     weights, state = ref[step]
-    ckpt = tmp_path / "recovered.pt"
-    assert tiermem.tools.cli.main(["recover", str(swap_dir(swap)), "-o", str(ckpt)]) == 0
-    recovered = torch.load(ckpt)
-    assert recovered["step"] == step
+    recovered = recover(swap, tmp_path, step)
     plain = make_model(torch.bfloat16)
     plain.load_state_dict(recovered["model"])  # loads into a plain model, exactly
     for (name, p), w in zip(plain.named_parameters(), weights):
