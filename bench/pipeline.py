@@ -122,7 +122,10 @@ class FioFloor:
         self.dir = Path(swap_dir) / "fio-floor"
         self.rfile, self.wfile = self.dir / "read.bin", self.dir / "write.bin"
         self.bs, self.depth = block_size, queue_depth
-        self.read_bytes, self.write_bytes = int(read_bytes), int(write_bytes)
+        # fio moves whole blocks only: a tail under one block (a record's footer) is
+        # left out of the floor rather than rounded up into it.
+        self.read_bytes = int(read_bytes) // block_size * block_size
+        self.write_bytes = int(write_bytes) // block_size * block_size
         self.layout_write = layout_write
         self._pages = None
         self._need = 0
@@ -181,7 +184,8 @@ class FioFloor:
                 return _fio_concurrent(self.rfile, self.wfile, self.read_bytes,
                                        self.write_bytes, self.bs, depth)
             except (ZeroDivisionError, subprocess.CalledProcessError) as exc:
-                print(f"fio floor failed ({type(exc).__name__}), try {attempt + 2} of {tries}",
+                why = getattr(exc, "stderr", None) or type(exc).__name__
+                print(f"fio floor failed, try {attempt + 1} of {tries}: {str(why)[-300:]}",
                       flush=True)
                 if attempt == tries - 1:
                     raise
