@@ -162,7 +162,7 @@ class FioFloor:
                 f.unlink(missing_ok=True)
             self.dir.rmdir()
 
-    def measure(self, tries: int = 3) -> dict:
+    def measure(self, tries: int = 5) -> dict:
         """One measurement: seconds (the slower job of the faster variant), per-job
         seconds, GB/s each way, and every variant's figures."""
         if self.read_bytes == self.write_bytes == 0:  # every record stayed in the buffers
