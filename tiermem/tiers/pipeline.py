@@ -1,16 +1,21 @@
 """StepPipeline: the order in which NVMe-homed partitions are read, updated and written back.
 
 With B pool buffers and prefetch depth k < B:
-1. before partition i is computed, reads of the next k partitions are in
-   flight (and the first k of a step were issued when the previous step ended);
+1. before partition i is computed, reads of the next k partitions not already
+   in buffers are issued into every buffer free at that moment (its write-back
+   landed, its record needed later or not again this step), without waiting for
+   one (the first k of a step were issued when the previous step ended);
 2. partition i is computed in its buffer;
 3. its write-back is issued and the loop goes on; a buffer is reused (or its
    record changed again) only after that write completed.
 The order reverses every step (zig-zag), so the partitions still in buffers
-at the end of a step are the first of the next and are not read again. A
-buffer to refill is one whose write-back has landed, chosen by next use among
-those (Belady): the partition needed last; with every write still in flight,
-the one issued first.
+at the end of a step are the first of the next and are not read again; among
+those, the ones whose write-back landed or was issued first come first, so a
+step run right after another does not start by waiting for the write the last
+one issued last. A buffer the partition at hand must wait for is one whose
+write-back has landed, chosen by next use among those (Belady): the partition
+needed last, one this step no longer visits before one it still does; with
+every write still in flight, the one issued first.
 A partition never written yet is initialised in its buffer instead of read.
 With pipeline.overlap_backward the order is the one gradients complete in
 instead (`planned`, set by optim/overlap.py), visited partition by partition.
