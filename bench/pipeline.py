@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from _harness import (add_phase_args, add_pipeline_args, fio_layout, goal_text,
@@ -179,7 +180,13 @@ class FioFloor:
         for attempt in range(tries):
             # The pages of the last fio come back only once its ring is torn down, and
             # tiermem's buffers may hold some: without enough, a job fails with EFAULT.
-            self._pages.ensure_available(self._need)
+            try:
+                self._pages.ensure_available(self._need)
+            except OSError as exc:  # EINVAL while another process resizes the pool
+                print(f"huge pages could not be added ({exc}), try {attempt + 1} of {tries}",
+                      flush=True)
+                time.sleep(1.0)
+                continue
             try:
                 return _fio_concurrent(self.rfile, self.wfile, self.read_bytes,
                                        self.write_bytes, self.bs, depth)
@@ -189,7 +196,7 @@ class FioFloor:
                       flush=True)
                 if attempt == tries - 1:
                     raise
-        raise AssertionError("unreachable")
+        raise RuntimeError(f"fio floor: no measurement in {tries} tries (see above)")
 
 
 def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int, bs: int,
