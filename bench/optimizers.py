@@ -1,18 +1,29 @@
-"""Tiered SGD-momentum and Adagrad steps against their floors, measured in one run.
+"""Tiered SGD-momentum and Adagrad steps against their floors, measured interleaved.
 
 A synthetic fp32 model (default 300M parameters: 1.2 GB of weights, 1.2 GB of state
-per optimizer) keeps all its optimizer state on NVMe (host tier 0). Per optimizer:
+per optimizer) keeps all its optimizer state on NVMe (host tier 0). The disk and the
+cores of a shared machine drift by tens of percent within a minute, so each optimizer
+runs in one process that alternates, for --rounds rounds:
 
-- tiermem step time (median of the steps after the first, which only writes);
-- the I/O floor: fio reading and writing the same bytes as one step, concurrently,
-  same block size and queue depth (bench/pipeline.py's floor);
-- the compute floor: the plain optimizer's step with all state in memory, with the
-  same implementation flags (--impl: torch's default for-loop, foreach, or fused);
-- step / max(floors), goal <= 1.10.
+1. the I/O floor: fio moving exactly the bytes one steady tiermem step moved (its
+   median read and write bytes), reading and writing concurrently (two jobs, io_uring,
+   O_DIRECT, huge-page buffers, the engine's block size), tried at the engine's queue
+   depth per job and at half of it per job (the engine's own total); the faster of the
+   two is the floor. The read job reads a file written beforehand and the write job
+   overwrites one, as a steady step rewrites records written the step before;
+2. the compute floor: the plain optimizer's step over the same parameters with its
+   state in memory and the same implementation flags (--impl: torch's default
+   for-loop, foreach, or fused), median of --memory-steps;
+3. the tiermem step: --steps steps back to back, timed from the first step's call until
+   the last step's write-backs have landed, divided by --steps (every byte those steps
+   move is inside the time; nothing of theirs is left in flight).
 
-Each phase runs in its own process so peak RSS and page cache are its own.
-Usage: python bench/optimizers.py [--params 300M] [--steps 4] [--optimizers sgd,adagrad]
-       [--impl fused] [--quick] [--json out.json]
+Each round's ratio is its step / max(its I/O floor, its compute floor); the table gives
+the median over rounds and their spread (goal <= 1.10). Two warm-up steps come first
+(the first only writes fresh records; the second gives the bytes of a steady step).
+
+Usage: python bench/optimizers.py [--params 300M] [--rounds 5] [--steps 3]
+       [--optimizers sgd,adagrad] [--impl fused] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,13 +31,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
+import time
 
 from _harness import (add_phase_args, add_pipeline_args, goal_text, offload_config,
-                      parse_count, parser, peak_rss, run_header, run_phase, save, serve_phase,
-                      settings, show_table, stat_medians, steady, time_calls)
-from pipeline import _model, phase_fio
+                      parse_count, parse_size, parser, peak_rss, run_header, run_phase, save,
+                      serve_phase, settings, show_table, stat_medians, steady, time_calls)
+from pipeline import FioFloor, _model
 
 OPTIMIZERS = {  # name -> (torch.optim class name, keyword arguments)
     "sgd": ("SGD", dict(lr=1e-3, momentum=0.9, weight_decay=1e-4)),
@@ -43,53 +54,71 @@ def _optimizer(args: argparse.Namespace, params):
     return getattr(torch.optim, cls_name)(params, **kw, **IMPLS[args.impl])
 
 
-def phase_memory(args: argparse.Namespace) -> dict:
-    """Compute floor: the plain optimizer with all state in RAM."""
-    opt = _optimizer(args, _model(args.params))
-    times = time_calls(opt.step, args.steps)["seconds"]
-    return {"step_seconds": times, "steady": statistics.median(steady(times))}
+def _timed_block(fn, n: int, settle) -> float:
+    """Wall seconds of n calls of fn and then settle() (what they left in flight)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    settle()
+    return time.perf_counter() - t0
 
 
-def phase_tiermem(args: argparse.Namespace) -> dict:
-    """The offloaded step, state on NVMe."""
+def phase_rounds(args: argparse.Namespace) -> dict:
+    """One optimizer: the I/O floor, the compute floor and the tiermem step, interleaved
+    round by round (the module docstring says what each is)."""
     import tiermem
 
     params = _model(args.params)
     opt = _optimizer(args, params)
+    plain = _optimizer(args, params)  # same parameters, its own state, in memory
+    plain.step()  # its state is allocated here, not in a timed step
     with tiermem.offload(opt, offload_config(args), name=f"bench-opt-{args.optimizer}") as tm:
         plan = tm.plan()
-        times = time_calls(opt.step, args.steps)["seconds"]
-        stats = tm.stats()
+        warm = time_calls(opt.step, 2)["seconds"]
+        tiers = tm.offloaded.tiers
+        tiers.flush()
+        moved = stat_medians(steady(tm.stats()), ("read_bytes", "write_bytes"))
+        rounds = []
+        with FioFloor(args.swap_dir, parse_size(args.block_size), args.queue_depth,
+                      moved["read_bytes"], moved["write_bytes"]) as floor:
+            for r in range(args.rounds):
+                fio = floor.measure()
+                mem = time_calls(plain.step, args.memory_steps)["seconds"]
+                first = len(tm.stats())
+                block = _timed_block(opt.step, args.steps, tiers.flush)
+                stats = tm.stats()[first:]
+                step = block / args.steps
+                floor_s = max(fio["seconds"], statistics.median(mem))
+                rounds.append({
+                    "fio": fio, "memory_step_seconds": mem,
+                    "memory": statistics.median(mem), "step": step,
+                    "block_seconds": block, "stats": stats, "ratio": step / floor_s,
+                    **stat_medians(stats, ("read_bytes", "write_bytes", "stall_seconds",
+                                           "update_seconds", "io_seconds"))})
+                print(f"{args.optimizer} round {r + 1}: step {step:.3f} s, fio "
+                      f"{fio['seconds']:.3f} s, in-memory {statistics.median(mem):.3f} s, "
+                      f"ratio {step / floor_s:.3f}", flush=True)
         peak = peak_rss()
         tm.discard()
-    med = stat_medians(steady(stats), ("read_bytes", "write_bytes", "stall_seconds",
-                                       "update_seconds", "overlap"))
-    return {"plan": plan, "step_seconds": times, "stats": stats,
-            "state_bytes": plan["state_bytes"]["nvme"],
-            "steady": statistics.median(steady(times)),
-            "read_bytes": med["read_bytes"], "write_bytes": med["write_bytes"],
-            "stall": med["stall_seconds"], "update": med["update_seconds"],
-            "overlap": med["overlap"], "peak_rss": peak}
-
-
-def _fio_floor(args: argparse.Namespace, tm: dict, tries: int = 3) -> dict:
-    """pipeline.py's fio floor; fio at times reports a job that never ran (0 ms) on a busy
-    machine: measured again rather than taken."""
-    for attempt in range(tries):
-        try:
-            return phase_fio(args, int(tm["read_bytes"]), int(tm["write_bytes"]))
-        except (ZeroDivisionError, subprocess.CalledProcessError) as exc:
-            print(f"fio floor failed ({type(exc).__name__}), try {attempt + 2} of {tries}",
-                  flush=True)
-            if attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
+    med = {k: statistics.median(r[k] for r in rounds) for k in (
+        "step", "memory", "ratio", "read_bytes", "write_bytes", "stall_seconds",
+        "update_seconds", "io_seconds")}
+    med["fio"] = statistics.median(r["fio"]["seconds"] for r in rounds)
+    return {"plan": plan, "warmup_seconds": warm, "moved": moved, "rounds": rounds,
+            "median": med, "ratios": [r["ratio"] for r in rounds], "peak_rss": peak,
+            "state_bytes": plan["state_bytes"]["nvme"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = parser(__doc__, json_name="optimizers.json", quick={"params": "50M", "steps": 3})
+    p = parser(__doc__, json_name="optimizers.json",
+               quick={"params": "50M", "rounds": 2, "steps": 2})
     p.add_argument("--params", default="300M", help="parameter count, e.g. 300M")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of (I/O floor, compute floor, tiermem steps)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="tiermem steps per round, back to back, timed until their writes land")
+    p.add_argument("--memory-steps", type=int, default=2,
+                   help="in-memory steps per round (their median is the compute floor)")
     p.add_argument("--optimizers", default="sgd,adagrad",
                    help="comma list of " + ", ".join(OPTIMIZERS))
     p.add_argument("--optimizer", help=argparse.SUPPRESS)  # one phase's
@@ -106,12 +135,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for o in a.optimizers:
         if o not in OPTIMIZERS:
             p.error(f"--optimizers: {o!r} is not one of {', '.join(OPTIMIZERS)}")
+    for name in ("rounds", "steps", "memory_steps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be at least 1")
     return a
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if serve_phase(args, {"memory": phase_memory, "tiermem": phase_tiermem}):
+    if serve_phase(args, {"rounds": phase_rounds}):
         return 0
     header = run_header("optimizers", argv)
     raw = sys.argv[1:] if argv is None else list(argv)
@@ -119,39 +151,34 @@ def main(argv=None) -> int:
     results, rows = {}, []
     try:
         for name in args.optimizers:
-            tm = run_phase(__file__, "tiermem", raw + ["--optimizer", name])
-            print(f"{name}: tiermem steps {[round(t, 3) for t in tm['step_seconds']]} s",
-                  flush=True)
-            mem = run_phase(__file__, "memory", raw + ["--optimizer", name])
-            print(f"{name}: in-memory steps {[round(t, 3) for t in mem['step_seconds']]} s",
-                  flush=True)
-            fio = _fio_floor(args, tm)
-            floor = max(fio["seconds"], mem["steady"])
-            ratio = tm["steady"] / floor
-            results[name] = {"tiermem": tm, "memory": mem, "fio": fio, "ratio": ratio}
+            res = run_phase(__file__, "rounds", raw + ["--optimizer", name])
+            results[name] = res
+            m, ratios = res["median"], res["ratios"]
             rows += [
-                [f"{name}: tiermem step (NVMe)", f"{tm['steady']:.3f} s",
-                 f"{(tm['read_bytes'] + tm['write_bytes']) / 1e9:.2f} GB moved, stall "
-                 f"{tm['stall']:.3f} s, update {tm['update']:.3f} s, overlap "
-                 f"{tm['overlap']:.2f}"],
-                [f"{name}: I/O floor (fio r+w)", f"{fio['seconds']:.3f} s",
-                 f"read {fio['read_gbps']:.2f} GB/s, write {fio['write_gbps']:.2f} GB/s"],
-                [f"{name}: in-memory step ({args.impl})", f"{mem['steady']:.3f} s", ""],
-                [f"{name}: step / max(floors)", f"{ratio:.3f}",
-                 "goal <= 1.10: " + goal_text(ratio, 1.10)],
+                [f"{name}: tiermem step (NVMe)", f"{m['step']:.3f} s",
+                 f"{(m['read_bytes'] + m['write_bytes']) / 1e9:.2f} GB moved, stall "
+                 f"{m['stall_seconds']:.3f} s, update {m['update_seconds']:.3f} s, "
+                 f"disk busy {m['io_seconds']:.3f} s"],
+                [f"{name}: I/O floor (fio r+w)", f"{m['fio']:.3f} s",
+                 "per round " + ", ".join(f"{r['fio']['seconds']:.3f}" for r in res["rounds"])],
+                [f"{name}: in-memory step ({args.impl})", f"{m['memory']:.3f} s", ""],
+                [f"{name}: step / max(floors)", f"{m['ratio']:.3f}",
+                 f"median of {len(ratios)} rounds (min {min(ratios):.3f}, max "
+                 f"{max(ratios):.3f}); goal <= 1.10: " + goal_text(m["ratio"], 1.10)],
             ]
     finally:
         try:
             os.rmdir(args.swap_dir)
         except OSError:
             pass
-    table = show_table(["what", "time", "detail"], rows, title=(
+    table = show_table(["what", "time (median)", "detail"], rows, title=(
         f"\n{args.params_text} fp32 parameters, state on NVMe, {args.backend}, "
         f"bs {args.block_size}, qd {args.queue_depth}, partitions {args.partition_size}, "
-        f"{args.buffers} buffers, prefetch {args.prefetch}\n"))
+        f"{args.buffers} buffers, prefetch {args.prefetch}; {args.rounds} rounds of "
+        f"{args.steps} steps\n"))
     print()
     save(args.json, header, args=settings(args), results=results,
-         ratios={k: v["ratio"] for k, v in results.items()}, table=table)
+         ratios={k: v["median"]["ratio"] for k, v in results.items()}, table=table)
     return 0
 
 

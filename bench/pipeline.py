@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from _harness import (add_phase_args, add_pipeline_args, fio_layout, goal_text,
@@ -99,35 +100,103 @@ def phase_tiermem(args: argparse.Namespace) -> dict:
 
 
 def phase_fio(args: argparse.Namespace, read_bytes: int, write_bytes: int) -> dict:
-    """I/O floor: fio reads `read_bytes` and writes `write_bytes` concurrently.
+    """I/O floor: fio reads `read_bytes` and writes `write_bytes` concurrently, once."""
+    with FioFloor(args.swap_dir, parse_size(args.block_size), args.queue_depth,
+                  read_bytes, write_bytes, layout_write=False) as floor:
+        return floor.measure()
 
-    Tried as two jobs at the full depth each, and as two jobs sharing it; the
-    faster is the floor, so the ratio never flatters tiermem."""
-    from io_vs_fio import HugePageReservation, pages_for
 
-    if read_bytes == write_bytes == 0:  # every record stayed in the buffers: no I/O to floor
-        return {"seconds": 0.0, "per_job_seconds": {}, "depth": 0, "read_gbps": 0.0,
-                "write_gbps": 0.0, "variant": "no I/O", "variants": {}}
-    d = Path(args.swap_dir) / "fio-floor"
-    d.mkdir(parents=True, exist_ok=True)
-    rfile, wfile = d / "read.bin", d / "write.bin"
-    bs = parse_size(args.block_size)  # bytes, not "1MiB": fio reads "MiB" with base 1000
-    pages = 2 * pages_for(bs * args.queue_depth, 2 << 20) + 8
-    variants = {"2 jobs x depth": args.queue_depth,
-                "2 jobs x depth/2": max(1, args.queue_depth // 2)}
-    results = {}
-    try:
-        if read_bytes:
-            fio_layout(rfile, read_bytes)
-        with HugePageReservation(pages):
-            for name, depth in variants.items():
-                results[name] = _fio_concurrent(rfile, wfile, read_bytes, write_bytes, bs, depth)
-    finally:
-        for f in (rfile, wfile):
-            f.unlink(missing_ok=True)
-        d.rmdir()
-    best = min(results, key=lambda k: results[k]["seconds"])
-    return {**results[best], "variant": best, "variants": results}
+class FioFloor:
+    """The I/O floor of one step: fio reading `read_bytes` and writing `write_bytes`
+    concurrently (io_uring, O_DIRECT, `block_size` requests, huge-page buffers), the
+    read from a file written beforehand.
+
+    Tried as two jobs at the full depth each, and as two jobs sharing it (the engine's
+    own total); the faster is the floor, so the ratio never flatters tiermem. The files
+    are laid out once, so measure() may run many times (interleaved with the steps it is
+    the floor of); `layout_write` also writes the write job's file first, so fio
+    overwrites written blocks as tiermem's steps do (its records were written the step
+    before), rather than extending a file."""
+
+    def __init__(self, swap_dir: str | os.PathLike, block_size: int, queue_depth: int,
+                 read_bytes: int, write_bytes: int, *, layout_write: bool = True) -> None:
+        self.dir = Path(swap_dir) / "fio-floor"
+        self.rfile, self.wfile = self.dir / "read.bin", self.dir / "write.bin"
+        self.bs, self.depth = block_size, queue_depth
+        # fio moves whole blocks only: a tail under one block (a record's footer) is
+        # left out of the floor rather than rounded up into it.
+        self.read_bytes = int(read_bytes) // block_size * block_size
+        self.write_bytes = int(write_bytes) // block_size * block_size
+        self.layout_write = layout_write
+        self._pages = None
+        self._need = 0
+
+    def __enter__(self) -> "FioFloor":
+        from io_vs_fio import HugePageReservation, pages_for
+
+        if self.read_bytes == self.write_bytes == 0:
+            return self
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.read_bytes:
+                fio_layout(self.rfile, self.read_bytes)
+            if self.write_bytes and self.layout_write:
+                fio_layout(self.wfile, self.write_bytes)
+            self._need = 2 * pages_for(self.bs * self.depth, 2 << 20) + 8
+            self._pages = HugePageReservation(self._need)
+            self._pages.__enter__()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._pages is not None:
+                self._pages.__exit__(*exc)
+        finally:
+            self._remove()
+
+    def _remove(self) -> None:
+        if self.dir.exists():
+            for f in (self.rfile, self.wfile):
+                f.unlink(missing_ok=True)
+            self.dir.rmdir()
+
+    def measure(self, tries: int = 5) -> dict:
+        """One measurement: seconds (the slower job of the faster variant), per-job
+        seconds, GB/s each way, and every variant's figures."""
+        if self.read_bytes == self.write_bytes == 0:  # every record stayed in the buffers
+            return {"seconds": 0.0, "per_job_seconds": {}, "depth": 0, "read_gbps": 0.0,
+                    "write_gbps": 0.0, "variant": "no I/O", "variants": {}}
+        variants = {"2 jobs x depth": self.depth, "2 jobs x depth/2": max(1, self.depth // 2)}
+        results = {name: self._run(depth, tries) for name, depth in variants.items()}
+        best = min(results, key=lambda k: results[k]["seconds"])
+        return {**results[best], "variant": best, "variants": results}
+
+    def _run(self, depth: int, tries: int) -> dict:
+        # fio at times reports a job that never ran (0 ms) on a busy machine: measured
+        # again rather than taken.
+        for attempt in range(tries):
+            # The pages of the last fio come back only once its ring is torn down, and
+            # tiermem's buffers may hold some: without enough, a job fails with EFAULT.
+            try:
+                self._pages.ensure_available(self._need)
+            except OSError as exc:  # EINVAL while another process resizes the pool
+                print(f"huge pages could not be added ({exc}), try {attempt + 1} of {tries}",
+                      flush=True)
+                time.sleep(1.0)
+                continue
+            try:
+                return _fio_concurrent(self.rfile, self.wfile, self.read_bytes,
+                                       self.write_bytes, self.bs, depth)
+            except (ZeroDivisionError, subprocess.CalledProcessError) as exc:
+                why = getattr(exc, "stderr", None) or type(exc).__name__
+                print(f"fio floor failed, try {attempt + 1} of {tries}: {str(why)[-300:]}",
+                      flush=True)
+                if attempt == tries - 1:
+                    raise
+        raise RuntimeError(f"fio floor: no measurement in {tries} tries (see above)")
 
 
 def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int, bs: int,
@@ -150,6 +219,14 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
     # fio 3.33 can abort in its exit path with --mem=mmaphuge ("double free") after it
     # printed complete results: those still count; a run without them does not.
     runtimes = {j["jobname"]: j[j["jobname"]]["runtime"] / 1e3 for j in jobs}
+    # A job that failed (EFAULT when its huge-page buffers ran short) reports 0 ms and
+    # fewer bytes: that is no floor.
+    for j in jobs:
+        name = j["jobname"]
+        if j.get("error") or j[name]["io_bytes"] < sizes[name][1]:
+            raise subprocess.CalledProcessError(
+                proc.returncode, cmd, out, f"fio job {name}: error {j.get('error')}, moved "
+                f"{j[name]['io_bytes']} of {sizes[name][1]} bytes; {proc.stderr[-500:]}")
     # fio reports whole milliseconds: a tiny job (a --quick smoke run) can take "0"
     gbps = {name: nbytes / runtimes[name] / 1e9 if runtimes.get(name) else 0.0
             for name, (_, nbytes) in sizes.items()}

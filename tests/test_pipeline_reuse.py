@@ -69,3 +69,103 @@ def test_window_and_failed_writes_are_never_taken():
     pipe = pipeline_with(slots, order=[5, 6, 1, 0])
     pipe.slots[0].dirty = True  # its write-back failed: the only current copy
     assert victim(pipe, window=[5, 6], i=0) == 1
+
+
+# -- reads ahead past the records still in buffers, and the order a step starts in ---------
+
+
+class FakeRead:
+    def __init__(self, issued: float) -> None:
+        self.issued = issued
+
+    def done(self) -> bool:
+        return False
+
+    def interval(self) -> tuple[float, float]:
+        return self.issued, self.issued + 1.0
+
+
+class FakeStore:
+    """Records of 1 byte; every read stays in flight; write-backs that landed are good."""
+
+    def __init__(self) -> None:
+        self.reads: list[int] = []
+        self.slots = __import__("collections").defaultdict(lambda: types.SimpleNamespace(nbytes=1))
+
+    def read(self, part, buf) -> FakeRead:
+        self.reads.append(part.id)
+        return FakeRead(100.0 + len(self.reads))
+
+    def finish_write(self, part, buf, req, retries=0) -> int:
+        return 0
+
+
+def zigzag_pipeline(slots: list[tuple[int, bool | None, int]], n: int, k: int
+                    ) -> tuple[StepPipeline, list]:
+    """Partitions 0..n-1 in zig-zag order, none fresh; buffers holding `slots` as
+    pipeline_with does."""
+    from tiermem.telemetry.stats import StepStats
+
+    parts = [types.SimpleNamespace(id=i) for i in range(n)]
+    pipe = StepPipeline(FakeStore(), [torch.empty(1) for _ in slots], parts,
+                        prefetch_depth=k, zigzag=True)
+    pipe.fresh.clear()
+    for slot, (pid, landed, issued) in zip(pipe.slots, slots):
+        slot.part = parts[pid]
+        slot.write = None if landed is None else FakeWrite(landed, issued)
+        pipe.where[pid] = slot
+    return pipe, StepStats()
+
+
+def test_reads_ahead_start_past_the_records_still_in_buffers():
+    # Step order 0..7; buffers hold 0, 1, 2 (this step's first: zig-zag), 9's record (done
+    # with this step, its write landed) and 8's (write still in flight). Updating 0 with
+    # prefetch_depth 2: 1 and 2 need no read, so the read of 3 is issued now, into 9's
+    # buffer; 4 would need 8's buffer, still writing: not waited for.
+    pipe, stats = zigzag_pipeline([(0, None, 0), (1, None, 0), (2, None, 0), (9, True, 1),
+                                   (8, False, 2)], n=10, k=2)
+    order = list(pipe.parts)  # the visit: 0..9
+    pipe._read_ahead(order, 0, stats)
+    assert pipe.store.reads == [3]
+    assert pipe.where[3] is pipe.slots[3] and 9 not in pipe.where
+    assert pipe.where[8] is pipe.slots[4]  # the buffer still writing kept its record
+
+
+def test_reads_ahead_stop_at_prefetch_depth_and_never_evict_a_record_needed_sooner():
+    pipe, stats = zigzag_pipeline([(0, None, 0), (7, True, 1), (8, True, 2), (9, True, 3),
+                                   (5, None, 0)], n=10, k=2)
+    order = list(pipe.parts)
+    pipe._read_ahead(order, 0, stats)
+    # 1 and 2 read (depth 2); 5 stays: it is needed before anything read into its buffer
+    assert pipe.store.reads == [1, 2]
+    assert pipe.where[5] is pipe.slots[4]
+    assert 7 in pipe.where  # one buffer done with this step left over: depth reached
+
+
+def test_a_step_starts_with_the_buffered_records_whose_writes_landed():
+    # End of a step that visited ... 6, 7, 8, 9: its last three are in buffers, 9's write
+    # issued last. The next step (reversed) starts with them, the landed one first, then
+    # by when their write-backs were issued, so the first update waits for no write.
+    pipe, _ = zigzag_pipeline([(7, True, 1), (8, False, 2), (9, False, 3)], n=10, k=1)
+    pipe.steps_done = 1
+    order = [p.id for p in pipe.order(1)]
+    assert order == [7, 8, 9, 6, 5, 4, 3, 2, 1, 0]
+    # the order is fixed for the step, whatever lands meanwhile
+    pipe.slots[2].write.landed = True
+    assert [p.id for p in pipe.order(1)] == order
+    # without zig-zag the order is the fixed one
+    pipe.zigzag = False
+    pipe._order = None
+    assert [p.id for p in pipe.order(1)] == list(range(10))
+
+
+def test_a_buffer_holding_a_record_read_ahead_for_this_step_is_kept():
+    # Updating 5 (window 5, 6) in a visit 5, 6, 7, 8, 3, 2; buffers: 6, 8 and 3 (read
+    # ahead, needed this step), 0 (done with this step, its write still in flight). The
+    # write is waited for rather than a record this step still needs dropped and read again.
+    pipe, _ = zigzag_pipeline([(6, None, 0), (8, None, 0), (0, False, 4), (3, None, 0)],
+                              n=10, k=1)
+    visit = [pipe.parts[i] for i in (5, 6, 7, 8, 3, 2)]
+    assert pipe.slots.index(pipe._victim(visit[:2], visit, 0)) == 2
+    pipe.slots[2].write.landed = True  # landed: still the one taken
+    assert pipe.slots.index(pipe._victim(visit[:2], visit, 0)) == 2

@@ -1,16 +1,21 @@
 """StepPipeline: the order in which NVMe-homed partitions are read, updated and written back.
 
 With B pool buffers and prefetch depth k < B:
-1. before partition i is computed, reads of the next k partitions are in
-   flight (and the first k of a step were issued when the previous step ended);
+1. before partition i is computed, reads of the next k partitions not already
+   in buffers are issued into every buffer free at that moment (its write-back
+   landed, its record needed later or not again this step), without waiting for
+   one (the first k of a step were issued when the previous step ended);
 2. partition i is computed in its buffer;
 3. its write-back is issued and the loop goes on; a buffer is reused (or its
    record changed again) only after that write completed.
 The order reverses every step (zig-zag), so the partitions still in buffers
-at the end of a step are the first of the next and are not read again. A
-buffer to refill is one whose write-back has landed, chosen by next use among
-those (Belady): the partition needed last; with every write still in flight,
-the one issued first.
+at the end of a step are the first of the next and are not read again; among
+those, the ones whose write-back landed or was issued first come first, so a
+step run right after another does not start by waiting for the write the last
+one issued last. A buffer the partition at hand must wait for is one whose
+write-back has landed, chosen by next use among those (Belady): the partition
+needed last, one this step no longer visits before one it still does; with
+every write still in flight, the one issued first.
 A partition never written yet is initialised in its buffer instead of read.
 With pipeline.overlap_backward the order is the one gradients complete in
 instead (`planned`, set by optim/overlap.py), visited partition by partition.
@@ -76,15 +81,19 @@ class StepPipeline:
         # Set by tiermem.optim.overlap: the visiting order the gradients dictate, in place of
         # the zig-zag one.
         self.planned: list[Partition] | None = None
+        self._order: tuple[int, list[Partition]] | None = None  # (step, its order)
+        self._pos: tuple[Sequence[Partition], dict[int, int]] | None = None
 
     def replace_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Stream through new buffers; call after flush() (nothing in flight, disk current)."""
         self.slots = [_Slot(b) for b in buffers]
         self.where.clear()
+        self._order = None
 
     def add_partitions(self, parts: Sequence[Partition]) -> None:
         self.parts.extend(parts)
         self.fresh.update(p.id for p in parts)
+        self._order = None
 
     def order(self, step: int) -> list[Partition]:
         if self.planned is not None:
@@ -92,7 +101,30 @@ class StepPipeline:
             # partitions not seen there yet come after, last parameter first.
             seen = {p.id for p in self.planned}
             return list(self.planned) + [p for p in reversed(self.parts) if p.id not in seen]
+        if step != self.steps_done or not self.zigzag:
+            return self._zigzag(step)
+        # Fixed for the whole step once asked for (the end of the last step, as it runs
+        # the reads ahead): every caller sees one order while the buffers change under it.
+        if self._order is None or self._order[0] != step:
+            self._order = (step, self._buffered_first(self._zigzag(step)))
+        return list(self._order[1])
+
+    def _zigzag(self, step: int) -> list[Partition]:
         return self.parts[::-1] if self.zigzag and step % 2 else list(self.parts)
+
+    def _buffered_first(self, order: list[Partition]) -> list[Partition]:
+        """`order` with the records still in buffers first (zig-zag puts them there
+        already), among them those whose transfers landed, then those whose transfer was
+        issued earliest: steps run back to back, the record the last step wrote last is
+        still being written when the next one starts, and updating it first would wait
+        for that write while the others are ready."""
+        def issued(p: Partition) -> float:
+            slot = self.where.get(p.id)
+            if slot is None:
+                return float("inf")
+            pending = [r for r in (slot.read, slot.write) if r is not None and not r.done()]
+            return max((r.interval()[0] for r in pending), default=float("-inf"))
+        return sorted(order, key=issued)  # stable: zig-zag order among equals
 
     # -- the step --------------------------------------------------------------
 
@@ -107,14 +139,15 @@ class StepPipeline:
                 order: Sequence[Partition], i: int, stats: StepStats) -> tuple[Views, bool]:
         """`part`'s record (= order[i]) in its buffer, read and checked: (views, fresh).
 
-        window: `part` and the partitions to read ahead of it; order[i:]: what this step
-        still visits, in that order (a buffer to reuse is chosen by it). fresh: never
+        window: `part` and the partitions after it whose buffers are not taken for it;
+        order[i:]: what this step still visits, in that order (a buffer to reuse is chosen
+        by it); the reads of the next prefetch_depth records not in buffers yet are issued
+        into buffers free now (see _read_ahead). fresh: never
         written, so the caller builds the record instead of reading it. The caller updates
         the record, then hands it back with release()."""
         safe_point()  # a Ctrl-C leaves here: no write of this partition is half issued yet
-        for q in window:
-            self._load(q, window, order, i, stats)
-        slot = self.where[part.id]
+        slot = self._load(part, window, order, i, stats)
+        self._read_ahead(order, i, stats)
         with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
             self._finish_read(slot)
             self._settle_write(slot)  # a failure leaves it dirty: it is the latest copy
@@ -180,6 +213,11 @@ class StepPipeline:
                 # write failed for good the buffer stays with it and another is chosen.
                 if self._settle_write(slot):
                     break
+        return self._assign(slot, part, stats)
+
+    def _assign(self, slot: _Slot, part: Partition, stats: StepStats) -> _Slot:
+        """`slot` (idle, its record on disk) takes `part`: its read is issued, or it is
+        marked to be built if `part` was never written."""
         if slot.part is not None:
             del self.where[slot.part.id]
         slot.part = part
@@ -193,6 +231,56 @@ class StepPipeline:
             self._reqs.append((slot.read, part.id))
             stats.add_bytes("read", "nvme", self.store.slots[part.id].nbytes)
         return slot
+
+    def _read_ahead(self, order: Sequence[Partition], i: int, stats: StepStats) -> None:
+        """Issue the reads of the next `k` records after order[i] that are not in a buffer,
+        in order, each into a buffer that is free now (its write-back landed, its record
+        needed later than this one or not again this step). Never waits: the record at
+        hand is ready, and a write that lands meanwhile frees a buffer for the next call.
+        Records already in buffers are skipped, not counted, so the reads start as far
+        ahead as the buffers allow (zig-zag leaves the first records of a step in them)."""
+        pos = self._positions(order)
+        pending = 0
+        for j in range(i + 1, len(order)):
+            if pending >= self.k:
+                return
+            q = order[j]
+            slot = self.where.get(q.id)
+            if slot is not None:
+                pending += slot.read is not None and not slot.read.done()
+                continue
+            victim = self._free_now(pos, i, j)
+            if victim is None:
+                return
+            self._assign(victim, q, stats)
+            pending += victim.read is not None
+
+    def _free_now(self, pos: dict[int, int], i: int, j: int) -> _Slot | None:
+        """A buffer that can take the record at order[j] without waiting: nothing in
+        flight, its write-back landed and good, and its record needed after position j
+        (or not again this step); among those, the one needed last (Belady)."""
+        n = len(pos)
+        best, best_use = None, j
+        for s in self.slots:
+            if s.dirty or s.read is not None or (s.write is not None and not s.write.done()):
+                continue
+            if s.part is None:
+                use = float("inf")
+            else:
+                at = pos.get(s.part.id, -1)
+                # Visited already this step (or not at all): needed next step, where
+                # zig-zag visits it at about n - 1 - at.
+                use = at if at >= i else 2 * n - 1 - at
+            if use > best_use and self._settle_write(s):
+                best, best_use = s, use
+        return best
+
+    def _positions(self, order: Sequence[Partition]) -> dict[int, int]:
+        """Partition id -> position in `order` (kept per order list: a visit asks once per
+        partition)."""
+        if self._pos is None or self._pos[0] is not order:
+            self._pos = (order, {p.id: j for j, p in enumerate(order)})
+        return self._pos[1]
 
     def ready_views(self, part: Partition) -> Views | None:
         """`part`'s record if it is in a buffer, read and checked, without waiting; else None
@@ -221,14 +309,18 @@ class StepPipeline:
         if not free:
             raise TierMemError("no pipeline buffer can be reused: the records they hold could "
                                "not be written back (see the earlier I/O error)")
+        # A record this step still visits (read ahead past the window) is given up only
+        # when every other buffer holds one too: waiting for a write beats reading again.
+        done_with = [s for s in free if s.part is None or s.part.id not in pos]
+        pool = done_with or free
         # A buffer whose write-back landed takes the read now; one still writing would hold
         # the read (and every read queued behind it) up by as much as a whole write, so the
         # disk would alternate write, read, write instead of doing both. Among the landed,
         # Belady. With none landed, the write issued first lands first.
-        landed = [s for s in free if s.write is None or s.write.done()]
+        landed = [s for s in pool if s.write is None or s.write.done()]
         if landed:
             return max(landed, key=next_use)
-        return min(free, key=lambda s: s.write.interval()[0])
+        return min(pool, key=lambda s: s.write.interval()[0])
 
     def _finish_read(self, slot: _Slot) -> None:
         if slot.read is None:

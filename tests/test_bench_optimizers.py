@@ -1,0 +1,75 @@
+"""bench/optimizers.py at tiny sizes (its rounds, table and JSON), and the fio floor's
+refusal of a job that did not move its bytes (fio reports such a job as 0 ms, which made
+bogus floors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPO / "bench"))  # after everything else: never shadows a module
+
+import pipeline as bench_pipeline  # noqa: E402  (bench/pipeline.py)
+
+needs_fio = pytest.mark.skipif(
+    shutil.which("fio") is None or os.geteuid() != 0,
+    reason="the fio floor needs fio, and root for its huge-page buffers")
+
+
+@needs_fio
+def test_optimizers_bench_smoke(tmp_path):
+    out = tmp_path / "optimizers.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "optimizers.py"), "--params", "6M",
+         "--rounds", "2", "--steps", "2", "--memory-steps", "1", "--partition-size", "4MiB",
+         "--buffers", "4", "--prefetch", "2", "--queue-depth", "4",
+         "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step / max(floors)" in proc.stdout
+    result = json.loads(out.read_text())
+    for name in ("sgd", "adagrad"):
+        res = result["results"][name]
+        assert len(res["rounds"]) == 2 and len(res["ratios"]) == 2
+        for r in res["rounds"]:
+            # the floor moved the bytes of the steps it is the floor of, both ways
+            assert r["fio"]["read_gbps"] > 0 and r["fio"]["write_gbps"] > 0
+            assert r["read_bytes"] > 0 and r["write_bytes"] > 0
+            assert r["ratio"] == pytest.approx(r["step"] / max(r["fio"]["seconds"],
+                                                                 r["memory"]))
+        assert result["ratios"][name] == res["median"]["ratio"]
+
+
+def _fio_output(read_io: int, error: int = 0) -> str:
+    jobs = [{"jobname": "read", "error": error, "read": {"runtime": 0 if error else 500,
+                                                        "io_bytes": read_io}},
+            {"jobname": "write", "error": 0, "write": {"runtime": 700, "io_bytes": 8 << 20}}]
+    return "fio: some note\n" + json.dumps({"jobs": jobs})
+
+
+@pytest.mark.parametrize("read_io, error", [(0, 12), (4 << 20, 0)],
+                         ids=["job-failed", "short"])
+def test_a_fio_job_that_did_not_move_its_bytes_is_no_floor(monkeypatch, tmp_path, read_io,
+                                                           error):
+    monkeypatch.setattr(bench_pipeline.subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(
+        stdout=_fio_output(read_io, error), stderr="io_u error: Bad address", returncode=0))
+    with pytest.raises(subprocess.CalledProcessError) as got:
+        bench_pipeline._fio_concurrent(tmp_path / "r", tmp_path / "w", 8 << 20, 8 << 20,
+                                       1 << 20, 4)
+    assert f"fio job read: error {error}, moved {read_io} of {8 << 20} bytes" in got.value.stderr
+
+
+def test_a_complete_fio_run_is_the_floor(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_pipeline.subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(
+        stdout=_fio_output(8 << 20), stderr="", returncode=0))
+    got = bench_pipeline._fio_concurrent(tmp_path / "r", tmp_path / "w", 8 << 20, 8 << 20,
+                                         1 << 20, 4)
+    assert got["seconds"] == 0.7 and got["per_job_seconds"] == {"read": 0.5, "write": 0.7}
