@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import re
-import resource
 import shlex
 import statistics
 import subprocess
@@ -227,8 +226,11 @@ def machine_facts() -> dict[str, Any]:
 
 
 def peak_rss() -> int:
-    """This process's peak resident set, bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set, bytes (VmHWM: getrusage's ru_maxrss survives
+    execve, and a phase would report the size of the process that started it)."""
+    from tiermem.tools.stress import peak_rss as vm_hwm
+
+    return vm_hwm()
 
 
 # -- output ----------------------------------------------------------------------------------

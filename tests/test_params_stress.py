@@ -120,3 +120,19 @@ def test_peak_rss_within_the_plan(tmp_path, synthetic):
     assert result["verify"]["ok"]
     assert result["peak_rss"] <= 1.1 * plan["host_need"], (result["peak_rss"], plan,
                                                           result["peak_rss_after"])
+
+
+def test_peak_rss_is_this_processes_own():
+    """A process started by a big one (a test suite) reports its own peak: Linux keeps
+    getrusage's ru_maxrss across execve, which once made this file's RSS check fail
+    inside the whole suite only."""
+    import subprocess
+    import sys
+
+    import torch
+
+    big = torch.ones(512 << 20, dtype=torch.uint8)  # touched: 512 MiB resident here
+    out = subprocess.run([sys.executable, "-c", "from tiermem.tools.stress import peak_rss; "
+                          "print(peak_rss())"], capture_output=True, text=True, check=True)
+    del big
+    assert int(out.stdout) < 400 << 20, out.stdout

@@ -162,22 +162,29 @@ def _verify_bytes(state: int, per_param: float, partition_size: int, itemsize: i
     return sample * (record + per_part * itemsize) + 2 * largest * itemsize + per_part * 4
 
 
-def process_rss() -> int:
-    """Bytes this process holds in memory now (VmRSS; the peak so far where /proc is
-    missing)."""
+def _status_bytes(field: str) -> int:
+    """A byte figure of /proc/self/status (VmRSS, VmHWM); getrusage's peak where /proc is
+    missing."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def process_rss() -> int:
+    """Bytes this process holds in memory now (VmRSS)."""
+    return _status_bytes("VmRSS")
+
+
 def peak_rss() -> int:
-    """The process's peak resident bytes so far (VmHWM)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The process's peak resident bytes so far (VmHWM). Not getrusage's ru_maxrss: Linux
+    keeps that across execve, so a process started by a big one (a test suite) would
+    report its parent's size."""
+    return _status_bytes("VmHWM")
 
 
 def bound_heap(threshold: int = 1 << 20) -> bool:
