@@ -678,17 +678,6 @@ static int grow_pool(int want)
     return pool.nworkers;
 }
 
-#define TM_ADAM_SPIN 4096  /* pause instructions, about 0.2-0.5 ms */
-
-static inline void spin_pause(void)
-{
-#if TM_X86
-    _mm_pause();
-#else
-    __asm__ __volatile__("" ::: "memory");
-#endif
-}
-
 /* CRCs of the arrays in crc_mask over [0, n), from the chunk CRCs, in order. */
 static void join_crcs(const adam_task *t, uint32_t crcs[4])
 {
@@ -738,12 +727,6 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
     }
     pthread_mutex_unlock(&pool.mu);
     run_chunks(&t);
-    /* The workers finish at most a chunk after this thread (tens of microseconds): wait
-     * for them spinning first. Sleeping on the condition and being woken costs a system
-     * call each way, and on a VM the wake-up of a halted vCPU more than that chunk. */
-    for (int spin = 0; spin < TM_ADAM_SPIN && __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE);
-         spin++)
-        spin_pause();
     pthread_mutex_lock(&pool.mu);
     while (pool.pending > 0)
         pthread_cond_wait(&pool.done, &pool.mu);
