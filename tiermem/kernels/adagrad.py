@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim import adagrad as _torch_adagrad
 
 from tiermem.kernels.native_rules import (check_native, crc_arrays, native_threads,
-                                          tail_length, with_tail_crcs)
+                                          refuse_checksums, tail_length, with_tail_crcs)
 from tiermem._lib import ffi, lib
 
 
@@ -74,9 +74,7 @@ def adagrad_torch(impl: str) -> Callable[..., None]:
 
     def run(*, params, grads, state_sums, steps, lr, lr_decay, weight_decay, eps, maximize,
             checksums=()):
-        if checksums:
-            raise ValueError(f"kernel {impl!r} cannot compute checksums in its pass; only "
-                             "the native kernel can")
+        refuse_checksums(impl, checksums)
         before = [s - 1 for s in steps]  # torch increments the counts it is given
         fn(params, grads, state_sums, before, None, None, has_sparse_grad=False,
            differentiable=False, has_complex=False, lr=lr, weight_decay=weight_decay,

@@ -64,6 +64,14 @@ def check_native(t: Tensor, what: str, n: int) -> None:
     check_tensor(t, what, (torch.float32,), n)
 
 
+def refuse_checksums(impl: str, checksums: Sequence[str]) -> None:
+    """torch's kernels update in place and return nothing: the CRCs of a record's arrays
+    in the same pass come only from the native kernels."""
+    if checksums:
+        raise ValueError(f"kernel {impl!r} cannot compute checksums in its pass; only "
+                         "the native kernel can")
+
+
 def crc_arrays(checksums: Sequence[str], *, state: str | None) -> int:
     """The C kernels' crc_mask for `checksums` (bit 1: the state, bit 2: the params)."""
     mask = 0

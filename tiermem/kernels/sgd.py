@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.optim import sgd as _torch_sgd
 
 from tiermem.kernels.native_rules import (check_native, crc_arrays, native_threads,
-                                          tail_length, with_tail_crcs)
+                                          refuse_checksums, tail_length, with_tail_crcs)
 from tiermem._lib import ffi, lib
 
 
@@ -87,9 +87,7 @@ def sgd_torch(impl: str) -> Callable[..., list[dict[str, int]] | None]:
 
     def run(*, params, grads, momentum_buffers, first, lr, momentum, dampening,
             weight_decay, nesterov, maximize, checksums=(), match=impl):
-        if checksums:
-            raise ValueError(f"kernel {impl!r} cannot compute checksums in its pass; only "
-                             "the native kernel can")
+        refuse_checksums(impl, checksums)
         kw = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                   nesterov=nesterov, maximize=maximize, has_sparse_grad=False)
         if momentum == 0:

@@ -814,13 +814,17 @@ class ParamTier:
             self.used = 0
         finally:
             self._closed = True
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            self._accumulators.clear()
-            while self._hooks_ctx:
-                self._pop_saved_hooks()
-            self.records.close()
+            self._unhook()
+
+    def _unhook(self) -> None:
+        """The end of close() and abandon(): hooks, saved-tensor hooks and records gone."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._accumulators.clear()
+        while self._hooks_ctx:
+            self._pop_saved_hooks()
+        self.records.close()
 
     def abandon(self) -> None:
         """Close without giving the weights back (tm.discard(): benchmarks, stress runs):
@@ -838,10 +842,4 @@ class ParamTier:
             self.live.clear()
             self.used = 0
         finally:
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            self._accumulators.clear()
-            while self._hooks_ctx:
-                self._pop_saved_hooks()
-            self.records.close()
+            self._unhook()
