@@ -1,0 +1,158 @@
+"""Mixed reads and writes at once: the bare IOEngine against fio's two jobs.
+
+Why: one optimizer step over NVMe moves reads and writes at the same time (bench/
+optimizers.py at 300M: 10 reads and 18 writes of 64 MiB per step); pure reads or pure
+writes match fio (bench/io_vs_fio.py), so this measures the engine on the mix alone, with
+no pipeline and no update. Each round submits every read and every write to the engine at
+once (reads first), waits for all of them, and times that; fio moves the same bytes as a
+read job and a write job running together (the floor of bench/optimizers.py: one ring
+each, at the engine's depth per job and at half of it, the faster counts). The engine
+reads the file fio reads and overwrites the file fio writes (both laid out beforehand).
+
+Each engine runs in a child process of its own, so `--trees` can put builds of two
+checkouts side by side in one run (e.g. main and a branch): each child imports tiermem
+from its tree, and the rounds alternate fio and every (tree, backend) pair, so the disk's
+drift hits all alike. Reported per tool: median seconds and its ratio to fio's median;
+per engine also when its last read and its last write landed.
+
+Usage: flock /tmp/tiermem-heavy.lock python3 bench/io_mixed.py [--rounds 9]
+       [--reads 10 --writes 18 --size 64MiB] [--backends io_uring,threads]
+       [--trees /work/main-build,.] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _harness import (REPO, parse_size, parser, ratio_text, run_header, save, settings,
+                      show_table)
+from pipeline import FioFloor
+
+FIO = "fio r+w"
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Child: engines on `args.tree`'s tiermem; one JSON line per request line on stdin."""
+    sys.path.insert(0, args.serve)
+    from tiermem.io import IOEngine
+    from tiermem.io.buffers import aligned_empty
+
+    size = parse_size(args.size)
+    bufs = [aligned_empty(size) for _ in range(args.reads + args.writes)]
+    for b in bufs:
+        b.fill_(1)  # first touch here, not in a timed pass
+    engines = {}
+    for backend in args.backends:
+        eng = IOEngine(backend=backend, queue_depth=args.queue_depth,
+                       block_size=parse_size(args.block_size))
+        eng.register_buffers(bufs)
+        engines[backend] = (eng, eng.open(args.rfile, "r+"), eng.open(args.wfile, "r+"))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        eng, rf, wf = engines[line.strip()]
+        t0 = time.monotonic()
+        reqs = [eng.read(rf, bufs[i], i * size) for i in range(args.reads)]
+        reqs += [eng.write(wf, bufs[args.reads + i], i * size) for i in range(args.writes)]
+        for r in reqs:
+            r.wait()
+        t1 = time.monotonic()
+        last = {op: max(r.interval()[1] for r in reqs if r.op == op) - t0
+                for op in ("read", "write")}
+        print(json.dumps({"seconds": t1 - t0, "last_read": last["read"],
+                          "last_write": last["write"]}), flush=True)
+    for eng, _, _ in engines.values():
+        eng.close()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser(__doc__, json_name="io_mixed.json",
+               quick={"rounds": 2, "reads": 2, "writes": 3, "size": "16MiB"})
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--reads", type=int, default=10, help="reads per round")
+    p.add_argument("--writes", type=int, default=18, help="writes per round")
+    p.add_argument("--size", default="64MiB", help="bytes per read or write")
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--block-size", default="1MiB")
+    p.add_argument("--backends", default="io_uring,threads")
+    p.add_argument("--trees", default=str(REPO),
+                   help="comma list of checkouts (built in place) whose engines to run")
+    p.add_argument("--dir", default="/tmp/tiermem-io-mixed", help="where the files go")
+    p.add_argument("--serve", help=argparse.SUPPRESS)
+    p.add_argument("--rfile", help=argparse.SUPPRESS)
+    p.add_argument("--wfile", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.backends = [b for b in a.backends.split(",") if b]
+    a.trees = [os.path.abspath(t) for t in a.trees.split(",") if t]
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.serve:
+        serve(args)
+        return 0
+    header = run_header("io_mixed", argv)
+    size = parse_size(args.size)
+    raw = [a for a in (sys.argv[1:] if argv is None else list(argv))]
+    names = {t: (Path(t).name if len(args.trees) > 1 else "") for t in args.trees}
+    times: dict[str, list[dict]] = {FIO: []}
+    os.makedirs(args.dir, exist_ok=True)
+    children = {}
+    try:
+        with FioFloor(args.dir, parse_size(args.block_size), args.queue_depth,
+                      args.reads * size, args.writes * size) as floor:
+            for tree in args.trees:
+                child = subprocess.Popen(
+                    [sys.executable, __file__, *raw, "--serve", tree, "--rfile",
+                     str(floor.rfile), "--wfile", str(floor.wfile)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                json.loads(child.stdout.readline())
+                children[tree] = child
+            for r in range(args.rounds):
+                fio = floor.measure()
+                times[FIO].append({"seconds": fio["seconds"], "detail": fio})
+                line = [f"round {r + 1}: fio {fio['seconds']:.3f} s"]
+                for tree, child in children.items():
+                    for backend in args.backends:
+                        child.stdin.write(backend + "\n")
+                        child.stdin.flush()
+                        got = json.loads(child.stdout.readline())
+                        tool = f"{names[tree]} {backend}".strip()
+                        times.setdefault(tool, []).append(got)
+                        line.append(f"{tool} {got['seconds']:.3f} s")
+                print(", ".join(line), flush=True)
+    finally:
+        for child in children.values():
+            child.stdin.close()
+            child.wait()
+        try:
+            os.rmdir(args.dir)
+        except OSError:
+            pass
+    fio_med = statistics.median(t["seconds"] for t in times[FIO])
+    rows = []
+    for tool, ts in times.items():
+        med = statistics.median(t["seconds"] for t in ts)
+        detail = ", ".join(f"{t['seconds']:.3f}" for t in ts)
+        if tool != FIO:
+            detail = (f"last read {statistics.median(t['last_read'] for t in ts):.3f} s, last "
+                      f"write {statistics.median(t['last_write'] for t in ts):.3f} s; " + detail)
+        rows.append([tool, f"{med:.3f} s", ratio_text(med, fio_med), detail])
+    total = (args.reads + args.writes) * size
+    table = show_table(["tool", "median", "x fio", "per round"], rows, title=(
+        f"\n{args.reads} reads + {args.writes} writes of {args.size} at once "
+        f"({total / 1e9:.2f} GB), qd {args.queue_depth}, bs {args.block_size}; "
+        f"{args.rounds} rounds\n"))
+    save(args.json, header, args=settings(args), times=times, table=table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
