@@ -33,6 +33,7 @@ from pathlib import Path
 
 from _harness import (REPO, parse_size, parser, ratio_text, run_header, save, settings,
                       show_table)
+from io_vs_fio import DeviceCounters
 from pipeline import FioFloor
 
 FIO = "fio r+w"
@@ -54,21 +55,35 @@ def serve(args: argparse.Namespace) -> None:
                        block_size=parse_size(args.block_size))
         eng.register_buffers(bufs)
         engines[backend] = (eng, eng.open(args.rfile, "r+"), eng.open(args.wfile, "r+"))
-    print(json.dumps({"ready": True}), flush=True)
+    disk = DeviceCounters(Path(args.rfile).parent)
+    print(json.dumps({"ready": True, "pages": bufs[0].tiermem_info.pages}), flush=True)
     for line in sys.stdin:
         eng, rf, wf = engines[line.strip()]
+        before = disk.read()
         t0 = time.monotonic()
         reqs = [eng.read(rf, bufs[i], i * size) for i in range(args.reads)]
         reqs += [eng.write(wf, bufs[args.reads + i], i * size) for i in range(args.writes)]
         for r in reqs:
             r.wait()
         t1 = time.monotonic()
+        after = disk.read()
         last = {op: max(r.interval()[1] for r in reqs if r.op == op) - t0
                 for op in ("read", "write")}
         print(json.dumps({"seconds": t1 - t0, "last_read": last["read"],
-                          "last_write": last["write"]}), flush=True)
+                          "last_write": last["write"], "disk": disk_summary(before, after)}),
+              flush=True)
     for eng, _, _ in engines.values():
         eng.close()
+
+
+def disk_summary(before, after) -> dict:
+    """The disk's own view of a pass: requests in flight while busy, KiB per request."""
+    out = {}
+    for op in ("read", "write"):
+        queue, kib = DeviceCounters.summary(before, after, op)
+        out[f"{op}_kib"] = kib
+        out["queue"] = queue
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,11 +128,15 @@ def main(argv=None) -> int:
                     [sys.executable, __file__, *raw, "--serve", tree, "--rfile",
                      str(floor.rfile), "--wfile", str(floor.wfile)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                json.loads(child.stdout.readline())
+                ready = json.loads(child.stdout.readline())
+                print(f"{tree}: engine buffers on {ready['pages']} pages", flush=True)
                 children[tree] = child
+            disk = DeviceCounters(floor.dir)
             for r in range(args.rounds):
+                before = disk.read()
                 fio = floor.measure()
-                times[FIO].append({"seconds": fio["seconds"], "detail": fio})
+                times[FIO].append({"seconds": fio["seconds"], "detail": fio,
+                                   "disk": disk_summary(before, disk.read())})
                 line = [f"round {r + 1}: fio {fio['seconds']:.3f} s"]
                 for tree, child in children.items():
                     for backend in args.backends:
@@ -141,6 +160,9 @@ def main(argv=None) -> int:
     for tool, ts in times.items():
         med = statistics.median(t["seconds"] for t in ts)
         detail = ", ".join(f"{t['seconds']:.3f}" for t in ts)
+        d = {k: statistics.median(t["disk"][k] or 0 for t in ts) for k in ts[0]["disk"]}
+        detail = (f"disk: {d['read_kib']:.0f}/{d['write_kib']:.0f} KiB per read/write, "
+                  f"queue {d['queue']:.1f}; ") + detail
         if tool != FIO:
             detail = (f"last read {statistics.median(t['last_read'] for t in ts):.3f} s, last "
                       f"write {statistics.median(t['last_write'] for t in ts):.3f} s; " + detail)

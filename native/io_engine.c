@@ -1,12 +1,17 @@
-/* The io_uring engine: one ring per engine, owned by one worker thread.
+/* The io_uring engine: a ring per direction, each owned by one worker thread.
  *
- * Python hands whole transfers (tm_request) to tm_engine_submit(); the worker
- * cuts them into block_size pieces, keeps up to queue_depth pieces in the ring,
- * reaps completions, requeues short transfers and EAGAIN, and marks a request
- * done when its last piece lands. Python only sleeps in tm_engine_wait() with
- * the GIL released (cffi releases it around every call), so the ring keeps
- * moving while Python computes. Modelled on liburing's examples/io_uring-cp.c:
- * keep the queue full, treat short transfers as normal. */
+ * Python hands whole transfers (tm_request) to tm_engine_submit(), which puts a
+ * read on the read lane and a write on the write lane. Each lane's worker cuts
+ * its requests into block_size pieces, keeps up to queue_depth pieces in its
+ * ring, reaps completions, requeues short transfers and EAGAIN, and marks a
+ * request done when its last piece lands. Two rings, as fio's read job and
+ * write job have: with one ring moving both, the same mixed reads and writes
+ * took about 1.2x as long as fio's two jobs (docs/dev/benchmarks.md), and a
+ * read never queues behind the pieces of a write in the same submission.
+ * Python only sleeps in tm_engine_wait() with the GIL released (cffi releases
+ * it around every call), so the rings keep moving while Python computes.
+ * Modelled on liburing's examples/io_uring-cp.c: keep the queue full, treat
+ * short transfers as normal. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <liburing.h>
@@ -24,6 +29,7 @@
 
 #define WAKE_TAG ((uint64_t)1) /* user_data of the eventfd read; pieces are
                                    pointers, never 1 */
+#define LANES 2                /* lane i moves requests with op == i */
 
 typedef struct piece {
     tm_request *req;
@@ -33,25 +39,32 @@ typedef struct piece {
     struct piece *next; /* free list / retry list */
 } piece;
 
-struct tm_engine {
+typedef struct lane {
+    struct tm_engine *e;
     struct io_uring ring;
-    unsigned queue_depth;
-    unsigned block_size;
-    unsigned file_slots;
-    int fixed_files_ok;
+    int ring_ok;
     int buffers_registered;
     int wake_fd;
     uint64_t wake_val;
     pthread_t worker;
-    pthread_mutex_t lock; /* guards pending list, stopping, done flags */
-    pthread_cond_t cond;  /* broadcast when a request completes */
-    tm_request *pending_head, *pending_tail; /* submitted, not yet seen */
-    int stopping;
-    int inflight_requests; /* submitted and not done; under lock */
+    int started;
+    tm_request *pending_head, *pending_tail; /* submitted, not yet seen; under e->lock */
     /* worker-only state */
     tm_request *active_head, *active_tail;
     piece *pieces, *free_pieces, *retry;
     unsigned pieces_in_ring;
+} lane;
+
+struct tm_engine {
+    lane lanes[LANES];
+    unsigned queue_depth; /* per lane */
+    unsigned block_size;
+    unsigned file_slots;
+    int fixed_files_ok;
+    pthread_mutex_t lock; /* guards the pending lists, stopping, done flags */
+    pthread_cond_t cond;  /* broadcast when a request completes */
+    int stopping;
+    int inflight_requests; /* submitted and not done; under lock */
     unsigned *file_used;
 };
 
@@ -65,11 +78,11 @@ int tm_uring_probe(void)
     return 0;
 }
 
-static void arm_wake(tm_engine *e)
+static void arm_wake(lane *l)
 {
-    struct io_uring_sqe *sqe = io_uring_get_sqe(&e->ring);
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
     /* The ring has one slot beyond queue_depth reserved for this read. */
-    io_uring_prep_read(sqe, e->wake_fd, &e->wake_val, sizeof e->wake_val, 0);
+    io_uring_prep_read(sqe, l->wake_fd, &l->wake_val, sizeof l->wake_val, 0);
     io_uring_sqe_set_data64(sqe, WAKE_TAG);
 }
 
@@ -81,9 +94,9 @@ static void finish_request(tm_engine *e, tm_request *r)
     pthread_mutex_unlock(&e->lock);
 }
 
-static void queue_piece(tm_engine *e, piece *p)
+static void queue_piece(lane *l, piece *p)
 {
-    struct io_uring_sqe *sqe = io_uring_get_sqe(&e->ring);
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
     tm_request *r = p->req;
     if (r->buf_index >= 0) {
         if (r->op == 0)
@@ -99,56 +112,47 @@ static void queue_piece(tm_engine *e, piece *p)
     if (r->fixed_file)
         sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, p);
-    e->pieces_in_ring++;
+    l->pieces_in_ring++;
 }
 
-static void fill_op(tm_engine *e, int op);
-
-/* Hand out pieces until the ring holds queue_depth: retries first, then reads,
- * then writes, each in submission order. Reads go first because a read is what
- * the next computation waits for, while a write only has to finish before its
- * buffer is reused; FIFO order would park the next partition's read behind
- * the write-backs of the ones before it. */
-static void fill_ring(tm_engine *e)
+/* Hand out pieces until the ring holds queue_depth: retries first, then the
+ * lane's requests in submission order (the pipeline submits the partition it
+ * needs first, first). */
+static void fill_ring(lane *l)
 {
-    while (e->retry && e->pieces_in_ring < e->queue_depth) {
-        piece *p = e->retry;
-        e->retry = p->next;
-        queue_piece(e, p);
+    unsigned depth = l->e->queue_depth, block = l->e->block_size;
+    while (l->retry && l->pieces_in_ring < depth) {
+        piece *p = l->retry;
+        l->retry = p->next;
+        queue_piece(l, p);
     }
-    for (int op = 0; op < 2; op++)
-        fill_op(e, op);
-}
-
-static void fill_op(tm_engine *e, int op)
-{
-    tm_request *r = e->active_head;
-    while (r && e->pieces_in_ring < e->queue_depth) {
-        if (r->op != op || r->next >= r->len) {
+    tm_request *r = l->active_head;
+    while (r && l->pieces_in_ring < depth) {
+        if (r->next >= r->len) {
             r = r->link;
             continue;
         }
-        piece *p = e->free_pieces;
-        e->free_pieces = p->next;
+        piece *p = l->free_pieces;
+        l->free_pieces = p->next;
         uint64_t left = r->len - r->next;
         p->req = r;
-        p->len = left < e->block_size ? (uint32_t)left : e->block_size;
+        p->len = left < block ? (uint32_t)left : block;
         p->off = r->offset + r->next;
         p->buf = r->buf + r->next;
         r->next += p->len;
         r->inflight++;
-        queue_piece(e, p);
+        queue_piece(l, p);
     }
 }
 
-static void complete_piece(tm_engine *e, piece *p, int res)
+static void complete_piece(lane *l, piece *p, int res)
 {
     tm_request *r = p->req;
-    e->pieces_in_ring--;
+    l->pieces_in_ring--;
     if (res == -EAGAIN || res == -EINTR) {
         r->resubmits++;
-        p->next = e->retry;
-        e->retry = p;
+        p->next = l->retry;
+        l->retry = p;
         return;
     }
     if (res > 0 && (uint32_t)res < p->len) {
@@ -158,8 +162,8 @@ static void complete_piece(tm_engine *e, piece *p, int res)
         p->buf += res;
         p->off += res;
         p->len -= res;
-        p->next = e->retry;
-        e->retry = p;
+        p->next = l->retry;
+        l->retry = p;
         return;
     }
     if (res < 0 || (res == 0 && p->len > 0)) {
@@ -175,22 +179,23 @@ static void complete_piece(tm_engine *e, piece *p, int res)
         r->bytes_done += res;
     }
     r->inflight--;
-    p->next = e->free_pieces;
-    e->free_pieces = p;
+    p->next = l->free_pieces;
+    l->free_pieces = p;
     if (r->inflight == 0 && r->next >= r->len) {
-        tm_unlink(&e->active_head, &e->active_tail, r);
-        finish_request(e, r);
+        tm_unlink(&l->active_head, &l->active_tail, r);
+        finish_request(l->e, r);
     }
 }
 
 static void *worker_main(void *arg)
 {
-    tm_engine *e = arg;
-    arm_wake(e);
+    lane *l = arg;
+    tm_engine *e = l->e;
+    arm_wake(l);
     for (;;) {
         pthread_mutex_lock(&e->lock);
-        tm_request *got = e->pending_head;
-        e->pending_head = e->pending_tail = NULL;
+        tm_request *got = l->pending_head;
+        l->pending_head = l->pending_tail = NULL;
         int stopping = e->stopping;
         pthread_mutex_unlock(&e->lock);
         while (got) {
@@ -199,22 +204,22 @@ static void *worker_main(void *arg)
             if (got->len == 0) {
                 finish_request(e, got);
             } else {
-                if (e->active_tail)
-                    e->active_tail->link = got;
+                if (l->active_tail)
+                    l->active_tail->link = got;
                 else
-                    e->active_head = got;
-                e->active_tail = got;
+                    l->active_head = got;
+                l->active_tail = got;
             }
             got = nx;
         }
-        fill_ring(e);
-        if (stopping && e->pieces_in_ring == 0 && !e->active_head)
+        fill_ring(l);
+        if (stopping && l->pieces_in_ring == 0 && !l->active_head)
             break;
-        int ret = io_uring_submit_and_wait(&e->ring, 1);
+        int ret = io_uring_submit_and_wait(&l->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
             /* The ring itself failed: fail everything outstanding rather
              * than leave a waiter asleep forever. */
-            for (tm_request *r = e->active_head; r;) {
+            for (tm_request *r = l->active_head; r;) {
                 tm_request *nx = r->link;
                 if (r->error == 0) {
                     r->error = ret;
@@ -225,22 +230,89 @@ static void *worker_main(void *arg)
                 finish_request(e, r);
                 r = nx;
             }
-            e->active_head = e->active_tail = NULL;
+            l->active_head = l->active_tail = NULL;
             break;
         }
         struct io_uring_cqe *cqe;
         unsigned head, seen = 0;
-        io_uring_for_each_cqe(&e->ring, head, cqe) {
+        io_uring_for_each_cqe(&l->ring, head, cqe) {
             seen++;
             if (cqe->user_data == WAKE_TAG) {
-                arm_wake(e);
+                arm_wake(l);
                 continue;
             }
-            complete_piece(e, (piece *)(uintptr_t)cqe->user_data, cqe->res);
+            complete_piece(l, (piece *)(uintptr_t)cqe->user_data, cqe->res);
         }
-        io_uring_cq_advance(&e->ring, seen);
+        io_uring_cq_advance(&l->ring, seen);
     }
     return NULL;
+}
+
+static int lane_init(tm_engine *e, lane *l)
+{
+    l->e = e;
+    struct io_uring_params params;
+    memset(&params, 0, sizeof params);
+    /* COOP_TASKRUN: completions are only needed when the worker enters the
+     * kernel to wait, so skip the interrupting task-work IPIs. */
+    params.flags = IORING_SETUP_COOP_TASKRUN;
+    int ret = io_uring_queue_init_params(e->queue_depth + 1, &l->ring, &params);
+    if (ret == -EINVAL) {
+        memset(&params, 0, sizeof params);
+        ret = io_uring_queue_init_params(e->queue_depth + 1, &l->ring, &params);
+    }
+    if (ret < 0)
+        return ret;
+    l->ring_ok = 1;
+    l->pieces = calloc(e->queue_depth, sizeof(piece));
+    l->wake_fd = eventfd(0, EFD_CLOEXEC);
+    if (!l->pieces || l->wake_fd < 0)
+        return l->wake_fd < 0 ? -errno : -ENOMEM;
+    for (unsigned i = 0; i < e->queue_depth; i++) {
+        l->pieces[i].next = l->free_pieces;
+        l->free_pieces = &l->pieces[i];
+    }
+    return 0;
+}
+
+static void lane_free(lane *l)
+{
+    if (l->ring_ok)
+        io_uring_queue_exit(&l->ring); /* cancels the pending eventfd read */
+    if (l->wake_fd >= 0)
+        close(l->wake_fd);
+    free(l->pieces);
+}
+
+/* Wake the lane's worker out of io_uring_enter. */
+static int wake(lane *l)
+{
+    uint64_t one = 1;
+    return write(l->wake_fd, &one, sizeof one) < 0 ? -errno : 0;
+}
+
+/* Stop and join the workers started so far; each drains its requests first. */
+static void stop_workers(tm_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    e->stopping = 1;
+    pthread_mutex_unlock(&e->lock);
+    for (int i = 0; i < LANES; i++)
+        if (e->lanes[i].started)
+            (void)wake(&e->lanes[i]);
+    for (int i = 0; i < LANES; i++)
+        if (e->lanes[i].started)
+            pthread_join(e->lanes[i].worker, NULL);
+}
+
+static void engine_free(tm_engine *e)
+{
+    for (int i = 0; i < LANES; i++)
+        lane_free(&e->lanes[i]);
+    pthread_mutex_destroy(&e->lock);
+    pthread_cond_destroy(&e->cond);
+    free(e->file_used);
+    free(e);
 }
 
 int tm_engine_create(unsigned queue_depth, unsigned block_size,
@@ -253,55 +325,71 @@ int tm_engine_create(unsigned queue_depth, unsigned block_size,
         return -ENOMEM;
     e->queue_depth = queue_depth;
     e->block_size = block_size;
-    struct io_uring_params params;
-    memset(&params, 0, sizeof params);
-    /* COOP_TASKRUN: completions are only needed when the worker enters the
-     * kernel to wait, so skip the interrupting task-work IPIs. */
-    params.flags = IORING_SETUP_COOP_TASKRUN;
-    int ret = io_uring_queue_init_params(queue_depth + 1, &e->ring, &params);
-    if (ret == -EINVAL) {
-        memset(&params, 0, sizeof params);
-        ret = io_uring_queue_init_params(queue_depth + 1, &e->ring, &params);
-    }
-    if (ret < 0) {
-        free(e);
-        return ret;
-    }
-    e->pieces = calloc(queue_depth, sizeof(piece));
-    e->file_used = calloc(file_slots ? file_slots : 1, sizeof(unsigned));
-    e->wake_fd = eventfd(0, EFD_CLOEXEC);
-    if (!e->pieces || !e->file_used || e->wake_fd < 0) {
-        ret = e->wake_fd < 0 ? -errno : -ENOMEM;
-        goto fail;
-    }
-    for (unsigned i = 0; i < queue_depth; i++) {
-        e->pieces[i].next = e->free_pieces;
-        e->free_pieces = &e->pieces[i];
-    }
-    if (file_slots && io_uring_register_files_sparse(&e->ring, file_slots) == 0) {
-        e->fixed_files_ok = 1;
-        e->file_slots = file_slots;
-    }
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->cond, NULL);
-    ret = -pthread_create(&e->worker, NULL, worker_main, e);
+    for (int i = 0; i < LANES; i++)
+        e->lanes[i].wake_fd = -1; /* engine_free closes only what lane_init opened */
+    int ret = 0;
+    for (int i = 0; i < LANES && ret == 0; i++)
+        ret = lane_init(e, &e->lanes[i]);
+    e->file_used = calloc(file_slots ? file_slots : 1, sizeof(unsigned));
+    if (ret == 0 && !e->file_used)
+        ret = -ENOMEM;
     if (ret < 0) {
-        pthread_mutex_destroy(&e->lock);
-        pthread_cond_destroy(&e->cond);
-        goto fail;
+        engine_free(e);
+        return ret;
+    }
+    /* Fixed files only where both rings take them: a slot means one file on both. */
+    if (file_slots && io_uring_register_files_sparse(&e->lanes[0].ring, file_slots) == 0) {
+        if (io_uring_register_files_sparse(&e->lanes[1].ring, file_slots) == 0) {
+            e->fixed_files_ok = 1;
+            e->file_slots = file_slots;
+        } else {
+            io_uring_unregister_files(&e->lanes[0].ring);
+        }
+    }
+    for (int i = 0; i < LANES; i++) {
+        ret = -pthread_create(&e->lanes[i].worker, NULL, worker_main, &e->lanes[i]);
+        if (ret < 0) {
+            stop_workers(e);
+            engine_free(e);
+            return ret;
+        }
+        e->lanes[i].started = 1;
     }
     *out = e;
     return 0;
-fail:
-    if (e->wake_fd >= 0)
-        close(e->wake_fd);
-    free(e->pieces);
-    free(e->file_used);
-    io_uring_queue_exit(&e->ring);
-    free(e);
+}
+
+static int register_buffers_on(lane *l, struct iovec *iov, unsigned n)
+{
+    if (l->buffers_registered) {
+        io_uring_unregister_buffers(&l->ring);
+        l->buffers_registered = 0;
+    }
+    int ret = io_uring_register_buffers(&l->ring, iov, n);
+    if (ret == 0)
+        l->buffers_registered = 1;
     return ret;
 }
 
+int tm_engine_unregister_buffers(tm_engine *e)
+{
+    int ret = 0;
+    for (int i = 0; i < LANES; i++) {
+        lane *l = &e->lanes[i];
+        if (!l->buffers_registered)
+            continue;
+        l->buffers_registered = 0;
+        int r = io_uring_unregister_buffers(&l->ring);
+        if (ret == 0)
+            ret = r;
+    }
+    return ret;
+}
+
+/* Both rings get the same table, so a request's buf_index means one buffer on
+ * either; if one ring refuses, neither keeps it. */
 int tm_engine_register_buffers(tm_engine *e, void **addrs, size_t *lens, unsigned n)
 {
     struct iovec *iov = calloc(n ? n : 1, sizeof *iov);
@@ -311,23 +399,13 @@ int tm_engine_register_buffers(tm_engine *e, void **addrs, size_t *lens, unsigne
         iov[i].iov_base = addrs[i];
         iov[i].iov_len = lens[i];
     }
-    if (e->buffers_registered) {
-        io_uring_unregister_buffers(&e->ring);
-        e->buffers_registered = 0;
-    }
-    int ret = io_uring_register_buffers(&e->ring, iov, n);
+    int ret = 0;
+    for (int i = 0; i < LANES && ret == 0; i++)
+        ret = register_buffers_on(&e->lanes[i], iov, n);
     free(iov);
-    if (ret == 0)
-        e->buffers_registered = 1;
+    if (ret < 0)
+        tm_engine_unregister_buffers(e);
     return ret;
-}
-
-int tm_engine_unregister_buffers(tm_engine *e)
-{
-    if (!e->buffers_registered)
-        return 0;
-    e->buffers_registered = 0;
-    return io_uring_unregister_buffers(&e->ring);
 }
 
 int tm_engine_register_file(tm_engine *e, int fd)
@@ -337,9 +415,15 @@ int tm_engine_register_file(tm_engine *e, int fd)
     for (unsigned i = 0; i < e->file_slots; i++) {
         if (e->file_used[i])
             continue;
-        int ret = io_uring_register_files_update(&e->ring, i, &fd, 1);
+        int ret = io_uring_register_files_update(&e->lanes[0].ring, i, &fd, 1);
         if (ret < 0)
             return ret;
+        ret = io_uring_register_files_update(&e->lanes[1].ring, i, &fd, 1);
+        if (ret < 0) {
+            int minus_one = -1;
+            io_uring_register_files_update(&e->lanes[0].ring, i, &minus_one, 1);
+            return ret;
+        }
         e->file_used[i] = 1;
         return (int)i;
     }
@@ -350,36 +434,38 @@ int tm_engine_unregister_file(tm_engine *e, int slot)
 {
     if (slot < 0 || (unsigned)slot >= e->file_slots || !e->file_used[slot])
         return -EBADF;
-    int minus_one = -1;
-    int ret = io_uring_register_files_update(&e->ring, slot, &minus_one, 1);
+    int minus_one = -1, ret = 0;
+    for (int i = 0; i < LANES; i++) {
+        int r = io_uring_register_files_update(&e->lanes[i].ring, slot, &minus_one, 1);
+        if (r < 0 && ret == 0)
+            ret = r;
+    }
     e->file_used[slot] = 0;
-    return ret < 0 ? ret : 0;
+    return ret;
 }
 
 int tm_engine_submit(tm_engine *e, tm_request *r)
 {
+    if (r->op < 0 || r->op >= LANES)
+        return -EINVAL;
+    lane *l = &e->lanes[r->op];
     tm_reset_request(r);
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
         pthread_mutex_unlock(&e->lock);
         return -ESHUTDOWN;
     }
-    int was_empty = e->pending_head == NULL;
-    if (e->pending_tail)
-        e->pending_tail->link = r;
+    int was_empty = l->pending_head == NULL;
+    if (l->pending_tail)
+        l->pending_tail->link = r;
     else
-        e->pending_head = r;
-    e->pending_tail = r;
+        l->pending_head = r;
+    l->pending_tail = r;
     e->inflight_requests++;
     pthread_mutex_unlock(&e->lock);
-    if (was_empty) {
-        /* Wake the worker out of io_uring_enter; later submissions before it
-         * drains the list ride on the same wake-up. */
-        uint64_t one = 1;
-        if (write(e->wake_fd, &one, sizeof one) < 0)
-            return -errno;
-    }
-    return 0;
+    /* Later submissions before the worker drains the list ride on the same
+     * wake-up. */
+    return was_empty ? wake(l) : 0;
 }
 
 int tm_engine_wait(tm_engine *e, tm_request *r, int timeout_ms)
@@ -397,19 +483,8 @@ int tm_engine_inflight(tm_engine *e)
 
 void tm_engine_destroy(tm_engine *e)
 {
-    /* The worker drains every submitted request before it exits, so no
+    /* Each worker drains every submitted request before it exits, so no
      * buffer is still being written by the kernel once this returns. */
-    pthread_mutex_lock(&e->lock);
-    e->stopping = 1;
-    pthread_mutex_unlock(&e->lock);
-    uint64_t one = 1;
-    (void)!write(e->wake_fd, &one, sizeof one);
-    pthread_join(e->worker, NULL);
-    io_uring_queue_exit(&e->ring); /* cancels the pending eventfd read */
-    close(e->wake_fd);
-    pthread_mutex_destroy(&e->lock);
-    pthread_cond_destroy(&e->cond);
-    free(e->pieces);
-    free(e->file_used);
-    free(e);
+    stop_workers(e);
+    engine_free(e);
 }
