@@ -105,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.backends = [b for b in a.backends.split(",") if b]
     a.trees = [os.path.abspath(t) for t in a.trees.split(",") if t]
+    for t in a.trees:
+        if not os.path.isdir(os.path.join(t, "tiermem")):
+            p.error(f"--trees: {t} is no tiermem checkout (no tiermem/ in it)")
     return a
 
 
