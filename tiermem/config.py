@@ -79,8 +79,8 @@ class IOSettings:
     backend: Literal["auto", "io_uring", "threads"] = doc(
         "I/O backend; auto probes io_uring and falls back to threads with a warning.",
         default="auto")
-    queue_depth: int = doc("Block requests kept in flight per engine.", lo=1, hi=4096,
-                           default=32)
+    queue_depth: int = doc("Block requests kept in flight per engine; io_uring: per "
+                           "direction (reads, writes).", lo=1, hi=4096, default=32)
     block_size: Size = doc("Bytes per block request; transfers are split into these.",
                            lo=4096, hi=1 << 30, multiple_of=4096, default=1 << 20)
     retries: int = doc("Times a failed NVMe read or write is reissued before it is an error "

@@ -179,7 +179,7 @@ class IOEngine:
     backend: "auto" probes io_uring_setup and falls back to "threads" with one
     warning; "io_uring" fails when it is unavailable; "threads" always works.
     Transfers are split into `block_size` pieces with up to `queue_depth` in
-    flight.
+    flight: in all on the threads backend, per direction (reads, writes) on io_uring.
     """
 
     def __init__(self, backend: BackendName = "auto", queue_depth: int = 32,
