@@ -15,6 +15,11 @@ from its tree, and the rounds alternate fio and every (tree, backend) pair, so t
 drift hits all alike. Reported per tool: median seconds and its ratio to fio's median;
 per engine also when its last read and its last write landed.
 
+With `--burn`, a thread of the measuring process (fio's parent, each engine child)
+streams memory with torch the whole time a tool runs (an optimizer update's kind of load:
+it reads and writes 256 MiB over and over), so the table shows how much the same transfers
+slow down while a step computes next to them.
+
 Usage: flock /tmp/tiermem-heavy.lock python3 bench/io_mixed.py [--rounds 9]
        [--reads 10 --writes 18 --size 64MiB] [--backends io_uring,threads]
        [--trees /work/main-build,.] [--quick]
@@ -39,6 +44,36 @@ from pipeline import FioFloor
 FIO = "fio r+w"
 
 
+class Burner:
+    """While open, a thread reading and writing 256 MiB with torch, over and over (the GIL
+    is released inside each op, so it loads a core and the memory bus, not the caller)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> "Burner":
+        if self.on:
+            import threading
+
+            import torch
+
+            self.stop = threading.Event()
+            buf = torch.ones(64 << 20)
+
+            def run() -> None:
+                while not self.stop.is_set():
+                    buf.mul_(1.0000001)
+
+            self.thread = threading.Thread(target=run, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.on:
+            self.stop.set()
+            self.thread.join()
+
+
 def serve(args: argparse.Namespace) -> None:
     """Child: engines on `args.tree`'s tiermem; one JSON line per request line on stdin."""
     sys.path.insert(0, args.serve)
@@ -60,12 +95,13 @@ def serve(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         eng, rf, wf = engines[line.strip()]
         before = disk.read()
-        t0 = time.monotonic()
-        reqs = [eng.read(rf, bufs[i], i * size) for i in range(args.reads)]
-        reqs += [eng.write(wf, bufs[args.reads + i], i * size) for i in range(args.writes)]
-        for r in reqs:
-            r.wait()
-        t1 = time.monotonic()
+        with Burner(args.burn):
+            t0 = time.monotonic()
+            reqs = [eng.read(rf, bufs[i], i * size) for i in range(args.reads)]
+            reqs += [eng.write(wf, bufs[args.reads + i], i * size) for i in range(args.writes)]
+            for r in reqs:
+                r.wait()
+            t1 = time.monotonic()
         after = disk.read()
         last = {op: max(r.interval()[1] for r in reqs if r.op == op) - t0
                 for op in ("read", "write")}
@@ -98,6 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backends", default="io_uring,threads")
     p.add_argument("--trees", default=str(REPO),
                    help="comma list of checkouts (built in place) whose engines to run")
+    p.add_argument("--burn", action="store_true",
+                   help="stream memory on one thread while each tool runs (see above)")
     p.add_argument("--dir", default="/tmp/tiermem-io-mixed", help="where the files go")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--rfile", help=argparse.SUPPRESS)
@@ -137,7 +175,8 @@ def main(argv=None) -> int:
             disk = DeviceCounters(floor.dir)
             for r in range(args.rounds):
                 before = disk.read()
-                fio = floor.measure()
+                with Burner(args.burn):
+                    fio = floor.measure()
                 times[FIO].append({"seconds": fio["seconds"], "detail": fio,
                                    "disk": disk_summary(before, disk.read())})
                 line = [f"round {r + 1}: fio {fio['seconds']:.3f} s"]
@@ -173,7 +212,7 @@ def main(argv=None) -> int:
     total = (args.reads + args.writes) * size
     table = show_table(["tool", "median", "x fio", "per round"], rows, title=(
         f"\n{args.reads} reads + {args.writes} writes of {args.size} at once "
-        f"({total / 1e9:.2f} GB), qd {args.queue_depth}, bs {args.block_size}; "
+        f"({total / 1e9:.2f} GB){', memory streamed meanwhile' if args.burn else ''}, qd {args.queue_depth}, bs {args.block_size}; "
         f"{args.rounds} rounds\n"))
     save(args.json, header, args=settings(args), times=times, table=table)
     return 0
