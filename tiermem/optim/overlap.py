@@ -157,6 +157,8 @@ class BackwardOverlap:
             for part in self._parts_of.get(index, ()):
                 self._remaining[part.id] -= 1
                 if self._remaining[part.id] == 0:
+                    if self.off.weights is not None:
+                        self.off.weights.queue_update()
                     self._queue.put(part)
 
     # -- the worker ------------------------------------------------------------
@@ -180,6 +182,8 @@ class BackwardOverlap:
                     if self._error is None:
                         self._error = exc
             finally:
+                if isinstance(part, Partition) and self.off.weights is not None:
+                    self.off.weights.unqueue_update()  # a backward waiting for room goes on
                 self._queue.task_done()
 
     def _run_ahead(self) -> None:

@@ -212,6 +212,12 @@ class ParamTier:
         self.updates: dict[int, int] = {}  # pieces updated this step
         self.grad_edits = 0  # zero_grad and clip calls: a gradient edited after its hook
         self.lock = threading.RLock()
+        # Partitions queued for an update during backward and not updated yet (set by the
+        # optimizer's overlap): while there are some, a gradient with no room waits for
+        # them to free it rather than pushing out weights backward needs or spilling.
+        self.backlog = 0
+        self.room = threading.Condition(self.lock)
+        self.finished: set[int] = set()  # every piece updated this step: first out
         self.used = 0
         self._by_storage: dict[int, int] = {}  # data_ptr of a materialised weight -> index
         # the learned order of unit requests
@@ -427,18 +433,21 @@ class ParamTier:
             self.params[i].grad = None
             self.used -= n
 
-    def _make_room(self, n: int, protect: set[int], *, must: bool, spill: bool = True
-                   ) -> bool:
+    def _make_room(self, n: int, protect: set[int], *, must: bool, spill: bool = True,
+                   only: set[int] | None = None) -> bool:
         """Evict unpinned weights (least recently used first) until `n` more bytes fit, then
         (`spill`) write held gradients to their records, the last held first (the update
         takes the first ones next). Reads ahead that nobody waits for yet are dropped last.
-        False (or an error when `must`) if the pinned weights leave no room."""
+        False (or an error when `must`) if the pinned weights leave no room. `only`: the
+        weights that may be evicted (and nothing else made room by)."""
         while self.used + n > self.window:
             victim = next((i for i in self.live if not self.pins.get(i)
-                           and i not in protect), None)
+                           and i not in protect and (only is None or i in only)), None)
             if victim is not None:
                 self._evict(victim)
                 continue
+            if only is not None:
+                return False
             held = next((i for i in reversed(self.held) if i not in protect), None) \
                 if spill else None
             if held is not None:
@@ -643,8 +652,7 @@ class ParamTier:
         n = self._bytes(i)
         if i in self.held:
             self.held[i].add_(g)
-        elif (self.keep_grads and not self.has_grad[i]
-              and self._make_room(n, set(self.pins), must=False, spill=False)):
+        elif self.keep_grads and not self.has_grad[i] and self._room_to_hold(n):
             # kept as autograd made it (p.grad no longer refers to it): no copy into a
             # record buffer, no write, no read back, no norm pass (clip_grad_norm_ takes it)
             self._take(n)
@@ -656,6 +664,27 @@ class ParamTier:
             self.norms[i] = torch.linalg.vector_norm(stored, 2)
         self.has_grad[i] = True
         self.stats.grads_stored += 1
+
+    def _room_to_hold(self, n: int) -> bool:
+        """Room in the window for a gradient of `n` bytes kept in memory: made from weights
+        whose update is done, else waited for while updates are queued (they free their
+        weights and gradients), else made as for any other read (False: no room)."""
+        while not self._make_room(n, set(self.pins), must=False, only=self.finished):
+            if not self.backlog:
+                return self._make_room(n, set(self.pins), must=False, spill=False)
+            self.room.wait(0.05)
+        return True
+
+    def queue_update(self) -> None:
+        """A partition was queued for an update during backward."""
+        with self.lock:
+            self.backlog += 1
+
+    def unqueue_update(self) -> None:
+        """A queued partition was updated (or dropped)."""
+        with self.lock:
+            self.backlog = max(0, self.backlog - 1)
+            self.room.notify_all()
 
     @_locked
     def gradient(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -824,6 +853,8 @@ class ParamTier:
         weights it opened are no longer being updated."""
         self.opened.clear()
         self.updates.clear()
+        self.finished.clear()
+        self.backlog = 0
 
     @_locked
     def updated(self, opened: list[int]) -> None:
@@ -836,8 +867,10 @@ class ParamTier:
                 if self.updates[i] >= self.pieces[i]:
                     self.unwritten.discard(i)
                     self._drop_grad(i)
+                    self.finished.add(i)
             self._unpin(i)
-            if i in self.live and not self.pins.get(i):
+            if i in self.live and not self.pins.get(i) and (
+                    not self.has_grad[i] or i in self.finished):
                 # first out: the step visits each parameter once, so what it updated is
                 # done with, and least-recently-used order would evict the weights the
                 # rest of the step still needs instead (read again)
@@ -859,6 +892,8 @@ class ParamTier:
         self.opened.clear()
         self.unwritten.clear()
         self.updates.clear()
+        self.finished.clear()
+        self.backlog = 0
         self._drop_grads_inflight()
         self.has_grad = [False] * len(self.params)
         self.norms.clear()
