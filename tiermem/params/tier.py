@@ -218,6 +218,7 @@ class ParamTier:
         self.backlog = 0
         self.room = threading.Condition(self.lock)
         self.finished: set[int] = set()  # every piece updated this step: first out
+        self.arriving: set[int] = set()  # weights read by a thread waiting outside the lock
         self.used = 0
         self._by_storage: dict[int, int] = {}  # data_ptr of a materialised weight -> index
         # the learned order of unit requests
@@ -487,6 +488,11 @@ class ParamTier:
         if i in self.live:
             self.live.move_to_end(i)
             return
+        while i in self.arriving:  # the other thread's read of it: installed when done
+            self.room.wait(0.001)
+            if i in self.live:
+                self.live.move_to_end(i)
+                return
         fetch = self.inflight.pop(i, None)
         if fetch is None:
             self._make_room(self._bytes(i), set(self.pins), must=True)
@@ -496,13 +502,28 @@ class ParamTier:
         else:
             self.stats.prefetched += 1
         self.stats.fetches += 1
-        self._install_weight(i, fetch.wait(), fetch.buf)
+        self.arriving.add(i)
+        try:
+            value = self._await(fetch)
+        finally:
+            self.arriving.discard(i)
+        self._install_weight(i, value, fetch.buf)
+        if self.keep_grads:
+            self.room.notify_all()
+
+    def _await(self, fetch: Fetch) -> torch.Tensor:
+        """fetch.wait(); while updates run during backward, the read is waited for outside
+        the lock, so that the other thread goes on meanwhile."""
+        if self.keep_grads:
+            while not fetch.landed():
+                self.room.wait(0.0002)
+        return fetch.wait()
 
     def _read_ahead(self, units: Iterable[int]) -> None:
         wanted = [i for u in units for i in self.units[u]]
         protect = set(wanted) | set(self.pins)
         for i in wanted:
-            if i in self.live or i in self.inflight:
+            if i in self.live or i in self.inflight or i in self.arriving:
                 continue
             if not self._make_room(self._bytes(i), protect, must=False):
                 return
@@ -792,7 +813,7 @@ class ParamTier:
                         self._make_room(n, set(self.pins), must=True)
                         self._take(n)
                         fetch = self.records.fetch(GRAD, i)
-                    g = fetch.wait()
+                    g = self._await(fetch)
                 if self.clip_coef is not None:
                     g.mul_(self.clip_coef)  # as torch's clip: the fp32 coefficient
                 self.params[i].grad = g
@@ -809,7 +830,7 @@ class ParamTier:
         wanted = self.indices(params)
         protect = set(wanted) | set(self.pins)
         for i in wanted:
-            if i not in self.live and i not in self.inflight:
+            if i not in self.live and i not in self.inflight and i not in self.arriving:
                 if not self._make_room(self._bytes(i), protect, must=False):
                     return
                 self._take(self._bytes(i))
@@ -828,17 +849,21 @@ class ParamTier:
         `changed` (a crash-consistent resume or roll-back writing the committed weights):
         then written back to their records like updated ones."""
         idx = self.indices(params)
-        for i in idx:
-            self._pin(i)
-        try:
+        with self.lock:
             for i in idx:
-                self._materialise(i)
+                self._pin(i)
+        try:
+            with self.lock:
+                for i in idx:
+                    self._materialise(i)
             yield
             if changed:
-                self.dirty.update(idx)
+                with self.lock:
+                    self.dirty.update(idx)
         finally:
-            for i in idx:
-                self._unpin(i)
+            with self.lock:
+                for i in idx:
+                    self._unpin(i)
 
     @_locked
     def expect_updates(self, pieces: Iterable[tuple[torch.Tensor, int]]) -> None:
