@@ -435,15 +435,26 @@ class ParamTier:
             self.used -= n
 
     def _make_room(self, n: int, protect: set[int], *, must: bool, spill: bool = True,
-                   only: set[int] | None = None) -> bool:
+                   only: set[int] | None = None, wait: bool = False) -> bool:
         """Evict unpinned weights (least recently used first) until `n` more bytes fit, then
         (`spill`) write held gradients to their records, the last held first (the update
         takes the first ones next). Reads ahead that nobody waits for yet are dropped last.
         False (or an error when `must`) if the pinned weights leave no room. `only`: the
-        weights that may be evicted (and nothing else made room by)."""
+        weights that may be evicted (and nothing else made room by). While updates run
+        during backward, the weights they still need go last: never for a read ahead
+        (not `must`), and, with `wait` (backward's own reads), only once no queued update
+        is left to free room first."""
         while self.used + n > self.window:
-            victim = next((i for i in self.live if not self.pins.get(i)
-                           and i not in protect and (only is None or i in only)), None)
+            free = [i for i in self.live if not self.pins.get(i) and i not in protect
+                    and (only is None or i in only)]
+            # while updates run during backward, a weight whose update is still to come is
+            # read again if evicted now: those go last
+            victim = next((i for i in free if not self._awaits_update(i)), None)
+            if victim is None and free and not (self.keep_grads and not must):
+                if wait and self.backlog:
+                    self.room.wait(0.001)
+                    continue
+                victim = free[0]
             if victim is not None:
                 self._evict(victim)
                 continue
@@ -473,6 +484,9 @@ class ParamTier:
             self.used -= self._bytes(spare)
         return True
 
+    def _awaits_update(self, i: int) -> bool:
+        return self.keep_grads and self.has_grad[i] and i not in self.finished
+
     def _spill(self, i: int) -> None:
         """A held gradient to its record, out of the window."""
         stored = self.records.accumulate(i, self.held.pop(i), add=False)
@@ -484,7 +498,9 @@ class ParamTier:
         if self.held.pop(i, None) is not None:
             self.used -= self._bytes(i)
 
-    def _materialise(self, i: int) -> None:
+    def _materialise(self, i: int, *, wait: bool = True) -> None:
+        """Parameter `i`'s weights in the window. wait: may wait for queued updates to free
+        room (backward's reads; not the update's own)."""
         if i in self.live:
             self.live.move_to_end(i)
             return
@@ -495,7 +511,7 @@ class ParamTier:
                 return
         fetch = self.inflight.pop(i, None)
         if fetch is None:
-            self._make_room(self._bytes(i), set(self.pins), must=True)
+            self._make_room(self._bytes(i), set(self.pins), must=True, wait=wait)
             self._take(self._bytes(i))
             fetch = self.records.fetch(WEIGHT, i)
             self.stats.on_demand += 1
@@ -799,7 +815,7 @@ class ParamTier:
         for i in opened:
             self._pin(i)
         for i in opened:
-            self._materialise(i)
+            self._materialise(i, wait=False)
             if self.has_grad[i] and i not in self.grads_out:
                 n = self._bytes(i)
                 if i in self.held and self.clip_coef is not None:
