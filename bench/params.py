@@ -175,7 +175,8 @@ def run(args, offload: bool, overlap: bool = False) -> dict:
         "state_read": sum(sum(s["read_bytes"].values()) for s in state) // n,
         "state_written": sum(sum(s["write_bytes"].values()) for s in state) // n,
     }
-    counters = {k: (after[k] - before[k]) / n for k in (
+    # .get: the same script measures a tree from before grads_held/grads_spilled
+    counters = {k: (after.get(k, 0) - before.get(k, 0)) / n for k in (
         "fetches", "prefetched", "on_demand", "out_of_order", "evictions", "grads_stored",
         "grads_held", "grads_spilled")}
     weights = plan["parameters"]["weight_bytes"]

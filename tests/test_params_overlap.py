@@ -72,16 +72,20 @@ def test_overlap_matches_plain(tmp_path, offload, backend, state_host, micro):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_overlap_with_a_window_that_spills_gradients(tmp_path, backend):
-    """A window smaller than the model: held gradients are written out to make room for
-    the weights backward needs, and read back by their update; same numbers."""
+    """A window smaller than the model, micro-batches accumulated: the kept gradients
+    fill it during the first backwards (no update is queued to free room), so they are
+    written out ("spilled") to make room for the weights backward needs, added to there,
+    and read back by their update; same numbers."""
     ref, model = twins()
-    data = batches(STEPS)
-    want, _ = plain_run(ref, data)
+    data = batches(STEPS * 3, seed=4)
+    want, _ = plain_run(ref, data, micro=3)
     got, stats, early = overlap_run(model, data, overlap_cfg(
-        tmp_path, offload="nvme", backend=backend, state_host=False, window="224KiB"))
+        tmp_path, offload="nvme", backend=backend, state_host=False, window="224KiB"),
+        micro=3)
     assert got == want
     assert_same_model(ref, model)
     assert stats["evictions"] > 0 and early > 0
+    assert stats["grads_held"] > 0 and stats["grads_spilled"] > 0
 
 
 @pytest.mark.parametrize("offload", ["host", "nvme"])
