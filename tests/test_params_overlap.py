@@ -157,3 +157,82 @@ def test_zero_grad_between_backward_and_step_is_refused(tmp_path):
             loss_of(model, t, y).backward()
             opt.zero_grad()
             opt.step()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_overlap_with_activation_checkpointing(tmp_path, backend):
+    """Backward runs the checkpointed blocks' forward again (their modules' weights
+    fetched and pinned) while the worker updates the partitions already final."""
+    import copy
+
+    from test_params_parity import Checkpointed
+
+    torch.manual_seed(0)
+    ref = Checkpointed()
+    model = copy.deepcopy(ref)
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, stats, early = overlap_run(model, data, overlap_cfg(
+        tmp_path, offload="nvme", backend=backend, window="256KiB"))
+    assert got == want
+    assert_same_model(ref, model)
+    assert early > 0
+
+
+def test_overlap_with_a_model_built_on_the_meta_device(tmp_path):
+    """The tier makes the parameters (swap_tensors): the overlap's hooks go on the
+    parameters it made, after the tier's own."""
+    torch.manual_seed(0)
+    from test_params_parity import Net
+
+    ref = Net()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Net()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, stats, early = overlap_run(model, data, overlap_cfg(
+        tmp_path, offload="nvme", window="1MiB"))
+    assert got == want
+    assert_same_model(ref, model)
+    assert early > 0 and stats["grads_held"] > 0
+
+
+def test_overlap_with_a_frozen_parameter_and_two_groups(tmp_path):
+    """A frozen parameter (in the tier, not in the optimizer) and two param groups: the
+    same numbers as plain torch; the frozen weight never changes."""
+    ref, model = twins()
+    for m in (ref, model):
+        m.b2.ln.weight.requires_grad_(False)
+    frozen = model.b2.ln.weight.detach().clone()
+
+    def opt_for(m):
+        groups = [{"params": [p for n, p in m.named_parameters()
+                              if p.requires_grad and n.startswith("b1")], "lr": 2e-2},
+                  {"params": [p for n, p in m.named_parameters()
+                              if p.requires_grad and not n.startswith("b1")]}]
+        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05, foreach=False)
+
+    data = batches(STEPS)
+    opt = opt_for(ref)
+    want = []
+    for t, y in data:
+        loss = loss_of(ref, t, y)
+        loss.backward()
+        want.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    opt = opt_for(model)
+    got = []
+    with tiermem.offload(opt, overlap_cfg(tmp_path, offload="nvme", window="1MiB"),
+                         model=model) as tm:
+        for t, y in data:
+            loss = loss_of(model, t, y)
+            loss.backward()
+            got.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        assert sum(s["early_partitions"] for s in tm.stats()) > 0
+    assert got == want
+    assert_same_model(ref, model)
+    assert torch.equal(model.b2.ln.weight, frozen)
