@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tiermem
 from tiermem.errors import TierMemError
@@ -236,3 +238,23 @@ def test_overlap_with_a_frozen_parameter_and_two_groups(tmp_path):
     assert got == want
     assert_same_model(ref, model)
     assert torch.equal(model.b2.ln.weight, frozen)
+
+
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(window=st.sampled_from(["224KiB", "320KiB", "512KiB", "2MiB"]),
+       micro=st.integers(1, 3), offload=st.sampled_from(["host", "nvme"]),
+       prefetch=st.integers(0, 3), seed=st.integers(0, 2 ** 16))
+def test_overlap_matches_plain_whatever_the_window(tmp_path_factory, window, micro, offload,
+                                                   prefetch, seed):
+    """Whatever the window (spilling or not), accumulation, tier and read-ahead: the same
+    numbers as plain torch."""
+    ref, model = twins()
+    data = batches(2 * micro, seed=seed)
+    want, _ = plain_run(ref, data, micro=micro)
+    got, stats, _ = overlap_run(model, data, overlap_cfg(
+        tmp_path_factory.mktemp("swap"), offload=offload, state_host=False, window=window,
+        prefetch=prefetch), micro=micro)
+    assert got == want
+    assert_same_model(ref, model)
+    assert stats["grads_stored"] > 0
