@@ -441,19 +441,22 @@ class ParamTier:
         takes the first ones next). Reads ahead that nobody waits for yet are dropped last.
         False (or an error when `must`) if the pinned weights leave no room. `only`: the
         weights that may be evicted (and nothing else made room by). While updates run
-        during backward, the weights they still need go last: never for a read ahead
-        (not `must`), and, with `wait` (backward's own reads), only once no queued update
-        is left to free room first."""
+        during backward, the weights they still need and the held gradients go last:
+        never for a read ahead (not `must`), and, with `wait` (backward's own reads), only
+        once no queued update is left to free room first."""
         while self.used + n > self.window:
             free = [i for i in self.live if not self.pins.get(i) and i not in protect
                     and (only is None or i in only)]
             # while updates run during backward, a weight whose update is still to come is
             # read again if evicted now: those go last
             victim = next((i for i in free if not self._awaits_update(i)), None)
-            if victim is None and free and not (self.keep_grads and not must):
-                if wait and self.backlog:
+            if victim is None and self.keep_grads and (free or self.held):
+                if wait and self.backlog:  # the queued updates free weights and gradients
                     self.room.wait(0.001)
                     continue
+                if not must:  # a read ahead costs no weight still to be updated, no spill
+                    return False
+            if victim is None and free:
                 victim = free[0]
             if victim is not None:
                 self._evict(victim)
