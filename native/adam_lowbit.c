@@ -460,51 +460,39 @@ encode16_fast(const lb_job *j, int64_t i, __m512 m, __m512 v, uint32_t cm_add,
                               _mm512_set1_epi32((int)cv_add));
     }
     __m512i sm = _mm512_add_epi32(um, rm), sv = _mm512_add_epi32(uv, rv);
-    /* Each lane's two codes in its low 16 bits: (sm >> 20) & 0x7F, the magnitude's code,
-     * (sm >> 24) & 0x80, the sign, and (sv >> 12) & 0xFF00 (sv < 2^28: nothing above). */
+    /* (sm >> 20) & 0x7F: the magnitude's code; (sm >> 24) & 0x80: the sign */
     __m512i cm = _mm512_ternarylogic_epi32(_mm512_srli_epi32(sm, 20), _mm512_srli_epi32(sm, 24),
                                            _mm512_set1_epi32(0x7F), 0xE4);
-    __m512i c = _mm512_ternarylogic_epi32(cm, _mm512_srli_epi32(sv, 12),
-                                          _mm512_set1_epi32(0xFF), 0xE4);
-    /* Gathered by two shuffles (two uops, where two narrowing stores take four): in each
-     * 128-bit lane its four exp_avg codes, then its four exp_avg_sq codes; then the lanes'
-     * first dwords, then their second. */
-    c = _mm512_shuffle_epi8(c, _mm512_set4_epi32((int)0x80808080, (int)0x80808080,
-                                                 0x0D090501, 0x0C080400));
-    c = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0,
-                                                   0, 0, 0), c);
-    _mm_storeu_si128((__m128i *)(j->m + i), _mm512_castsi512_si128(c));
-    _mm_storeu_si128((__m128i *)(j->v + i), _mm512_extracti32x4_epi32(c, 1));
+    __m512i cv = _mm512_srli_epi32(sv, 20);
+    _mm_storeu_si128((__m128i *)(j->m + i), _mm512_cvtepi32_epi8(cm));
+    _mm_storeu_si128((__m128i *)(j->v + i), _mm512_cvtepi32_epi8(cv));
 }
 
-/* A block's moments in pass 1: the largest magnitude bits per lane as unsigned integers
- * (they order like the magnitudes, NaN and infinity above all), and the smallest
- * magnitude per lane as a float minimum (the same value wherever the maximum is finite,
- * and it runs on either vector port where the integer minimum has one). exp_avg_sq's
- * bits are taken as they are: it is +0 or more, or NaN (a sum of products of a number
- * with itself and of non-negative factors); were it ever negative (or -0), its sign bit
- * would put its maximum above infinity and the block on the full path. */
+/* A block's moments in pass 1: the largest and smallest magnitude bits per lane (as
+ * unsigned integers they order like the magnitudes, NaN and infinity above all).
+ * exp_avg_sq's bits are taken as they are: it is +0 or more, or NaN (a sum of
+ * products of a number with itself and of non-negative factors); were it ever negative
+ * (or -0), its sign bit would put it above infinity and the block on the full path. */
 typedef struct {
-    __m512i mmax, vmax;
-    __m512 mmin, vmin;
+    __m512i mmax, mmin, vmax, vmin;
 } lb_range;
 
 static inline TGT_LB __attribute__((always_inline)) void
 range_reset(lb_range *q)
 {
     q->mmax = q->vmax = _mm512_setzero_si512();
-    /* all ones: a NaN, which vminps replaces by the other operand */
-    q->mmin = q->vmin = _mm512_castsi512_ps(_mm512_set1_epi32(-1));
+    q->mmin = q->vmin = _mm512_set1_epi32(-1);
 }
 
 static inline TGT_LB __attribute__((always_inline)) void
 range_add(lb_range *q, __m512 m, __m512 v, __mmask16 km)
 {
-    __m512 am = _mm512_abs_ps(m);
-    q->mmax = _mm512_mask_max_epu32(q->mmax, km, q->mmax, _mm512_castps_si512(am));
-    q->vmax = _mm512_mask_max_epu32(q->vmax, km, q->vmax, _mm512_castps_si512(v));
-    q->mmin = _mm512_mask_min_ps(q->mmin, km, q->mmin, am);
-    q->vmin = _mm512_mask_min_ps(q->vmin, km, q->vmin, v);
+    __m512i am = _mm512_castps_si512(_mm512_abs_ps(m));
+    __m512i av = _mm512_castps_si512(v);  /* >= +0 or NaN: see moment_scale */
+    q->mmax = _mm512_mask_max_epu32(q->mmax, km, q->mmax, am);
+    q->mmin = _mm512_mask_min_epu32(q->mmin, km, q->mmin, am);
+    q->vmax = _mm512_mask_max_epu32(q->vmax, km, q->vmax, av);
+    q->vmin = _mm512_mask_min_epu32(q->vmin, km, q->vmin, av);
 }
 
 /* The largest finite magnitude among the n values at x (a block with NaN or infinity). */
@@ -529,11 +517,10 @@ finite_max(const float *x, int n)
  * the rounding's (8 stochastic, 0x7FFFF nearest) less (ebias + k) << 23, which is
  * bits(scale) - (minexp << 23). */
 static inline TGT_LB __attribute__((always_inline)) int
-moment_scale(__m512i vmax, __m512 vmin, const float *x, int n, float lowest, uint32_t minexp,
+moment_scale(__m512i vmax, __m512i vmin, const float *x, int n, float lowest, uint32_t minexp,
              int sr, float *scale, float *inv, uint32_t *add)
 {
-    uint32_t hi = _mm512_reduce_max_epu32(vmax);
-    uint32_t lo = _mm512_reduce_min_epu32(_mm512_castps_si512(vmin));
+    uint32_t hi = _mm512_reduce_max_epu32(vmax), lo = _mm512_reduce_min_epu32(vmin);
     int finite = hi < 0x7F800000u;
     block_scale(finite ? f32_from_bits(hi) : finite_max(x, n), scale, inv);
     uint32_t sb = f32_bits(*scale);

@@ -215,23 +215,15 @@ sr_weyl16(uint32_t idx, uint32_t k0)
                             _mm512_set1_epi32((int)k0));
 }
 
-/* x >> 16 in each 32-bit lane as a byte shuffle: 512-bit shifts run on one port (p0 on
- * Intel cores, shared with the divider), shuffles on another (p5). */
-static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
-srl16_shuffle(__m512i x)
-{
-    const __m512i hi_half = _mm512_set4_epi32(0x80800F0E, 0x80800B0A, 0x80800706, 0x80800302);
-    return _mm512_shuffle_epi8(x, hi_half);
-}
-
 static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
 sr_mix16(__m512i x, uint32_t k1)
 {
-    x = _mm512_xor_si512(x, srl16_shuffle(x));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_M1));
-    x = _mm512_ternarylogic_epi32(x, _mm512_srli_epi32(x, 15), _mm512_set1_epi32((int)k1), 0x96);
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_xor_si512(x, _mm512_set1_epi32((int)k1));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)SR_M2));
-    return _mm512_xor_si512(x, srl16_shuffle(x));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
 static inline TGT_AVX512_H __attribute__((always_inline)) __m512i
