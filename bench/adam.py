@@ -368,6 +368,18 @@ def show_results(rows: Sequence[dict]) -> str:
             print(f"{r['params']} {r['dtype']}: tiermem.offload default config "
                   f"{r['speedup_vs_best_ref']:.2f}x the best of torch fused / DeepSpeedCPUAdam"
                   f" ({verdict} the {goal:.1f}x goal)")
+    native = {(r["params"], r["dtype"]): r for r in rows
+              if r["implementation"] == NATIVE and r["status"] == "measured"}
+    for r in rows:
+        base = native.get((r["params"], r["dtype"]))
+        if r["implementation"] != NATIVE_INT8 or r["status"] != "measured" or base is None:
+            continue
+        x = r["ns_per_param"] / base["ns_per_param"]
+        # issue #18: within 1.3x of the fp32-state update for an fp32 model
+        verdict = (f" ({'meets' if x <= 1.3 else 'misses'} the 1.3x goal)"
+                   if r["dtype"] == "fp32" else "")
+        print(f"{r['params']} {r['dtype']}: int8 / fp32-state native update "
+              f"{r['ns_per_param']:.3f} / {base['ns_per_param']:.3f} = {x:.2f}x{verdict}")
     return table
 
 

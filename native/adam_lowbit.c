@@ -279,6 +279,42 @@ dec16(const lb_job *j, int64_t i, __mmask16 km, float ms, float vs, __m512 *m, _
     *v = _mm512_mul_ps(_mm512_castsi512_ps(bv), _mm512_set1_ps(vs));
 }
 
+/* dec16 on 16 codes of a block that block_decodes_fast() cleared (every code a number,
+ * exp_avg_sq's scale 2^k with the values normal): the numbers' paths of dec16, exp_avg_sq's
+ * multiply by 2^k done as an add of k to the exponent (vbias: (V_EBIAS + k) << 23), which
+ * is exact for normal results, so bit for bit dec16. */
+static inline TGT_LB __attribute__((always_inline)) void
+dec16_fast(const lb_job *j, int64_t i, float ms, __m512i vbias, __m512 *m, __m512 *v)
+{
+    __m512i cm = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(j->m + i)));
+    __m512i cv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->v + i)));
+    __m512i bm = _mm512_ternarylogic_epi32(_mm512_slli_epi32(cm, 20),
+                                           _mm512_set1_epi32((int)(M_EBIAS << 23)),
+                                           _mm512_set1_epi32((int)0xBFF00000u), 0xA8);
+    *m = _mm512_mul_ps(_mm512_castsi512_ps(bm), _mm512_set1_ps(ms));
+    *v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(cv, 20), vbias));
+}
+
+/* Whether dec16_fast may decode the full block at b (old exp_avg_sq scale vs): all its
+ * codes numbers (exp_avg magnitude and exp_avg_sq code >= 8, tested 64 bytes at a time),
+ * and vs a power of two 2^k with 2^-30 * 2^k normal (the smallest code's value; k <= 127
+ * keeps the largest finite). *vbias: what dec16_fast adds. */
+static inline TGT_LB __attribute__((always_inline)) int
+block_decodes_fast(const lb_job *j, int64_t b, float vs, __m512i *vbias)
+{
+    uint32_t sb = f32_bits(vs);
+    if ((sb & 0x807FFFFFu) || (sb >> 23) < 31u || (sb >> 23) > 254u)
+        return 0;
+    __mmask64 ok = ~(__mmask64)0;
+    for (int q = 0; q < QB; q += 64) {
+        ok &= _mm512_test_epi8_mask(_mm512_loadu_si512(j->m + b + q), _mm512_set1_epi8(0x78));
+        ok &= _mm512_test_epi8_mask(_mm512_loadu_si512(j->v + b + q),
+                                    _mm512_set1_epi8((char)0xF8));
+    }
+    *vbias = _mm512_set1_epi32((int)(sb - (31u << 23)));
+    return ok == ~(__mmask64)0;
+}
+
 static inline TGT_LB __attribute__((always_inline)) __m512i
 enc_norm16(__m512i u, uint32_t ebias, int sr, __m512i r16, uint32_t top)
 {
@@ -338,11 +374,11 @@ bf16x16(__m256i h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Pass 1 on 16 elements (lanes km) of the block at b0 (old scales ms, vs): dequantise,
- * the Adam step, the weights stored; the new fp32 moments come back in m, v. */
+/* Pass 1 on 16 elements (lanes km) at i, their moments dequantised in *mo, *vo: the Adam
+ * step, the weights stored; the new fp32 moments come back in *mo, *vo. */
 static inline TGT_LB __attribute__((always_inline)) void
-update16(const lb_job *j, int64_t i, __mmask16 km, float ms, float vs, int gdt, int mw,
-         int odt, __m512 *mo, __m512 *vo)
+update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m512 *mo,
+         __m512 *vo)
 {
     __m512 g;
     if (gdt == LB_F32) {
@@ -359,8 +395,7 @@ update16(const lb_job *j, int64_t i, __mmask16 km, float ms, float vs, int gdt, 
         if (mw == MW_KAHAN)
             p = _mm512_add_ps(p, bf16x16(_mm256_maskz_loadu_epi16(km, j->comp + i)));
     }
-    __m512 m, v;
-    dec16(j, i, km, ms, vs, &m, &v);
+    __m512 m = *mo, v = *vo;
     tm_moments16(&j->k, &g, &p, &m, &v);
     p = tm_param_step16(&j->k, p, m, v);
     if (mw == MW_FP32) {
@@ -398,41 +433,37 @@ encode16(const lb_job *j, int64_t i, __mmask16 km, __m512 m, __m512 v, float ims
     _mm512_mask_cvtepi32_storeu_epi8(j->v + i, km, cv);
 }
 
-/* The code of a in [2^-(bias-112) ... 1.875] (u its bits, r: sr_mix16 lanes, of which
- * `hi` picks the 16 bits), as enc_norm16 computes it: (u - (ebias << 23) + rnd) >> 20,
- * the subtraction folded into the rounding constant. Never above the top code there. */
-static inline TGT_LB __attribute__((always_inline)) __m512i
-enc_fast16(__m512i u, uint32_t ebias, int sr, __m512i r, int hi)
-{
-    __m512i rnd;
-    if (sr) {
-        __m512i r16x16 = hi ? _mm512_srli_epi32(r, 12) : _mm512_slli_epi32(r, 4);
-        rnd = _mm512_and_si512(r16x16, _mm512_set1_epi32(0xFFFF0));
-        rnd = _mm512_add_epi32(rnd, _mm512_set1_epi32((int)(8u - (ebias << 23))));
-    } else {  /* bit 20 of u - (ebias << 23) is bit 20 of u */
-        rnd = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 20),
-                                                _mm512_set1_epi32(1)),
-                               _mm512_set1_epi32((int)(0x7FFFFu - (ebias << 23))));
-    }
-    return _mm512_srli_epi32(_mm512_add_epi32(u, rnd), 20);
-}
-
-/* Pass 2 on 16 elements of a block that moment_scale() cleared: every moment finite and
- * in the normal range of the codes (exp_avg_sq also >= 0, so its absolute value is
- * itself), so the codes are enc_norm16's without the checks for the rest (zero, below the
- * range, above the top, NaN), bit for bit those of encode16. */
+/* Pass 2 on 16 elements of a block that moment_scale() cleared: every moment finite, in
+ * the normal range of the codes and normal itself (exp_avg_sq also >= 0), the new scale
+ * 2^k. Then a = |x| * 2^-k has the bits of |x| less k << 23, and enc_norm16's code is
+ * (bits(|x|) - ((ebias + k) << 23) + rnd) >> 20, never above the top code: with the
+ * subtraction and the rounding's constant folded into cm_add, cv_add (see
+ * moment_scale), and (stochastic) the random bits in bits 4..19, which the constant's
+ * low bits (8, or 0x7FFFF for nearest) do not touch, so an OR puts them together.
+ * exp_avg's sign: its bit 31 is left in the sum (nothing below carries into it) and
+ * moved to the code's bit 7. Bit for bit encode16's codes. */
 static inline TGT_LB __attribute__((always_inline)) void
-encode16_fast(const lb_job *j, int64_t i, __m512 m, __m512 v, float ims, float ivs, int sr,
-              __m512i x)
+encode16_fast(const lb_job *j, int64_t i, __m512 m, __m512 v, uint32_t cm_add,
+              uint32_t cv_add, int sr, __m512i x)
 {
-    __m512i r = sr ? sr_mix16(x, j->k1) : _mm512_setzero_si512();
-    __m512i um = _mm512_castps_si512(_mm512_mul_ps(_mm512_abs_ps(m), _mm512_set1_ps(ims)));
-    __m512i uv = _mm512_castps_si512(_mm512_mul_ps(v, _mm512_set1_ps(ivs)));
-    __m512i cm = enc_fast16(um, M_EBIAS, sr, r, 0);
-    cm = _mm512_mask_or_epi32(cm, _mm512_cmplt_epi32_mask(_mm512_castps_si512(m),
-                                                          _mm512_setzero_si512()),
-                              cm, _mm512_set1_epi32(0x80));
-    __m512i cv = enc_fast16(uv, V_EBIAS, sr, r, 1);
+    __m512i um = _mm512_castps_si512(m), uv = _mm512_castps_si512(v), rm, rv;
+    if (sr) {
+        __m512i r = sr_mix16(x, j->k1);
+        rm = _mm512_ternarylogic_epi32(_mm512_slli_epi32(r, 4), _mm512_set1_epi32(0xFFFF0),
+                                       _mm512_set1_epi32((int)cm_add), 0xEA);
+        rv = _mm512_ternarylogic_epi32(_mm512_srli_epi32(r, 12), _mm512_set1_epi32(0xFFFF0),
+                                       _mm512_set1_epi32((int)cv_add), 0xEA);
+    } else {  /* bit 20 of bits(a) is bit 20 of bits(|x|) */
+        rm = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(um, 20), _mm512_set1_epi32(1)),
+                              _mm512_set1_epi32((int)cm_add));
+        rv = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(uv, 20), _mm512_set1_epi32(1)),
+                              _mm512_set1_epi32((int)cv_add));
+    }
+    __m512i sm = _mm512_add_epi32(um, rm), sv = _mm512_add_epi32(uv, rv);
+    /* (sm >> 20) & 0x7F: the magnitude's code; (sm >> 24) & 0x80: the sign */
+    __m512i cm = _mm512_ternarylogic_epi32(_mm512_srli_epi32(sm, 20), _mm512_srli_epi32(sm, 24),
+                                           _mm512_set1_epi32(0x7F), 0xE4);
+    __m512i cv = _mm512_srli_epi32(sv, 20);
     _mm_storeu_si128((__m128i *)(j->m + i), _mm512_cvtepi32_epi8(cm));
     _mm_storeu_si128((__m128i *)(j->v + i), _mm512_cvtepi32_epi8(cv));
 }
@@ -479,17 +510,23 @@ finite_max(const float *x, int n)
 }
 
 /* One moment's new scale (stored at *scale) and inverse, and whether encode16_fast may
- * code the block: all finite, its smallest magnitude at least `lowest` and its largest
- * at most the top code once scaled. */
+ * code the block: all finite, its smallest magnitude at least `lowest` = 2^(ebias - 126)
+ * (the smallest code) and its largest at most the top code once scaled, and the scale
+ * 2^k large enough that every value is normal (lowest * 2^k >= 2^-126: the scale's
+ * exponent field at least minexp = 127 - ebias). *add: the constant encode16_fast adds,
+ * the rounding's (8 stochastic, 0x7FFFF nearest) less (ebias + k) << 23, which is
+ * bits(scale) - (minexp << 23). */
 static inline TGT_LB __attribute__((always_inline)) int
-moment_scale(__m512i vmax, __m512i vmin, const float *x, int n, float lowest, float *scale,
-             float *inv)
+moment_scale(__m512i vmax, __m512i vmin, const float *x, int n, float lowest, uint32_t minexp,
+             int sr, float *scale, float *inv, uint32_t *add)
 {
     uint32_t hi = _mm512_reduce_max_epu32(vmax), lo = _mm512_reduce_min_epu32(vmin);
     int finite = hi < 0x7F800000u;
     block_scale(finite ? f32_from_bits(hi) : finite_max(x, n), scale, inv);
+    uint32_t sb = f32_bits(*scale);
+    *add = (sr ? 8u : 0x7FFFFu) - (sb - (minexp << 23));
     return finite && *inv > 0.0f && f32_from_bits(lo) * *inv >= lowest &&
-           f32_from_bits(hi) * *inv <= Q_TOP;
+           f32_from_bits(hi) * *inv <= Q_TOP && (sb >> 23) >= minexp;
 }
 
 static inline TGT_LB __attribute__((always_inline)) __mmask16
@@ -521,6 +558,7 @@ typedef struct {
     int64_t at;    /* first element, or -1 for none */
     int len, fast;
     float ims, ivs;
+    uint32_t madd, vadd;  /* encode16_fast's constants (fast) */
     const float *m, *v;
 } lb_pending;
 
@@ -531,7 +569,7 @@ encode_block(const lb_job *j, const lb_pending *q, int sr, __m512i *x)
     for (int k = 0; k < q->len; k += 16) {
         __m512 m = _mm512_load_ps(q->m + k), v = _mm512_load_ps(q->v + k);
         if (q->fast && k + 16 <= q->len)
-            encode16_fast(j, q->at + k, m, v, q->ims, q->ivs, sr, *x);
+            encode16_fast(j, q->at + k, m, v, q->madd, q->vadd, sr, *x);
         else
             encode16(j, q->at + k, lanes(q->len - k), m, v, q->ims, q->ivs, sr, *x);
         *x = _mm512_add_epi32(*x, step);
@@ -543,9 +581,10 @@ encode_block(const lb_job *j, const lb_pending *q, int sr, __m512i *x)
  * one after the other, pass 1 waits on the divider (a sqrt and two divides per vector)
  * while the integer units idle, and pass 2 the other way round. So the two are
  * interleaved: while pass 1 runs on full block b, each of its vectors is followed by
- * pass 2 on the same vector of block b - 1 (two buffers, one per block). Pass 2 takes a
- * short cut where the block allows (encode16_fast). Every element's result is exactly
- * what the plain order gives; the random bits' Weyl step advances vector by vector. */
+ * pass 2 on the same vector of block b - 1 (two buffers, one per block). Pass 1 decodes
+ * with dec16_fast and pass 2 encodes with encode16_fast where the block allows (nearly
+ * always). Every element's result is exactly what the plain order gives; the random
+ * bits' Weyl step advances vector by vector. */
 static inline TGT_LB __attribute__((always_inline)) void
 range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt, int sr)
 {
@@ -563,34 +602,50 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
         float *tm = buf[cur][0], *tv = buf[cur][1];
         lb_range q;
         range_reset(&q);
+        __m512i vbias;
         if (prev.at >= 0 && len == QB && prev.len == QB) {
-#define LB_PIPELINED(ENCODE)                                                           \
+            int dfast = block_decodes_fast(j, b, vs, &vbias);
+#define LB_PIPELINED(DECODE, ENCODE)                                                   \
             for (int k = 0; k < QB; k += 16) {                                         \
                 __m512 m, v;                                                           \
                 if (b + k + LB_PF < end)                                               \
                     prefetch16(j, b + k, gdt, mw);                                     \
-                update16(j, b + k, (__mmask16)0xFFFF, ms, vs, gdt, mw, odt, &m, &v);   \
+                DECODE;                                                                \
+                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, odt, &m, &v);           \
                 _mm512_store_ps(tm + k, m);                                            \
                 _mm512_store_ps(tv + k, v);                                            \
                 range_add(&q, m, v, (__mmask16)0xFFFF);                                \
                 ENCODE;                                                                \
                 x = _mm512_add_epi32(x, step);                                         \
             }
-            if (prev.fast) {
-                LB_PIPELINED(encode16_fast(j, prev.at + k, _mm512_load_ps(prev.m + k),
-                                           _mm512_load_ps(prev.v + k), prev.ims, prev.ivs,
-                                           sr, x))
+#define LB_DEC_FAST dec16_fast(j, b + k, ms, vbias, &m, &v)
+#define LB_DEC_ANY dec16(j, b + k, (__mmask16)0xFFFF, ms, vs, &m, &v)
+#define LB_ENC_FAST                                                                    \
+            encode16_fast(j, prev.at + k, _mm512_load_ps(prev.m + k),                  \
+                          _mm512_load_ps(prev.v + k), prev.madd, prev.vadd, sr, x)
+#define LB_ENC_ANY                                                                     \
+            encode16(j, prev.at + k, (__mmask16)0xFFFF, _mm512_load_ps(prev.m + k),     \
+                     _mm512_load_ps(prev.v + k), prev.ims, prev.ivs, sr, x)
+            if (dfast && prev.fast) {
+                LB_PIPELINED(LB_DEC_FAST, LB_ENC_FAST)
+            } else if (prev.fast) {
+                LB_PIPELINED(LB_DEC_ANY, LB_ENC_FAST)
+            } else if (dfast) {
+                LB_PIPELINED(LB_DEC_FAST, LB_ENC_ANY)
             } else {
-                LB_PIPELINED(encode16(j, prev.at + k, (__mmask16)0xFFFF,
-                                      _mm512_load_ps(prev.m + k), _mm512_load_ps(prev.v + k),
-                                      prev.ims, prev.ivs, sr, x))
+                LB_PIPELINED(LB_DEC_ANY, LB_ENC_ANY)
             }
+#undef LB_ENC_ANY
+#undef LB_ENC_FAST
+#undef LB_DEC_ANY
+#undef LB_DEC_FAST
 #undef LB_PIPELINED
         } else {
             for (int k = 0; k < len; k += 16) {
                 __mmask16 km = lanes(len - k);
                 __m512 m, v;
-                update16(j, b + k, km, ms, vs, gdt, mw, odt, &m, &v);
+                dec16(j, b + k, km, ms, vs, &m, &v);
+                update16(j, b + k, km, gdt, mw, odt, &m, &v);
                 _mm512_store_ps(tm + k, m);
                 _mm512_store_ps(tv + k, v);
                 range_add(&q, m, v, km);
@@ -599,8 +654,10 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
                 encode_block(j, &prev, sr, &x);
         }
         float nms, nvs;
-        prev.fast = moment_scale(q.mmax, q.mmin, tm, len, 0x1p-14f, &nms, &prev.ims);
-        prev.fast &= moment_scale(q.vmax, q.vmin, tv, len, 0x1p-30f, &nvs, &prev.ivs);
+        prev.fast = moment_scale(q.mmax, q.mmin, tm, len, 0x1p-14f, 127u - M_EBIAS, sr, &nms,
+                                 &prev.ims, &prev.madd);
+        prev.fast &= moment_scale(q.vmax, q.vmin, tv, len, 0x1p-30f, 127u - V_EBIAS, sr, &nvs,
+                                  &prev.ivs, &prev.vadd);
         j->ms[blk] = nms;
         j->vs[blk] = nvs;
         prev.at = b;

@@ -265,11 +265,6 @@ def test_unsupported_combinations_are_refused(tmp_path):
     model = Net()
     opt = make_opt(model)
     c = cfg(tmp_path, offload="host")
-    c["pipeline"]["overlap_backward"] = True
-    with pytest.raises(ConfigError, match="overlap_backward"):
-        with tiermem.offload(opt, c, model=model):
-            pass
-    c = cfg(tmp_path, offload="host")
     with pytest.raises(TierMemError, match="needs swap.durability crash_consistent"):
         with tiermem.offload(opt, c, model=model, resume=True):
             pass

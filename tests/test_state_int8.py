@@ -133,6 +133,43 @@ def test_kernel_matches_reference_on_dense_grads(name, master, gdt, rounding, sp
     _assert_same(state, ref, f"{name} {master} {rounding} dense")
 
 
+# the exponent fields of block scales around the AVX-512 short cuts' limits: exp_avg's code
+# values stay normal times 2^k from field 15 up (fast encode), exp_avg_sq's from 31 up (fast
+# encode and decode); 254 is the largest finite, 1 and 0x7F800000 >> 23 the ends
+SCALE_FIELDS = (13, 14, 15, 16, 17, 29, 30, 31, 32, 33, 1, 60, 127, 200, 252, 253, 254)
+
+
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_kernel_matches_reference_at_scale_edges(name, rounding):
+    """Made-up states whose codes are all numbers, with block scales around the exponents
+    where the AVX-512 short cuts fold a power-of-two scale into the exponent (only exact
+    while every value is normal), some scales not powers of two, and gradients of each
+    block's own magnitude, so the new scales land around the same edges: every block
+    either takes a short cut that gives the full path's bits or the full path."""
+    gen = torch.Generator().manual_seed(5)
+    nb = 4 * len(SCALE_FIELDS)
+    n = nb * 256
+    mag = torch.randint(8, 128, (n,), generator=gen, dtype=torch.int32)
+    sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32) * 128
+    exp_avg = (mag | sign).to(torch.uint8)
+    exp_avg_sq = torch.randint(8, 256, (n,), generator=gen, dtype=torch.int32).to(torch.uint8)
+    fields = torch.tensor(SCALE_FIELDS * 4, dtype=torch.int32)
+    mbits, vbits = fields << 23, fields.roll(3) << 23
+    mbits[nb // 2::5] |= 0x400000  # not a power of two
+    vbits[nb // 3::4] |= 0x400000
+    ms, vs = mbits.view(torch.float32), vbits.view(torch.float32)
+    grads = [torch.randn(n, generator=gen) * ms.repeat_interleave(256) * s for s in (1.0, 0.3)]
+    state = {"param": torch.randn(n, generator=gen), "exp_avg": exp_avg,
+             "exp_avg_sq": exp_avg_sq, "exp_avg_scale": ms.clone(),
+             "exp_avg_sq_scale": vs.clone(), "kahan": None}
+    ref = _clone(state)
+    with isa(name):
+        _run("native", state, grads, master="fp32", rounding=rounding, threads=1)
+    _run("reference", ref, grads, master="fp32", rounding=rounding)
+    _assert_same(state, ref, f"{name} {rounding} scale edges")
+
+
 @settings(max_examples=40, deadline=None)
 @given(n=hs.integers(0, 2100), master=hs.sampled_from(["fp32", "kahan", "none"]),
        rounding=hs.sampled_from(["nearest", "stochastic"]),

@@ -114,6 +114,12 @@ class Offload:
         weights = self.offloaded.weights
         if weights is None:
             return torch.nn.utils.clip_grad_norm_(self.offloaded.params, max_norm, norm_type)
+        if self.offloaded.overlap is not None:
+            # the updates started during backward, before the global norm was known
+            raise TierMemError(
+                "tm.clip_grad_norm_ cannot run with pipeline.overlap_backward: true and "
+                "parameters.offload: backward already updated partitions with the unclipped "
+                "gradients. Set pipeline.overlap_backward: false to clip by global norm")
         return weights.clip_grad_norm_(max_norm, norm_type)
 
     def param_stats(self) -> dict[str, int]:

@@ -64,10 +64,6 @@ def check_weights_supported(settings: Settings, model: torch.nn.Module | None, s
         raise TierMemError("resume=True with parameters.offload needs swap.durability "
                            "crash_consistent, whose commits hold the weights; a scratch run "
                            "keeps only the optimizer state on disk")
-    if settings.pipeline.overlap_backward:
-        raise ConfigError("pipeline.overlap_backward", True,
-                          "not supported with parameters.offload yet (the step reads the "
-                          "gradients from the parameter tier after backward); set it false")
     if streams is not None:
         raise TierMemError("parameters.offload runs CPU models only so far: streams= is not "
                            "supported with it")
@@ -196,7 +192,7 @@ class OffloadedOptimizer:
         self._hooks = Installed(optimizer, self)
         # Updates that start during backward (pipeline.overlap_backward; tiermem/overlap.py).
         self.overlap: BackwardOverlap | None = None
-        if settings.pipeline.overlap_backward:
+        if settings.pipeline.overlap_backward and settings.parameters.offload == "none":
             try:
                 self.overlap = BackwardOverlap(self, model)
             except BaseException:
@@ -208,8 +204,15 @@ class OffloadedOptimizer:
             try:
                 self.weights = ParamTier(model, settings, swap_name=swap_name, resume=resume)
                 self._route_zero_grad(optimizer)
+                # the update takes the gradients backward left in memory, unwritten
+                self.weights.keep_grads = settings.pipeline.overlap_backward
                 self.weights.check_partitions([s.param for s in part.segments]
                                               for part in self.parts)
+                pieces: dict[int, list] = {}
+                for part in self.parts:
+                    for s in part.segments:
+                        pieces.setdefault(id(s.param), [s.param, 0])[1] += 1
+                self.weights.expect_updates(map(tuple, pieces.values()))
                 if self.crash and resume:
                     # The committed records hold every weight the optimizer updates (fp32
                     # masters, or the bf16 copies of master_weights kahan/none): the tier's
@@ -218,7 +221,13 @@ class OffloadedOptimizer:
                 elif self.crash:
                     self._initialise(self.parts)
                     self.commit()
+                if settings.pipeline.overlap_backward:
+                    # After the tier: its gradient hooks (registered on the parameters it
+                    # made, a meta model's included) store each gradient before the
+                    # overlap's hook queues the partition.
+                    self.overlap = BackwardOverlap(self, model)
             except BaseException:
+                self.end_overlap()
                 if self.weights is not None:
                     self.weights.close()
                     self.weights = None
@@ -368,11 +377,16 @@ class OffloadedOptimizer:
         counted = set()
         for part in parts:
             for s in part.segments:
-                if s.index not in done and s.param.grad is not None:
+                if s.index not in done and self.has_grad(s.param):
                     self._count(s.index)
                     done.add(s.index)
                     counted.add(s.index)
         return counted
+
+    def has_grad(self, p: torch.Tensor) -> bool:
+        """p has a gradient for this step (in p.grad, or with parameters.offload in the
+        parameter tier)."""
+        return p.grad is not None if self.weights is None else self.weights.has_gradient(p)
 
     def _count(self, index: int) -> None:
         """Parameter `index` takes this step: its count, and the host scalars its last step

@@ -127,14 +127,23 @@ class BackwardOverlap:
         """param's gradient is final for this backward: mark it, queue what became ready."""
         if self._accumulating:  # set by the user's thread before it called backward
             return
-        grad = param.grad
-        if grad is None:  # autograd sets it before this hook; never seen, never counted
-            return
-        queued = _queued_event(grad)  # outside the lock, which guards dict updates only
+        weights = self.off.weights
+        if weights is not None:
+            # the parameter tier's hook ran first and took the gradient (param.grad is
+            # None); what is checked at step() is that no zero_grad or clip came since
+            if not weights.has_gradient(param):
+                return
+            grad, version, queued = None, weights.grad_edits, None
+        else:
+            grad = param.grad
+            if grad is None:  # autograd sets it before this hook; never seen, never counted
+                return
+            version = grad._version
+            queued = _queued_event(grad)  # outside the lock, which guards dict updates only
         with self._lock:
             if self._error is not None or self._stopping:
                 return  # step() raises the error; nothing more starts
-            if grad.is_sparse:
+            if grad is not None and grad.is_sparse:
                 self._error = TierMemError("Adam does not support sparse gradients")
                 return
             if index in self._fired:
@@ -144,10 +153,12 @@ class BackwardOverlap:
                     "outside tm.accumulating() starts the update, so wrap the backward of all "
                     "micro-batches but the last in `with tm.accumulating():`")
                 return
-            self._fired[index] = (grad, grad._version, queued)
+            self._fired[index] = (grad, version, queued)
             for part in self._parts_of.get(index, ()):
                 self._remaining[part.id] -= 1
                 if self._remaining[part.id] == 0:
+                    if self.off.weights is not None:
+                        self.off.weights.queue_update()
                     self._queue.put(part)
 
     # -- the worker ------------------------------------------------------------
@@ -171,6 +182,8 @@ class BackwardOverlap:
                     if self._error is None:
                         self._error = exc
             finally:
+                if isinstance(part, Partition) and self.off.weights is not None:
+                    self.off.weights.unqueue_update()  # a backward waiting for room goes on
                 self._queue.task_done()
 
     def _run_ahead(self) -> None:
@@ -249,8 +262,12 @@ class BackwardOverlap:
                 nvme = [p for p in rest if p.tier == "nvme"]
                 for part in rest:
                     self._process(part, nvme[nvme.index(part):] if part in nvme else nvme)
+                if off.weights is not None:
+                    off.weights.step_done()
                 self._close_round(stats)
         except BaseException as exc:
+            if off.weights is not None:
+                off.weights.round_over()
             if off.crash:  # the worker is idle: reopening the last commit is safe now
                 off.roll_back(exc, off.steps_taken + 1)
             raise
@@ -274,14 +291,16 @@ class BackwardOverlap:
         nvme = self.off.tiers.nvme_order()
         resident = [p for p in self.off.parts if p.tier != "nvme"]
         return [p for p in resident + nvme if p.id not in self._done_ids
-                and any(s.param.grad is not None for s in p.segments)]
+                and any(self.off.has_grad(s.param) for s in p.segments)]
 
     def _check_grads_unchanged(self) -> None:
         """A gradient edited after its hook fired (clip_grad_norm_, GradScaler.unscale_, a
         pre-hook) would make this step mix edited and unedited gradients: refuse it."""
+        weights = self.off.weights
         for index, (grad, version, _) in self._fired.items():
             p = self.off.params[index]
-            if p.grad is not grad or grad._version != version:
+            if (weights.grad_edits != version or not weights.has_gradient(p)
+                    if weights is not None else p.grad is not grad or grad._version != version):
                 raise TierMemError(
                     f"the gradient of {self._name(index)} changed between backward and "
                     "optimizer.step() (gradient clipping, GradScaler.unscale_, zero_grad or "

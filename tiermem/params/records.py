@@ -69,6 +69,10 @@ class Fetch:
         self.records, self.kind, self.index, self.buf, self.req = records, kind, index, buf, req
         self._value: torch.Tensor | None = None
 
+    def landed(self) -> bool:
+        """The read is done (wait() returns without waiting for the disk)."""
+        return self.req is None or self.req.done()
+
     def wait(self) -> torch.Tensor:
         if self._value is None:
             r = self.records

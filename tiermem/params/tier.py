@@ -35,9 +35,11 @@ the step ends.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -50,6 +52,20 @@ from tiermem.sysinfo import available_memory
 
 
 MAX_ORDER = 1 << 20  # unit requests recorded before the first step; more are not learned
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(fn: F) -> F:
+    """Run under the tier's lock: with pipeline.overlap_backward the optimizer's worker
+    opens partitions for their update while backward (autograd's thread) fetches weights
+    and stores gradients; the window, the records and their I/O engine are one thread's
+    at a time."""
+    @functools.wraps(fn)
+    def run(self: "ParamTier", *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return fn(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,8 @@ class ParamStats:
     outside_hooks: int = 0  # weights used by a forward other than their module's own
     evictions: int = 0
     grads_stored: int = 0
+    grads_held: int = 0  # of those, kept in memory for an update during backward
+    grads_spilled: int = 0  # held ones the window needed the room of: written after all
     peak_window_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -181,6 +199,26 @@ class ParamTier:
         self.dirty: set[int] = set()
         self.grads_out: dict[int, int] = {}  # index -> bytes of a gradient handed to the step
         self.grads_inflight: dict[int, Fetch] = {}  # gradients read ahead for the step
+        # Gradients kept in memory as backward left them, never written to their record
+        # (keep_grads: the update runs during backward and takes them from here); counted
+        # in `used`, spilled to the record when the window needs the room.
+        self.keep_grads = False
+        self.held: dict[int, torch.Tensor] = {}
+        self.opened: set[int] = set()  # parameters an update of this step has opened
+        # gradients handed to the step from `held`: in no record, so written if evicted
+        # before every partition holding a piece of the parameter has been updated
+        self.unwritten: set[int] = set()
+        self.pieces = [1] * len(self.params)  # optimizer partitions holding a piece of each
+        self.updates: dict[int, int] = {}  # pieces updated this step
+        self.grad_edits = 0  # zero_grad and clip calls: a gradient edited after its hook
+        self.lock = threading.RLock()
+        # Partitions queued for an update during backward and not updated yet (set by the
+        # optimizer's overlap): while there are some, a gradient with no room waits for
+        # them to free it rather than pushing out weights backward needs or spilling.
+        self.backlog = 0
+        self.room = threading.Condition(self.lock)
+        self.finished: set[int] = set()  # every piece updated this step: first out
+        self.arriving: set[int] = set()  # weights read by a thread waiting outside the lock
         self.used = 0
         self._by_storage: dict[int, int] = {}  # data_ptr of a materialised weight -> index
         # the learned order of unit requests
@@ -224,16 +262,24 @@ class ParamTier:
     def check_partitions(self, partitions: Iterable[Iterable[torch.Tensor]]) -> None:
         """Refuse an optimizer parameter that is not the model's (its weights would not be
         in the tier), and a partition whose parameters' weights and gradients (opened
-        together for its update) do not fit in the window."""
+        together for its update) do not fit in the window; with keep_grads (the update
+        runs during backward) next to the largest module's weights, which backward may
+        hold at the same time."""
+        unit = max((sum(self._bytes(i) for i in own) for own in self.units), default=0) \
+            if self.keep_grads else 0
         for n, params in enumerate(partitions):
             idx = self.indices(params)
-            need = sum(2 * self._bytes(i) for i in idx)
+            need = sum(2 * self._bytes(i) for i in idx) + unit
             if need > self.window:
+                also = (" and, the update running during backward "
+                        "(pipeline.overlap_backward), the largest module's weights"
+                        if unit else "")
                 raise ConfigError(
                     "parameters.window", self.window,
                     f"must hold the weights and gradients of one optimizer partition, opened "
-                    f"together for its update: partition {n} ({self.names[idx[0]]}, ...) needs "
-                    f"{format_size(need)}; raise it or lower pipeline.partition_size")
+                    f"together for its update{also}: partition {n} ({self.names[idx[0]]}, "
+                    f"...) needs {format_size(need)}; raise it or lower "
+                    "pipeline.partition_size")
 
     # -- set-up -------------------------------------------------------------------
 
@@ -368,6 +414,10 @@ class ParamTier:
         if i in self.dirty:
             self._write_back(i)
             self.dirty.discard(i)
+        if i in self.unwritten:  # a piece of it is still to be updated: kept in its record
+            self.unwritten.discard(i)
+            self.records.accumulate(i, self.params[i].grad, add=False)
+            self.stats.grads_spilled += 1
         self._drop_grad(i)
         self._release_storage(i)
         self.used -= self.live.pop(i)
@@ -384,15 +434,39 @@ class ParamTier:
             self.params[i].grad = None
             self.used -= n
 
-    def _make_room(self, n: int, protect: set[int], *, must: bool) -> bool:
-        """Evict unpinned weights (least recently used first) until `n` more bytes fit.
-        Reads ahead that nobody waits for yet are dropped last. False (or an error when
-        `must`) if the pinned weights leave no room."""
+    def _make_room(self, n: int, protect: set[int], *, must: bool, spill: bool = True,
+                   only: set[int] | None = None, wait: bool = False) -> bool:
+        """Evict unpinned weights (least recently used first) until `n` more bytes fit, then
+        (`spill`) write held gradients to their records, the last held first (the update
+        takes the first ones next). Reads ahead that nobody waits for yet are dropped last.
+        False (or an error when `must`) if the pinned weights leave no room. `only`: the
+        weights that may be evicted (and nothing else made room by). While updates run
+        during backward, the weights they still need and the held gradients go last:
+        never for a read ahead (not `must`), and, with `wait` (backward's own reads), only
+        once no queued update is left to free room first."""
         while self.used + n > self.window:
-            victim = next((i for i in self.live if not self.pins.get(i)
-                           and i not in protect), None)
+            free = [i for i in self.live if not self.pins.get(i) and i not in protect
+                    and (only is None or i in only)]
+            # while updates run during backward, a weight whose update is still to come is
+            # read again if evicted now: those go last
+            victim = next((i for i in free if not self._awaits_update(i)), None)
+            if victim is None and self.keep_grads and (free or self.held):
+                if wait and self.backlog:  # the queued updates free weights and gradients
+                    self.room.wait(0.001)
+                    continue
+                if not must:  # a read ahead costs no weight still to be updated, no spill
+                    return False
+            if victim is None and free:
+                victim = free[0]
             if victim is not None:
                 self._evict(victim)
+                continue
+            if only is not None:
+                return False
+            held = next((i for i in reversed(self.held) if i not in protect), None) \
+                if spill else None
+            if held is not None:
+                self._spill(held)
                 continue
             if not must:
                 return False
@@ -413,26 +487,62 @@ class ParamTier:
             self.used -= self._bytes(spare)
         return True
 
-    def _materialise(self, i: int) -> None:
+    def _awaits_update(self, i: int) -> bool:
+        return self.keep_grads and self.has_grad[i] and i not in self.finished
+
+    def _spill(self, i: int) -> None:
+        """A held gradient to its record, out of the window."""
+        stored = self.records.accumulate(i, self.held.pop(i), add=False)
+        self.stats.grads_spilled += 1
+        self.norms[i] = torch.linalg.vector_norm(stored, 2)
+        self.used -= self._bytes(i)
+
+    def _drop_held(self, i: int) -> None:
+        if self.held.pop(i, None) is not None:
+            self.used -= self._bytes(i)
+
+    def _materialise(self, i: int, *, wait: bool = True) -> None:
+        """Parameter `i`'s weights in the window. wait: may wait for queued updates to free
+        room (backward's reads; not the update's own)."""
         if i in self.live:
             self.live.move_to_end(i)
             return
+        while i in self.arriving:  # the other thread's read of it: installed when done
+            self.room.wait(0.001)
+            if i in self.live:
+                self.live.move_to_end(i)
+                return
         fetch = self.inflight.pop(i, None)
         if fetch is None:
-            self._make_room(self._bytes(i), set(self.pins), must=True)
+            self._make_room(self._bytes(i), set(self.pins), must=True, wait=wait)
             self._take(self._bytes(i))
             fetch = self.records.fetch(WEIGHT, i)
             self.stats.on_demand += 1
         else:
             self.stats.prefetched += 1
         self.stats.fetches += 1
-        self._install_weight(i, fetch.wait(), fetch.buf)
+        self.arriving.add(i)
+        try:
+            value = self._await(fetch)
+        finally:
+            self.arriving.discard(i)
+        self._install_weight(i, value, fetch.buf)
+        if self.keep_grads:
+            self.room.notify_all()
+
+    def _await(self, fetch: Fetch) -> torch.Tensor:
+        """fetch.wait(); while updates run during backward, the read is waited for outside
+        the lock, so that the other thread goes on meanwhile."""
+        if self.keep_grads:
+            while not fetch.landed():
+                self.room.wait(0.0002)
+        return fetch.wait()
 
     def _read_ahead(self, units: Iterable[int]) -> None:
         wanted = [i for u in units for i in self.units[u]]
         protect = set(wanted) | set(self.pins)
         for i in wanted:
-            if i in self.live or i in self.inflight:
+            if i in self.live or i in self.inflight or i in self.arriving:
                 continue
             if not self._make_room(self._bytes(i), protect, must=False):
                 return
@@ -478,6 +588,7 @@ class ParamTier:
         else:
             self.pins.pop(i, None)
 
+    @_locked
     def _use(self, p: torch.Tensor) -> None:
         i = self.index.get(id(p))
         if i is None or i in self.live:
@@ -490,6 +601,7 @@ class ParamTier:
         finally:
             self._busy = False
 
+    @_locked
     def _enter(self, u: int) -> None:
         self._check_open()
         self._busy = True  # the tier's own tensor work is not a use of a weight
@@ -502,6 +614,7 @@ class ParamTier:
         finally:
             self._busy = False
 
+    @_locked
     def _leave(self, u: int) -> None:
         for i in self.units[u]:
             self._unpin(i)
@@ -527,6 +640,7 @@ class ParamTier:
         return Saved(i, t.size(), t.stride(), t.storage_offset() - p.storage_offset(),
                      self.steps)
 
+    @_locked
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, Saved):
             return x
@@ -534,6 +648,12 @@ class ParamTier:
             raise TierMemError(
                 f"backward needs {self.names[x.index]} as its forward saw it, but an optimizer "
                 "step has changed it since; run backward before opt.step()")
+        if x.index in self.opened:
+            raise TierMemError(
+                f"backward needs {self.names[x.index]} as its forward saw it, but its update "
+                "started during this backward (pipeline.overlap_backward: its gradient was "
+                "final, yet something saved its weights for later, outside autograd); set "
+                "pipeline.overlap_backward: false")
         self._check_open()
         self._request(self.unit_of[x.index])
         self._materialise(x.index)
@@ -542,12 +662,14 @@ class ParamTier:
 
     # -- gradients ------------------------------------------------------------------
 
+    @_locked
     def _before_accumulate(self, i: int) -> None:
         self._check_open()
         self._request(self.unit_of[i])
         self._pin(i)
         self._materialise(i)
 
+    @_locked
     def _grad_ready(self, p: torch.Tensor) -> None:
         i = self.index[id(p)]
         self._unpin(i)
@@ -555,6 +677,7 @@ class ParamTier:
         if g is not None:
             self.store_gradient(p, g)
 
+    @_locked
     def store_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
         """`g` is (another part of) parameter `p`'s gradient for the coming step: stored or
         added, as backward's hook does (stress runs give synthetic gradients this way)."""
@@ -566,17 +689,52 @@ class ParamTier:
         if g.layout != torch.strided:
             raise TierMemError(f"parameters.offload: {self.names[i]} got a {g.layout} "
                                "gradient; only dense gradients are supported")
-        stored = self.records.accumulate(i, g, add=self.has_grad[i])
+        n = self._bytes(i)
+        if i in self.held:
+            self.held[i].add_(g)
+        elif self.keep_grads and not self.has_grad[i] and self._room_to_hold(n):
+            # kept as autograd made it (p.grad no longer refers to it): no copy into a
+            # record buffer, no write, no read back, no norm pass (clip_grad_norm_ takes it)
+            self._take(n)
+            self.held[i] = g if g.is_contiguous() else g.contiguous()
+            self.stats.grads_held += 1
+        else:
+            stored = self.records.accumulate(i, g, add=self.has_grad[i])
+            # the norm of the stored (accumulated) gradient: final once backward is
+            self.norms[i] = torch.linalg.vector_norm(stored, 2)
         self.has_grad[i] = True
-        # the norm of the stored (accumulated) gradient: final once backward is
-        self.norms[i] = torch.linalg.vector_norm(stored, 2)
         self.stats.grads_stored += 1
 
+    def _room_to_hold(self, n: int) -> bool:
+        """Room in the window for a gradient of `n` bytes kept in memory: made from weights
+        whose update is done, else waited for while updates are queued (they free their
+        weights and gradients), else made as for any other read (False: no room)."""
+        while not self._make_room(n, set(self.pins), must=False, only=self.finished):
+            if not self.backlog:
+                return self._make_room(n, set(self.pins), must=False, spill=False)
+            self.room.wait(0.05)
+        return True
+
+    def queue_update(self) -> None:
+        """A partition was queued for an update during backward."""
+        with self.lock:
+            self.backlog += 1
+
+    def unqueue_update(self) -> None:
+        """A queued partition was updated (or dropped)."""
+        with self.lock:
+            self.backlog = max(0, self.backlog - 1)
+            self.room.notify_all()
+
+    @_locked
     def gradient(self, p: torch.Tensor) -> torch.Tensor | None:
         """A copy of `p`'s stored gradient as the step will read it (clip applied)."""
         i = self.index[id(p)]
         if not self.has_grad[i]:
             return None
+        if i in self.held:
+            g = self.held[i].clone()
+            return g if self.clip_coef is None else g.mul_(self.clip_coef)
         self.records.drain()
         g = self.records.fetch(GRAD, i).wait().clone()
         if self.clip_coef is not None:
@@ -593,24 +751,31 @@ class ParamTier:
         """A copy of `p`'s weights as they are now (window or record)."""
         return self.weight(self.index[id(p)])
 
+    @_locked
     def zero_grad(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Forget the stored gradients of `params` (all when None), as torch's zero_grad
         drops p.grad: the next backward stores instead of adding."""
         for i in (range(len(self.params)) if params is None else self.indices(params)):
             self.has_grad[i] = False
             self.norms.pop(i, None)
+            self.unwritten.discard(i)
             self._drop_grad(i)
+            self._drop_held(i)
+        self.grad_edits += 1
         if not any(self.has_grad):
             self.clip_coef = None
 
+    @_locked
     def with_grads(self) -> set[int]:
         """Indices (in model.parameters() order) of parameters holding a gradient."""
         return {i for i, h in enumerate(self.has_grad) if h}
 
+    @_locked
     def has_gradient(self, p: torch.Tensor) -> bool:
         i = self.index.get(id(p))
         return i is not None and self.has_grad[i]
 
+    @_locked
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the stored gradients by their global norm, as torch.nn.utils.clip_grad_norm_
         over model.parameters(): returns the total norm; the step applies the coefficient
@@ -618,7 +783,9 @@ class ParamTier:
         if norm_type != 2.0:
             raise TierMemError(f"clip_grad_norm_ with parameters.offload computes the 2-norm "
                                f"as gradients stream; norm_type={norm_type} is not supported")
-        norms = [self.norms[i] for i in range(len(self.params)) if self.has_grad[i]]
+        self.grad_edits += 1
+        norms = [torch.linalg.vector_norm(self.held[i], 2) if i in self.held else self.norms[i]
+                 for i in range(len(self.params)) if self.has_grad[i]]
         if not norms:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
@@ -640,29 +807,39 @@ class ParamTier:
                 out.append(i)
         return out
 
+    @_locked
     def open_for_update(self, params: Iterable[torch.Tensor]) -> list[int]:
         """Materialise `params` with their gradients (scaled by the clip coefficient) for
         the update about to run; returns their indices for updated()."""
         self._check_open()
         opened = self.indices(params)
+        if self.keep_grads:  # the update runs during backward: unpack checks against it
+            self.opened.update(opened)
         for i in opened:
             self._pin(i)
         for i in opened:
-            self._materialise(i)
+            self._materialise(i, wait=False)
             if self.has_grad[i] and i not in self.grads_out:
                 n = self._bytes(i)
-                fetch = self.grads_inflight.pop(i, None)
-                if fetch is None:
-                    self._make_room(n, set(self.pins), must=True)
-                    self._take(n)
-                    fetch = self.records.fetch(GRAD, i)
-                g = fetch.wait()
+                if i in self.held and self.clip_coef is not None:
+                    self._spill(i)  # scaled below: the record keeps the gradient as it was
+                if i in self.held:
+                    g = self.held.pop(i)  # its bytes stay taken, now as grads_out
+                    self.unwritten.add(i)
+                else:
+                    fetch = self.grads_inflight.pop(i, None)
+                    if fetch is None:
+                        self._make_room(n, set(self.pins), must=True)
+                        self._take(n)
+                        fetch = self.records.fetch(GRAD, i)
+                    g = self._await(fetch)
                 if self.clip_coef is not None:
                     g.mul_(self.clip_coef)  # as torch's clip: the fp32 coefficient
                 self.params[i].grad = g
                 self.grads_out[i] = n
         return opened
 
+    @_locked
     def read_ahead_update(self, params: Iterable[torch.Tensor]) -> None:
         """The next partition's parameters: start reading their weights and gradients
         now, as far as the window allows without evicting what is open (nothing with
@@ -672,12 +849,13 @@ class ParamTier:
         wanted = self.indices(params)
         protect = set(wanted) | set(self.pins)
         for i in wanted:
-            if i not in self.live and i not in self.inflight:
+            if i not in self.live and i not in self.inflight and i not in self.arriving:
                 if not self._make_room(self._bytes(i), protect, must=False):
                     return
                 self._take(self._bytes(i))
                 self.inflight[i] = self.records.fetch(WEIGHT, i)
-            if self.has_grad[i] and i not in self.grads_out and i not in self.grads_inflight:
+            if (self.has_grad[i] and i not in self.grads_out and i not in self.grads_inflight
+                    and i not in self.held):
                 if not self._make_room(self._bytes(i), protect, must=False):
                     return
                 self._take(self._bytes(i))
@@ -690,30 +868,59 @@ class ParamTier:
         `changed` (a crash-consistent resume or roll-back writing the committed weights):
         then written back to their records like updated ones."""
         idx = self.indices(params)
-        for i in idx:
-            self._pin(i)
-        try:
+        with self.lock:
             for i in idx:
-                self._materialise(i)
+                self._pin(i)
+        try:
+            with self.lock:
+                for i in idx:
+                    self._materialise(i)
             yield
             if changed:
-                self.dirty.update(idx)
+                with self.lock:
+                    self.dirty.update(idx)
         finally:
-            for i in idx:
-                self._unpin(i)
+            with self.lock:
+                for i in idx:
+                    self._unpin(i)
 
+    @_locked
+    def expect_updates(self, pieces: Iterable[tuple[torch.Tensor, int]]) -> None:
+        """How many optimizer partitions hold a piece of each parameter (one by default):
+        its gradient is dropped once that many updates of a step opened it."""
+        for p, n in pieces:
+            self.pieces[self.indices([p])[0]] = n
+
+    @_locked
+    def round_over(self) -> None:
+        """A step that ran during backward ended without step_done() (it raised): the
+        weights it opened are no longer being updated."""
+        self.opened.clear()
+        self.updates.clear()
+        self.finished.clear()
+        self.backlog = 0
+
+    @_locked
     def updated(self, opened: list[int]) -> None:
-        """The update of `opened` is done: their weights changed (written back later)."""
+        """The update of `opened` is done: their weights changed (written back later), and
+        the gradient of a parameter whose every piece is updated is dropped."""
         for i in opened:
             if self.has_grad[i]:
                 self.dirty.add(i)
+                self.updates[i] = self.updates.get(i, 0) + 1
+                if self.updates[i] >= self.pieces[i]:
+                    self.unwritten.discard(i)
+                    self._drop_grad(i)
+                    self.finished.add(i)
             self._unpin(i)
-            if i in self.live and not self.pins.get(i):
+            if i in self.live and not self.pins.get(i) and (
+                    not self.has_grad[i] or i in self.finished):
                 # first out: the step visits each parameter once, so what it updated is
                 # done with, and least-recently-used order would evict the weights the
                 # rest of the step still needs instead (read again)
                 self.live.move_to_end(i, last=False)
 
+    @_locked
     def step_done(self) -> None:
         """The step consumed every gradient: write the updated weights back, forget the
         gradients, and freeze (or follow) the learned order for the next iteration."""
@@ -724,6 +931,13 @@ class ParamTier:
             self._drop_grad(i)
         for i in list(self.grads_out):
             self._drop_grad(i)
+        for i in list(self.held):  # stored for a parameter the optimizer does not update
+            self._drop_held(i)
+        self.opened.clear()
+        self.unwritten.clear()
+        self.updates.clear()
+        self.finished.clear()
+        self.backlog = 0
         self._drop_grads_inflight()
         self.has_grad = [False] * len(self.params)
         self.norms.clear()
@@ -747,6 +961,7 @@ class ParamTier:
 
     # -- state dicts ----------------------------------------------------------------
 
+    @_locked
     def weight(self, i: int) -> torch.Tensor:
         """Parameter `i`'s current weights as a tensor of their own."""
         if i in self.live:
@@ -765,12 +980,14 @@ class ParamTier:
             sd[key] = torch.nn.Parameter(value, requires_grad=p.requires_grad) \
                 if isinstance(sd[key], torch.nn.Parameter) else value
 
+    @_locked
     def _enter_load(self, u: int) -> None:
         self._check_open()
         for i in self.units[u]:
             self._pin(i)
             self._materialise(i)
 
+    @_locked
     def _leave_load(self, u: int) -> None:
         for i in self.units[u]:
             self.dirty.add(i)
@@ -796,6 +1013,7 @@ class ParamTier:
                 if i in self.dirty:
                     self.records.write(WEIGHT, i, self.params[i].detach())
             self.dirty.clear()
+            given = {i: self.params[i].grad for i in self.unwritten if i in self.grads_out}
             for i in list(self.grads_out):
                 self._drop_grad(i)
             for i in list(self.inflight):
@@ -804,7 +1022,8 @@ class ParamTier:
             self.records.drain()
             for i, p in enumerate(self.params):
                 value = self.records.fetch(WEIGHT, i).wait().clone()
-                grad = (self.records.fetch(GRAD, i).wait().clone() if self.has_grad[i]
+                grad = (given[i] if i in given else self.held.pop(i) if i in self.held
+                        else self.records.fetch(GRAD, i).wait().clone() if self.has_grad[i]
                         else None)
                 self._release_storage(i)
                 p.data = value
@@ -836,6 +1055,7 @@ class ParamTier:
             for i in list(self.inflight):
                 self.inflight.pop(i).wait()
             self._drop_grads_inflight()
+            self.held.clear()
             for i in list(self.live):
                 self._drop_grad(i)
                 self._release_storage(i)
