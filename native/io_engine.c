@@ -48,6 +48,7 @@ typedef struct lane {
     uint64_t wake_val;
     pthread_t worker;
     int started;
+    int failed; /* the ring's own error once it failed; under e->lock */
     tm_request *pending_head, *pending_tail; /* submitted, not yet seen; under e->lock */
     /* worker-only state */
     tm_request *active_head, *active_tail;
@@ -238,6 +239,22 @@ static void *worker_main(void *arg)
                 r = nx;
             }
             l->active_head = l->active_tail = NULL;
+            /* No worker will ever drain this lane again: later submissions
+             * are refused, and those that came in meanwhile fail here. */
+            pthread_mutex_lock(&e->lock);
+            l->failed = ret;
+            tm_request *late = l->pending_head;
+            l->pending_head = l->pending_tail = NULL;
+            pthread_mutex_unlock(&e->lock);
+            while (late) {
+                tm_request *nx = late->link;
+                late->link = NULL;
+                late->error = ret;
+                late->error_offset = late->offset;
+                late->error_length = late->len;
+                finish_request(e, late);
+                late = nx;
+            }
             break;
         }
         struct io_uring_cqe *cqe;
@@ -458,9 +475,10 @@ int tm_engine_submit(tm_engine *e, tm_request *r)
     lane *l = &e->lanes[r->op];
     tm_reset_request(r);
     pthread_mutex_lock(&e->lock);
-    if (e->stopping) {
+    if (e->stopping || l->failed) {
+        int ret = e->stopping ? -ESHUTDOWN : l->failed;
         pthread_mutex_unlock(&e->lock);
-        return -ESHUTDOWN;
+        return ret;
     }
     int was_empty = l->pending_head == NULL;
     if (l->pending_tail)
