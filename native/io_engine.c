@@ -195,6 +195,23 @@ static void complete_piece(lane *l, piece *p, int res)
     }
 }
 
+/* Fail a list of requests with the ring's error, from where each got to (a
+ * request not yet started, next == 0, fails whole). */
+static void fail_requests(tm_engine *e, tm_request *r, int err)
+{
+    while (r) {
+        tm_request *nx = r->link;
+        if (r->error == 0) {
+            r->error = err;
+            r->error_offset = r->offset + r->next;
+            r->error_length = r->len - r->next;
+        }
+        r->link = NULL;
+        finish_request(e, r);
+        r = nx;
+    }
+}
+
 static void *worker_main(void *arg)
 {
     lane *l = arg;
@@ -226,35 +243,17 @@ static void *worker_main(void *arg)
         int ret = io_uring_submit_and_wait(&l->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
             /* The ring itself failed: fail everything outstanding rather
-             * than leave a waiter asleep forever. */
-            for (tm_request *r = l->active_head; r;) {
-                tm_request *nx = r->link;
-                if (r->error == 0) {
-                    r->error = ret;
-                    r->error_offset = r->offset + r->next;
-                    r->error_length = r->len - r->next;
-                }
-                r->link = NULL;
-                finish_request(e, r);
-                r = nx;
-            }
-            l->active_head = l->active_tail = NULL;
-            /* No worker will ever drain this lane again: later submissions
-             * are refused, and those that came in meanwhile fail here. */
+             * than leave a waiter asleep forever. No worker will ever drain
+             * this lane again, so later submissions are refused and those
+             * that came in meanwhile fail with the rest. */
             pthread_mutex_lock(&e->lock);
             l->failed = ret;
             tm_request *late = l->pending_head;
             l->pending_head = l->pending_tail = NULL;
             pthread_mutex_unlock(&e->lock);
-            while (late) {
-                tm_request *nx = late->link;
-                late->link = NULL;
-                late->error = ret;
-                late->error_offset = late->offset;
-                late->error_length = late->len;
-                finish_request(e, late);
-                late = nx;
-            }
+            fail_requests(e, l->active_head, ret);
+            fail_requests(e, late, ret);
+            l->active_head = l->active_tail = NULL;
             break;
         }
         struct io_uring_cqe *cqe;
