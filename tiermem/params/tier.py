@@ -895,6 +895,10 @@ class ParamTier:
     def round_over(self) -> None:
         """A step that ran during backward ended without step_done() (it raised): the
         weights it opened are no longer being updated."""
+        self._forget_round()
+
+    def _forget_round(self) -> None:
+        """What the updates during a backward tracked: none is running any more."""
         self.opened.clear()
         self.updates.clear()
         self.finished.clear()
@@ -933,11 +937,8 @@ class ParamTier:
             self._drop_grad(i)
         for i in list(self.held):  # stored for a parameter the optimizer does not update
             self._drop_held(i)
-        self.opened.clear()
+        self._forget_round()
         self.unwritten.clear()
-        self.updates.clear()
-        self.finished.clear()
-        self.backlog = 0
         self._drop_grads_inflight()
         self.has_grad = [False] * len(self.params)
         self.norms.clear()
