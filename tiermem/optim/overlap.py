@@ -299,8 +299,11 @@ class BackwardOverlap:
         weights = self.off.weights
         for index, (grad, version, _) in self._fired.items():
             p = self.off.params[index]
-            if (weights.grad_edits != version or not weights.has_gradient(p)
-                    if weights is not None else p.grad is not grad or grad._version != version):
+            if weights is not None:  # the tier holds it: any zero_grad or clip since counts
+                changed = weights.grad_edits != version or not weights.has_gradient(p)
+            else:
+                changed = p.grad is not grad or grad._version != version
+            if changed:
                 raise TierMemError(
                     f"the gradient of {self._name(index)} changed between backward and "
                     "optimizer.step() (gradient clipping, GradScaler.unscale_, zero_grad or "
