@@ -21,6 +21,11 @@ from hypothesis import HealthCheck, settings
 
 from tiermem.io.buffers import aligned_empty
 from tiermem.io import IOEngine, io_uring_status
+from tiermem.kernels.vml import resolve_vml_dispatch
+
+# The plain torch optimizers the tests compare against run here too: their first sqrt
+# must not be a racy first VML call either (tiermem/kernels/vml.py).
+resolve_vml_dispatch()
 
 settings.register_profile(
     "tiermem", deadline=None, max_examples=100, print_blob=True,

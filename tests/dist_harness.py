@@ -34,6 +34,9 @@ def _entry(rank: int, world: int, init: str, partial: str, module: str, fn: str,
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=PG_TIMEOUT))
+    from tiermem.kernels.vml import resolve_vml_dispatch
+
+    resolve_vml_dispatch()  # the rank's plain torch reference runs a first sqrt too
     try:
         out = getattr(importlib.import_module(module), fn)(rank, world, *args)
         results.put((rank, "ok", out))

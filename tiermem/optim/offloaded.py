@@ -25,6 +25,7 @@ from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import Batch, UpdateRule, rule_for
 from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
 from tiermem.kernels.checksum import record_digest
+from tiermem.kernels.vml import resolve_vml_dispatch
 from tiermem.params.tier import ParamTier
 from tiermem.partition import Partition, Segment, build_partitions
 from tiermem.tiers.pipeline import Views
@@ -91,6 +92,9 @@ class OffloadedOptimizer:
         random streams of stochastic rounding (UpdateRule: Batch.origins).
         With parameters.offload the model's weights and grads move to a ParamTier once the
         state is laid out (each partition's parameters are opened from it for its update)."""
+        # Before any update: torch's first multithreaded sqrt may otherwise run a
+        # low-accuracy MKL kernel on one thread (kernels/vml.py).
+        resolve_vml_dispatch()
         o = settings.optimizer
         options = dict(state_dtype=o.state_dtype, state_rounding=o.state_rounding)
         if o.master_weights != "fp32":
