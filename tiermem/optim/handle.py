@@ -125,10 +125,12 @@ class Offload:
     def param_stats(self) -> dict[str, int]:
         """The parameter tier's counters (fetches, prefetched, on_demand, out_of_order,
         evictions, grads_stored, peak_window_bytes, bytes read/written); {} without
-        parameters.offload."""
+        parameters.offload. Under pipeline.overlap_backward the queued updates finish first:
+        the worker counts its fetches and writes too."""
         weights = self.offloaded.weights
         if weights is None:
             return {}
+        self._wait_overlap()
         return dict(weights.stats.as_dict(), bytes_read=weights.records.bytes_read,
                     bytes_written=weights.records.bytes_written)
 
