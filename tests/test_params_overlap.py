@@ -18,8 +18,8 @@ import tiermem
 from tiermem.errors import TierMemError
 
 from offload_helpers import backend_params
-from test_params_parity import (STEPS, assert_same_model, batches, cfg, config_window,
-                                loss_of, make_opt, plain_run, twins)
+from test_params_parity import (STEPS, assert_same_model, batches, cfg, committed_and_resumed,
+                                config_window, loss_of, make_opt, plain_run, twins)
 
 
 def overlap_cfg(swap, **kw) -> dict:
@@ -94,44 +94,15 @@ def test_overlap_with_a_window_that_spills_gradients(tmp_path, backend):
 def test_overlap_crash_consistent_matches_plain_and_resumes(tmp_path, offload):
     """Every step committed (the weights with it) while its updates ran during backward;
     the kept run directory resumes into a fresh model and goes on bitwise."""
-    import shutil
-
     ref, model = twins()
     data = batches(STEPS)
     want, _ = plain_run(ref, data)
     c = overlap_cfg(tmp_path / "a", offload=offload, window="256KiB")
     c["swap"]["durability"] = "crash_consistent"
-    half = STEPS // 2
-    got = []
-    opt = make_opt(model)
-    with tiermem.offload(opt, c, model=model) as tm:
-        for step, (t, y) in enumerate(data):
-            loss = loss_of(model, t, y)
-            loss.backward()
-            got.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-            if step + 1 == half:
-                assert tm.committed_step == half
-                shutil.copytree(tmp_path / "a" / "tiermem-default", tmp_path / "kept")
+    got, _, resumed, again = committed_and_resumed(model, data, c)
     assert got == want
     assert_same_model(ref, model)
-    _, again = twins()
-    with torch.no_grad():
-        for p in again.parameters():
-            p.zero_()
-    (tmp_path / "kept").rename(tmp_path / "a" / "tiermem-default")
-    resumed = []
-    opt = make_opt(again)
-    with tiermem.offload(opt, c, model=again, resume=True) as tm:
-        assert tm.resumed_step == half
-        for t, y in data[half:]:
-            loss = loss_of(again, t, y)
-            loss.backward()
-            resumed.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-    assert resumed == want[half:]
+    assert resumed == want[STEPS // 2:]
     assert_same_model(ref, again)
 
 
@@ -216,24 +187,22 @@ def test_overlap_with_a_frozen_parameter_and_two_groups(tmp_path):
         return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05, foreach=False)
 
     data = batches(STEPS)
-    opt = opt_for(ref)
-    want = []
-    for t, y in data:
-        loss = loss_of(ref, t, y)
-        loss.backward()
-        want.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    opt = opt_for(model)
-    got = []
-    with tiermem.offload(opt, overlap_cfg(tmp_path, offload="nvme", window="1MiB"),
-                         model=model) as tm:
+
+    def fit(m, opt):
+        losses = []
         for t, y in data:
-            loss = loss_of(model, t, y)
+            loss = loss_of(m, t, y)
             loss.backward()
-            got.append(loss.item())
+            losses.append(loss.item())
             opt.step()
             opt.zero_grad()
+        return losses
+
+    want = fit(ref, opt_for(ref))
+    opt = opt_for(model)
+    with tiermem.offload(opt, overlap_cfg(tmp_path, offload="nvme", window="1MiB"),
+                         model=model) as tm:
+        got = fit(model, opt)
         assert sum(s["early_partitions"] for s in tm.stats()) > 0
     assert got == want
     assert_same_model(ref, model)

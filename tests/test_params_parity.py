@@ -270,14 +270,57 @@ def test_unsupported_combinations_are_refused(tmp_path):
             pass
 
 
+def committed_and_resumed(model: Net, data, config: dict, *, micro: int = 1,
+                          clip: float | None = None):
+    """Train `model` under `config` (swap.durability crash_consistent) over `data`, copying
+    the run directory after step STEPS // 2's commit (what a crash leaves; the parameter
+    tier's records are not copied: the commit holds the weights). Then resume that copy
+    into a fresh model whose weights are zero and train on. Returns (losses, clipped norms,
+    losses after the resume, the resumed model)."""
+    import shutil
+    from pathlib import Path
+
+    run = Path(config["swap"]["paths"][0]) / "tiermem-default"
+    kept = run.parent.parent / "kept"
+    half = STEPS // 2
+
+    def train(tm, m, opt, steps, losses, norms):
+        for step in steps:
+            for t, y in data[step * micro:(step + 1) * micro]:
+                loss = loss_of(m, t, y)
+                loss.backward()
+                losses.append(loss.item())
+            if clip is not None:
+                norms.append(tm.clip_grad_norm_(clip).item())
+            opt.step()
+            opt.zero_grad()
+            if step + 1 == half:  # the resumed run starts after it
+                assert tm.committed_step == half
+                shutil.copytree(run, kept)
+
+    got, norms = [], []
+    opt = make_opt(model)
+    with tiermem.offload(opt, config, model=model) as tm:
+        train(tm, model, opt, range(len(data) // micro), got, norms)
+    _, again = twins()
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()  # the resume puts the committed weights back
+    opt = make_opt(again)
+    assert not run.exists()  # removed at exit
+    kept.rename(run)  # the manifest's place
+    resumed = []
+    with tiermem.offload(opt, config, model=again, resume=True) as tm:
+        assert tm.resumed_step == half
+        train(tm, again, opt, range(half, len(data) // micro), resumed, [])
+    return got, norms, resumed, again
+
+
 @pytest.mark.parametrize("offload", ["host", "nvme"])
 def test_crash_consistent_matches_plain_and_resumes(tmp_path, offload):
     """swap.durability crash_consistent: the tied, shared model trains as plain torch does
     (accumulation and clipping too), and a copy of the run directory taken after a step's
-    commit (what a crash leaves; the parameter tier's records are not copied: the commit
-    holds the weights) resumes into a fresh model and goes on bitwise."""
-    import shutil
-
+    commit resumes into a fresh model and goes on bitwise."""
     ref, model = twins()
     data = batches(STEPS * 2, seed=3)
     want, want_norms = plain_run(ref, data, micro=2, clip=0.5)
@@ -285,43 +328,11 @@ def test_crash_consistent_matches_plain_and_resumes(tmp_path, offload):
     # the NVMe footers, need 192 KiB of window
     c = cfg(tmp_path / "a", offload=offload, window="256KiB")
     c["swap"]["durability"] = "crash_consistent"
-    opt = make_opt(model)
-    half = STEPS // 2
-    got, got_norms = [], []
-    with tiermem.offload(opt, c, model=model) as tm:
-        for step in range(STEPS):
-            for t, y in data[step * 2:(step + 1) * 2]:
-                loss = loss_of(model, t, y)
-                loss.backward()
-                got.append(loss.item())
-            got_norms.append(tm.clip_grad_norm_(0.5).item())
-            opt.step()
-            opt.zero_grad()
-            if step + 1 == half:
-                assert tm.committed_step == half
-                shutil.copytree(tmp_path / "a" / "tiermem-default", tmp_path / "kept")
+    got, got_norms, resumed, again = committed_and_resumed(model, data, c, micro=2, clip=0.5)
     assert got == want
     assert got_norms == [n.item() for n in want_norms]
     assert_same_model(ref, model)
-    _, again = twins()
-    with torch.no_grad():
-        for p in again.parameters():
-            p.zero_()  # the resume puts the committed weights back
-    opt = make_opt(again)
-    assert not (tmp_path / "a" / "tiermem-default").exists()  # removed at exit
-    (tmp_path / "kept").rename(tmp_path / "a" / "tiermem-default")  # the manifest's place
-    resumed = []
-    with tiermem.offload(opt, c, model=again, resume=True) as tm:
-        assert tm.resumed_step == half
-        for step in range(half, STEPS):
-            for t, y in data[step * 2:(step + 1) * 2]:
-                loss = loss_of(again, t, y)
-                loss.backward()
-                resumed.append(loss.item())
-            tm.clip_grad_norm_(0.5)
-            opt.step()
-            opt.zero_grad()
-    assert resumed == want[half * 2:]
+    assert resumed == want[STEPS // 2 * 2:]
     assert_same_model(ref, again)
     assert again.head.weight is again.emb.weight
 
