@@ -286,6 +286,36 @@ def stalled(backend, tmp_path):
         eng.close()
 
 
+@pytest.fixture
+def stalled_read(backend, tmp_path):
+    """(engine, release): a queue_depth-1 engine whose only read slot is stuck.
+
+    io_uring runs reads and writes on a ring each, so a stuck write (`stalled`) holds no
+    read back; a 4 KiB read from an empty FIFO holds the read ring's only slot, or the
+    pool's only thread, until release() writes those 4 KiB.
+    """
+    eng = IOEngine(backend, queue_depth=1, block_size=4096)
+    os.mkfifo(tmp_path / "rfifo")
+    f = eng.open(tmp_path / "rfifo", "r+", direct=False)
+    req = eng.read(f, aligned(4 * KiB), 0)
+
+    def release():
+        if req.done():
+            return
+        # The engine's O_RDWR descriptor is a reader: this open does not block.
+        fd = os.open(tmp_path / "rfifo", os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, bytes(4 * KiB))
+        finally:
+            os.close(fd)
+        req.wait(timeout=60)
+    try:
+        yield eng, release
+    finally:
+        release()
+        eng.close()
+
+
 def test_wait_timeout_raises_and_request_stays_usable(stalled):
     """wait(timeout) on a stuck request raises TimeoutError; once unstuck, wait() succeeds."""
     eng, req, release = stalled
@@ -307,9 +337,9 @@ def test_wait_with_huge_timeout(engine, tmp_path):
         assert req.wait(timeout=1e9) == 4096
 
 
-def test_file_truncated_before_queued_reads_run(stalled, tmp_path):
+def test_file_truncated_before_queued_reads_run(stalled_read, tmp_path):
     """Reads accepted at submit but run after the file shrank fail with ENODATA, not garbage."""
-    eng, _, release = stalled
+    eng, release = stalled_read
     path = tmp_path / "victim"
     path.write_bytes(bytes(range(256)) * 256)  # 64 KiB
     dst = aligned(64 * KiB)
