@@ -204,7 +204,8 @@ def main() -> None:
                    help="pipeline.overlap_backward for the tiered iteration (both: each in turn)")
     add_pipeline_args(p, swap_dir=os.path.join(tempfile.gettempdir(), "tiermem-bench-params"),
                       partition_size="4MiB", buffers=4, prefetch=2,
-                      kernels=["fused", "match", "native"])
+                      kernels=["auto", "fused", "match", "native"])
+    p.set_defaults(kernel="auto")  # what tiermem ships (native for AdamW on the CPU)
     args = p.parse_args()
     if args.threads:
         import torch
