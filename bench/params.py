@@ -203,7 +203,12 @@ def main() -> None:
     p.add_argument("--overlap", choices=["off", "on", "both"], default="both",
                    help="pipeline.overlap_backward for the tiered iteration (both: each in turn)")
     add_pipeline_args(p, swap_dir=os.path.join(tempfile.gettempdir(), "tiermem-bench-params"),
-                      partition_size="4MiB", buffers=4, prefetch=2,
+                      # 4 MiB partitions: an update can start as soon as backward has
+                      # finished a few layers. 32 buffers (128 MiB, half of what the
+                      # shipped 4 x 64 MiB hold): the next step's reads fill them during
+                      # forward, which reads only weights otherwise; 4 left most of the
+                      # state to be read during backward, behind backward's own reads
+                      partition_size="4MiB", buffers=32, prefetch=16,
                       kernels=["auto", "fused", "match", "native"])
     p.set_defaults(kernel="auto")  # what tiermem ships (native for AdamW on the CPU)
     args = p.parse_args()
