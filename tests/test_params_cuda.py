@@ -1,0 +1,311 @@
+"""parameters.offload on a device model: weights reach the device through pinned buffers
+on a copy stream, gradients come back the same way (tiermem/params/device.py).
+
+Without a GPU the device path runs on the emulated streams: `tiermem.offload(...,
+streams=DeferredBackend())` makes the CPU model a device model whose streams run their
+work only when something waits for it, as late as a GPU may, and whose fresh device
+buffers and gradient staging hold NaN until their copy ran. So a missing wait gives a
+wrong number, and the bitwise comparisons with plain training catch it
+(test_dropped_wait_is_caught shows they do). The tests marked needs_cuda run the same
+scenarios on a real GPU (and bench/gpu_check.py's parameter-tier section).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.config import ConfigError
+from tiermem.device.lanes import DeferredBackend
+from tiermem.errors import TierMemError
+from tiermem.params.device import DeviceSide
+
+from offload_helpers import backend_params
+from test_params_parity import (STEPS, Checkpointed, Net, assert_same_model, batches, cfg,
+                                loss_of, make_opt, plain_run, twins)
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def dcfg(swap, *, offload: str, backend: str = "threads", state_host: bool = True,
+         window: str = "256KiB", prefetch: int = 2) -> dict:
+    # The records of a device model keep an fp32 master (as on a GPU), so a 64 KiB
+    # partition holds more parameters than a CPU model's: a window of 256 KiB holds one
+    # partition's weights and grads, and is still below the model's weights and grads.
+    return cfg(swap, offload=offload, backend=backend, state_host=state_host, window=window,
+               prefetch=prefetch)
+
+
+def device_run(model: torch.nn.Module, data, config: dict, *, streams=None, micro: int = 1,
+               clip: float | None = None, detour_at: int | None = None):
+    """Train under the parameter tier on the (emulated) device; returns the losses, the
+    clip norms, tm.param_stats() and the plan's parameters section."""
+    opt = make_opt(model)
+    losses, norms = [], []
+    with tiermem.offload(opt, config, model=model,
+                         streams=DeferredBackend() if streams is None else streams) as tm:
+        for step in range(len(data) // micro):
+            model.detour = step == detour_at
+            for t, y in data[step * micro:(step + 1) * micro]:
+                loss = loss_of(model, *on_model(model, t, y))
+                loss.backward()
+                losses.append(loss.item())
+                assert all(p.grad is None for p in model.parameters())
+            if clip is not None:
+                norms.append(tm.clip_grad_norm_(clip))
+            opt.step()
+            opt.zero_grad()
+        stats, plan = tm.param_stats(), tm.plan()["parameters"]
+    return losses, norms, stats, plan
+
+
+def on_model(model: torch.nn.Module, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    device = next(model.parameters()).device
+    return [t.to(device) for t in tensors]
+
+
+# -- parity on the emulated streams -----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+@pytest.mark.parametrize("state_host", [True, False], ids=["state-host", "state-nvme"])
+def test_device_model_matches_plain(tmp_path, offload, backend, state_host):
+    """Losses and weights bitwise equal to plain training; every weight crossed the h2d
+    lane and every gradient the d2h lane; the window was smaller than the model."""
+    ref, model = twins()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, stats, plan = device_run(model, data, dcfg(tmp_path, offload=offload,
+                                                       backend=backend,
+                                                       state_host=state_host))
+    assert got == want
+    assert_same_model(ref, model)
+    assert model.head.weight is model.emb.weight  # the tied weight, still one parameter
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert stats["h2d_bytes"] >= STEPS * weights  # every weight at least once a step
+    # each gradient once per backward (the tied one, accumulated on the device, once)
+    assert stats["d2h_bytes"] == STEPS * weights
+    assert stats["evictions"] > 0 and stats["prefetched"] > 0 and stats["out_of_order"] == 0
+    assert plan["device_window"] == plan["window"] < 2 * weights
+    assert plan["staging_bytes"] > 0 and plan["device"] == "cpu"
+    assert not list(tmp_path.iterdir()) or all(not any(d.iterdir()) for d in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_micro_batches_and_clipping(tmp_path, offload):
+    """Gradients of three micro-batches land and add up in their records in backward's
+    order; the clip norm and the weights are torch's, bitwise."""
+    ref, model = twins()
+    data = batches(STEPS * 3, seed=2)
+    want, want_norms = plain_run(ref, data, micro=3, clip=0.5)
+    got, got_norms, _, _ = device_run(model, data, dcfg(tmp_path, offload=offload),
+                                      micro=3, clip=0.5)
+    assert got == want
+    assert [n.item() for n in got_norms] == [n.item() for n in want_norms]
+    assert want_norms[0] > 0.5  # the clip really scaled the first step
+    assert_same_model(ref, model)
+
+
+def test_out_of_order_module_is_fetched_on_demand(tmp_path):
+    ref, model = twins()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data, detour_at=2)
+    got, _, stats, _ = device_run(model, data, dcfg(tmp_path, offload="nvme"), detour_at=2)
+    assert got == want
+    assert_same_model(ref, model)
+    assert stats["out_of_order"] > 0
+
+
+def test_activation_checkpointing(tmp_path):
+    """Backward runs the checkpointed blocks' forward again: their weights go to the device
+    again, and the compute stream waits them again."""
+    torch.manual_seed(0)
+    ref = Checkpointed()
+    model = copy.deepcopy(ref)
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, stats, _ = device_run(model, data, dcfg(tmp_path, offload="nvme"))
+    assert got == want
+    assert_same_model(ref, model)
+    assert stats["evictions"] > 0
+
+
+@pytest.mark.parametrize("window, prefetch", [("256KiB", 0), ("1MiB", 4)])
+def test_window_and_prefetch_do_not_change_numbers(tmp_path, window, prefetch):
+    ref, model = twins()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, stats, _ = device_run(model, data, dcfg(tmp_path, offload="nvme", window=window,
+                                                    prefetch=prefetch))
+    assert got == want
+    assert_same_model(ref, model)
+    if prefetch == 0:
+        assert stats["prefetched"] == 0
+
+
+def test_state_dict_and_grads_left_without_a_step(tmp_path):
+    """model.state_dict() inside the block is the trained weights; a backward without a
+    step leaves its gradients in p.grad at exit, as torch would."""
+    ref, model = twins()
+    data = batches(3)
+    plain_run(ref, data[:2])
+    opt = make_opt(model)
+    with tiermem.offload(opt, dcfg(tmp_path, offload="nvme"), model=model,
+                         streams=DeferredBackend()):
+        for t, y in data[:2]:
+            loss_of(model, t, y).backward()
+            opt.step()
+            opt.zero_grad()
+        sd, want = model.state_dict(), ref.state_dict()
+        assert sd.keys() == want.keys()
+        for k in want:
+            assert torch.equal(sd[k], want[k]), k
+        loss_of(model, *data[2]).backward()
+    loss_of(ref, *data[2]).backward()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad), n
+
+
+# -- the waits matter ---------------------------------------------------------------------
+
+
+def _no_compute_wait(self, i, t):
+    """compute_waits without its wait: the compute stream reads the weights unordered."""
+    self.backend.used_by(t, self.backend.current_stream())
+
+
+@pytest.mark.parametrize("dropped", ["compute waits the weights h2d",
+                                     "host waits the grads d2h"])
+def test_dropped_wait_is_caught(tmp_path, monkeypatch, dropped):
+    """Each wait the device path relies on, dropped, gives wrong numbers on the emulation:
+    the parity tests above would fail, not pass by luck."""
+    if dropped.startswith("compute"):
+        monkeypatch.setattr(DeviceSide, "compute_waits", _no_compute_wait)
+    else:
+        monkeypatch.setattr(DeviceSide, "grad_landed", lambda self, event: None)
+    ref, model = twins()
+    data = batches(2)
+    want, _ = plain_run(ref, data)
+    try:
+        got, _, _, _ = device_run(model, data, dcfg(tmp_path, offload="host"))
+    except TierMemError:
+        return  # caught as an error (a queued copy nothing waited for): as good
+    same = got == want and all(torch.equal(p, q) for p, q in zip(ref.parameters(),
+                                                                 model.parameters()))
+    assert not same, "a dropped wait went unnoticed"
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("step_device", "device", "optimizer.step_device"),
+    ("overlap_backward", True, "pipeline.overlap_backward"),
+])
+def test_what_is_not_built_is_refused(tmp_path, key, value, match):
+    model = Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    c = dcfg(tmp_path, offload="host")
+    if key == "step_device":
+        c["optimizer"]["step_device"] = value
+    else:
+        c["pipeline"]["overlap_backward"] = value
+    with pytest.raises(ConfigError, match=match):
+        with tiermem.offload(make_opt(model), c, model=model, streams=DeferredBackend()):
+            pass
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+
+
+# -- on a real GPU ----------------------------------------------------------------------------
+
+
+def _cuda_twins(factory=Net) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    a = factory().cuda()
+    return a, copy.deepcopy(a)
+
+
+def _cuda_plain(model, data, *, micro=1, clip=None, detour_at=None):
+    opt = make_opt(model)
+    losses, norms = [], []
+    for step in range(len(data) // micro):
+        model.detour = step == detour_at
+        for t, y in data[step * micro:(step + 1) * micro]:
+            loss = loss_of(model, t.cuda(), y.cuda())
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def _assert_close_models(a, b):
+    # The step runs on the host (torch's CPU kernels) against the plain run's CUDA ones:
+    # the same arithmetic up to rounding, not bitwise.
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert q.device.type == "cuda", n
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@needs_cuda
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+@pytest.mark.parametrize("state_host", [True, False], ids=["state-host", "state-nvme"])
+def test_cuda_matches_plain(tmp_path, offload, state_host):
+    ref, model = _cuda_twins()
+    data = batches(STEPS)
+    want, _ = _cuda_plain(ref, data)
+    got, _, stats, plan = device_run(model, data, dcfg(tmp_path, offload=offload,
+                                                       state_host=state_host),
+                                     streams=_cuda_streams(model))
+    assert got == pytest.approx(want, rel=1e-4)
+    _assert_close_models(ref, model)
+    assert stats["h2d_bytes"] > 0 and stats["d2h_bytes"] > 0
+    assert plan["device"].startswith("cuda")
+
+
+def _cuda_streams(model):
+    from tiermem.device.lanes import CudaBackend
+    return CudaBackend(next(model.parameters()).device)
+
+
+@needs_cuda
+def test_cuda_micro_batches_clipping_checkpointing_out_of_order(tmp_path):
+    torch.manual_seed(0)
+    ref = Checkpointed().cuda()
+    model = copy.deepcopy(ref)
+    data = batches(STEPS * 2, seed=2)
+    want, want_norms = _cuda_plain(ref, data, micro=2, clip=0.5, detour_at=1)
+    got, got_norms, stats, _ = device_run(model, data, dcfg(tmp_path, offload="nvme"),
+                                          streams=_cuda_streams(model), micro=2, clip=0.5,
+                                          detour_at=1)
+    assert got == pytest.approx(want, rel=1e-4)
+    assert [n.item() for n in got_norms] == pytest.approx(want_norms, rel=1e-4)
+    _assert_close_models(ref, model)
+
+
+@needs_cuda
+def test_cuda_model_found_without_streams(tmp_path):
+    """No streams= given: CUDA parameters pick CUDA streams themselves."""
+    ref, model = _cuda_twins()
+    data = batches(2)
+    want, _ = _cuda_plain(ref, data)
+    opt = make_opt(model)
+    with tiermem.offload(opt, dcfg(tmp_path, offload="host"), model=model) as tm:
+        got = []
+        for t, y in data:
+            loss = loss_of(model, t.cuda(), y.cuda())
+            loss.backward()
+            got.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        assert tm.plan()["parameters"]["device"].startswith("cuda")
+    assert got == pytest.approx(want, rel=1e-4)
+    _assert_close_models(ref, model)
