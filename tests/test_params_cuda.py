@@ -171,6 +171,53 @@ def test_state_dict_and_grads_left_without_a_step(tmp_path):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad), n
 
 
+def test_gradient_node_dropped_by_a_device_change_is_hooked_again(tmp_path, monkeypatch):
+    """On a GPU the step's host weights change p.data's device, and torch then drops the
+    parameter's gradient node (set_data): the next backward makes a new one, which the
+    tier hooks again when the weights go back to the device. The emulation never changes
+    device, so the drop is made here the way torch makes it (a change of type)."""
+    from tiermem.params.tier import ParamTier
+
+    install = ParamTier._install_weight
+
+    def install_dropping_the_node(self, i, value, buf):
+        install(self, i, value, buf)
+        if buf is not None and self.dev is not None:  # host weights of a device model
+            p = self.params[i]
+            d = p.data
+            p.data = d.double()  # type_equal fails: autograd forgets the gradient node
+            p.data = d
+
+    monkeypatch.setattr(ParamTier, "_install_weight", install_dropping_the_node)
+    ref, model = twins()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, _, _ = device_run(model, data, dcfg(tmp_path, offload="nvme"))
+    assert got == want
+    assert_same_model(ref, model)
+    # every gradient node the next backward runs is one the tier hooked
+    opt = make_opt(model)
+    with tiermem.offload(opt, dcfg(tmp_path, offload="host"), model=model,
+                         streams=DeferredBackend()) as tm:
+        for t, y in data[:2]:
+            loss_of(model, t, y).backward()
+            opt.step()
+            opt.zero_grad()
+        tier = tm.offloaded.weights
+        loss = loss_of(model, *data[2])
+        seen, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if hasattr(node, "variable"):
+                assert node is tier._accumulators[tier.index[id(node.variable)]]
+            todo.extend(n for n, _ in node.next_functions)
+        assert sum(hasattr(n, "variable") for n in seen) == len(list(model.parameters()))
+        loss.backward()
+
+
 # -- the waits matter ---------------------------------------------------------------------
 
 

@@ -278,7 +278,9 @@ class ParamTier:
         self._landing_queued = False  # the end-of-backward callback lands the gradients
         self._stepping = False  # the step's host materialisation began (a device model)
         self._handles: list[Any] = []
-        self._accumulators: list[Any] = []
+        self._accumulators: dict[int, Any] = {}  # index -> its gradient node, hooked
+        # a device model's parameters given host weights since their node was made
+        self._rehook: set[int] = set()
         self._hooks_ctx: list[Any] = []
         self._closed = False
         self._busy = False  # inside the tier's own work: UseGuard stands aside
@@ -389,12 +391,30 @@ class ParamTier:
             # copied into the parameter's strides): the weights must be there, and the node
             # records the parameter's shape and device when made, so it is made now. It is
             # held so that the same node (and its hook) serves every backward.
-            node = p.view_as(p).grad_fn.next_functions[0][0]
-            self._accumulators.append(node)
-            self._handles.append(node.register_prehook(
-                lambda grads, i=i: self._before_accumulate(i)))
+            self._hook_accumulator(i)
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._release_storage(i)
+
+    def _hook_accumulator(self, i: int) -> None:
+        """Parameter i's gradient node (made now if autograd has none: its weights must be
+        in place, on the device it trains on) with the hook that materialises them first."""
+        p = self.params[i]
+        with torch.enable_grad():
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+        if node is self._accumulators.get(i):
+            return
+        self._accumulators[i] = node
+        self._handles.append(node.register_prehook(
+            lambda grads, i=i: self._before_accumulate(i)))
+
+    def _on_device_again(self, i: int) -> None:
+        """Parameter i of a device model has its device weights back after host ones (the
+        step's): autograd dropped its gradient node when p.data changed device (torch's
+        set_data), and the next backward would make one without the hook; made here."""
+        if i in self._rehook:
+            self._rehook.discard(i)
+            if self.params[i].requires_grad:
+                self._hook_accumulator(i)
 
     def _materialise_meta(self, u: int) -> None:
         """A module built on the meta device: its own parameters made on the CPU and
@@ -469,6 +489,7 @@ class ParamTier:
         p.data = dev
         self._by_storage[dev.untyped_storage().data_ptr()] = i
         self.on_device.add(i)
+        self._on_device_again(i)
 
     def _ready_for_compute(self, indices: Iterable[int]) -> None:
         """A device model's compute stream waits the copies of `indices`' weights before
@@ -652,8 +673,11 @@ class ParamTier:
                 value = self.dev.upload(i, value, fetch.buf)
             self._install_weight(i, value, None)
             self.on_device.add(i)
+            self._on_device_again(i)
         else:
             self._install_weight(i, value, fetch.buf)
+            if self.dev is not None:
+                self._rehook.add(i)
         if self.keep_grads:
             self.room.notify_all()
 
