@@ -356,3 +356,27 @@ def test_cuda_model_found_without_streams(tmp_path):
         assert tm.plan()["parameters"]["device"].startswith("cuda")
     assert got == pytest.approx(want, rel=1e-4)
     _assert_close_models(ref, model)
+
+
+# -- bench/gpu_check.py's parameter-tier section ------------------------------------------
+
+
+def test_gpu_check_param_tier_smoke(tmp_path):
+    """Section (e) of the GPU check, on the CPU emulation at tiny sizes: it runs, the
+    tiered transformer tracks plain training, and weights and grads crossed the lanes."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--smoke",
+                           "--only-params", "--swap-dir", str(tmp_path / "swap"), "--out",
+                           str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())["param_tier"]
+    assert r["status"] == "ok" and r["max_rel_err"] < 1e-3
+    assert r["h2d_bytes"] >= r["weight_bytes"] and r["d2h_bytes"] > 0
+    assert r["device_window"] == r["window"] < 2 * r["weight_bytes"]
+    assert not any((tmp_path / "swap").iterdir())
