@@ -82,7 +82,7 @@ class DeviceSide:
         self.landing_bytes = 0
         # Pinned, so the D2H copies are truly asynchronous; registered once per buffer and
         # reused (the emulation needs no pinning).
-        self.staging = Recycler(2 * staging_limit, pinned=not self.emulated)
+        self.staging = Recycler(staging_limit, pinned=not self.emulated)
         self.stats = stats
 
     # -- weights ------------------------------------------------------------------------
