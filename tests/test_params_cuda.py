@@ -415,3 +415,38 @@ def test_gpu_check_param_tier_smoke(tmp_path):
     assert r["h2d_bytes"] >= r["weight_bytes"] and r["d2h_bytes"] > 0
     assert r["device_window"] == r["window"] < 2 * r["weight_bytes"]
     assert not any((tmp_path / "swap").iterdir())
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+def test_plan_of_a_gpu_model(tmp_path):
+    """`tiermem plan --on-gpu`: a GPU model's weights, grads and activations are not in
+    host memory; with parameters.offload the window is GPU memory and its copies go
+    through pinned staging (three times the window), which the host figure counts; the
+    records keep an fp32 master (4 B/param more)."""
+    from tiermem.config import load_config
+    from tiermem.tools.stress import make_plan
+
+    def plan(offload: str, on_gpu: bool):
+        settings = load_config({"swap": {"paths": [str(tmp_path)]},
+                                "tiers": {"host": {"capacity": 0}},
+                                "parameters": {"offload": offload, "window": "64MiB"}})
+        return make_plan(100_000_000, "fp32", settings, synthetic_grads=False, hidden=1024,
+                         layers=8, on_gpu=on_gpu)
+
+    cpu, gpu = plan("nvme", False), plan("nvme", True)
+    window = 64 << 20
+    assert gpu.state - cpu.state == 100_000_000 * 4  # the master
+    assert gpu.staging == 3 * window and cpu.staging == 0
+    assert gpu.pinned - cpu.pinned == 3 * window
+    # host: no activations, the staging instead of the window and its write buffers (the
+    # process's own size is measured again by each plan: a few KiB apart)
+    grew = gpu.host_need - cpu.host_need - (gpu.baseline - cpu.baseline)
+    assert grew == 3 * window - 2 * window - cpu.activations
+    assert "GPU window of 64 MiB" in "\n".join(gpu.lines())
+    assert "pinned host buffers" in "\n".join(gpu.lines())
+    plain_gpu, plain_cpu = plan("none", True), plan("none", False)
+    # without the parameter tier a GPU model's weights, grads and activations stay off host
+    assert plain_gpu.host_need - plain_gpu.baseline == \
+        plain_cpu.host_need - plain_cpu.baseline - 800_000_000 - plain_cpu.activations
