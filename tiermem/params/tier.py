@@ -104,7 +104,6 @@ class ParamStats:
     h2d_bytes: int = 0  # a device model's weights copied to the device
     d2h_bytes: int = 0  # a device model's gradients copied back
 
-
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
 
@@ -411,7 +410,8 @@ class ParamTier:
         """Parameter i of a device model has its device weights back after host ones (the
         step's): autograd dropped its gradient node when p.data changed device (torch's
         set_data), and the next backward would make one without the hook; made here."""
-        if i in self._rehook:
+        # under inference_mode no node can be made: the next use outside it makes it
+        if i in self._rehook and not torch.is_inference_mode_enabled():
             self._rehook.discard(i)
             if self.params[i].requires_grad:
                 self._hook_accumulator(i)
