@@ -10,7 +10,7 @@
     streams' device-timed busy time), NVMe read/write GB/s, stall seconds;
 (d) bench/train_loop.py on CUDA (--batch auto): the update overlapped with a GPU backward,
     state on NVMe, updated on the host;
-(e) the parameter tier on CUDA: a small transformer (tied embedding, pre-norm blocks)
+(e) (run after (b), before the long runs) the parameter tier on CUDA: a small transformer (tied embedding, pre-norm blocks)
     trained with parameters.offload nvme (weights through pinned buffers into GPU memory,
     grads back, the step on the host, state on NVMe) against plain training on the GPU:
     losses and weights after a few steps (max abs / rel error), the iteration time of
@@ -449,7 +449,9 @@ def _run(args: argparse.Namespace, device: str) -> int:
         write_json(args.json, result)
 
     if args.only_params:
-        return _run_params(args, device, result, save)
+        failed = _run_params(args, device, result, save)
+        print(f"\nwrote {args.json}")
+        return failed
     result["parity"] = parity(args, device)
     show_table(
         ["tier mix", "step_device", "overlap", "max abs err", "max rel err", "bitwise",
@@ -464,6 +466,8 @@ def _run(args: argparse.Namespace, device: str) -> int:
         result["cuda_tests"] = cuda_tests(_left(args, 180))
         print(f"\nCUDA tests: {result['cuda_tests']['summary']}", flush=True)
         save()
+    # correctness before the long runs: the parameter tier's section comes next
+    params_failed = _run_params(args, device, result, save)
     print()
     result["big_model"] = []
     for sd in STEP_DEVICES:
@@ -492,13 +496,12 @@ def _run(args: argparse.Namespace, device: str) -> int:
             f"(rounds {', '.join(f'{x:.3f}' for x in tl['ratio_per_round'])}; goal "
             f"{tl['goal']})" if tl.get("ratio") is not None else tl["summary"]), flush=True)
         save()
-    if _run_params(args, device, result, save):
-        return 1
+    print(f"\nwrote {args.json}")
     bad = [r for r in result["parity"] if r["status"] == "MISMATCH"]
     # A child run fails by its exit code or its timeout; train_loop skipped for time does not.
     failed = [k for k in ("cuda_tests", "train_loop") if k in result and (
         result[k].get("timed_out") or result[k]["returncode"] not in (0, None))]
-    return 1 if bad or failed else 0
+    return 1 if bad or failed or params_failed else 0
 
 
 def _run_params(args: argparse.Namespace, device: str, result: dict, save: Any) -> int:
@@ -521,7 +524,6 @@ def _run_params(args: argparse.Namespace, device: str, result: dict, save: Any) 
         print(f"\nparameter tier CUDA tests: {tests['summary']}", flush=True)
         save()
         failed |= bool(tests.get("timed_out") or tests["returncode"] not in (0, None))
-    print(f"\nwrote {args.json}")
     return 1 if failed else 0
 
 
