@@ -185,9 +185,10 @@ def test_low_precision_model_matches_the_cpu_path(tmp_path, dtype):
     assert_same_model(b, a)
 
 
-def test_state_dict_and_grads_left_without_a_step(tmp_path):
-    """model.state_dict() inside the block is the trained weights; a backward without a
-    step leaves its gradients in p.grad at exit, as torch would."""
+def test_state_dict_load_and_grads_left_without_a_step(tmp_path):
+    """model.state_dict() inside the block is the trained weights; load_state_dict() goes
+    to the records and the next forward uses the loaded weights on the device; a backward
+    without a step leaves its gradients in p.grad at exit, as torch would."""
     ref, model = twins()
     data = batches(3)
     plain_run(ref, data[:2])
@@ -202,6 +203,10 @@ def test_state_dict_and_grads_left_without_a_step(tmp_path):
         assert sd.keys() == want.keys()
         for k in want:
             assert torch.equal(sd[k], want[k]), k
+        fresh = Net()
+        model.load_state_dict(fresh.state_dict())
+        assert loss_of(model, *data[2]).item() == loss_of(fresh, *data[2]).item()
+        model.load_state_dict(want)
         loss_of(model, *data[2]).backward()
     loss_of(ref, *data[2]).backward()
     for (n, p), q in zip(ref.named_parameters(), model.parameters()):
