@@ -96,6 +96,9 @@ def test_device_model_matches_plain(tmp_path, offload, backend, state_host):
     assert stats["d2h_bytes"] == STEPS * weights
     assert stats["evictions"] > 0 and stats["prefetched"] > 0 and stats["out_of_order"] == 0
     assert plan["device_window"] == plan["window"] < 2 * weights
+    # the window bounds device memory: materialised weights, reads ahead copied over, and
+    # released buffers kept until the compute work reading them ran
+    assert 0 < stats["peak_device_bytes"] <= plan["device_window"]
     assert plan["staging_bytes"] > 0 and plan["device"] == "cpu"
     assert not list(tmp_path.iterdir()) or all(not any(d.iterdir()) for d in tmp_path.iterdir())
 

@@ -84,6 +84,7 @@ class DeviceSide:
         # reused (the emulation needs no pinning).
         self.staging = Recycler(staging_limit, pinned=not self.emulated)
         self.stats = stats
+        self.device_bytes = 0  # device buffers made and not freed yet (retired ones too)
 
     # -- weights ------------------------------------------------------------------------
 
@@ -99,6 +100,8 @@ class DeviceSide:
         b.copy(self.h2d, dev, value)
         self.ready[i] = b.record(self.h2d)
         n = value.numel() * value.element_size()
+        self.device_bytes += n
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.device_bytes)
         # The copy reads `value` asynchronously: its buffer is kept until the copy ran.
         self.uploads.append((self.ready[i], value if keep is None else keep, n))
         self.upload_bytes += n
@@ -150,6 +153,7 @@ class DeviceSide:
             done, _, n = self.retiring.popleft()
             self.backend.synchronize(done)  # no queued kernel reads it any more: freed
             self.retiring_bytes -= n
+            self.device_bytes -= n
 
     def reap(self) -> None:
         """Free what completed copies and kernels no longer read (no waiting)."""
@@ -158,6 +162,7 @@ class DeviceSide:
         while self.retiring and self.retiring[0][0].query():
             _, _, n = self.retiring.popleft()
             self.retiring_bytes -= n
+            self.device_bytes -= n
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -207,6 +212,7 @@ class DeviceSide:
         self.uploads.clear()
         self.upload_bytes = 0
         self.retiring.clear()
+        self.device_bytes -= self.retiring_bytes
         self.retiring_bytes = 0
         self.landing.clear()
         self.landing_bytes = 0

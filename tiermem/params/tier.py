@@ -103,6 +103,7 @@ class ParamStats:
     peak_window_bytes: int = 0
     h2d_bytes: int = 0  # a device model's weights copied to the device
     d2h_bytes: int = 0  # a device model's gradients copied back
+    peak_device_bytes: int = 0  # a device model's weights in device memory at most
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -505,9 +506,9 @@ class ParamTier:
         fetch = self.inflight.pop(i)
         self.to_device.discard(i)
         if isinstance(fetch, Uploaded):
-            # never read by compute work: the h2d stream, whose pool its memory returns to,
-            # runs its queued copy into it before any later copy reuses the memory
-            self.dev.ready.pop(i, None)
+            # never read by compute work; kept, like any released buffer, until the compute
+            # stream passed this point (the device window counts it until then)
+            self.dev.release(i, fetch.value)
         else:
             fetch.wait()
 
