@@ -26,8 +26,8 @@ from tiermem.errors import TierMemError
 from tiermem.params.device import DeviceSide
 
 from offload_helpers import backend_params
-from test_params_parity import (STEPS, Checkpointed, Net, assert_same_model, batches, cfg,
-                                loss_of, make_opt, plain_run, twins)
+from test_params_parity import (STEPS, Block, Checkpointed, Net, assert_same_model, batches,
+                                cfg, loss_of, make_opt, plain_run, twins)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -101,6 +101,38 @@ def test_device_model_matches_plain(tmp_path, offload, backend, state_host):
     assert 0 < stats["peak_device_bytes"] <= plan["device_window"]
     assert plan["staging_bytes"] > 0 and plan["device"] == "cpu"
     assert not list(tmp_path.iterdir()) or all(not any(d.iterdir()) for d in tmp_path.iterdir())
+
+
+class Deep(Net):
+    """Net with six more blocks: its weights (about 550 KiB) are twice the window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.more = torch.nn.ModuleList(Block(64) for _ in range(6))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        x = self.b1(self.emb(t))
+        for blk in self.more:
+            x = blk(x)
+        return self.head(self.ln(self.b2(x)))
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_device_memory_stays_within_the_window(tmp_path, offload):
+    """A model twice the window: weights go to the device and leave it module by module,
+    the device never holds more than the window, and the numbers are plain training's."""
+    torch.manual_seed(0)
+    ref = Deep()
+    model = copy.deepcopy(ref)
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, _, stats, plan = device_run(model, data, dcfg(tmp_path, offload=offload))
+    assert got == want
+    assert_same_model(ref, model)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert plan["device_window"] < weights / 2
+    assert weights / 4 < stats["peak_device_bytes"] <= plan["device_window"]
+    assert stats["h2d_bytes"] >= 2 * STEPS * weights * 0.9  # forward and backward, mostly
 
 
 @pytest.mark.parametrize("offload", ["host", "nvme"])
