@@ -9,7 +9,13 @@
     NVMe, for each step device: step time, host->device and device->host GB/s (the copy
     streams' device-timed busy time), NVMe read/write GB/s, stall seconds;
 (d) bench/train_loop.py on CUDA (--batch auto): the update overlapped with a GPU backward,
-    state on NVMe, updated on the host.
+    state on NVMe, updated on the host;
+(e) (run after (b), before the long runs) the parameter tier on CUDA: a small transformer (tied embedding, pre-norm blocks)
+    trained with parameters.offload nvme (weights through pinned buffers into GPU memory,
+    grads back, the step on the host, state on NVMe) against plain training on the GPU:
+    losses and weights after a few steps (max abs / rel error), the iteration time of
+    both, the bytes that crossed each way, and the CUDA tests of
+    tests/test_params_cuda.py.
 Correctness first, then what the issue asks figures for, then the overlap. Prints each
 table as its phase ends and rewrites the JSON (--out) after every phase, so a run cut short
 keeps what it measured; --budget S gives the child runs (b, d) timeouts from what is left
@@ -22,7 +28,7 @@ in the test suite.
 
 Usage: python3 bench/gpu_check.py [--swap-dir DIR] [--params 2B] [--steps 3]
        [--out bench/results/gpu_check.json] [--budget S] [--smoke] [--no-tests]
-       [--no-train-loop]
+       [--no-train-loop] [--only-params]
 """
 
 from __future__ import annotations
@@ -205,6 +211,127 @@ def big_model(args: argparse.Namespace, device: str, step_device: str) -> dict:
             "warnings": [str(w.message) for w in caught], "stats": stats}
 
 
+def _transformer(dim: int, layers: int, vocab: int) -> Any:
+    """A pre-norm decoder of `layers` blocks with a tied head: the shapes the parameter
+    tier must handle (a weight used by two modules, LayerNorms whose backward reads their
+    weights, attention through scaled_dot_product_attention)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, -1, 64).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, dim))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            x = self.emb(t)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln(x))
+
+    return Decoder()
+
+
+def param_tier(args: argparse.Namespace, device: str) -> dict:
+    """(e): the transformer with parameters.offload nvme (optimizer state on NVMe too)
+    against plain training on the same device, same batches."""
+    import torch
+    import torch.nn.functional as F
+
+    import tiermem
+
+    dim, layers, vocab, seq, batch = ((128, 2, 256, 16, 2) if args.smoke
+                                      else (1024, 8, 32000, 512, 4))
+    steps = max(3, args.parity_steps + 1)
+    torch.manual_seed(0)
+    model = _transformer(dim, layers, vocab).to(device)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, vocab, (batch, seq), generator=g).to(device),
+             torch.randint(0, vocab, (batch, seq), generator=g).to(device))
+            for _ in range(steps)]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run(m: Any, opt: Any, clip: Any) -> tuple[list[float], list[float]]:
+        losses, times = [], []
+        for t, y in data:
+            sync()
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(m(t).reshape(-1, vocab), y.reshape(-1))
+            loss.backward()
+            clip(1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())  # waits the step's work on the device too
+            sync()
+            times.append(time.perf_counter() - t0)
+        return losses, times
+
+    kw = dict(lr=1e-4, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    want, plain_times = run(ref, ref_opt,
+                            lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    # Room for the largest module (the tied embedding) and one optimizer partition's
+    # weights and grads opened together, and below the model's weights and grads.
+    window = max(4 * largest, weights // 2) + (1 << 20)
+    cfg = {"swap": {"paths": [tempfile.mkdtemp(dir=args.work)]},
+           "tiers": {"gpu": {"capacity": 0}, "host": {"capacity": 0}},
+           "pipeline": {"partition_size": "1MiB" if args.smoke else "64MiB",
+                        "buffer_count": 4, "prefetch_depth": 2},
+           "optimizer": {"kernel": "auto", "step_device": "cpu"},
+           "parameters": {"offload": "nvme", "prefetch": 2, "window": window}}
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    with tiermem.offload(opt, cfg, model=model, streams=_streams(device)) as tm:
+        got, tier_times = run(model, opt, tm.clip_grad_norm_)
+        stats, plan = tm.param_stats(), tm.plan()["parameters"]
+    abs_err, rel_err, bitwise = _max_errors(zip(model.parameters(), ref.parameters()))
+    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+    # The step runs torch's (or tiermem's native) CPU kernels against the plain run's CUDA
+    # ones, and the clip norm is summed in another order: close, not bitwise.
+    ok = rel_err < 1e-3 and loss_err < 1e-3 and next(model.parameters()).device.type == \
+        torch.device(device).type
+    plain_s, tier_s = statistics.median(steady(plain_times)), statistics.median(
+        steady(tier_times))
+    return {"params": sum(p.numel() for p in model.parameters()), "weight_bytes": weights,
+            "window": window, "device_window": plan.get("device_window"),
+            "staging_bytes": plan.get("staging_bytes"), "losses": got, "plain_losses": want,
+            "max_loss_rel_err": loss_err, "max_abs_err": abs_err, "max_rel_err": rel_err,
+            "bitwise": bitwise, "plain_iteration_seconds": plain_s,
+            "tiered_iteration_seconds": tier_s, "ratio": tier_s / plain_s,
+            "h2d_bytes": stats["h2d_bytes"], "d2h_bytes": stats["d2h_bytes"],
+            "prefetched": stats["prefetched"], "on_demand": stats["on_demand"],
+            "peak_window_bytes": stats["peak_window_bytes"],
+            "status": "ok" if ok else "MISMATCH"}
+
+
+def params_cuda_tests(timeout: float) -> dict:
+    """(e): the CUDA tests of tests/test_params_cuda.py, in a child pytest."""
+    return _child([sys.executable, "-m", "pytest", "-q", "-k", "test_cuda",
+                   str(REPO / "tests" / "test_params_cuda.py")], timeout)
+
+
 def _child_env() -> dict:
     """The environment of a child run: this repository first on PYTHONPATH, and whatever
     was there kept (gpu_session.sh puts the carried cffi runtime there)."""
@@ -273,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tests", action="store_true", help="skip the CUDA pytest run")
     ap.add_argument("--no-train-loop", action="store_true",
                     help="skip bench/train_loop.py on the device")
+    ap.add_argument("--only-params", action="store_true",
+                    help="run the parameter tier's section (e) only")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds the whole run may take (0: no limit): the child runs get "
                          "timeouts from what is left, and (d) is skipped with under 90 s")
@@ -319,6 +448,10 @@ def _run(args: argparse.Namespace, device: str) -> int:
     def save() -> None:  # after every phase: a run cut short keeps what it measured
         write_json(args.json, result)
 
+    if args.only_params:
+        failed = _run_params(args, device, result, save)
+        print(f"\nwrote {args.json}")
+        return failed
     result["parity"] = parity(args, device)
     show_table(
         ["tier mix", "step_device", "overlap", "max abs err", "max rel err", "bitwise",
@@ -333,6 +466,8 @@ def _run(args: argparse.Namespace, device: str) -> int:
         result["cuda_tests"] = cuda_tests(_left(args, 180))
         print(f"\nCUDA tests: {result['cuda_tests']['summary']}", flush=True)
         save()
+    # correctness before the long runs: the parameter tier's section comes next
+    params_failed = _run_params(args, device, result, save)
     print()
     result["big_model"] = []
     for sd in STEP_DEVICES:
@@ -366,7 +501,30 @@ def _run(args: argparse.Namespace, device: str) -> int:
     # A child run fails by its exit code or its timeout; train_loop skipped for time does not.
     failed = [k for k in ("cuda_tests", "train_loop") if k in result and (
         result[k].get("timed_out") or result[k]["returncode"] not in (0, None))]
-    return 1 if bad or failed else 0
+    return 1 if bad or failed or params_failed else 0
+
+
+def _run_params(args: argparse.Namespace, device: str, result: dict, save: Any) -> int:
+    """Section (e), its table and its CUDA tests; 1 if something failed."""
+    print()
+    r = result["param_tier"] = param_tier(args, device)
+    show_table(
+        ["params", "window", "plain iter s", "tiered iter s", "ratio", "H2D MiB", "D2H MiB",
+         "max rel err", "loss rel err", "status"],
+        [[f"{r['params']:,}", f"{r['window'] / 2**20:.0f} MiB",
+          f"{r['plain_iteration_seconds']:.3f}", f"{r['tiered_iteration_seconds']:.3f}",
+          f"{r['ratio']:.2f}", f"{r['h2d_bytes'] / 2**20:.0f}",
+          f"{r['d2h_bytes'] / 2**20:.0f}", f"{r['max_rel_err']:.3g}",
+          f"{r['max_loss_rel_err']:.3g}", r["status"]]],
+        title="parameter tier (parameters.offload nvme) against plain training")
+    save()
+    failed = r["status"] != "ok"
+    if device == "cuda" and not args.no_tests:
+        tests = result["params_cuda_tests"] = params_cuda_tests(_left(args, 180))
+        print(f"\nparameter tier CUDA tests: {tests['summary']}", flush=True)
+        save()
+        failed |= bool(tests.get("timed_out") or tests["returncode"] not in (0, None))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

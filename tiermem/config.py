@@ -232,8 +232,9 @@ class ParameterSettings:
     prefetch: int = doc("Modules whose weights are fetched ahead of the one running, in the "
                         "order learned from the first iteration.", lo=0, hi=1024, default=2)
     window: Size = doc("Bytes of materialised weights (and gradients the step reads) at "
-                       "most; must hold the largest module and one optimizer partition's "
-                       "weights and grads; reads ahead only what fits.",
+                       "most (device memory for a CUDA model); must hold the largest module "
+                       "and one optimizer partition's weights and grads; reads ahead only "
+                       "what fits.",
                        lo=4096, hi=1 << 50, default=2 << 30)
 
 

@@ -42,8 +42,8 @@ def offload(optimizer: torch.optim.Optimizer,
     process_group: under torch.distributed (this group, else the default one when it is
     initialised, or FSDP2 DTensor parameters) each rank tiers only its share of the state
     (docs/guide/distributed.md).
-    streams: the stream backend of the host<->device lanes; None picks CUDA streams for
-    CUDA parameters. `tiermem.device.lanes.DeferredBackend()` makes CPU parameters count
+    streams: the stream backend of the host<->device lanes (and of the parameter tier's
+    copies, with parameters.offload); None picks CUDA streams for CUDA parameters. `tiermem.device.lanes.DeferredBackend()` makes CPU parameters count
     as device ones and runs every device path on the CPU (tests, smoke runs).
     """
     if isinstance(optimizer, torch.nn.Module):  # before unwrap(), which would fail obscurely

@@ -95,6 +95,18 @@ class CudaBackend:
     def check_idle(self, streams: Sequence[Any]) -> None:
         """Nothing to check: the GPU runs queued copies whether or not anything waits."""
 
+    def empty_for(self, stream: Any, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor from `stream`'s pool of the caching allocator: a copy queued on
+        `stream` may write it at once (memory freed to that pool is reused only in that
+        stream's order, or after the events record_stream asked for)."""
+        with torch.cuda.stream(stream):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def used_by(self, t: torch.Tensor, stream: Any) -> None:
+        """`t` is read by work queued on `stream`: when its last reference dies, the caching
+        allocator hands its memory out again only once that work ran."""
+        t.record_stream(stream)
+
 
 class DeferredStream:
     """An emulated stream: its work runs in order, only once something waits for it."""
@@ -194,6 +206,15 @@ class DeferredBackend:
             if stream.done < stream.issued:
                 raise TierMemError(f"emulated {stream.name} stream: {stream.issued - stream.done}"
                                    " queued operations nothing waited for by the end of the step")
+
+    def empty_for(self, stream: DeferredStream, shape: Sequence[int],
+                  dtype: torch.dtype) -> torch.Tensor:
+        """Host memory standing for device memory, NaN until a copy fills it: read before
+        that copy ran (a missing wait), it is never right by luck."""
+        return torch.full(tuple(shape), float("nan"), dtype=dtype)
+
+    def used_by(self, t: torch.Tensor, stream: DeferredStream) -> None:
+        """Nothing: emulated device memory lives as long as a queued operation refers to it."""
 
 
 # -- the lanes ---------------------------------------------------------------------------

@@ -65,9 +65,24 @@ def check_weights_supported(settings: Settings, model: torch.nn.Module | None, s
         raise TierMemError("resume=True with parameters.offload needs swap.durability "
                            "crash_consistent, whose commits hold the weights; a scratch run "
                            "keeps only the optimizer state on disk")
-    if streams is not None:
-        raise TierMemError("parameters.offload runs CPU models only so far: streams= is not "
-                           "supported with it")
+    on_device = streams is not None or any(p.device.type == "cuda" for p in model.parameters())
+    if not on_device:
+        return
+    # A device model's weights reach the device through pinned buffers and its grads come
+    # back (tiermem/params/device.py); the step runs on the host, from the records.
+    if settings.optimizer.step_device != "cpu":
+        raise ConfigError("optimizer.step_device", settings.optimizer.step_device,
+                          "cpu with parameters.offload on a device model: the step reads "
+                          "each partition's weights and grads from the parameter tier into "
+                          "host memory and updates them there (a device step is not built)")
+    if settings.pipeline.overlap_backward:
+        raise ConfigError("pipeline.overlap_backward", True,
+                          "false with parameters.offload on a device model: updates during "
+                          "backward are not built for weights on the device")
+    if settings.tiers.gpu.capacity:
+        raise ConfigError("tiers.gpu.capacity", settings.tiers.gpu.capacity,
+                          "0 with parameters.offload on a device model: the step runs on the "
+                          "host, so optimizer state kept on the device would cross for nothing")
 
 
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
@@ -206,7 +221,8 @@ class OffloadedOptimizer:
         if settings.parameters.offload != "none":
             # Last: the partitions above were laid out from the weights still in memory.
             try:
-                self.weights = ParamTier(model, settings, swap_name=swap_name, resume=resume)
+                self.weights = ParamTier(model, settings, swap_name=swap_name, resume=resume,
+                                         streams=streams)
                 self._route_zero_grad(optimizer)
                 # the update takes the gradients backward left in memory, unwritten
                 self.weights.keep_grads = settings.pipeline.overlap_backward
@@ -255,6 +271,10 @@ class OffloadedOptimizer:
         device), "offload" (grads to the host, weights back; step_device cpu), or None
         (in place: GPU-tier records, and CPU models' host/NVMe records)."""
         if part.tier == "gpu":
+            return None
+        if self.settings.parameters.offload != "none" and self.step_device == "cpu":
+            # the parameter tier materialises the partition's weights and grads in host
+            # memory for its update, a device model's too (its records are the home copy)
             return None
         if self.step_device == "device":
             return "device"

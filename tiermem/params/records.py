@@ -89,10 +89,12 @@ class Records:
     """Weight and gradient records of `metas` (one per parameter) on `tier`."""
 
     def __init__(self, metas: Sequence[Meta], tier: str, settings: Settings,
-                 swap_name: str, *, drop_stale: bool = False) -> None:
+                 swap_name: str, *, drop_stale: bool = False, pinned: bool = False) -> None:
         """drop_stale: remove the records a crashed run left under `swap_name` first (a
         crash-consistent resume: weights come back from the optimizer's commit, and
-        gradients are never durable), instead of refusing the stale directory."""
+        gradients are never durable), instead of refusing the stale directory.
+        pinned: the buffers records are fetched into are page-locked (a CUDA model's
+        weights are copied to the GPU from them, asynchronously)."""
         if tier not in ("host", "nvme"):
             raise TierMemError(f"parameters.offload: {tier!r} has no records")
         self.metas = list(metas)
@@ -109,7 +111,7 @@ class Records:
         # every updated weight, which must not add up to a copy of the model in memory.
         self.pending_limit = 256 << 20
         # buffers in use and kept for reuse, at most (the owner sets it with pending_limit)
-        self.recycler = Recycler(2 * self.pending_limit)
+        self.recycler = Recycler(2 * self.pending_limit, pinned=pinned)
         if tier == "host":
             # One pinned arena per kind, records back to back: huge pages per record would
             # waste most of a 2 MiB page on every small parameter.

@@ -25,8 +25,11 @@ from tiermem.io.buffers import aligned_empty
 class Recycler:
     """Page-aligned uint8 buffers by size, reused once every view of one is gone."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, pinned: bool = False) -> None:
+        """pinned: page-locked buffers (cudaHostRegister with CUDA), for copies to and from
+        a GPU that run asynchronously; registered once each, reused like the others."""
         self.limit = limit
+        self.pinned = pinned
         self.free: dict[int, list[torch.Tensor]] = {}
         self.cached = 0  # bytes in `free`
         self.in_use = 0  # bytes handed out and still viewed
@@ -52,7 +55,7 @@ class Recycler:
                     self.cached -= size
                     if not spare:
                         del self.free[size]
-            raw = aligned_empty(nbytes, huge_pages=False, lock=False)
+            raw = aligned_empty(nbytes, huge_pages=False, lock=self.pinned)
             self.mapped += 1
         # A storage of its own over raw's memory: when its last view dies, the handle's
         # release gives raw back (raw itself stays referenced, so nothing is unmapped).

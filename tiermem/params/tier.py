@@ -30,6 +30,12 @@ optimizer step opens the parameters of one partition at a time
 (`open_for_update`): weights materialised, the gradient read back and scaled by
 the clip coefficient; the updated weights are written back when evicted or when
 the step ends.
+
+A model on a device (CUDA parameters, or CPU ones with the emulated streams) keeps its
+records on the host or NVMe tier as well; materialised weights are device buffers filled
+through pinned host buffers, and gradients come back through pinned staging: the stream
+story of one weight and one gradient is in device.py. The window then bounds the device
+bytes of materialised weights (released ones count until the kernels that read them ran).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tiermem.config import ConfigError, Settings
+from tiermem.device.lanes import CudaBackend, DeferredBackend
 from tiermem.errors import TierMemError
+from tiermem.params.device import DeviceSide
 from tiermem.params.records import GRAD, WEIGHT, Fetch, Meta, Records
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
@@ -93,6 +101,9 @@ class ParamStats:
     grads_held: int = 0  # of those, kept in memory for an update during backward
     grads_spilled: int = 0  # held ones the window needed the room of: written after all
     peak_window_bytes: int = 0
+    h2d_bytes: int = 0  # a device model's weights copied to the device
+    d2h_bytes: int = 0  # a device model's gradients copied back
+    peak_device_bytes: int = 0  # a device model's weights in device memory at most
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -121,6 +132,22 @@ class UseGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class Uploaded:
+    """A read ahead already on its way to the device (a device model): wait() gives the
+    device buffer, which the compute stream waits for before use like any other."""
+
+    buf = None
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def landed(self) -> bool:
+        return True
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
 class _Restore:
     """A handle whose remove() puts an instance attribute back as it was."""
 
@@ -138,9 +165,12 @@ class ParamTier:
     """Weights and gradients of `model` on `settings.parameters.offload` (host or nvme)."""
 
     def __init__(self, model: torch.nn.Module, settings: Settings, *, swap_name: str,
-                 resume: bool = False) -> None:
+                 resume: bool = False,
+                 streams: CudaBackend | DeferredBackend | None = None) -> None:
         """resume: a crash-consistent run is resumed; the weight and gradient records a
-        crashed run left are working copies (the commit holds the weights), dropped."""
+        crashed run left are working copies (the commit holds the weights), dropped.
+        streams: the stream backend of a device model (None: CUDA streams for CUDA
+        parameters; DeferredBackend() makes CPU parameters take the device path)."""
         ps = settings.parameters
         if ps.offload == "none":
             raise TierMemError("parameters.offload is none: there is no parameter tier to make")
@@ -160,10 +190,18 @@ class ParamTier:
         for n, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), n)
         self.names = [names[id(p)] for p in self.params]
+        cuda = sorted({str(p.device) for p in self.params if p.device.type == "cuda"})
+        if len(cuda) > 1:
+            raise TierMemError(f"parameters.offload: the model's parameters live on several "
+                               f"devices ({', '.join(cuda)}); the parameter tier serves one")
+        if streams is None and cuda:
+            streams = CudaBackend(torch.device(cuda[0]))
+        # where materialised weights live: the CPU, or the device of `streams`
+        self.device = streams.device if streams is not None else torch.device("cpu")
         for i, p in enumerate(self.params):
-            if p.device.type not in ("cpu", "meta"):
+            if p.device.type not in ("cpu", "meta") and p.device != self.device:
                 raise TierMemError(f"parameters.offload: parameter {self.names[i]} is on "
-                                   f"{p.device}; only CPU models are supported so far")
+                                   f"{p.device}, the streams serve {self.device}")
             if not p.is_floating_point() or not p.is_contiguous() or p.numel() == 0:
                 raise TierMemError(f"parameters.offload: parameter {self.names[i]} "
                                    f"({p.dtype}, shape {tuple(p.shape)}) must be a non-empty "
@@ -188,7 +226,8 @@ class ParamTier:
                 if self.unit_of[i] < 0:
                     self.unit_of[i] = u
         self.records = Records([Meta(p.shape, p.dtype) for p in self.params], ps.offload,
-                               settings, swap_name + ".params", drop_stale=resume)
+                               settings, swap_name + ".params", drop_stale=resume,
+                               pinned=streams is not None and not streams.host_is_device)
         self.records.pending_limit = self.window
         self.records.recycler.limit = 2 * self.window  # the window and its writes in flight
         # the window: materialised weights (LRU order), reads in flight, pins, grads out
@@ -231,8 +270,17 @@ class ParamTier:
         self.clip_coef: torch.Tensor | None = None
         self.steps = 0
         self.stats = ParamStats()
+        # a device model: streams, pinned staging, device buffers (device.py)
+        self.dev = DeviceSide(streams, staging_limit=self.window, stats=self.stats) \
+            if streams is not None else None
+        self.on_device: set[int] = set()  # materialised weights that are device buffers
+        self.to_device: set[int] = set()  # reads ahead bound for the device
+        self._landing_queued = False  # the end-of-backward callback lands the gradients
+        self._stepping = False  # the step's host materialisation began (a device model)
         self._handles: list[Any] = []
-        self._accumulators: list[Any] = []
+        self._accumulators: dict[int, Any] = {}  # index -> its gradient node, hooked
+        # a device model's parameters given host weights since their node was made
+        self._rehook: set[int] = set()
         self._hooks_ctx: list[Any] = []
         self._closed = False
         self._busy = False  # inside the tier's own work: UseGuard stands aside
@@ -251,11 +299,14 @@ class ParamTier:
             for i, p in enumerate(self.params):  # whatever was released comes back
                 if p.numel() == 0 and i not in self.live:
                     try:
-                        p.data = self.records.fetch(WEIGHT, i).wait().clone()
+                        p.data = self.records.fetch(WEIGHT, i).wait().to(self.device,
+                                                                         copy=True)
                     except TierMemError:
                         pass
             for h in self._handles:
                 h.remove()
+            if self.dev is not None:
+                self.dev.close()
             self.records.close()
             raise
 
@@ -331,17 +382,40 @@ class ParamTier:
         then its storage released."""
         p = self.params[i]
         self.records.write(WEIGHT, i, p.detach())
+        if self.dev is not None and p.device != self.device:
+            # a CPU-made (meta) parameter of a device model: the gradient node made below
+            # records the device its gradients come on
+            p.data = p.data.to(self.device)
         if p.requires_grad:
             # AccumulateGrad lays a gradient out like its parameter (a transposed one is
             # copied into the parameter's strides): the weights must be there, and the node
             # records the parameter's shape and device when made, so it is made now. It is
             # held so that the same node (and its hook) serves every backward.
-            node = p.view_as(p).grad_fn.next_functions[0][0]
-            self._accumulators.append(node)
-            self._handles.append(node.register_prehook(
-                lambda grads, i=i: self._before_accumulate(i)))
+            self._hook_accumulator(i)
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._release_storage(i)
+
+    def _hook_accumulator(self, i: int) -> None:
+        """Parameter i's gradient node (made now if autograd has none: its weights must be
+        in place, on the device it trains on) with the hook that materialises them first."""
+        p = self.params[i]
+        with torch.enable_grad():
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+        if node is self._accumulators.get(i):
+            return
+        self._accumulators[i] = node
+        self._handles.append(node.register_prehook(
+            lambda grads, i=i: self._before_accumulate(i)))
+
+    def _on_device_again(self, i: int) -> None:
+        """Parameter i of a device model has its device weights back after host ones (the
+        step's): autograd dropped its gradient node when p.data changed device (torch's
+        set_data), and the next backward would make one without the hook; made here."""
+        # under inference_mode no node can be made: the next use outside it makes it
+        if i in self._rehook and not torch.is_inference_mode_enabled():
+            self._rehook.discard(i)
+            if self.params[i].requires_grad:
+                self._hook_accumulator(i)
 
     def _materialise_meta(self, u: int) -> None:
         """A module built on the meta device: its own parameters made on the CPU and
@@ -386,14 +460,68 @@ class ParamTier:
         p = self.params[i]
         self._by_storage.pop(p.untyped_storage().data_ptr(), None)
         self.bufs.pop(i, None)
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if i in self.on_device:
+            self.on_device.discard(i)
+            self.dev.release(i, p.data)  # freed once the kernels queued to read it ran
+        # a device model's parameters stay on its device when empty (p.device is right)
+        p.data = torch.empty(0, dtype=p.dtype,
+                             device=self.device if self.dev is not None else p.device)
 
-    def _install_weight(self, i: int, value: torch.Tensor, buf: torch.Tensor) -> None:
+    def _install_weight(self, i: int, value: torch.Tensor, buf: torch.Tensor | None) -> None:
         p = self.params[i]
         p.data = value
         self._by_storage[value.untyped_storage().data_ptr()] = i
-        self.bufs[i] = buf
+        if buf is not None:
+            self.bufs[i] = buf
         self.live[i] = self._bytes(i)
+
+    def _to_device(self, i: int) -> None:
+        """Parameter i's host weights (materialised for the step, a check, a load) to a
+        device buffer, without a read: its record written first if they changed, so a
+        device copy never holds the only changed weights."""
+        if i in self.dirty:
+            self._write_back(i)  # reads the buffer only: the upload below may read it too
+            self.dirty.discard(i)
+        p = self.params[i]
+        value = p.detach()
+        keep = self.bufs.pop(i, None)
+        self._by_storage.pop(value.untyped_storage().data_ptr(), None)
+        dev = self.dev.upload(i, value, value if keep is None else keep)
+        p.data = dev
+        self._by_storage[dev.untyped_storage().data_ptr()] = i
+        self.on_device.add(i)
+        self._on_device_again(i)
+
+    def _ready_for_compute(self, indices: Iterable[int]) -> None:
+        """A device model's compute stream waits the copies of `indices`' weights before
+        the work the host queues next (a forward, a backward node) reads them."""
+        if self.dev is None:
+            return
+        for i in indices:
+            self.dev.compute_waits(i, self.params[i].data)
+        self.dev.compute_runs()
+
+    def _drop_inflight(self, i: int) -> None:
+        """Forget parameter i's read ahead (its bytes are the caller's to give back)."""
+        fetch = self.inflight.pop(i)
+        self.to_device.discard(i)
+        if isinstance(fetch, Uploaded):
+            # never read by compute work; kept, like any released buffer, until the compute
+            # stream passed this point (the device window counts it until then)
+            self.dev.release(i, fetch.value)
+        else:
+            fetch.wait()
+
+    def _advance(self) -> None:
+        """Reads ahead for the device that landed go on to it now, on the h2d stream, ahead
+        of the module that needs them."""
+        for i in list(self.to_device):
+            fetch = self.inflight.get(i)
+            if fetch is None or isinstance(fetch, Uploaded):
+                self.to_device.discard(i)
+            elif fetch.landed():
+                self.inflight[i] = Uploaded(self.dev.upload(i, fetch.wait(), fetch.buf))
+                self.to_device.discard(i)
 
     def _write_back(self, i: int) -> None:
         """Parameter `i`'s changed weights to their record: from the buffer they live in
@@ -409,6 +537,9 @@ class ParamTier:
     def _take(self, n: int) -> None:
         self.used += n
         self.stats.peak_window_bytes = max(self.stats.peak_window_bytes, self.used)
+        if self.dev is not None:
+            # device buffers released but still read by queued kernels count as well
+            self.dev.bound(self.window - self.used)
 
     def _evict(self, i: int) -> None:
         if i in self.dirty:
@@ -483,7 +614,7 @@ class ParamTier:
                     f"{format_size(n)} more: {format_size(self.used)} is in use by weights "
                     f"in use now ({', '.join(pinned[:4])}{', ...' if len(pinned) > 4 else ''})"
                     "; raise parameters.window")
-            self.inflight.pop(spare).wait()  # its buffer is freed with it
+            self._drop_inflight(spare)  # its buffer is freed with it
             self.used -= self._bytes(spare)
         return True
 
@@ -501,9 +632,16 @@ class ParamTier:
         if self.held.pop(i, None) is not None:
             self.used -= self._bytes(i)
 
-    def _materialise(self, i: int, *, wait: bool = True) -> None:
+    def _materialise(self, i: int, *, wait: bool = True, device: bool = False) -> None:
         """Parameter `i`'s weights in the window. wait: may wait for queued updates to free
-        room (backward's reads; not the update's own)."""
+        room (backward's reads; not the update's own). device: a device model's weights
+        on its device (a forward's, a backward's), else in host memory (the step's)."""
+        device = device and self.dev is not None
+        if i in self.live and self.dev is not None and (i in self.on_device) != device:
+            if device:
+                self._to_device(i)
+            else:
+                self._evict(i)  # the record holds the same weights: read into host memory
         if i in self.live:
             self.live.move_to_end(i)
             return
@@ -512,7 +650,12 @@ class ParamTier:
             if i in self.live:
                 self.live.move_to_end(i)
                 return
+        fetch = self.inflight.get(i)
+        if isinstance(fetch, Uploaded) and not device:
+            self._drop_inflight(i)  # read ahead for the device, wanted on the host
+            self.used -= self._bytes(i)
         fetch = self.inflight.pop(i, None)
+        self.to_device.discard(i)
         if fetch is None:
             self._make_room(self._bytes(i), set(self.pins), must=True, wait=wait)
             self._take(self._bytes(i))
@@ -526,7 +669,16 @@ class ParamTier:
             value = self._await(fetch)
         finally:
             self.arriving.discard(i)
-        self._install_weight(i, value, fetch.buf)
+        if device:
+            if not isinstance(fetch, Uploaded):
+                value = self.dev.upload(i, value, fetch.buf)
+            self._install_weight(i, value, None)
+            self.on_device.add(i)
+            self._on_device_again(i)
+        else:
+            self._install_weight(i, value, fetch.buf)
+            if self.dev is not None:
+                self._rehook.add(i)
         if self.keep_grads:
             self.room.notify_all()
 
@@ -548,6 +700,8 @@ class ParamTier:
                 return
             self._take(self._bytes(i))
             self.inflight[i] = self.records.fetch(WEIGHT, i)
+            if self.dev is not None:
+                self.to_device.add(i)
 
     def _ahead(self, order: list[int], c: int) -> list[int]:
         """The units to read ahead from position `c` of `order`: `prefetch` of them, and
@@ -565,6 +719,12 @@ class ParamTier:
                     len(self._recording) < MAX_ORDER:
                 self._recording.append(u)
             return
+        self._follow(u)
+        if self.dev is not None:
+            self._advance()
+
+    def _follow(self, u: int) -> None:
+        """_request past the first iteration: check `u` against the learned order."""
         order, c = self.learned, self._cursor
         if c < len(order) and order[c] == u:
             c += 1
@@ -591,12 +751,13 @@ class ParamTier:
     @_locked
     def _use(self, p: torch.Tensor) -> None:
         i = self.index.get(id(p))
-        if i is None or i in self.live:
+        if i is None or (i in self.live and (self.dev is None or i in self.on_device)):
             return
         self._busy = True
         try:
             self._request(self.unit_of[i])
-            self._materialise(i)
+            self._materialise(i, device=True)
+            self._ready_for_compute([i])
             self.stats.outside_hooks += 1
         finally:
             self._busy = False
@@ -610,7 +771,8 @@ class ParamTier:
             for i in self.units[u]:
                 self._pin(i)
             for i in self.units[u]:
-                self._materialise(i)
+                self._materialise(i, device=True)
+            self._ready_for_compute(self.units[u])
         finally:
             self._busy = False
 
@@ -656,7 +818,8 @@ class ParamTier:
                 "pipeline.overlap_backward: false")
         self._check_open()
         self._request(self.unit_of[x.index])
-        self._materialise(x.index)
+        self._materialise(x.index, device=True)
+        self._ready_for_compute([x.index])
         p = self.params[x.index].detach()
         return p.as_strided(x.size, x.stride, p.storage_offset() + x.offset)
 
@@ -667,15 +830,51 @@ class ParamTier:
         self._check_open()
         self._request(self.unit_of[i])
         self._pin(i)
-        self._materialise(i)
+        self._materialise(i, device=True)
+        self._ready_for_compute([i])
 
     @_locked
     def _grad_ready(self, p: torch.Tensor) -> None:
         i = self.index[id(p)]
         self._unpin(i)
         g, p.grad = p.grad, None
-        if g is not None:
+        if g is None:
+            return
+        if self.dev is None:
             self.store_gradient(p, g)
+            return
+        self.dev.grad_out(i, g)  # to pinned staging on the d2h stream; stored once landed
+        self.dev.land(self._store_landed, every=False)
+        if not self._landing_queued:
+            # the rest land once backward is over: has_gradient, clip and the step see them
+            torch.autograd.Variable._execution_engine.queue_callback(self._land_all)
+            self._landing_queued = True
+
+    def _store_landed(self, i: int, g: torch.Tensor) -> None:
+        self.store_gradient(self.params[i], g)
+
+    @_locked
+    def _land_all(self) -> None:
+        self._landing_queued = False
+        self._settle_grads()
+
+    def _settle_grads(self) -> None:
+        """A device model's gradients still on their way from the device, in their records."""
+        if self.dev is not None and self.dev.landing:
+            self.dev.land(self._store_landed, every=True)
+
+    def _host_step(self) -> None:
+        """The step reads weights in host memory: a device model's gradients landed, and its
+        device copies of weights released (their records hold the same values)."""
+        if self.dev is None or self._stepping:
+            return
+        self._stepping = True
+        self._settle_grads()
+        for i in [i for i in self.live if i in self.on_device and not self.pins.get(i)]:
+            self._evict(i)
+        for i in [i for i, f in self.inflight.items() if isinstance(f, Uploaded)]:
+            self._drop_inflight(i)
+            self.used -= self._bytes(i)
 
     @_locked
     def store_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
@@ -729,6 +928,7 @@ class ParamTier:
     @_locked
     def gradient(self, p: torch.Tensor) -> torch.Tensor | None:
         """A copy of `p`'s stored gradient as the step will read it (clip applied)."""
+        self._settle_grads()
         i = self.index[id(p)]
         if not self.has_grad[i]:
             return None
@@ -755,6 +955,7 @@ class ParamTier:
     def zero_grad(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Forget the stored gradients of `params` (all when None), as torch's zero_grad
         drops p.grad: the next backward stores instead of adding."""
+        self._settle_grads()  # a landing gradient belongs to a backward before this call
         for i in (range(len(self.params)) if params is None else self.indices(params)):
             self.has_grad[i] = False
             self.norms.pop(i, None)
@@ -768,10 +969,12 @@ class ParamTier:
     @_locked
     def with_grads(self) -> set[int]:
         """Indices (in model.parameters() order) of parameters holding a gradient."""
+        self._settle_grads()
         return {i for i, h in enumerate(self.has_grad) if h}
 
     @_locked
     def has_gradient(self, p: torch.Tensor) -> bool:
+        self._settle_grads()
         i = self.index.get(id(p))
         return i is not None and self.has_grad[i]
 
@@ -783,6 +986,7 @@ class ParamTier:
         if norm_type != 2.0:
             raise TierMemError(f"clip_grad_norm_ with parameters.offload computes the 2-norm "
                                f"as gradients stream; norm_type={norm_type} is not supported")
+        self._settle_grads()
         self.grad_edits += 1
         norms = [torch.linalg.vector_norm(self.held[i], 2) if i in self.held else self.norms[i]
                  for i in range(len(self.params)) if self.has_grad[i]]
@@ -812,6 +1016,7 @@ class ParamTier:
         """Materialise `params` with their gradients (scaled by the clip coefficient) for
         the update about to run; returns their indices for updated()."""
         self._check_open()
+        self._host_step()
         opened = self.indices(params)
         if self.keep_grads:  # the update runs during backward: unpack checks against it
             self.opened.update(opened)
@@ -846,6 +1051,7 @@ class ParamTier:
         parameters.prefetch 0)."""
         if not self.prefetch:
             return
+        self._host_step()
         wanted = self.indices(params)
         protect = set(wanted) | set(self.pins)
         for i in wanted:
@@ -928,6 +1134,7 @@ class ParamTier:
     def step_done(self) -> None:
         """The step consumed every gradient: write the updated weights back, forget the
         gradients, and freeze (or follow) the learned order for the next iteration."""
+        self._settle_grads()
         for i in list(self.live):
             if i in self.dirty:
                 self.records.write(WEIGHT, i, self.params[i].detach())
@@ -947,28 +1154,43 @@ class ParamTier:
         if self.learned is None and self._recording:
             self.learned = self._recording
         self._cursor = 0
+        if self.dev is not None:
+            self._stepping = False
+            for i in [i for i in self.live if i not in self.on_device and not self.pins.get(i)]:
+                self._to_device(i)  # updated, written back: on the device for the next forward
         if self.learned and self.prefetch:
             self._read_ahead(self._ahead(self.learned, 0))
+            if self.dev is not None:
+                self._advance()
 
     def plan(self) -> dict[str, Any]:
         """Where the weights and grads are and what the window holds (tm.plan())."""
         weights = sum(m.nbytes for m in self.records.metas)
-        return {"tier": self.records.tier, "weight_bytes": weights, "grad_bytes": weights,
-                "pinned_bytes": self.records.resident_bytes(),
-                "swap_bytes": self.records.store.total_bytes if self.records.store else 0,
-                "swap_dirs": self.records.store.dirs if self.records.store else [],
-                "window": self.window, "units": len(self.units),
-                "learned_order": len(self.learned) if self.learned is not None else None}
+        out = {"tier": self.records.tier, "weight_bytes": weights, "grad_bytes": weights,
+               "pinned_bytes": self.records.resident_bytes(),
+               "swap_bytes": self.records.store.total_bytes if self.records.store else 0,
+               "swap_dirs": self.records.store.dirs if self.records.store else [],
+               "window": self.window, "units": len(self.units),
+               "learned_order": len(self.learned) if self.learned is not None else None}
+        if self.dev is not None:
+            # the window is device memory; the host holds the buffers the copies go through:
+            # fetch buffers (reads ahead, the step's window, writes in flight) and the
+            # gradients' staging
+            out.update(device=str(self.device), device_window=self.window,
+                       staging_bytes=self.records.recycler.limit + self.dev.staging.limit)
+        return out
 
     # -- state dicts ----------------------------------------------------------------
 
     @_locked
     def weight(self, i: int) -> torch.Tensor:
-        """Parameter `i`'s current weights as a tensor of their own."""
+        """Parameter `i`'s current weights as a tensor of their own (on the model's device)."""
         if i in self.live:
-            return self.params[i].detach().clone()
+            if i in self.on_device:
+                self._ready_for_compute([i])  # the clone reads it on this stream
+            return self.params[i].detach().to(self.device, copy=True)
         self.records.drain()
-        return self.records.fetch(WEIGHT, i).wait().clone()
+        return self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
 
     def _fill_state_dict(self, u: int, sd: dict, prefix: str) -> None:
         m = self._unit_modules[u]
@@ -1002,14 +1224,17 @@ class ParamTier:
         if self._closed:
             return
         need = sum(m.nbytes for m in self.records.metas) - sum(self.live.values())
-        if need > available_memory() * 0.8:
+        on_gpu = self.dev is not None and not self.dev.emulated
+        free = torch.cuda.mem_get_info(self.device)[0] if on_gpu else available_memory()
+        if need > free * 0.8:
             self.abandon()
             raise TierMemError(
-                f"the model's weights ({format_size(need)} more) do not fit in free host memory "
-                f"({format_size(available_memory())}) to be given back at the end of the "
-                "block; they were thrown away. Save what you need inside the block and call "
-                "tm.discard() to leave without gathering them")
+                f"the model's weights ({format_size(need)} more) do not fit in free "
+                f"{self.device if on_gpu else 'host'} memory ({format_size(free)}) to be given "
+                "back at the end of the block; they were thrown away. Save what you need "
+                "inside the block and call tm.discard() to leave without gathering them")
         try:
+            self._settle_grads()
             for i in list(self.live):
                 if i in self.dirty:
                     self.records.write(WEIGHT, i, self.params[i].detach())
@@ -1018,14 +1243,16 @@ class ParamTier:
             for i in list(self.grads_out):
                 self._drop_grad(i)
             for i in list(self.inflight):
-                self.inflight.pop(i).wait()
+                self._drop_inflight(i)
             self._drop_grads_inflight()
             self.records.drain()
             for i, p in enumerate(self.params):
-                value = self.records.fetch(WEIGHT, i).wait().clone()
+                value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
                 grad = (given[i] if i in given else self.held.pop(i) if i in self.held
                         else self.records.fetch(GRAD, i).wait().clone() if self.has_grad[i]
                         else None)
+                if grad is not None:
+                    grad = grad.to(self.device)
                 self._release_storage(i)
                 p.data = value
                 if grad is not None:
@@ -1044,6 +1271,8 @@ class ParamTier:
         self._accumulators.clear()
         while self._hooks_ctx:
             self._pop_saved_hooks()
+        if self.dev is not None:
+            self.dev.close()  # after the releases above: every queued copy and kernel ran
         self.records.close()
 
     def abandon(self) -> None:
@@ -1054,7 +1283,7 @@ class ParamTier:
         self._closed = True
         try:
             for i in list(self.inflight):
-                self.inflight.pop(i).wait()
+                self._drop_inflight(i)
             self._drop_grads_inflight()
             self.held.clear()
             for i in list(self.live):

@@ -283,7 +283,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     shape = choose_shape(args.params, args.layers, args.hidden)
     plan = make_plan(shape.params, args.dtype, settings, synthetic_grads=args.no_activations,
                      hidden=shape.hidden, layers=shape.layers, optimizer=args.optimizer,
-                     shapes=param_shapes(shape), embed_rows=shape.embed_rows)
+                     shapes=param_shapes(shape), embed_rows=shape.embed_rows,
+                     on_gpu=args.on_gpu)
     for line in plan.lines():
         print(line)
     if args.update_ns is not None:
@@ -470,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read/write GB/s from `tiermem probe --json` output")
     pl.add_argument("--read-gbps", type=_rate, help="NVMe read GB/s (instead of --probe)")
     pl.add_argument("--write-gbps", type=_rate, help="NVMe write GB/s (instead of --probe)")
+    pl.add_argument("--on-gpu", action="store_true",
+                    help="the model trains on a GPU: weights, grads and activations are "
+                         "there, not in host memory (with --offload-params the window is "
+                         "GPU memory, copied through pinned host buffers)")
     pl.add_argument("--update-ns", type=_rate, metavar="NS",
                     help="the update kernel's ns per parameter (default: measured now on a "
                          "64 MB tensor set)")

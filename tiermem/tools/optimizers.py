@@ -112,10 +112,11 @@ def _probe_rule(name: str, dtype: torch.dtype, settings: Settings
 
 
 def state_bytes(name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype,
-                settings: Settings) -> int:
+                settings: Settings, *, on_gpu: bool = False) -> int:
     """Bytes of optimizer state the rule running `name` keeps for parameters of `shapes`
     (of `dtype`, in host memory): its record layout, master weights included (low-precision
-    models, and crash-consistent runs, which commit the weights with the state).
+    models, and crash-consistent runs, which commit the weights with the state; `on_gpu`:
+    a GPU model's host or NVMe records, which keep one as its weights are on the device).
 
     Whole-parameter rules lay a record out from one step of the optimizer: that step runs
     on a small stand-in of each shape (a distinct size per dimension), and each state
@@ -123,7 +124,7 @@ def state_bytes(name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
     rule, opt = _probe_rule(name, dtype, settings)
     c = choice(name)
     group = opt.param_groups[0]
-    keep_master = settings.swap.durability == "crash_consistent"
+    keep_master = settings.swap.durability == "crash_consistent" or on_gpu
     total = 0
     for shape in shapes:
         if c.matrices_only and len(shape) != 2:

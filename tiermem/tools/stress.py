@@ -67,6 +67,8 @@ class Plan:
     weights_tier: str = "model"
     window: int = 0
     window_need: int = 0  # the least window the largest module and partition need
+    on_gpu: bool = False  # the model trains on a GPU: the window is GPU memory
+    staging: int = 0  # on_gpu: pinned host buffers the window's copies go through
     # the process before the run (interpreter, torch, tiermem), measured at plan time
     baseline: int = 0
     verify: int = 0  # --verify's copies of the sampled partitions, held across the step
@@ -84,18 +86,24 @@ class Plan:
             f"(this process now {f(self.baseline)}, activations ~{f(self.activations)}"
             + (f", verify copies {f(self.verify)}" if self.verify else "") + ")",
         ] + ([f"weights and grads on the {self.weights_tier} tier "
-              f"({f(self.weights + self.grads)}), used through a window of {f(self.window)} "
-              f"(needs at least {f(self.window_need)})"]
+              f"({f(self.weights + self.grads)}), used through a "
+              f"{'GPU ' if self.on_gpu else ''}window of {f(self.window)} "
+              f"(needs at least {f(self.window_need)})"
+              + (f", copied through {f(self.staging)} of pinned host buffers"
+                 if self.on_gpu else "")]
              if self.weights_tier != "model" else [])
 
 
 def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: bool,
               hidden: int, layers: int, optimizer: str = "adamw",
               shapes: Sequence[tuple[int, ...]] | None = None, embed_rows: int = 0,
-              verify: bool = False) -> Plan:
+              verify: bool = False, on_gpu: bool = False) -> Plan:
     """shapes: the model's parameter shapes (default: one flat parameter of `params`), for
     rules whose state depends on them (Adafactor's factored statistics; Muon steps 2-D
-    parameters only). verify: count --verify's copies.
+    parameters only). verify: count --verify's copies. on_gpu: the model trains on a GPU
+    (weights, grads and activations there; its records keep an fp32 master; with
+    parameters.offload the window is GPU memory, its copies staged through pinned host
+    buffers: fetch buffers twice the window, gradient staging once).
 
     The host figure is what the process will hold at its peak: what it holds now, the
     weights and grads where the model keeps them (or the parameter window and its write
@@ -105,19 +113,22 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
     itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
     # What the update rule keeps per parameter (moments, accumulators, an fp32 master for
     # a low-precision model or a crash-consistent run), from its record layout.
-    state = state_bytes(optimizer, shapes or [(params,)], DTYPES[dtype], settings)
+    state = state_bytes(optimizer, shapes or [(params,)], DTYPES[dtype], settings,
+                        on_gpu=on_gpu)
     per_param = state / params if params else 0
     per_param = int(per_param) if per_param == int(per_param) else round(per_param, 6)
     gpu = min(state, settings.tiers.gpu.capacity)
     host = min(state - gpu, settings.tiers.host.capacity)
     nvme = state - gpu - host
     buffers = settings.pipeline.buffer_count * settings.pipeline.partition_size if nvme else 0
-    activations = 0 if synthetic_grads else BATCH * SEQ * hidden * max(1, layers) * 24 * 4
+    activations = 0 if synthetic_grads or on_gpu else \
+        BATCH * SEQ * hidden * max(1, layers) * 24 * 4
     weights = grads = params * itemsize
     baseline = process_rss()
     path = swap_dir(settings)
     ps = settings.parameters
-    in_memory = weights + grads  # where the model keeps them
+    in_memory = 0 if on_gpu else weights + grads  # where the model keeps them
+    staging = 0
     swap = nvme
     window_need = 0
     pinned = host + buffers
@@ -136,6 +147,9 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
         window_need = max(largest * itemsize, 2 * opened * itemsize) + (64 << 10)
         # the window, and as much again in write buffers in flight (records.pending_limit)
         in_memory = 2 * ps.window
+        if on_gpu:  # those buffers are the pinned staging, with the gradients' (the window)
+            staging = in_memory = 3 * ps.window
+            pinned += staging
         if ps.offload == "host":
             pinned += weights + grads
             in_memory += weights + grads
@@ -147,7 +161,7 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
                 available_memory(), _free_disk(path), optimizer,
                 weights_tier="model" if ps.offload == "none" else ps.offload,
                 window=ps.window if ps.offload != "none" else 0, window_need=window_need,
-                baseline=baseline, verify=verify_bytes)
+                on_gpu=on_gpu, staging=staging, baseline=baseline, verify=verify_bytes)
 
 
 def _verify_bytes(state: int, per_param: float, partition_size: int, itemsize: int,
