@@ -463,6 +463,23 @@ def test_gpu_check_smoke(tmp_path):
     assert listdir(tmp_path / "swap") == []
 
 
+def test_gpu_check_skips_the_big_model_without_time_for_it(tmp_path):
+    """The big-model runs cannot be cut short once started (minutes each at 2B on a GPU):
+    with less of --budget left than one needs they are skipped and said so, and the run
+    still succeeds with what it measured."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--smoke",
+                           "--no-tests", "--no-train-loop", "--budget", "1", "--swap-dir",
+                           str(tmp_path / "swap"), "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+    result = json.loads(out.read_text())
+    assert [(r["step_device"], r["status"]) for r in result["big_model"]] == [
+        ("cpu", "skipped: out of time"), ("device", "skipped: out of time")]
+    assert "skipped, under" in proc.stdout
+
+
 def test_gpu_check_children_keep_the_callers_pythonpath(monkeypatch):
     """gpu_session.sh puts the carried cffi runtime on PYTHONPATH: the CUDA tests' child
     pytest must see it as well as this repository."""
