@@ -40,6 +40,13 @@
  * model weight, updated in fp32 and rounded back stochastically with the bits of
  * a second key (so they are independent of the moments' bits).
  *
+ * The same weight formats also run with dense moments (moment_dtype fp32 or bf16:
+ * optimizer.state_dtype fp32/bf16 with master_weights kahan/none): no blocks and no
+ * scales, each element's moments read, updated by the same arithmetic and stored back,
+ * bf16 ones rounded to nearest even or stochastically with the bits the codes would
+ * use (exp_avg the low 16, exp_avg_sq the high 16 of sr_bits(index0 + i)). Only the
+ * moments' load and store differ from the int8 pass.
+ *
  * Paths: AVX-512 (F, BW, VL) and portable scalar C, bitwise the same (every
  * operation is correctly rounded, -ffp-contract=off, fmaf() where the vector
  * path uses an FMA). Large calls are split over threads by chunks of whole
@@ -63,6 +70,7 @@
 
 enum { LB_F32 = 0, LB_BF16 = 1, LB_F16 = 2 };
 enum { MW_FP32 = 0, MW_KAHAN = 1, MW_NONE = 2 };
+enum { MF_INT8 = 0, MF_F32 = 1, MF_BF16 = 2 };  /* the moments' format */
 enum { CRC_P = 1, CRC_M = 2, CRC_MS = 4, CRC_V = 8, CRC_VS = 16, CRC_COMP = 32 };
 #define LB_NARRAYS 6
 
@@ -79,11 +87,11 @@ enum { CRC_P = 1, CRC_M = 2, CRC_MS = 4, CRC_V = 8, CRC_VS = 16, CRC_COMP = 32 }
 typedef struct lb_job {
     void *p;             /* float (MW_FP32) or uint16_t bf16 (the model's weight) */
     uint16_t *comp;      /* MW_KAHAN */
-    uint8_t *m, *v;
-    float *ms, *vs;      /* one scale per block */
+    uint8_t *m, *v;      /* MF_INT8: codes; else fp32 or bf16 values (cast at use) */
+    float *ms, *vs;      /* one scale per block (MF_INT8) */
     const void *g;
     void *out;           /* MW_FP32 only: bf16/fp16 copy of p, or NULL */
-    int g_dtype, out_dtype, mw, sr;
+    int g_dtype, out_dtype, mw, sr, mf;
     uint32_t idx0, k0, k1;
     tm_adam_coef k;      /* the Adam arithmetic's coefficients (numeric.h) */
 } lb_job;
@@ -219,6 +227,55 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
         uint32_t r = j->sr ? sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1) : 0u;
         j->m[i] = enc_m(tm[k], ims, j->sr, r & 0xFFFFu);
         j->v[i] = enc_v(tv[k], ivs, j->sr, r >> 16);
+    }
+}
+
+/* One element with dense moments (MF_F32, MF_BF16): the weights as block_scalar does
+ * them, the moments stored in their format. */
+static void dense_scalar(const lb_job *j, int64_t begin, int64_t end)
+{
+    for (int64_t i = begin; i < end; i++) {
+        float g = load_g1(j, i), p, m, v;
+        if (j->mf == MF_F32) {
+            m = ((float *)j->m)[i];
+            v = ((float *)j->v)[i];
+        } else {
+            m = bf16_to_f32(((uint16_t *)j->m)[i]);
+            v = bf16_to_f32(((uint16_t *)j->v)[i]);
+        }
+        if (j->mw == MW_FP32)
+            p = ((float *)j->p)[i];
+        else if (j->mw == MW_KAHAN)
+            p = bf16_to_f32(((uint16_t *)j->p)[i]) + bf16_to_f32(j->comp[i]);
+        else
+            p = bf16_to_f32(((uint16_t *)j->p)[i]);
+        tm_moments1(&j->k, &g, &p, &m, &v);
+        p = tm_param_step1(&j->k, p, m, v);
+        if (j->mw == MW_FP32) {
+            ((float *)j->p)[i] = p;
+            if (j->out) {
+                uint16_t *o = (uint16_t *)j->out;
+                o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
+            }
+        } else if (j->mw == MW_KAHAN) {
+            uint16_t nb = f32_to_bf16(p);
+            ((uint16_t *)j->p)[i] = nb;
+            j->comp[i] = f32_to_bf16(p - bf16_to_f32(nb));
+        } else {
+            uint32_t rw = sr_bits(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1);
+            ((uint16_t *)j->p)[i] = f32_to_bf16_sr(p, rw & 0xFFFFu);
+        }
+        if (j->mf == MF_F32) {
+            ((float *)j->m)[i] = m;
+            ((float *)j->v)[i] = v;
+        } else if (j->sr) {
+            uint32_t r = sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1);
+            ((uint16_t *)j->m)[i] = f32_to_bf16_sr(m, r & 0xFFFFu);
+            ((uint16_t *)j->v)[i] = f32_to_bf16_sr(v, r >> 16);
+        } else {
+            ((uint16_t *)j->m)[i] = f32_to_bf16(m);
+            ((uint16_t *)j->v)[i] = f32_to_bf16(v);
+        }
     }
 }
 
@@ -670,10 +727,73 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
         encode_block(j, &prev, sr, &x);
 }
 
+
+/* Dense moments (MF_F32, MF_BF16), 16 elements at a time: load, update16 (the weights
+ * exactly as the int8 pass does them), store; the moments' random bits from the same
+ * Weyl step as the codes'. Bit for bit dense_scalar. */
+static inline TGT_LB __attribute__((always_inline)) void
+dense512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt, int mf,
+         int sr)
+{
+    lb_job c = *jin;
+    const lb_job *j = &c;
+    const int msz = mf == MF_F32 ? 4 : 2;
+    __m512i x = sr ? sr_weyl16(j->idx0 + (uint32_t)begin, j->k0) : _mm512_setzero_si512();
+    const __m512i step = _mm512_set1_epi32((int)(16u * SR_W));
+    for (int64_t i = begin; i < end; i += 16) {
+        __mmask16 km = lanes((int)(end - i < 16 ? end - i : 16));
+        if (i + LB_PF < end) {
+            _mm_prefetch((const char *)j->g + (i + LB_PF) * (gdt == LB_F32 ? 4 : 2),
+                         _MM_HINT_T0);
+            _mm_prefetch((const char *)j->p + (i + LB_PF) * (mw == MW_FP32 ? 4 : 2),
+                         _MM_HINT_T0);
+            if (mw == MW_KAHAN)
+                _mm_prefetch((const char *)(j->comp + i + LB_PF), _MM_HINT_T0);
+            _mm_prefetch((const char *)j->m + (i + LB_PF) * msz, _MM_HINT_T0);
+            _mm_prefetch((const char *)j->v + (i + LB_PF) * msz, _MM_HINT_T0);
+        }
+        __m512 m, v;
+        if (mf == MF_F32) {
+            m = _mm512_maskz_loadu_ps(km, (const float *)j->m + i);
+            v = _mm512_maskz_loadu_ps(km, (const float *)j->v + i);
+        } else {
+            m = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->m + i));
+            v = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->v + i));
+        }
+        update16(j, i, km, gdt, mw, odt, &m, &v);
+        if (mf == MF_F32) {
+            _mm512_mask_storeu_ps((float *)j->m + i, km, m);
+            _mm512_mask_storeu_ps((float *)j->v + i, km, v);
+        } else {
+            __m256i hm, hv;
+            if (sr) {
+                __m512i r = sr_mix16(x, j->k1);
+                hm = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(
+                    _mm512_castps_si512(m), _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF))),
+                    16), m);
+                hv = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(
+                    _mm512_castps_si512(v), _mm512_srli_epi32(r, 16)), 16), v);
+            } else {
+                hm = bf16_rne16(m);
+                hv = bf16_rne16(v);
+            }
+            _mm256_mask_storeu_epi16((uint16_t *)j->m + i, km, hm);
+            _mm256_mask_storeu_epi16((uint16_t *)j->v + i, km, hv);
+        }
+        x = _mm512_add_epi32(x, step);
+    }
+}
+
 /* Each combination gets its own loop with them as constants. */
 #define LB_SR(G, MW, O)                                                                \
     do {                                                                               \
-        if (j->sr)                                                                     \
+        if (j->mf == MF_F32)                                                           \
+            dense512(j, begin, end, G, MW, O, MF_F32, 0);                              \
+        else if (j->mf == MF_BF16 && j->sr)                                            \
+            dense512(j, begin, end, G, MW, O, MF_BF16, 1);                             \
+        else if (j->mf == MF_BF16)                                                     \
+            dense512(j, begin, end, G, MW, O, MF_BF16, 0);                             \
+        else if (j->sr)                                                                \
             range512(j, begin, end, G, MW, O, 1);                                      \
         else                                                                           \
             range512(j, begin, end, G, MW, O, 0);                                      \
@@ -712,6 +832,10 @@ static TGT_LB void lowbit_avx512(const lb_job *j, int64_t begin, int64_t end)
 static void lowbit_scalar(const lb_job *j, int64_t begin, int64_t end)
 {
     lb_job c = *j;
+    if (c.mf != MF_INT8) {
+        dense_scalar(&c, begin, end);
+        return;
+    }
     for (int64_t b = begin; b < end; b += QB)
         block_scalar(&c, b, (int)(end - b < QB ? end - b : QB));
 }
@@ -732,7 +856,11 @@ typedef struct {
 static size_t arr_elem(const lb_job *j, int a)
 {
     static const size_t sz[LB_NARRAYS] = {0, 1, 4, 1, 4, 2};
-    return a == 0 ? (j->mw == MW_FP32 ? 4 : 2) : sz[a];
+    if (a == 0)
+        return j->mw == MW_FP32 ? 4 : 2;
+    if ((a == 1 || a == 3) && j->mf != MF_INT8)
+        return j->mf == MF_F32 ? 4 : 2;
+    return sz[a];
 }
 
 static const char *arr_base(const lb_job *j, int a)
@@ -781,8 +909,9 @@ static void *run_chunks(void *arg)
     }
 }
 
-int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_avg,
-                        float *exp_avg_scale, uint8_t *exp_avg_sq, float *exp_avg_sq_scale,
+int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, int moment_dtype,
+                        void *exp_avg, float *exp_avg_scale, void *exp_avg_sq,
+                        float *exp_avg_sq_scale,
                         const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                         double lr, double beta1, double beta2, double eps,
                         double weight_decay, double step, int maximize, int decoupled,
@@ -790,8 +919,12 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_a
                         int crc_mask, uint32_t *crcs)
 {
     if (n < 0 || grad_dtype < LB_F32 || grad_dtype > LB_F16 || master_mode < MW_FP32 ||
-        master_mode > MW_NONE || crc_mask < 0 || crc_mask >= (1 << LB_NARRAYS) ||
-        (crc_mask && !crcs))
+        master_mode > MW_NONE || moment_dtype < MF_INT8 || moment_dtype > MF_BF16 ||
+        crc_mask < 0 || crc_mask >= (1 << LB_NARRAYS) || (crc_mask && !crcs))
+        return -EINVAL;
+    /* dense moments have no scales */
+    if (moment_dtype != MF_INT8 &&
+        (exp_avg_scale || exp_avg_sq_scale || (crc_mask & (CRC_MS | CRC_VS))))
         return -EINVAL;
     if (out && (master_mode != MW_FP32 || (out_dtype != LB_BF16 && out_dtype != LB_F16)))
         return -EINVAL;
@@ -803,7 +936,8 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_a
             crcs[a] = 0;
     if (n == 0)
         return 0;
-    if (!p || !exp_avg || !exp_avg_scale || !exp_avg_sq || !exp_avg_sq_scale || !grad ||
+    if (!p || !exp_avg || !exp_avg_sq || !grad ||
+        (moment_dtype == MF_INT8 && (!exp_avg_scale || !exp_avg_sq_scale)) ||
         (master_mode == MW_KAHAN) != (comp != NULL) || ((crc_mask & CRC_COMP) && !comp))
         return -EINVAL;
 
@@ -811,7 +945,7 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_a
     lb_job j = {
         .p = p, .comp = comp, .m = exp_avg, .v = exp_avg_sq, .ms = exp_avg_scale,
         .vs = exp_avg_sq_scale, .g = grad, .out = out, .g_dtype = grad_dtype,
-        .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic,
+        .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic, .mf = moment_dtype,
         .idx0 = (uint32_t)index0, .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
         .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };

@@ -1,5 +1,6 @@
 """Adam/AdamW on 8-bit blockwise moments (optimizer.state_dtype: int8), and the weight
-formats of bf16 models without an fp32 master (optimizer.master_weights).
+formats of bf16 models without an fp32 master (optimizer.master_weights), with int8,
+fp32 or bf16 moments.
 
 One segment's update, one keyword-only signature, two kernels behind `lowbit_update`:
 
@@ -18,6 +19,12 @@ element: exp_avg
 sign + 4-bit exponent + 3-bit mantissa, exp_avg_sq 5-bit exponent + 3-bit mantissa;
 code 0 is zero, code 1 NaN (any non-finite moment). `quantize` / `dequantize` convert a
 segment between fp32 and that format (state_dict() and load_state_dict() use them).
+
+Dense moments (exp_avg / exp_avg_sq fp32 or bf16 tensors, no scales: master_weights
+kahan/none with state_dtype fp32 or bf16) run the same pass and the same weight
+arithmetic; only the moments' load and store differ. bf16 moments are rounded as the
+codes are: to nearest even, or stochastically with the low (exp_avg) and high
+(exp_avg_sq) 16 bits of the same stream. The moments' format is their tensors' dtype.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ M_EBIAS, V_EBIAS = 112, 96  # 127 - exponent bias of exp_avg's / exp_avg_sq's co
 NAN_CODE = 1
 MASTERS = {"fp32": 0, "kahan": 1, "none": 2}
 GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the moments' tensor dtype -> native/adam_lowbit.c's moment_dtype
+MOMENT_FORMATS = {torch.uint8: 0, torch.float32: 1, torch.bfloat16: 2}
 OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 ROUNDINGS = ("nearest", "stochastic")
 # crc_mask bits of the arrays the native pass can checksum
@@ -173,8 +182,8 @@ def quantize(x: Tensor, *, signed: bool, rounding: str = "nearest", seed: int = 
 
 
 def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
-                          exp_avg_scale: Tensor, exp_avg_sq: Tensor,
-                          exp_avg_sq_scale: Tensor, kahan: Tensor | None = None,
+                          exp_avg_scale: Tensor | None = None, exp_avg_sq: Tensor,
+                          exp_avg_sq_scale: Tensor | None = None, kahan: Tensor | None = None,
                           weight_out: Tensor | None = None, master: str = "fp32",
                           step: float | int | Tensor, lr: float | Tensor, beta1: float,
                           beta2: float, eps: float, weight_decay: float = 0.0,
@@ -184,6 +193,7 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
                           ) -> dict[str, int]:
     """The update in plain torch, on any device; every tensor updated in place."""
     _check_args(master, rounding, kahan, weight_out, param)
+    dense = _check_moments(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
     if checksums:
         raise ValueError("checksums: the reference kernel computes none; hash the record")
     step = float(step.item() if isinstance(step, Tensor) else step)
@@ -206,8 +216,11 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         p = param.reshape(-1).float()
         if master == "kahan":
             p = p + kahan.reshape(-1).float()
-    m = dequantize(exp_avg, exp_avg_scale, signed=True)
-    v = dequantize(exp_avg_sq, exp_avg_sq_scale, signed=False)
+    if dense:
+        m, v = exp_avg.reshape(-1).float(), exp_avg_sq.reshape(-1).float()
+    else:
+        m = dequantize(exp_avg, exp_avg_scale, signed=True)
+        v = dequantize(exp_avg_sq, exp_avg_sq_scale, signed=False)
     if maximize:
         g = -g
     if weight_decay != 0.0:
@@ -238,6 +251,17 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         rw = sr_bits(idx, k0 ^ W_KEY, k1) & 0xFFFF
         param.view(-1).copy_(bf16_stochastic(p, rw))
     r = sr_bits(idx, k0, k1) if rounding == "stochastic" else None
+    if dense:
+        if exp_avg.dtype == torch.float32:
+            exp_avg.view(-1).copy_(m)
+            exp_avg_sq.view(-1).copy_(v)
+        elif r is None:
+            exp_avg.view(-1).copy_(bf16_nearest(m))
+            exp_avg_sq.view(-1).copy_(bf16_nearest(v))
+        else:
+            exp_avg.view(-1).copy_(bf16_stochastic(m, r & 0xFFFF))
+            exp_avg_sq.view(-1).copy_(bf16_stochastic(v, r >> 16))
+        return {}
     sm, im = _scales(m)
     sv, iv = _scales(v)
     exp_avg.view(-1).copy_(_encode(m, im, r & 0xFFFF if r is not None else None, signed=True))
@@ -265,6 +289,21 @@ def bf16_stochastic(x: Tensor, r16: Tensor) -> Tensor:
     return ((h ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)
 
 
+def _check_moments(exp_avg: Tensor, exp_avg_sq: Tensor, exp_avg_scale: Tensor | None,
+                   exp_avg_sq_scale: Tensor | None) -> bool:
+    """Whether the moments are dense (fp32 or bf16 values, no scales) rather than int8
+    codes with their block scales; refuse a mix."""
+    if exp_avg.dtype not in MOMENT_FORMATS or exp_avg_sq.dtype != exp_avg.dtype:
+        raise TypeError(f"exp_avg, exp_avg_sq: expected both uint8 (int8 codes), float32 or "
+                        f"bfloat16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
+    dense = exp_avg.dtype != torch.uint8
+    scales = (exp_avg_scale is not None, exp_avg_sq_scale is not None)
+    if scales != (not dense, not dense):
+        raise ValueError("exp_avg_scale, exp_avg_sq_scale: int8 codes need both, "
+                         f"{exp_avg.dtype} moments take neither")
+    return dense
+
+
 def _check_args(master: str, rounding: str, kahan: Tensor | None, weight_out: Tensor | None,
                 param: Tensor) -> None:
     if master not in MASTERS:
@@ -290,7 +329,8 @@ def _ptr(ffi, t: Tensor | None, ctype: str):
 
 
 def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
-                       exp_avg_scale: Tensor, exp_avg_sq: Tensor, exp_avg_sq_scale: Tensor,
+                       exp_avg_scale: Tensor | None = None, exp_avg_sq: Tensor,
+                       exp_avg_sq_scale: Tensor | None = None,
                        kahan: Tensor | None = None, weight_out: Tensor | None = None,
                        master: str = "fp32", step: float | int | Tensor, lr: float | Tensor,
                        beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
@@ -305,13 +345,15 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
 
     native_adam.isa()  # applies TIERMEM_ADAM_ISA before the first call
     _check_args(master, rounding, kahan, weight_out, param)
+    dense = _check_moments(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
     n = param.numel()
     check_tensor(param, "param", (param.dtype,), n)
     check_tensor(grad, "grad", tuple(GRAD_DTYPES), n)
-    check_tensor(exp_avg, "exp_avg", (torch.uint8,), n)
-    check_tensor(exp_avg_sq, "exp_avg_sq", (torch.uint8,), n)
-    check_tensor(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
-    check_tensor(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
+    check_tensor(exp_avg, "exp_avg", (exp_avg.dtype,), n)
+    check_tensor(exp_avg_sq, "exp_avg_sq", (exp_avg.dtype,), n)
+    if not dense:
+        check_tensor(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
+        check_tensor(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
     if kahan is not None:
         check_tensor(kahan, "kahan", (torch.bfloat16,), n)
     if weight_out is not None:
@@ -324,6 +366,8 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         if name not in CRC_ARRAYS:
             raise ValueError(f"checksums: unknown array {name!r}; expected some of "
                              f"{', '.join(CRC_ARRAYS)}")
+        if dense and name.endswith("_scale"):
+            raise ValueError(f"checksums: {exp_avg.dtype} moments have no {name}")
         mask |= CRC_ARRAYS[name]
     step = float(step.item() if isinstance(step, Tensor) else step)
     if n and step < 1:
@@ -333,8 +377,9 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     crcs = ffi.new("uint32_t[6]")
     rc = lib.tm_adam_lowbit_step(
         _ptr(ffi, param, "void *"), MASTERS[master], _ptr(ffi, kahan, "uint16_t *"),
-        _ptr(ffi, exp_avg, "uint8_t *"), _ptr(ffi, exp_avg_scale, "float *"),
-        _ptr(ffi, exp_avg_sq, "uint8_t *"), _ptr(ffi, exp_avg_sq_scale, "float *"),
+        MOMENT_FORMATS[exp_avg.dtype], _ptr(ffi, exp_avg, "void *"),
+        _ptr(ffi, exp_avg_scale, "float *"), _ptr(ffi, exp_avg_sq, "void *"),
+        _ptr(ffi, exp_avg_sq_scale, "float *"),
         _ptr(ffi, grad, "void *"), GRAD_DTYPES[grad.dtype], _ptr(ffi, weight_out, "void *"),
         OUT_DTYPES[weight_out.dtype] if weight_out is not None else 0, n, float(lr),
         float(beta1), float(beta2), float(eps), float(weight_decay), step, int(maximize),
