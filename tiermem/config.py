@@ -168,7 +168,8 @@ class OptimizerSettings:
         "What a bf16 parameter's record keeps of its weight: fp32 (a master copy), kahan (a "
         "bf16 compensation term: the update runs on weight + term, the rounding error is "
         "kept) or none (the bf16 weight is updated and rounded back stochastically); kahan "
-        "and none need state_dtype int8, and with crash_consistent durability the records "
+        "and none run with any state_dtype (no amsgrad, not with kernel match, bf16 models "
+        "only: fp16 ones are refused), and with crash_consistent durability the records "
         "also keep the bf16 weights (2 B/param); fp32 parameters are their own master "
         "whatever it says.", default="fp32")
     step_device: Literal["cpu", "device"] = doc(
@@ -196,13 +197,14 @@ class OptimizerSettings:
                 f"with optimizer.state_dtype {self.state_dtype} use auto, fused or native (the "
                 "update then runs tiermem's native kernel); match promises bitwise parity with "
                 "the wrapped optimizer's fp32 state")
-        if self.master_weights != "fp32" and self.state_dtype != "int8":
-            # Only the int8 kernel (native/adam_lowbit.c) updates bf16 weights without a
-            # master; fp32/bf16 moments would need the same in native/adam.c.
+        if self.master_weights != "fp32" and self.kernel == "match":
+            # kahan/none run kernels.lowbit on the bf16 weights: no torch optimizer updates
+            # them that way, so match's bitwise promise cannot hold.
             raise ConfigError(
-                "optimizer.master_weights", self.master_weights,
-                "kahan and none run with optimizer.state_dtype int8 for now; set "
-                "state_dtype: int8, or master_weights: fp32")
+                "optimizer.kernel", self.kernel,
+                f"with optimizer.master_weights {self.master_weights} use auto, fused or "
+                "native (bf16 weights without an fp32 master run tiermem's kernels.lowbit); "
+                "match promises bitwise parity with the wrapped optimizer's fp32 master")
 
 
 @dataclass(frozen=True)
