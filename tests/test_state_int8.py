@@ -1,4 +1,5 @@
-"""optimizer.state_dtype: int8 — blockwise 8-bit moments — and optimizer.master_weights.
+"""optimizer.state_dtype: int8 — blockwise 8-bit moments — and optimizer.master_weights
+(kahan / none, with int8, fp32 or bf16 moments: table-driven over MOMENTS).
 
 1. the native kernel (native/adam_lowbit.c) equals the plain-torch reference
    (tiermem.kernels.lowbit.adam_lowbit_reference) bit for bit on both paths (AVX-512,
@@ -25,16 +26,25 @@ from tiermem.kernels import native_adam as na
 from adam_helpers import assert_bitwise, isa
 
 ISAS = [i for i in na.supported_isas() if i in ("scalar", "avx512")]
+# optimizer.state_dtype -> the moments' tensor dtype in kernels.lowbit (int8: codes + scales)
+MOMENTS = {"int8": torch.uint8, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _state(n: int, master: str, gen: torch.Generator, scale: float = 1.0):
+def _moments(n: int, moments: str = "int8") -> dict:
+    """Zero moments of n elements in `moments`' format (int8: codes and block scales)."""
+    dt = MOMENTS[moments]
+    int8 = moments == "int8"
+    return {"exp_avg": torch.zeros(n, dtype=dt), "exp_avg_sq": torch.zeros(n, dtype=dt),
+            "exp_avg_scale": torch.zeros(lb.blocks(n)) if int8 else None,
+            "exp_avg_sq_scale": torch.zeros(lb.blocks(n)) if int8 else None}
+
+
+def _state(n: int, master: str, gen: torch.Generator, scale: float = 1.0,
+           moments: str = "int8"):
     p = torch.randn(n, generator=gen) * scale
     return {
         "param": p if master == "fp32" else p.bfloat16(),
-        "exp_avg": torch.zeros(n, dtype=torch.uint8),
-        "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
-        "exp_avg_scale": torch.zeros(lb.blocks(n)),
-        "exp_avg_sq_scale": torch.zeros(lb.blocks(n)),
+        **_moments(n, moments),
         "kahan": torch.zeros(n, dtype=torch.bfloat16) if master == "kahan" else None,
     }
 
@@ -92,16 +102,17 @@ def _assert_same(a, b, what):
     ("fp32", torch.float16, torch.float16), ("kahan", torch.bfloat16, None),
     ("none", torch.bfloat16, None), ("none", torch.float32, None)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_kernel_matches_reference(name, master, gdt, out, rounding):
+@pytest.mark.parametrize("moments", list(MOMENTS))
+def test_kernel_matches_reference(name, master, gdt, out, rounding, moments):
     gen = torch.Generator().manual_seed(3)
     n = 3 * 256 + 77  # a short tail block
-    state = _state(n, master, gen)
+    state = _state(n, master, gen, moments=moments)
     ref = _clone(state)
     grads = _grads(n, 4, gen, gdt, 4, specials=False)
     with isa(name):
         o1 = _run("native", state, grads, master=master, rounding=rounding, out_dtype=out)
     o2 = _run("reference", ref, grads, master=master, rounding=rounding, out_dtype=out)
-    _assert_same(state, ref, f"{name} {master} {rounding}")
+    _assert_same(state, ref, f"{name} {master} {rounding} {moments}")
     if out is not None:
         assert_bitwise(o1, o2, "weight_out")
 
@@ -111,13 +122,15 @@ def test_kernel_matches_reference(name, master, gdt, out, rounding):
                                         ("none", torch.bfloat16)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("spread", [0, 2, 6])
-def test_kernel_matches_reference_on_dense_grads(name, master, gdt, rounding, spread):
+@pytest.mark.parametrize("moments", list(MOMENTS))
+def test_kernel_matches_reference_on_dense_grads(name, master, gdt, rounding, spread,
+                                                 moments):
     """Gradients without zeros: most blocks have every moment finite and within the codes'
     range, where the AVX-512 pass codes them without the checks (a short cut); one block
     with a zero, a NaN and an infinity, and the short tail, take the full path."""
     gen = torch.Generator().manual_seed(11 + spread)
     n = 40 * 256 + 77
-    state = _state(n, master, gen)
+    state = _state(n, master, gen, moments=moments)
     ref = _clone(state)
     grads = []
     for _ in range(5):
@@ -130,7 +143,7 @@ def test_kernel_matches_reference_on_dense_grads(name, master, gdt, rounding, sp
     with isa(name):
         _run("native", state, grads, master=master, rounding=rounding, threads=2)
     _run("reference", ref, grads, master=master, rounding=rounding)
-    _assert_same(state, ref, f"{name} {master} {rounding} dense")
+    _assert_same(state, ref, f"{name} {master} {rounding} {moments} dense grads")
 
 
 # the exponent fields of block scales around the AVX-512 short cuts' limits: exp_avg's code
@@ -170,7 +183,7 @@ def test_kernel_matches_reference_at_scale_edges(name, rounding):
     _assert_same(state, ref, f"{name} {rounding} scale edges")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(n=hs.integers(0, 2100), master=hs.sampled_from(["fp32", "kahan", "none"]),
        rounding=hs.sampled_from(["nearest", "stochastic"]),
        offset=hs.sampled_from([0, 1000, 2 ** 32 - 5000, 5 * 2 ** 32 + 17]),
@@ -178,12 +191,13 @@ def test_kernel_matches_reference_at_scale_edges(name, rounding):
        scale=hs.sampled_from([1.0, 1e-30, 1e30]), specials=hs.booleans(),
        threads=hs.sampled_from([1, 2]), maximize=hs.booleans(),
        decoupled=hs.booleans(), wd=hs.sampled_from([0.0, 0.1]),
-       beta1=hs.sampled_from([0.0, 0.9, 0.6]), isa_name=hs.sampled_from(ISAS))
+       beta1=hs.sampled_from([0.0, 0.9, 0.6]), isa_name=hs.sampled_from(ISAS),
+       moments=hs.sampled_from(list(MOMENTS)))
 def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, spread, scale,
                                              specials, threads, maximize, decoupled, wd,
-                                             beta1, isa_name):
+                                             beta1, isa_name, moments):
     gen = torch.Generator().manual_seed(seed % 1000)
-    state = _state(n, master, gen, scale)
+    state = _state(n, master, gen, scale, moments)
     ref = _clone(state)
     grads = [g * scale for g in _grads(n, 3, gen, torch.float32, spread, specials)]
     hp = dict(maximize=maximize, decoupled_weight_decay=decoupled, weight_decay=wd,
@@ -197,38 +211,45 @@ def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, 
     _assert_same(state, ref, "hypothesis")
 
 
-def test_threads_and_checksums_agree():
+@pytest.mark.parametrize("master,moments", [("fp32", "int8"), ("kahan", "fp32"),
+                                            ("none", "bf16")])
+def test_threads_and_checksums_agree(master, moments):
     """A threaded call (several chunks) equals a one-thread call, and the CRCs it returns
     are those of the arrays it left."""
     from tiermem.kernels.checksum import crc32c
     gen = torch.Generator().manual_seed(1)
     n = 300_000 + 123
-    a = _state(n, "fp32", gen)
+    a = _state(n, master, gen, moments=moments)
     b = _clone(a)
     grads = _grads(n, 2, gen, torch.float32, 3, specials=False)
-    _run("native", a, grads, master="fp32", rounding="stochastic", threads=1)
-    _run("native", b, grads, master="fp32", rounding="stochastic", threads=2)
+    _run("native", a, grads, master=master, rounding="stochastic", threads=1)
+    _run("native", b, grads, master=master, rounding="stochastic", threads=2)
     _assert_same(a, b, "threads")
+    arrays = {"master": "param", **{k: k for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq",
+                                                   "exp_avg_sq_scale", "kahan")}}
+    want = {name: a[k] for name, k in arrays.items() if a[k] is not None}
     crcs = lb.adam_lowbit_native(
-        param=a["param"], grad=grads[0], exp_avg=a["exp_avg"], exp_avg_sq=a["exp_avg_sq"],
-        exp_avg_scale=a["exp_avg_scale"], exp_avg_sq_scale=a["exp_avg_sq_scale"], step=3,
-        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=2,
-        checksums=("master", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"))
-    want = {"master": a["param"], "exp_avg": a["exp_avg"], "exp_avg_scale": a["exp_avg_scale"],
-            "exp_avg_sq": a["exp_avg_sq"], "exp_avg_sq_scale": a["exp_avg_sq_scale"]}
+        grad=grads[0], step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=2,
+        master=master, checksums=tuple(want), **a)
     for k, t in want.items():
         assert crcs[k] == crc32c(t), k
+    if moments != "int8":
+        with pytest.raises(ValueError, match="no exp_avg_scale"):
+            lb.adam_lowbit_native(grad=grads[0], step=4, lr=1e-3, beta1=0.9, beta2=0.999,
+                                  eps=1e-8, master=master, checksums=("exp_avg_scale",), **a)
 
 
-@pytest.mark.parametrize("master", ["fp32", "none"])
-def test_segment_across_a_stream_window(master):
+@pytest.mark.parametrize("master,moments", [("fp32", "int8"), ("none", "int8"),
+                                            ("kahan", "fp32"), ("none", "bf16")])
+def test_segment_across_a_stream_window(master, moments):
     """A segment crossing a 2^32-element window of its stream (the kernels' counter) runs
-    as one call per window (the kernel alone refuses it), native and reference agree; a
-    start off a block boundary, which such a cut would split, is refused."""
+    as one call per window (the kernel alone refuses it), native and reference agree; with
+    int8 codes a start off a block boundary, which such a cut would split, is refused
+    (dense moments have no blocks: it runs)."""
     from tiermem.optim.rules.adam import WINDOW, int8_segment
     gen = torch.Generator().manual_seed(3)
     n, start = 4 * 256, WINDOW - 3 * 256  # the window ends after the third block
-    a = _state(n, master, gen)
+    a = _state(n, master, gen, moments=moments)
     b, c = _clone(a), _clone(a)
     g = _grads(n, 1, gen, torch.float32, 2, specials=False)[0]
     kw = dict(grad=g, master=master, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -241,8 +262,14 @@ def test_segment_across_a_stream_window(master):
         lb.lowbit_update(kernel="native", seed=na.state_seed(step=1, partition=5),
                          offset=start, **c, **{k: v for k, v in kw.items()
                                               if k not in ("param_index",)})
-    with pytest.raises(TierMemError, match="block boundary"):
-        int8_segment(kernel="native", start=start + 1, **_clone(a), **kw)
+    if moments == "int8":
+        with pytest.raises(TierMemError, match="block boundary"):
+            int8_segment(kernel="native", start=start + 1, **_clone(a), **kw)
+    else:
+        d, e = _clone(a), _clone(a)
+        int8_segment(kernel="native", start=start + 1, **d, **kw)
+        int8_segment(kernel="reference", start=start + 1, **e, **kw)
+        _assert_same(d, e, "off a block boundary")
 
 
 def test_relative_error_bound():
@@ -338,6 +365,15 @@ def test_refuses_bad_arguments():
         lb.adam_lowbit_native(grad=g, **bad, **kw)
     with pytest.raises(ValueError, match="rounding"):
         lb.adam_lowbit_native(grad=g, rounding="up", **s, **kw)
+    dense = _state(n, "kahan", torch.Generator().manual_seed(0), moments="fp32")
+    for fn in (lb.adam_lowbit_native, lb.adam_lowbit_reference):
+        with pytest.raises(ValueError, match="take neither"):  # dense moments have no scales
+            fn(grad=g, master="kahan", **{**dense, "exp_avg_scale": torch.zeros(2)}, **kw)
+        with pytest.raises(ValueError, match="need both"):  # codes without their scales
+            fn(grad=g, **{**s, "exp_avg_sq_scale": None}, **kw)
+        with pytest.raises(TypeError, match="exp_avg, exp_avg_sq"):  # mixed formats
+            fn(grad=g, master="kahan",
+               **{**dense, "exp_avg_sq": torch.zeros(n, dtype=torch.bfloat16)}, **kw)
 
 
 # -- 2. through tiermem.offload, against the reference --------------------------------------
