@@ -398,20 +398,17 @@ class ReferenceInt8Adam:
     weights alone."""
 
     def __init__(self, params, hp: dict, *, rounding: str, master_weights: str = "fp32",
-                 first: int = 0):
+                 first: int = 0, moments: str = "int8"):
         """first: the index of params[0] in the optimizer's flattened parameters (a later
-        parameter group's reference)."""
+        parameter group's reference); moments: their format (int8, or fp32 / bf16 with
+        master_weights kahan/none on bf16 parameters)."""
         self.first = first
         self.params = list(params)
         self.hp, self.rounding, self.mw = hp, rounding, master_weights
         self.steps = [0] * len(self.params)
         self.master = [p.detach().float().clone().reshape(-1) for p in self.params]
         self.segments = [[{
-            "start": 0,
-            "exp_avg": torch.zeros(p.numel(), dtype=torch.uint8),
-            "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.uint8),
-            "exp_avg_scale": torch.zeros(lb.blocks(p.numel())),
-            "exp_avg_sq_scale": torch.zeros(lb.blocks(p.numel())),
+            "start": 0, **_moments(p.numel(), moments),
             "kahan": torch.zeros(p.numel(), dtype=torch.bfloat16)
             if master_weights == "kahan" and p.dtype != torch.float32 else None}]
             for p in self.params]
@@ -446,6 +443,7 @@ class ReferenceInt8Adam:
         out = {}
         for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
             out[k] = torch.cat([lb.dequantize(seg[k], seg[k + "_scale"], signed=signed)
+                                if seg[k + "_scale"] is not None else seg[k].float()
                                 for seg in self.segments[i]])
         return out
 
@@ -466,7 +464,7 @@ def hyper(**kw):
 
 
 E2E = {
-    # name: (model dtype, master_weights, AdamW kwargs, config keywords)
+    # name: (model dtype, master_weights, AdamW kwargs, config keywords[, state_dtype])
     "fp32-all-nvme": (torch.float32, "fp32", dict(lr=1e-2, weight_decay=0.05), dict(host=0)),
     "fp32-mixed": (torch.float32, "fp32", dict(lr=1e-2), dict(host="128KiB", buffer_count=4)),
     "bf16-master-nvme": (torch.bfloat16, "fp32", dict(lr=1e-2, weight_decay=0.1),
@@ -474,12 +472,20 @@ E2E = {
     "bf16-kahan-mixed": (torch.bfloat16, "kahan", dict(lr=1e-2, maximize=True),
                          dict(host="128KiB", buffer_count=4)),
     "bf16-none-nvme": (torch.bfloat16, "none", dict(lr=1e-2), dict(host=0)),
+    # master_weights kahan/none with dense moments: the same weight arithmetic
+    "bf16-kahan-fp32-mixed": (torch.bfloat16, "kahan", dict(lr=1e-2, weight_decay=0.1),
+                              dict(host="128KiB", buffer_count=4), "fp32"),
+    "bf16-none-fp32-nvme": (torch.bfloat16, "none", dict(lr=1e-2, maximize=True),
+                            dict(host=0), "fp32"),
+    "bf16-kahan-bf16-nvme": (torch.bfloat16, "kahan", dict(lr=1e-2), dict(host=0), "bf16"),
+    "bf16-none-bf16-mixed": (torch.bfloat16, "none", dict(lr=1e-2, weight_decay=0.1),
+                             dict(host="128KiB", buffer_count=4), "bf16"),
 }
 
 
-def _int8_cfg(path, master_weights="fp32", rounding="stochastic", **kw):
+def _int8_cfg(path, master_weights="fp32", rounding="stochastic", state_dtype="int8", **kw):
     cfg = config(path, kernel="fused", **kw)
-    cfg["optimizer"].update(state_dtype="int8", state_rounding=rounding,
+    cfg["optimizer"].update(state_dtype=state_dtype, state_rounding=rounding,
                             master_weights=master_weights)
     return cfg
 
@@ -487,15 +493,16 @@ def _int8_cfg(path, master_weights="fp32", rounding="stochastic", **kw):
 @pytest.mark.parametrize("case", list(E2E))
 @pytest.mark.parametrize("backend", backend_params())
 def test_offload_matches_reference(tmp_path, backend, case):
-    dtype, mw, kw, cfg_kw = E2E[case]
+    dtype, mw, kw, cfg_kw, *rest = E2E[case]
+    moments = rest[0] if rest else "int8"
     model = Synthetic().to(dtype)
     ref_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), **kw)
     hp = hyper(lr=kw["lr"], weight_decay=kw.get("weight_decay", 0.01),
                maximize=kw.get("maximize", False))
     ref = ReferenceInt8Adam(ref_model.parameters(), hp, rounding="stochastic",
-                            master_weights=mw)
-    cfg = _int8_cfg(tmp_path, mw, backend=backend, **cfg_kw)
+                            master_weights=mw, moments=moments)
+    cfg = _int8_cfg(tmp_path, mw, state_dtype=moments, backend=backend, **cfg_kw)
     batches = make_batches(model, 5)
     with tiermem.offload(opt, cfg) as tm:
         train(model, opt, batches)
@@ -525,34 +532,40 @@ def test_offload_matches_reference(tmp_path, backend, case):
 
 # -- 3. torch format, resume, recover, bytes, errors ----------------------------------------
 
-def _native_cfg(path, **kw):
+def _native_cfg(path, state_dtype="int8", **kw):
     cfg = config(path, kernel="native", host="128KiB", buffer_count=4)
-    cfg["optimizer"].update(state_dtype="int8", **kw)
+    cfg["optimizer"].update(state_dtype=state_dtype, **kw)
     return cfg
 
 
-@pytest.mark.parametrize("dtype,mw", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
-                                      (torch.bfloat16, "kahan")])
-def test_state_dict_round_trip(tmp_path, dtype, mw):
-    """state_dict() dequantises exactly; loading it into a fresh int8-state optimizer and
-    going on is bitwise the same as going on with the original (a Kahan term comes back
-    from master_param - weight)."""
+@pytest.mark.parametrize("dtype,mw,moments", [
+    (torch.float32, "fp32", "int8"), (torch.bfloat16, "fp32", "int8"),
+    (torch.bfloat16, "kahan", "int8"), (torch.bfloat16, "kahan", "fp32"),
+    (torch.bfloat16, "none", "fp32"), (torch.bfloat16, "kahan", "bf16")])
+def test_state_dict_round_trip(tmp_path, dtype, mw, moments):
+    """state_dict() widens the moments exactly (int8: dequantises); loading it into a fresh
+    optimizer with the same state format and going on is bitwise the same as going on
+    with the original (a Kahan term comes back from master_param - weight)."""
     model = Synthetic().to(dtype)
     twin_model = copy.deepcopy(model)
     batches = make_batches(model, 6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with tiermem.offload(opt, _native_cfg(tmp_path / "a", master_weights=mw)):
+    with tiermem.offload(opt, _native_cfg(tmp_path / "a", moments, master_weights=mw)):
         train(model, opt, batches[:3])
         sd = copy.deepcopy(opt.state_dict())
         twin_model.load_state_dict(model.state_dict())
         for st in sd["state"].values():
             for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
                 assert st[k].dtype == torch.float32
-                q, s = lb.quantize(st[k].reshape(-1)[:256], signed=signed)
-                assert_bitwise(lb.dequantize(q, s, signed=signed), st[k].reshape(-1)[:256], k)
+                x = st[k].reshape(-1)[:256]
+                if moments == "int8":
+                    q, s = lb.quantize(x, signed=signed)
+                    assert_bitwise(lb.dequantize(q, s, signed=signed), x, k)
+                elif moments == "bf16":
+                    assert_bitwise(x.bfloat16().float(), x, k)
         train(model, opt, batches[3:])
     twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=1e-2)
-    with tiermem.offload(twin_opt, _native_cfg(tmp_path / "b", master_weights=mw)):
+    with tiermem.offload(twin_opt, _native_cfg(tmp_path / "b", moments, master_weights=mw)):
         twin_opt.load_state_dict(sd)
         got = twin_opt.state_dict()
         for i, st in sd["state"].items():
@@ -636,12 +649,15 @@ def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap):
 
 def test_bytes_per_parameter(tmp_path):
     """Record bytes per element: fp32 model 8 -> 2.03 with int8; bf16 model 12 -> 6.03
-    (fp32 master), 4.03 (kahan), 2.03 (none)."""
+    (fp32 master), 4.03 (kahan), 2.03 (none) with int8 moments; kahan / none with fp32
+    moments 10 / 8, with bf16 moments 6 / 4."""
     want = {(torch.float32, "fp32", "fp32"): 8, (torch.float32, "int8", "fp32"): 2 + 8 / 256,
             (torch.bfloat16, "fp32", "fp32"): 12,
             (torch.bfloat16, "int8", "fp32"): 6 + 8 / 256,
             (torch.bfloat16, "int8", "kahan"): 4 + 8 / 256,
-            (torch.bfloat16, "int8", "none"): 2 + 8 / 256}
+            (torch.bfloat16, "int8", "none"): 2 + 8 / 256,
+            (torch.bfloat16, "fp32", "kahan"): 10, (torch.bfloat16, "fp32", "none"): 8,
+            (torch.bfloat16, "bf16", "kahan"): 6, (torch.bfloat16, "bf16", "none"): 4}
     for (dtype, sd, mw), per in want.items():
         model = torch.nn.Linear(1024, 1024, bias=False).to(dtype)
         opt = torch.optim.AdamW(model.parameters())
@@ -659,7 +675,8 @@ def test_bytes_per_parameter(tmp_path):
      "bitwise parity"),
     ({"optimizer": {"state_dtype": "int8", "step_device": "device", "kernel": "native"}},
      "optimizer.kernel", "step_device"),
-    ({"optimizer": {"master_weights": "kahan"}}, "optimizer.master_weights", "int8"),
+    ({"optimizer": {"master_weights": "kahan", "kernel": "match"}}, "optimizer.kernel",
+     "master_weights kahan"),
     ({"optimizer": {"master_weights": "fp16"}}, "optimizer.master_weights", "'kahan'"),
 ])
 def test_config_errors(doc, key, word):
@@ -680,6 +697,9 @@ def test_int8_loads_with_the_gpu_tier_and_the_device_step():
 @pytest.mark.parametrize("dtype,kw,cfg,word", [
     (torch.float32, dict(amsgrad=True), {}, "amsgrad"),
     (torch.float16, {}, dict(master_weights="kahan"), "fp16"),
+    (torch.float16, {}, dict(master_weights="none", state_dtype="fp32"), "fp16"),
+    (torch.bfloat16, dict(amsgrad=True), dict(master_weights="kahan", state_dtype="fp32"),
+     "amsgrad"),
     (torch.float64, {}, {}, "torch.float64"),
 ])
 def test_refuses_what_the_kernel_cannot_run(tmp_path, dtype, kw, cfg, word):
@@ -699,13 +719,13 @@ def test_master_weights_need_adam(tmp_path):
 
 # -- stress, plan -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,mw,per", [("fp32", "fp32", 2 + 8 / 256),
-                                          ("bf16", "fp32", 6 + 8 / 256),
-                                          ("bf16", "kahan", 4 + 8 / 256),
-                                          ("bf16", "none", 2 + 8 / 256)])
+@pytest.mark.parametrize("dtype,mw,per,moments", [
+    ("fp32", "fp32", 2 + 8 / 256, "int8"), ("bf16", "fp32", 6 + 8 / 256, "int8"),
+    ("bf16", "kahan", 4 + 8 / 256, "int8"), ("bf16", "none", 2 + 8 / 256, "int8"),
+    ("bf16", "kahan", 10, "fp32"), ("bf16", "none", 4, "bf16")])
 @pytest.mark.parametrize("backend", backend_params())
-def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per):
-    """`tiermem stress --state-dtype int8 --master-weights ... --verify`: every sampled
+def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per, moments):
+    """`tiermem stress --state-dtype ... --master-weights ... --verify`: every sampled
     partition bitwise equal to the plain-torch reference; the plan and the per-step
     B/param say what the records hold."""
     from tiermem.tools import cli
@@ -716,7 +736,7 @@ def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per
                    "pipeline: {partition_size: 1MiB, zigzag: false}\n")
     out = tmp_path / "r.json"
     rc = cli.main(["stress", "--config", str(cfg), "--params", "1M", "--steps", "2",
-                   "--dtype", dtype, "--state-dtype", "int8", "--master-weights", mw,
+                   "--dtype", dtype, "--state-dtype", moments, "--master-weights", mw,
                    "--synthetic-grads", "--verify", "--no-progress", "--json", str(out)])
     assert rc == 0
     import json
@@ -732,17 +752,23 @@ def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per
     assert step["bytes_per_param"] == pytest.approx((read + written) / 1_000_000, rel=0.01)
 
 
-def test_plan_flags(capsys):
+def test_plan_flags(capsys, tmp_path):
     from tiermem.tools import cli
 
     for flags, per in ((["--dtype", "bf16"], "12 B/param"),
                        (["--dtype", "bf16", "--state-dtype", "int8", "--master-weights",
                          "none"], "2.031 B/param"),
-                       (["--state-dtype", "int8"], "2.031 B/param")):
+                       (["--state-dtype", "int8"], "2.031 B/param"),
+                       (["--dtype", "bf16", "--master-weights", "kahan"], "10 B/param"),
+                       (["--dtype", "bf16", "--state-dtype", "bf16", "--master-weights",
+                         "none"], "4 B/param")):
         assert cli.main(["plan", "--params", "1B", *flags]) == 0
         assert per in capsys.readouterr().out
-    assert cli.main(["plan", "--params", "1B", "--master-weights", "kahan"]) == 2
-    assert "optimizer.master_weights" in capsys.readouterr().err
+    cfg = tmp_path / "match.yaml"
+    cfg.write_text("optimizer: {kernel: match}\n")
+    assert cli.main(["plan", "--params", "1B", "--master-weights", "kahan", "--config",
+                     str(cfg)]) == 2
+    assert "optimizer.kernel" in capsys.readouterr().err
 
 
 @settings(max_examples=60, deadline=None)
