@@ -117,7 +117,7 @@ REFS = [(b.values[0], m, s) for b in BACKEND_PARAMS for m, s in COMBOS]
 
 
 @pytest.mark.parametrize("reference,point,n", [
-    pytest.param(ref, point, n, id=f"{ref[0]}-{ref[1]}-{point}-{i}")
+    pytest.param(ref, point, n, id=f"{ref[0]}-{ref[1]}-{ref[2]}-{point}-{i}")
     for ref, (i, (point, n)) in sweep(list(enumerate(POINTS)), REFS)], indirect=["reference"])
 def test_resume_after_kill(tmp_path, point, n, reference, request):
     backend, master, moments = request.node.callspec.params["reference"]
