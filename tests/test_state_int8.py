@@ -596,24 +596,29 @@ def test_fp32_checkpoint_is_quantised_to_nearest_on_import(tmp_path):
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("backend", backend_params())
-def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap):
-    """A run killed after its step 2 (crash_run.py, int8 state, overlap_backward on or
-    off): `tiermem recover` writes the fp32 moments of the commit, a resume continues
-    bitwise where an uninterrupted run goes, and a resume with another state_dtype is
-    refused by name."""
+@pytest.mark.parametrize("dtype,moments,master", [("fp32", "int8", "fp32"),
+                                                  ("bf16", "fp32", "kahan"),
+                                                  ("bf16", "bf16", "none")])
+def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap, dtype, moments,
+                                                    master):
+    """A run killed after its step 2 (crash_run.py: int8 state, or a bf16 model without a
+    master and fp32 / bf16 moments; overlap_backward on or off): `tiermem recover` writes
+    the fp32 moments and the weights of the commit, a resume continues bitwise where an
+    uninterrupted run goes, and a resume with another state_dtype is refused by name."""
     from crash_run import (backward_grads, crash_config, make_model, make_optimizer,
                            run_killed, set_grads)
     from tiermem.swap.recover import gather
 
     grads = backward_grads if overlap else set_grads
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     swap = tmp_path / "swap"
-    run_killed(swap, backend, "after-step:2", 4, "fp32", "int8",
-               "overlap" if overlap else "synthetic")
-    cfg = crash_config(str(swap), backend, "int8")
+    run_killed(swap, backend, "after-step:2", 4, dtype, moments,
+               "overlap" if overlap else "synthetic", master)
+    cfg = crash_config(str(swap), backend, moments, master)
     cfg["pipeline"]["overlap_backward"] = overlap
-    twin = make_model()
+    twin = make_model(torch_dtype)
     twin_opt = make_optimizer(twin)
-    twin_cfg = crash_config(str(tmp_path / "twin"), backend, "int8")
+    twin_cfg = crash_config(str(tmp_path / "twin"), backend, moments, master)
     twin_cfg["pipeline"]["overlap_backward"] = overlap
     with tiermem.offload(twin_opt, twin_cfg, model=twin) as tm:
         for k in (1, 2):
@@ -630,13 +635,15 @@ def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap):
         for k in ("exp_avg", "exp_avg_sq"):
             assert_bitwise(st[k], at2["state"][i][k], f"recovered {i} {k}")
     for (name, _), w in zip(twin.named_parameters(), w2):
-        assert_bitwise(ckpt["model"][name], w, name)
-    other = make_optimizer(make_model())
-    with pytest.raises(TierMemError, match="stored as int8, this config says "
-                                           "optimizer.state_dtype bf16"):
-        with tiermem.offload(other, crash_config(str(swap), backend, "bf16"), resume=True):
+        assert_bitwise(ckpt["model"][name], w.float() if dtype == "bf16" else w, name)
+    other = "fp32" if moments == "bf16" else "bf16"
+    stored = {"int8": "int8", "fp32": "fp32", "bf16": "bf16"}[moments]
+    with pytest.raises(TierMemError, match=f"stored as {stored}, this config says "
+                                           f"optimizer.state_dtype {other}"):
+        with tiermem.offload(make_optimizer(make_model(torch_dtype)),
+                             crash_config(str(swap), backend, other, master), resume=True):
             pass
-    model = make_model()
+    model = make_model(torch_dtype)
     opt = make_optimizer(model)
     with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
         assert tm.resumed_step == 2
