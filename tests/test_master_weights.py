@@ -12,7 +12,7 @@ torch.optim.AdamW on an fp32 copy of the same weights fed the same (bf16) gradie
   one bf16 ulp; after T steps its root mean square stays within sqrt(T) / 2 ulps (ulp of
   the larger of the start and end magnitude) and its mean near 0 (unbiased), where
   rounding to nearest (plain AdamW on bf16 weights) drifts.
-docs/guide/numerics.md quotes these bounds.
+docs/guide/numerics.md quotes these figures and bounds.
 """
 
 from __future__ import annotations
