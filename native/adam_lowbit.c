@@ -47,6 +47,17 @@
  * use (exp_avg the low 16, exp_avg_sq the high 16 of sr_bits(index0 + i)). Only the
  * moments' load and store differ from the int8 pass.
  *
+ * fp16 weights (w16: kahan with an fp16 term, none rounded stochastically to fp16) take
+ * the same steps with fp16's rounding: nearest even (subnormals and overflow to inf
+ * as IEEE), every NaN the canonical 0x7E00; a Kahan term is 0 once the weight
+ * overflowed to inf (p - inf would turn the next step's p + term into NaN). Stochastic
+ * rounding to fp16 (f16_sr) keeps the 16 random bits' meaning across fp16's
+ * subnormals: the fraction of an fp16 spacing that x lies above the fp16 value below
+ * it (toward zero), cut to 16 bits, plus the 16 random bits, carries 1 or 0 into that
+ * value; the spacing is 2^-24 below 2^-14 (subnormals), so there more bits are dropped.
+ * Above 65504 a carry gives inf (as rounding to nearest does from 65520 on), from
+ * 65536 on every value is inf.
+ *
  * Paths: AVX-512 (F, BW, VL) and portable scalar C, bitwise the same (every
  * operation is correctly rounded, -ffp-contract=off, fmaf() where the vector
  * path uses an FMA). Large calls are split over threads by chunks of whole
@@ -92,6 +103,7 @@ typedef struct lb_job {
     const void *g;
     void *out;           /* MW_FP32 only: bf16/fp16 copy of p, or NULL */
     int g_dtype, out_dtype, mw, sr, mf;
+    int w16;             /* MW_KAHAN / MW_NONE: the weights (and term) are fp16, not bf16 */
     uint32_t idx0, k0, k1;
     tm_adam_coef k;      /* the Adam arithmetic's coefficients (numeric.h) */
 } lb_job;
@@ -177,6 +189,61 @@ static inline float load_g1(const lb_job *j, int64_t i)
     return j->g_dtype == LB_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
+/* fp16 to nearest even, every NaN the canonical 0x7E00. */
+static inline uint16_t f16w_rne(float f)
+{
+    return f != f ? 0x7E00u : f32_to_f16(f);
+}
+
+/* Stochastic rounding of f to fp16 with 16 random bits r (see the top of the file). */
+static inline uint16_t f16w_sr(float f, uint32_t r)
+{
+    uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u)
+        return 0x7E00u;
+    if (a >= 0x47800000u)
+        return (uint16_t)(sign | 0x7C00u);
+    uint32_t e = a >> 23, base, q;
+    if (a >= 0x38800000u) {  /* fp16 normal: 13 bits dropped */
+        base = (a - (112u << 23)) >> 13;
+        q = (a & 0x1FFFu) << 3;
+    } else {                 /* fp16 subnormal: 126 - e bits dropped (at most 40 counted) */
+        uint32_t sh = 126u - e < 40u ? 126u - e : 40u;
+        uint64_t m24 = (a & 0x7FFFFFu) | (e ? 0x800000u : 0u);
+        uint64_t rem = m24 & ((1ull << sh) - 1);
+        base = (uint32_t)(m24 >> sh);
+        q = (uint32_t)(sh >= 16 ? rem >> (sh - 16) : rem << (16 - sh));
+    }
+    return (uint16_t)(sign | (base + ((q + r) >> 16)));
+}
+
+/* The model's low-precision weight (or Kahan term) i as fp32. */
+static inline float load_w1(const lb_job *j, const uint16_t *w, int64_t i)
+{
+    return j->w16 ? f16_to_f32(w[i]) : bf16_to_f32(w[i]);
+}
+
+/* kahan: the weight p rounded to nearest into w[i], the rounding error into comp[i]. */
+static inline void store_kahan1(const lb_job *j, int64_t i, float p)
+{
+    uint16_t *w = (uint16_t *)j->p;
+    if (j->w16) {
+        uint16_t nb = f16w_rne(p);
+        w[i] = nb;
+        j->comp[i] = (nb & 0x7FFFu) == 0x7C00u ? 0u : f16w_rne(p - f16_to_f32(nb));
+    } else {
+        uint16_t nb = f32_to_bf16(p);
+        w[i] = nb;
+        j->comp[i] = f32_to_bf16(p - bf16_to_f32(nb));
+    }
+}
+
+static inline void store_none1(const lb_job *j, int64_t i, float p)
+{
+    uint32_t rw = sr_bits(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1) & 0xFFFFu;
+    ((uint16_t *)j->p)[i] = j->w16 ? f16w_sr(p, rw) : f32_to_bf16_sr(p, rw);
+}
+
 static void block_scalar(const lb_job *j, int64_t b0, int len)
 {
     float tm[QB], tv[QB];
@@ -188,9 +255,9 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
         if (j->mw == MW_FP32)
             p = ((float *)j->p)[i];
         else if (j->mw == MW_KAHAN)
-            p = bf16_to_f32(((uint16_t *)j->p)[i]) + bf16_to_f32(j->comp[i]);
+            p = load_w1(j, (uint16_t *)j->p, i) + load_w1(j, j->comp, i);
         else
-            p = bf16_to_f32(((uint16_t *)j->p)[i]);
+            p = load_w1(j, (uint16_t *)j->p, i);
         float m = dec_m(j->m[i], ms), v = dec_v(j->v[i], vs);
         tm_moments1(&j->k, &g, &p, &m, &v);
         p = tm_param_step1(&j->k, p, m, v);
@@ -201,12 +268,9 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
                 o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
             }
         } else if (j->mw == MW_KAHAN) {
-            uint16_t nb = f32_to_bf16(p);
-            ((uint16_t *)j->p)[i] = nb;
-            j->comp[i] = f32_to_bf16(p - bf16_to_f32(nb));
+            store_kahan1(j, i, p);
         } else {
-            uint32_t rw = sr_bits(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1);
-            ((uint16_t *)j->p)[i] = f32_to_bf16_sr(p, rw & 0xFFFFu);
+            store_none1(j, i, p);
         }
         tm[k] = m;
         tv[k] = v;
@@ -246,9 +310,9 @@ static void dense_scalar(const lb_job *j, int64_t begin, int64_t end)
         if (j->mw == MW_FP32)
             p = ((float *)j->p)[i];
         else if (j->mw == MW_KAHAN)
-            p = bf16_to_f32(((uint16_t *)j->p)[i]) + bf16_to_f32(j->comp[i]);
+            p = load_w1(j, (uint16_t *)j->p, i) + load_w1(j, j->comp, i);
         else
-            p = bf16_to_f32(((uint16_t *)j->p)[i]);
+            p = load_w1(j, (uint16_t *)j->p, i);
         tm_moments1(&j->k, &g, &p, &m, &v);
         p = tm_param_step1(&j->k, p, m, v);
         if (j->mw == MW_FP32) {
@@ -258,12 +322,9 @@ static void dense_scalar(const lb_job *j, int64_t begin, int64_t end)
                 o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
             }
         } else if (j->mw == MW_KAHAN) {
-            uint16_t nb = f32_to_bf16(p);
-            ((uint16_t *)j->p)[i] = nb;
-            j->comp[i] = f32_to_bf16(p - bf16_to_f32(nb));
+            store_kahan1(j, i, p);
         } else {
-            uint32_t rw = sr_bits(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1);
-            ((uint16_t *)j->p)[i] = f32_to_bf16_sr(p, rw & 0xFFFFu);
+            store_none1(j, i, p);
         }
         if (j->mf == MF_F32) {
             ((float *)j->m)[i] = m;
@@ -431,11 +492,64 @@ bf16x16(__m256i h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* fp16 to nearest even (vcvtps2ph: IEEE, subnormals and overflow included), every NaN the
+ * canonical 0x7E00: f16w_rne on 16 lanes. */
+static inline TGT_LB __attribute__((always_inline)) __m256i
+f16_rne16(__m512 x)
+{
+    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                 _mm256_set1_epi16(0x7E00));
+}
+
+/* f16w_sr on 16 lanes (r16: the random bits, one per 32-bit lane). Subnormal lanes drop
+ * sh = 126 - e bits (14..40; vpsrlvd/vpsllvd give 0 for counts of 32 and more, as the
+ * scalar path's 64-bit shifts give for what is left below the 16 bits kept). */
+static inline TGT_LB __attribute__((always_inline)) __m256i
+f16_sr16(__m512 x, __m512i r16)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
+    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i e = _mm512_srli_epi32(a, 23);
+    __mmask16 normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x38800000));
+    __m512i sh = _mm512_min_epu32(_mm512_sub_epi32(_mm512_set1_epi32(126), e),
+                                  _mm512_set1_epi32(40));
+    __m512i m24 = _mm512_or_si512(
+        _mm512_and_si512(a, _mm512_set1_epi32(0x7FFFFF)),
+        _mm512_maskz_mov_epi32(_mm512_cmpgt_epu32_mask(e, _mm512_setzero_si512()),
+                               _mm512_set1_epi32(0x800000)));
+    __m512i rem = _mm512_and_si512(m24, _mm512_sub_epi32(
+        _mm512_sllv_epi32(_mm512_set1_epi32(1), sh), _mm512_set1_epi32(1)));
+    __m512i base = _mm512_srlv_epi32(m24, sh);
+    __m512i q = _mm512_mask_mov_epi32(
+        _mm512_sllv_epi32(rem, _mm512_sub_epi32(_mm512_set1_epi32(16), sh)),
+        _mm512_cmpge_epu32_mask(sh, _mm512_set1_epi32(16)),
+        _mm512_srlv_epi32(rem, _mm512_sub_epi32(sh, _mm512_set1_epi32(16))));
+    base = _mm512_mask_mov_epi32(base, normal, _mm512_srli_epi32(
+        _mm512_sub_epi32(a, _mm512_set1_epi32((int)(112u << 23))), 13));
+    q = _mm512_mask_mov_epi32(q, normal, _mm512_slli_epi32(
+        _mm512_and_si512(a, _mm512_set1_epi32(0x1FFF)), 3));
+    __m512i h = _mm512_add_epi32(base, _mm512_srli_epi32(_mm512_add_epi32(q, r16), 16));
+    h = _mm512_mask_mov_epi32(h, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x47800000)),
+                              _mm512_set1_epi32(0x7C00));
+    h = _mm512_or_si512(h, sign);
+    h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
+                              _mm512_set1_epi32(0x7E00));
+    return _mm512_cvtepi32_epi16(h);
+}
+
+static inline TGT_LB __attribute__((always_inline)) __m512
+w16x16(__m256i h, int w16)
+{
+    return w16 ? _mm512_cvtph_ps(h) : bf16x16(h);
+}
+
 /* Pass 1 on 16 elements (lanes km) at i, their moments dequantised in *mo, *vo: the Adam
  * step, the weights stored; the new fp32 moments come back in *mo, *vo. */
 static inline TGT_LB __attribute__((always_inline)) void
-update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m512 *mo,
-         __m512 *vo)
+update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int w16, int odt,
+         __m512 *mo, __m512 *vo)
 {
     __m512 g;
     if (gdt == LB_F32) {
@@ -448,9 +562,9 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m
     if (mw == MW_FP32) {
         p = _mm512_maskz_loadu_ps(km, (const float *)j->p + i);
     } else {
-        p = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i));
+        p = w16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i), w16);
         if (mw == MW_KAHAN)
-            p = _mm512_add_ps(p, bf16x16(_mm256_maskz_loadu_epi16(km, j->comp + i)));
+            p = _mm512_add_ps(p, w16x16(_mm256_maskz_loadu_epi16(km, j->comp + i), w16));
     }
     __m512 m = *mo, v = *vo;
     tm_moments16(&j->k, &g, &p, &m, &v);
@@ -462,6 +576,13 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m
                 : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             _mm256_mask_storeu_epi16((uint16_t *)j->out + i, km, h);
         }
+    } else if (mw == MW_KAHAN && w16) {
+        __m256i nb = f16_rne16(p);
+        __m256i c = f16_rne16(_mm512_sub_ps(p, _mm512_cvtph_ps(nb)));
+        __mmask16 inf = _mm256_cmpeq_epi16_mask(
+            _mm256_and_si256(nb, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x7C00));
+        _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
+        _mm256_mask_storeu_epi16(j->comp + i, km, _mm256_maskz_mov_epi16((__mmask16)~inf, c));
     } else if (mw == MW_KAHAN) {
         __m256i nb = bf16_rne16(p);
         _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
@@ -469,8 +590,13 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m
     } else {
         __m512i rw = _mm512_and_si512(sr_bits16(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1),
                                       _mm512_set1_epi32(0xFFFF));
-        __m512i u = _mm512_castps_si512(p);
-        __m256i nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
+        __m256i nb;
+        if (w16) {
+            nb = f16_sr16(p, rw);
+        } else {
+            __m512i u = _mm512_castps_si512(p);
+            nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
+        }
         _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
     }
     *mo = m;
@@ -643,7 +769,8 @@ encode_block(const lb_job *j, const lb_pending *q, int sr, __m512i *x)
  * always). Every element's result is exactly what the plain order gives; the random
  * bits' Weyl step advances vector by vector. */
 static inline TGT_LB __attribute__((always_inline)) void
-range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt, int sr)
+range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16, int odt,
+         int sr)
 {
     lb_job c = *jin;  /* a local whose address never escapes: fields stay in registers */
     const lb_job *j = &c;
@@ -668,7 +795,7 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
                 if (b + k + LB_PF < end)                                               \
                     prefetch16(j, b + k, gdt, mw);                                     \
                 DECODE;                                                                \
-                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, odt, &m, &v);           \
+                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, w16, odt, &m, &v);           \
                 _mm512_store_ps(tm + k, m);                                            \
                 _mm512_store_ps(tv + k, v);                                            \
                 range_add(&q, m, v, (__mmask16)0xFFFF);                                \
@@ -702,7 +829,7 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
                 __mmask16 km = lanes(len - k);
                 __m512 m, v;
                 dec16(j, b + k, km, ms, vs, &m, &v);
-                update16(j, b + k, km, gdt, mw, odt, &m, &v);
+                update16(j, b + k, km, gdt, mw, w16, odt, &m, &v);
                 _mm512_store_ps(tm + k, m);
                 _mm512_store_ps(tv + k, v);
                 range_add(&q, m, v, km);
@@ -732,8 +859,8 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
  * exactly as the int8 pass does them), store; the moments' random bits from the same
  * Weyl step as the codes'. Bit for bit dense_scalar. */
 static inline TGT_LB __attribute__((always_inline)) void
-dense512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt, int mf,
-         int sr)
+dense512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16, int odt,
+         int mf, int sr)
 {
     lb_job c = *jin;
     const lb_job *j = &c;
@@ -760,7 +887,7 @@ dense512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
             m = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->m + i));
             v = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->v + i));
         }
-        update16(j, i, km, gdt, mw, odt, &m, &v);
+        update16(j, i, km, gdt, mw, w16, odt, &m, &v);
         if (mf == MF_F32) {
             _mm512_mask_storeu_ps((float *)j->m + i, km, m);
             _mm512_mask_storeu_ps((float *)j->v + i, km, v);
@@ -785,36 +912,40 @@ dense512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
 }
 
 /* Each combination gets its own loop with them as constants. */
-#define LB_SR(G, MW, O)                                                                \
+#define LB_SR(G, MW, W, O)                                                             \
     do {                                                                               \
         if (j->mf == MF_F32)                                                           \
-            dense512(j, begin, end, G, MW, O, MF_F32, 0);                              \
+            dense512(j, begin, end, G, MW, W, O, MF_F32, 0);                           \
         else if (j->mf == MF_BF16 && j->sr)                                            \
-            dense512(j, begin, end, G, MW, O, MF_BF16, 1);                             \
+            dense512(j, begin, end, G, MW, W, O, MF_BF16, 1);                          \
         else if (j->mf == MF_BF16)                                                     \
-            dense512(j, begin, end, G, MW, O, MF_BF16, 0);                             \
+            dense512(j, begin, end, G, MW, W, O, MF_BF16, 0);                          \
         else if (j->sr)                                                                \
-            range512(j, begin, end, G, MW, O, 1);                                      \
+            range512(j, begin, end, G, MW, W, O, 1);                                   \
         else                                                                           \
-            range512(j, begin, end, G, MW, O, 0);                                      \
+            range512(j, begin, end, G, MW, W, O, 0);                                   \
     } while (0)
 #define LB_OUT(G, MW)                                                                  \
     do {                                                                               \
         if (odt == LB_BF16)                                                            \
-            LB_SR(G, MW, LB_BF16);                                                     \
+            LB_SR(G, MW, 0, LB_BF16);                                                  \
         else if (odt == LB_F16)                                                        \
-            LB_SR(G, MW, LB_F16);                                                      \
+            LB_SR(G, MW, 0, LB_F16);                                                   \
         else                                                                           \
-            LB_SR(G, MW, -1);                                                          \
+            LB_SR(G, MW, 0, -1);                                                       \
     } while (0)
 #define LB_MW(G)                                                                       \
     do {                                                                               \
         if (j->mw == MW_FP32)                                                          \
             LB_OUT(G, MW_FP32);                                                        \
+        else if (j->mw == MW_KAHAN && j->w16)                                          \
+            LB_SR(G, MW_KAHAN, 1, -1);                                                 \
         else if (j->mw == MW_KAHAN)                                                    \
-            LB_SR(G, MW_KAHAN, -1);                                                    \
+            LB_SR(G, MW_KAHAN, 0, -1);                                                 \
+        else if (j->w16)                                                               \
+            LB_SR(G, MW_NONE, 1, -1);                                                  \
         else                                                                           \
-            LB_SR(G, MW_NONE, -1);                                                     \
+            LB_SR(G, MW_NONE, 0, -1);                                                  \
     } while (0)
 
 static TGT_LB void lowbit_avx512(const lb_job *j, int64_t begin, int64_t end)
@@ -909,7 +1040,8 @@ static void *run_chunks(void *arg)
     }
 }
 
-int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, int moment_dtype,
+int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *comp,
+                        int moment_dtype,
                         void *exp_avg, float *exp_avg_scale, void *exp_avg_sq,
                         float *exp_avg_sq_scale,
                         const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
@@ -920,6 +1052,8 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, int moment_dty
 {
     if (n < 0 || grad_dtype < LB_F32 || grad_dtype > LB_F16 || master_mode < MW_FP32 ||
         master_mode > MW_NONE || moment_dtype < MF_INT8 || moment_dtype > MF_BF16 ||
+        (master_mode == MW_FP32 ? weight_dtype != LB_F32
+                                : weight_dtype != LB_BF16 && weight_dtype != LB_F16) ||
         crc_mask < 0 || crc_mask >= (1 << LB_NARRAYS) || (crc_mask && !crcs))
         return -EINVAL;
     /* dense moments have no scales */
@@ -946,6 +1080,7 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, int moment_dty
         .p = p, .comp = comp, .m = exp_avg, .v = exp_avg_sq, .ms = exp_avg_scale,
         .vs = exp_avg_sq_scale, .g = grad, .out = out, .g_dtype = grad_dtype,
         .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic, .mf = moment_dtype,
+        .w16 = weight_dtype == LB_F16,
         .idx0 = (uint32_t)index0, .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
         .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };

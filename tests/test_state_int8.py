@@ -358,7 +358,7 @@ def test_refuses_bad_arguments():
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1)
     with pytest.raises(ValueError, match="window"):
         lb.adam_lowbit_native(grad=g, offset=2 ** 32 - 10, **s, **kw)
-    with pytest.raises(TypeError, match="bf16 weights"):
+    with pytest.raises(TypeError, match="bf16 or fp16 weights"):
         lb.adam_lowbit_native(grad=g, master="none", **{**s, "kahan": None}, **kw)
     bad = dict(s, exp_avg_scale=torch.zeros(1))
     with pytest.raises(ValueError, match="exp_avg_scale"):

@@ -25,6 +25,12 @@ kahan/none with state_dtype fp32 or bf16) run the same pass and the same weight
 arithmetic; only the moments' load and store differ. bf16 moments are rounded as the
 codes are: to nearest even, or stochastically with the low (exp_avg) and high
 (exp_avg_sq) 16 bits of the same stream. The moments' format is their tensors' dtype.
+
+The weights without a master are bf16 or fp16 (the param's dtype; a Kahan term has
+it too). fp16 ones round to nearest even as IEEE does (subnormals, overflow to inf;
+NaN the canonical 0x7E00), a Kahan term is 0 where the weight overflowed, and
+stochastic rounding to fp16 (`f16_stochastic`) follows fp16's spacing into its
+subnormals (native/adam_lowbit.c has the definition).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # the moments' tensor dtype -> native/adam_lowbit.c's moment_dtype
 MOMENT_FORMATS = {torch.uint8: 0, torch.float32: 1, torch.bfloat16: 2}
 OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+# master_weights kahan/none: the weights' (and the Kahan term's) dtype -> weight_dtype
+LOW_WEIGHTS = {torch.bfloat16: 1, torch.float16: 2}
 ROUNDINGS = ("nearest", "stochastic")
 # crc_mask bits of the arrays the native pass can checksum
 CRC_ARRAYS = {"master": 1, "exp_avg": 2, "exp_avg_scale": 4, "exp_avg_sq": 8,
@@ -210,12 +218,9 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     bc2s, eps32, nss = _f32(math.sqrt(bc2)), _f32(eps), _f32(-(lr / bc1))
     wd, decay = _f32(weight_decay), _f32(1.0 - lr * weight_decay)
     g = grad.reshape(-1).float()
-    if master == "fp32":
-        p = param.reshape(-1).float()
-    else:
-        p = param.reshape(-1).float()
-        if master == "kahan":
-            p = p + kahan.reshape(-1).float()
+    p = param.reshape(-1).float()
+    if master == "kahan":
+        p = p + kahan.reshape(-1).float()
     if dense:
         m, v = exp_avg.reshape(-1).float(), exp_avg_sq.reshape(-1).float()
     else:
@@ -244,12 +249,16 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
             weight_out.view(-1).copy_(bf16_nearest(p) if weight_out.dtype == torch.bfloat16
                                       else p)
     elif master == "kahan":
-        nb = bf16_nearest(p)
+        nb = low_nearest(p, param.dtype)
         param.view(-1).copy_(nb)
-        kahan.view(-1).copy_(bf16_nearest(p - nb.float()))
+        c = low_nearest(p - nb.float(), param.dtype)
+        if param.dtype == torch.float16:  # no term beside an overflowed weight
+            c = torch.where(torch.isinf(nb), torch.zeros_like(c), c)
+        kahan.view(-1).copy_(c)
     else:
         rw = sr_bits(idx, k0 ^ W_KEY, k1) & 0xFFFF
-        param.view(-1).copy_(bf16_stochastic(p, rw))
+        param.view(-1).copy_(bf16_stochastic(p, rw) if param.dtype == torch.bfloat16
+                             else f16_stochastic(p, rw))
     r = sr_bits(idx, k0, k1) if rounding == "stochastic" else None
     if dense:
         if exp_avg.dtype == torch.float32:
@@ -279,6 +288,41 @@ def bf16_nearest(x: Tensor) -> Tensor:
 
 
 _BF16_NAN = torch.tensor(0x7FC0, dtype=torch.int16).view(torch.bfloat16)
+
+
+_F16_NAN = torch.tensor(0x7E00, dtype=torch.int16).view(torch.float16)
+
+
+def f16_nearest(x: Tensor) -> Tensor:
+    """x to fp16, nearest even (IEEE: subnormals, overflow to inf), every NaN 0x7E00."""
+    return torch.where(torch.isnan(x), _F16_NAN, x.to(torch.float16))
+
+
+def low_nearest(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x to bf16 or fp16, nearest even, canonical NaN."""
+    return bf16_nearest(x) if dtype == torch.bfloat16 else f16_nearest(x)
+
+
+def f16_stochastic(x: Tensor, r16: Tensor) -> Tensor:
+    """x rounded to fp16 with 16 random bits, as native/adam_lowbit.c's f16w_sr: the
+    fraction of an fp16 spacing x lies above the fp16 value toward zero from it (cut to 16
+    bits) plus r16 carries 1 or 0 into that value; 2^-24 spacing below 2^-14; from 65536
+    on, inf; NaN 0x7E00."""
+    u = x.view(torch.int32).to(torch.int64) & M32
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    e = a >> 23
+    normal = a >= 0x38800000
+    sh = torch.where(normal, 13, torch.clamp(126 - e, max=40))
+    m24 = torch.where(e > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
+    base = torch.where(normal, (a - (112 << 23)) >> 13, m24 >> sh)
+    rem = torch.where(normal, a & 0x1FFF, m24 & ((1 << sh) - 1))
+    q = torch.where(sh >= 16, rem >> torch.clamp(sh - 16, min=0),
+                    rem << torch.clamp(16 - sh, min=0))
+    h = base + ((q + r16) >> 16)
+    h = torch.where(a >= 0x47800000, 0x7C00, h) | sign
+    h = torch.where(a > 0x7F800000, 0x7E00, h)
+    return ((h ^ 0x8000) - 0x8000).to(torch.int16).view(torch.float16)
 
 
 def bf16_stochastic(x: Tensor, r16: Tensor) -> Tensor:
@@ -315,9 +359,12 @@ def _check_args(master: str, rounding: str, kahan: Tensor | None, weight_out: Te
     if master == "fp32" and param.dtype != torch.float32:
         raise TypeError(f"param: master='fp32' updates an fp32 tensor, got {param.dtype}")
     if master != "fp32":
-        if param.dtype != torch.bfloat16:
-            raise TypeError(f"param: master={master!r} updates bf16 weights, got "
+        if param.dtype not in LOW_WEIGHTS:
+            raise TypeError(f"param: master={master!r} updates bf16 or fp16 weights, got "
                             f"{param.dtype}")
+        if kahan is not None and kahan.dtype != param.dtype:
+            raise TypeError(f"kahan: the compensation term of {param.dtype} weights is "
+                            f"{param.dtype}, got {kahan.dtype}")
         if weight_out is not None:
             raise ValueError(f"weight_out: master={master!r} updates the weights themselves")
 
@@ -355,7 +402,7 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         check_tensor(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
         check_tensor(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
     if kahan is not None:
-        check_tensor(kahan, "kahan", (torch.bfloat16,), n)
+        check_tensor(kahan, "kahan", (param.dtype,), n)
     if weight_out is not None:
         check_tensor(weight_out, "weight_out", tuple(OUT_DTYPES), n)
     for name, value in (("seed", seed), ("offset", offset)):
@@ -376,7 +423,8 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     threads = torch.get_num_threads() if num_threads is None else int(num_threads)
     crcs = ffi.new("uint32_t[6]")
     rc = lib.tm_adam_lowbit_step(
-        _ptr(ffi, param, "void *"), MASTERS[master], _ptr(ffi, kahan, "uint16_t *"),
+        _ptr(ffi, param, "void *"), MASTERS[master], LOW_WEIGHTS.get(param.dtype, 0),
+        _ptr(ffi, kahan, "uint16_t *"),
         MOMENT_FORMATS[exp_avg.dtype], _ptr(ffi, exp_avg, "void *"),
         _ptr(ffi, exp_avg_scale, "float *"), _ptr(ffi, exp_avg_sq, "void *"),
         _ptr(ffi, exp_avg_sq_scale, "float *"),
