@@ -40,12 +40,13 @@ def _moments(n: int, moments: str = "int8") -> dict:
 
 
 def _state(n: int, master: str, gen: torch.Generator, scale: float = 1.0,
-           moments: str = "int8"):
+           moments: str = "int8", weights: torch.dtype = torch.bfloat16):
+    """weights: the dtype of a master-less model's weights (and Kahan term)."""
     p = torch.randn(n, generator=gen) * scale
     return {
-        "param": p if master == "fp32" else p.bfloat16(),
+        "param": p if master == "fp32" else p.to(weights),
         **_moments(n, moments),
-        "kahan": torch.zeros(n, dtype=torch.bfloat16) if master == "kahan" else None,
+        "kahan": torch.zeros(n, dtype=weights) if master == "kahan" else None,
     }
 
 
@@ -149,6 +150,78 @@ def test_kernel_matches_reference_on_dense_grads(name, master, gdt, rounding, sp
 # the exponent fields of block scales around the AVX-512 short cuts' limits: exp_avg's code
 # values stay normal times 2^k from field 15 up (fast encode), exp_avg_sq's from 31 up (fast
 # encode and decode); 254 is the largest finite, 1 and 0x7F800000 >> 23 the ends
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("master", ["kahan", "none"])
+@pytest.mark.parametrize("moments", list(MOMENTS))
+@pytest.mark.parametrize("scale,lr", [(1.0, 1e-2), (3e-5, 1e-6), (2e4, 3e3)])
+def test_fp16_weights_match_reference(name, master, moments, scale, lr):
+    """fp16 weights without a master, native == reference bit for bit: ordinary values,
+    weights in fp16's subnormals (below 2^-14 = 6.1e-5), and weights stepped past 65504
+    (overflow to inf; a Kahan term then 0)."""
+    gen = torch.Generator().manual_seed(5)
+    n = 5 * 256 + 33
+    state = _state(n, master, gen, scale, moments, torch.float16)
+    ref = _clone(state)
+    grads = _grads(n, 4, gen, torch.float16, 3, specials=True)
+    hp = dict(lr=lr, weight_decay=0.01 if lr < 1 else 0.0)  # decay 1 - lr * wd stays > 0
+    with isa(name):
+        _run("native", state, grads, master=master, rounding="stochastic", threads=2, **hp)
+    _run("reference", ref, grads, master=master, rounding="stochastic", **hp)
+    _assert_same(state, ref, f"{name} fp16 {master} {moments} x{scale}")
+    if scale > 1:
+        w = state["param"].float()
+        assert torch.isinf(w).any() and torch.isfinite(w).any()
+        if master == "kahan":
+            assert (state["kahan"][torch.isinf(w)] == 0).all()
+
+
+def test_fp16_stochastic_rounding():
+    """f16_stochastic: fp16 values stay, every result is one of the two fp16 neighbours,
+    the mean over all 2^16 random draws is the value (to 2^-15 of a spacing), subnormals
+    included; between 65504 and 65536 inf with the fraction's probability, from 65536 on
+    inf, NaN canonical; the native pass rounds alike."""
+    vals = [0.0, -0.0, 1.0, 65504.0, -65504.0, 2.0 ** -24, 2.0 ** -14, 3 * 2.0 ** -24,
+            1.5 * 2.0 ** -24, 0.3 * 2.0 ** -24, -1e-10, 0.1, -3.3e-6, 1e-3, 65519.0, 65535.0,
+            65536.0, 1e6, math.inf, -math.inf, math.nan]
+    r = torch.arange(1 << 16, dtype=torch.int64)
+    for v in vals:
+        x = torch.full((1 << 16,), v)
+        v = x[0].item()  # as fp32 holds it
+        h = lb.f16_stochastic(x, r)
+        if math.isnan(v):
+            assert (h.view(torch.int16) == 0x7E00).all()
+            continue
+        if abs(v) >= 65536:
+            assert torch.isinf(h).all() and bool((h > 0).all()) == (v > 0)
+            continue
+        if torch.tensor(v).half().float().item() == v:  # an fp16 value stays
+            assert (h.float() == v).all(), v
+            continue
+        got = sorted(set(h.float().tolist()))
+        assert len(got) == 2, (v, got)
+        a, b = got
+        assert a < v < b and torch.nextafter(torch.tensor(a).half(),
+                                             torch.tensor(b).half()).item() == b
+        if math.isinf(b):  # (65504, 65536): up is inf, as often as the fraction says
+            frac = (h.float() == b).double().mean().item()
+            assert frac == pytest.approx((v - 65504) / 32, abs=2 ** -15)
+            continue
+        mean = h.double().mean().item()
+        assert mean == pytest.approx(v, abs=(b - a) * 2 ** -15), v
+    # the native pass rounds alike: "none" on subnormal weights with tiny steps
+    n = 4096
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-5).half()
+    for name in ISAS:
+        st = {"param": x.clone(), **_moments(n, "fp32"), "kahan": None}
+        ref = _clone(st)
+        g = torch.full((n,), 1e-3)
+        with isa(name):
+            _run("native", st, [g], master="none", rounding="stochastic", lr=1e-7)
+        _run("reference", ref, [g], master="none", rounding="stochastic", lr=1e-7)
+        _assert_same(st, ref, f"{name} fp16 subnormals")
+        assert not torch.equal(st["param"], x)  # the steps moved some weights
+
+
 SCALE_FIELDS = (13, 14, 15, 16, 17, 29, 30, 31, 32, 33, 1, 60, 127, 200, 252, 253, 254)
 
 
@@ -192,12 +265,13 @@ def test_kernel_matches_reference_at_scale_edges(name, rounding):
        threads=hs.sampled_from([1, 2]), maximize=hs.booleans(),
        decoupled=hs.booleans(), wd=hs.sampled_from([0.0, 0.1]),
        beta1=hs.sampled_from([0.0, 0.9, 0.6]), isa_name=hs.sampled_from(ISAS),
-       moments=hs.sampled_from(list(MOMENTS)))
+       moments=hs.sampled_from(list(MOMENTS)),
+       weights=hs.sampled_from([torch.bfloat16, torch.float16]))
 def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, spread, scale,
                                              specials, threads, maximize, decoupled, wd,
-                                             beta1, isa_name, moments):
+                                             beta1, isa_name, moments, weights):
     gen = torch.Generator().manual_seed(seed % 1000)
-    state = _state(n, master, gen, scale, moments)
+    state = _state(n, master, gen, scale, moments, weights)
     ref = _clone(state)
     grads = [g * scale for g in _grads(n, 3, gen, torch.float32, spread, specials)]
     hp = dict(maximize=maximize, decoupled_weight_decay=decoupled, weight_decay=wd,
