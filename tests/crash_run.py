@@ -7,7 +7,7 @@ Run as a script by tests/test_crash.py:
 GRADS: "synthetic" (default: set from a seeded generator) or "overlap" (a real
 backward with pipeline.overlap_backward, so records are written during backward).
 MASTER: optimizer.master_weights (fp32 by default; kahan and none with a bf16 model and
-any state dtype, whose records then keep the bf16 weights). PARAMS: parameters.offload
+any state dtype, whose records then keep the bf16 weights; MODEL_DTYPE fp16 too). PARAMS: parameters.offload
 (none by default; host or nvme put the weights and grads in the parameter tier, whose
 gradients come from a real backward: GRADS "backward").
 
@@ -148,7 +148,7 @@ def main(swap: str, backend: str, spec: str, steps: int, dtype: str = "fp32",
 
     point, n = spec.split(":")
     _arm(point, int(n))
-    model = make_model(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model = make_model({"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32))
     opt = make_optimizer(model)
     cfg = crash_config(swap, backend, state_dtype, master)
     cfg["pipeline"]["overlap_backward"] = grads == "overlap"

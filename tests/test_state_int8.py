@@ -483,7 +483,7 @@ class ReferenceInt8Adam:
         self.master = [p.detach().float().clone().reshape(-1) for p in self.params]
         self.segments = [[{
             "start": 0, **_moments(p.numel(), moments),
-            "kahan": torch.zeros(p.numel(), dtype=torch.bfloat16)
+            "kahan": torch.zeros(p.numel(), dtype=p.dtype)
             if master_weights == "kahan" and p.dtype != torch.float32 else None}]
             for p in self.params]
 
@@ -554,6 +554,14 @@ E2E = {
     "bf16-kahan-bf16-nvme": (torch.bfloat16, "kahan", dict(lr=1e-2), dict(host=0), "bf16"),
     "bf16-none-bf16-mixed": (torch.bfloat16, "none", dict(lr=1e-2, weight_decay=0.1),
                              dict(host="128KiB", buffer_count=4), "bf16"),
+    # fp16 models: an fp16 Kahan term, stochastic rounding to fp16
+    "fp16-kahan-fp32-mixed": (torch.float16, "kahan", dict(lr=1e-2, weight_decay=0.1),
+                              dict(host="128KiB", buffer_count=4), "fp32"),
+    "fp16-none-int8-nvme": (torch.float16, "none", dict(lr=1e-2), dict(host=0), "int8"),
+    "fp16-kahan-int8-nvme": (torch.float16, "kahan", dict(lr=1e-2, maximize=True),
+                             dict(host=0), "int8"),
+    "fp16-none-bf16-mixed": (torch.float16, "none", dict(lr=1e-2),
+                             dict(host="128KiB", buffer_count=4), "bf16"),
 }
 
 
@@ -615,7 +623,8 @@ def _native_cfg(path, state_dtype="int8", **kw):
 @pytest.mark.parametrize("dtype,mw,moments", [
     (torch.float32, "fp32", "int8"), (torch.bfloat16, "fp32", "int8"),
     (torch.bfloat16, "kahan", "int8"), (torch.bfloat16, "kahan", "fp32"),
-    (torch.bfloat16, "none", "fp32"), (torch.bfloat16, "kahan", "bf16")])
+    (torch.bfloat16, "none", "fp32"), (torch.bfloat16, "kahan", "bf16"),
+    (torch.float16, "kahan", "fp32"), (torch.float16, "none", "int8")])
 def test_state_dict_round_trip(tmp_path, dtype, mw, moments):
     """state_dict() widens the moments exactly (int8: dequantises); loading it into a fresh
     optimizer with the same state format and going on is bitwise the same as going on
@@ -672,11 +681,14 @@ def test_fp32_checkpoint_is_quantised_to_nearest_on_import(tmp_path):
 @pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("dtype,moments,master", [("fp32", "int8", "fp32"),
                                                   ("bf16", "fp32", "kahan"),
-                                                  ("bf16", "bf16", "none")])
+                                                  ("bf16", "bf16", "none"),
+                                                  ("fp16", "fp32", "kahan"),
+                                                  ("fp16", "int8", "none")])
 def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap, dtype, moments,
                                                     master):
-    """A run killed after its step 2 (crash_run.py: int8 state, or a bf16 model without a
-    master and fp32 / bf16 moments; overlap_backward on or off): `tiermem recover` writes
+    """A run killed after its step 2 (crash_run.py: int8 state, or a bf16 / fp16 model
+    without a master and fp32 / bf16 / int8 moments; overlap_backward on or off):
+    `tiermem recover` writes
     the fp32 moments and the weights of the commit, a resume continues bitwise where an
     uninterrupted run goes, and a resume with another state_dtype is refused by name."""
     from crash_run import (backward_grads, crash_config, make_model, make_optimizer,
@@ -684,7 +696,7 @@ def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap, 
     from tiermem.swap.recover import gather
 
     grads = backward_grads if overlap else set_grads
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     swap = tmp_path / "swap"
     run_killed(swap, backend, "after-step:2", 4, dtype, moments,
                "overlap" if overlap else "synthetic", master)
@@ -709,7 +721,7 @@ def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap, 
         for k in ("exp_avg", "exp_avg_sq"):
             assert_bitwise(st[k], at2["state"][i][k], f"recovered {i} {k}")
     for (name, _), w in zip(twin.named_parameters(), w2):
-        assert_bitwise(ckpt["model"][name], w.float() if dtype == "bf16" else w, name)
+        assert_bitwise(ckpt["model"][name], w.float(), name)
     other = "fp32" if moments == "bf16" else "bf16"
     stored = {"int8": "int8", "fp32": "fp32", "bf16": "bf16"}[moments]
     with pytest.raises(TierMemError, match=f"stored as {stored}, this config says "
@@ -777,9 +789,9 @@ def test_int8_loads_with_the_gpu_tier_and_the_device_step():
 
 @pytest.mark.parametrize("dtype,kw,cfg,word", [
     (torch.float32, dict(amsgrad=True), {}, "amsgrad"),
-    (torch.float16, {}, dict(master_weights="kahan"), "fp16"),
-    (torch.float16, {}, dict(master_weights="none", state_dtype="fp32"), "fp16"),
     (torch.bfloat16, dict(amsgrad=True), dict(master_weights="kahan", state_dtype="fp32"),
+     "amsgrad"),
+    (torch.float16, dict(amsgrad=True), dict(master_weights="none", state_dtype="bf16"),
      "amsgrad"),
     (torch.float64, {}, {}, "torch.float64"),
 ])

@@ -251,10 +251,7 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     elif master == "kahan":
         nb = low_nearest(p, param.dtype)
         param.view(-1).copy_(nb)
-        c = low_nearest(p - nb.float(), param.dtype)
-        if param.dtype == torch.float16:  # no term beside an overflowed weight
-            c = torch.where(torch.isinf(nb), torch.zeros_like(c), c)
-        kahan.view(-1).copy_(c)
+        kahan.view(-1).copy_(kahan_term(p, nb))
     else:
         rw = sr_bits(idx, k0 ^ W_KEY, k1) & 0xFFFF
         param.view(-1).copy_(bf16_stochastic(p, rw) if param.dtype == torch.bfloat16
@@ -301,6 +298,16 @@ def f16_nearest(x: Tensor) -> Tensor:
 def low_nearest(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x to bf16 or fp16, nearest even, canonical NaN."""
     return bf16_nearest(x) if dtype == torch.bfloat16 else f16_nearest(x)
+
+
+def kahan_term(p: Tensor, weight: Tensor) -> Tensor:
+    """The compensation term of fp32 value p beside its rounded weight (bf16 or fp16):
+    p - weight rounded to nearest in the weight's dtype; an fp16 term is 0 where the
+    weight overflowed to inf (p - inf would make the next p + term NaN)."""
+    c = low_nearest(p - weight.float(), weight.dtype)
+    if weight.dtype == torch.float16:
+        c = torch.where(torch.isinf(weight), torch.zeros_like(c), c)
+    return c
 
 
 def f16_stochastic(x: Tensor, r16: Tensor) -> Tensor:

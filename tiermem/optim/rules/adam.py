@@ -7,12 +7,12 @@ max_exp_avg_sq with amsgrad; moments in fp32, or bf16 with optimizer.state_dtype
 The update runs one of kernels.adam's kernels, all behind one dispatcher.
 
 With state_dtype int8 the moments are blockwise 8-bit codes with their scales
-(partition.SCALE_KINDS) and the update runs kernels.lowbit per segment. A bf16
-parameter's record holds, per optimizer.master_weights, an fp32 master, a bf16
-Kahan compensation term, or no weight at all; without an fp32 master the update runs
+(partition.SCALE_KINDS) and the update runs kernels.lowbit per segment. A bf16 or
+fp16 parameter's record holds, per optimizer.master_weights, an fp32 master, a
+Kahan compensation term in the parameter's dtype, or no weight at all; without an fp32 master the update runs
 kernels.lowbit per segment whatever the moments' format (int8, fp32 or bf16: the same
 weight arithmetic, the same random streams). Without an fp32 master a crash-consistent
-record also holds the model's bf16 weights (kind "weight"): the update runs on the
+record also holds the model's bf16 (or fp16) weights (kind "weight"): the update runs on the
 model's weights as in a scratch run, and OffloadedOptimizer copies them into the record
 right after, so a commit holds the weights and the state of the same step.
 """
@@ -34,7 +34,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
 MIXED_OUT = (torch.bfloat16, torch.float16)  # model dtypes the native kernel writes directly
 # kinds holding the weights themselves: an fp32 master, or (master_weights kahan/none,
-# crash-consistent) a copy of the model's bf16 weights
+# crash-consistent) a copy of the model's bf16 or fp16 weights
 WEIGHT_KINDS = ("master", "weight")
 
 
@@ -68,11 +68,6 @@ class AdamRule(UpdateRule):
             for p in group["params"]:
                 if self.state_dtype != "fp32":
                     self._check_low_state(g, p)
-                if self.master_weights != "fp32" and p.dtype == torch.float16:
-                    raise TierMemError(
-                        f"param_groups[{g}]: optimizer.master_weights {self.master_weights} "
-                        "updates bf16 weights, and a parameter is fp16; use master_weights "
-                        "fp32 or a bf16 model")
 
     def _check_low_state(self, g: int, p: torch.Tensor) -> None:
         """bf16 moments are updated by the native CPU kernel only (int8 ones also by
@@ -167,7 +162,7 @@ class AdamRule(UpdateRule):
     def _update_lowbit(self, batch: Batch) -> list[dict[str, int]]:
         """kernels.lowbit per segment: the native pass on CPU tensors, the torch reference
         elsewhere (bitwise the same). params[i] is the fp32 weight the update runs on (a
-        master, or an fp32 model), or with master_weights kahan/none the bf16 model weight
+        master, or an fp32 model), or with master_weights kahan/none the bf16 or fp16 model weight
         itself; the moments are int8 codes with their scales, or fp32 / bf16 values."""
         group = batch.group
         beta1, beta2 = (float(b) for b in group["betas"])
