@@ -158,7 +158,8 @@ def int8_run(tmp_path, backend, *, dtype, master, step_device=None, mix="mixed",
     (torch.bfloat16, "fp32", "cpu"), (torch.bfloat16, "fp32", "device"),
     (torch.bfloat16, "kahan", "device"), (torch.bfloat16, "none", "device"),
     # kahan/none with fp32 moments: kernels.lowbit too (bf16 moments run on the CPU only)
-    (torch.bfloat16, "kahan", "device", "fp32"), (torch.bfloat16, "none", "device", "fp32")]])
+    (torch.bfloat16, "kahan", "device", "fp32"), (torch.bfloat16, "none", "device", "fp32"),
+    (torch.float16, "kahan", "device", "fp32"), (torch.float16, "none", "device")]])
 @pytest.mark.parametrize("backend", backend_params())
 def test_int8_state_through_the_lanes(tmp_path, backend, dtype, master, step_device,
                                       moments):

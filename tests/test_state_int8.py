@@ -815,7 +815,8 @@ def test_master_weights_need_adam(tmp_path):
 @pytest.mark.parametrize("dtype,mw,per,moments", [
     ("fp32", "fp32", 2 + 8 / 256, "int8"), ("bf16", "fp32", 6 + 8 / 256, "int8"),
     ("bf16", "kahan", 4 + 8 / 256, "int8"), ("bf16", "none", 2 + 8 / 256, "int8"),
-    ("bf16", "kahan", 10, "fp32"), ("bf16", "none", 4, "bf16")])
+    ("bf16", "kahan", 10, "fp32"), ("bf16", "none", 4, "bf16"), ("fp16", "kahan", 10, "fp32"),
+    ("fp16", "none", 2 + 8 / 256, "int8")])
 @pytest.mark.parametrize("backend", backend_params())
 def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per, moments):
     """`tiermem stress --state-dtype ... --master-weights ... --verify`: every sampled
