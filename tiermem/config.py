@@ -165,13 +165,13 @@ class OptimizerSettings:
         "and partition for bf16, by step and parameter for int8) or nearest (even); ignored "
         "with fp32 state.", default="stochastic")
     master_weights: Literal["fp32", "kahan", "none"] = doc(
-        "What a bf16 parameter's record keeps of its weight: fp32 (a master copy), kahan (a "
-        "bf16 compensation term: the update runs on weight + term, the rounding error is "
-        "kept) or none (the bf16 weight is updated and rounded back stochastically); kahan "
-        "and none run with any state_dtype (no amsgrad, not with kernel match, bf16 models "
-        "only: fp16 ones are refused), and with crash_consistent durability the records "
-        "also keep the bf16 weights (2 B/param); fp32 parameters are their own master "
-        "whatever it says.", default="fp32")
+        "What a bf16 or fp16 parameter's record keeps of its weight: fp32 (a master copy), "
+        "kahan (a compensation term in the parameter's dtype: the update runs on weight + "
+        "term, the rounding error is kept) or none (the weight is updated and rounded back "
+        "stochastically); kahan and none run with any state_dtype (no amsgrad, not with "
+        "kernel match), and with crash_consistent durability the records also keep the "
+        "weights (2 B/param); fp32 parameters are their own master whatever it says.",
+        default="fp32")
     step_device: Literal["cpu", "device"] = doc(
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
         "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "
