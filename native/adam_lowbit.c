@@ -58,6 +58,10 @@
  * Above 65504 a carry gives inf (as rounding to nearest does from 65520 on), from
  * 65536 on every value is inf.
  *
+ * Dense moments also take amsgrad (vmax: max_exp_avg_sq in the moments' format): as
+ * adam.c, vmax = max(vmax, v) with any NaN giving NaN, the step uses it, and a bf16
+ * vmax is rounded with exp_avg_sq's bits, so rounding keeps vmax >= exp_avg_sq.
+ *
  * Paths: AVX-512 (F, BW, VL) and portable scalar C, bitwise the same (every
  * operation is correctly rounded, -ffp-contract=off, fmaf() where the vector
  * path uses an FMA). Large calls are split over threads by chunks of whole
@@ -99,6 +103,7 @@ typedef struct lb_job {
     void *p;             /* float (MW_FP32) or uint16_t bf16 (the model's weight) */
     uint16_t *comp;      /* MW_KAHAN */
     uint8_t *m, *v;      /* MF_INT8: codes; else fp32 or bf16 values (cast at use) */
+    void *vmax;          /* amsgrad's max_exp_avg_sq (dense moments only), or NULL */
     float *ms, *vs;      /* one scale per block (MF_INT8) */
     const void *g;
     void *out;           /* MW_FP32 only: bf16/fp16 copy of p, or NULL */
@@ -187,6 +192,14 @@ static inline float load_g1(const lb_job *j, int64_t i)
         return ((const float *)j->g)[i];
     uint16_t h = ((const uint16_t *)j->g)[i];
     return j->g_dtype == LB_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/* amsgrad's max, NaN if either is (adam.c's max_nan). */
+static inline float lb_max_nan(float a, float b)
+{
+    if (a != a || b != b)
+        return f32_from_bits(0xFFFFFFFFu);
+    return a > b ? a : b;
 }
 
 /* fp16 to nearest even, every NaN the canonical 0x7E00. */
@@ -314,7 +327,11 @@ static void dense_scalar(const lb_job *j, int64_t begin, int64_t end)
         else
             p = load_w1(j, (uint16_t *)j->p, i);
         tm_moments1(&j->k, &g, &p, &m, &v);
-        p = tm_param_step1(&j->k, p, m, v);
+        float vv = v;
+        if (j->vmax)
+            vv = lb_max_nan(j->mf == MF_F32 ? ((float *)j->vmax)[i]
+                                            : bf16_to_f32(((uint16_t *)j->vmax)[i]), v);
+        p = tm_param_step1(&j->k, p, m, vv);
         if (j->mw == MW_FP32) {
             ((float *)j->p)[i] = p;
             if (j->out) {
@@ -329,13 +346,19 @@ static void dense_scalar(const lb_job *j, int64_t begin, int64_t end)
         if (j->mf == MF_F32) {
             ((float *)j->m)[i] = m;
             ((float *)j->v)[i] = v;
+            if (j->vmax)
+                ((float *)j->vmax)[i] = vv;
         } else if (j->sr) {
             uint32_t r = sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1);
             ((uint16_t *)j->m)[i] = f32_to_bf16_sr(m, r & 0xFFFFu);
             ((uint16_t *)j->v)[i] = f32_to_bf16_sr(v, r >> 16);
+            if (j->vmax)
+                ((uint16_t *)j->vmax)[i] = f32_to_bf16_sr(vv, r >> 16);
         } else {
             ((uint16_t *)j->m)[i] = f32_to_bf16(m);
             ((uint16_t *)j->v)[i] = f32_to_bf16(v);
+            if (j->vmax)
+                ((uint16_t *)j->vmax)[i] = f32_to_bf16(vv);
         }
     }
 }
@@ -549,7 +572,7 @@ w16x16(__m256i h, int w16)
  * step, the weights stored; the new fp32 moments come back in *mo, *vo. */
 static inline TGT_LB __attribute__((always_inline)) void
 update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int w16, int odt,
-         __m512 *mo, __m512 *vo)
+         __m512 *mo, __m512 *vo, __m512 *vx)
 {
     __m512 g;
     if (gdt == LB_F32) {
@@ -566,9 +589,16 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int w16, int
         if (mw == MW_KAHAN)
             p = _mm512_add_ps(p, w16x16(_mm256_maskz_loadu_epi16(km, j->comp + i), w16));
     }
-    __m512 m = *mo, v = *vo;
+    __m512 m = *mo, v = *vo, vv;
     tm_moments16(&j->k, &g, &p, &m, &v);
-    p = tm_param_step16(&j->k, p, m, v);
+    vv = v;
+    if (vx) {  /* amsgrad: *vx holds the old vmax, gets the new one */
+        __mmask16 un = _mm512_cmp_ps_mask(*vx, v, _CMP_UNORD_Q);
+        vv = _mm512_mask_mov_ps(_mm512_max_ps(*vx, v), un,
+                                _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+        *vx = vv;
+    }
+    p = tm_param_step16(&j->k, p, m, vv);
     if (mw == MW_FP32) {
         _mm512_mask_storeu_ps((float *)j->p + i, km, p);
         if (odt >= 0) {
@@ -795,7 +825,7 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16
                 if (b + k + LB_PF < end)                                               \
                     prefetch16(j, b + k, gdt, mw);                                     \
                 DECODE;                                                                \
-                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, w16, odt, &m, &v);           \
+                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, w16, odt, &m, &v, NULL);           \
                 _mm512_store_ps(tm + k, m);                                            \
                 _mm512_store_ps(tv + k, v);                                            \
                 range_add(&q, m, v, (__mmask16)0xFFFF);                                \
@@ -829,7 +859,7 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16
                 __mmask16 km = lanes(len - k);
                 __m512 m, v;
                 dec16(j, b + k, km, ms, vs, &m, &v);
-                update16(j, b + k, km, gdt, mw, w16, odt, &m, &v);
+                update16(j, b + k, km, gdt, mw, w16, odt, &m, &v, NULL);
                 _mm512_store_ps(tm + k, m);
                 _mm512_store_ps(tv + k, v);
                 range_add(&q, m, v, km);
@@ -887,25 +917,40 @@ dense512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16
             m = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->m + i));
             v = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->v + i));
         }
-        update16(j, i, km, gdt, mw, w16, odt, &m, &v);
+        __m512 vx = _mm512_setzero_ps();
+        if (j->vmax)
+            vx = mf == MF_F32 ? _mm512_maskz_loadu_ps(km, (const float *)j->vmax + i)
+                              : bf16x16(_mm256_maskz_loadu_epi16(km,
+                                                                 (const uint16_t *)j->vmax + i));
+        update16(j, i, km, gdt, mw, w16, odt, &m, &v, j->vmax ? &vx : NULL);
         if (mf == MF_F32) {
             _mm512_mask_storeu_ps((float *)j->m + i, km, m);
             _mm512_mask_storeu_ps((float *)j->v + i, km, v);
+            if (j->vmax)
+                _mm512_mask_storeu_ps((float *)j->vmax + i, km, vx);
         } else {
-            __m256i hm, hv;
+            __m256i hm, hv, hx = _mm256_setzero_si256();
             if (sr) {
                 __m512i r = sr_mix16(x, j->k1);
+                __m512i rv = _mm512_srli_epi32(r, 16);
                 hm = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(
                     _mm512_castps_si512(m), _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF))),
                     16), m);
                 hv = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(
-                    _mm512_castps_si512(v), _mm512_srli_epi32(r, 16)), 16), v);
+                    _mm512_castps_si512(v), rv), 16), v);
+                if (j->vmax)
+                    hx = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(
+                        _mm512_castps_si512(vx), rv), 16), vx);
             } else {
                 hm = bf16_rne16(m);
                 hv = bf16_rne16(v);
+                if (j->vmax)
+                    hx = bf16_rne16(vx);
             }
             _mm256_mask_storeu_epi16((uint16_t *)j->m + i, km, hm);
             _mm256_mask_storeu_epi16((uint16_t *)j->v + i, km, hv);
+            if (j->vmax)
+                _mm256_mask_storeu_epi16((uint16_t *)j->vmax + i, km, hx);
         }
         x = _mm512_add_epi32(x, step);
     }
@@ -1043,7 +1088,7 @@ static void *run_chunks(void *arg)
 int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *comp,
                         int moment_dtype,
                         void *exp_avg, float *exp_avg_scale, void *exp_avg_sq,
-                        float *exp_avg_sq_scale,
+                        float *exp_avg_sq_scale, void *max_exp_avg_sq,
                         const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                         double lr, double beta1, double beta2, double eps,
                         double weight_decay, double step, int maximize, int decoupled,
@@ -1056,9 +1101,11 @@ int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *co
                                 : weight_dtype != LB_BF16 && weight_dtype != LB_F16) ||
         crc_mask < 0 || crc_mask >= (1 << LB_NARRAYS) || (crc_mask && !crcs))
         return -EINVAL;
-    /* dense moments have no scales */
+    /* dense moments have no scales; int8 codes no max_exp_avg_sq */
     if (moment_dtype != MF_INT8 &&
         (exp_avg_scale || exp_avg_sq_scale || (crc_mask & (CRC_MS | CRC_VS))))
+        return -EINVAL;
+    if (moment_dtype == MF_INT8 && max_exp_avg_sq)
         return -EINVAL;
     if (out && (master_mode != MW_FP32 || (out_dtype != LB_BF16 && out_dtype != LB_F16)))
         return -EINVAL;
@@ -1080,7 +1127,7 @@ int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *co
         .p = p, .comp = comp, .m = exp_avg, .v = exp_avg_sq, .ms = exp_avg_scale,
         .vs = exp_avg_sq_scale, .g = grad, .out = out, .g_dtype = grad_dtype,
         .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic, .mf = moment_dtype,
-        .w16 = weight_dtype == LB_F16,
+        .w16 = weight_dtype == LB_F16, .vmax = max_exp_avg_sq,
         .idx0 = (uint32_t)index0, .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
         .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };

@@ -168,8 +168,8 @@ class OptimizerSettings:
         "What a bf16 or fp16 parameter's record keeps of its weight: fp32 (a master copy), "
         "kahan (a compensation term in the parameter's dtype: the update runs on weight + "
         "term, the rounding error is kept) or none (the weight is updated and rounded back "
-        "stochastically); kahan and none run with any state_dtype (no amsgrad, not with "
-        "kernel match), and with crash_consistent durability the records also keep the "
+        "stochastically); kahan and none run with any state_dtype (amsgrad with fp32 or bf16 "
+        "moments; not with kernel match), and with crash_consistent durability the records also keep the "
         "weights (2 B/param); fp32 parameters are their own master whatever it says.",
         default="fp32")
     step_device: Literal["cpu", "device"] = doc(

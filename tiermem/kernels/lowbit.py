@@ -25,6 +25,8 @@ kahan/none with state_dtype fp32 or bf16) run the same pass and the same weight
 arithmetic; only the moments' load and store differ. bf16 moments are rounded as the
 codes are: to nearest even, or stochastically with the low (exp_avg) and high
 (exp_avg_sq) 16 bits of the same stream. The moments' format is their tensors' dtype.
+Dense moments take amsgrad too (max_exp_avg_sq in their format, rounded with
+exp_avg_sq's bits).
 
 The weights without a master are bf16 or fp16 (the param's dtype; a Kahan term has
 it too). fp16 ones round to nearest even as IEEE does (subnormals, overflow to inf;
@@ -192,6 +194,7 @@ def quantize(x: Tensor, *, signed: bool, rounding: str = "nearest", seed: int = 
 def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
                           exp_avg_scale: Tensor | None = None, exp_avg_sq: Tensor,
                           exp_avg_sq_scale: Tensor | None = None, kahan: Tensor | None = None,
+                          max_exp_avg_sq: Tensor | None = None,
                           weight_out: Tensor | None = None, master: str = "fp32",
                           step: float | int | Tensor, lr: float | Tensor, beta1: float,
                           beta2: float, eps: float, weight_decay: float = 0.0,
@@ -201,7 +204,8 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
                           ) -> dict[str, int]:
     """The update in plain torch, on any device; every tensor updated in place."""
     _check_args(master, rounding, kahan, weight_out, param)
-    dense = _check_moments(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
+    dense = _check_moments(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale,
+                           max_exp_avg_sq)
     if checksums:
         raise ValueError("checksums: the reference kernel computes none; hash the record")
     step = float(step.item() if isinstance(step, Tensor) else step)
@@ -237,9 +241,13 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     m = fma32(c1.expand_as(d), d, m) if small else fma32(c1m1.expand_as(d), d, g)
     cg = c2 * g
     v = fma32(cg, g, v * b2)
+    vv = v
+    if max_exp_avg_sq is not None:  # amsgrad: NaN if either is, as the kernels' max
+        vv = torch.where(torch.isnan(v) | torch.isnan(max_exp_avg_sq.reshape(-1).float()),
+                         math.nan, torch.maximum(max_exp_avg_sq.reshape(-1).float(), v))
     # torch's fp32 sqrt is not correctly rounded on every CPU build; float64's is, and
     # rounding it to fp32 is then too (53 >= 2 * 24 + 2 bits).
-    denom = torch.sqrt(v.double()).float() / bc2s + eps32
+    denom = torch.sqrt(vv.double()).float() / bc2s + eps32
     p = p + (nss * m) / denom
     idx = torch.arange(n, dtype=torch.int64, device=p.device) + (offset & M32)
     k0, k1 = _keys(seed, offset)
@@ -258,15 +266,16 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
                              else f16_stochastic(p, rw))
     r = sr_bits(idx, k0, k1) if rounding == "stochastic" else None
     if dense:
-        if exp_avg.dtype == torch.float32:
-            exp_avg.view(-1).copy_(m)
-            exp_avg_sq.view(-1).copy_(v)
-        elif r is None:
-            exp_avg.view(-1).copy_(bf16_nearest(m))
-            exp_avg_sq.view(-1).copy_(bf16_nearest(v))
-        else:
-            exp_avg.view(-1).copy_(bf16_stochastic(m, r & 0xFFFF))
-            exp_avg_sq.view(-1).copy_(bf16_stochastic(v, r >> 16))
+        pairs = [(exp_avg, m, 0), (exp_avg_sq, v, 16)]
+        if max_exp_avg_sq is not None:  # rounded with exp_avg_sq's bits: stays >= it
+            pairs.append((max_exp_avg_sq, vv, 16))
+        for dst, x, shift in pairs:
+            if dst.dtype == torch.float32:
+                dst.view(-1).copy_(x)
+            elif r is None:
+                dst.view(-1).copy_(bf16_nearest(x))
+            else:
+                dst.view(-1).copy_(bf16_stochastic(x, (r >> shift) & 0xFFFF))
         return {}
     sm, im = _scales(m)
     sv, iv = _scales(v)
@@ -341,9 +350,10 @@ def bf16_stochastic(x: Tensor, r16: Tensor) -> Tensor:
 
 
 def _check_moments(exp_avg: Tensor, exp_avg_sq: Tensor, exp_avg_scale: Tensor | None,
-                   exp_avg_sq_scale: Tensor | None) -> bool:
+                   exp_avg_sq_scale: Tensor | None, max_exp_avg_sq: Tensor | None = None
+                   ) -> bool:
     """Whether the moments are dense (fp32 or bf16 values, no scales) rather than int8
-    codes with their block scales; refuse a mix."""
+    codes with their block scales; refuse a mix, and amsgrad's max beside int8 codes."""
     if exp_avg.dtype not in MOMENT_FORMATS or exp_avg_sq.dtype != exp_avg.dtype:
         raise TypeError(f"exp_avg, exp_avg_sq: expected both uint8 (int8 codes), float32 or "
                         f"bfloat16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
@@ -352,6 +362,9 @@ def _check_moments(exp_avg: Tensor, exp_avg_sq: Tensor, exp_avg_scale: Tensor | 
     if scales != (not dense, not dense):
         raise ValueError("exp_avg_scale, exp_avg_sq_scale: int8 codes need both, "
                          f"{exp_avg.dtype} moments take neither")
+    if max_exp_avg_sq is not None and (not dense or max_exp_avg_sq.dtype != exp_avg.dtype):
+        raise ValueError(f"max_exp_avg_sq: amsgrad runs with fp32 or bf16 moments, in their "
+                         f"dtype ({exp_avg.dtype}), got {max_exp_avg_sq.dtype}")
     return dense
 
 
@@ -385,7 +398,8 @@ def _ptr(ffi, t: Tensor | None, ctype: str):
 def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
                        exp_avg_scale: Tensor | None = None, exp_avg_sq: Tensor,
                        exp_avg_sq_scale: Tensor | None = None,
-                       kahan: Tensor | None = None, weight_out: Tensor | None = None,
+                       kahan: Tensor | None = None, max_exp_avg_sq: Tensor | None = None,
+                       weight_out: Tensor | None = None,
                        master: str = "fp32", step: float | int | Tensor, lr: float | Tensor,
                        beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
                        maximize: bool = False, decoupled_weight_decay: bool = True,
@@ -399,12 +413,15 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
 
     native_adam.isa()  # applies TIERMEM_ADAM_ISA before the first call
     _check_args(master, rounding, kahan, weight_out, param)
-    dense = _check_moments(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
+    dense = _check_moments(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale,
+                           max_exp_avg_sq)
     n = param.numel()
     check_tensor(param, "param", (param.dtype,), n)
     check_tensor(grad, "grad", tuple(GRAD_DTYPES), n)
     check_tensor(exp_avg, "exp_avg", (exp_avg.dtype,), n)
     check_tensor(exp_avg_sq, "exp_avg_sq", (exp_avg.dtype,), n)
+    if max_exp_avg_sq is not None:
+        check_tensor(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg.dtype,), n)
     if not dense:
         check_tensor(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
         check_tensor(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
@@ -434,7 +451,7 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         _ptr(ffi, kahan, "uint16_t *"),
         MOMENT_FORMATS[exp_avg.dtype], _ptr(ffi, exp_avg, "void *"),
         _ptr(ffi, exp_avg_scale, "float *"), _ptr(ffi, exp_avg_sq, "void *"),
-        _ptr(ffi, exp_avg_sq_scale, "float *"),
+        _ptr(ffi, exp_avg_sq_scale, "float *"), _ptr(ffi, max_exp_avg_sq, "void *"),
         _ptr(ffi, grad, "void *"), GRAD_DTYPES[grad.dtype], _ptr(ffi, weight_out, "void *"),
         OUT_DTYPES[weight_out.dtype] if weight_out is not None else 0, n, float(lr),
         float(beta1), float(beta2), float(eps), float(weight_decay), step, int(maximize),

@@ -398,6 +398,8 @@ class Verifier:
                 **{kind: rec[kind][slices[kind][n]] if kind in rec else None for kind in (
                     "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")},
                 kahan=rec["kahan"][slices["kahan"][n]] if "kahan" in rec else None,
+                max_exp_avg_sq=(rec["max_exp_avg_sq"][slices["max_exp_avg_sq"][n]]
+                                if "max_exp_avg_sq" in rec else None),
                 master="fp32" if param.dtype == torch.float32 else opt.master_weights,
                 step=step, lr=group["lr"], beta1=float(group["betas"][0]),
                 beta2=float(group["betas"][1]), eps=group["eps"],

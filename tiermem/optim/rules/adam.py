@@ -25,7 +25,7 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update
-from tiermem.kernels.lowbit import lowbit_update
+from tiermem.kernels.lowbit import CRC_ARRAYS, lowbit_update
 from tiermem.kernels.native_adam import state_seed
 from tiermem.optim.rules.base import Batch, UpdateRule, Views, check_group_tensors
 from tiermem.partition import QUANT_BLOCK, Partition, state_kinds
@@ -58,13 +58,6 @@ class AdamRule(UpdateRule):
                 raise TierMemError(
                     f"param_groups[{g}]: optimizer.state_dtype int8 keeps no max_exp_avg_sq; "
                     "use amsgrad=False, or state_dtype fp32 or bf16")
-            if (self.master_weights != "fp32" and group.get("amsgrad")
-                    and any(p.dtype != torch.float32 for p in group["params"])):
-                # kernels.lowbit, the one kernel that updates weights without a master,
-                # keeps no max_exp_avg_sq.
-                raise TierMemError(
-                    f"param_groups[{g}]: optimizer.master_weights {self.master_weights} runs "
-                    "without amsgrad; use amsgrad=False, or master_weights fp32")
             for p in group["params"]:
                 if self.state_dtype != "fp32":
                     self._check_low_state(g, p)
@@ -174,7 +167,8 @@ class AdamRule(UpdateRule):
             # The kernel's "master" array is `param`: an fp32 master's CRC, or, without one,
             # that of the bf16 weights the caller copies into the record's "weight" kind
             # right after (the same bytes).
-            wanted = [k for k in batch.checksums if k not in WEIGHT_KINDS]
+            # (amsgrad's max has no CRC from the pass: such a record is hashed by the store)
+            wanted = [k for k in batch.checksums if k in CRC_ARRAYS and k not in WEIGHT_KINDS]
             if ("master" if master == "fp32" else "weight") in batch.checksums:
                 wanted.append("master")
             index, start = batch.origins[i]
@@ -186,6 +180,8 @@ class AdamRule(UpdateRule):
                 exp_avg_sq_scale=(st["exp_avg_sq_scale"][i] if "exp_avg_sq_scale" in st
                                   else None),
                 kahan=st["kahan"][i] if "kahan" in st else None,
+                max_exp_avg_sq=(st["max_exp_avg_sq"][i] if "max_exp_avg_sq" in st
+                                else None),
                 weight_out=batch.weights_out[i] if batch.weights_out else None,
                 master=master, step=batch.steps[i], lr=group["lr"], beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"],
@@ -202,7 +198,7 @@ class AdamRule(UpdateRule):
 
 WINDOW = 1 << 32  # elements of one stream window (the kernels' 32-bit counter)
 ARRAYS = ("param", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale",
-          "kahan", "weight_out")
+          "kahan", "max_exp_avg_sq", "weight_out")
 
 
 def int8_segment(*, kernel: str, start: int, param_index: int, step, checksums=(),
