@@ -6,8 +6,8 @@ Run as a script by tests/test_crash.py:
 
 GRADS: "synthetic" (default: set from a seeded generator) or "overlap" (a real
 backward with pipeline.overlap_backward, so records are written during backward).
-MASTER: optimizer.master_weights (fp32 by default; kahan and none with a bf16 model and
-any state dtype, whose records then keep the bf16 weights; MODEL_DTYPE fp16 too). PARAMS: parameters.offload
+MASTER: optimizer.master_weights (fp32 by default; kahan and none with a bf16 or fp16
+model and any state dtype, whose records then keep the weights). PARAMS: parameters.offload
 (none by default; host or nvme put the weights and grads in the parameter tier, whose
 gradients come from a real backward: GRADS "backward").
 

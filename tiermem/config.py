@@ -169,8 +169,9 @@ class OptimizerSettings:
         "kahan (a compensation term in the parameter's dtype: the update runs on weight + "
         "term, the rounding error is kept) or none (the weight is updated and rounded back "
         "stochastically); kahan and none run with any state_dtype (amsgrad with fp32 or bf16 "
-        "moments; not with kernel match), and with crash_consistent durability the records also keep the "
-        "weights (2 B/param); fp32 parameters are their own master whatever it says.",
+        "moments; not with kernel match) in tiermem's kernels.lowbit pass whatever "
+        "optimizer.kernel says, and with crash_consistent durability the records also keep "
+        "the weights (2 B/param); fp32 parameters are their own master whatever it says.",
         default="fp32")
     step_device: Literal["cpu", "device"] = doc(
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "

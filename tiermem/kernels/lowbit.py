@@ -1,6 +1,6 @@
 """Adam/AdamW on 8-bit blockwise moments (optimizer.state_dtype: int8), and the weight
-formats of bf16 models without an fp32 master (optimizer.master_weights), with int8,
-fp32 or bf16 moments.
+formats of bf16 / fp16 models without an fp32 master (optimizer.master_weights), with
+int8, fp32 or bf16 moments.
 
 One segment's update, one keyword-only signature, two kernels behind `lowbit_update`:
 

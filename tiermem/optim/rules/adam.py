@@ -8,13 +8,14 @@ The update runs one of kernels.adam's kernels, all behind one dispatcher.
 
 With state_dtype int8 the moments are blockwise 8-bit codes with their scales
 (partition.SCALE_KINDS) and the update runs kernels.lowbit per segment. A bf16 or
-fp16 parameter's record holds, per optimizer.master_weights, an fp32 master, a
-Kahan compensation term in the parameter's dtype, or no weight at all; without an fp32 master the update runs
-kernels.lowbit per segment whatever the moments' format (int8, fp32 or bf16: the same
-weight arithmetic, the same random streams). Without an fp32 master a crash-consistent
-record also holds the model's bf16 (or fp16) weights (kind "weight"): the update runs on the
-model's weights as in a scratch run, and OffloadedOptimizer copies them into the record
-right after, so a commit holds the weights and the state of the same step.
+fp16 parameter's record holds, per optimizer.master_weights, an fp32 master, a Kahan
+compensation term in the parameter's dtype, or no weight at all; without an fp32 master
+the update runs kernels.lowbit per segment whatever the moments' format (int8, fp32 or
+bf16: the same weight arithmetic, the same random streams). Without an fp32 master a
+crash-consistent record also holds the model's bf16 (or fp16) weights (kind "weight"):
+the update runs on the model's weights as in a scratch run, and OffloadedOptimizer
+copies them into the record right after, so a commit holds the weights and the state of
+the same step.
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ class AdamRule(UpdateRule):
     def _update_lowbit(self, batch: Batch) -> list[dict[str, int]]:
         """kernels.lowbit per segment: the native pass on CPU tensors, the torch reference
         elsewhere (bitwise the same). params[i] is the fp32 weight the update runs on (a
-        master, or an fp32 model), or with master_weights kahan/none the bf16 or fp16 model weight
-        itself; the moments are int8 codes with their scales, or fp32 / bf16 values."""
+        master, or an fp32 model), or with master_weights kahan/none the bf16 or fp16 model
+        weight itself; the moments are int8 codes with their scales, or fp32 / bf16 values."""
         group = batch.group
         beta1, beta2 = (float(b) for b in group["betas"])
         st = {k: v for k, v in batch.state.items() if k != "weight"}
