@@ -40,6 +40,28 @@
  * model weight, updated in fp32 and rounded back stochastically with the bits of
  * a second key (so they are independent of the moments' bits).
  *
+ * The same weight formats also run with dense moments (moment_dtype fp32 or bf16:
+ * optimizer.state_dtype fp32/bf16 with master_weights kahan/none): no blocks and no
+ * scales, each element's moments read, updated by the same arithmetic and stored back,
+ * bf16 ones rounded to nearest even or stochastically with the bits the codes would
+ * use (exp_avg the low 16, exp_avg_sq the high 16 of sr_bits(index0 + i)). Only the
+ * moments' load and store differ from the int8 pass.
+ *
+ * fp16 weights (w16: kahan with an fp16 term, none rounded stochastically to fp16) take
+ * the same steps with fp16's rounding: nearest even (subnormals and overflow to inf
+ * as IEEE), every NaN the canonical 0x7E00; a Kahan term is 0 once the weight
+ * overflowed to inf (p - inf would turn the next step's p + term into NaN). Stochastic
+ * rounding to fp16 (f16_sr) keeps the 16 random bits' meaning across fp16's
+ * subnormals: the fraction of an fp16 spacing that x lies above the fp16 value below
+ * it (toward zero), cut to 16 bits, plus the 16 random bits, carries 1 or 0 into that
+ * value; the spacing is 2^-24 below 2^-14 (subnormals), so there more bits are dropped.
+ * Above 65504 a carry gives inf (as rounding to nearest does from 65520 on), from
+ * 65536 on every value is inf.
+ *
+ * Dense moments also take amsgrad (vmax: max_exp_avg_sq in the moments' format): as
+ * adam.c, vmax = max(vmax, v) with any NaN giving NaN, the step uses it, and a bf16
+ * vmax is rounded with exp_avg_sq's bits, so rounding keeps vmax >= exp_avg_sq.
+ *
  * Paths: AVX-512 (F, BW, VL) and portable scalar C, bitwise the same (every
  * operation is correctly rounded, -ffp-contract=off, fmaf() where the vector
  * path uses an FMA). Large calls are split over threads by chunks of whole
@@ -63,6 +85,7 @@
 
 enum { LB_F32 = 0, LB_BF16 = 1, LB_F16 = 2 };
 enum { MW_FP32 = 0, MW_KAHAN = 1, MW_NONE = 2 };
+enum { MF_INT8 = 0, MF_F32 = 1, MF_BF16 = 2 };  /* the moments' format */
 enum { CRC_P = 1, CRC_M = 2, CRC_MS = 4, CRC_V = 8, CRC_VS = 16, CRC_COMP = 32 };
 #define LB_NARRAYS 6
 
@@ -79,11 +102,13 @@ enum { CRC_P = 1, CRC_M = 2, CRC_MS = 4, CRC_V = 8, CRC_VS = 16, CRC_COMP = 32 }
 typedef struct lb_job {
     void *p;             /* float (MW_FP32) or uint16_t bf16 (the model's weight) */
     uint16_t *comp;      /* MW_KAHAN */
-    uint8_t *m, *v;
-    float *ms, *vs;      /* one scale per block */
+    uint8_t *m, *v;      /* MF_INT8: codes; else fp32 or bf16 values (cast at use) */
+    void *vmax;          /* amsgrad's max_exp_avg_sq (dense moments only), or NULL */
+    float *ms, *vs;      /* one scale per block (MF_INT8) */
     const void *g;
     void *out;           /* MW_FP32 only: bf16/fp16 copy of p, or NULL */
-    int g_dtype, out_dtype, mw, sr;
+    int g_dtype, out_dtype, mw, sr, mf;
+    int w16;             /* MW_KAHAN / MW_NONE: the weights (and term) are fp16, not bf16 */
     uint32_t idx0, k0, k1;
     tm_adam_coef k;      /* the Adam arithmetic's coefficients (numeric.h) */
 } lb_job;
@@ -169,6 +194,69 @@ static inline float load_g1(const lb_job *j, int64_t i)
     return j->g_dtype == LB_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
+/* amsgrad's max, NaN if either is (adam.c's max_nan). */
+static inline float lb_max_nan(float a, float b)
+{
+    if (a != a || b != b)
+        return f32_from_bits(0xFFFFFFFFu);
+    return a > b ? a : b;
+}
+
+/* fp16 to nearest even, every NaN the canonical 0x7E00. */
+static inline uint16_t f16w_rne(float f)
+{
+    return f != f ? 0x7E00u : f32_to_f16(f);
+}
+
+/* Stochastic rounding of f to fp16 with 16 random bits r (see the top of the file). */
+static inline uint16_t f16w_sr(float f, uint32_t r)
+{
+    uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u)
+        return 0x7E00u;
+    if (a >= 0x47800000u)
+        return (uint16_t)(sign | 0x7C00u);
+    uint32_t e = a >> 23, base, q;
+    if (a >= 0x38800000u) {  /* fp16 normal: 13 bits dropped */
+        base = (a - (112u << 23)) >> 13;
+        q = (a & 0x1FFFu) << 3;
+    } else {                 /* fp16 subnormal: 126 - e bits dropped (at most 40 counted) */
+        uint32_t sh = 126u - e < 40u ? 126u - e : 40u;
+        uint64_t m24 = (a & 0x7FFFFFu) | (e ? 0x800000u : 0u);
+        uint64_t rem = m24 & ((1ull << sh) - 1);
+        base = (uint32_t)(m24 >> sh);
+        q = (uint32_t)(sh >= 16 ? rem >> (sh - 16) : rem << (16 - sh));
+    }
+    return (uint16_t)(sign | (base + ((q + r) >> 16)));
+}
+
+/* The model's low-precision weight (or Kahan term) i as fp32. */
+static inline float load_w1(const lb_job *j, const uint16_t *w, int64_t i)
+{
+    return j->w16 ? f16_to_f32(w[i]) : bf16_to_f32(w[i]);
+}
+
+/* kahan: the weight p rounded to nearest into w[i], the rounding error into comp[i]. */
+static inline void store_kahan1(const lb_job *j, int64_t i, float p)
+{
+    uint16_t *w = (uint16_t *)j->p;
+    if (j->w16) {
+        uint16_t nb = f16w_rne(p);
+        w[i] = nb;
+        j->comp[i] = (nb & 0x7FFFu) == 0x7C00u ? 0u : f16w_rne(p - f16_to_f32(nb));
+    } else {
+        uint16_t nb = f32_to_bf16(p);
+        w[i] = nb;
+        j->comp[i] = f32_to_bf16(p - bf16_to_f32(nb));
+    }
+}
+
+static inline void store_none1(const lb_job *j, int64_t i, float p)
+{
+    uint32_t rw = sr_bits(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1) & 0xFFFFu;
+    ((uint16_t *)j->p)[i] = j->w16 ? f16w_sr(p, rw) : f32_to_bf16_sr(p, rw);
+}
+
 static void block_scalar(const lb_job *j, int64_t b0, int len)
 {
     float tm[QB], tv[QB];
@@ -180,9 +268,9 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
         if (j->mw == MW_FP32)
             p = ((float *)j->p)[i];
         else if (j->mw == MW_KAHAN)
-            p = bf16_to_f32(((uint16_t *)j->p)[i]) + bf16_to_f32(j->comp[i]);
+            p = load_w1(j, (uint16_t *)j->p, i) + load_w1(j, j->comp, i);
         else
-            p = bf16_to_f32(((uint16_t *)j->p)[i]);
+            p = load_w1(j, (uint16_t *)j->p, i);
         float m = dec_m(j->m[i], ms), v = dec_v(j->v[i], vs);
         tm_moments1(&j->k, &g, &p, &m, &v);
         p = tm_param_step1(&j->k, p, m, v);
@@ -193,12 +281,9 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
                 o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
             }
         } else if (j->mw == MW_KAHAN) {
-            uint16_t nb = f32_to_bf16(p);
-            ((uint16_t *)j->p)[i] = nb;
-            j->comp[i] = f32_to_bf16(p - bf16_to_f32(nb));
+            store_kahan1(j, i, p);
         } else {
-            uint32_t rw = sr_bits(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1);
-            ((uint16_t *)j->p)[i] = f32_to_bf16_sr(p, rw & 0xFFFFu);
+            store_none1(j, i, p);
         }
         tm[k] = m;
         tv[k] = v;
@@ -219,6 +304,62 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
         uint32_t r = j->sr ? sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1) : 0u;
         j->m[i] = enc_m(tm[k], ims, j->sr, r & 0xFFFFu);
         j->v[i] = enc_v(tv[k], ivs, j->sr, r >> 16);
+    }
+}
+
+/* One element with dense moments (MF_F32, MF_BF16): the weights as block_scalar does
+ * them, the moments stored in their format. */
+static void dense_scalar(const lb_job *j, int64_t begin, int64_t end)
+{
+    for (int64_t i = begin; i < end; i++) {
+        float g = load_g1(j, i), p, m, v;
+        if (j->mf == MF_F32) {
+            m = ((float *)j->m)[i];
+            v = ((float *)j->v)[i];
+        } else {
+            m = bf16_to_f32(((uint16_t *)j->m)[i]);
+            v = bf16_to_f32(((uint16_t *)j->v)[i]);
+        }
+        if (j->mw == MW_FP32)
+            p = ((float *)j->p)[i];
+        else if (j->mw == MW_KAHAN)
+            p = load_w1(j, (uint16_t *)j->p, i) + load_w1(j, j->comp, i);
+        else
+            p = load_w1(j, (uint16_t *)j->p, i);
+        tm_moments1(&j->k, &g, &p, &m, &v);
+        float vv = v;
+        if (j->vmax)
+            vv = lb_max_nan(j->mf == MF_F32 ? ((float *)j->vmax)[i]
+                                            : bf16_to_f32(((uint16_t *)j->vmax)[i]), v);
+        p = tm_param_step1(&j->k, p, m, vv);
+        if (j->mw == MW_FP32) {
+            ((float *)j->p)[i] = p;
+            if (j->out) {
+                uint16_t *o = (uint16_t *)j->out;
+                o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
+            }
+        } else if (j->mw == MW_KAHAN) {
+            store_kahan1(j, i, p);
+        } else {
+            store_none1(j, i, p);
+        }
+        if (j->mf == MF_F32) {
+            ((float *)j->m)[i] = m;
+            ((float *)j->v)[i] = v;
+            if (j->vmax)
+                ((float *)j->vmax)[i] = vv;
+        } else if (j->sr) {
+            uint32_t r = sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1);
+            ((uint16_t *)j->m)[i] = f32_to_bf16_sr(m, r & 0xFFFFu);
+            ((uint16_t *)j->v)[i] = f32_to_bf16_sr(v, r >> 16);
+            if (j->vmax)
+                ((uint16_t *)j->vmax)[i] = f32_to_bf16_sr(vv, r >> 16);
+        } else {
+            ((uint16_t *)j->m)[i] = f32_to_bf16(m);
+            ((uint16_t *)j->v)[i] = f32_to_bf16(v);
+            if (j->vmax)
+                ((uint16_t *)j->vmax)[i] = f32_to_bf16(vv);
+        }
     }
 }
 
@@ -374,11 +515,64 @@ bf16x16(__m256i h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* fp16 to nearest even (vcvtps2ph: IEEE, subnormals and overflow included), every NaN the
+ * canonical 0x7E00: f16w_rne on 16 lanes. */
+static inline TGT_LB __attribute__((always_inline)) __m256i
+f16_rne16(__m512 x)
+{
+    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                 _mm256_set1_epi16(0x7E00));
+}
+
+/* f16w_sr on 16 lanes (r16: the random bits, one per 32-bit lane). Subnormal lanes drop
+ * sh = 126 - e bits (14..40; vpsrlvd/vpsllvd give 0 for counts of 32 and more, as the
+ * scalar path's 64-bit shifts give for what is left below the 16 bits kept). */
+static inline TGT_LB __attribute__((always_inline)) __m256i
+f16_sr16(__m512 x, __m512i r16)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
+    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i e = _mm512_srli_epi32(a, 23);
+    __mmask16 normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x38800000));
+    __m512i sh = _mm512_min_epu32(_mm512_sub_epi32(_mm512_set1_epi32(126), e),
+                                  _mm512_set1_epi32(40));
+    __m512i m24 = _mm512_or_si512(
+        _mm512_and_si512(a, _mm512_set1_epi32(0x7FFFFF)),
+        _mm512_maskz_mov_epi32(_mm512_cmpgt_epu32_mask(e, _mm512_setzero_si512()),
+                               _mm512_set1_epi32(0x800000)));
+    __m512i rem = _mm512_and_si512(m24, _mm512_sub_epi32(
+        _mm512_sllv_epi32(_mm512_set1_epi32(1), sh), _mm512_set1_epi32(1)));
+    __m512i base = _mm512_srlv_epi32(m24, sh);
+    __m512i q = _mm512_mask_mov_epi32(
+        _mm512_sllv_epi32(rem, _mm512_sub_epi32(_mm512_set1_epi32(16), sh)),
+        _mm512_cmpge_epu32_mask(sh, _mm512_set1_epi32(16)),
+        _mm512_srlv_epi32(rem, _mm512_sub_epi32(sh, _mm512_set1_epi32(16))));
+    base = _mm512_mask_mov_epi32(base, normal, _mm512_srli_epi32(
+        _mm512_sub_epi32(a, _mm512_set1_epi32((int)(112u << 23))), 13));
+    q = _mm512_mask_mov_epi32(q, normal, _mm512_slli_epi32(
+        _mm512_and_si512(a, _mm512_set1_epi32(0x1FFF)), 3));
+    __m512i h = _mm512_add_epi32(base, _mm512_srli_epi32(_mm512_add_epi32(q, r16), 16));
+    h = _mm512_mask_mov_epi32(h, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x47800000)),
+                              _mm512_set1_epi32(0x7C00));
+    h = _mm512_or_si512(h, sign);
+    h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
+                              _mm512_set1_epi32(0x7E00));
+    return _mm512_cvtepi32_epi16(h);
+}
+
+static inline TGT_LB __attribute__((always_inline)) __m512
+w16x16(__m256i h, int w16)
+{
+    return w16 ? _mm512_cvtph_ps(h) : bf16x16(h);
+}
+
 /* Pass 1 on 16 elements (lanes km) at i, their moments dequantised in *mo, *vo: the Adam
  * step, the weights stored; the new fp32 moments come back in *mo, *vo. */
 static inline TGT_LB __attribute__((always_inline)) void
-update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m512 *mo,
-         __m512 *vo)
+update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int w16, int odt,
+         __m512 *mo, __m512 *vo, __m512 *vx)
 {
     __m512 g;
     if (gdt == LB_F32) {
@@ -391,13 +585,20 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m
     if (mw == MW_FP32) {
         p = _mm512_maskz_loadu_ps(km, (const float *)j->p + i);
     } else {
-        p = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i));
+        p = w16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->p + i), w16);
         if (mw == MW_KAHAN)
-            p = _mm512_add_ps(p, bf16x16(_mm256_maskz_loadu_epi16(km, j->comp + i)));
+            p = _mm512_add_ps(p, w16x16(_mm256_maskz_loadu_epi16(km, j->comp + i), w16));
     }
-    __m512 m = *mo, v = *vo;
+    __m512 m = *mo, v = *vo, vv;
     tm_moments16(&j->k, &g, &p, &m, &v);
-    p = tm_param_step16(&j->k, p, m, v);
+    vv = v;
+    if (vx) {  /* amsgrad: *vx holds the old vmax, gets the new one */
+        __mmask16 un = _mm512_cmp_ps_mask(*vx, v, _CMP_UNORD_Q);
+        vv = _mm512_mask_mov_ps(_mm512_max_ps(*vx, v), un,
+                                _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+        *vx = vv;
+    }
+    p = tm_param_step16(&j->k, p, m, vv);
     if (mw == MW_FP32) {
         _mm512_mask_storeu_ps((float *)j->p + i, km, p);
         if (odt >= 0) {
@@ -405,6 +606,13 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m
                 : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             _mm256_mask_storeu_epi16((uint16_t *)j->out + i, km, h);
         }
+    } else if (mw == MW_KAHAN && w16) {
+        __m256i nb = f16_rne16(p);
+        __m256i c = f16_rne16(_mm512_sub_ps(p, _mm512_cvtph_ps(nb)));
+        __mmask16 inf = _mm256_cmpeq_epi16_mask(
+            _mm256_and_si256(nb, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x7C00));
+        _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
+        _mm256_mask_storeu_epi16(j->comp + i, km, _mm256_maskz_mov_epi16((__mmask16)~inf, c));
     } else if (mw == MW_KAHAN) {
         __m256i nb = bf16_rne16(p);
         _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
@@ -412,8 +620,13 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int odt, __m
     } else {
         __m512i rw = _mm512_and_si512(sr_bits16(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1),
                                       _mm512_set1_epi32(0xFFFF));
-        __m512i u = _mm512_castps_si512(p);
-        __m256i nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
+        __m256i nb;
+        if (w16) {
+            nb = f16_sr16(p, rw);
+        } else {
+            __m512i u = _mm512_castps_si512(p);
+            nb = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(u, rw), 16), p);
+        }
         _mm256_mask_storeu_epi16((uint16_t *)j->p + i, km, nb);
     }
     *mo = m;
@@ -586,7 +799,8 @@ encode_block(const lb_job *j, const lb_pending *q, int sr, __m512i *x)
  * always). Every element's result is exactly what the plain order gives; the random
  * bits' Weyl step advances vector by vector. */
 static inline TGT_LB __attribute__((always_inline)) void
-range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt, int sr)
+range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16, int odt,
+         int sr)
 {
     lb_job c = *jin;  /* a local whose address never escapes: fields stay in registers */
     const lb_job *j = &c;
@@ -611,7 +825,7 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
                 if (b + k + LB_PF < end)                                               \
                     prefetch16(j, b + k, gdt, mw);                                     \
                 DECODE;                                                                \
-                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, odt, &m, &v);           \
+                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, w16, odt, &m, &v, NULL);           \
                 _mm512_store_ps(tm + k, m);                                            \
                 _mm512_store_ps(tv + k, v);                                            \
                 range_add(&q, m, v, (__mmask16)0xFFFF);                                \
@@ -645,7 +859,7 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
                 __mmask16 km = lanes(len - k);
                 __m512 m, v;
                 dec16(j, b + k, km, ms, vs, &m, &v);
-                update16(j, b + k, km, gdt, mw, odt, &m, &v);
+                update16(j, b + k, km, gdt, mw, w16, odt, &m, &v, NULL);
                 _mm512_store_ps(tm + k, m);
                 _mm512_store_ps(tv + k, v);
                 range_add(&q, m, v, km);
@@ -670,31 +884,113 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int odt
         encode_block(j, &prev, sr, &x);
 }
 
+
+/* Dense moments (MF_F32, MF_BF16), 16 elements at a time: load, update16 (the weights
+ * exactly as the int8 pass does them), store; the moments' random bits from the same
+ * Weyl step as the codes'. Bit for bit dense_scalar. */
+static inline TGT_LB __attribute__((always_inline)) void
+dense512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16, int odt,
+         int mf, int sr)
+{
+    lb_job c = *jin;
+    const lb_job *j = &c;
+    const int msz = mf == MF_F32 ? 4 : 2;
+    __m512i x = sr ? sr_weyl16(j->idx0 + (uint32_t)begin, j->k0) : _mm512_setzero_si512();
+    const __m512i step = _mm512_set1_epi32((int)(16u * SR_W));
+    for (int64_t i = begin; i < end; i += 16) {
+        __mmask16 km = lanes((int)(end - i < 16 ? end - i : 16));
+        if (i + LB_PF < end) {
+            _mm_prefetch((const char *)j->g + (i + LB_PF) * (gdt == LB_F32 ? 4 : 2),
+                         _MM_HINT_T0);
+            _mm_prefetch((const char *)j->p + (i + LB_PF) * (mw == MW_FP32 ? 4 : 2),
+                         _MM_HINT_T0);
+            if (mw == MW_KAHAN)
+                _mm_prefetch((const char *)(j->comp + i + LB_PF), _MM_HINT_T0);
+            _mm_prefetch((const char *)j->m + (i + LB_PF) * msz, _MM_HINT_T0);
+            _mm_prefetch((const char *)j->v + (i + LB_PF) * msz, _MM_HINT_T0);
+        }
+        __m512 m, v;
+        if (mf == MF_F32) {
+            m = _mm512_maskz_loadu_ps(km, (const float *)j->m + i);
+            v = _mm512_maskz_loadu_ps(km, (const float *)j->v + i);
+        } else {
+            m = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->m + i));
+            v = bf16x16(_mm256_maskz_loadu_epi16(km, (const uint16_t *)j->v + i));
+        }
+        __m512 vx = _mm512_setzero_ps();
+        if (j->vmax)
+            vx = mf == MF_F32 ? _mm512_maskz_loadu_ps(km, (const float *)j->vmax + i)
+                              : bf16x16(_mm256_maskz_loadu_epi16(km,
+                                                                 (const uint16_t *)j->vmax + i));
+        update16(j, i, km, gdt, mw, w16, odt, &m, &v, j->vmax ? &vx : NULL);
+        if (mf == MF_F32) {
+            _mm512_mask_storeu_ps((float *)j->m + i, km, m);
+            _mm512_mask_storeu_ps((float *)j->v + i, km, v);
+            if (j->vmax)
+                _mm512_mask_storeu_ps((float *)j->vmax + i, km, vx);
+        } else {
+            __m256i hm, hv, hx = _mm256_setzero_si256();
+            if (sr) {
+                __m512i r = sr_mix16(x, j->k1);
+                __m512i rv = _mm512_srli_epi32(r, 16);
+                hm = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(
+                    _mm512_castps_si512(m), _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF))),
+                    16), m);
+                hv = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(
+                    _mm512_castps_si512(v), rv), 16), v);
+                if (j->vmax)
+                    hx = pack_bf16_16(_mm512_srli_epi32(_mm512_add_epi32(
+                        _mm512_castps_si512(vx), rv), 16), vx);
+            } else {
+                hm = bf16_rne16(m);
+                hv = bf16_rne16(v);
+                if (j->vmax)
+                    hx = bf16_rne16(vx);
+            }
+            _mm256_mask_storeu_epi16((uint16_t *)j->m + i, km, hm);
+            _mm256_mask_storeu_epi16((uint16_t *)j->v + i, km, hv);
+            if (j->vmax)
+                _mm256_mask_storeu_epi16((uint16_t *)j->vmax + i, km, hx);
+        }
+        x = _mm512_add_epi32(x, step);
+    }
+}
+
 /* Each combination gets its own loop with them as constants. */
-#define LB_SR(G, MW, O)                                                                \
+#define LB_SR(G, MW, W, O)                                                             \
     do {                                                                               \
-        if (j->sr)                                                                     \
-            range512(j, begin, end, G, MW, O, 1);                                      \
+        if (j->mf == MF_F32)                                                           \
+            dense512(j, begin, end, G, MW, W, O, MF_F32, 0);                           \
+        else if (j->mf == MF_BF16 && j->sr)                                            \
+            dense512(j, begin, end, G, MW, W, O, MF_BF16, 1);                          \
+        else if (j->mf == MF_BF16)                                                     \
+            dense512(j, begin, end, G, MW, W, O, MF_BF16, 0);                          \
+        else if (j->sr)                                                                \
+            range512(j, begin, end, G, MW, W, O, 1);                                   \
         else                                                                           \
-            range512(j, begin, end, G, MW, O, 0);                                      \
+            range512(j, begin, end, G, MW, W, O, 0);                                   \
     } while (0)
 #define LB_OUT(G, MW)                                                                  \
     do {                                                                               \
         if (odt == LB_BF16)                                                            \
-            LB_SR(G, MW, LB_BF16);                                                     \
+            LB_SR(G, MW, 0, LB_BF16);                                                  \
         else if (odt == LB_F16)                                                        \
-            LB_SR(G, MW, LB_F16);                                                      \
+            LB_SR(G, MW, 0, LB_F16);                                                   \
         else                                                                           \
-            LB_SR(G, MW, -1);                                                          \
+            LB_SR(G, MW, 0, -1);                                                       \
     } while (0)
 #define LB_MW(G)                                                                       \
     do {                                                                               \
         if (j->mw == MW_FP32)                                                          \
             LB_OUT(G, MW_FP32);                                                        \
+        else if (j->mw == MW_KAHAN && j->w16)                                          \
+            LB_SR(G, MW_KAHAN, 1, -1);                                                 \
         else if (j->mw == MW_KAHAN)                                                    \
-            LB_SR(G, MW_KAHAN, -1);                                                    \
+            LB_SR(G, MW_KAHAN, 0, -1);                                                 \
+        else if (j->w16)                                                               \
+            LB_SR(G, MW_NONE, 1, -1);                                                  \
         else                                                                           \
-            LB_SR(G, MW_NONE, -1);                                                     \
+            LB_SR(G, MW_NONE, 0, -1);                                                  \
     } while (0)
 
 static TGT_LB void lowbit_avx512(const lb_job *j, int64_t begin, int64_t end)
@@ -712,6 +1008,10 @@ static TGT_LB void lowbit_avx512(const lb_job *j, int64_t begin, int64_t end)
 static void lowbit_scalar(const lb_job *j, int64_t begin, int64_t end)
 {
     lb_job c = *j;
+    if (c.mf != MF_INT8) {
+        dense_scalar(&c, begin, end);
+        return;
+    }
     for (int64_t b = begin; b < end; b += QB)
         block_scalar(&c, b, (int)(end - b < QB ? end - b : QB));
 }
@@ -732,7 +1032,11 @@ typedef struct {
 static size_t arr_elem(const lb_job *j, int a)
 {
     static const size_t sz[LB_NARRAYS] = {0, 1, 4, 1, 4, 2};
-    return a == 0 ? (j->mw == MW_FP32 ? 4 : 2) : sz[a];
+    if (a == 0)
+        return j->mw == MW_FP32 ? 4 : 2;
+    if ((a == 1 || a == 3) && j->mf != MF_INT8)
+        return j->mf == MF_F32 ? 4 : 2;
+    return sz[a];
 }
 
 static const char *arr_base(const lb_job *j, int a)
@@ -781,8 +1085,10 @@ static void *run_chunks(void *arg)
     }
 }
 
-int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_avg,
-                        float *exp_avg_scale, uint8_t *exp_avg_sq, float *exp_avg_sq_scale,
+int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *comp,
+                        int moment_dtype,
+                        void *exp_avg, float *exp_avg_scale, void *exp_avg_sq,
+                        float *exp_avg_sq_scale, void *max_exp_avg_sq,
                         const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                         double lr, double beta1, double beta2, double eps,
                         double weight_decay, double step, int maximize, int decoupled,
@@ -790,8 +1096,16 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_a
                         int crc_mask, uint32_t *crcs)
 {
     if (n < 0 || grad_dtype < LB_F32 || grad_dtype > LB_F16 || master_mode < MW_FP32 ||
-        master_mode > MW_NONE || crc_mask < 0 || crc_mask >= (1 << LB_NARRAYS) ||
-        (crc_mask && !crcs))
+        master_mode > MW_NONE || moment_dtype < MF_INT8 || moment_dtype > MF_BF16 ||
+        (master_mode == MW_FP32 ? weight_dtype != LB_F32
+                                : weight_dtype != LB_BF16 && weight_dtype != LB_F16) ||
+        crc_mask < 0 || crc_mask >= (1 << LB_NARRAYS) || (crc_mask && !crcs))
+        return -EINVAL;
+    /* dense moments have no scales; int8 codes no max_exp_avg_sq */
+    if (moment_dtype != MF_INT8 &&
+        (exp_avg_scale || exp_avg_sq_scale || (crc_mask & (CRC_MS | CRC_VS))))
+        return -EINVAL;
+    if (moment_dtype == MF_INT8 && max_exp_avg_sq)
         return -EINVAL;
     if (out && (master_mode != MW_FP32 || (out_dtype != LB_BF16 && out_dtype != LB_F16)))
         return -EINVAL;
@@ -803,7 +1117,8 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_a
             crcs[a] = 0;
     if (n == 0)
         return 0;
-    if (!p || !exp_avg || !exp_avg_scale || !exp_avg_sq || !exp_avg_sq_scale || !grad ||
+    if (!p || !exp_avg || !exp_avg_sq || !grad ||
+        (moment_dtype == MF_INT8 && (!exp_avg_scale || !exp_avg_sq_scale)) ||
         (master_mode == MW_KAHAN) != (comp != NULL) || ((crc_mask & CRC_COMP) && !comp))
         return -EINVAL;
 
@@ -811,7 +1126,8 @@ int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_a
     lb_job j = {
         .p = p, .comp = comp, .m = exp_avg, .v = exp_avg_sq, .ms = exp_avg_scale,
         .vs = exp_avg_sq_scale, .g = grad, .out = out, .g_dtype = grad_dtype,
-        .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic,
+        .out_dtype = out_dtype, .mw = master_mode, .sr = !!stochastic, .mf = moment_dtype,
+        .w16 = weight_dtype == LB_F16, .vmax = max_exp_avg_sq,
         .idx0 = (uint32_t)index0, .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
         .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };

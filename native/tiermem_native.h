@@ -92,9 +92,15 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
  * crc_mask bits 1, 2, 4, 8, 16, 32: CRC32C of p, exp_avg, exp_avg_scale,
  * exp_avg_sq, exp_avg_sq_scale, comp after the update into crcs[0..5]. Returns
  * 0, -EINVAL, -ENOMEM, or -ERANGE when index0 .. index0 + n crosses a multiple
- * of 2^32. */
-int tm_adam_lowbit_step(void *p, int master_mode, uint16_t *comp, uint8_t *exp_avg,
-                        float *exp_avg_scale, uint8_t *exp_avg_sq, float *exp_avg_sq_scale,
+ * of 2^32. moment_dtype: 0 = those int8 codes; 1 = fp32, 2 = bf16 moments (dense: no
+ * scales, both scale pointers NULL; bf16 ones stored with the same rounding and bits
+ * as the codes), with the same weight formats. weight_dtype: 0 (fp32) with master_mode
+ * 0; 1 (bf16) or 2 (fp16) weights and term with kahan / none. max_exp_avg_sq:
+ * amsgrad's running max in the dense moments' format, or NULL (int8: always NULL). */
+int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *comp,
+                        int moment_dtype,
+                        void *exp_avg, float *exp_avg_scale, void *exp_avg_sq,
+                        float *exp_avg_sq_scale, void *max_exp_avg_sq,
                         const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                         double lr, double beta1, double beta2, double eps,
                         double weight_decay, double step, int maximize, int decoupled,

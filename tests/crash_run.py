@@ -6,8 +6,8 @@ Run as a script by tests/test_crash.py:
 
 GRADS: "synthetic" (default: set from a seeded generator) or "overlap" (a real
 backward with pipeline.overlap_backward, so records are written during backward).
-MASTER: optimizer.master_weights (fp32 by default; kahan and none with int8 state and
-a bf16 model, whose records then keep the bf16 weights). PARAMS: parameters.offload
+MASTER: optimizer.master_weights (fp32 by default; kahan and none with a bf16 or fp16
+model and any state dtype, whose records then keep the weights). PARAMS: parameters.offload
 (none by default; host or nvme put the weights and grads in the parameter tier, whose
 gradients come from a real backward: GRADS "backward").
 
@@ -66,7 +66,8 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 def crash_config(swap: str, backend: str, state_dtype: str = "fp32",
                  master_weights: str = "fp32") -> dict:
     """Mixed placement (one host-tier record, the rest on NVMe), tiny partitions."""
-    if state_dtype != "fp32":  # no kernel reproduces torch's bitwise with bf16/int8 moments
+    # no kernel reproduces torch's bitwise with bf16/int8 moments or without a master
+    if state_dtype != "fp32" or master_weights != "fp32":
         cfg = crash_config(swap, backend)
         cfg["optimizer"] = {"kernel": "native", "state_dtype": state_dtype,
                             "master_weights": master_weights}
@@ -147,7 +148,7 @@ def main(swap: str, backend: str, spec: str, steps: int, dtype: str = "fp32",
 
     point, n = spec.split(":")
     _arm(point, int(n))
-    model = make_model(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model = make_model({"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32))
     opt = make_optimizer(model)
     cfg = crash_config(swap, backend, state_dtype, master)
     cfg["pipeline"]["overlap_backward"] = grads == "overlap"

@@ -123,13 +123,14 @@ def parity(rank: int, world: int, tmp: str, backend: str, *, host="0", grads="re
 
 
 def int8_parity(rank: int, world: int, tmp: str, master: str = "fp32",
-                rounding: str = "nearest") -> None:
+                rounding: str = "nearest", moments: str = "int8") -> None:
     """optimizer.state_dtype int8 on shares: quantisation blocks sit at multiples of 256
     elements of each parameter (shares are cut on CUT_ALIGN) and stochastic rounding draws
     from the stream of (step, the user's parameter) at the element's place in it, so each
     rank's run equals the plain-torch int8 reference on whole parameters fed the mean
     gradient, bit for bit, whatever the rounding. master kahan/none: a bf16 model whose
-    shares of weights (and Kahan terms) are updated by their owner and gathered."""
+    shares of weights (and Kahan terms) are updated by their owner and gathered, with
+    `moments` int8, fp32 or bf16 (the same streams)."""
     from test_state_int8 import ReferenceInt8Adam, hyper
 
     model = Synthetic() if master == "fp32" else Synthetic().to(torch.bfloat16)
@@ -138,12 +139,13 @@ def int8_parity(rank: int, world: int, tmp: str, master: str = "fp32",
     groups = groups_of(ref_model)
     firsts = [sum(len(g["params"]) for g in groups[:k]) for k in range(len(groups))]
     refs = [ReferenceInt8Adam(g["params"], hyper(lr=g.get("lr", 1e-2), weight_decay=0.05),
-                              rounding=rounding, master_weights=master, first=first)
+                              rounding=rounding, master_weights=master, first=first,
+                              moments=moments)
             for g, first in zip(groups, firsts)]
     batches = make_batches(model, STEPS, seed=10 + rank)
     cfg = small_cfg(tmp, host="128KiB")
-    cfg["optimizer"] = {"kernel": "native", "state_dtype": "int8", "state_rounding": rounding,
-                        "master_weights": master}
+    cfg["optimizer"] = {"kernel": "native", "state_dtype": moments,
+                        "state_rounding": rounding, "master_weights": master}
     with tiermem.offload(opt, cfg, model=model) as tm:
         for i, micro in enumerate(batches):
             local_backward(model, micro, i, rank)
@@ -501,6 +503,9 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "int8-nearest": lambda r, d: int8_parity(r, world, d),
         "int8-kahan": lambda r, d: int8_parity(r, world, d, "kahan"),
         "int8-none-stochastic": lambda r, d: int8_parity(r, world, d, "none", "stochastic"),
+        "fp32-kahan": lambda r, d: int8_parity(r, world, d, "kahan", moments="fp32"),
+        "bf16-none-stochastic": lambda r, d: int8_parity(r, world, d, "none", "stochastic",
+                                                         "bf16"),
         "resume-one-step-apart": lambda r, d: resume_one_step_apart(r, world, d),
         "placeholders": lambda r, d: placeholders(r, world, d),
         "kept-guard": lambda r, d: kept_guard(r, world, d),

@@ -34,9 +34,9 @@ from tiermem.errors import TierMemError
 STEPS = 3
 
 
-def params_config(swap: str, backend: str, params: str, master: str) -> dict:
-    cfg = (crash_config(swap, backend) if master == "fp32"
-           else crash_config(swap, backend, "int8", master))
+def params_config(swap: str, backend: str, params: str, master: str,
+                  moments: str = "fp32") -> dict:
+    cfg = crash_config(swap, backend, moments, master)
     cfg["parameters"] = {"offload": params}
     return cfg
 
@@ -50,14 +50,15 @@ def make(master: str, meta: bool = False) -> torch.nn.Module:
 
 
 class Case:
-    def __init__(self, backend: str, params: str, master: str) -> None:
+    def __init__(self, backend: str, params: str, master: str, moments: str) -> None:
         self.backend, self.params, self.master = backend, params, master
+        self.moments = moments
         self.ref: list[tuple[list[torch.Tensor], dict]] = []
         self.writes_at: list[int] = []  # swap writes issued before "begin k" (k = 1..)
         self.writes = 0
 
     def config(self, swap: str) -> dict:
-        return params_config(swap, self.backend, self.params, self.master)
+        return params_config(swap, self.backend, self.params, self.master, self.moments)
 
     def run(self, root) -> None:
         """An uninterrupted run: the weights and state_dict after 0..STEPS+1 steps, and
@@ -114,8 +115,10 @@ def _points(c: Case) -> list[tuple[str, int]]:
     return pts
 
 
-KEYS = [(b.values[0], p, "fp32") for b in BACKEND_PARAMS for p in ("host", "nvme")] + [
-    ("threads", "nvme", "kahan")]
+# (backend, parameters.offload, master_weights, state_dtype)
+KEYS = [(b.values[0], p, "fp32", "fp32") for b in BACKEND_PARAMS for p in ("host", "nvme")] + [
+    ("threads", "nvme", "kahan", "int8"), ("threads", "host", "kahan", "fp32"),
+    ("threads", "nvme", "none", "bf16")]
 IDS = ["-".join(k) for k in KEYS]
 N_POINTS = 9
 
@@ -128,7 +131,7 @@ def test_resume_after_kill(tmp_path, case, which):
     swap = tmp_path / "swap"
     out = run_killed(swap, case.backend, f"{point}:{n}", STEPS,
                      "fp32" if case.master == "fp32" else "bf16",
-                     "fp32" if case.master == "fp32" else "int8", "backward", case.master,
+                     case.moments, "backward", case.master,
                      case.params)
     step = expected_step(point, out)
     cfg = case.config(str(swap))
@@ -192,7 +195,7 @@ def test_a_failed_step_rolls_back_the_tier_weights(tmp_path, monkeypatch):
     and the step can be taken again."""
     from tiermem.errors import TierMemIOError
 
-    c = Case("threads", "nvme", "fp32")
+    c = Case("threads", "nvme", "fp32", "fp32")
     c.run(tmp_path / "ref")
     model = make("fp32")
     opt = make_optimizer(model)

@@ -1,6 +1,7 @@
 """Weights that live outside an fp32 master, committed with the state (crash_consistent).
 
-optimizer.master_weights kahan / none (a bf16 model, int8 moments): the model's bf16
+optimizer.master_weights kahan / none (a bf16 model; int8, fp32 or bf16 moments: COMBOS):
+the model's bf16
 weights are the only copy of the weights, so a crash-consistent record keeps them too
 (kind "weight", copied in by every update). A child (tests/crash_run.py) is killed at
 every point tests/test_crash.py kills one, on both backends; resuming from what it left
@@ -24,20 +25,22 @@ from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
 from test_crash import POINTS, expected_step, poisoned, recover, refused_before_first_commit
 
 STEPS = 3
-MASTERS = ("kahan", "none")
+# (master_weights, state_dtype)
+COMBOS = (("kahan", "int8"), ("none", "int8"), ("kahan", "fp32"), ("none", "bf16"))
 
 
-def low_config(swap: str, backend: str, master: str) -> dict:
-    return crash_config(swap, backend, "int8", master)
+def low_config(swap: str, backend: str, master: str, moments: str = "int8") -> dict:
+    return crash_config(swap, backend, moments, master)
 
 
-def uninterrupted(tmp_path_factory, backend: str, master: str, steps: int
+def uninterrupted(tmp_path_factory, backend: str, master: str, moments: str, steps: int
                   ) -> tuple[int, list[tuple[list[torch.Tensor], dict]]]:
     """(records per step, the weights and state_dict after 0..steps steps) of a run that
     is never killed: what a resume must give back."""
     model = make_model(torch.bfloat16)
     opt = make_optimizer(model)
-    cfg = low_config(str(tmp_path_factory.mktemp(f"ref-{master}")), backend, master)
+    cfg = low_config(str(tmp_path_factory.mktemp(f"ref-{master}-{moments}")), backend,
+                     master, moments)
     out = []
     with tiermem.offload(opt, cfg, model=model) as tm:
         plan = tm.plan()
@@ -52,28 +55,30 @@ def uninterrupted(tmp_path_factory, backend: str, master: str, steps: int
     return plan["partitions"], out
 
 
-_REFS: dict[tuple[str, str], tuple[int, list]] = {}
+_REFS: dict[tuple[str, str, str], tuple[int, list]] = {}
 
 
 @pytest.fixture
 def reference(tmp_path_factory, request):
-    backend, master = request.param
-    if (backend, master) not in _REFS:
-        _REFS[backend, master] = uninterrupted(tmp_path_factory, backend, master, STEPS + 1)
-    return _REFS[backend, master]
+    key = request.param
+    if key not in _REFS:
+        _REFS[key] = uninterrupted(tmp_path_factory, *key, STEPS + 1)
+    return _REFS[key]
 
 
 def test_records_keep_the_weights_and_the_plan_counts_them(tmp_path):
     """2 B/param more in a crash-consistent record: kahan + int8 4.03 -> 6.03, none + int8
-    2.03 -> 4.03; the plan's arithmetic says the same."""
+    2.03 -> 4.03, kahan + fp32 10 -> 12, none + bf16 4 -> 6; the plan's arithmetic says
+    the same."""
     from tiermem.tools.optimizers import state_bytes
 
-    for master, per in (("kahan", 6 + 8 / 256), ("none", 4 + 8 / 256)):
+    for (master, moments), per in zip(COMBOS, (6 + 8 / 256, 4 + 8 / 256, 12, 6)):
         model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters())
-        cfg = {"swap": {"paths": [str(tmp_path / master)], "durability": "crash_consistent"},
+        cfg = {"swap": {"paths": [str(tmp_path / f"{master}-{moments}")],
+                        "durability": "crash_consistent"},
                "tiers": {"host": {"capacity": 0}}, "pipeline": {"partition_size": "1MiB"},
-               "optimizer": {"state_dtype": "int8", "master_weights": master}}
+               "optimizer": {"state_dtype": moments, "master_weights": master}}
         with tiermem.offload(opt, cfg, model=model) as tm:
             got = tm.plan()["state_bytes"]["nvme"] / model.weight.numel()
             tm.discard()
@@ -83,8 +88,8 @@ def test_records_keep_the_weights_and_the_plan_counts_them(tmp_path):
             == pytest.approx(per, rel=0.001)
 
 
-@pytest.mark.parametrize("master", MASTERS)
-def test_keeping_the_weights_changes_no_number(tmp_path, master):
+@pytest.mark.parametrize("master,moments", COMBOS)
+def test_keeping_the_weights_changes_no_number(tmp_path, master, moments):
     """The copy of the weights in the record changes the layout (fewer elements a
     partition), not the arithmetic: a crash-consistent run trains bitwise as a scratch run
     (int8 rounding streams are keyed by parameter, not by partition)."""
@@ -92,7 +97,7 @@ def test_keeping_the_weights_changes_no_number(tmp_path, master):
     for durability in ("scratch", "crash_consistent"):
         model = make_model(torch.bfloat16)
         opt = make_optimizer(model)
-        cfg = low_config(str(tmp_path / durability), "threads", master)
+        cfg = low_config(str(tmp_path / durability), "threads", master, moments)
         cfg["swap"]["durability"] = durability
         with tiermem.offload(opt, cfg, model=model) as tm:
             for k in (1, 2, 3):
@@ -108,20 +113,20 @@ def test_keeping_the_weights_changes_no_number(tmp_path, master):
     compare_state_dicts(sd1, sd0)
 
 
-REFS = [(b.values[0], m) for b in BACKEND_PARAMS for m in MASTERS]
+REFS = [(b.values[0], m, s) for b in BACKEND_PARAMS for m, s in COMBOS]
 
 
 @pytest.mark.parametrize("reference,point,n", [
-    pytest.param(ref, point, n, id=f"{ref[0]}-{ref[1]}-{point}-{i}")
+    pytest.param(ref, point, n, id=f"{ref[0]}-{ref[1]}-{ref[2]}-{point}-{i}")
     for ref, (i, (point, n)) in sweep(list(enumerate(POINTS)), REFS)], indirect=["reference"])
 def test_resume_after_kill(tmp_path, point, n, reference, request):
-    backend, master = request.node.callspec.params["reference"]
+    backend, master, moments = request.node.callspec.params["reference"]
     partitions, ref = reference
     swap = tmp_path / "swap"
-    out = run_killed(swap, backend, f"{point}:{n(partitions)}", STEPS, "bf16", "int8",
+    out = run_killed(swap, backend, f"{point}:{n(partitions)}", STEPS, "bf16", moments,
                      "synthetic", master)
     step = expected_step(point, out)
-    cfg = low_config(str(swap), backend, master)
+    cfg = low_config(str(swap), backend, master, moments)
     model = make_model(torch.bfloat16)
     opt = make_optimizer(poisoned(model))
     if step < 0:

@@ -131,16 +131,17 @@ def test_bf16_weights_each_step(tmp_path, backend, step_device):
                                f"{names[i]} exp_avg_sq")
 
 
-def int8_run(tmp_path, backend, *, dtype, master, step_device=None, mix="mixed"):
-    """Synthetic (in `dtype`) with int8 moments: through the emulated lanes (step_device
-    given) or updated in place on the host (None: the native pass on host records).
-    Returns the weights and the exported state after STEPS steps."""
+def int8_run(tmp_path, backend, *, dtype, master, step_device=None, mix="mixed",
+             moments="int8"):
+    """Synthetic (in `dtype`) with int8 moments (or `moments`): through the emulated lanes
+    (step_device given) or updated in place on the host (None: the native pass on host
+    records). Returns the weights and the exported state after STEPS steps."""
     torch.manual_seed(0)
     model = Synthetic().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     cfg = lane_config(tmp_path, step_device or "cpu", kernel="auto", backend=backend,
                       **MIXES[mix])
-    cfg["optimizer"].update(state_dtype="int8", master_weights=master)
+    cfg["optimizer"].update(state_dtype=moments, master_weights=master)
     emulate = step_device is not None
     with tiermem.offload(opt, cfg, streams=DeferredBackend() if emulate else None) as tm:
         train(model, opt, make_batches(model, STEPS))
@@ -152,20 +153,24 @@ def int8_run(tmp_path, backend, *, dtype, master, step_device=None, mix="mixed")
     return weights, sd
 
 
-@pytest.mark.parametrize("dtype,master,step_device", [
+@pytest.mark.parametrize("dtype,master,step_device,moments", [(*row, "int8")[:4] for row in [
     (torch.float32, "fp32", "cpu"), (torch.float32, "fp32", "device"),
     (torch.bfloat16, "fp32", "cpu"), (torch.bfloat16, "fp32", "device"),
-    (torch.bfloat16, "kahan", "device"), (torch.bfloat16, "none", "device")])
+    (torch.bfloat16, "kahan", "device"), (torch.bfloat16, "none", "device"),
+    # kahan/none with fp32 moments: kernels.lowbit too (bf16 moments run on the CPU only)
+    (torch.bfloat16, "kahan", "device", "fp32"), (torch.bfloat16, "none", "device", "fp32"),
+    (torch.float16, "kahan", "device", "fp32"), (torch.float16, "none", "device")]])
 @pytest.mark.parametrize("backend", backend_params())
-def test_int8_state_through_the_lanes(tmp_path, backend, dtype, master, step_device):
+def test_int8_state_through_the_lanes(tmp_path, backend, dtype, master, step_device,
+                                      moments):
     """optimizer.state_dtype int8 on a model off the CPU (emulated): the update runs where
     the lanes put the record (the host for step_device cpu, the device slot for device:
     kernels.lowbit's reference on a GPU) and equals, bit for bit, the native pass on host
     records (laid out differently: the lanes keep an fp32 model's master; the update does
     not depend on where partitions are cut)."""
     got = int8_run(tmp_path / "lanes", backend, dtype=dtype, master=master,
-                   step_device=step_device)
-    want = int8_run(tmp_path / "host", backend, dtype=dtype, master=master)
+                   step_device=step_device, moments=moments)
+    want = int8_run(tmp_path / "host", backend, dtype=dtype, master=master, moments=moments)
     for i, (w, r) in enumerate(zip(got[0], want[0])):
         assert_same_tensor(w, r, f"param {i}")
     compare_state_dicts(got[1], want[1])
@@ -598,12 +603,15 @@ def test_cuda_crash_consistent_refuses_gpu_tier(tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("master", ["fp32", "kahan", "none"])
+@pytest.mark.parametrize("master,moments", [("fp32", "int8"), ("kahan", "int8"),
+                                            ("none", "int8"), ("kahan", "fp32"),
+                                            ("none", "fp32")])
 @pytest.mark.parametrize("mix", ["gpu", "nvme", "gpu+host+nvme"])
-def test_cuda_int8_state(tmp_path, mix, master):
-    """int8 moments of a bf16 CUDA model on the gpu tier and through the device slots
-    (step_device device): kernels.lowbit's reference on the GPU, bit for bit the native
-    pass on the same model on the CPU (the same seeded gradients on both)."""
+def test_cuda_int8_state(tmp_path, mix, master, moments):
+    """int8 moments (or fp32 ones with master_weights kahan/none) of a bf16 CUDA model on
+    the gpu tier and through the device slots (step_device device): kernels.lowbit's
+    reference on the GPU, bit for bit the native pass on the same model on the CPU (the
+    same seeded gradients on both)."""
     def run(device, swap, gpu, host):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]
@@ -612,7 +620,7 @@ def test_cuda_int8_state(tmp_path, mix, master):
         cfg = lane_config(swap, "device" if device == "cuda" else "cpu", kernel="auto",
                           host=host, partition_size="64KiB", buffer_count=4)
         cfg["tiers"]["gpu"]["capacity"] = gpu
-        cfg["optimizer"].update(state_dtype="int8", master_weights=master)
+        cfg["optimizer"].update(state_dtype=moments, master_weights=master)
         gen = torch.Generator().manual_seed(1)
         with tiermem.offload(opt, cfg) as tm:
             for _ in range(3):

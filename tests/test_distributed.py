@@ -24,7 +24,7 @@ from offload_helpers import available_backends, compare_state_dicts, config
 URING = "io_uring" in available_backends()
 TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
        "parity-lanes-device", "ddp-allreduced", "state-dict", "int8-nearest", "int8-kahan",
-       "int8-none-stochastic",
+       "int8-none-stochastic", "fp32-kahan", "bf16-none-stochastic",
        "resume-one-step-apart", "kept-guard", "placeholders", "dcp-save", "fsdp2",
        "fsdp2-repadded",
        "rank-raises"]  # rank-raises breaks the group: last

@@ -97,10 +97,12 @@ def test_torch_kernels_leave_the_hash_to_the_store(tmp_path, sealed):
 
 
 @pytest.mark.parametrize("master", ["kahan", "none"])
-def test_crash_consistent_records_with_the_bf16_weights(tmp_path, sealed, master):
-    """int8 moments, master_weights kahan/none, crash_consistent: the record's copy of the
-    bf16 weights (kind "weight") is sealed with the kernel's CRC of the weights it wrote."""
-    tiers, _ = _run(tmp_path, dtype=torch.bfloat16, state="int8", amsgrad=False, crash=True,
+@pytest.mark.parametrize("state", ["int8", "fp32", "bf16"])
+def test_crash_consistent_records_with_the_bf16_weights(tmp_path, sealed, master, state):
+    """int8, fp32 or bf16 moments, master_weights kahan/none, crash_consistent: the record's
+    copy of the bf16 weights (kind "weight") is sealed with the kernel's CRC of the weights
+    it wrote."""
+    tiers, _ = _run(tmp_path, dtype=torch.bfloat16, state=state, amsgrad=False, crash=True,
                     rounding="stochastic", master=master)
     assert tiers == {"host", "nvme"}
     assert sum(d is not None for _, d in sealed) >= 6

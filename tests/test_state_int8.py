@@ -1,4 +1,5 @@
-"""optimizer.state_dtype: int8 — blockwise 8-bit moments — and optimizer.master_weights.
+"""optimizer.state_dtype: int8 — blockwise 8-bit moments — and optimizer.master_weights
+(kahan / none, with int8, fp32 or bf16 moments: table-driven over MOMENTS).
 
 1. the native kernel (native/adam_lowbit.c) equals the plain-torch reference
    (tiermem.kernels.lowbit.adam_lowbit_reference) bit for bit on both paths (AVX-512,
@@ -25,17 +26,27 @@ from tiermem.kernels import native_adam as na
 from adam_helpers import assert_bitwise, isa
 
 ISAS = [i for i in na.supported_isas() if i in ("scalar", "avx512")]
+# optimizer.state_dtype -> the moments' tensor dtype in kernels.lowbit (int8: codes + scales)
+MOMENTS = {"int8": torch.uint8, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _state(n: int, master: str, gen: torch.Generator, scale: float = 1.0):
+def _moments(n: int, moments: str = "int8") -> dict:
+    """Zero moments of n elements in `moments`' format (int8: codes and block scales)."""
+    dt = MOMENTS[moments]
+    int8 = moments == "int8"
+    return {"exp_avg": torch.zeros(n, dtype=dt), "exp_avg_sq": torch.zeros(n, dtype=dt),
+            "exp_avg_scale": torch.zeros(lb.blocks(n)) if int8 else None,
+            "exp_avg_sq_scale": torch.zeros(lb.blocks(n)) if int8 else None}
+
+
+def _state(n: int, master: str, gen: torch.Generator, scale: float = 1.0,
+           moments: str = "int8", weights: torch.dtype = torch.bfloat16):
+    """weights: the dtype of a master-less model's weights (and Kahan term)."""
     p = torch.randn(n, generator=gen) * scale
     return {
-        "param": p if master == "fp32" else p.bfloat16(),
-        "exp_avg": torch.zeros(n, dtype=torch.uint8),
-        "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
-        "exp_avg_scale": torch.zeros(lb.blocks(n)),
-        "exp_avg_sq_scale": torch.zeros(lb.blocks(n)),
-        "kahan": torch.zeros(n, dtype=torch.bfloat16) if master == "kahan" else None,
+        "param": p if master == "fp32" else p.to(weights),
+        **_moments(n, moments),
+        "kahan": torch.zeros(n, dtype=weights) if master == "kahan" else None,
     }
 
 
@@ -92,16 +103,17 @@ def _assert_same(a, b, what):
     ("fp32", torch.float16, torch.float16), ("kahan", torch.bfloat16, None),
     ("none", torch.bfloat16, None), ("none", torch.float32, None)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_kernel_matches_reference(name, master, gdt, out, rounding):
+@pytest.mark.parametrize("moments", list(MOMENTS))
+def test_kernel_matches_reference(name, master, gdt, out, rounding, moments):
     gen = torch.Generator().manual_seed(3)
     n = 3 * 256 + 77  # a short tail block
-    state = _state(n, master, gen)
+    state = _state(n, master, gen, moments=moments)
     ref = _clone(state)
     grads = _grads(n, 4, gen, gdt, 4, specials=False)
     with isa(name):
         o1 = _run("native", state, grads, master=master, rounding=rounding, out_dtype=out)
     o2 = _run("reference", ref, grads, master=master, rounding=rounding, out_dtype=out)
-    _assert_same(state, ref, f"{name} {master} {rounding}")
+    _assert_same(state, ref, f"{name} {master} {rounding} {moments}")
     if out is not None:
         assert_bitwise(o1, o2, "weight_out")
 
@@ -111,13 +123,15 @@ def test_kernel_matches_reference(name, master, gdt, out, rounding):
                                         ("none", torch.bfloat16)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("spread", [0, 2, 6])
-def test_kernel_matches_reference_on_dense_grads(name, master, gdt, rounding, spread):
+@pytest.mark.parametrize("moments", list(MOMENTS))
+def test_kernel_matches_reference_on_dense_grads(name, master, gdt, rounding, spread,
+                                                 moments):
     """Gradients without zeros: most blocks have every moment finite and within the codes'
     range, where the AVX-512 pass codes them without the checks (a short cut); one block
     with a zero, a NaN and an infinity, and the short tail, take the full path."""
     gen = torch.Generator().manual_seed(11 + spread)
     n = 40 * 256 + 77
-    state = _state(n, master, gen)
+    state = _state(n, master, gen, moments=moments)
     ref = _clone(state)
     grads = []
     for _ in range(5):
@@ -130,12 +144,114 @@ def test_kernel_matches_reference_on_dense_grads(name, master, gdt, rounding, sp
     with isa(name):
         _run("native", state, grads, master=master, rounding=rounding, threads=2)
     _run("reference", ref, grads, master=master, rounding=rounding)
-    _assert_same(state, ref, f"{name} {master} {rounding} dense")
+    _assert_same(state, ref, f"{name} {master} {rounding} {moments} dense grads")
 
 
 # the exponent fields of block scales around the AVX-512 short cuts' limits: exp_avg's code
 # values stay normal times 2^k from field 15 up (fast encode), exp_avg_sq's from 31 up (fast
 # encode and decode); 254 is the largest finite, 1 and 0x7F800000 >> 23 the ends
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("master", ["kahan", "none"])
+@pytest.mark.parametrize("moments", list(MOMENTS))
+@pytest.mark.parametrize("scale,lr", [(1.0, 1e-2), (3e-5, 1e-6), (2e4, 3e3)])
+def test_fp16_weights_match_reference(name, master, moments, scale, lr):
+    """fp16 weights without a master, native == reference bit for bit: ordinary values,
+    weights in fp16's subnormals (below 2^-14 = 6.1e-5), and weights stepped past 65504
+    (overflow to inf; a Kahan term then 0)."""
+    gen = torch.Generator().manual_seed(5)
+    n = 5 * 256 + 33
+    state = _state(n, master, gen, scale, moments, torch.float16)
+    ref = _clone(state)
+    grads = _grads(n, 4, gen, torch.float16, 3, specials=True)
+    hp = dict(lr=lr, weight_decay=0.01 if lr < 1 else 0.0)  # decay 1 - lr * wd stays > 0
+    with isa(name):
+        _run("native", state, grads, master=master, rounding="stochastic", threads=2, **hp)
+    _run("reference", ref, grads, master=master, rounding="stochastic", **hp)
+    _assert_same(state, ref, f"{name} fp16 {master} {moments} x{scale}")
+    if scale > 1:
+        w = state["param"].float()
+        assert torch.isinf(w).any() and torch.isfinite(w).any()
+        if master == "kahan":
+            assert (state["kahan"][torch.isinf(w)] == 0).all()
+
+
+def test_fp16_stochastic_rounding():
+    """f16_stochastic: fp16 values stay, every result is one of the two fp16 neighbours,
+    the mean over all 2^16 random draws is the value (to 2^-15 of a spacing), subnormals
+    included; between 65504 and 65536 inf with the fraction's probability, from 65536 on
+    inf, NaN canonical; the native pass rounds alike."""
+    vals = [0.0, -0.0, 1.0, 65504.0, -65504.0, 2.0 ** -24, 2.0 ** -14, 3 * 2.0 ** -24,
+            1.5 * 2.0 ** -24, 0.3 * 2.0 ** -24, -1e-10, 0.1, -3.3e-6, 1e-3, 65519.0, 65535.0,
+            65536.0, 1e6, math.inf, -math.inf, math.nan]
+    r = torch.arange(1 << 16, dtype=torch.int64)
+    for v in vals:
+        x = torch.full((1 << 16,), v)
+        v = x[0].item()  # as fp32 holds it
+        h = lb.f16_stochastic(x, r)
+        if math.isnan(v):
+            assert (h.view(torch.int16) == 0x7E00).all()
+            continue
+        if abs(v) >= 65536:
+            assert torch.isinf(h).all() and bool((h > 0).all()) == (v > 0)
+            continue
+        if torch.tensor(v).half().float().item() == v:  # an fp16 value stays
+            assert (h.float() == v).all(), v
+            continue
+        got = sorted(set(h.float().tolist()))
+        assert len(got) == 2, (v, got)
+        a, b = got
+        assert a < v < b and torch.nextafter(torch.tensor(a).half(),
+                                             torch.tensor(b).half()).item() == b
+        if math.isinf(b):  # (65504, 65536): up is inf, as often as the fraction says
+            frac = (h.float() == b).double().mean().item()
+            assert frac == pytest.approx((v - 65504) / 32, abs=2 ** -15)
+            continue
+        mean = h.double().mean().item()
+        assert mean == pytest.approx(v, abs=(b - a) * 2 ** -15), v
+    # the native pass rounds alike: "none" on subnormal weights with tiny steps
+    n = 4096
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-5).half()
+    for name in ISAS:
+        st = {"param": x.clone(), **_moments(n, "fp32"), "kahan": None}
+        ref = _clone(st)
+        g = torch.full((n,), 1e-3)
+        with isa(name):
+            _run("native", st, [g], master="none", rounding="stochastic", lr=1e-7)
+        _run("reference", ref, [g], master="none", rounding="stochastic", lr=1e-7)
+        _assert_same(st, ref, f"{name} fp16 subnormals")
+        assert not torch.equal(st["param"], x)  # the steps moved some weights
+
+
+@pytest.mark.parametrize("name", ISAS)
+@pytest.mark.parametrize("master,weights", [("fp32", torch.float32), ("kahan", torch.bfloat16),
+                                            ("none", torch.bfloat16),
+                                            ("kahan", torch.float16)])
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_amsgrad_with_dense_moments_matches_reference(name, master, weights, moments,
+                                                      rounding):
+    """amsgrad (max_exp_avg_sq in the moments' format) with fp32 / bf16 moments, native ==
+    reference bit for bit, NaN and inf gradients included; a bf16 max is rounded with
+    exp_avg_sq's bits, so it stays >= exp_avg_sq."""
+    gen = torch.Generator().manual_seed(9)
+    n = 3 * 256 + 77 + (40_000 if name == "avx512" else 0)
+    state = _state(n, master, gen, moments=moments, weights=weights)
+    state["max_exp_avg_sq"] = torch.zeros(n, dtype=MOMENTS[moments])
+    ref = _clone(state)
+    grads = _grads(n, 5, gen, torch.bfloat16, 4, specials=True)
+    with isa(name):
+        _run("native", state, grads, master=master, rounding=rounding, threads=2)
+    _run("reference", ref, grads, master=master, rounding=rounding)
+    _assert_same(state, ref, f"{name} amsgrad {master} {moments} {rounding}")
+    v, vmax = state["exp_avg_sq"].float(), state["max_exp_avg_sq"].float()
+    ok = ~torch.isnan(v) & ~torch.isnan(vmax)
+    assert (vmax[ok] >= v[ok]).all()
+    with pytest.raises(ValueError, match="max_exp_avg_sq"):  # int8 codes keep no max
+        lb.adam_lowbit_native(grad=grads[0], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+                              eps=1e-8, **{**_state(n, "fp32", gen),
+                                           "max_exp_avg_sq": torch.zeros(n, dtype=torch.uint8)})
+
+
 SCALE_FIELDS = (13, 14, 15, 16, 17, 29, 30, 31, 32, 33, 1, 60, 127, 200, 252, 253, 254)
 
 
@@ -170,7 +286,7 @@ def test_kernel_matches_reference_at_scale_edges(name, rounding):
     _assert_same(state, ref, f"{name} {rounding} scale edges")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(n=hs.integers(0, 2100), master=hs.sampled_from(["fp32", "kahan", "none"]),
        rounding=hs.sampled_from(["nearest", "stochastic"]),
        offset=hs.sampled_from([0, 1000, 2 ** 32 - 5000, 5 * 2 ** 32 + 17]),
@@ -178,12 +294,16 @@ def test_kernel_matches_reference_at_scale_edges(name, rounding):
        scale=hs.sampled_from([1.0, 1e-30, 1e30]), specials=hs.booleans(),
        threads=hs.sampled_from([1, 2]), maximize=hs.booleans(),
        decoupled=hs.booleans(), wd=hs.sampled_from([0.0, 0.1]),
-       beta1=hs.sampled_from([0.0, 0.9, 0.6]), isa_name=hs.sampled_from(ISAS))
+       beta1=hs.sampled_from([0.0, 0.9, 0.6]), isa_name=hs.sampled_from(ISAS),
+       moments=hs.sampled_from(list(MOMENTS)),
+       weights=hs.sampled_from([torch.bfloat16, torch.float16]), amsgrad=hs.booleans())
 def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, spread, scale,
                                              specials, threads, maximize, decoupled, wd,
-                                             beta1, isa_name):
+                                             beta1, isa_name, moments, weights, amsgrad):
     gen = torch.Generator().manual_seed(seed % 1000)
-    state = _state(n, master, gen, scale)
+    state = _state(n, master, gen, scale, moments, weights)
+    if amsgrad and moments != "int8":  # int8 codes keep no max_exp_avg_sq
+        state["max_exp_avg_sq"] = torch.zeros(n, dtype=MOMENTS[moments])
     ref = _clone(state)
     grads = [g * scale for g in _grads(n, 3, gen, torch.float32, spread, specials)]
     hp = dict(maximize=maximize, decoupled_weight_decay=decoupled, weight_decay=wd,
@@ -197,38 +317,45 @@ def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, 
     _assert_same(state, ref, "hypothesis")
 
 
-def test_threads_and_checksums_agree():
+@pytest.mark.parametrize("master,moments", [("fp32", "int8"), ("kahan", "fp32"),
+                                            ("none", "bf16")])
+def test_threads_and_checksums_agree(master, moments):
     """A threaded call (several chunks) equals a one-thread call, and the CRCs it returns
     are those of the arrays it left."""
     from tiermem.kernels.checksum import crc32c
     gen = torch.Generator().manual_seed(1)
     n = 300_000 + 123
-    a = _state(n, "fp32", gen)
+    a = _state(n, master, gen, moments=moments)
     b = _clone(a)
     grads = _grads(n, 2, gen, torch.float32, 3, specials=False)
-    _run("native", a, grads, master="fp32", rounding="stochastic", threads=1)
-    _run("native", b, grads, master="fp32", rounding="stochastic", threads=2)
+    _run("native", a, grads, master=master, rounding="stochastic", threads=1)
+    _run("native", b, grads, master=master, rounding="stochastic", threads=2)
     _assert_same(a, b, "threads")
+    arrays = {"master": "param", **{k: k for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq",
+                                                   "exp_avg_sq_scale", "kahan")}}
+    want = {name: a[k] for name, k in arrays.items() if a[k] is not None}
     crcs = lb.adam_lowbit_native(
-        param=a["param"], grad=grads[0], exp_avg=a["exp_avg"], exp_avg_sq=a["exp_avg_sq"],
-        exp_avg_scale=a["exp_avg_scale"], exp_avg_sq_scale=a["exp_avg_sq_scale"], step=3,
-        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=2,
-        checksums=("master", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"))
-    want = {"master": a["param"], "exp_avg": a["exp_avg"], "exp_avg_scale": a["exp_avg_scale"],
-            "exp_avg_sq": a["exp_avg_sq"], "exp_avg_sq_scale": a["exp_avg_sq_scale"]}
+        grad=grads[0], step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=2,
+        master=master, checksums=tuple(want), **a)
     for k, t in want.items():
         assert crcs[k] == crc32c(t), k
+    if moments != "int8":
+        with pytest.raises(ValueError, match="no exp_avg_scale"):
+            lb.adam_lowbit_native(grad=grads[0], step=4, lr=1e-3, beta1=0.9, beta2=0.999,
+                                  eps=1e-8, master=master, checksums=("exp_avg_scale",), **a)
 
 
-@pytest.mark.parametrize("master", ["fp32", "none"])
-def test_segment_across_a_stream_window(master):
+@pytest.mark.parametrize("master,moments", [("fp32", "int8"), ("none", "int8"),
+                                            ("kahan", "fp32"), ("none", "bf16")])
+def test_segment_across_a_stream_window(master, moments):
     """A segment crossing a 2^32-element window of its stream (the kernels' counter) runs
-    as one call per window (the kernel alone refuses it), native and reference agree; a
-    start off a block boundary, which such a cut would split, is refused."""
+    as one call per window (the kernel alone refuses it), native and reference agree; with
+    int8 codes a start off a block boundary, which such a cut would split, is refused
+    (dense moments have no blocks: it runs)."""
     from tiermem.optim.rules.adam import WINDOW, int8_segment
     gen = torch.Generator().manual_seed(3)
     n, start = 4 * 256, WINDOW - 3 * 256  # the window ends after the third block
-    a = _state(n, master, gen)
+    a = _state(n, master, gen, moments=moments)
     b, c = _clone(a), _clone(a)
     g = _grads(n, 1, gen, torch.float32, 2, specials=False)[0]
     kw = dict(grad=g, master=master, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -241,8 +368,14 @@ def test_segment_across_a_stream_window(master):
         lb.lowbit_update(kernel="native", seed=na.state_seed(step=1, partition=5),
                          offset=start, **c, **{k: v for k, v in kw.items()
                                               if k not in ("param_index",)})
-    with pytest.raises(TierMemError, match="block boundary"):
-        int8_segment(kernel="native", start=start + 1, **_clone(a), **kw)
+    if moments == "int8":
+        with pytest.raises(TierMemError, match="block boundary"):
+            int8_segment(kernel="native", start=start + 1, **_clone(a), **kw)
+    else:
+        d, e = _clone(a), _clone(a)
+        int8_segment(kernel="native", start=start + 1, **d, **kw)
+        int8_segment(kernel="reference", start=start + 1, **e, **kw)
+        _assert_same(d, e, "off a block boundary")
 
 
 def test_relative_error_bound():
@@ -331,13 +464,22 @@ def test_refuses_bad_arguments():
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1)
     with pytest.raises(ValueError, match="window"):
         lb.adam_lowbit_native(grad=g, offset=2 ** 32 - 10, **s, **kw)
-    with pytest.raises(TypeError, match="bf16 weights"):
+    with pytest.raises(TypeError, match="bf16 or fp16 weights"):
         lb.adam_lowbit_native(grad=g, master="none", **{**s, "kahan": None}, **kw)
     bad = dict(s, exp_avg_scale=torch.zeros(1))
     with pytest.raises(ValueError, match="exp_avg_scale"):
         lb.adam_lowbit_native(grad=g, **bad, **kw)
     with pytest.raises(ValueError, match="rounding"):
         lb.adam_lowbit_native(grad=g, rounding="up", **s, **kw)
+    dense = _state(n, "kahan", torch.Generator().manual_seed(0), moments="fp32")
+    for fn in (lb.adam_lowbit_native, lb.adam_lowbit_reference):
+        with pytest.raises(ValueError, match="take neither"):  # dense moments have no scales
+            fn(grad=g, master="kahan", **{**dense, "exp_avg_scale": torch.zeros(2)}, **kw)
+        with pytest.raises(ValueError, match="need both"):  # codes without their scales
+            fn(grad=g, **{**s, "exp_avg_sq_scale": None}, **kw)
+        with pytest.raises(TypeError, match="exp_avg, exp_avg_sq"):  # mixed formats
+            fn(grad=g, master="kahan",
+               **{**dense, "exp_avg_sq": torch.zeros(n, dtype=torch.bfloat16)}, **kw)
 
 
 # -- 2. through tiermem.offload, against the reference --------------------------------------
@@ -362,21 +504,20 @@ class ReferenceInt8Adam:
     weights alone."""
 
     def __init__(self, params, hp: dict, *, rounding: str, master_weights: str = "fp32",
-                 first: int = 0):
+                 first: int = 0, moments: str = "int8", amsgrad: bool = False):
         """first: the index of params[0] in the optimizer's flattened parameters (a later
-        parameter group's reference)."""
+        parameter group's reference); moments: their format (int8, or fp32 / bf16 with
+        master_weights kahan/none on bf16 parameters)."""
         self.first = first
         self.params = list(params)
         self.hp, self.rounding, self.mw = hp, rounding, master_weights
         self.steps = [0] * len(self.params)
         self.master = [p.detach().float().clone().reshape(-1) for p in self.params]
         self.segments = [[{
-            "start": 0,
-            "exp_avg": torch.zeros(p.numel(), dtype=torch.uint8),
-            "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.uint8),
-            "exp_avg_scale": torch.zeros(lb.blocks(p.numel())),
-            "exp_avg_sq_scale": torch.zeros(lb.blocks(p.numel())),
-            "kahan": torch.zeros(p.numel(), dtype=torch.bfloat16)
+            "start": 0, **_moments(p.numel(), moments),
+            "max_exp_avg_sq": torch.zeros(p.numel(), dtype=MOMENTS[moments]) if amsgrad
+            else None,
+            "kahan": torch.zeros(p.numel(), dtype=p.dtype)
             if master_weights == "kahan" and p.dtype != torch.float32 else None}]
             for p in self.params]
 
@@ -397,7 +538,7 @@ class ReferenceInt8Adam:
                     seed=na.state_seed(step=self.steps[i], partition=self.first + i),
                     offset=seg["start"], **{k: seg[k] for k in (
                         "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
-                        "kahan")}, **self.hp)
+                        "kahan", "max_exp_avg_sq")}, **self.hp)
             if not low:
                 with torch.no_grad():
                     p.copy_(self.master[i].view_as(p))
@@ -410,7 +551,11 @@ class ReferenceInt8Adam:
         out = {}
         for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
             out[k] = torch.cat([lb.dequantize(seg[k], seg[k + "_scale"], signed=signed)
+                                if seg[k + "_scale"] is not None else seg[k].float()
                                 for seg in self.segments[i]])
+        if self.segments[i][0]["max_exp_avg_sq"] is not None:
+            out["max_exp_avg_sq"] = torch.cat([seg["max_exp_avg_sq"].float()
+                                               for seg in self.segments[i]])
         return out
 
 
@@ -430,7 +575,7 @@ def hyper(**kw):
 
 
 E2E = {
-    # name: (model dtype, master_weights, AdamW kwargs, config keywords)
+    # name: (model dtype, master_weights, AdamW kwargs, config keywords[, state_dtype])
     "fp32-all-nvme": (torch.float32, "fp32", dict(lr=1e-2, weight_decay=0.05), dict(host=0)),
     "fp32-mixed": (torch.float32, "fp32", dict(lr=1e-2), dict(host="128KiB", buffer_count=4)),
     "bf16-master-nvme": (torch.bfloat16, "fp32", dict(lr=1e-2, weight_decay=0.1),
@@ -438,12 +583,33 @@ E2E = {
     "bf16-kahan-mixed": (torch.bfloat16, "kahan", dict(lr=1e-2, maximize=True),
                          dict(host="128KiB", buffer_count=4)),
     "bf16-none-nvme": (torch.bfloat16, "none", dict(lr=1e-2), dict(host=0)),
+    # master_weights kahan/none with dense moments: the same weight arithmetic
+    "bf16-kahan-fp32-mixed": (torch.bfloat16, "kahan", dict(lr=1e-2, weight_decay=0.1),
+                              dict(host="128KiB", buffer_count=4), "fp32"),
+    "bf16-none-fp32-nvme": (torch.bfloat16, "none", dict(lr=1e-2, maximize=True),
+                            dict(host=0), "fp32"),
+    "bf16-kahan-bf16-nvme": (torch.bfloat16, "kahan", dict(lr=1e-2), dict(host=0), "bf16"),
+    "bf16-none-bf16-mixed": (torch.bfloat16, "none", dict(lr=1e-2, weight_decay=0.1),
+                             dict(host="128KiB", buffer_count=4), "bf16"),
+    # fp16 models: an fp16 Kahan term, stochastic rounding to fp16
+    "fp16-kahan-fp32-mixed": (torch.float16, "kahan", dict(lr=1e-2, weight_decay=0.1),
+                              dict(host="128KiB", buffer_count=4), "fp32"),
+    "fp16-none-int8-nvme": (torch.float16, "none", dict(lr=1e-2), dict(host=0), "int8"),
+    "fp16-kahan-int8-nvme": (torch.float16, "kahan", dict(lr=1e-2, maximize=True),
+                             dict(host=0), "int8"),
+    "fp16-none-bf16-mixed": (torch.float16, "none", dict(lr=1e-2),
+                             dict(host="128KiB", buffer_count=4), "bf16"),
+    # amsgrad with dense moments: max_exp_avg_sq in their format
+    "bf16-kahan-fp32-amsgrad-mixed": (torch.bfloat16, "kahan", dict(lr=1e-2, amsgrad=True),
+                                      dict(host="128KiB", buffer_count=4), "fp32"),
+    "bf16-none-bf16-amsgrad-nvme": (torch.bfloat16, "none", dict(lr=1e-2, amsgrad=True),
+                                    dict(host=0), "bf16"),
 }
 
 
-def _int8_cfg(path, master_weights="fp32", rounding="stochastic", **kw):
+def _int8_cfg(path, master_weights="fp32", rounding="stochastic", state_dtype="int8", **kw):
     cfg = config(path, kernel="fused", **kw)
-    cfg["optimizer"].update(state_dtype="int8", state_rounding=rounding,
+    cfg["optimizer"].update(state_dtype=state_dtype, state_rounding=rounding,
                             master_weights=master_weights)
     return cfg
 
@@ -451,15 +617,17 @@ def _int8_cfg(path, master_weights="fp32", rounding="stochastic", **kw):
 @pytest.mark.parametrize("case", list(E2E))
 @pytest.mark.parametrize("backend", backend_params())
 def test_offload_matches_reference(tmp_path, backend, case):
-    dtype, mw, kw, cfg_kw = E2E[case]
+    dtype, mw, kw, cfg_kw, *rest = E2E[case]
+    moments = rest[0] if rest else "int8"
     model = Synthetic().to(dtype)
     ref_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), **kw)
     hp = hyper(lr=kw["lr"], weight_decay=kw.get("weight_decay", 0.01),
                maximize=kw.get("maximize", False))
     ref = ReferenceInt8Adam(ref_model.parameters(), hp, rounding="stochastic",
-                            master_weights=mw)
-    cfg = _int8_cfg(tmp_path, mw, backend=backend, **cfg_kw)
+                            master_weights=mw, moments=moments,
+                            amsgrad=kw.get("amsgrad", False))
+    cfg = _int8_cfg(tmp_path, mw, state_dtype=moments, backend=backend, **cfg_kw)
     batches = make_batches(model, 5)
     with tiermem.offload(opt, cfg) as tm:
         train(model, opt, batches)
@@ -489,34 +657,41 @@ def test_offload_matches_reference(tmp_path, backend, case):
 
 # -- 3. torch format, resume, recover, bytes, errors ----------------------------------------
 
-def _native_cfg(path, **kw):
+def _native_cfg(path, state_dtype="int8", **kw):
     cfg = config(path, kernel="native", host="128KiB", buffer_count=4)
-    cfg["optimizer"].update(state_dtype="int8", **kw)
+    cfg["optimizer"].update(state_dtype=state_dtype, **kw)
     return cfg
 
 
-@pytest.mark.parametrize("dtype,mw", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
-                                      (torch.bfloat16, "kahan")])
-def test_state_dict_round_trip(tmp_path, dtype, mw):
-    """state_dict() dequantises exactly; loading it into a fresh int8-state optimizer and
-    going on is bitwise the same as going on with the original (a Kahan term comes back
-    from master_param - weight)."""
+@pytest.mark.parametrize("dtype,mw,moments", [
+    (torch.float32, "fp32", "int8"), (torch.bfloat16, "fp32", "int8"),
+    (torch.bfloat16, "kahan", "int8"), (torch.bfloat16, "kahan", "fp32"),
+    (torch.bfloat16, "none", "fp32"), (torch.bfloat16, "kahan", "bf16"),
+    (torch.float16, "kahan", "fp32"), (torch.float16, "none", "int8")])
+def test_state_dict_round_trip(tmp_path, dtype, mw, moments):
+    """state_dict() widens the moments exactly (int8: dequantises); loading it into a fresh
+    optimizer with the same state format and going on is bitwise the same as going on
+    with the original (a Kahan term comes back from master_param - weight)."""
     model = Synthetic().to(dtype)
     twin_model = copy.deepcopy(model)
     batches = make_batches(model, 6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with tiermem.offload(opt, _native_cfg(tmp_path / "a", master_weights=mw)):
+    with tiermem.offload(opt, _native_cfg(tmp_path / "a", moments, master_weights=mw)):
         train(model, opt, batches[:3])
         sd = copy.deepcopy(opt.state_dict())
         twin_model.load_state_dict(model.state_dict())
         for st in sd["state"].values():
             for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
                 assert st[k].dtype == torch.float32
-                q, s = lb.quantize(st[k].reshape(-1)[:256], signed=signed)
-                assert_bitwise(lb.dequantize(q, s, signed=signed), st[k].reshape(-1)[:256], k)
+                x = st[k].reshape(-1)[:256]
+                if moments == "int8":
+                    q, s = lb.quantize(x, signed=signed)
+                    assert_bitwise(lb.dequantize(q, s, signed=signed), x, k)
+                elif moments == "bf16":
+                    assert_bitwise(x.bfloat16().float(), x, k)
         train(model, opt, batches[3:])
     twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=1e-2)
-    with tiermem.offload(twin_opt, _native_cfg(tmp_path / "b", master_weights=mw)):
+    with tiermem.offload(twin_opt, _native_cfg(tmp_path / "b", moments, master_weights=mw)):
         twin_opt.load_state_dict(sd)
         got = twin_opt.state_dict()
         for i, st in sd["state"].items():
@@ -547,24 +722,32 @@ def test_fp32_checkpoint_is_quantised_to_nearest_on_import(tmp_path):
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("backend", backend_params())
-def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap):
-    """A run killed after its step 2 (crash_run.py, int8 state, overlap_backward on or
-    off): `tiermem recover` writes the fp32 moments of the commit, a resume continues
-    bitwise where an uninterrupted run goes, and a resume with another state_dtype is
-    refused by name."""
+@pytest.mark.parametrize("dtype,moments,master", [("fp32", "int8", "fp32"),
+                                                  ("bf16", "fp32", "kahan"),
+                                                  ("bf16", "bf16", "none"),
+                                                  ("fp16", "fp32", "kahan"),
+                                                  ("fp16", "int8", "none")])
+def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap, dtype, moments,
+                                                    master):
+    """A run killed after its step 2 (crash_run.py: int8 state, or a bf16 / fp16 model
+    without a master and fp32 / bf16 / int8 moments; overlap_backward on or off):
+    `tiermem recover` writes
+    the fp32 moments and the weights of the commit, a resume continues bitwise where an
+    uninterrupted run goes, and a resume with another state_dtype is refused by name."""
     from crash_run import (backward_grads, crash_config, make_model, make_optimizer,
                            run_killed, set_grads)
     from tiermem.swap.recover import gather
 
     grads = backward_grads if overlap else set_grads
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     swap = tmp_path / "swap"
-    run_killed(swap, backend, "after-step:2", 4, "fp32", "int8",
-               "overlap" if overlap else "synthetic")
-    cfg = crash_config(str(swap), backend, "int8")
+    run_killed(swap, backend, "after-step:2", 4, dtype, moments,
+               "overlap" if overlap else "synthetic", master)
+    cfg = crash_config(str(swap), backend, moments, master)
     cfg["pipeline"]["overlap_backward"] = overlap
-    twin = make_model()
+    twin = make_model(torch_dtype)
     twin_opt = make_optimizer(twin)
-    twin_cfg = crash_config(str(tmp_path / "twin"), backend, "int8")
+    twin_cfg = crash_config(str(tmp_path / "twin"), backend, moments, master)
     twin_cfg["pipeline"]["overlap_backward"] = overlap
     with tiermem.offload(twin_opt, twin_cfg, model=twin) as tm:
         for k in (1, 2):
@@ -581,13 +764,15 @@ def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap):
         for k in ("exp_avg", "exp_avg_sq"):
             assert_bitwise(st[k], at2["state"][i][k], f"recovered {i} {k}")
     for (name, _), w in zip(twin.named_parameters(), w2):
-        assert_bitwise(ckpt["model"][name], w, name)
-    other = make_optimizer(make_model())
-    with pytest.raises(TierMemError, match="stored as int8, this config says "
-                                           "optimizer.state_dtype bf16"):
-        with tiermem.offload(other, crash_config(str(swap), backend, "bf16"), resume=True):
+        assert_bitwise(ckpt["model"][name], w.float(), name)
+    other = "fp32" if moments == "bf16" else "bf16"
+    stored = {"int8": "int8", "fp32": "fp32", "bf16": "bf16"}[moments]
+    with pytest.raises(TierMemError, match=f"stored as {stored}, this config says "
+                                           f"optimizer.state_dtype {other}"):
+        with tiermem.offload(make_optimizer(make_model(torch_dtype)),
+                             crash_config(str(swap), backend, other, master), resume=True):
             pass
-    model = make_model()
+    model = make_model(torch_dtype)
     opt = make_optimizer(model)
     with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
         assert tm.resumed_step == 2
@@ -600,12 +785,15 @@ def test_crash_consistent_commit_resume_and_recover(tmp_path, backend, overlap):
 
 def test_bytes_per_parameter(tmp_path):
     """Record bytes per element: fp32 model 8 -> 2.03 with int8; bf16 model 12 -> 6.03
-    (fp32 master), 4.03 (kahan), 2.03 (none)."""
+    (fp32 master), 4.03 (kahan), 2.03 (none) with int8 moments; kahan / none with fp32
+    moments 10 / 8, with bf16 moments 6 / 4."""
     want = {(torch.float32, "fp32", "fp32"): 8, (torch.float32, "int8", "fp32"): 2 + 8 / 256,
             (torch.bfloat16, "fp32", "fp32"): 12,
             (torch.bfloat16, "int8", "fp32"): 6 + 8 / 256,
             (torch.bfloat16, "int8", "kahan"): 4 + 8 / 256,
-            (torch.bfloat16, "int8", "none"): 2 + 8 / 256}
+            (torch.bfloat16, "int8", "none"): 2 + 8 / 256,
+            (torch.bfloat16, "fp32", "kahan"): 10, (torch.bfloat16, "fp32", "none"): 8,
+            (torch.bfloat16, "bf16", "kahan"): 6, (torch.bfloat16, "bf16", "none"): 4}
     for (dtype, sd, mw), per in want.items():
         model = torch.nn.Linear(1024, 1024, bias=False).to(dtype)
         opt = torch.optim.AdamW(model.parameters())
@@ -623,7 +811,8 @@ def test_bytes_per_parameter(tmp_path):
      "bitwise parity"),
     ({"optimizer": {"state_dtype": "int8", "step_device": "device", "kernel": "native"}},
      "optimizer.kernel", "step_device"),
-    ({"optimizer": {"master_weights": "kahan"}}, "optimizer.master_weights", "int8"),
+    ({"optimizer": {"master_weights": "kahan", "kernel": "match"}}, "optimizer.kernel",
+     "master_weights kahan"),
     ({"optimizer": {"master_weights": "fp16"}}, "optimizer.master_weights", "'kahan'"),
 ])
 def test_config_errors(doc, key, word):
@@ -643,7 +832,7 @@ def test_int8_loads_with_the_gpu_tier_and_the_device_step():
 
 @pytest.mark.parametrize("dtype,kw,cfg,word", [
     (torch.float32, dict(amsgrad=True), {}, "amsgrad"),
-    (torch.float16, {}, dict(master_weights="kahan"), "fp16"),
+    (torch.bfloat16, dict(amsgrad=True), dict(master_weights="kahan"), "amsgrad"),
     (torch.float64, {}, {}, "torch.float64"),
 ])
 def test_refuses_what_the_kernel_cannot_run(tmp_path, dtype, kw, cfg, word):
@@ -663,13 +852,14 @@ def test_master_weights_need_adam(tmp_path):
 
 # -- stress, plan -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,mw,per", [("fp32", "fp32", 2 + 8 / 256),
-                                          ("bf16", "fp32", 6 + 8 / 256),
-                                          ("bf16", "kahan", 4 + 8 / 256),
-                                          ("bf16", "none", 2 + 8 / 256)])
+@pytest.mark.parametrize("dtype,mw,per,moments", [
+    ("fp32", "fp32", 2 + 8 / 256, "int8"), ("bf16", "fp32", 6 + 8 / 256, "int8"),
+    ("bf16", "kahan", 4 + 8 / 256, "int8"), ("bf16", "none", 2 + 8 / 256, "int8"),
+    ("bf16", "kahan", 10, "fp32"), ("bf16", "none", 4, "bf16"), ("fp16", "kahan", 10, "fp32"),
+    ("fp16", "none", 2 + 8 / 256, "int8")])
 @pytest.mark.parametrize("backend", backend_params())
-def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per):
-    """`tiermem stress --state-dtype int8 --master-weights ... --verify`: every sampled
+def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per, moments):
+    """`tiermem stress --state-dtype ... --master-weights ... --verify`: every sampled
     partition bitwise equal to the plain-torch reference; the plan and the per-step
     B/param say what the records hold."""
     from tiermem.tools import cli
@@ -680,7 +870,7 @@ def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per
                    "pipeline: {partition_size: 1MiB, zigzag: false}\n")
     out = tmp_path / "r.json"
     rc = cli.main(["stress", "--config", str(cfg), "--params", "1M", "--steps", "2",
-                   "--dtype", dtype, "--state-dtype", "int8", "--master-weights", mw,
+                   "--dtype", dtype, "--state-dtype", moments, "--master-weights", mw,
                    "--synthetic-grads", "--verify", "--no-progress", "--json", str(out)])
     assert rc == 0
     import json
@@ -696,17 +886,23 @@ def test_stress_verifies_int8_and_counts_bytes(tmp_path, backend, dtype, mw, per
     assert step["bytes_per_param"] == pytest.approx((read + written) / 1_000_000, rel=0.01)
 
 
-def test_plan_flags(capsys):
+def test_plan_flags(capsys, tmp_path):
     from tiermem.tools import cli
 
     for flags, per in ((["--dtype", "bf16"], "12 B/param"),
                        (["--dtype", "bf16", "--state-dtype", "int8", "--master-weights",
                          "none"], "2.031 B/param"),
-                       (["--state-dtype", "int8"], "2.031 B/param")):
+                       (["--state-dtype", "int8"], "2.031 B/param"),
+                       (["--dtype", "bf16", "--master-weights", "kahan"], "10 B/param"),
+                       (["--dtype", "bf16", "--state-dtype", "bf16", "--master-weights",
+                         "none"], "4 B/param")):
         assert cli.main(["plan", "--params", "1B", *flags]) == 0
         assert per in capsys.readouterr().out
-    assert cli.main(["plan", "--params", "1B", "--master-weights", "kahan"]) == 2
-    assert "optimizer.master_weights" in capsys.readouterr().err
+    cfg = tmp_path / "match.yaml"
+    cfg.write_text("optimizer: {kernel: match}\n")
+    assert cli.main(["plan", "--params", "1B", "--master-weights", "kahan", "--config",
+                     str(cfg)]) == 2
+    assert "optimizer.kernel" in capsys.readouterr().err
 
 
 @settings(max_examples=60, deadline=None)

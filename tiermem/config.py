@@ -165,12 +165,14 @@ class OptimizerSettings:
         "and partition for bf16, by step and parameter for int8) or nearest (even); ignored "
         "with fp32 state.", default="stochastic")
     master_weights: Literal["fp32", "kahan", "none"] = doc(
-        "What a bf16 parameter's record keeps of its weight: fp32 (a master copy), kahan (a "
-        "bf16 compensation term: the update runs on weight + term, the rounding error is "
-        "kept) or none (the bf16 weight is updated and rounded back stochastically); kahan "
-        "and none need state_dtype int8, and with crash_consistent durability the records "
-        "also keep the bf16 weights (2 B/param); fp32 parameters are their own master "
-        "whatever it says.", default="fp32")
+        "What a bf16 or fp16 parameter's record keeps of its weight: fp32 (a master copy), "
+        "kahan (a compensation term in the parameter's dtype: the update runs on weight + "
+        "term, the rounding error is kept) or none (the weight is updated and rounded back "
+        "stochastically); kahan and none run with any state_dtype (amsgrad with fp32 or bf16 "
+        "moments; not with kernel match) in tiermem's kernels.lowbit pass whatever "
+        "optimizer.kernel says, and with crash_consistent durability the records also keep "
+        "the weights (2 B/param); fp32 parameters are their own master whatever it says.",
+        default="fp32")
     step_device: Literal["cpu", "device"] = doc(
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
         "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "
@@ -196,13 +198,14 @@ class OptimizerSettings:
                 f"with optimizer.state_dtype {self.state_dtype} use auto, fused or native (the "
                 "update then runs tiermem's native kernel); match promises bitwise parity with "
                 "the wrapped optimizer's fp32 state")
-        if self.master_weights != "fp32" and self.state_dtype != "int8":
-            # Only the int8 kernel (native/adam_lowbit.c) updates bf16 weights without a
-            # master; fp32/bf16 moments would need the same in native/adam.c.
+        if self.master_weights != "fp32" and self.kernel == "match":
+            # kahan/none run kernels.lowbit on the bf16 weights: no torch optimizer updates
+            # them that way, so match's bitwise promise cannot hold.
             raise ConfigError(
-                "optimizer.master_weights", self.master_weights,
-                "kahan and none run with optimizer.state_dtype int8 for now; set "
-                "state_dtype: int8, or master_weights: fp32")
+                "optimizer.kernel", self.kernel,
+                f"with optimizer.master_weights {self.master_weights} use auto, fused or "
+                "native (bf16 weights without an fp32 master run tiermem's kernels.lowbit); "
+                "match promises bitwise parity with the wrapped optimizer's fp32 master")
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ STATE_BYTES = 4  # bytes of an fp32 state element (the master; moments unless bf
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 QUANT_BLOCK = 256  # elements per int8 block: divides CUT_ALIGN, so no cut splits a block
 SCALE_KINDS = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}  # -> moment
-# bf16 kinds of master_weights kahan/none: the compensation term, and the model's weights
-# as a crash-consistent record keeps them
+# kinds of master_weights kahan/none: the compensation term, and the model's weights as a
+# crash-consistent record keeps them; in the model's dtype (bf16 by default, or fp16)
 LOW_WEIGHT_KINDS = ("weight", "kahan")
 
 
@@ -128,8 +128,17 @@ def record_of(part: Partition, views: dict[str, torch.Tensor]) -> torch.Tensor:
 def kind_dtype(kind: str, moment_dtype: torch.dtype) -> torch.dtype:
     if kind == "master" or kind in SCALE_KINDS:
         return torch.float32
-    # kahan and weight belong to master_weights kahan/none, which runs bf16 models only
+    # kahan and weight belong to master_weights kahan/none: bf16 unless the partition's
+    # dtypes say fp16 (low_weight_dtypes)
     return torch.bfloat16 if kind in LOW_WEIGHT_KINDS else moment_dtype
+
+
+def low_weight_dtypes(kinds: Sequence[str], param_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Partition.dtypes for a parameter's kinds: an fp16 model's weights and Kahan term are
+    fp16 (kind_dtype's default is bf16)."""
+    if param_dtype != torch.float16:
+        return {}
+    return {k: torch.float16 for k in kinds if k in LOW_WEIGHT_KINDS}
 
 
 def blocks(n: int) -> int:
@@ -288,11 +297,13 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                        else state_kinds(p, bool(group.get("amsgrad", False)), keep_master,
                                         state_dtype, master_weights))
             forced = rule_tier(names.get(id(p), ""), rules)
+            dtypes_p = low_weight_dtypes(kinds_p, p.dtype)
             start, n = 0, p.numel()
             while start < n:
-                if current is None or current.kinds != kinds_p or current.forced != forced:
+                if (current is None or current.kinds != kinds_p or current.forced != forced
+                        or current.dtypes != dtypes_p):
                     current = Partition(first_id + len(parts), g, [], kinds_p, moment_dtype,
-                                        forced=forced)
+                                        forced=forced, dtypes=dict(dtypes_p))
                     parts.append(current)
                     cap = partition_capacity(kinds_p, moment_dtype, partition_size)
                 room = cap - sum(_units(s.length, kinds_p) for s in current.segments)

@@ -1,5 +1,6 @@
 """Adam/AdamW on 8-bit blockwise moments (optimizer.state_dtype: int8), and the weight
-formats of bf16 models without an fp32 master (optimizer.master_weights).
+formats of bf16 / fp16 models without an fp32 master (optimizer.master_weights), with
+int8, fp32 or bf16 moments.
 
 One segment's update, one keyword-only signature, two kernels behind `lowbit_update`:
 
@@ -18,6 +19,20 @@ element: exp_avg
 sign + 4-bit exponent + 3-bit mantissa, exp_avg_sq 5-bit exponent + 3-bit mantissa;
 code 0 is zero, code 1 NaN (any non-finite moment). `quantize` / `dequantize` convert a
 segment between fp32 and that format (state_dict() and load_state_dict() use them).
+
+Dense moments (exp_avg / exp_avg_sq fp32 or bf16 tensors, no scales: master_weights
+kahan/none with state_dtype fp32 or bf16) run the same pass and the same weight
+arithmetic; only the moments' load and store differ. bf16 moments are rounded as the
+codes are: to nearest even, or stochastically with the low (exp_avg) and high
+(exp_avg_sq) 16 bits of the same stream. The moments' format is their tensors' dtype.
+Dense moments take amsgrad too (max_exp_avg_sq in their format, rounded with
+exp_avg_sq's bits).
+
+The weights without a master are bf16 or fp16 (the param's dtype; a Kahan term has
+it too). fp16 ones round to nearest even as IEEE does (subnormals, overflow to inf;
+NaN the canonical 0x7E00), a Kahan term is 0 where the weight overflowed, and
+stochastic rounding to fp16 (`f16_stochastic`) follows fp16's spacing into its
+subnormals (native/adam_lowbit.c has the definition).
 """
 
 from __future__ import annotations
@@ -38,7 +53,11 @@ M_EBIAS, V_EBIAS = 112, 96  # 127 - exponent bias of exp_avg's / exp_avg_sq's co
 NAN_CODE = 1
 MASTERS = {"fp32": 0, "kahan": 1, "none": 2}
 GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the moments' tensor dtype -> native/adam_lowbit.c's moment_dtype
+MOMENT_FORMATS = {torch.uint8: 0, torch.float32: 1, torch.bfloat16: 2}
 OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+# master_weights kahan/none: the weights' (and the Kahan term's) dtype -> weight_dtype
+LOW_WEIGHTS = {torch.bfloat16: 1, torch.float16: 2}
 ROUNDINGS = ("nearest", "stochastic")
 # crc_mask bits of the arrays the native pass can checksum
 CRC_ARRAYS = {"master": 1, "exp_avg": 2, "exp_avg_scale": 4, "exp_avg_sq": 8,
@@ -173,8 +192,9 @@ def quantize(x: Tensor, *, signed: bool, rounding: str = "nearest", seed: int = 
 
 
 def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
-                          exp_avg_scale: Tensor, exp_avg_sq: Tensor,
-                          exp_avg_sq_scale: Tensor, kahan: Tensor | None = None,
+                          exp_avg_scale: Tensor | None = None, exp_avg_sq: Tensor,
+                          exp_avg_sq_scale: Tensor | None = None, kahan: Tensor | None = None,
+                          max_exp_avg_sq: Tensor | None = None,
                           weight_out: Tensor | None = None, master: str = "fp32",
                           step: float | int | Tensor, lr: float | Tensor, beta1: float,
                           beta2: float, eps: float, weight_decay: float = 0.0,
@@ -184,6 +204,8 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
                           ) -> dict[str, int]:
     """The update in plain torch, on any device; every tensor updated in place."""
     _check_args(master, rounding, kahan, weight_out, param)
+    dense = _check_moments(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale,
+                           max_exp_avg_sq)
     if checksums:
         raise ValueError("checksums: the reference kernel computes none; hash the record")
     step = float(step.item() if isinstance(step, Tensor) else step)
@@ -200,14 +222,14 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     bc2s, eps32, nss = _f32(math.sqrt(bc2)), _f32(eps), _f32(-(lr / bc1))
     wd, decay = _f32(weight_decay), _f32(1.0 - lr * weight_decay)
     g = grad.reshape(-1).float()
-    if master == "fp32":
-        p = param.reshape(-1).float()
+    p = param.reshape(-1).float()
+    if master == "kahan":
+        p = p + kahan.reshape(-1).float()
+    if dense:
+        m, v = exp_avg.reshape(-1).float(), exp_avg_sq.reshape(-1).float()
     else:
-        p = param.reshape(-1).float()
-        if master == "kahan":
-            p = p + kahan.reshape(-1).float()
-    m = dequantize(exp_avg, exp_avg_scale, signed=True)
-    v = dequantize(exp_avg_sq, exp_avg_sq_scale, signed=False)
+        m = dequantize(exp_avg, exp_avg_scale, signed=True)
+        v = dequantize(exp_avg_sq, exp_avg_sq_scale, signed=False)
     if maximize:
         g = -g
     if weight_decay != 0.0:
@@ -219,9 +241,13 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     m = fma32(c1.expand_as(d), d, m) if small else fma32(c1m1.expand_as(d), d, g)
     cg = c2 * g
     v = fma32(cg, g, v * b2)
+    vv = v
+    if max_exp_avg_sq is not None:  # amsgrad: NaN if either is, as the kernels' max
+        vv = torch.where(torch.isnan(v) | torch.isnan(max_exp_avg_sq.reshape(-1).float()),
+                         math.nan, torch.maximum(max_exp_avg_sq.reshape(-1).float(), v))
     # torch's fp32 sqrt is not correctly rounded on every CPU build; float64's is, and
     # rounding it to fp32 is then too (53 >= 2 * 24 + 2 bits).
-    denom = torch.sqrt(v.double()).float() / bc2s + eps32
+    denom = torch.sqrt(vv.double()).float() / bc2s + eps32
     p = p + (nss * m) / denom
     idx = torch.arange(n, dtype=torch.int64, device=p.device) + (offset & M32)
     k0, k1 = _keys(seed, offset)
@@ -231,13 +257,26 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
             weight_out.view(-1).copy_(bf16_nearest(p) if weight_out.dtype == torch.bfloat16
                                       else p)
     elif master == "kahan":
-        nb = bf16_nearest(p)
+        nb = low_nearest(p, param.dtype)
         param.view(-1).copy_(nb)
-        kahan.view(-1).copy_(bf16_nearest(p - nb.float()))
+        kahan.view(-1).copy_(kahan_term(p, nb))
     else:
         rw = sr_bits(idx, k0 ^ W_KEY, k1) & 0xFFFF
-        param.view(-1).copy_(bf16_stochastic(p, rw))
+        param.view(-1).copy_(bf16_stochastic(p, rw) if param.dtype == torch.bfloat16
+                             else f16_stochastic(p, rw))
     r = sr_bits(idx, k0, k1) if rounding == "stochastic" else None
+    if dense:
+        pairs = [(exp_avg, m, 0), (exp_avg_sq, v, 16)]
+        if max_exp_avg_sq is not None:  # rounded with exp_avg_sq's bits: stays >= it
+            pairs.append((max_exp_avg_sq, vv, 16))
+        for dst, x, shift in pairs:
+            if dst.dtype == torch.float32:
+                dst.view(-1).copy_(x)
+            elif r is None:
+                dst.view(-1).copy_(bf16_nearest(x))
+            else:
+                dst.view(-1).copy_(bf16_stochastic(x, (r >> shift) & 0xFFFF))
+        return {}
     sm, im = _scales(m)
     sv, iv = _scales(v)
     exp_avg.view(-1).copy_(_encode(m, im, r & 0xFFFF if r is not None else None, signed=True))
@@ -257,12 +296,76 @@ def bf16_nearest(x: Tensor) -> Tensor:
 _BF16_NAN = torch.tensor(0x7FC0, dtype=torch.int16).view(torch.bfloat16)
 
 
+_F16_NAN = torch.tensor(0x7E00, dtype=torch.int16).view(torch.float16)
+
+
+def f16_nearest(x: Tensor) -> Tensor:
+    """x to fp16, nearest even (IEEE: subnormals, overflow to inf), every NaN 0x7E00."""
+    return torch.where(torch.isnan(x), _F16_NAN, x.to(torch.float16))
+
+
+def low_nearest(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x to bf16 or fp16, nearest even, canonical NaN."""
+    return bf16_nearest(x) if dtype == torch.bfloat16 else f16_nearest(x)
+
+
+def kahan_term(p: Tensor, weight: Tensor) -> Tensor:
+    """The compensation term of fp32 value p beside its rounded weight (bf16 or fp16):
+    p - weight rounded to nearest in the weight's dtype; an fp16 term is 0 where the
+    weight overflowed to inf (p - inf would make the next p + term NaN)."""
+    c = low_nearest(p - weight.float(), weight.dtype)
+    if weight.dtype == torch.float16:
+        c = torch.where(torch.isinf(weight), torch.zeros_like(c), c)
+    return c
+
+
+def f16_stochastic(x: Tensor, r16: Tensor) -> Tensor:
+    """x rounded to fp16 with 16 random bits, as native/adam_lowbit.c's f16w_sr: the
+    fraction of an fp16 spacing x lies above the fp16 value toward zero from it (cut to 16
+    bits) plus r16 carries 1 or 0 into that value; 2^-24 spacing below 2^-14; from 65536
+    on, inf; NaN 0x7E00."""
+    u = x.view(torch.int32).to(torch.int64) & M32
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    e = a >> 23
+    normal = a >= 0x38800000
+    sh = torch.where(normal, 13, torch.clamp(126 - e, max=40))
+    m24 = torch.where(e > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
+    base = torch.where(normal, (a - (112 << 23)) >> 13, m24 >> sh)
+    rem = torch.where(normal, a & 0x1FFF, m24 & ((1 << sh) - 1))
+    q = torch.where(sh >= 16, rem >> torch.clamp(sh - 16, min=0),
+                    rem << torch.clamp(16 - sh, min=0))
+    h = base + ((q + r16) >> 16)
+    h = torch.where(a >= 0x47800000, 0x7C00, h) | sign
+    h = torch.where(a > 0x7F800000, 0x7E00, h)
+    return ((h ^ 0x8000) - 0x8000).to(torch.int16).view(torch.float16)
+
+
 def bf16_stochastic(x: Tensor, r16: Tensor) -> Tensor:
     """x + 16 random bits, truncated to bf16 (NaN: 0x7FC0), as numeric.h rounds."""
     u = x.view(torch.int32).to(torch.int64) & M32
     h = ((u + r16) >> 16) & 0xFFFF
     h = torch.where(torch.isnan(x), 0x7FC0, h)
     return ((h ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)
+
+
+def _check_moments(exp_avg: Tensor, exp_avg_sq: Tensor, exp_avg_scale: Tensor | None,
+                   exp_avg_sq_scale: Tensor | None, max_exp_avg_sq: Tensor | None = None
+                   ) -> bool:
+    """Whether the moments are dense (fp32 or bf16 values, no scales) rather than int8
+    codes with their block scales; refuse a mix, and amsgrad's max beside int8 codes."""
+    if exp_avg.dtype not in MOMENT_FORMATS or exp_avg_sq.dtype != exp_avg.dtype:
+        raise TypeError(f"exp_avg, exp_avg_sq: expected both uint8 (int8 codes), float32 or "
+                        f"bfloat16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
+    dense = exp_avg.dtype != torch.uint8
+    scales = (exp_avg_scale is not None, exp_avg_sq_scale is not None)
+    if scales != (not dense, not dense):
+        raise ValueError("exp_avg_scale, exp_avg_sq_scale: int8 codes need both, "
+                         f"{exp_avg.dtype} moments take neither")
+    if max_exp_avg_sq is not None and (not dense or max_exp_avg_sq.dtype != exp_avg.dtype):
+        raise ValueError(f"max_exp_avg_sq: amsgrad runs with fp32 or bf16 moments, in their "
+                         f"dtype ({exp_avg.dtype}), got {max_exp_avg_sq.dtype}")
+    return dense
 
 
 def _check_args(master: str, rounding: str, kahan: Tensor | None, weight_out: Tensor | None,
@@ -276,9 +379,12 @@ def _check_args(master: str, rounding: str, kahan: Tensor | None, weight_out: Te
     if master == "fp32" and param.dtype != torch.float32:
         raise TypeError(f"param: master='fp32' updates an fp32 tensor, got {param.dtype}")
     if master != "fp32":
-        if param.dtype != torch.bfloat16:
-            raise TypeError(f"param: master={master!r} updates bf16 weights, got "
+        if param.dtype not in LOW_WEIGHTS:
+            raise TypeError(f"param: master={master!r} updates bf16 or fp16 weights, got "
                             f"{param.dtype}")
+        if kahan is not None and kahan.dtype != param.dtype:
+            raise TypeError(f"kahan: the compensation term of {param.dtype} weights is "
+                            f"{param.dtype}, got {kahan.dtype}")
         if weight_out is not None:
             raise ValueError(f"weight_out: master={master!r} updates the weights themselves")
 
@@ -290,8 +396,10 @@ def _ptr(ffi, t: Tensor | None, ctype: str):
 
 
 def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
-                       exp_avg_scale: Tensor, exp_avg_sq: Tensor, exp_avg_sq_scale: Tensor,
-                       kahan: Tensor | None = None, weight_out: Tensor | None = None,
+                       exp_avg_scale: Tensor | None = None, exp_avg_sq: Tensor,
+                       exp_avg_sq_scale: Tensor | None = None,
+                       kahan: Tensor | None = None, max_exp_avg_sq: Tensor | None = None,
+                       weight_out: Tensor | None = None,
                        master: str = "fp32", step: float | int | Tensor, lr: float | Tensor,
                        beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
                        maximize: bool = False, decoupled_weight_decay: bool = True,
@@ -305,15 +413,20 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
 
     native_adam.isa()  # applies TIERMEM_ADAM_ISA before the first call
     _check_args(master, rounding, kahan, weight_out, param)
+    dense = _check_moments(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale,
+                           max_exp_avg_sq)
     n = param.numel()
     check_tensor(param, "param", (param.dtype,), n)
     check_tensor(grad, "grad", tuple(GRAD_DTYPES), n)
-    check_tensor(exp_avg, "exp_avg", (torch.uint8,), n)
-    check_tensor(exp_avg_sq, "exp_avg_sq", (torch.uint8,), n)
-    check_tensor(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
-    check_tensor(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
+    check_tensor(exp_avg, "exp_avg", (exp_avg.dtype,), n)
+    check_tensor(exp_avg_sq, "exp_avg_sq", (exp_avg.dtype,), n)
+    if max_exp_avg_sq is not None:
+        check_tensor(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg.dtype,), n)
+    if not dense:
+        check_tensor(exp_avg_scale, "exp_avg_scale", (torch.float32,), blocks(n))
+        check_tensor(exp_avg_sq_scale, "exp_avg_sq_scale", (torch.float32,), blocks(n))
     if kahan is not None:
-        check_tensor(kahan, "kahan", (torch.bfloat16,), n)
+        check_tensor(kahan, "kahan", (param.dtype,), n)
     if weight_out is not None:
         check_tensor(weight_out, "weight_out", tuple(OUT_DTYPES), n)
     for name, value in (("seed", seed), ("offset", offset)):
@@ -324,6 +437,8 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         if name not in CRC_ARRAYS:
             raise ValueError(f"checksums: unknown array {name!r}; expected some of "
                              f"{', '.join(CRC_ARRAYS)}")
+        if dense and name.endswith("_scale"):
+            raise ValueError(f"checksums: {exp_avg.dtype} moments have no {name}")
         mask |= CRC_ARRAYS[name]
     step = float(step.item() if isinstance(step, Tensor) else step)
     if n and step < 1:
@@ -332,9 +447,11 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     threads = torch.get_num_threads() if num_threads is None else int(num_threads)
     crcs = ffi.new("uint32_t[6]")
     rc = lib.tm_adam_lowbit_step(
-        _ptr(ffi, param, "void *"), MASTERS[master], _ptr(ffi, kahan, "uint16_t *"),
-        _ptr(ffi, exp_avg, "uint8_t *"), _ptr(ffi, exp_avg_scale, "float *"),
-        _ptr(ffi, exp_avg_sq, "uint8_t *"), _ptr(ffi, exp_avg_sq_scale, "float *"),
+        _ptr(ffi, param, "void *"), MASTERS[master], LOW_WEIGHTS.get(param.dtype, 0),
+        _ptr(ffi, kahan, "uint16_t *"),
+        MOMENT_FORMATS[exp_avg.dtype], _ptr(ffi, exp_avg, "void *"),
+        _ptr(ffi, exp_avg_scale, "float *"), _ptr(ffi, exp_avg_sq, "void *"),
+        _ptr(ffi, exp_avg_sq_scale, "float *"), _ptr(ffi, max_exp_avg_sq, "void *"),
         _ptr(ffi, grad, "void *"), GRAD_DTYPES[grad.dtype], _ptr(ffi, weight_out, "void *"),
         OUT_DTYPES[weight_out.dtype] if weight_out is not None else 0, n, float(lr),
         float(beta1), float(beta2), float(eps), float(weight_decay), step, int(maximize),

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from tiermem.kernels.lowbit import bf16_nearest, dequantize, quantize
+from tiermem.kernels.lowbit import dequantize, kahan_term, quantize
 from tiermem.partition import SCALE_KINDS, Partition
 from tiermem.tiers.manager import TierManager
 
@@ -65,9 +65,9 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
                         continue
                     if k == "kahan":
                         src = st.get(keys["master"])
-                        dst.zero_() if src is None else dst.copy_(bf16_nearest(
-                            src.reshape(-1)[s.start: s.start + s.length].float()
-                            - s.param.detach().reshape(-1)[s.start: s.start + s.length].float()))
+                        dst.zero_() if src is None else dst.copy_(kahan_term(
+                            src.reshape(-1)[s.start: s.start + s.length].float(),
+                            s.param.detach().reshape(-1)[s.start: s.start + s.length]))
                         continue
                     src = st.get(keys[k])
                     if src is None:

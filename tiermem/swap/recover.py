@@ -36,7 +36,7 @@ from tiermem.errors import TierMemError
 from tiermem.swap.integrity import check
 from tiermem.swap.manifest import RESIDENT_FILE, Manifest, read_manifest
 from tiermem.kernels.lowbit import dequantize
-from tiermem.partition import SCALE_KINDS, Partition, Segment
+from tiermem.partition import SCALE_KINDS, Partition, Segment, low_weight_dtypes
 
 FORMAT = "tiermem-recover-1"
 # Rules whose records hold one value per element of each state kind, under torch's own
@@ -68,10 +68,15 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _partition(entry: dict) -> Partition:
+def _partition(entry: dict, params: list[dict]) -> Partition:
     segs = [Segment(None, index, start, length) for index, start, length in entry["segments"]]
-    part = Partition(entry["id"], entry["group"], segs, tuple(entry["kinds"]),
-                     moment_dtype=_dtype(entry["moment_dtype"]), tier=entry["tier"])
+    kinds = tuple(entry["kinds"])
+    # an fp16 model's weights and Kahan term are fp16 in the record (one dtype a partition)
+    dtypes = (low_weight_dtypes(kinds, _dtype(params[segs[0].index]["dtype"]))
+              if segs and segs[0].index < len(params) else {})
+    part = Partition(entry["id"], entry["group"], segs, kinds,
+                     moment_dtype=_dtype(entry["moment_dtype"]), tier=entry["tier"],
+                     dtypes=dtypes)
     part.layout()
     if part.record_bytes != entry["record_bytes"]:
         raise TierMemError(f"manifest partition {part.id}: record of {entry['record_bytes']} "
@@ -141,7 +146,7 @@ def gather(run_dir: str) -> dict[str, Any]:
     group_of = {i: g for g, group in enumerate(m.groups) for i in group["params"]}
     state: dict[int, dict[str, Any]] = {}
     weights: dict[int, torch.Tensor] = {}
-    parts = [_partition(e) for e in m.partitions]
+    parts = [_partition(e, m.params) for e in m.partitions]
     kinds_of = {s.index: part.kinds for part in parts for s in part.segments}
     for i, step in enumerate(m.steps):
         if step == 0 and not eager:

@@ -169,8 +169,9 @@ def _state_flags(p: argparse.ArgumentParser) -> None:
                    help="optimizer.state_dtype: how the moments are stored (default: the "
                         "config's)")
     p.add_argument("--master-weights", choices=["fp32", "kahan", "none"],
-                   help="optimizer.master_weights of a bf16 model (kahan and none need "
-                        "--state-dtype int8; default: the config's)")
+                   help="optimizer.master_weights of a bf16/fp16 model (kahan: a Kahan term, "
+                        "none: stochastic rounding; with any --state-dtype; default: the "
+                        "config's)")
 
 
 def _cmd_stress(args: argparse.Namespace) -> int:

@@ -361,8 +361,8 @@ class Verifier:
             for k in MOMENTS:
                 if k in rec:
                     lists[k].append(rec[k][sl])
-        if lists["params"] and off.settings.optimizer.state_dtype == "int8":
-            self._reference_int8_state(part, rec, lists["params"], lists["steps"], group,
+        if lists["params"] and off.rule.lowbit(lists["params"]):
+            self._reference_lowbit(part, rec, lists["params"], lists["steps"], group,
                                        grads)
         elif lists["params"] and off.settings.optimizer.state_dtype == "bf16":
             self._reference_bf16_state(part, rec, lists["params"], lists["steps"], group,
@@ -389,13 +389,14 @@ class Verifier:
                 pos += s.length
         return {"record": rec, "weights": weights}
 
-    def _reference_int8_state(self, part: Partition, rec: dict[str, torch.Tensor],
-                              params: list, steps: list, group: dict,
-                              grads: dict[int, torch.Tensor]) -> None:
-        """int8 moments: kernels.lowbit's plain-torch reference per segment, on the
-        streams the pipeline uses (optim.rules.adam.int8_segment); the native kernel must match it bit for bit. params: per
-        stepped segment, the record's master or a copy of the model's weights (fp32, or
-        bf16 with optimizer.master_weights kahan/none), updated here."""
+    def _reference_lowbit(self, part: Partition, rec: dict[str, torch.Tensor],
+                          params: list, steps: list, group: dict,
+                          grads: dict[int, torch.Tensor]) -> None:
+        """int8 moments, or bf16 weights without a master (master_weights kahan/none, any
+        moments): kernels.lowbit's plain-torch reference per segment, on the streams the
+        pipeline uses (optim.rules.adam.int8_segment); the native kernel must match it bit
+        for bit. params: per stepped segment, the record's master or a copy of the model's
+        weights (fp32, or bf16 with optimizer.master_weights kahan/none), updated here."""
         from tiermem.optim.rules.adam import int8_segment
 
         opt = self.tm.offloaded.settings.optimizer
@@ -408,9 +409,11 @@ class Verifier:
             int8_segment(
                 kernel="reference", start=s.start, param_index=s.index,
                 param=param, grad=grads[n],
-                **{kind: rec[kind][slices[kind][n]] for kind in (
+                **{kind: rec[kind][slices[kind][n]] if kind in rec else None for kind in (
                     "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")},
                 kahan=rec["kahan"][slices["kahan"][n]] if "kahan" in rec else None,
+                max_exp_avg_sq=(rec["max_exp_avg_sq"][slices["max_exp_avg_sq"][n]]
+                                if "max_exp_avg_sq" in rec else None),
                 master="fp32" if param.dtype == torch.float32 else opt.master_weights,
                 step=step, lr=group["lr"], beta1=float(group["betas"][0]),
                 beta2=float(group["betas"][1]), eps=group["eps"],

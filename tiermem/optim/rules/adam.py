@@ -7,12 +7,15 @@ max_exp_avg_sq with amsgrad; moments in fp32, or bf16 with optimizer.state_dtype
 The update runs one of kernels.adam's kernels, all behind one dispatcher.
 
 With state_dtype int8 the moments are blockwise 8-bit codes with their scales
-(partition.SCALE_KINDS) and the update runs kernels.lowbit per segment; a bf16
-parameter's record then holds, per optimizer.master_weights, an fp32 master, a bf16
-Kahan compensation term, or no weight at all. Without an fp32 master a crash-consistent
-record also holds the model's bf16 weights (kind "weight"): the update runs on the
-model's weights as in a scratch run, and OffloadedOptimizer copies them into the record
-right after, so a commit holds the weights and the state of the same step.
+(partition.SCALE_KINDS) and the update runs kernels.lowbit per segment. A bf16 or
+fp16 parameter's record holds, per optimizer.master_weights, an fp32 master, a Kahan
+compensation term in the parameter's dtype, or no weight at all; without an fp32 master
+the update runs kernels.lowbit per segment whatever the moments' format (int8, fp32 or
+bf16: the same weight arithmetic, the same random streams). Without an fp32 master a
+crash-consistent record also holds the model's bf16 (or fp16) weights (kind "weight"):
+the update runs on the model's weights as in a scratch run, and OffloadedOptimizer
+copies them into the record right after, so a commit holds the weights and the state of
+the same step.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update
-from tiermem.kernels.lowbit import lowbit_update
+from tiermem.kernels.lowbit import CRC_ARRAYS, lowbit_update
 from tiermem.kernels.native_adam import state_seed
 from tiermem.optim.rules.base import Batch, UpdateRule, Views, check_group_tensors
 from tiermem.partition import QUANT_BLOCK, Partition, state_kinds
@@ -32,7 +35,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
 MIXED_OUT = (torch.bfloat16, torch.float16)  # model dtypes the native kernel writes directly
 # kinds holding the weights themselves: an fp32 master, or (master_weights kahan/none,
-# crash-consistent) a copy of the model's bf16 weights
+# crash-consistent) a copy of the model's bf16 or fp16 weights
 WEIGHT_KINDS = ("master", "weight")
 
 
@@ -59,11 +62,6 @@ class AdamRule(UpdateRule):
             for p in group["params"]:
                 if self.state_dtype != "fp32":
                     self._check_low_state(g, p)
-                if self.master_weights != "fp32" and p.dtype == torch.float16:
-                    raise TierMemError(
-                        f"param_groups[{g}]: optimizer.master_weights {self.master_weights} "
-                        "updates bf16 weights, and a parameter is fp16; use master_weights "
-                        "fp32 or a bf16 model")
 
     def _check_low_state(self, g: int, p: torch.Tensor) -> None:
         """bf16 moments are updated by the native CPU kernel only (int8 ones also by
@@ -110,12 +108,19 @@ class AdamRule(UpdateRule):
                         s.param.detach().reshape(-1)[s.start: s.start + s.length])
                     off += s.length
 
+    def lowbit(self, params) -> bool:
+        """Whether kernels.lowbit updates these (a partition's or a batch's) weights: int8
+        state, or a low-precision weight without an fp32 master (master_weights kahan/none,
+        whatever the moments' format)."""
+        return self.state_dtype == "int8" or (
+            self.master_weights != "fp32" and any(p.dtype != torch.float32 for p in params))
+
     def wants_native(self, kernel: str, part: Partition, *, on_host: bool) -> bool:
         """The native kernel's single pass (grads of any float dtype in, low-precision
-        weights out, CRCs) runs this partition: bf16 state always, int8 state in place on
-        the host, and with kernel native or auto (the default: native is the faster one
-        there) CPU models in fp32, bf16 or fp16."""
-        if self.state_dtype == "int8":
+        weights out, CRCs) runs this partition: bf16 state always, int8 state (or bf16
+        weights without a master) in place on the host, and with kernel native or auto
+        (the default: native is the faster one there) CPU models in fp32, bf16 or fp16."""
+        if self.state_dtype != "bf16" and self.lowbit(s.param for s in part.segments):
             # Elsewhere (a GPU-tier record, a device slot of the lanes) the gathered update
             # runs kernels.lowbit's reference, bit for bit the native pass.
             return on_host
@@ -127,8 +132,8 @@ class AdamRule(UpdateRule):
 
     def update(self, batch: Batch, *, kernel: str) -> list[dict[str, int]] | None:
         group = batch.group
-        if self.state_dtype == "int8":
-            return self._update_int8(batch)
+        if self.lowbit(batch.params):
+            return self._update_lowbit(batch)
         rounding = {}
         if self.state_dtype == "bf16":
             # Stochastic rounding draws the bits of stream (step, partition) at each
@@ -148,10 +153,11 @@ class AdamRule(UpdateRule):
             decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
             weights_out=batch.weights_out, checksums=batch.checksums, **rounding)
 
-    def _update_int8(self, batch: Batch) -> list[dict[str, int]]:
+    def _update_lowbit(self, batch: Batch) -> list[dict[str, int]]:
         """kernels.lowbit per segment: the native pass on CPU tensors, the torch reference
-        elsewhere. params[i] is the fp32 weight the update runs on (a master, or an fp32
-        model), or with master_weights kahan/none the bf16 model weight itself."""
+        elsewhere (bitwise the same). params[i] is the fp32 weight the update runs on (a
+        master, or an fp32 model), or with master_weights kahan/none the bf16 or fp16 model
+        weight itself; the moments are int8 codes with their scales, or fp32 / bf16 values."""
         group = batch.group
         beta1, beta2 = (float(b) for b in group["betas"])
         st = {k: v for k, v in batch.state.items() if k != "weight"}
@@ -162,16 +168,21 @@ class AdamRule(UpdateRule):
             # The kernel's "master" array is `param`: an fp32 master's CRC, or, without one,
             # that of the bf16 weights the caller copies into the record's "weight" kind
             # right after (the same bytes).
-            wanted = [k for k in batch.checksums if k not in WEIGHT_KINDS]
+            # (amsgrad's max has no CRC from the pass: such a record is hashed by the store)
+            wanted = [k for k in batch.checksums if k in CRC_ARRAYS and k not in WEIGHT_KINDS]
             if ("master" if master == "fp32" else "weight") in batch.checksums:
                 wanted.append("master")
             index, start = batch.origins[i]
             crcs = int8_segment(
                 kernel="native" if native else "reference", start=start,
                 param_index=index, param=param, grad=batch.grads[i],
-                exp_avg=st["exp_avg"][i], exp_avg_scale=st["exp_avg_scale"][i],
-                exp_avg_sq=st["exp_avg_sq"][i], exp_avg_sq_scale=st["exp_avg_sq_scale"][i],
+                exp_avg=st["exp_avg"][i], exp_avg_sq=st["exp_avg_sq"][i],
+                exp_avg_scale=st["exp_avg_scale"][i] if "exp_avg_scale" in st else None,
+                exp_avg_sq_scale=(st["exp_avg_sq_scale"][i] if "exp_avg_sq_scale" in st
+                                  else None),
                 kahan=st["kahan"][i] if "kahan" in st else None,
+                max_exp_avg_sq=(st["max_exp_avg_sq"][i] if "max_exp_avg_sq" in st
+                                else None),
                 weight_out=batch.weights_out[i] if batch.weights_out else None,
                 master=master, step=batch.steps[i], lr=group["lr"], beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"],
@@ -188,13 +199,14 @@ class AdamRule(UpdateRule):
 
 WINDOW = 1 << 32  # elements of one stream window (the kernels' 32-bit counter)
 ARRAYS = ("param", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale",
-          "kahan", "weight_out")
+          "kahan", "max_exp_avg_sq", "weight_out")
 
 
 def int8_segment(*, kernel: str, start: int, param_index: int, step, checksums=(),
                  **kwargs) -> dict[str, int]:
     """kernels.lowbit's `kernel` on one segment: elements start .. start+n of parameter
-    `param_index` (kwargs: the segment's ARRAYS and the hyperparameters).
+    `param_index` (kwargs: the segment's ARRAYS and the hyperparameters; no scales with
+    fp32 or bf16 moments).
 
     Element e of parameter k draws its rounding bits from stream (step, k) at index e, and
     quantisation blocks start at multiples of BLOCK of the parameter (partition cuts fall
@@ -208,7 +220,7 @@ def int8_segment(*, kernel: str, start: int, param_index: int, step, checksums=(
     while nxt < n:
         cuts.append(nxt)
         nxt += WINDOW
-    if len(cuts) > 1 and start % QUANT_BLOCK:
+    if len(cuts) > 1 and start % QUANT_BLOCK and kwargs.get("exp_avg_scale") is not None:
         # (a share cut off CUT_ALIGN, e.g. an FSDP2 shard): a window cut would split a block
         raise TierMemError(
             f"parameter {param_index}: an int8 segment at element {start} crosses a "
