@@ -22,6 +22,7 @@ import tiermem
 from tiermem.config import ConfigError
 from tiermem.device.lanes import DeferredBackend, DeferredStream, DeviceLanes
 from tiermem.errors import TierMemError
+from tiermem.swap.integrity import IntegrityError
 
 from conftest import REPO
 from faults import inject
@@ -270,6 +271,12 @@ def test_dropped_wait_is_caught(tmp_path, monkeypatch, step_device, why):
                         None if w == why else host(self, event, w))
     try:
         model, opt, ref_model, ref, *_ = fp32_pair(tmp_path, "threads", step_device, "mixed")
+    except IntegrityError:
+        # The record's checksum and the bytes written disagree: the D2H copy changed the
+        # buffer after it was hashed, which the next read of the record caught (which
+        # comes first, that or the end of the run, depends on the thread's timing).
+        assert why == "the record, before its NVMe write-back is issued"
+        return
     except TierMemError as exc:  # the emulation saw a copy nothing waited for
         assert "nothing waited for" in str(exc), exc
         return
