@@ -22,8 +22,16 @@ Each round's ratio is its step / max(its I/O floor, its compute floor); the tabl
 the median over rounds and their spread (goal <= 1.10). Two warm-up steps come first
 (the first only writes fresh records; the second gives the bytes of a steady step).
 
+With --stand-in, each round also runs --steps steps whose update is a stand-in: it
+sleeps as long as that round's real update took per partition and changes nothing (the
+swap store hashes each record as it writes it, as for any update that returns no
+CRC). The pipeline, the engine and the disk see the same transfers at the same pace,
+without the update's memory traffic and CPU beside them, so stand-in step / I/O floor is
+what the I/O path alone costs, and step / stand-in step what the update costs on top.
+The stand-in steps leave the optimizer state as it was (a bench only).
+
 Usage: python bench/optimizers.py [--params 300M] [--rounds 5] [--steps 3]
-       [--optimizers sgd,adagrad] [--impl fused] [--quick] [--json out.json]
+       [--optimizers sgd,adagrad] [--impl fused] [--stand-in] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -63,6 +71,15 @@ def _timed_block(fn, n: int, settle) -> float:
     return time.perf_counter() - t0
 
 
+def _stand_in(seconds: float):
+    """An OffloadedOptimizer._update that waits `seconds` and leaves the record alone
+    (returns no CRC: the swap store hashes the record when it writes it)."""
+    def update(part, views, stats):
+        time.sleep(seconds)
+        return None
+    return update
+
+
 def phase_rounds(args: argparse.Namespace) -> dict:
     """One optimizer: the I/O floor, the compute floor and the tiermem step, interleaved
     round by round (the module docstring says what each is)."""
@@ -95,15 +112,35 @@ def phase_rounds(args: argparse.Namespace) -> dict:
                     "block_seconds": block, "stats": stats, "ratio": step / floor_s,
                     **stat_medians(stats, ("read_bytes", "write_bytes", "stall_seconds",
                                            "update_seconds", "io_seconds"))})
+                extra = ""
+                if args.stand_in:
+                    per_part = rounds[-1]["update_seconds"] / max(
+                        1, statistics.median(sum(s["partitions"].values()) for s in stats))
+                    tm.offloaded._update = _stand_in(per_part)
+                    try:
+                        first = len(tm.stats())
+                        io_block = _timed_block(opt.step, args.steps, tiers.flush)
+                    finally:
+                        del tm.offloaded._update  # the class's own method again
+                    io_step = io_block / args.steps
+                    rounds[-1].update(stand_in_step=io_step, stand_in_partition_seconds=per_part,
+                                      stand_in_stats=tm.stats()[first:],
+                                      stand_in_ratio=io_step / fio["seconds"])
+                    extra = (f", stand-in update {io_step:.3f} s "
+                             f"({io_step / fio['seconds']:.3f} x fio)")
                 print(f"{args.optimizer} round {r + 1}: step {step:.3f} s, fio "
                       f"{fio['seconds']:.3f} s, in-memory {statistics.median(mem):.3f} s, "
-                      f"ratio {step / floor_s:.3f}", flush=True)
+                      f"ratio {step / floor_s:.3f}{extra}", flush=True)
         peak = peak_rss()
         tm.discard()
     med = {k: statistics.median(r[k] for r in rounds) for k in (
         "step", "memory", "ratio", "read_bytes", "write_bytes", "stall_seconds",
         "update_seconds", "io_seconds")}
     med["fio"] = statistics.median(r["fio"]["seconds"] for r in rounds)
+    if args.stand_in:
+        for k in ("stand_in_step", "stand_in_ratio"):
+            med[k] = statistics.median(r[k] for r in rounds)
+        med["update_cost"] = statistics.median(r["step"] / r["stand_in_step"] for r in rounds)
     return {"plan": plan, "warmup_seconds": warm, "moved": moved, "rounds": rounds,
             "median": med, "ratios": [r["ratio"] for r in rounds], "peak_rss": peak,
             "state_bytes": plan["state_bytes"]["nvme"]}
@@ -125,6 +162,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impl", choices=list(IMPLS), default="fused",
                    help="the optimizer's implementation flags, the same for tiermem and the "
                         "in-memory floor (default fused)")
+    p.add_argument("--stand-in", action="store_true",
+                   help="each round also times steps whose update is a stand-in that only "
+                        "waits as long (what the I/O path alone costs)")
     add_pipeline_args(p, swap_dir="/tmp/tiermem-bench-opt", partition_size="64MiB",
                       buffers=8, prefetch=4, kernels=("match", "fused"))
     p.set_defaults(kernel="match")
@@ -166,6 +206,14 @@ def main(argv=None) -> int:
                  f"median of {len(ratios)} rounds (min {min(ratios):.3f}, max "
                  f"{max(ratios):.3f}); goal <= 1.10: " + goal_text(m["ratio"], 1.10)],
             ]
+            if args.stand_in:
+                rows += [
+                    [f"{name}: step, stand-in update", f"{m['stand_in_step']:.3f} s",
+                     f"{m['stand_in_ratio']:.3f} x the I/O floor (median of rounds): the "
+                     "I/O path alone"],
+                    [f"{name}: step / stand-in step", f"{m['update_cost']:.3f}",
+                     "median of rounds: what the update beside the transfers adds"],
+                ]
     finally:
         try:
             os.rmdir(args.swap_dir)

@@ -1,9 +1,13 @@
-/* The threads backend: pread/pwrite of block_size pieces on a pool of pthreads.
+/* The threads backend: pread/pwrite of block_size pieces on pthreads, a pool
+ * of them per direction.
  *
- * Used where io_uring is unavailable. Same request struct and the same order
- * as the io_uring engine (pieces of reads before pieces of writes, each in
- * submission order); short transfers continue where they stopped and
- * EAGAIN/EINTR are retried. No Python and no GIL per piece. */
+ * Used where io_uring is unavailable. Reads and writes each have their own
+ * threads (nthreads each), as the io_uring engine has a ring per direction and
+ * fio a job per direction: a read never waits for a thread that a write holds,
+ * so an optimizer step's reads run beside its write-backs instead of behind
+ * them. Each direction takes its pieces in submission order; short transfers
+ * continue where they stopped and EAGAIN/EINTR are retried. No Python and no
+ * GIL per piece. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -14,32 +18,41 @@
 #include "tiermem_native.h"
 #include "completion.h"
 
+#define DIRECTIONS 2 /* request op: 0 read, 1 write */
+
+struct tm_pool;
+
+typedef struct pool_worker_arg {
+    struct tm_pool *pool;
+    int op; /* the direction this thread moves */
+} pool_worker_arg;
+
 struct tm_pool {
-    unsigned nthreads;
+    unsigned nthreads; /* started, both directions together */
+    unsigned per_direction;
     unsigned block_size;
     pthread_t *threads;
+    pool_worker_arg *args;
     pthread_mutex_t lock;  /* guards the request list, request fields, stopping */
-    pthread_cond_t work;   /* signalled when pieces or a stop arrive */
+    pthread_cond_t work[DIRECTIONS]; /* signalled when pieces of that direction or a stop arrive */
     pthread_cond_t done;   /* broadcast when a request completes */
     tm_request *head, *tail;
     int stopping;
     int inflight_requests;
 };
 
-/* Under lock: hand out the next piece, reads first. */
-static tm_request *take_piece(tm_pool *p, uint64_t *off, uint64_t *len)
+/* Under lock: hand out the next piece of direction op, in submission order. */
+static tm_request *take_piece(tm_pool *p, int op, uint64_t *off, uint64_t *len)
 {
-    for (int op = 0; op < 2; op++) {
-        for (tm_request *r = p->head; r; r = r->link) {
-            if (r->op != op || r->next >= r->len)
-                continue;
-            uint64_t left = r->len - r->next;
-            *off = r->next;
-            *len = left < p->block_size ? left : p->block_size;
-            r->next += *len;
-            r->inflight++;
-            return r;
-        }
+    for (tm_request *r = p->head; r; r = r->link) {
+        if (r->op != op || r->next >= r->len)
+            continue;
+        uint64_t left = r->len - r->next;
+        *off = r->next;
+        *len = left < p->block_size ? left : p->block_size;
+        r->next += *len;
+        r->inflight++;
+        return r;
     }
     return NULL;
 }
@@ -81,15 +94,18 @@ static int move_piece(tm_request *r, uint64_t off, uint64_t len, uint32_t *resub
 
 static void *pool_worker(void *arg)
 {
-    tm_pool *p = arg;
+    pool_worker_arg *a = arg;
+    tm_pool *p = a->pool;
     pthread_mutex_lock(&p->lock);
     for (;;) {
         uint64_t off, len;
-        tm_request *r = take_piece(p, &off, &len);
+        tm_request *r = take_piece(p, a->op, &off, &len);
         if (!r) {
-            if (p->stopping && !p->head)
+            /* Nothing left of this direction: with a stop, the other direction's
+             * threads finish theirs. */
+            if (p->stopping)
                 break;
-            pthread_cond_wait(&p->work, &p->lock);
+            pthread_cond_wait(&p->work[a->op], &p->lock);
             continue;
         }
         pthread_mutex_unlock(&p->lock);
@@ -125,24 +141,32 @@ int tm_pool_create(unsigned nthreads, unsigned block_size, tm_pool **out)
     tm_pool *p = calloc(1, sizeof *p);
     if (!p)
         return -ENOMEM;
-    p->threads = calloc(nthreads, sizeof(pthread_t));
-    if (!p->threads) {
+    unsigned total = nthreads * DIRECTIONS;
+    p->threads = calloc(total, sizeof(pthread_t));
+    p->args = calloc(total, sizeof(pool_worker_arg));
+    if (!p->threads || !p->args) {
+        free(p->threads);
+        free(p->args);
         free(p);
         return -ENOMEM;
     }
+    p->per_direction = nthreads;
     p->block_size = block_size;
     pthread_mutex_init(&p->lock, NULL);
-    pthread_cond_init(&p->work, NULL);
+    for (int op = 0; op < DIRECTIONS; op++)
+        pthread_cond_init(&p->work[op], NULL);
     pthread_cond_init(&p->done, NULL);
-    for (unsigned i = 0; i < nthreads; i++) {
-        int ret = pthread_create(&p->threads[i], NULL, pool_worker, p);
+    for (unsigned i = 0; i < total; i++) {
+        p->args[i].pool = p;
+        p->args[i].op = (int)(i % DIRECTIONS);
+        int ret = pthread_create(&p->threads[i], NULL, pool_worker, &p->args[i]);
         if (ret) {
             p->nthreads = i;
             tm_pool_destroy(p);
             return -ret;
         }
     }
-    p->nthreads = nthreads;
+    p->nthreads = total;
     *out = p;
     return 0;
 }
@@ -166,13 +190,13 @@ int tm_pool_submit(tm_pool *p, tm_request *r)
         p->head = r;
     p->tail = r;
     p->inflight_requests++;
-    /* One waiter per piece of work, at most every thread. */
+    /* One waiter of the request's direction per piece, at most all of them. */
     uint64_t pieces = (r->len + p->block_size - 1) / p->block_size;
-    if (pieces >= p->nthreads)
-        pthread_cond_broadcast(&p->work);
+    if (pieces >= p->per_direction)
+        pthread_cond_broadcast(&p->work[r->op]);
     else
         for (uint64_t i = 0; i < pieces; i++)
-            pthread_cond_signal(&p->work);
+            pthread_cond_signal(&p->work[r->op]);
     pthread_mutex_unlock(&p->lock);
     return 0;
 }
@@ -184,16 +208,20 @@ int tm_pool_wait(tm_pool *p, tm_request *r, int timeout_ms)
 
 void tm_pool_destroy(tm_pool *p)
 {
-    /* Workers finish every queued piece before they see the stop. */
+    /* Workers finish every queued piece of their direction before they see
+     * the stop. */
     pthread_mutex_lock(&p->lock);
     p->stopping = 1;
-    pthread_cond_broadcast(&p->work);
+    for (int op = 0; op < DIRECTIONS; op++)
+        pthread_cond_broadcast(&p->work[op]);
     pthread_mutex_unlock(&p->lock);
     for (unsigned i = 0; i < p->nthreads; i++)
         pthread_join(p->threads[i], NULL);
     pthread_mutex_destroy(&p->lock);
-    pthread_cond_destroy(&p->work);
+    for (int op = 0; op < DIRECTIONS; op++)
+        pthread_cond_destroy(&p->work[op]);
     pthread_cond_destroy(&p->done);
     free(p->threads);
+    free(p->args);
     free(p);
 }

@@ -48,6 +48,30 @@ def test_optimizers_bench_smoke(tmp_path):
         assert result["ratios"][name] == res["median"]["ratio"]
 
 
+@needs_fio
+def test_optimizers_bench_stand_in(tmp_path):
+    """--stand-in: per round, steps whose update only waits write every record as the real
+    ones do and read records too (which ones stay buffered depends on timing), and the
+    real steps of the next round still read good records after them."""
+    out = tmp_path / "optimizers.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "optimizers.py"), "--params", "6M",
+         "--rounds", "2", "--steps", "2", "--memory-steps", "1", "--partition-size", "4MiB",
+         "--buffers", "4", "--prefetch", "2", "--queue-depth", "4", "--optimizers", "sgd",
+         "--stand-in", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step / stand-in step" in proc.stdout
+    res = json.loads(out.read_text())["results"]["sgd"]
+    for r in res["rounds"]:
+        assert r["stand_in_partition_seconds"] > 0
+        assert r["stand_in_ratio"] == pytest.approx(r["stand_in_step"] / r["fio"]["seconds"])
+        assert [s["write_bytes"] for s in r["stand_in_stats"]] == [
+            s["write_bytes"] for s in r["stats"]]
+        assert all(s["read_bytes"]["nvme"] > 0 for s in r["stand_in_stats"])
+    assert res["median"]["update_cost"] > 0
+
+
 def _fio_output(read_io: int, error: int = 0) -> str:
     jobs = [{"jobname": "read", "error": error, "read": {"runtime": 0 if error else 500,
                                                         "io_bytes": read_io}},

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, aligned, filled, read_file
+from conftest import REPO, aligned, filled, pattern, read_file
 from tiermem.errors import TierMemIOError, TierMemWarning
 from tiermem.io import IOEngine
 
@@ -260,7 +260,8 @@ def stalled(backend, tmp_path):
     """(engine, request, release): a queue_depth-1 engine whose only slot is stuck in a write.
 
     Both backends: a 256 KiB write into a FIFO nobody reads (the pipe holds 64 KiB)
-    blocks the ring's only slot, or the pool's only thread, until release() drains it.
+    blocks the write ring's only slot, or the pool's only write thread, until release()
+    drains it.
     (Aligned tensors, not bytearrays: see test_request_on_bytearray_in_a_gc_cycle.)
     """
     eng = IOEngine(backend, queue_depth=1, block_size=4096)
@@ -290,9 +291,10 @@ def stalled(backend, tmp_path):
 def stalled_read(backend, tmp_path):
     """(engine, release): a queue_depth-1 engine whose only read slot is stuck.
 
-    io_uring runs reads and writes on a ring each, so a stuck write (`stalled`) holds no
-    read back; a 4 KiB read from an empty FIFO holds the read ring's only slot, or the
-    pool's only thread, until release() writes those 4 KiB.
+    Reads and writes have slots of their own (a ring each on io_uring, threads each on
+    the threads backend), so a stuck write (`stalled`) holds no read back; a 4 KiB read
+    from an empty FIFO holds the read ring's only slot, or the pool's only read thread,
+    until release() writes those 4 KiB.
     """
     eng = IOEngine(backend, queue_depth=1, block_size=4096)
     os.mkfifo(tmp_path / "rfifo")
@@ -328,6 +330,44 @@ def test_wait_timeout_raises_and_request_stays_usable(stalled):
     release()
     assert req.wait(timeout=60) == req.nbytes
     assert eng.inflight() == 0
+
+
+def _lands_beside(req, release, what: str) -> None:
+    """req lands while the other direction's only slot is stuck; if it waits instead,
+    free that slot first (so the file can close) and fail."""
+    try:
+        req.wait(timeout=10)
+    except TimeoutError:
+        release()
+        req.wait(timeout=60)
+        pytest.fail(f"the {what} waited for the stuck transfer of the other direction")
+
+
+def test_read_runs_beside_a_stuck_write(stalled, tmp_path):
+    """Reads have slots of their own on both backends (a ring per direction, threads per
+    direction): with the only write slot stuck, a read still lands, and the write lands
+    once released."""
+    eng, req, release = stalled
+    path = tmp_path / "src"
+    src = pattern(64 * KiB, 5)
+    path.write_bytes(src.numpy().tobytes())
+    dst = aligned(64 * KiB)
+    with eng.open(path, "r", direct=False) as f:
+        _lands_beside(eng.read(f, dst, 0), release, "read")
+    assert torch.equal(dst, src)
+    assert not req.done()
+    release()
+    assert req.wait(timeout=60) == req.nbytes
+
+
+def test_write_runs_beside_a_stuck_read(stalled_read, tmp_path):
+    """The other way round: with the only read slot stuck, a write still lands."""
+    eng, release = stalled_read
+    src = pattern(64 * KiB, 6)
+    with eng.open(tmp_path / "dst", "w", direct=False) as f:
+        _lands_beside(eng.write(f, src, 0), release, "write")
+    assert read_file(tmp_path / "dst") == src.numpy().tobytes()
+    release()
 
 
 def test_wait_with_huge_timeout(engine, tmp_path):

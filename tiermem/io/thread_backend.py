@@ -1,9 +1,10 @@
-"""Thread-pool backend: pread/pwrite of block_size pieces on a pool of pthreads (native/thread_pool.c).
+"""Thread-pool backend: pread/pwrite of block_size pieces on pthreads (native/thread_pool.c).
 
 Used where io_uring is unavailable (old kernels, kernel.io_uring_disabled,
-container seccomp) or when asked for. Like the io_uring worker it serves pieces
-of reads before pieces of writes, each in submission order, requeues short
-transfers and EAGAIN, and runs no Python per piece.
+container seccomp) or when asked for. Like the io_uring engine (a ring per
+direction) it has threads per direction, so reads never queue behind writes for
+a thread; each direction's pieces go in submission order, short transfers and
+EAGAIN are requeued, and no Python runs per piece.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class ThreadBackend:
 
     def __init__(self, queue_depth: int, block_size: int) -> None:
         out = ffi.new("tm_pool **")
-        # One thread per request in flight: each blocks in one pread/pwrite.
+        # One thread per piece in flight, queue_depth per direction as the io_uring
+        # engine keeps queue_depth pieces per ring: each blocks in one pread/pwrite.
         rc = lib.tm_pool_create(min(queue_depth, MAX_THREADS), block_size, out)
         if rc < 0:
             raise TierMemIOError(f"I/O thread pool could not start: {os.strerror(-rc)}",
