@@ -28,8 +28,9 @@ gradient since the last step (torch's own accumulation), and the squared norm of
 the stored value is kept, so `clip_grad_norm_` needs no pass over the grads. The
 optimizer step opens the parameters of one partition at a time
 (`open_for_update`): weights materialised, the gradient read back and scaled by
-the clip coefficient; the updated weights are written back when evicted or when
-the step ends.
+the clip coefficient; a parameter's updated weights are written back as its last
+piece is updated (from their buffer, no copy; they stay in the window), or when
+evicted or the step ends if they changed otherwise.
 
 A model on a device (CUDA parameters, or CPU ones with the emulated streams) keeps its
 records on the host or NVMe tier as well; materialised weights are device buffers filled
