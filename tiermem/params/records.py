@@ -168,6 +168,10 @@ class Records:
             self.store.finish_write(self._parts[key], buf, req,
                                     retries=self.settings.io.retries)
 
+    def settle(self, kind: str, index: int) -> None:
+        """The record's write in flight, if any, has landed (its buffer may change now)."""
+        self._landed((kind, index))
+
     def _reap(self) -> None:
         for key in [k for k, (req, _) in self.pending.items() if req.done()]:
             self._landed(key)

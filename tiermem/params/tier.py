@@ -28,8 +28,9 @@ gradient since the last step (torch's own accumulation), and the squared norm of
 the stored value is kept, so `clip_grad_norm_` needs no pass over the grads. The
 optimizer step opens the parameters of one partition at a time
 (`open_for_update`): weights materialised, the gradient read back and scaled by
-the clip coefficient; the updated weights are written back when evicted or when
-the step ends.
+the clip coefficient; a parameter's updated weights are written back as its last
+piece is updated (from their buffer, no copy; they stay in the window), or when
+evicted or the step ends if they changed otherwise.
 
 A model on a device (CUDA parameters, or CPU ones with the emulated streams) keeps its
 records on the host or NVMe tier as well; materialised weights are device buffers filled
@@ -523,16 +524,42 @@ class ParamTier:
                 self.inflight[i] = Uploaded(self.dev.upload(i, fetch.wait(), fetch.buf))
                 self.to_device.discard(i)
 
-    def _write_back(self, i: int) -> None:
-        """Parameter `i`'s changed weights to their record: from the buffer they live in
-        when the parameter still views it whole (no copy), else copied."""
+    def _in_own_buffer(self, i: int) -> torch.Tensor | None:
+        """The fetch buffer parameter `i` views whole, if it does."""
         p, buf = self.params[i].detach(), self.bufs.get(i)
         if (buf is not None and p.data_ptr() == buf.data_ptr() and p.is_contiguous()
                 and p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
+            return buf
+        return None
+
+    def _write_back(self, i: int) -> None:
+        """Parameter `i`'s changed weights to their record: from the buffer they live in
+        when the parameter still views it whole (no copy), else copied."""
+        buf = self._in_own_buffer(i)
+        if buf is not None:
             self.bufs.pop(i)
             self.records.write_buffer(WEIGHT, i, buf)  # the weights are released next
         else:
-            self.records.write(WEIGHT, i, p)
+            self.records.write(WEIGHT, i, self.params[i].detach())
+
+    def _write_kept(self, i: int) -> None:
+        """Parameter `i`'s changed weights to their record while they stay in the window:
+        written from their buffer without a copy when they view it whole. Nothing changes
+        them before their next update, and open_for_update (like a load or a roll-back)
+        waits for that write first (`_settle`): the disk never reads a buffer being
+        changed."""
+        buf = self._in_own_buffer(i)
+        if buf is not None:
+            self.bufs.pop(i)  # shared with the write now: a later write-back copies
+            self.records.write_buffer(WEIGHT, i, buf)
+        else:
+            self.records.write(WEIGHT, i, self.params[i].detach())
+        self.dirty.discard(i)
+
+    def _settle(self, i: int) -> None:
+        """Parameter `i`'s weights are about to change in place: the write of them still
+        in flight (_write_kept's) lands first."""
+        self.records.settle(WEIGHT, i)
 
     def _take(self, n: int) -> None:
         self.used += n
@@ -1024,6 +1051,7 @@ class ParamTier:
             self._pin(i)
         for i in opened:
             self._materialise(i, wait=False)
+            self._settle(i)
             if self.has_grad[i] and i not in self.grads_out:
                 n = self._bytes(i)
                 if i in self.held and self.clip_coef is not None:
@@ -1081,6 +1109,8 @@ class ParamTier:
             with self.lock:
                 for i in idx:
                     self._materialise(i)
+                    if changed:
+                        self._settle(i)
             yield
             if changed:
                 with self.lock:
@@ -1112,8 +1142,8 @@ class ParamTier:
 
     @_locked
     def updated(self, opened: list[int]) -> None:
-        """The update of `opened` is done: their weights changed (written back later), and
-        the gradient of a parameter whose every piece is updated is dropped."""
+        """The update of `opened` is done: their weights changed, and a parameter whose every
+        piece is updated has its gradient dropped and its weights written back now."""
         for i in opened:
             if self.has_grad[i]:
                 self.dirty.add(i)
@@ -1122,6 +1152,10 @@ class ParamTier:
                     self.unwritten.discard(i)
                     self._drop_grad(i)
                     self.finished.add(i)
+                    # Written now rather than by step_done: the writes spread over the step
+                    # (over backward, with overlap_backward) instead of all waiting at its
+                    # end, when the disk only writes and the caller copies
+                    self._write_kept(i)
             self._unpin(i)
             if i in self.live and not self.pins.get(i) and (
                     not self.has_grad[i] or i in self.finished):
@@ -1209,6 +1243,7 @@ class ParamTier:
         for i in self.units[u]:
             self._pin(i)
             self._materialise(i)
+            self._settle(i)  # the load writes into the weights
 
     @_locked
     def _leave_load(self, u: int) -> None:

@@ -177,9 +177,19 @@ class TierManager:
 
     def run_ahead(self, *, fill: bool = False, stop: Callable[[], bool] | None = None) -> None:
         """Issue the next step's first reads now: prefetch_depth + 1 of them, or into every
-        buffer with `fill`; stop() is asked before each one that may wait for a buffer."""
-        if self.pipeline is not None:
-            self.pipeline.run_ahead(depth=len(self.pipeline.slots) if fill else None, stop=stop)
+        buffer with `fill`, then with one I/O queue's worth of them in flight at a time
+        (io.queue_depth x io.block_size, one read at least): the disk stays as busy, and
+        a read issued meanwhile (a forward's weights) waits behind that much, not behind
+        every buffer; stop() is asked before each one that may wait."""
+        if self.pipeline is None:
+            return
+        if not fill:
+            self.pipeline.run_ahead(stop=stop)
+            return
+        io = self.settings.io
+        record = self.pipeline.slots[0].buf.numel()
+        self.pipeline.run_ahead(depth=len(self.pipeline.slots), stop=stop,
+                                in_flight=max(1, io.queue_depth * io.block_size // record))
 
     def nvme_order(self) -> list[Partition]:
         """The NVMe partitions in the order the step being run visits them."""

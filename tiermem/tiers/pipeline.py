@@ -25,6 +25,7 @@ release() issues its write-back.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -184,18 +185,34 @@ class StepPipeline:
                                 events=[] if stats.events is not None else None)
 
     def run_ahead(self, depth: int | None = None,
-                  stop: Callable[[], bool] | None = None) -> None:
+                  stop: Callable[[], bool] | None = None, in_flight: int | None = None
+                  ) -> None:
         """Issue the reads of the next step's first `depth` partitions (prefetch_depth + 1
         unless said) now, before step() is called. stop() is asked before each one that
-        may have to wait for a buffer: True ends the run-ahead there."""
+        may have to wait for a buffer (or for a read, below): True ends the run-ahead there.
+        in_flight: at most this many of those reads at once, the next issued as one lands.
+        The disk serves reads in the order they come: a whole fill issued at once would
+        queue every read someone waits for meanwhile (a forward's weights) behind it."""
         nxt = self.order(self.steps_done)
         # A buffer whose write-back failed keeps its record: it cannot take a read.
         usable = sum(not s.dirty for s in self.slots)
         window = nxt[: min(self.k + 1 if depth is None else depth, usable)]
+        reading: list[Request] = []
         for q in window:
-            if stop is not None and q.id not in self.where and stop():
+            if q.id in self.where:
+                continue
+            if stop is not None and stop():
                 return
-            self._load(q, window, nxt, 0, self._ahead)
+            # done() never raises: a failed read is the step's to retry or report
+            while in_flight is not None and len(reading) >= in_flight:
+                reading = [r for r in reading if not r.done()]
+                if len(reading) >= in_flight:
+                    if stop is not None and stop():
+                        return
+                    time.sleep(0.0005)
+            slot = self._load(q, window, nxt, 0, self._ahead)
+            if slot.read is not None:
+                reading.append(slot.read)
 
     # -- buffers ---------------------------------------------------------------
 
