@@ -257,6 +257,34 @@ static inline void store_none1(const lb_job *j, int64_t i, float p)
     ((uint16_t *)j->p)[i] = j->w16 ? f16w_sr(p, rw) : f32_to_bf16_sr(p, rw);
 }
 
+/* Element i of the weight the update runs on, per master_weights: the fp32 master, the
+ * low-precision weight plus its Kahan term, or the low-precision weight alone. */
+static inline float load_p1(const lb_job *j, int64_t i)
+{
+    if (j->mw == MW_FP32)
+        return ((float *)j->p)[i];
+    if (j->mw == MW_KAHAN)
+        return load_w1(j, (uint16_t *)j->p, i) + load_w1(j, j->comp, i);
+    return load_w1(j, (uint16_t *)j->p, i);
+}
+
+/* The updated weight p stored back in load_p1's format (and the model's low-precision
+ * copy of an fp32 master, when asked for). */
+static inline void store_p1(const lb_job *j, int64_t i, float p)
+{
+    if (j->mw == MW_FP32) {
+        ((float *)j->p)[i] = p;
+        if (j->out) {
+            uint16_t *o = (uint16_t *)j->out;
+            o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
+        }
+    } else if (j->mw == MW_KAHAN) {
+        store_kahan1(j, i, p);
+    } else {
+        store_none1(j, i, p);
+    }
+}
+
 static void block_scalar(const lb_job *j, int64_t b0, int len)
 {
     float tm[QB], tv[QB];
@@ -264,27 +292,11 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
     float ms = j->ms[blk], vs = j->vs[blk], am = 0.0f, av = 0.0f;
     for (int k = 0; k < len; k++) {
         int64_t i = b0 + k;
-        float g = load_g1(j, i), p;
-        if (j->mw == MW_FP32)
-            p = ((float *)j->p)[i];
-        else if (j->mw == MW_KAHAN)
-            p = load_w1(j, (uint16_t *)j->p, i) + load_w1(j, j->comp, i);
-        else
-            p = load_w1(j, (uint16_t *)j->p, i);
+        float g = load_g1(j, i), p = load_p1(j, i);
         float m = dec_m(j->m[i], ms), v = dec_v(j->v[i], vs);
         tm_moments1(&j->k, &g, &p, &m, &v);
         p = tm_param_step1(&j->k, p, m, v);
-        if (j->mw == MW_FP32) {
-            ((float *)j->p)[i] = p;
-            if (j->out) {
-                uint16_t *o = (uint16_t *)j->out;
-                o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
-            }
-        } else if (j->mw == MW_KAHAN) {
-            store_kahan1(j, i, p);
-        } else {
-            store_none1(j, i, p);
-        }
+        store_p1(j, i, p);
         tm[k] = m;
         tv[k] = v;
         float a = fabsf(m);
@@ -320,29 +332,14 @@ static void dense_scalar(const lb_job *j, int64_t begin, int64_t end)
             m = bf16_to_f32(((uint16_t *)j->m)[i]);
             v = bf16_to_f32(((uint16_t *)j->v)[i]);
         }
-        if (j->mw == MW_FP32)
-            p = ((float *)j->p)[i];
-        else if (j->mw == MW_KAHAN)
-            p = load_w1(j, (uint16_t *)j->p, i) + load_w1(j, j->comp, i);
-        else
-            p = load_w1(j, (uint16_t *)j->p, i);
+        p = load_p1(j, i);
         tm_moments1(&j->k, &g, &p, &m, &v);
         float vv = v;
         if (j->vmax)
             vv = lb_max_nan(j->mf == MF_F32 ? ((float *)j->vmax)[i]
                                             : bf16_to_f32(((uint16_t *)j->vmax)[i]), v);
         p = tm_param_step1(&j->k, p, m, vv);
-        if (j->mw == MW_FP32) {
-            ((float *)j->p)[i] = p;
-            if (j->out) {
-                uint16_t *o = (uint16_t *)j->out;
-                o[i] = j->out_dtype == LB_BF16 ? f32_to_bf16(p) : f32_to_f16(p);
-            }
-        } else if (j->mw == MW_KAHAN) {
-            store_kahan1(j, i, p);
-        } else {
-            store_none1(j, i, p);
-        }
+        store_p1(j, i, p);
         if (j->mf == MF_F32) {
             ((float *)j->m)[i] = m;
             ((float *)j->v)[i] = v;
