@@ -537,23 +537,19 @@ class ParamTier:
         when the parameter still views it whole (no copy), else copied."""
         buf = self._in_own_buffer(i)
         if buf is not None:
+            # the buffer is the write's now: if the weights stay (_write_kept), a later
+            # write-back of them copies
             self.bufs.pop(i)
-            self.records.write_buffer(WEIGHT, i, buf)  # the weights are released next
+            self.records.write_buffer(WEIGHT, i, buf)
         else:
             self.records.write(WEIGHT, i, self.params[i].detach())
 
     def _write_kept(self, i: int) -> None:
-        """Parameter `i`'s changed weights to their record while they stay in the window:
-        written from their buffer without a copy when they view it whole. Nothing changes
-        them before their next update, and open_for_update (like a load or a roll-back)
-        waits for that write first (`_settle`): the disk never reads a buffer being
-        changed."""
-        buf = self._in_own_buffer(i)
-        if buf is not None:
-            self.bufs.pop(i)  # shared with the write now: a later write-back copies
-            self.records.write_buffer(WEIGHT, i, buf)
-        else:
-            self.records.write(WEIGHT, i, self.params[i].detach())
+        """Parameter `i`'s changed weights to their record while they stay in the window.
+        Nothing changes them before their next update, and open_for_update (like a load
+        or a roll-back) waits for that write first (`_settle`): the disk never reads a
+        buffer being changed."""
+        self._write_back(i)
         self.dirty.discard(i)
 
     def _settle(self, i: int) -> None:
