@@ -9,8 +9,10 @@ own weights at once.
 Between uses a parameter's storage is released (`p.data` becomes an empty
 tensor) and its weights live in a record (records.py). A forward pre-hook
 materialises the module's parameters into buffers of their own; the forward
-post-hook unpins them, and they stay in the window (least recently used
-first out) until room is needed. Autograd's saved tensors never hold a
+post-hook unpins them, and they stay in the window until room is needed: then
+the weight needed furthest ahead in the learned order (below) goes first, its
+update this step counted as a use (least recently used first before the order is
+learned). Autograd's saved tensors never hold a
 window buffer: a saved tensor that views a managed weight is packed as
 (parameter, geometry) and unpacked by materialising the parameter again,
 on demand if it was evicted, so backward always sees the right weights
@@ -41,12 +43,13 @@ bytes of materialised weights (released ones count until the kernels that read t
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -265,6 +268,9 @@ class ParamTier:
         self.learned: list[int] | None = None
         self._recording: list[int] = []
         self._cursor = 0
+        # per parameter, the positions in `learned` of the units that use it (eviction by
+        # next use)
+        self._uses: list[list[int]] = []
         # gradients
         self.has_grad = [False] * len(self.params)
         self.norms: dict[int, torch.Tensor] = {}
@@ -589,21 +595,26 @@ class ParamTier:
             self.used -= n
 
     def _make_room(self, n: int, protect: set[int], *, must: bool, spill: bool = True,
-                   only: set[int] | None = None, wait: bool = False) -> bool:
-        """Evict unpinned weights (least recently used first) until `n` more bytes fit, then
-        (`spill`) write held gradients to their records, the last held first (the update
-        takes the first ones next). Reads ahead that nobody waits for yet are dropped last.
+                   only: set[int] | None = None, wait: bool = False,
+                   before: float | None = None) -> bool:
+        """Evict unpinned weights (the one needed furthest ahead first) until `n` more bytes
+        fit, then (`spill`) write held gradients to their records, the last held first (the
+        update takes the first ones next). Reads ahead that nobody waits for yet are dropped last.
         False (or an error when `must`) if the pinned weights leave no room. `only`: the
         weights that may be evicted (and nothing else made room by). While updates run
         during backward, the weights they still need and the held gradients go last:
         never for a read ahead (not `must`), and, with `wait` (backward's own reads), only
-        once no queued update is left to free room first."""
+        once no queued update is left to free room first. `before`: the room is for a
+        read ahead needed at that position of the learned order; only weights needed later
+        than that make room for it (nothing else is evicted, nothing spilled)."""
         while self.used + n > self.window:
             free = [i for i in self.live if not self.pins.get(i) and i not in protect
                     and (only is None or i in only)]
             # while updates run during backward, a weight whose update is still to come is
             # read again if evicted now: those go last
-            victim = next((i for i in free if not self._awaits_update(i)), None)
+            victim = self._furthest([i for i in free if not self._awaits_update(i)], before)
+            if victim is None and before is not None:
+                return False  # all of them are needed before what the room is for
             if victim is None and self.keep_grads and (free or self.held):
                 if wait and self.backlog:  # the queued updates free weights and gradients
                     self.room.wait(0.001)
@@ -640,6 +651,35 @@ class ParamTier:
             self._drop_inflight(spare)  # its buffer is freed with it
             self.used -= self._bytes(spare)
         return True
+
+    def _furthest(self, free: list[int], before: float | None = None) -> int | None:
+        """The weight of `free` (least recently used first) to evict: once the order is
+        learned, the one needed furthest ahead (Belady), else the least recently used.
+        `before`: only one needed later than that."""
+        if not self._uses:
+            return next(iter(free), None) if before is None else None
+        best, best_use = None, before
+        for i in free:
+            use = self._next_use(i)
+            if best_use is None or use > best_use:
+                best, best_use = i, use
+        return best
+
+    def _next_use(self, i: int) -> float:
+        """Position of parameter `i`'s next use in the learned order, from the cursor on
+        (past the end of the order, the next iteration's: its position plus the order's
+        length), or of its update this step if that comes first: with the updates during
+        backward, as soon as its last use of the iteration (its backward) is over, and
+        otherwise in the step after backward, at the order's end."""
+        order, uses = self.learned, self._uses[i]
+        n, c = len(order), self._cursor
+        if not uses:
+            return float("inf")  # never requested by the order: out of it, on demand
+        k = bisect.bisect_left(uses, c)
+        use = uses[k] if k < len(uses) else n + uses[0]
+        if self.params[i].requires_grad and i not in self.finished:
+            use = min(use, max(c, uses[-1]) if self.keep_grads else n)
+        return use
 
     def _awaits_update(self, i: int) -> bool:
         return self.keep_grads and self.has_grad[i] and i not in self.finished
@@ -713,13 +753,15 @@ class ParamTier:
                 self.room.wait(0.0002)
         return fetch.wait()
 
-    def _read_ahead(self, units: Iterable[int]) -> None:
-        wanted = [i for u in units for i in self.units[u]]
-        protect = set(wanted) | set(self.pins)
-        for i in wanted:
+    def _read_ahead(self, units: Sequence[int], start: int) -> None:
+        """Read ahead the weights of `units`, the learned order's from position `start`,
+        as far as the window has room or holds weights needed later than them."""
+        wanted = [(start + k, i) for k, u in enumerate(units) for i in self.units[u]]
+        protect = {i for _, i in wanted} | set(self.pins)
+        for pos, i in wanted:
             if i in self.live or i in self.inflight or i in self.arriving:
                 continue
-            if not self._make_room(self._bytes(i), protect, must=False):
+            if not self._make_room(self._bytes(i), protect, must=False, before=pos):
                 return
             self._take(self._bytes(i))
             self.inflight[i] = self.records.fetch(WEIGHT, i)
@@ -759,7 +801,7 @@ class ParamTier:
                 pass  # not ahead in the order: keep the place, fetch this one on demand
         self._cursor = c
         if self.prefetch:
-            self._read_ahead(self._ahead(order, c))
+            self._read_ahead(self._ahead(order, c), c)
 
     def _pin(self, i: int) -> None:
         self.pins[i] = self.pins.get(i, 0) + 1
@@ -1155,9 +1197,10 @@ class ParamTier:
             self._unpin(i)
             if i in self.live and not self.pins.get(i) and (
                     not self.has_grad[i] or i in self.finished):
-                # first out: the step visits each parameter once, so what it updated is
-                # done with, and least-recently-used order would evict the weights the
-                # rest of the step still needs instead (read again)
+                # first out (before the order is learned; after, by next use): the step
+                # visits each parameter once, so what it updated is done with, and
+                # least-recently-used order would evict the weights the rest of the step
+                # still needs instead (read again)
                 self.live.move_to_end(i, last=False)
 
     @_locked
@@ -1183,13 +1226,17 @@ class ParamTier:
         self.steps += 1
         if self.learned is None and self._recording:
             self.learned = self._recording
+            self._uses = [[] for _ in self.params]
+            for pos, u in enumerate(self.learned):
+                for i in self.units[u]:
+                    self._uses[i].append(pos)
         self._cursor = 0
         if self.dev is not None:
             self._stepping = False
             for i in [i for i in self.live if i not in self.on_device and not self.pins.get(i)]:
                 self._to_device(i)  # updated, written back: on the device for the next forward
         if self.learned and self.prefetch:
-            self._read_ahead(self._ahead(self.learned, 0))
+            self._read_ahead(self._ahead(self.learned, 0), 0)
             if self.dev is not None:
                 self._advance()
 
