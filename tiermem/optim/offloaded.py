@@ -370,8 +370,12 @@ class OffloadedOptimizer:
             for i in stepped:  # only once nothing can refuse the step
                 self._count(i)
             try:
-                self.update(self.tiers.order(
-                    lambda part: any(s.index in stepped for s in part.segments)), stats)
+                order = self.tiers.order(
+                    lambda part: any(s.index in stepped for s in part.segments))
+                if self.weights is not None:  # what the window keeps for the step
+                    self.weights.expect_step_order(s.param for part in order
+                                                   for s in part.segments)
+                self.update(order, stats)
                 if self.weights is not None:
                     self.weights.step_done()
                 self.tiers.end_step(stats)

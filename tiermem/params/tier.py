@@ -271,6 +271,7 @@ class ParamTier:
         # per parameter, the positions in `learned` of the units that use it (eviction by
         # next use)
         self._uses: list[list[int]] = []
+        self.step_order: dict[int, int] = {}  # index -> rank in the step's order (no overlap)
         # gradients
         self.has_grad = [False] * len(self.params)
         self.norms: dict[int, torch.Tensor] = {}
@@ -667,18 +668,23 @@ class ParamTier:
 
     def _next_use(self, i: int) -> float:
         """Position of parameter `i`'s next use in the learned order, from the cursor on
-        (past the end of the order, the next iteration's: its position plus the order's
-        length), or of its update this step if that comes first: with the updates during
-        backward, as soon as its last use of the iteration (its backward) is over, and
-        otherwise in the step after backward, at the order's end."""
+        (past the end of the order, the next iteration's, after the step), or of its update
+        this step if that comes first: with the updates during backward, as soon as its
+        last use of the iteration (its backward) is over, and otherwise in the step after
+        backward, in the order the step opens the parameters (`expect_step_order`)."""
         order, uses = self.learned, self._uses[i]
         n, c = len(order), self._cursor
         if not uses:
             return float("inf")  # never requested by the order: out of it, on demand
         k = bisect.bisect_left(uses, c)
-        use = uses[k] if k < len(uses) else n + uses[0]
+        # the next iteration's uses come after the step's, which fill [n, n + 1)
+        use = uses[k] if k < len(uses) else 2 * n + uses[0]
         if self.params[i].requires_grad and i not in self.finished:
-            use = min(use, max(c, uses[-1]) if self.keep_grads else n)
+            if self.keep_grads:
+                use = min(use, max(c, uses[-1]))
+            else:
+                rank = self.step_order.get(i)
+                use = min(use, n if rank is None else n + rank / len(self.step_order))
         return use
 
     def _awaits_update(self, i: int) -> bool:
@@ -1159,6 +1165,12 @@ class ParamTier:
                     self._unpin(i)
 
     @_locked
+    def expect_step_order(self, params: Iterable[torch.Tensor]) -> None:
+        """The step after backward is about to open `params`, in this order: a weight it
+        still has to update is needed at its place there (eviction by next use)."""
+        self.step_order = {i: k for k, i in enumerate(self.indices(params))}
+
+    @_locked
     def expect_updates(self, pieces: Iterable[tuple[torch.Tensor, int]]) -> None:
         """How many optimizer partitions hold a piece of each parameter (one by default):
         its gradient is dropped once that many updates of a step opened it."""
@@ -1176,6 +1188,7 @@ class ParamTier:
         self.opened.clear()
         self.updates.clear()
         self.finished.clear()
+        self.step_order.clear()
         self.backlog = 0
 
     @_locked
