@@ -727,6 +727,12 @@ class ParamTier:
         self.to_device.discard(i)
         if fetch is None:
             self._make_room(self._bytes(i), set(self.pins), must=True, wait=wait)
+            if i in self.live or i in self.inflight or i in self.arriving:
+                # the other thread read it while this one waited for room (outside the
+                # lock): a second read would leave one in flight that a write of the
+                # weights makes stale
+                self._materialise(i, wait=wait, device=device)
+                return
             self._take(self._bytes(i))
             fetch = self.records.fetch(WEIGHT, i)
             self.stats.on_demand += 1
@@ -773,6 +779,27 @@ class ParamTier:
             self.inflight[i] = self.records.fetch(WEIGHT, i)
             if self.dev is not None:
                 self.to_device.add(i)
+
+    def _fill_next(self) -> None:
+        """The next forward's first weights the window lacks, read now into the room it has
+        free (nothing evicted): backward is over, so what is left of this step (the last
+        updates during backward) mostly writes, and the read queue would otherwise wait
+        for forward. Up to the first unit the order requests a second time (backward)."""
+        if self.dev is not None or not self.prefetch:
+            return
+        seen: set[int] = set()
+        for u in self.learned:
+            if u in seen:
+                return
+            seen.add(u)
+            for i in self.units[u]:
+                if i in self.live or i in self.inflight or i in self.arriving:
+                    continue
+                n = self._bytes(i)
+                if self.used + n > self.window:
+                    return
+                self._take(n)
+                self.inflight[i] = self.records.fetch(WEIGHT, i)
 
     def _ahead(self, order: list[int], c: int) -> list[int]:
         """The units to read ahead from position `c` of `order`: `prefetch` of them, and
@@ -1208,6 +1235,8 @@ class ParamTier:
                     # end, when the disk only writes and the caller copies
                     self._write_kept(i)
             self._unpin(i)
+            if self.keep_grads and self.learned and self._cursor >= len(self.learned):
+                self._fill_next()
             if i in self.live and not self.pins.get(i) and (
                     not self.has_grad[i] or i in self.finished):
                 # first out (before the order is learned; after, by next use): the step
