@@ -369,11 +369,14 @@ def train_loop(args: argparse.Namespace, device: str, timeout: float) -> dict:
     from tiermem.io import io_uring_status
 
     out = Path(args.json).with_name("train_loop_" + Path(args.json).name)
+    # --smoke: the code path only (tests/test_overlap.py covers the batch sizing and the
+    # other variants), so a fixed batch and the two variants the ratio needs.
     size = (["--dim", "64", "--heads", "2", "--layers", "1", "--vocab", "128", "--seq", "16",
-             "--partition-size", "64KiB", "--buffers", "3", "--prefetch", "1"]
-            if args.smoke else ["--seq", "256"])
+             "--partition-size", "64KiB", "--buffers", "3", "--prefetch", "1",
+             "--batch", "2", "--only", "step_only,overlap"]
+            if args.smoke else ["--seq", "256", "--batch", "auto"])
     backend = "io_uring" if io_uring_status()[0] else "threads"
-    cmd = [sys.executable, str(HERE / "train_loop.py"), "--device", device, "--batch", "auto",
+    cmd = [sys.executable, str(HERE / "train_loop.py"), "--device", device,
            "--rounds", "2", "--iters", "3", "--warmup", "1", "--backend", backend, *size,
            "--swap-dir", tempfile.mkdtemp(dir=args.work), "--json", str(out)]
     result = _child(cmd, timeout)

@@ -389,7 +389,7 @@ def main(argv=None) -> int:
             if "ratio" in med:
                 med["ratio_beside_io"] = med["ratio"] / med["io_slowdown"]
         print(json.dumps(med))
-        write(median_seconds=med)
+        write(median_seconds=med, **{k: med[k] for k in ("ratio", "ratio_per_round") if k in med})
         return 0
 
     def detail(v: str, key: str) -> float:

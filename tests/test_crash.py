@@ -19,7 +19,7 @@ import torch
 
 import tiermem
 import tiermem.tools.cli
-from conftest import BACKEND_PARAMS
+from conftest import BACKEND_PARAMS, sweep
 from crash_run import (backward_grads, crash_config, make_model, make_optimizer, run_killed,
                        set_grads)
 from offload_helpers import assert_same_tensor, compare_state_dicts, swap_dir
@@ -113,8 +113,9 @@ POINTS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
-@pytest.mark.parametrize("point,n", POINTS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(POINTS)])
+@pytest.mark.parametrize("backend,point,n", [
+    pytest.param(b.values[0], point, n, marks=b.marks, id=f"{point}-{i}-{b.values[0]}")
+    for b, (i, (point, n)) in sweep(list(enumerate(POINTS)), BACKEND_PARAMS)])
 def test_resume_after_kill(tmp_path, backend, point, n, partitions, reference):
     swap = tmp_path / "swap"
     out = run_killed(swap, backend, f"{point}:{n(partitions)}", STEPS)

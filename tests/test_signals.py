@@ -3,6 +3,7 @@ and never leaves a swap directory half deleted."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -10,6 +11,8 @@ import sys
 import time
 
 import pytest
+
+from conftest import BACKEND_PARAMS, FULL_SWEEP
 
 SCRIPT = r"""
 import sys, torch, tiermem
@@ -89,9 +92,26 @@ except KeyboardInterrupt as e:
 """
 
 
-@pytest.mark.parametrize("where", ["step", "state_dict"])
-@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def _seal_cases() -> list:
+    """(backend, signal, durability, where): the whole cross with TIERMEM_FULL_SWEEP=1,
+    else five rows that hold every pair of values of any two of the four (each process
+    costs seconds; the 16-row cross took a minute and a half of the suite)."""
+    backends = [b.values[0] for b in BACKEND_PARAMS]
+    values = (backends, ["SIGINT", "SIGTERM"], ["scratch", "crash_consistent"],
+              ["step", "state_dict"])
+    if FULL_SWEEP:
+        rows = list(itertools.product(*[range(len(v)) for v in values]))
+    else:
+        rows = [(0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0)]
+    cases = []
+    for row in rows:
+        case = tuple(v[i % len(v)] for v, i in zip(values, row))
+        marks = next(b.marks for b in BACKEND_PARAMS if b.values[0] == case[0])
+        cases.append(pytest.param(*case, marks=marks, id="-".join(case)))
+    return cases
+
+
+@pytest.mark.parametrize("backend,signame,durability,where", _seal_cases())
 def test_signal_while_a_record_is_sealed_waits_for_a_safe_point(tmp_path, where, durability,
                                                                 signame, backend):
     proc = subprocess.run([sys.executable, "-c", SEAL_SCRIPT, str(tmp_path), where,
