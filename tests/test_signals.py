@@ -35,17 +35,29 @@ except KeyboardInterrupt as e:
 """
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so that Python installs its
+    KeyboardInterrupt handler even when this test runs in a background job (which starts
+    with SIGINT ignored, and Python then leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_mid_training_hands_state_back(tmp_path, sig, durability):
     """Scratch mode abandons the step where it stood; crash-consistent mode rolls it back
     to the last commit. Either way the state comes back whole and the directory goes."""
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path), durability],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    time.sleep(0.05)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.05)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # a child that missed the signal trains forever: never leave it running
+        proc.wait()
     assert proc.returncode == 3, err
     assert "caught" in out and out.split()[-1] == "4"  # 4 params have their state back
     assert "tiermem: interrupted" in err and "handed back to the optimizer" in err
@@ -116,7 +128,8 @@ def test_signal_while_a_record_is_sealed_waits_for_a_safe_point(tmp_path, where,
                                                                 signame, backend):
     proc = subprocess.run([sys.executable, "-c", SEAL_SCRIPT, str(tmp_path), where,
                            durability, backend, signame],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=_default_sigint)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.split() == ["caught", "Terminated" if signame == "SIGTERM"
                                    else "KeyboardInterrupt", "4"]
