@@ -531,25 +531,18 @@ class ParamTier:
                 self.inflight[i] = Uploaded(self.dev.upload(i, fetch.wait(), fetch.buf))
                 self.to_device.discard(i)
 
-    def _in_own_buffer(self, i: int) -> torch.Tensor | None:
-        """The fetch buffer parameter `i` views whole, if it does."""
-        p, buf = self.params[i].detach(), self.bufs.get(i)
-        if (buf is not None and p.data_ptr() == buf.data_ptr() and p.is_contiguous()
-                and p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
-            return buf
-        return None
-
     def _write_back(self, i: int) -> None:
         """Parameter `i`'s changed weights to their record: from the buffer they live in
         when the parameter still views it whole (no copy), else copied."""
-        buf = self._in_own_buffer(i)
-        if buf is not None:
+        p, buf = self.params[i].detach(), self.bufs.get(i)
+        if (buf is not None and p.data_ptr() == buf.data_ptr() and p.is_contiguous()
+                and p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
             # the buffer is the write's now: if the weights stay (_write_kept), a later
             # write-back of them copies
             self.bufs.pop(i)
             self.records.write_buffer(WEIGHT, i, buf)
         else:
-            self.records.write(WEIGHT, i, self.params[i].detach())
+            self.records.write(WEIGHT, i, p)
 
     def _write_kept(self, i: int) -> None:
         """Parameter `i`'s changed weights to their record while they stay in the window.
@@ -727,7 +720,7 @@ class ParamTier:
         self.to_device.discard(i)
         if fetch is None:
             self._make_room(self._bytes(i), set(self.pins), must=True, wait=wait)
-            if i in self.live or i in self.inflight or i in self.arriving:
+            if self._present(i):
                 # the other thread read it while this one waited for room (outside the
                 # lock): a second read would leave one in flight that a write of the
                 # weights makes stale
@@ -771,14 +764,23 @@ class ParamTier:
         wanted = [(start + k, i) for k, u in enumerate(units) for i in self.units[u]]
         protect = {i for _, i in wanted} | set(self.pins)
         for pos, i in wanted:
-            if i in self.live or i in self.inflight or i in self.arriving:
+            if self._present(i):
                 continue
             if not self._make_room(self._bytes(i), protect, must=False, before=pos):
                 return
-            self._take(self._bytes(i))
-            self.inflight[i] = self.records.fetch(WEIGHT, i)
-            if self.dev is not None:
-                self.to_device.add(i)
+            self._fetch_ahead(i)
+
+    def _present(self, i: int) -> bool:
+        """Parameter `i`'s weights are in the window, read ahead, or being read by the
+        other thread: no read of them is to be issued."""
+        return i in self.live or i in self.inflight or i in self.arriving
+
+    def _fetch_ahead(self, i: int) -> None:
+        """Issue the read of `i`'s weights into window room made for them."""
+        self._take(self._bytes(i))
+        self.inflight[i] = self.records.fetch(WEIGHT, i)
+        if self.dev is not None:
+            self.to_device.add(i)
 
     def _fill_next(self) -> None:
         """The next forward's first weights the window lacks, read now into the room it has
@@ -793,13 +795,11 @@ class ParamTier:
                 return
             seen.add(u)
             for i in self.units[u]:
-                if i in self.live or i in self.inflight or i in self.arriving:
+                if self._present(i):
                     continue
-                n = self._bytes(i)
-                if self.used + n > self.window:
+                if self.used + self._bytes(i) > self.window:
                     return
-                self._take(n)
-                self.inflight[i] = self.records.fetch(WEIGHT, i)
+                self._fetch_ahead(i)
 
     def _ahead(self, order: list[int], c: int) -> list[int]:
         """The units to read ahead from position `c` of `order`: `prefetch` of them, and
@@ -1154,7 +1154,7 @@ class ParamTier:
         wanted = self.indices(params)
         protect = set(wanted) | set(self.pins)
         for i in wanted:
-            if i not in self.live and i not in self.inflight and i not in self.arriving:
+            if not self._present(i):
                 if not self._make_room(self._bytes(i), protect, must=False):
                     return
                 self._take(self._bytes(i))
