@@ -65,6 +65,11 @@ long tm_mem_free_count(void);
 int tm_adam_isa_supported(int isa);
 int tm_adam_set_isa(int isa);
 int tm_adam_get_isa(void);
+/* Software prefetch in adam.c's passes: -1 = the CPU's default
+ * (on for Intel, off for AMD: measured, see adam.c), 0 = off, 1 = on. It never changes
+ * a result. set returns 1, or 0 for a bad value; get returns 0 or 1. */
+int tm_adam_set_prefetch(int mode);
+int tm_adam_get_prefetch(void);
 int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
                  const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                  double lr, double beta1, double beta2, double eps, double weight_decay,

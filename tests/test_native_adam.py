@@ -197,6 +197,37 @@ def test_simd_paths_match_scalar_bitwise(simd, n, case):
         assert_bitwise(a, b, f"{simd} vs scalar, {name}")
 
 
+@pytest.mark.skipif("avx512" not in SIMD_ISAS, reason="only the AVX-512 loops prefetch")
+@pytest.mark.parametrize("n", [1000 + 13, 300_007, 8 * 1024 * 1024 + 5])
+@pytest.mark.parametrize("case", range(len(ISA_CASES)))
+def test_software_prefetch_changes_no_bit(n, case):
+    """The prefetch (on for Intel, off for AMD by default) only asks for lines early: both
+    settings give the same bits, in the plain and the streaming-store loops (a weight out
+    of 8M elements or more) and at the ragged end where the prefetch stops."""
+    hp, gdt, out = ISA_CASES[case]
+    if n > 1_000_000 and out is None:
+        pytest.skip("the streaming-store loop needs a weight out")
+    got = {}
+    try:
+        for on in (False, True):
+            na.set_prefetch(on)
+            assert na.prefetch() is on
+            got[on] = run_isa("avx512", n, hp, GRAD[gdt], LOW.get(out), steps=2, seed=case)
+    finally:
+        na.set_prefetch(None)
+    for name, a, b in zip(("p", "m", "v", "vmax/out", "out"), got[True], got[False]):
+        assert_bitwise(a, b, f"prefetch on vs off, {name}")
+
+
+def test_software_prefetch_default_follows_the_cpu():
+    na.set_prefetch(None)
+    vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("vendor_id")), "")
+    if vendor not in ("AuthenticAMD", "GenuineIntel"):
+        pytest.skip(f"no measured default for CPU vendor {vendor!r}")
+    assert na.prefetch() is (vendor == "GenuineIntel")
+
+
 def _specials() -> torch.Tensor:
     """Every bf16 and fp16 value as fp32, rounding ties and near-ties for both, the
     edges of fp16's range, subnormal fp32, infinities and NaNs with payloads."""

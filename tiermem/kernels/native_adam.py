@@ -21,6 +21,9 @@ same results as each other.
 - `set_isa` / `isa` / `supported_isas`: which SIMD path runs ("avx512", "avx2",
   "scalar", or "auto" for the best the CPU has). The environment variable
   TIERMEM_ADAM_ISA picks one before the first call.
+- `set_prefetch` / `prefetch`: whether this kernel's passes (not the low-bit one's, which
+  always do) ask for the lines ahead of them in software: on for Intel CPUs, off for AMD
+  ones by default (measured both ways: native/adam.c). Results are the same either way.
 
 The C code splits large calls across a small pool of pthreads, as many as
 `torch.get_num_threads()` unless `num_threads` says otherwise; the GIL is released
@@ -68,6 +71,16 @@ def set_isa(name: str) -> None:
     if not lib.tm_adam_set_isa(code):
         raise ValueError(f"ISA {name!r} is not supported by this CPU "
                          f"(supported: {', '.join(supported_isas())})")
+
+
+def set_prefetch(on: bool | None) -> None:
+    """Software prefetch in this kernel's passes on or off; None: the CPU's default."""
+    lib.tm_adam_set_prefetch(-1 if on is None else int(bool(on)))
+
+
+def prefetch() -> bool:
+    """Whether the next pass of this kernel prefetches in software."""
+    return bool(lib.tm_adam_get_prefetch())
 
 
 def isa() -> str:
