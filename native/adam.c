@@ -34,9 +34,17 @@
  * and the scalar path calls fmaf() exactly where the SIMD paths use an FMA
  * instruction, so all three give bitwise the same result for every element.
  *
- * Threads: n is split across a small persistent pool of pthreads (the caller
- * works too); below TM_ADAM_PAR_MIN elements everything runs on the calling
- * thread.
+ * Threads: n is cut into chunks that the threads take in turn (the caller works
+ * too); below TM_ADAM_PAR_MIN elements everything runs on the calling thread.
+ * Built with OpenMP (build_native.py probes for it), the threads are OpenMP's:
+ * the libgomp torch's CPU wheel loads, so the pass runs on the team ATen's own
+ * ops use, whose idle worker spins for a few ms after each parallel region (an
+ * optimizer step right after backward finds it awake) instead of competing with
+ * a second pool for the same cores (docs/dev/benchmarks.md). Otherwise, and in
+ * a process forked after this library was loaded (libgomp's team does not
+ * survive fork) or for a call from any thread but the main one (whose team ATen
+ * uses), a small persistent pool of pthreads of our own. The chunks and so the
+ * results are the same either way.
  *
  * Checksums (tm_adam_step_crc): the CRC32C of each output array the caller
  * asks for (crc_mask) is computed chunk by chunk right after that chunk was
@@ -50,6 +58,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "numeric.h"
 #include "tiermem_native.h"
@@ -672,9 +681,15 @@ static void *worker(void *arg)
     return NULL;
 }
 
+/* Set in a child forked after this library was loaded: libgomp's team is gone
+ * there (its threads were not copied) and a parallel region would wait for them
+ * forever, so the child runs on the pool below. */
+static volatile int forked;
+
 /* After fork only the forking thread exists in the child: forget the workers. */
 static void atfork_child(void)
 {
+    forked = 1;
     pthread_mutex_init(&pool.call, NULL);
     pthread_mutex_init(&pool.mu, NULL);
     pthread_cond_init(&pool.work, NULL);
@@ -685,6 +700,31 @@ static void atfork_child(void)
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
+
+/* At load, not at the first call: a fork between the two must mark the child too. */
+__attribute__((constructor)) static void register_atfork_at_load(void)
+{
+    pthread_once(&atfork_once, register_atfork);
+}
+
+/* OpenMP's threads only for a call from the process's main thread, whose team is the
+ * one ATen's ops use (the one whose worker is awake after them). From another thread
+ * (tiermem's overlap worker, updating during backward) a region would make a second
+ * team, whose idle worker spins for milliseconds after each call on a core backward's
+ * team is computing on; the pool's workers sleep at once. */
+static int on_torch_team(void)
+{
+#ifdef _OPENMP
+    return !forked && gettid() == getpid();
+#else
+    return 0;
+#endif
+}
+
+int tm_adam_openmp(void)
+{
+    return on_torch_team();
+}
 
 /* Under pool.mu: grow to `want` workers; returns how many there are. */
 static int grow_pool(int want)
@@ -743,6 +783,15 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
             fn(j, 0, n);
         return;
     }
+#ifdef _OPENMP
+    if (on_torch_team()) {
+        /* One region per call: the team's threads take chunks like the pool's would;
+         * t lives on this stack until the region's closing barrier. */
+#pragma omp parallel num_threads(parts)
+        run_chunks(&t);
+        return;
+    }
+#endif
     pthread_mutex_lock(&pool.call);
     pthread_mutex_lock(&pool.mu);
     int workers = grow_pool(parts - 1);

@@ -40,6 +40,31 @@ int main(void) { struct io_uring r; return io_uring_queue_init(1, &r, 0) < -1000
 """
 
 
+OPENMP_PROBE = """
+#include <omp.h>
+int main(void) { int n = 0;
+#pragma omp parallel reduction(+:n)
+    n += 1;
+    return n < 1 || omp_get_max_threads() < 1; }
+"""
+
+
+def openmp_flags() -> list[str]:
+    """["-fopenmp"] when the compiler builds and links an OpenMP program, else [] (adam.c
+    then runs on its own pthread pool). TIERMEM_NO_OPENMP=1 leaves it out."""
+    if os.environ.get("TIERMEM_NO_OPENMP", "") not in ("", "0"):
+        return []
+    with tempfile.TemporaryDirectory(prefix="tiermem-build-") as tmp:
+        src = Path(tmp) / "omp.c"
+        src.write_text(OPENMP_PROBE)
+        cmd = _compiler() + ["-fopenmp", str(src), "-o", str(Path(tmp) / "omp")]
+        try:
+            ok = subprocess.run(cmd, capture_output=True).returncode == 0
+        except OSError:
+            ok = False
+    return ["-fopenmp"] if ok else []
+
+
 class LiburingMissing(SystemExit):
     """Raised (as a SystemExit, so pip prints only the message) when liburing is absent."""
 
@@ -79,6 +104,10 @@ def check_liburing() -> None:
 def make_ffibuilder() -> FFI:
     check_liburing()
     includes, libdirs = _prefix_flags()
+    # adam.c's threads are OpenMP's when it can be had. The module links libgomp.so.1 by
+    # that name; tiermem imports torch first (tiermem/_lib.py), so the loader hands it the
+    # libgomp torch's CPU wheel already loaded, and one team serves both.
+    omp = openmp_flags()
     ffi = FFI()
     ffi.cdef((HERE / "tiermem_native.h").read_text())
     ffi.set_source(
@@ -91,7 +120,8 @@ def make_ffibuilder() -> FFI:
         # -ffp-contract=off: adam.c's and adam_lowbit.c's SIMD and scalar paths must round alike, so
         # no multiply-add may be fused unless the source asks for an FMA.
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function",
-                            "-ffp-contract=off"],
+                            "-ffp-contract=off", *omp],
+        extra_link_args=omp,
     )
     return ffi
 

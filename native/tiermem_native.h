@@ -70,6 +70,10 @@ int tm_adam_get_isa(void);
  * a result. set returns 1, or 0 for a bad value; get returns 0 or 1. */
 int tm_adam_set_prefetch(int mode);
 int tm_adam_get_prefetch(void);
+/* 1 when a call from this thread runs adam.c's pass on OpenMP's threads (built with
+ * it, called from the main thread, not in a child forked after the library was
+ * loaded), 0 when on its own pthread pool. */
+int tm_adam_openmp(void);
 int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
                  const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                  double lr, double beta1, double beta2, double eps, double weight_decay,

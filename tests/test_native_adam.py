@@ -461,21 +461,36 @@ _FORK_BUFS: list[torch.Tensor] = []
 
 def _child(q):
     # Only the kernel runs here: torch's own OpenMP pool does not survive fork, so the
-    # buffers come from the parent.
+    # buffers come from the parent. The kernel's threads are then its own pool, not
+    # OpenMP's (whose team, used by the parent, would never answer).
     try:
         p, g, m, v = _FORK_BUFS
-        na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=1, lr=1e-3,
-                            beta1=0.9, beta2=0.999, eps=1e-8, num_threads=2)
-        q.put(float(p[0]))
+        crcs = na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=3,
+                                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                   weight_decay=0.1, num_threads=2,
+                                   checksums=("master", "exp_avg", "exp_avg_sq"))
+        q.put((na.threads(), crcs))
     except BaseException as exc:  # noqa: BLE001
         q.put(repr(exc))
 
 
+def _fork_buffers() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    n = FORK_N + 13  # ragged: the last chunk is short
+    return [torch.randn(n, generator=gen), torch.randn(n, generator=gen),
+            torch.randn(n, generator=gen), torch.rand(n, generator=gen)]
+
+
 def test_pool_survives_fork():
+    """A child forked after the kernel ran threaded (on OpenMP's team when built with it,
+    or on the pool) runs it threaded again, on the pool, to the parent's bits."""
     _call(master=torch.zeros(FORK_N), grad=torch.ones(FORK_N), exp_avg=torch.zeros(FORK_N),
-          exp_avg_sq=torch.zeros(FORK_N), num_threads=2)  # the pool exists before fork
-    _FORK_BUFS[:] = [torch.zeros(FORK_N), torch.ones(FORK_N), torch.zeros(FORK_N),
-                     torch.zeros(FORK_N)]
+          exp_avg_sq=torch.zeros(FORK_N), num_threads=2)  # the threads exist before fork
+    p, g, m, v = _fork_buffers()
+    want = na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=3, lr=1e-3,
+                               beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                               num_threads=2, checksums=("master", "exp_avg", "exp_avg_sq"))
+    _FORK_BUFS[:] = _fork_buffers()
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
     proc = ctx.Process(target=_child, args=(q,))
@@ -487,8 +502,52 @@ def test_pool_survives_fork():
         if proc.exitcode is None:
             proc.kill()
         _FORK_BUFS.clear()
-    assert result == pytest.approx(-1e-3)
+    assert not isinstance(result, str), result
+    openmp, got = result
+    assert openmp == "pool", "a forked child must not use the parent's OpenMP team"
+    assert got == want, "the pool and the parent's threads wrote different bits"
     assert proc.exitcode == 0
+
+
+def test_other_threads_run_on_the_pool_to_the_same_bits():
+    """The main thread's calls may run on OpenMP's team; another thread's (the overlap
+    worker's) run on the kernel's own pool. Both give the same bits, CRCs included."""
+    def run() -> tuple[str, dict[str, int], list[torch.Tensor]]:
+        p, g, m, v = _fork_buffers()
+        crcs = na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=3,
+                                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                   weight_decay=0.1, num_threads=2,
+                                   checksums=("master", "exp_avg", "exp_avg_sq"))
+        return na.threads(), crcs, [p, m, v]
+    here = run()
+    there: list = []
+    worker = threading.Thread(target=lambda: there.append(run()))
+    worker.start()
+    worker.join()
+    assert there[0][0] == "pool"
+    assert there[0][1] == here[1]
+    for a, b in zip(there[0][2], here[2]):
+        assert_bitwise(a, b, "pool vs the main thread's threads")
+
+
+def test_one_openmp_runtime_shared_with_torch():
+    """Built with OpenMP, the kernel runs on the libgomp torch loaded, not a second one
+    (two runtimes would put two spinning teams on the same cores)."""
+    code = (
+        "import os, tiermem\n"
+        "from tiermem.kernels import native_adam as na\n"
+        "import tiermem._native as n\n"
+        "maps = open(f'/proc/{os.getpid()}/maps').read().splitlines()\n"
+        "gomp = {l.split()[-1] for l in maps if 'libgomp' in l}\n"
+        "links = b'libgomp.so.1' in open(n.__file__, 'rb').read()\n"
+        "print(len(gomp), int(links), int(na.threads() == 'openmp'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    runtimes, links, openmp = (int(x) for x in out.stdout.split())
+    assert openmp == links, "the kernel uses OpenMP exactly when the module links it"
+    if links:
+        assert runtimes == 1, "a second libgomp was loaded beside torch's"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

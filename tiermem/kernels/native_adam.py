@@ -25,9 +25,11 @@ same results as each other.
   always do) ask for the lines ahead of them in software: on for Intel CPUs, off for AMD
   ones by default (measured both ways: native/adam.c). Results are the same either way.
 
-The C code splits large calls across a small pool of pthreads, as many as
-`torch.get_num_threads()` unless `num_threads` says otherwise; the GIL is released
-for the duration of each call.
+The C code splits large calls across threads, as many as `torch.get_num_threads()` unless
+`num_threads` says otherwise: from the main thread, OpenMP's team, the one torch's own ops
+use, when the module was built with OpenMP; else (other threads, a child forked after the
+module was loaded) a small pool of its own pthreads (`threads()` says which). The GIL is released for the duration of each
+call.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ def set_prefetch(on: bool | None) -> None:
 def prefetch() -> bool:
     """Whether the next pass of this kernel prefetches in software."""
     return bool(lib.tm_adam_get_prefetch())
+
+
+def threads() -> str:
+    """Whose threads a threaded call from this thread runs on: "openmp" (the OpenMP team
+    torch's ops use: built with OpenMP and called from the main thread) or "pool" (the
+    kernel's own pthreads: a build without OpenMP, another thread, such as tiermem's
+    overlap worker, or a child forked after the module was loaded)."""
+    return "openmp" if lib.tm_adam_openmp() else "pool"
 
 
 def isa() -> str:
