@@ -712,10 +712,12 @@ __attribute__((constructor)) static void register_atfork_at_load(void)
  * (tiermem's overlap worker, updating during backward) a region would make a second
  * team, whose idle worker spins for milliseconds after each call on a core backward's
  * team is computing on; the pool's workers sleep at once. */
+static volatile int openmp_allowed = 1;  /* tm_adam_set_openmp's */
+
 static int on_torch_team(void)
 {
 #ifdef _OPENMP
-    return !forked && gettid() == getpid();
+    return openmp_allowed && !forked && gettid() == getpid();
 #else
     return 0;
 #endif
@@ -724,6 +726,11 @@ static int on_torch_team(void)
 int tm_adam_openmp(void)
 {
     return on_torch_team();
+}
+
+void tm_adam_set_openmp(int allowed)
+{
+    openmp_allowed = !!allowed;
 }
 
 /* Under pool.mu: grow to `want` workers; returns how many there are. */

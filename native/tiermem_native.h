@@ -74,6 +74,8 @@ int tm_adam_get_prefetch(void);
  * it, called from the main thread, not in a child forked after the library was
  * loaded), 0 when on its own pthread pool. */
 int tm_adam_openmp(void);
+/* 0: the pool for every call (to compare, or where OpenMP misbehaves); 1: as above. */
+void tm_adam_set_openmp(int allowed);
 int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
                  const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                  double lr, double beta1, double beta2, double eps, double weight_decay,

@@ -520,6 +520,14 @@ def test_other_threads_run_on_the_pool_to_the_same_bits():
                                    checksums=("master", "exp_avg", "exp_avg_sq"))
         return na.threads(), crcs, [p, m, v]
     here = run()
+    na.set_threads("pool")
+    try:
+        forced = run()
+    finally:
+        na.set_threads("auto")
+    assert forced[0] == "pool" and forced[1] == here[1]
+    with pytest.raises(ValueError, match="expected 'auto' or 'pool'"):
+        na.set_threads("omp")
     there: list = []
     worker = threading.Thread(target=lambda: there.append(run()))
     worker.start()

@@ -28,8 +28,8 @@ same results as each other.
 The C code splits large calls across threads, as many as `torch.get_num_threads()` unless
 `num_threads` says otherwise: from the main thread, OpenMP's team, the one torch's own ops
 use, when the module was built with OpenMP; else (other threads, a child forked after the
-module was loaded) a small pool of its own pthreads (`threads()` says which). The GIL is released for the duration of each
-call.
+module was loaded) a small pool of its own pthreads. `threads()` says which, and
+`set_threads("pool")` forces the pool. The GIL is released for the duration of each call.
 """
 
 from __future__ import annotations
@@ -83,6 +83,14 @@ def set_prefetch(on: bool | None) -> None:
 def prefetch() -> bool:
     """Whether the next pass of this kernel prefetches in software."""
     return bool(lib.tm_adam_get_prefetch())
+
+
+def set_threads(which: str) -> None:
+    """"auto": OpenMP's team where `threads()` allows it (the default); "pool": the
+    kernel's own pthreads for every call. Results are the same either way."""
+    if which not in ("auto", "pool"):
+        raise ValueError(f"threads: {which!r}; expected 'auto' or 'pool'")
+    lib.tm_adam_set_openmp(int(which == "auto"))
 
 
 def threads() -> str:
