@@ -538,6 +538,21 @@ def test_other_threads_run_on_the_pool_to_the_same_bits():
         assert_bitwise(a, b, "pool vs the main thread's threads")
 
 
+def test_no_openmp_team_unless_it_is_torchs(monkeypatch):
+    """A torch on its native thread pool (or any but OpenMP) would leave the module's team
+    a second one: the kernel then keeps its own pool, and set_threads("auto") too."""
+    monkeypatch.setattr(torch.__config__, "parallel_info",
+                        lambda: "ATen parallel backend: native thread pool\n")
+    assert na._shares_torchs_openmp() is False
+    monkeypatch.setattr(na, "_OPENMP_OK", False)
+    try:
+        na.set_threads("auto")
+        assert na.threads() == "pool"
+    finally:
+        monkeypatch.undo()
+        na.set_threads("auto")
+
+
 def test_one_openmp_runtime_shared_with_torch():
     """Built with OpenMP, the kernel runs on the libgomp torch loaded, not a second one
     (two runtimes would put two spinning teams on the same cores)."""

@@ -85,12 +85,34 @@ def prefetch() -> bool:
     return bool(lib.tm_adam_get_prefetch())
 
 
+def _shares_torchs_openmp() -> bool:
+    """OpenMP's team only helps if it is the one ATen uses: torch's parallel backend is
+    OpenMP, and one libgomp is mapped (the module's is torch's). Otherwise (a torch on
+    its native thread pool or another OpenMP runtime) the module's team would be a
+    second one, spinning beside torch's threads: the kernel keeps its own pool."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError:
+        return False
+    return len(runtimes) <= 1
+
+
+_OPENMP_OK = _shares_torchs_openmp()
+
+
 def set_threads(which: str) -> None:
-    """"auto": OpenMP's team where `threads()` allows it (the default); "pool": the
-    kernel's own pthreads for every call. Results are the same either way."""
+    """"auto": OpenMP's team where `threads()` allows it and it is torch's own (the
+    default); "pool": the kernel's own pthreads for every call. Results are the same
+    either way."""
     if which not in ("auto", "pool"):
         raise ValueError(f"threads: {which!r}; expected 'auto' or 'pool'")
-    lib.tm_adam_set_openmp(int(which == "auto"))
+    lib.tm_adam_set_openmp(int(which == "auto" and _OPENMP_OK))
+
+
+set_threads("auto")
 
 
 def threads() -> str:
