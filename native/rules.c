@@ -241,14 +241,25 @@ static int run_split(const rules_job *tmpl, int64_t n, int nthreads, uint32_t *c
         if (jobs[t].begin > n)
             jobs[t].begin = n;
     }
-    for (int t = 1; t < nthreads; t++)
-        started[t] = pthread_create(&tid[t], NULL, rules_work, &jobs[t]) == 0;
-    rules_work(&jobs[0]);
-    for (int t = 1; t < nthreads; t++) {
-        if (started[t])
-            pthread_join(tid[t], NULL);
-        else
-            rules_work(&jobs[t]);  /* no thread: do its piece here */
+#ifdef _OPENMP
+    if (nthreads > 1 && tm_adam_openmp()) {
+        /* the team ATen's ops use, as adam.c's pass on the main thread (why: there) */
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1)
+        for (int t = 0; t < nthreads; t++)
+            rules_work(&jobs[t]);
+    } else
+#endif
+    {
+        /* threads of this call only: nothing to forget after fork */
+        for (int t = 1; t < nthreads; t++)
+            started[t] = pthread_create(&tid[t], NULL, rules_work, &jobs[t]) == 0;
+        rules_work(&jobs[0]);
+        for (int t = 1; t < nthreads; t++) {
+            if (started[t])
+                pthread_join(tid[t], NULL);
+            else
+                rules_work(&jobs[t]);  /* no thread: do its piece here */
+        }
     }
     if (crcs) {
         uint32_t cs = 0, cp = 0;

@@ -155,3 +155,41 @@ def test_tiered_native_step_equals_torch(tmp_path, monkeypatch, backend, cls, kw
         for k, v in state.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 assert_same_tensor(sd["state"][i][k], v, f"state[{i}][{k}]")
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_team_and_pool_give_the_same_bits(rule):
+    """Threaded (above the cut-off), the pass runs on OpenMP's team for a main-thread call
+    when built with it, else on threads of its own (`set_threads("pool")` forces them):
+    the pieces are the same, so are the bits and CRCs."""
+    from tiermem.kernels import native_adam as na
+
+    n = (1 << 20) + 3 * 4096 + 5
+
+    def run() -> tuple[list, torch.Tensor, torch.Tensor]:
+        p, s = _data(n, 3), torch.full((n,), 0.1)
+        crcs = []
+        for k in range(2):
+            grad = _data(n, 4 + k)
+            if rule == "sgd":
+                crcs = sgd_update(kernel="native", params=[p], grads=[grad],
+                                  momentum_buffers=[s], first=[k == 0], lr=0.013,
+                                  momentum=0.9, dampening=0.0, weight_decay=1e-2,
+                                  nesterov=True, maximize=False,
+                                  checksums=("momentum_buffer", "params"))
+            else:
+                crcs = adagrad_update(kernel="native", params=[p], grads=[grad],
+                                      state_sums=[s], steps=[torch.tensor(float(k + 1))],
+                                      lr=0.05, lr_decay=0.01, weight_decay=1e-2, eps=1e-10,
+                                      maximize=False, checksums=("sum",))
+        return crcs, p, s
+
+    team = run()
+    na.set_threads("pool")
+    try:
+        pool = run()
+    finally:
+        na.set_threads("auto")
+    assert team[0] == pool[0]
+    assert_same_tensor(team[1], pool[1], "params, team vs pool")
+    assert_same_tensor(team[2], pool[2], "state, team vs pool")

@@ -932,3 +932,37 @@ def test_int8_records_fit_their_partition(sizes, pages, master):
             covered[s.index] += s.length
             assert s.start % 1024 == 0
     assert covered == sizes
+
+
+def test_threads_team_and_pool_give_the_same_bits():
+    """The int8 pass on OpenMP's team (a main-thread call, when built with it) and on
+    threads of its own (`native_adam.set_threads("pool")`) writes the same codes, scales,
+    weights and CRCs: the chunks are the same, only who takes them differs."""
+    n = (1 << 20) + 4096 + 37  # threaded (above the cut-off), a short last chunk and block
+
+    def run() -> tuple[dict[str, int], list[torch.Tensor]]:
+        gen = torch.Generator().manual_seed(21)
+        p = torch.randn(n, generator=gen)
+        g = torch.randn(n, generator=gen) * 1e-2
+        m = torch.zeros(n, dtype=torch.uint8)
+        v = torch.zeros(n, dtype=torch.uint8)
+        ms, vs = torch.zeros(lb.blocks(n)), torch.zeros(lb.blocks(n))
+        crcs = {}
+        for step in (1, 2):
+            crcs = lb.adam_lowbit_native(
+                param=p, grad=g, exp_avg=m, exp_avg_scale=ms, exp_avg_sq=v,
+                exp_avg_sq_scale=vs, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.1, seed=5, num_threads=2,
+                checksums=("master", "exp_avg", "exp_avg_sq"))
+        return crcs, [p, m, v, ms, vs]
+
+    team = run()
+    na.set_threads("pool")
+    try:
+        pool = run()
+    finally:
+        na.set_threads("auto")
+    assert team[0] == pool[0]
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "m scales", "v scales"),
+                          team[1], pool[1]):
+        assert_bitwise(a, b, f"team vs pool, {name}")

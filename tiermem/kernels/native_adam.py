@@ -105,8 +105,9 @@ _OPENMP_OK = _shares_torchs_openmp()
 
 def set_threads(which: str) -> None:
     """"auto": OpenMP's team where `threads()` allows it and it is torch's own (the
-    default); "pool": the kernel's own pthreads for every call. Results are the same
-    either way."""
+    default); "pool": threads of tiermem's own for every call. This kernel, the low-bit
+    one (kernels.lowbit) and the rules' (kernels.sgd, kernels.adagrad) follow it. Results
+    are the same either way."""
     if which not in ("auto", "pool"):
         raise ValueError(f"threads: {which!r}; expected 'auto' or 'pool'")
     lib.tm_adam_set_openmp(int(which == "auto" and _OPENMP_OK))
