@@ -19,6 +19,18 @@ def isa(name: str):
         na.set_isa("auto")
 
 
+def on_team_and_pool(run):
+    """run() once as it comes (OpenMP's team for a main-thread call, when built with it)
+    and once on tiermem's own threads (native_adam.set_threads("pool")): (team, pool)."""
+    team = run()
+    na.set_threads("pool")
+    try:
+        pool = run()
+    finally:
+        na.set_threads("auto")
+    return team, pool
+
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

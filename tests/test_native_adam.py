@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from tiermem.kernels import adam as kernels
 from tiermem.kernels import native_adam as na
 
-from adam_helpers import assert_bitwise, isa
+from adam_helpers import assert_bitwise, isa, on_team_and_pool
 
 RTOL, ATOL = 1e-6, 1e-7
 ISAS = na.supported_isas()
@@ -519,12 +519,7 @@ def test_other_threads_run_on_the_pool_to_the_same_bits():
                                    weight_decay=0.1, num_threads=2,
                                    checksums=("master", "exp_avg", "exp_avg_sq"))
         return na.threads(), crcs, [p, m, v]
-    here = run()
-    na.set_threads("pool")
-    try:
-        forced = run()
-    finally:
-        na.set_threads("auto")
+    here, forced = on_team_and_pool(run)
     assert forced[0] == "pool" and forced[1] == here[1]
     with pytest.raises(ValueError, match="expected 'auto' or 'pool'"):
         na.set_threads("omp")

@@ -13,6 +13,7 @@ from tiermem.kernels.adagrad import adagrad_update
 from tiermem.kernels.checksum import crc32c
 from tiermem.kernels.native_rules import set_isa
 from tiermem.kernels.sgd import sgd_update
+from adam_helpers import on_team_and_pool
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config,
                              make_batches, train)
 
@@ -162,8 +163,6 @@ def test_team_and_pool_give_the_same_bits(rule):
     """Threaded (above the cut-off), the pass runs on OpenMP's team for a main-thread call
     when built with it, else on threads of its own (`set_threads("pool")` forces them):
     the pieces are the same, so are the bits and CRCs."""
-    from tiermem.kernels import native_adam as na
-
     n = (1 << 20) + 3 * 4096 + 5
 
     def run() -> tuple[list, torch.Tensor, torch.Tensor]:
@@ -184,12 +183,7 @@ def test_team_and_pool_give_the_same_bits(rule):
                                       maximize=False, checksums=("sum",))
         return crcs, p, s
 
-    team = run()
-    na.set_threads("pool")
-    try:
-        pool = run()
-    finally:
-        na.set_threads("auto")
+    team, pool = on_team_and_pool(run)
     assert team[0] == pool[0]
     assert_same_tensor(team[1], pool[1], "params, team vs pool")
     assert_same_tensor(team[2], pool[2], "state, team vs pool")

@@ -23,7 +23,7 @@ from hypothesis import strategies as hs
 from tiermem.kernels import lowbit as lb
 from tiermem.kernels import native_adam as na
 
-from adam_helpers import assert_bitwise, isa
+from adam_helpers import assert_bitwise, isa, on_team_and_pool
 
 ISAS = [i for i in na.supported_isas() if i in ("scalar", "avx512")]
 # optimizer.state_dtype -> the moments' tensor dtype in kernels.lowbit (int8: codes + scales)
@@ -956,12 +956,7 @@ def test_threads_team_and_pool_give_the_same_bits():
                 checksums=("master", "exp_avg", "exp_avg_sq"))
         return crcs, [p, m, v, ms, vs]
 
-    team = run()
-    na.set_threads("pool")
-    try:
-        pool = run()
-    finally:
-        na.set_threads("auto")
+    team, pool = on_team_and_pool(run)
     assert team[0] == pool[0]
     for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "m scales", "v scales"),
                           team[1], pool[1]):
