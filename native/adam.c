@@ -61,6 +61,7 @@
 #include <unistd.h>
 
 #include "numeric.h"
+#include "parallel.h"
 #include "tiermem_native.h"
 
 /* Contraction would change rounding; the build passes -ffp-contract=off, and
@@ -731,6 +732,31 @@ int tm_adam_openmp(void)
 void tm_adam_set_openmp(int allowed)
 {
     openmp_allowed = !!allowed;
+}
+
+void tm_parallel_pieces(void *(*fn)(void *), void *pieces, size_t stride, int parts)
+{
+    char *base = pieces;
+#ifdef _OPENMP
+    if (parts > 1 && on_torch_team()) {
+        /* the team ATen's ops use, as run_threaded's pass (why: on_torch_team) */
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+        for (int k = 0; k < parts; k++)
+            fn(base + (size_t)k * stride);
+        return;
+    }
+#endif
+    pthread_t tid[parts > 1 ? parts : 1];
+    int started[parts > 1 ? parts : 1];
+    for (int k = 1; k < parts; k++)
+        started[k] = pthread_create(&tid[k], NULL, fn, base + (size_t)k * stride) == 0;
+    fn(base);
+    for (int k = 1; k < parts; k++) {
+        if (started[k])
+            pthread_join(tid[k], NULL);
+        else
+            fn(base + (size_t)k * stride);  /* no thread: do its piece here */
+    }
 }
 
 /* Under pool.mu: grow to `want` workers; returns how many there are. */

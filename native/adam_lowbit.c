@@ -77,6 +77,7 @@
 #include <string.h>
 
 #include "numeric.h"
+#include "parallel.h"
 #include "tiermem_native.h"
 
 #ifdef __clang__
@@ -1172,26 +1173,8 @@ int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *co
         parts = nthreads < nchunks ? nthreads : (int)nchunks;
     if (parts > LB_MAX_THREADS)
         parts = LB_MAX_THREADS;
-#ifdef _OPENMP
-    if (parts > 1 && tm_adam_openmp()) {
-        /* the team ATen's ops use, as adam.c's pass on the main thread (why: there) */
-#pragma omp parallel num_threads(parts)
-        run_chunks(&t);
-    } else
-#endif
-    {
-        /* threads of this call only: nothing to forget after fork */
-        pthread_t th[LB_MAX_THREADS];
-        int started = 0;
-        for (int k = 1; k < parts; k++) {
-            if (pthread_create(&th[started], NULL, run_chunks, &t) != 0)
-                break;  /* fewer threads: the chunks left are taken by those running */
-            started++;
-        }
-        run_chunks(&t);
-        for (int k = 0; k < started; k++)
-            pthread_join(th[k], NULL);
-    }
+    /* one task, its chunks taken in turn by every thread */
+    tm_parallel_pieces(run_chunks, &t, 0, parts);
     if (crc_mask) {
         for (int a = 0; a < LB_NARRAYS; a++) {
             if (!(crc_mask & (1 << a)))

@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "parallel.h"
 #include "tiermem_native.h"
 
 #ifdef __clang__
@@ -229,8 +230,6 @@ static int run_split(const rules_job *tmpl, int64_t n, int nthreads, uint32_t *c
     if (n < TM_RULES_PAR_MIN)
         nthreads = 1;
     rules_job jobs[TM_RULES_MAX_THREADS];
-    pthread_t tid[TM_RULES_MAX_THREADS];
-    int started[TM_RULES_MAX_THREADS] = {0};
     /* pieces are whole chunks, so the split never changes which elements go together */
     int64_t chunks = (n + TM_RULES_CHUNK - 1) / TM_RULES_CHUNK;
     for (int t = 0; t < nthreads; t++) {
@@ -241,26 +240,7 @@ static int run_split(const rules_job *tmpl, int64_t n, int nthreads, uint32_t *c
         if (jobs[t].begin > n)
             jobs[t].begin = n;
     }
-#ifdef _OPENMP
-    if (nthreads > 1 && tm_adam_openmp()) {
-        /* the team ATen's ops use, as adam.c's pass on the main thread (why: there) */
-#pragma omp parallel for num_threads(nthreads) schedule(static, 1)
-        for (int t = 0; t < nthreads; t++)
-            rules_work(&jobs[t]);
-    } else
-#endif
-    {
-        /* threads of this call only: nothing to forget after fork */
-        for (int t = 1; t < nthreads; t++)
-            started[t] = pthread_create(&tid[t], NULL, rules_work, &jobs[t]) == 0;
-        rules_work(&jobs[0]);
-        for (int t = 1; t < nthreads; t++) {
-            if (started[t])
-                pthread_join(tid[t], NULL);
-            else
-                rules_work(&jobs[t]);  /* no thread: do its piece here */
-        }
-    }
+    tm_parallel_pieces(rules_work, jobs, sizeof(rules_job), nthreads);
     if (crcs) {
         uint32_t cs = 0, cp = 0;
         for (int t = 0; t < nthreads; t++) {
