@@ -187,7 +187,8 @@ ISA_CASES = [
 
 @pytest.mark.skipif(not SIMD_ISAS, reason="this CPU has no SIMD path for the kernel")
 @pytest.mark.parametrize("simd", SIMD_ISAS)
-@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 31, 33, 1000 + 13, 300_007])
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 31, 33, 1000 + 13, 300_007,
+                               2 * 1024 * 1024 + 5])  # the last: a weight out streams
 @pytest.mark.parametrize("case", range(len(ISA_CASES)))
 def test_simd_paths_match_scalar_bitwise(simd, n, case):
     hp, gdt, out = ISA_CASES[case]
@@ -198,12 +199,12 @@ def test_simd_paths_match_scalar_bitwise(simd, n, case):
 
 
 @pytest.mark.skipif("avx512" not in SIMD_ISAS, reason="only the AVX-512 loops prefetch")
-@pytest.mark.parametrize("n", [1000 + 13, 300_007, 8 * 1024 * 1024 + 5])
+@pytest.mark.parametrize("n", [1000 + 13, 300_007, 2 * 1024 * 1024 + 5])
 @pytest.mark.parametrize("case", range(len(ISA_CASES)))
 def test_software_prefetch_changes_no_bit(n, case):
     """The prefetch (on for Intel, off for AMD by default) only asks for lines early: both
     settings give the same bits, in the plain and the streaming-store loops (a weight out
-    of 8M elements or more) and at the ragged end where the prefetch stops."""
+    from a pass that moves 32 MiB or more) and at the ragged end where the prefetch stops."""
     hp, gdt, out = ISA_CASES[case]
     if n > 1_000_000 and out is None:
         pytest.skip("the streaming-store loop needs a weight out")
