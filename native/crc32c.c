@@ -11,8 +11,9 @@
  *   Picks the SSE4.2 path at run time (__builtin_cpu_supports), else a table.
  * - tm_crc32c_combine(crc1, crc2, len2): crc of a+b from crc(a), crc(b), len(b),
  *   as zlib's crc32_combine does it (multiply by x^(8*len2) mod P).
- * - tm_crc32c_threads(buf, len, nthreads): the same value, the buffer split over
- *   up to nthreads threads (the caller takes the first piece) and combined.
+ * - tm_crc32c_threads(buf, len, nthreads): the same value, the buffer split into up
+ *   to nthreads pieces hashed at once (tm_parallel_pieces: OpenMP's team from the main
+ *   thread, else threads of the call) and combined.
  *
  * The hardware path runs three independent crc32 chains over three adjacent
  * blocks (the instruction's latency is 3 cycles, its throughput one per cycle)
@@ -33,6 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "tiermem_native.h"
 
 #if defined(__x86_64__)
@@ -355,23 +357,16 @@ uint32_t tm_crc32c_threads(const void *buf, size_t len, int nthreads)
     if (n <= 1)
         return tm_crc32c(0, buf, len);
     piece pcs[MAX_PIECES];
-    pthread_t th[MAX_PIECES];
-    int started[MAX_PIECES] = {0};
     size_t each = len / n / 64 * 64;
     for (int i = 0; i < n; i++) {
         pcs[i].p = (const unsigned char *)buf + (size_t)i * each;
         pcs[i].len = i == n - 1 ? len - (size_t)i * each : each;
     }
-    for (int i = 1; i < n; i++)
-        started[i] = pthread_create(&th[i], NULL, hash_piece, &pcs[i]) == 0;
-    hash_piece(&pcs[0]);
+    /* the update passes' threads: OpenMP's team from the main thread, else threads of
+     * this call (parallel.h) */
+    tm_parallel_pieces(hash_piece, pcs, sizeof(piece), n);
     uint32_t crc = pcs[0].crc;
-    for (int i = 1; i < n; i++) {
-        if (started[i])
-            pthread_join(th[i], NULL);
-        else
-            hash_piece(&pcs[i]);  /* no thread to be had: hash it here */
+    for (int i = 1; i < n; i++)
         crc = tm_crc32c_combine(crc, pcs[i].crc, pcs[i].len);
-    }
     return crc;
 }

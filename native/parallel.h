@@ -1,4 +1,4 @@
-/* Threads for the update passes of adam_lowbit.c and rules.c (defined in adam.c, beside
+/* Threads for the passes of adam_lowbit.c, rules.c and crc32c.c (defined in adam.c, beside
  * the pool and the OpenMP choice they share; not part of the cffi interface). */
 #ifndef TM_PARALLEL_H
 #define TM_PARALLEL_H

@@ -4,6 +4,7 @@ returns for the arrays it wrote (native_adam.adam_fused_mixed(checksums=...)).""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from hypothesis import given, settings, strategies as st
 from tiermem.kernels import native_adam as na
 from tiermem.kernels.checksum import (RecordDigest, combine, crc32c, crc32c_portable, crc32c_sse42,
                               has_fold, has_sse42)
+
+from adam_helpers import on_team_and_pool
 
 
 def test_check_value_of_the_standard():
@@ -61,13 +64,23 @@ def test_fold_path_equals_the_table_path_on_any_bytes(data, crc):
 
 
 def test_threaded_hash_equals_one_thread():
+    """Pieces hashed at once (OpenMP's team from the main thread, threads of the call from
+    another thread or with set_threads("pool")) combine to the one-thread value."""
     t = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8,
                       generator=torch.Generator().manual_seed(1))
     one = crc32c_portable(t.numpy().tobytes())
-    for threads in (1, 2, 3, 16):
-        assert crc32c(t[: (24 << 20) - 5], threads=threads) == crc32c_portable(
-            t[: (24 << 20) - 5].numpy().tobytes())
-        assert crc32c(t, threads=threads) == one
+    short = crc32c_portable(t[: (24 << 20) - 5].numpy().tobytes())
+
+    def hashes():
+        return [(crc32c(t[: (24 << 20) - 5], threads=k), crc32c(t, threads=k))
+                for k in (1, 2, 3, 16)]
+
+    team, pool = on_team_and_pool(hashes)
+    elsewhere: list = []
+    worker = threading.Thread(target=lambda: elsewhere.extend(hashes()))
+    worker.start()
+    worker.join()
+    assert team == pool == elsewhere == [(short, one)] * 4
 
 
 def test_record_digest_assembles_pieces_in_order():
