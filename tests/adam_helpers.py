@@ -1,8 +1,10 @@
-"""Helpers the native-kernel tests share: pinning one SIMD path, comparing bit patterns."""
+"""Helpers the native-kernel tests share: pinning one SIMD path, whose threads a call runs
+on, comparing bit patterns."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -29,6 +31,16 @@ def on_team_and_pool(run):
     finally:
         na.set_threads("auto")
     return team, pool
+
+
+def on_another_thread(run):
+    """run()'s result, run on a thread of its own (not the main one: native calls from
+    there use tiermem's own threads, never OpenMP's team)."""
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(run()))
+    worker.start()
+    worker.join()
+    return out[0]
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

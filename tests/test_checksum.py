@@ -4,7 +4,6 @@ returns for the arrays it wrote (native_adam.adam_fused_mixed(checksums=...)).""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from tiermem.kernels import native_adam as na
 from tiermem.kernels.checksum import (RecordDigest, combine, crc32c, crc32c_portable, crc32c_sse42,
                               has_fold, has_sse42)
 
-from adam_helpers import on_team_and_pool
+from adam_helpers import on_another_thread, on_team_and_pool
 
 
 def test_check_value_of_the_standard():
@@ -76,11 +75,7 @@ def test_threaded_hash_equals_one_thread():
                 for k in (1, 2, 3, 16)]
 
     team, pool = on_team_and_pool(hashes)
-    elsewhere: list = []
-    worker = threading.Thread(target=lambda: elsewhere.extend(hashes()))
-    worker.start()
-    worker.join()
-    assert team == pool == elsewhere == [(short, one)] * 4
+    assert team == pool == on_another_thread(hashes) == [(short, one)] * 4
 
 
 def test_record_digest_assembles_pieces_in_order():

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from tiermem.kernels import adam as kernels
 from tiermem.kernels import native_adam as na
 
-from adam_helpers import assert_bitwise, isa, on_team_and_pool
+from adam_helpers import assert_bitwise, isa, on_another_thread, on_team_and_pool
 
 RTOL, ATOL = 1e-6, 1e-7
 ISAS = na.supported_isas()
@@ -465,14 +465,16 @@ def _child(q):
     # buffers come from the parent. The kernel's threads are then its own pool, not
     # OpenMP's (whose team, used by the parent, would never answer).
     try:
-        p, g, m, v = _FORK_BUFS
-        crcs = na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=3,
-                                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                   weight_decay=0.1, num_threads=2,
-                                   checksums=("master", "exp_avg", "exp_avg_sq"))
-        q.put((na.threads(), crcs))
+        q.put((na.threads(), _hashed_step(*_FORK_BUFS)))
     except BaseException as exc:  # noqa: BLE001
         q.put(repr(exc))
+
+
+def _hashed_step(p, g, m, v) -> dict[str, int]:
+    """One threaded step over the fork tests' buffers, returning the CRCs it wrote."""
+    return na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=3, lr=1e-3,
+                               beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                               num_threads=2, checksums=("master", "exp_avg", "exp_avg_sq"))
 
 
 def _fork_buffers() -> list[torch.Tensor]:
@@ -487,10 +489,7 @@ def test_pool_survives_fork():
     or on the pool) runs it threaded again, on the pool, to the parent's bits."""
     _call(master=torch.zeros(FORK_N), grad=torch.ones(FORK_N), exp_avg=torch.zeros(FORK_N),
           exp_avg_sq=torch.zeros(FORK_N), num_threads=2)  # the threads exist before fork
-    p, g, m, v = _fork_buffers()
-    want = na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=3, lr=1e-3,
-                               beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                               num_threads=2, checksums=("master", "exp_avg", "exp_avg_sq"))
+    want = _hashed_step(*_fork_buffers())
     _FORK_BUFS[:] = _fork_buffers()
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
@@ -515,22 +514,15 @@ def test_other_threads_run_on_the_pool_to_the_same_bits():
     worker's) run on the kernel's own pool. Both give the same bits, CRCs included."""
     def run() -> tuple[str, dict[str, int], list[torch.Tensor]]:
         p, g, m, v = _fork_buffers()
-        crcs = na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=3,
-                                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                   weight_decay=0.1, num_threads=2,
-                                   checksums=("master", "exp_avg", "exp_avg_sq"))
-        return na.threads(), crcs, [p, m, v]
+        return na.threads(), _hashed_step(p, g, m, v), [p, m, v]
     here, forced = on_team_and_pool(run)
     assert forced[0] == "pool" and forced[1] == here[1]
     with pytest.raises(ValueError, match="expected 'auto' or 'pool'"):
         na.set_threads("omp")
-    there: list = []
-    worker = threading.Thread(target=lambda: there.append(run()))
-    worker.start()
-    worker.join()
-    assert there[0][0] == "pool"
-    assert there[0][1] == here[1]
-    for a, b in zip(there[0][2], here[2]):
+    there = on_another_thread(run)
+    assert there[0] == "pool"
+    assert there[1] == here[1]
+    for a, b in zip(there[2], here[2]):
         assert_bitwise(a, b, "pool vs the main thread's threads")
 
 
