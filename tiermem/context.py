@@ -7,8 +7,10 @@ normally, by an exception, Ctrl-C or SIGTERM.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -16,7 +18,7 @@ import torch
 
 from tiermem.config import Settings, load_config
 from tiermem.dist import sharded
-from tiermem.errors import TierMemError
+from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim.handle import Offload, forget_kept, kept_dir, put_kept
 from tiermem.optim.hooks import installed
 from tiermem.optim.lifecycle import (ACTIVE, caller, check_arguments, check_swap_paths,
@@ -25,6 +27,47 @@ from tiermem.optim.offloaded import OffloadedOptimizer
 from tiermem.optim.wrappers import unwrap
 from tiermem.signals import held, terminate_as_exception
 from tiermem.swap.rundir import StaleSwapError
+
+class NotLeft(TierMemError):
+    """What ends a block that was still open when the interpreter began to exit."""
+
+
+# Blocks entered and not yet left, innermost last, with where each was opened.
+_OPEN: "list[tuple[Offload, str]]" = []
+
+
+def _leave_open_blocks() -> None:
+    """Leave, at exit, the blocks nobody left (an ExitStack never closed, a REPL that quit).
+
+    Left alone, the block's generator is finalised during interpreter teardown, where
+    freeing the tensors its exit gathers aborts the process inside torch (an INTERNAL
+    ASSERT in THPVariable_clear). atexit runs before that teardown, with every module
+    still whole; it leaves each block the way an exception through it would.
+    """
+    while _OPEN:
+        handle, where = _OPEN.pop()
+        where = f"name={handle.name!r}, opened at {where}"
+        with held():
+            try:
+                handle.leave(NotLeft(f"the interpreter exited with the tiermem.offload block "
+                                     f"({where}) still open"))
+            except BaseException as exc:  # the next block must still be left
+                message = f"could not be left at interpreter exit ({exc})"
+            else:
+                message = f"was left at interpreter exit: {handle.where_state_is()}"
+        warnings.warn(f"tiermem: the tiermem.offload block ({where}) was never left "
+                      f"and {message}", TierMemWarning, stacklevel=1)
+
+
+
+def _still_open(handle: Offload) -> bool:
+    """Take `handle` off the open list; False when the exit hook left it already."""
+    for k, (h, _) in enumerate(_OPEN):
+        if h is handle:
+            del _OPEN[k]
+            return True
+    return False
+
 
 @contextmanager
 def offload(optimizer: torch.optim.Optimizer,
@@ -85,11 +128,19 @@ def offload(optimizer: torch.optim.Optimizer,
             put_kept(optimizer, kept)  # a refused block leaves the guard as it was
         raise
     handle.unwrapped = unwrapped
-    ACTIVE[optimizer] = f"name={name!r}, opened at {caller()}"
+    where = caller()
+    ACTIVE[optimizer] = f"name={name!r}, opened at {where}"
+    if not _OPEN:  # (again) at each first open block: atexit runs the latest first, so
+        # a handler the user registered before the block sees it left
+        atexit.unregister(_leave_open_blocks)
+        atexit.register(_leave_open_blocks)
+    _OPEN.append((handle, where))
     with terminate_as_exception():
         try:
             yield handle
         except BaseException as exc:
+            if not _still_open(handle):
+                raise  # left by the exit hook; this is the generator's own finalisation
             with held():  # the state is never left half moved
                 handle.leave(exc)
             if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM as Terminated
@@ -97,7 +148,8 @@ def offload(optimizer: torch.optim.Optimizer,
                       file=sys.stderr)
             raise
         else:
-            with held():
-                handle.leave(None)
+            if _still_open(handle):
+                with held():
+                    handle.leave(None)
         finally:
             ACTIVE.pop(optimizer, None)
