@@ -4,6 +4,10 @@
  * physical discontinuity of its buffer, so buffers come from 2 MiB pages when
  * the kernel has them: hugetlb pages if some are reserved, otherwise
  * transparent huge pages asked for with MADV_HUGEPAGE on a 2 MiB-aligned range.
+ * A buffer of odd size that must not grow to whole huge pages (want_huge 2, the
+ * parameter tier's record buffers, counted byte for byte against the window)
+ * starts on a 2 MiB boundary and asks for transparent huge pages as well: the
+ * kernel backs its whole 2 MiB extents with them and the tail with 4 KiB pages.
  * Every page is touched here, once, so that no training step pays first-touch
  * faults. */
 #define _GNU_SOURCE
@@ -28,7 +32,7 @@ size_t tm_mem_mapped_size(size_t nbytes, int kind)
 {
     if (nbytes == 0)
         nbytes = 1;
-    return round_up(nbytes, kind == 0 ? SMALL_SZ : HUGE_SZ);
+    return round_up(nbytes, kind == 0 || kind == 3 ? SMALL_SZ : HUGE_SZ);
 }
 
 static void touch(char *p, size_t n)
@@ -66,7 +70,11 @@ void *tm_mem_alloc(size_t nbytes, int want_huge, int want_lock,
     int kind = 0;
     size_t size;
 
-    if (want_huge) {
+    if (want_huge == 2 && tm_mem_mapped_size(nbytes, 3) >= HUGE_SZ) {
+        size = tm_mem_mapped_size(nbytes, 3);
+        p = map_thp(size);
+        kind = 3;
+    } else if (want_huge == 1) {
         size = tm_mem_mapped_size(nbytes, 2);
         p = mmap(NULL, size, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);

@@ -46,8 +46,11 @@ int tm_pool_submit(tm_pool *p, tm_request *r);
 int tm_pool_wait(tm_pool *p, tm_request *r, int timeout_ms);
 void tm_pool_destroy(tm_pool *p);
 
-/* Memory for I/O buffers. kind: 0 = plain pages, 1 = transparent huge pages
- * (madvise), 2 = hugetlb pages. */
+/* Memory for I/O buffers. want_huge: 0 = 4 KiB pages, 1 = huge pages (the size
+ * rounded up to 2 MiB), 2 = huge pages for the whole 2 MiB extents and 4 KiB pages
+ * for the tail (the size rounded up to 4 KiB only). kind: 0 = plain pages,
+ * 1 = transparent huge pages (madvise), 2 = hugetlb pages, 3 = transparent huge
+ * pages over the whole extents, 4 KiB pages after them. */
 void *tm_mem_alloc(size_t nbytes, int want_huge, int want_lock,
                    int *kind_out, int *locked_out, int *lock_errno_out);
 void tm_mem_free(void *p, size_t nbytes);

@@ -59,6 +59,66 @@ def test_huge_pages_asked_for_are_huge():
     assert info.mapped_bytes == 4 * MiB
 
 
+def _anon_huge_bytes(addr: int) -> int:
+    """AnonHugePages of the mapping that holds `addr` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+            elif inside and head[0] == "AnonHugePages:":
+                return int(head[1]) * KiB
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _thp_available() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 5000, HUGE - 4096, HUGE, HUGE + 1, 6_553_600,
+                                    3 * MiB + 1])
+def test_fit_maps_huge_pages_over_whole_extents_only(nbytes):
+    """huge_pages="fit" maps no more than the size rounded up to 4 KiB: below one huge page
+    4 KiB pages; from one on, a 2 MiB-aligned start, so that the kernel can back every
+    whole 2 MiB extent with a huge page and the tail with 4 KiB pages."""
+    t = aligned_empty(nbytes, huge_pages="fit", lock=False)
+    info = t.tiermem_info
+    assert (t.numel(), info.nbytes) == (nbytes, nbytes)
+    assert info.mapped_bytes == -(-nbytes // 4096) * 4096
+    if info.mapped_bytes < HUGE:
+        assert info.pages == "4k" and t.data_ptr() % 4096 == 0
+        return
+    assert info.pages == "thp-fit" and t.data_ptr() % HUGE == 0
+    t.fill_(7)  # every byte is there (and touched)
+    assert int(t[-1]) == 7 and int(t[0]) == 7
+    if _thp_available():
+        # the kernel may fall short of huge pages (fragmented memory): never past the extents
+        assert _anon_huge_bytes(t.data_ptr()) <= nbytes // HUGE * HUGE
+
+
+@pytest.mark.skipif(not _thp_available(), reason="transparent huge pages are off")
+def test_fit_gets_huge_pages_when_the_kernel_has_them():
+    """On this machine's kernel (THP madvise) the whole extents are huge pages, which is
+    the point: the virtio disk splits a transfer at every physical discontinuity."""
+    bufs = [aligned_empty(6_553_600, huge_pages="fit", lock=False) for _ in range(3)]
+    got = [_anon_huge_bytes(b.data_ptr()) for b in bufs]
+    assert max(got) == 3 * HUGE, got
+
+
+def test_fit_buffers_unmapped_once():
+    c = Counters()
+    bufs = [aligned_empty(n, huge_pages="fit", lock=False) for n in (5000, HUGE + 1, 6_553_600)]
+    assert c.delta()[:2] == (3, 8192 + HUGE + 4096 + 6_553_600)
+    del bufs
+    assert c.delta() == (0, 0, 3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
 def test_aligned_empty_dtypes(dtype):
     """Any dtype: nbytes / itemsize elements, usable as an ordinary tensor."""

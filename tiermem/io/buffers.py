@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -23,7 +23,7 @@ from tiermem.errors import TierMemWarning
 from tiermem.sysinfo import lockable_bytes
 
 PAGE = 4096
-KINDS = {0: "4k", 1: "thp", 2: "hugetlb"}
+KINDS = {0: "4k", 1: "thp", 2: "hugetlb", 3: "thp-fit"}
 
 _warned_unlocked = False
 
@@ -34,7 +34,9 @@ class BufferInfo:
 
     nbytes: int
     mapped_bytes: int
-    pages: str  # "hugetlb", "thp" (transparent huge pages asked for) or "4k"
+    # "hugetlb", "thp" (transparent huge pages asked for), "thp-fit" (those over the
+    # whole 2 MiB extents, 4 KiB pages for the tail) or "4k"
+    pages: str
     locked: bool  # page-locked by mlock or cudaHostRegister
 
 
@@ -97,11 +99,13 @@ def _cuda_register(ptr: int, size: int) -> int:
     return rc
 
 
-def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: bool = True,
-                  lock: bool = True) -> torch.Tensor:
+def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *,
+                  huge_pages: bool | Literal["fit"] = True, lock: bool = True) -> torch.Tensor:
     """An uninitialised CPU tensor of `nbytes` bytes on page-aligned, pre-touched memory.
 
-    The storage is mapped with mmap (2 MiB huge pages when `huge_pages`), touched
+    The storage is mapped with mmap (2 MiB huge pages when `huge_pages`, the size
+    rounded up to whole ones; "fit": huge pages over its whole 2 MiB extents and 4 KiB
+    pages for the rest, nothing mapped beyond the next 4 KiB), touched
     once, and page-locked when `lock` (cudaHostRegister when CUDA is present, else
     mlock; when neither is allowed it stays pageable and one warning says so). It
     is unmapped exactly once, when the last tensor viewing it is freed. The
@@ -113,7 +117,8 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: 
                          f"the {dtype} item size ({itemsize})")
     use_cuda = torch.cuda.is_available()
     kind, locked, lock_err = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
-    ptr = lib.tm_mem_alloc(nbytes, int(huge_pages), int(lock and not use_cuda),
+    want = 2 if huge_pages == "fit" else int(bool(huge_pages))
+    ptr = lib.tm_mem_alloc(nbytes, want, int(lock and not use_cuda),
                            kind, locked, lock_err)
     if ptr == ffi.NULL:
         raise MemoryError(f"aligned_empty: could not map {nbytes} bytes for an I/O buffer")

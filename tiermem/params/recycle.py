@@ -55,7 +55,11 @@ class Recycler:
                     self.cached -= size
                     if not spare:
                         del self.free[size]
-            raw = aligned_empty(nbytes, huge_pages=False, lock=self.pinned)
+            # huge pages where whole ones fit: the virtio disk splits a transfer at every
+            # physical discontinuity of its buffer, and on 4 KiB pages moved the weights
+            # at half the rate (1.4 against 2.7 GB/s reading, one 6.25 MiB weight at a
+            # time); the tail on 4 KiB pages keeps the mapping within 4 KiB of the size
+            raw = aligned_empty(nbytes, huge_pages="fit", lock=self.pinned)
             self.mapped += 1
         # A storage of its own over raw's memory: when its last view dies, the handle's
         # release gives raw back (raw itself stays referenced, so nothing is unmapped).
