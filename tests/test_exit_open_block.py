@@ -118,3 +118,59 @@ def test_without_the_exit_hook_the_process_aborts(tmp_path):
     assert "TRAINED" in proc.stdout
     with pytest.raises(AssertionError):
         _verify(proc, swap, 1)
+
+
+FORK_CHILD = r"""
+import contextlib, copy, os, sys, torch, tiermem
+swap, backend, how = sys.argv[1], sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64))
+plain_model = copy.deepcopy(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+cfg = {"swap": {"paths": [swap]}, "io": {"backend": backend}, "tiers": {"host": {"capacity": 0}},
+       "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 1}}
+
+def train(steps):
+    for _ in range(steps):
+        x = torch.randn(16, 64)
+        for m, o in ((model, opt), (plain_model, plain)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+
+stack = contextlib.ExitStack()
+block = stack.enter_context(tiermem.offload(opt, cfg, model=model))
+train(2)
+pid = os.fork()
+if pid == 0:
+    if how == "with":  # SystemExit through the block (the child's own exit path)
+        stack.close()
+    sys.exit(0)  # "atexit": the exit hook, then the generator's finalisation
+_, status = os.waitpid(pid, 0)
+assert status == 0, f"child status {status}"
+assert os.listdir(swap), "the child removed the parent's run directory"
+train(2)
+stack.close()
+worst = max(max((p - q).abs().max().item() for p, q in
+                zip(model.parameters(), plain_model.parameters())),
+            max((opt.state[p][k] - plain.state[q][k]).abs().max().item() for p, q in
+                zip(model.parameters(), plain_model.parameters()) for k in ("exp_avg", "exp_avg_sq")))
+assert worst <= 1e-6, worst
+assert os.listdir(swap) == [], os.listdir(swap)
+print("PARENT OK", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("how", ["with", "atexit"])
+def test_a_child_forked_inside_a_block_never_leaves_it(tmp_path, backend, how):
+    """A child forked with the block open (a subprocess spawned by fork, a worker) exits
+    without handing back or deleting the parent's state: only the process that opened a
+    block leaves it, by the block's own exit or by the exit hook."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    proc = subprocess.run([sys.executable, "-c", FORK_CHILD, str(swap), backend, how],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "PARENT OK" in proc.stdout, proc.stderr[-3000:]
+    assert "was never left" not in proc.stderr and "INTERNAL ASSERT" not in proc.stderr

@@ -362,6 +362,43 @@ def test_close_with_writes_in_flight_finishes_them(backend, tmp_path, direct):
     assert read_file(tmp_path / "f") == as_bytes(src)
 
 
+def test_a_forked_child_closing_the_engine_leaves_the_parents_transfers(backend, tmp_path):
+    """A child forked with transfers in flight that closes the engine (or exits through its
+    finalizer) touches none of them: the io_uring rings are mapped shared with the parent,
+    so draining there reaped the parent's completions and the parent waited forever; the
+    thread pool's threads live in the parent only, and destroying the copied pool hung the
+    child. The parent's transfers all land, with the right bytes."""
+    import os
+
+    eng = IOEngine(backend, queue_depth=2, block_size=4096)  # a shallow queue: most wait
+    size, n = 256 * KiB, 48
+    src = filled(n * size, 29)
+    f = eng.open(tmp_path / "f", "w", direct="auto")
+    reqs = [eng.write(f, src[i * size:(i + 1) * size], i * size) for i in range(n)]
+    pid = os.fork()
+    if pid == 0:  # the child: close as an exiting program would, then leave at once
+        code = 1
+        try:
+            eng.close()
+            code = 0 if eng.closed else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung closing the engine")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [r.wait(timeout=30) for r in reqs] == [size] * n
+    eng.close()
+    assert read_file(tmp_path / "f") == as_bytes(src)
+
+
 def test_file_close_waits_for_its_transfers(engine, tmp_path, direct):
     """File.close() with writes in flight finishes them before closing the fd."""
     size, n = 64 * KiB, 16

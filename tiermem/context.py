@@ -32,8 +32,9 @@ class NotLeft(TierMemError):
     """What ends a block that was still open when the interpreter began to exit."""
 
 
-# Blocks entered and not yet left, innermost last, with where each was opened.
-_OPEN: "list[tuple[Offload, str]]" = []
+# Blocks entered and not yet left, innermost last, with where each was opened and the pid
+# of the process that opened it.
+_OPEN: "list[tuple[Offload, str, int]]" = []
 
 
 def _leave_open_blocks() -> None:
@@ -45,7 +46,9 @@ def _leave_open_blocks() -> None:
     still whole; it leaves each block the way an exception through it would.
     """
     while _OPEN:
-        handle, where = _OPEN.pop()
+        handle, where, pid = _OPEN.pop()
+        if pid != os.getpid():
+            continue  # a forked child's copy: the block and its swap files are the parent's
         where = f"name={handle.name!r}, opened at {where}"
         with held():
             try:
@@ -59,13 +62,14 @@ def _leave_open_blocks() -> None:
                       f"and {message}", TierMemWarning, stacklevel=1)
 
 
-
 def _still_open(handle: Offload) -> bool:
-    """Take `handle` off the open list; False when the exit hook left it already."""
-    for k, (h, _) in enumerate(_OPEN):
+    """Take `handle` off the open list; True when this process is to leave it: False when
+    the exit hook left it already, or in a child forked inside the block (leaving there
+    would hand back, or delete, the parent's state)."""
+    for k, (h, _, pid) in enumerate(_OPEN):
         if h is handle:
             del _OPEN[k]
-            return True
+            return pid == os.getpid()
     return False
 
 
@@ -134,13 +138,13 @@ def offload(optimizer: torch.optim.Optimizer,
         # a handler the user registered before the block sees it left
         atexit.unregister(_leave_open_blocks)
         atexit.register(_leave_open_blocks)
-    _OPEN.append((handle, where))
+    _OPEN.append((handle, where, os.getpid()))
     with terminate_as_exception():
         try:
             yield handle
         except BaseException as exc:
             if not _still_open(handle):
-                raise  # left by the exit hook; this is the generator's own finalisation
+                raise  # left by the exit hook (this is the generator's finalisation), or forked
             with held():  # the state is never left half moved
                 handle.leave(exc)
             if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM as Terminated

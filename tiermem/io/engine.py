@@ -199,6 +199,7 @@ class IOEngine:
         # An engine dropped without close() still drains and frees its ring;
         # weakref callbacks run before the GC frees the buffers of its requests.
         self._finalizer = weakref.finalize(self, self._backend.close)
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._inflight: set[Request] = set()
         self._unseen: list[Request] = []  # failed, and no wait() has raised it yet
@@ -389,6 +390,12 @@ class IOEngine:
 
         Then raise the first transfer failure nobody has seen (no wait() raised it)."""
         if self.closed:
+            return
+        if os.getpid() != self._pid:
+            # A child forked while this engine was open: every transfer in flight is the
+            # parent's (waiting for one here would reap the parent's completions).
+            self._finalizer()  # the backends let the parent's ring and threads be
+            self.closed = True
             return
         with self._lock:
             pending = list(self._inflight)
