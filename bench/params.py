@@ -8,7 +8,10 @@ moved: parameter records (weights read for forward, backward and the step,
 gradients written and read back, weights written back) and optimizer state read
 and written. In the same run it measures the I/O floor of those bytes with fio
 (a read job and a write job at once, the engine's block size and queue depth,
-O_DIRECT io_uring, on files laid out first), the I/O engine alone moving them
+O_DIRECT io_uring, on files laid out first) after each of --rounds rounds of --iters
+iterations, and sets each round's iterations against that round's floor (the disk
+drifts by tens of percent within a minute; the ratio is the median over rounds), the
+I/O engine alone moving them
 (reads, then writes), and the same iteration in memory (plain AdamW with
 fused=True, torch's fastest CPU AdamW; no tiermem). It reports iteration / max(I/O
 floor, in-memory iteration) against the goal 1.2, and the iteration over the I/O floor
@@ -19,7 +22,7 @@ backward), on (each partition's update during backward, from the gradients backw
 left in memory), or both in turn (the default); each against the floor of the bytes
 it moved itself, and the plain one's too.
 
-Usage: python bench/params.py [--params 50M --window 128MiB --threads 1]
+Usage: python bench/params.py [--params 50M --window 128MiB --threads 1 --rounds 3]
        [--overlap both|on|off] [--quick]
 """
 
@@ -130,8 +133,11 @@ def fio_floor(args, read_bytes: int, write_bytes: int) -> dict:
 
 def run(args, offload: bool, overlap: bool = False) -> dict:
     """Per timed iteration (after the warm-up): its phases' seconds, and with `offload` the
-    bytes it moved (parameter records and optimizer state apart) and the tier's counters;
-    `overlap`: pipeline.overlap_backward (the updates run during backward)."""
+    bytes it moved (parameter records and optimizer state apart, counted over the first
+    round) and the tier's counters; `overlap`: pipeline.overlap_backward (the updates run
+    during backward). With `offload`, --rounds rounds of --iters iterations, each followed
+    by fio's floor of those bytes (the disk drifts by tens of percent within a minute, so
+    each round's iterations are set against the floor measured right after them)."""
     import torch
 
     import tiermem
@@ -163,38 +169,47 @@ def run(args, offload: bool, overlap: bool = False) -> dict:
     cfg = offload_config(args, pipeline={"overlap_backward": overlap})
     cfg["parameters"] = {"offload": "nvme", "prefetch": args.param_prefetch,
                          "window": args.window}
+    n = args.iters
+    rounds = []
     with tiermem.offload(opt, cfg, model=model, name="bench-params") as tm:
         tm.discard()
         iteration()  # learns the fetch order; the state records are built fresh
-        before = tm.param_stats()
-        state0 = tm.stats()
-        times = [iteration() for _ in range(args.iters)]
-        after = tm.param_stats()
-        state = tm.stats()[len(state0):]
+        for r in range(args.rounds):
+            before = tm.param_stats()
+            state0 = tm.stats()
+            times = [iteration() for _ in range(n)]
+            if r == 0:
+                after = tm.param_stats()
+                state = tm.stats()[len(state0):]
+                moved = {
+                    "param_read": (after["bytes_read"] - before["bytes_read"]) // n,
+                    "param_written": (after["bytes_written"] - before["bytes_written"]) // n,
+                    "state_read": sum(sum(s["read_bytes"].values()) for s in state) // n,
+                    "state_written": sum(sum(s["write_bytes"].values()) for s in state) // n,
+                }
+                # .get: the same script measures a tree from before grads_held/grads_spilled
+                counters = {k: (after.get(k, 0) - before.get(k, 0)) / n for k in (
+                    "fetches", "prefetched", "on_demand", "out_of_order", "evictions",
+                    "grads_stored", "grads_held", "grads_spilled")}
+                reads = moved["param_read"] + moved["state_read"]
+                writes = moved["param_written"] + moved["state_written"]
+            rounds.append({"times": times, "fio": fio_floor(args, reads, writes)})
         plan = tm.plan()
-    n = args.iters
-    moved = {
-        "param_read": (after["bytes_read"] - before["bytes_read"]) // n,
-        "param_written": (after["bytes_written"] - before["bytes_written"]) // n,
-        "state_read": sum(sum(s["read_bytes"].values()) for s in state) // n,
-        "state_written": sum(sum(s["write_bytes"].values()) for s in state) // n,
-    }
-    # .get: the same script measures a tree from before grads_held/grads_spilled
-    counters = {k: (after.get(k, 0) - before.get(k, 0)) / n for k in (
-        "fetches", "prefetched", "on_demand", "out_of_order", "evictions", "grads_stored",
-        "grads_held", "grads_spilled")}
     weights = plan["parameters"]["weight_bytes"]
-    return {"times": times, "moved": moved, "counters": counters, "weight_bytes": weights}
+    return {"times": [t for r in rounds for t in r["times"]], "rounds": rounds, "moved": moved,
+            "counters": counters, "weight_bytes": weights, "reads": reads, "writes": writes}
 
 
 def main() -> None:
     p = parser(__doc__, json_name="params.json",
-               quick={"params": "4M", "iters": 2, "window": "24MiB"})
+               quick={"params": "4M", "iters": 2, "rounds": 1, "window": "24MiB"})
     p.add_argument("--params", type=parse_count, default=parse_count("50M"))
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--window", default="128MiB", help="parameters.window")
     p.add_argument("--param-prefetch", type=int, default=2, help="parameters.prefetch")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=3, help="timed iterations a round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of --iters iterations, each followed by fio's floor")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--threads", type=int, default=None,
@@ -231,27 +246,36 @@ def main() -> None:
         name = "overlap" if overlap else "plain"
         tiered = run(args, offload=True, overlap=overlap)
         moved = tiered["moved"]
-        reads = moved["param_read"] + moved["state_read"]
-        writes = moved["param_written"] + moved["state_written"]
-        fio = fio_floor(args, reads, writes)
+        reads, writes = tiered["reads"], tiered["writes"]
         engine = io_floor(args, reads, writes)
         med = {k: statistics.median(t[k] for t in tiered["times"]) for k in (*PHASES, "total")}
-        floor = fio["seconds"]
+        per_round = [(statistics.median(t["total"] for t in r["times"]), r["fio"])
+                     for r in tiered["rounds"]]
+        ratios = [it_r / max(f["seconds"], mem["total"]) for it_r, f in per_round]
+        alone = [it_r / f["seconds"] for it_r, f in per_round]
+        round_floors = [f["seconds"] for _, f in per_round]
+        floor = statistics.median(round_floors)
+        fio = min((f for _, f in per_round), key=lambda f: abs(f["seconds"] - floor))
         first_floor = floor if first_floor is None else first_floor
-        bound = max(floor, mem["total"])
         it = med["total"]
+        ratio = statistics.median(ratios)
         what = ("step after backward" if not overlap else
                 "pipeline.overlap_backward: updates during backward")
         rows += [[f"I/O floor: fio, the {name} iteration's bytes (concurrent r+w)",
                   f"{floor:.3g} s",
-                  f"read {reads / mib:.1f} MiB, write {writes / mib:.1f} MiB; "
-                  f"{fio['variant']}, {fio['read_gbps']:.2f} / {fio['write_gbps']:.2f} GB/s"],
+                  f"median of rounds {', '.join(f'{x:.3g}' for x in round_floors)}; read "
+                  f"{reads / mib:.1f} MiB, write {writes / mib:.1f} MiB; {fio['variant']}, "
+                  f"{fio['read_gbps']:.2f} / {fio['write_gbps']:.2f} GB/s"],
                  ["the I/O engine alone, same bytes (reads, then writes)", f"{engine:.3g} s", ""],
                  [f"iteration on NVMe, {what}", f"{it:.3g} s",
-                  ", ".join(f"{k} {med[k]:.3g} s" for k in PHASES)],
-                 [f"{name} iteration / max(its I/O floor, in-memory)", f"{it / bound:.2f}x",
-                  goal_text(it / bound, GOAL)],
-                 [f"{name} iteration / its I/O floor alone", f"{it / floor:.2f}x", ""]]
+                  ", ".join(f"{k} {med[k]:.3g} s" for k in PHASES)
+                  + f" (median of {len(tiered['times'])}; rounds "
+                  + ", ".join(f"{x:.3g}" for x, _ in per_round) + ")"],
+                 [f"{name} iteration / max(its I/O floor, in-memory)", f"{ratio:.2f}x",
+                  f"median of rounds (min {min(ratios):.2f}, max {max(ratios):.2f}); "
+                  + goal_text(ratio, GOAL)],
+                 [f"{name} iteration / its I/O floor alone", f"{statistics.median(alone):.2f}x",
+                  "median of rounds"]]
         if overlap and len(modes) > 1:
             rows.append(["overlap iteration / max(plain's I/O floor, in-memory)",
                          f"{it / max(first_floor, mem['total']):.2f}x",
@@ -264,7 +288,8 @@ def main() -> None:
             f"{k} {v:g}" for k, v in tiered["counters"].items()))
         results[name] = dict(tiered=tiered["times"], moved=moved, counters=tiered["counters"],
                              weight_bytes=w, read_bytes=reads, write_bytes=writes,
-                             io_floor=floor, fio=fio, engine_floor=engine, ratio=it / bound)
+                             io_floor=floor, fio=[f for _, f in per_round],
+                             round_ratios=ratios, engine_floor=engine, ratio=ratio)
     table = show_table(["what", "seconds", "note"], rows,
                        title=f"{args.params:,} parameters, {args.dtype}, window {args.window}, "
                              f"prefetch {args.param_prefetch}, {args.backend} "
