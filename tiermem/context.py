@@ -28,6 +28,7 @@ from tiermem.optim.wrappers import unwrap
 from tiermem.signals import held, terminate_as_exception
 from tiermem.swap.rundir import StaleSwapError
 
+
 class NotLeft(TierMemError):
     """What ends a block that was still open when the interpreter began to exit."""
 
