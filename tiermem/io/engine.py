@@ -173,6 +173,16 @@ class Request:
                 f"{self.file.path!r} {state}>")
 
 
+def _close_backend(backend: Any, pid: int) -> None:
+    """The engine's finalizer: close `backend`, in the process that started it only. In a
+    child forked while it was open, the io_uring rings are mapped shared with the parent
+    (draining them would reap the parent's completions) and the thread pool's threads live
+    in the parent alone, its lock and conditions copied in whatever state they were in
+    (destroying it hung in pthread_cond_broadcast); its memory stays with the child."""
+    if os.getpid() == pid:
+        backend.close()
+
+
 class IOEngine:
     """Asynchronous file I/O over io_uring, or a thread pool where io_uring is unavailable.
 
@@ -198,8 +208,8 @@ class IOEngine:
         self.backend: str = self._backend.name
         # An engine dropped without close() still drains and frees its ring;
         # weakref callbacks run before the GC frees the buffers of its requests.
-        self._finalizer = weakref.finalize(self, self._backend.close)
         self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _close_backend, self._backend, self._pid)
         self._lock = threading.Lock()
         self._inflight: set[Request] = set()
         self._unseen: list[Request] = []  # failed, and no wait() has raised it yet
@@ -394,7 +404,7 @@ class IOEngine:
         if os.getpid() != self._pid:
             # A child forked while this engine was open: every transfer in flight is the
             # parent's (waiting for one here would reap the parent's completions).
-            self._finalizer()  # the backends let the parent's ring and threads be
+            self._finalizer()  # _close_backend lets the parent's ring and threads be
             self.closed = True
             return
         with self._lock:

@@ -32,7 +32,6 @@ class ThreadBackend:
             raise TierMemIOError(f"I/O thread pool could not start: {os.strerror(-rc)}",
                                  op="pthread_create", errno=-rc)
         self._pool = out[0]
-        self._pid = os.getpid()
 
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
         return False
@@ -57,12 +56,6 @@ class ThreadBackend:
         return NativeTransfer(self._pool, req, lib.tm_pool_wait)
 
     def close(self) -> None:
-        if self._pool is not None and os.getpid() != self._pid:
-            # A child forked while the pool ran: its threads live in the parent only, and
-            # the pool's lock and conditions were copied in whatever state they were in
-            # (destroying it hung in pthread_cond_broadcast). Its memory stays with the
-            # child, which exits.
-            self._pool = None
         if self._pool is not None:
             # Every queued piece runs before the threads exit.
             lib.tm_pool_destroy(self._pool)

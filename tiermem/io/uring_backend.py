@@ -28,7 +28,6 @@ class UringBackend:
             raise TierMemIOError(f"io_uring engine could not start: io_uring_setup failed with "
                                  f"{os.strerror(-rc)}", op="io_uring_setup", errno=-rc)
         self._engine = out[0]
-        self._pid = os.getpid()
 
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
         addrs = ffi.new("void *[]", [ffi.cast("void *", a) for a, _ in regions])
@@ -59,11 +58,6 @@ class UringBackend:
         return NativeTransfer(self._engine, req, lib.tm_engine_wait)
 
     def close(self) -> None:
-        if self._engine is not None and os.getpid() != self._pid:
-            # A child forked while the ring was open: the rings are mapped shared with the
-            # parent, so draining here would reap (steal) the parent's completions. The
-            # child's copy of the ring's file closes with it.
-            self._engine = None
         if self._engine is not None:
             # Drains every submitted request before freeing the ring.
             lib.tm_engine_destroy(self._engine)
