@@ -147,6 +147,86 @@ def test_kernel_entry_matches_fused_entry(decoupled):
         assert_bitwise(a, b, "adjacent vs separate segments")
 
 
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("holes", [False, True])
+def test_weights_out_runs_merge_like_segment_calls(out, holes, monkeypatch):
+    """kernels.adam_update(kernel="native", weights_out=...) on segment lists whose masters,
+    grads, moments and low-precision weights lie end to end goes to the C kernel as one
+    run per step count, and gives bitwise what one adam_fused_mixed call per segment
+    gives; where a list breaks (a segment of its own, a weight-out gap) it runs apart."""
+    n = 6000
+    hp = hyper(weight_decay=0.1, decoupled_weight_decay=True)
+    cuts = [0, 900, 2500, 2501, 4100, n]
+    # two step counts: the run breaks where the count changes (after segment 2)
+    step_of = [0, 0, 0, 1, 1]
+
+    def lists(base: torch.Tensor, apart: bool) -> list[torch.Tensor]:
+        views = [base[a:b] for a, b in zip(cuts, cuts[1:])]
+        return [v.clone() for v in views] if apart else views
+
+    gen = torch.Generator().manual_seed(11)
+    p0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(4)]
+    calls = []
+    run = na._run
+    monkeypatch.setattr(na, "_run", lambda *a, **k: calls.append(a[6]) or run(*a, **k))
+    got = {}
+    for way in ("merged", "per segment"):
+        p = lists(p0.clone(), holes)
+        m, v = lists(torch.zeros(n), holes), lists(torch.zeros(n), holes)
+        w = lists(torch.zeros(n, dtype=out), holes)
+        stepv = [torch.tensor(0.0), torch.tensor(0.0)]
+        stepv[1].add_(3)  # the later segments' parameter took three steps more
+        calls.clear()
+        for g in grads:
+            for t in stepv:
+                t.add_(1)
+            gs = lists(g, holes)
+            steps = [stepv[k] for k in step_of]
+            if way == "merged":
+                assert kernels.adam_update(kernel="native", params=p, grads=gs, exp_avgs=m,
+                                           exp_avg_sqs=v, max_exp_avg_sqs=[], steps=steps,
+                                           weights_out=w, **hp) is None
+            else:
+                for i in range(len(p)):
+                    na.adam_fused_mixed(master=p[i], grad=gs[i], exp_avg=m[i],
+                                        exp_avg_sq=v[i], weight_out=w[i], step=steps[i],
+                                        **hp)
+        got[way] = [torch.cat(x) for x in (p, m, v, w)]
+        if way == "merged":
+            runs = len(p) if holes else 2
+            assert len(calls) == runs * len(grads), calls
+    for a, b in zip(got["merged"], got["per segment"]):
+        assert_bitwise(a, b, "merged runs vs one call per segment")
+    assert_bitwise(got["merged"][3], got["merged"][0].to(out), "weights out")
+
+
+def test_weights_out_gap_splits_the_run(monkeypatch):
+    """Masters, grads and moments end to end but the weights out not: one call each, and
+    a weight-out list of the wrong length is refused."""
+    n = 4000
+    hp = hyper()
+    p = torch.randn(n)
+    g = torch.randn(n)
+    m, v = torch.zeros(n), torch.zeros(n)
+    w = torch.zeros(n + 8, dtype=torch.bfloat16)
+    outs = [w[:1000], w[1008:4008]]  # a gap of 8 elements between the two
+    calls = []
+    run = na._run
+    monkeypatch.setattr(na, "_run", lambda *a, **k: calls.append(a[6]) or run(*a, **k))
+    kernels.adam_update(kernel="native", params=[p[:1000], p[1000:]], grads=[g[:1000], g[1000:]],
+                        exp_avgs=[m[:1000], m[1000:]], exp_avg_sqs=[v[:1000], v[1000:]],
+                        max_exp_avg_sqs=[], steps=[torch.tensor(1.0)] * 2, weights_out=outs,
+                        **hp)
+    assert calls == [1000, 3000]
+    assert_bitwise(torch.cat(outs), p.to(torch.bfloat16), "weights out")
+    with pytest.raises(ValueError, match="weights_out: 1 tensors for 2 params"):
+        na.adam_native(params=[p[:1000], p[1000:]], grads=[g[:1000], g[1000:]],
+                       exp_avgs=[m[:1000], m[1000:]], exp_avg_sqs=[v[:1000], v[1000:]],
+                       max_exp_avg_sqs=[], steps=[torch.tensor(2.0)] * 2,
+                       weights_out=[w[:1000]], **hp)
+
+
 def test_threaded_path_matches_torch():
     n = 600_001  # above the single-thread cut-off, ragged
     hp = hyper(weight_decay=0.1)
@@ -331,7 +411,8 @@ IN_PASS = ("weights_out", "checksums", "rounding", "seeds", "offsets")
 
 def test_registered_with_the_same_signature():
     """Every kernel behind the dispatcher has the one keyword-only signature; the native
-    binding takes its update part (the in-pass options are the dispatcher's)."""
+    binding takes its update part and the weights out (which it merges into runs with the
+    rest; the other in-pass options are the dispatcher's)."""
     assert "native" in kernels.KERNELS
     assert kernels.KERNELS["fused"] is kernels.adam_fused
     want = inspect.signature(kernels.adam_fused).parameters
@@ -340,7 +421,7 @@ def test_registered_with_the_same_signature():
         assert list(got) == list(want), name
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in got.values()), name
     got = inspect.signature(na.adam_native).parameters
-    assert list(got) == [k for k in want if k not in IN_PASS]
+    assert list(got) == [k for k in want if k not in IN_PASS or k == "weights_out"]
 
 
 @pytest.mark.parametrize("kernel", ["fused", "single_tensor", "multi_tensor"])

@@ -87,21 +87,22 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     each segment's low-precision model weights (weights_out[i], rounded to nearest even
     from the fp32 params[i]), return the CRC32C of the arrays named in `checksums` per
     segment, and store bf16 moments rounded as `rounding` says, drawing segment i's
-    stochastic bits from stream `seeds[i]` at `offsets[i]`. With any of them it returns
-    one {array: CRC32C} per segment; else None."""
+    stochastic bits from stream `seeds[i]` at `offsets[i]`. With checksums or rounding it
+    returns one {array: CRC32C} per segment (empty without checksums); else None."""
     from tiermem.kernels import native_adam as impl  # the native module, loaded on first use
 
     if weights_out is not None and all(w is None for w in weights_out):
         weights_out = None  # an fp32 model's own weights: nothing to write besides them
-    if weights_out is None and not checksums and rounding is None:
+    if not checksums and rounding is None:
         # One C call per run of segments that lie end to end (a host record's state always
-        # does; the model's weights and grads often do): each call hands its work to the
-        # kernel's threads and waits for the last of them.
+        # does; the model's weights and grads often do), low-precision weights out or not:
+        # each call hands its work to the kernel's threads and waits for the last of them.
         impl.adam_native(params=params, grads=grads, exp_avgs=exp_avgs,
                          exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
                          steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                         decoupled_weight_decay=decoupled_weight_decay)
+                         decoupled_weight_decay=decoupled_weight_decay,
+                         weights_out=weights_out)
         return None
     rounded = {} if rounding is None else {"rounding": rounding}
     out = []

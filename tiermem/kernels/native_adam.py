@@ -253,12 +253,17 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                 exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
                 lr: float | Tensor, beta1: float, beta2: float, eps: float,
                 weight_decay: float, amsgrad: bool, maximize: bool,
-                decoupled_weight_decay: bool) -> None:
+                decoupled_weight_decay: bool,
+                weights_out: Sequence[Tensor | None] | None = None) -> None:
     """tiermem's native kernel (native/adam.c): one pass per contiguous run, SIMD, threaded.
 
     Same arithmetic as torch's fused CPU kernel; grads may be fp32, bf16 or fp16.
-    Segments that lie end to end in every list (and share a step count) go to the C
-    kernel as one run."""
+    weights_out: per segment None or a bf16/fp16 tensor that receives the updated fp32
+    params[i] rounded to nearest even (a bf16 model's weights beside its fp32 masters).
+    Segments that lie end to end in every list (and share a step count, a grad dtype and
+    a weight-out dtype) go to the C kernel as one run: each call hands its work to the
+    kernel's threads and waits for the last of them, and checks its arguments in Python
+    first."""
     _apply_env()
     k = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
@@ -267,6 +272,9 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     for name, lst in lists.items():
         if len(lst) != k:
             raise ValueError(f"{name}: {len(lst)} tensors for {k} params")
+    outs = list(weights_out) if weights_out is not None else [None] * k
+    if len(outs) != k:
+        raise ValueError(f"weights_out: {len(outs)} tensors for {k} params")
     lr = float(lr)
     step_values = []
     for i in range(k):
@@ -277,19 +285,29 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", (torch.float32,), n)
         if amsgrad:
             check_tensor(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", (torch.float32,), n)
+        if outs[i] is not None:
+            check_tensor(outs[i], f"weights_out[{i}]", tuple(OUT_DTYPES), n)
         s = steps[i]
         step_values.append(float(s.item() if isinstance(s, Tensor) else s))
+    lists = [params, grads, exp_avgs, exp_avg_sqs, *((max_exp_avg_sqs,) if amsgrad else ())]
     i = 0
     while i < k:
         j = i + 1  # extend the run [i, j) while every list continues end to end
         while (j < k and step_values[j] == step_values[i]
                and grads[j].dtype == grads[i].dtype
-               and all(_next_to(lst[j - 1], lst[j]) for lst in
-                       (params, grads, exp_avgs, exp_avg_sqs,
-                        *((max_exp_avg_sqs,) if amsgrad else ())))):
+               and all(_next_to(lst[j - 1], lst[j]) for lst in lists)
+               and _outs_continue(outs[j - 1], outs[j])):
             j += 1
         n = sum(params[t].numel() for t in range(i, j))
         _run(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-             max_exp_avg_sqs[i] if amsgrad else None, None, n, step_values[i], lr, beta1,
+             max_exp_avg_sqs[i] if amsgrad else None, outs[i], n, step_values[i], lr, beta1,
              beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, None)
         i = j
+
+
+def _outs_continue(a: Tensor | None, b: Tensor | None) -> bool:
+    """Two segments' weight outputs make one run: both absent, or b right after a in
+    a's dtype."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and _next_to(a, b)

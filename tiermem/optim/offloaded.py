@@ -13,7 +13,6 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.autograd.profiler import record_function
 
 from tiermem.config import ConfigError, Settings
 from tiermem.device.lanes import CudaBackend, DeferredBackend, DeviceLanes
@@ -30,7 +29,7 @@ from tiermem.params.tier import ParamTier
 from tiermem.partition import Partition, Segment, build_partitions
 from tiermem.tiers.pipeline import Views
 from tiermem.signals import deferred
-from tiermem.telemetry.stats import StepStats, timed
+from tiermem.telemetry.stats import StepStats, timed, update_range
 from tiermem.swap.rundir import run_dirs
 from tiermem.tiers.manager import TierManager
 from tiermem.tiers.placement import Budgets
@@ -578,7 +577,7 @@ class OffloadedOptimizer:
         if kernel == "match":  # what torch would run where this update runs
             kernel = kernel_matching(group, batch.params[0].device)
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
-                record_function(f"tiermem.update p{part.id}"):
+                update_range(part.id):
             self.rule.update(batch, kernel=kernel)
             for rec, weights in kept:
                 rec.copy_(weights)
@@ -664,7 +663,7 @@ class OffloadedOptimizer:
             if "weight" in views:
                 kept.append((views["weight"][slices["weight"][n]], weights))
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
-                record_function(f"tiermem.update p{part.id}"):
+                update_range(part.id):
             got = self.rule.update(batch, kernel="native") if batch.params else []
             for weights, m in fp32_copies:
                 weights.copy_(m)
