@@ -9,8 +9,10 @@ may contract operations differently on another CPU (on the AVX-512 machine it wa
 measured on the two agree bitwise). Its AVX-512, AVX2 and scalar paths give bitwise the
 same results as each other.
 
-- `adam_native(...)`: the kernel signature of tiermem.kernels.adam (registered there as
-  "native"); gradients may be fp32, bf16 or fp16.
+- `adam_native(...)`: the update part of tiermem.kernels.adam's kernel signature (the
+  dispatcher's "native" kernel calls it) with its weights out: gradients may be fp32,
+  bf16 or fp16, and each segment may write bf16/fp16 weights; segments end to end in
+  every list run as one C call.
 - `adam_fused_mixed(...)`: one flat fp32 master with its moments, a gradient of any of
   those dtypes and an optional bf16/fp16 weight written in the same pass. The moments
   may be bf16 (optimizer.state_dtype: bf16): upcast in registers, updated in fp32,
