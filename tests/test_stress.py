@@ -183,3 +183,69 @@ def _as_dict(settings) -> dict:
     d = dataclasses.asdict(settings)
     d.pop("optimizer")
     return d
+
+
+def _overlap_settings(tmp_path, backend: str, **extra):
+    cfg = _as_dict(load_config(_config(tmp_path, backend)))
+    cfg["pipeline"]["overlap_backward"] = True
+    cfg.update(extra)
+    return load_config(cfg)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_verified_run_with_updates_during_backward(tmp_path, backend, optimizer):
+    """pipeline.overlap_backward: true runs each partition's update during backward, so
+    --verify copies the sampled records before backward and recomputes them from the
+    gradients backward left: bitwise equal on the host and NVMe tiers. (With the copies
+    taken after backward, as without overlap, the updates already ran: every step but
+    the first reported mismatches.) The plan holds the copies beside the activations."""
+    settings = _overlap_settings(tmp_path, backend)
+    result = run_stress(StressArgs(settings=settings, params=10_000_000, steps=3, verify=True,
+                                   optimizer=optimizer, progress=False), out=lambda *_: None)
+    assert result["verify"]["ok"], result["verify"]["mismatches"][:3]
+    assert result["verify"]["partitions_checked"] >= 6
+    placed = result["tiermem_plan"]["state_bytes"]
+    assert placed["host"] > 0 and placed["nvme"] > 0
+    plan = result["plan"]
+    assert plan["verify_in_backward"] and plan["verify"] > 0
+    assert any(k.endswith("verify copies") for k in result["peak_rss_after"])
+
+
+def test_verification_catches_a_corruption_during_backward(tmp_path, monkeypatch):
+    """With updates during backward: a record corrupted after the verifier's copy and
+    before backward updates it is reported, naming the partition."""
+    settings = _overlap_settings(tmp_path, "threads")
+    original = Verifier.take
+    hit = {}
+
+    def take_then_corrupt(self, step):
+        original(self, step)
+        if step == 2 and not hit:
+            part = next(p for p, _ in self._taken if p.tier == "nvme")
+            with self.tm.offloaded.tiers.record(part, write=True) as (views, _):
+                views["exp_avg"][:16] += 1.0
+            hit.update(step=step, partition=part.id)
+
+    monkeypatch.setattr(Verifier, "take", take_then_corrupt)
+    result = run_stress(StressArgs(settings=settings, params=10_000_000, steps=3, verify=True,
+                                   progress=False), out=lambda *_: None)
+    assert not result["verify"]["ok"]
+    assert any(f"step 2: partition {hit['partition']} (nvme tier)" in m
+               for m in result["verify"]["mismatches"])
+
+
+def test_verify_refuses_updates_during_backward_with_weights_in_the_tiers(tmp_path):
+    """With parameters.offload the overlapped updates drop the gradients they used: --verify
+    refuses the configuration by name before building anything (--synthetic-grads, whose
+    updates run at opt.step(), is verified)."""
+    from tiermem.errors import TierMemError
+
+    settings = _overlap_settings(tmp_path, "threads",
+                                 parameters={"offload": "nvme", "window": "64MiB"})
+    args = dict(settings=settings, params=2_000_000, steps=2, verify=True, progress=False)
+    with pytest.raises(TierMemError, match="--verify cannot check pipeline.overlap_backward: "
+                                           "true with parameters.offload: nvme"):
+        run_stress(StressArgs(**args), out=lambda *_: None)
+    result = run_stress(StressArgs(**args, synthetic_grads=True), out=lambda *_: None)
+    assert result["verify"]["ok"] and result["verify"]["partitions_checked"] >= 2

@@ -176,11 +176,15 @@ def _whole_bytes(rule: Any, group: dict, shape: tuple[int, ...], dtype: torch.dt
 
 
 def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
-                    weights: list[tuple[Any, torch.Tensor]]) -> None:
+                    weights: list[tuple[Any, torch.Tensor]], *,
+                    steps: dict[int, torch.Tensor] | None = None,
+                    scalars: dict[int, dict[str, Any]] | None = None) -> None:
     """Step copies of `part`'s parameters (or their masters), gradients and state (`rec`,
     taken from the record before the step) with the plain optimizer, in memory; write the
     result into `rec` and `weights` (per segment, a copy of the model's weights), which
-    then hold what the tiered step must produce.
+    then hold what the tiered step must produce. steps / scalars: each parameter's step
+    count and scalars as they were when `rec` was taken (default: the optimizer's now,
+    which is the same unless updates ran since: pipeline.overlap_backward).
 
     Each segment is stepped as the update rule sees it: a flat slice of its parameter for
     an elementwise rule (parameters are cut at multiples of 1024 elements, so torch's
@@ -206,13 +210,15 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
         return
     ref = shadow_optimizer(opt, group, params)
     for i, s, p, sl in entries:
-        if float(off.steps[s.index]) == 0:
+        step = off.steps[s.index] if steps is None else steps[s.index]
+        if float(step) == 0:
             continue  # its first step: the optimizer builds its state, as plain torch does
         st: dict[str, Any] = {}
         if rule.has_step:
-            st["step"] = off.steps[s.index].clone()
+            st["step"] = step.clone()
         st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
-                   for k, v in off.latest_scalars(s.index).items()})
+                   for k, v in (off.latest_scalars(s.index) if scalars is None
+                                else scalars[s.index]).items()})
         for k in rec:
             if k != "master":
                 st[rule.torch_keys[k]] = rec[k][sl[k]].clone().view(

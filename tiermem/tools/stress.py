@@ -72,6 +72,9 @@ class Plan:
     # the process before the run (interpreter, torch, tiermem), measured at plan time
     baseline: int = 0
     verify: int = 0  # --verify's copies of the sampled partitions, held across the step
+    # the copies are held through backward too (pipeline.overlap_backward), beside its
+    # activations
+    verify_in_backward: bool = False
 
     def lines(self) -> list[str]:
         f = format_size
@@ -109,7 +112,8 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
     weights and grads where the model keeps them (or the parameter window and its write
     buffers), the host tier and the pipeline's buffers, and the larger of the activations
     (forward and backward) and --verify's copies (held across opt.step(), after backward
-    has freed the activations)."""
+    has freed the activations; with pipeline.overlap_backward taken before backward and
+    held through it, so both)."""
     itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
     # What the update rule keeps per parameter (moments, accumulators, an fp32 master for
     # a low-precision model or a crash-consistent run), from its record layout.
@@ -135,6 +139,8 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
     largest = max((math.prod(s) for s in shapes), default=params) if shapes else params
     verify_bytes = _verify_bytes(state, per_param, settings.pipeline.partition_size,
                                  itemsize, largest) if verify else 0
+    # with updates during backward the copies are taken before it and held through it
+    verify_in_backward = verify and settings.pipeline.overlap_backward and not synthetic_grads
     if ps.offload != "none":
         # The largest module (a block's 4h x h linear, or the embedding table) and one
         # partition's parameters, weights and grads, with a page of padding and a footer
@@ -157,11 +163,14 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
             swap += weights + grads
     return Plan(params, dtype, weights, grads, state, per_param,
                 {"gpu": gpu, "host": host, "nvme": nvme}, pinned, swap, activations,
-                baseline + in_memory + host + buffers + max(activations, verify_bytes),
+                baseline + in_memory + host + buffers
+                + (activations + verify_bytes if verify_in_backward
+                   else max(activations, verify_bytes)),
                 available_memory(), _free_disk(path), optimizer,
                 weights_tier="model" if ps.offload == "none" else ps.offload,
                 window=ps.window if ps.offload != "none" else 0, window_need=window_need,
-                on_gpu=on_gpu, staging=staging, baseline=baseline, verify=verify_bytes)
+                on_gpu=on_gpu, staging=staging, baseline=baseline, verify=verify_bytes,
+                verify_in_backward=verify_in_backward)
 
 
 def _verify_bytes(state: int, per_param: float, partition_size: int, itemsize: int,
@@ -226,6 +235,9 @@ def _free_disk(path: str) -> int:
 
 def _rest(plan: Plan) -> str:
     f = format_size
+    if plan.verify_in_backward:
+        return (f"this process {f(plan.baseline)} + activations {f(plan.activations)} + "
+                f"verify copies {f(plan.verify)} (held through backward)")
     return (f"this process {f(plan.baseline)} + the larger of activations "
             f"{f(plan.activations)} and verify copies {f(plan.verify)}")
 
@@ -298,6 +310,7 @@ class Verifier:
     checked: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     _pending: list[tuple[Partition, dict]] = field(default_factory=list)
+    _taken: list[tuple[Partition, dict]] = field(default_factory=list)
 
     def sample(self, step: int) -> list[Partition]:
         parts = self.tm.offloaded.parts
@@ -316,48 +329,63 @@ class Verifier:
             picked[p.id] = p
         return sorted(picked.values(), key=lambda p: p.id)
 
+    def take(self, step: int) -> None:
+        """Copy the sampled partitions' records, weights, step counts and scalars now: with
+        pipeline.overlap_backward, before the backward that starts their updates (the
+        gradients are read after it, by before())."""
+        self._taken = [(part, self._copy(part)) for part in self.sample(step)]
+
     def before(self, step: int) -> None:
-        """Copy the sampled partitions' records, weights and grads, and compute the reference."""
-        off = self.tm.offloaded
-        self._pending = []
-        for part in self.sample(step):
-            taken: dict[str, torch.Tensor] = {}
+        """Compute each sampled partition's reference from its copy (taken now, unless
+        take() took it before backward) and the gradients backward left."""
+        taken = self._taken or [(part, self._copy(part)) for part in self.sample(step)]
+        self._taken = []
+        self._pending = [(part, self._reference(part, copy)) for part, copy in taken]
 
-            with off.tiers.record(part, write=False) as (views, fresh):
-                for k, v in views.items():
-                    taken[k] = v.clone()
-            if fresh:  # a never-written record starts as the rule builds it
-                with (off.weights.materialised(s.param for s in part.segments)
-                      if off.weights is not None else contextlib.nullcontext()):
-                    off.rule.init(part, taken)
-            self._pending.append((part, self._reference(part, taken)))
-
-    def _reference(self, part: Partition, rec: dict[str, torch.Tensor]) -> dict:
+    def _copy(self, part: Partition) -> dict:
         off = self.tm.offloaded
+        rec: dict[str, torch.Tensor] = {}
+        with off.tiers.record(part, write=False) as (views, fresh):
+            for k, v in views.items():
+                rec[k] = v.clone()
+        if fresh:  # a never-written record starts as the rule builds it
+            with (off.weights.materialised(s.param for s in part.segments)
+                  if off.weights is not None else contextlib.nullcontext()):
+                off.rule.init(part, rec)
+        return {
+            "record": rec,
+            "weights": [(s, _weights_of(off, s.param).reshape(-1)[s.start: s.start + s.length]
+                         .clone()) for s in part.segments],
+            "steps": {s.index: off.steps[s.index].clone() for s in part.segments},
+            "scalars": {s.index: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                  for k, v in off.latest_scalars(s.index).items()}
+                        for s in part.segments},
+        }
+
+    def _reference(self, part: Partition, copy: dict) -> dict:
+        """What `part`'s record and weights must hold after the step, from `copy` (its
+        record, weights, step counts and scalars before the step) and the gradients."""
+        off = self.tm.offloaded
+        rec, weights = copy["record"], copy["weights"]
         if verifies_with_plain(off.rule):
-            weights = [(s, s.param.detach().reshape(-1)[s.start: s.start + s.length].clone())
-                       for s in part.segments]
-            plain_reference(off, part, rec, weights)
+            plain_reference(off, part, rec, weights, steps=copy["steps"],
+                            scalars=copy["scalars"])
             return {"record": rec, "weights": weights}
         group = off.opt.param_groups[part.group]
         lists: dict[str, list] = {k: [] for k in ("params", "grads", "steps", *MOMENTS)}
-        weights = []
         grads: dict[int, torch.Tensor] = {}  # per segment number, the gradient (if any)
         pos = 0
-        for n, s in enumerate(part.segments):
+        for n, (s, cur) in enumerate(weights):
             sl = slice(pos, pos + s.length)
             pos += s.length
-            p = s.param
-            cur = _weights_of(off, p).reshape(-1)[s.start: s.start + s.length].clone()
-            weights.append((s, cur))
-            full = _grad_of(off, p)
+            full = _grad_of(off, s.param)
             if full is None:
                 continue
             grads[n] = full.reshape(-1)[s.start: s.start + s.length]
             g = grads[n].float().clone()
             lists["params"].append(rec["master"][sl] if "master" in rec else cur)
             lists["grads"].append(g)
-            lists["steps"].append(off.steps[s.index] + 1)
+            lists["steps"].append(copy["steps"][s.index] + 1)
             for k in MOMENTS:
                 if k in rec:
                     lists[k].append(rec[k][sl])
@@ -498,6 +526,14 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     from tiermem.tools.synthetic import choose_shape
 
     shape = choose_shape(a.params, a.layers, a.hidden)
+    if a.verify and _updates_in_backward(a) and a.settings.parameters.offload != "none":
+        raise TierMemError(
+            "--verify cannot check pipeline.overlap_backward: true with "
+            f"parameters.offload: {a.settings.parameters.offload}: each update runs during "
+            "backward and drops the gradients it used, so nothing is left to recompute the "
+            "step from. Verify this configuration with --synthetic-grads (the same "
+            "gradients handed to the tier, the updates at opt.step()), or with "
+            "pipeline.overlap_backward: false (the same kernels)")
     # Before the plan: on a path that cannot hold files the free-space figure is nonsense.
     check_paths(a.settings.swap.paths).raise_first()
     bound_heap()
@@ -523,11 +559,15 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
         # the peak after each phase: which one raised it, when a run holds more than planned
         phases = result["peak_rss_after"] = {"build": peak_rss()}
         verifier = Verifier(tm, a.seed) if a.verify else None
+        updates_in_backward = _updates_in_backward(a)
         bar = _progress(a.steps, a.progress)
         log = a.progress and bar is None  # not a terminal: one plain line per step
         try:
             for step in range(1, a.steps + 1):
                 t0 = time.perf_counter()
+                if verifier and updates_in_backward:
+                    verifier.take(step)  # the records before backward starts updating them
+                    phases[f"step {step} verify copies"] = peak_rss()
                 _gradients(model, a, step, tm)
                 phases[f"step {step} gradients"] = peak_rss()
                 if verifier:
@@ -567,6 +607,13 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
                             "mismatches": [str(m) for m in verifier.mismatches],
                             "ok": not verifier.mismatches}
     return result
+
+
+def _updates_in_backward(a: StressArgs) -> bool:
+    """The step's updates run during backward (pipeline.overlap_backward): --verify takes
+    its copies before backward, and holds them through it. Synthetic gradients run no
+    backward: their updates run at opt.step()."""
+    return a.settings.pipeline.overlap_backward and not a.synthetic_grads
 
 
 def _gradients(model: SyntheticModel, a: StressArgs, step: int, tm: Offload) -> None:
