@@ -249,3 +249,46 @@ def test_verify_refuses_updates_during_backward_with_weights_in_the_tiers(tmp_pa
         run_stress(StressArgs(**args), out=lambda *_: None)
     result = run_stress(StressArgs(**args, synthetic_grads=True), out=lambda *_: None)
     assert result["verify"]["ok"] and result["verify"]["partitions_checked"] >= 2
+
+
+def test_verifier_never_touches_the_pipeline_under_the_overlap_worker(tmp_path, monkeypatch):
+    """With updates during backward, step() leaves the next step's run-ahead reads to the
+    overlap's worker, which reassigns the pipeline's buffers as it goes. --verify's copies
+    and comparisons go through the same pipeline, so they must wait for the worker first
+    (a race here compared buffers the worker was refilling: mismatches on the partitions
+    backward finished last, at 200M parameters and more). The run-ahead is slowed down so
+    that a verifier that does not wait meets it every step."""
+    import time
+
+    from tiermem.optim.overlap import BackwardOverlap
+    from tiermem.tiers.pipeline import StepPipeline
+
+    run_ahead = BackwardOverlap._run_ahead
+
+    def slow_run_ahead(self):
+        time.sleep(0.05)
+        run_ahead(self)
+
+    overlaps = []
+    init = BackwardOverlap.__init__
+
+    def remember(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        overlaps.append(self)
+
+    record = StepPipeline.record
+    busy = []
+
+    def checked_record(self, part, *, write):
+        if any(o._queue.unfinished_tasks for o in overlaps):
+            busy.append(part.id)
+        return record(self, part, write=write)
+
+    monkeypatch.setattr(BackwardOverlap, "_run_ahead", slow_run_ahead)
+    monkeypatch.setattr(BackwardOverlap, "__init__", remember)
+    monkeypatch.setattr(StepPipeline, "record", checked_record)
+    settings = _overlap_settings(tmp_path, "threads")
+    result = run_stress(StressArgs(settings=settings, params=10_000_000, steps=3, verify=True,
+                                   progress=False), out=lambda *_: None)
+    assert overlaps and result["verify"]["ok"]
+    assert busy == [], f"the verifier read records {busy} while the worker was busy"

@@ -333,7 +333,16 @@ class Verifier:
         """Copy the sampled partitions' records, weights, step counts and scalars now: with
         pipeline.overlap_backward, before the backward that starts their updates (the
         gradients are read after it, by before())."""
+        self._idle()
         self._taken = [(part, self._copy(part)) for part in self.sample(step)]
+
+    def _idle(self) -> None:
+        """With pipeline.overlap_backward, step() leaves the next step's run-ahead reads to
+        the overlap's worker, which reassigns the pipeline's buffers meanwhile: the tiers
+        are its until it is idle (as for opt.state_dict() and tm.stats())."""
+        overlap = self.tm.offloaded.overlap
+        if overlap is not None:
+            overlap.wait_idle()
 
     def before(self, step: int) -> None:
         """Compute each sampled partition's reference from its copy (taken now, unless
@@ -482,6 +491,7 @@ class Verifier:
     def after(self, step: int) -> None:
         """Compare each sampled partition with its reference."""
         off = self.tm.offloaded
+        self._idle()
         for part, ref in self._pending:
             with off.tiers.record(part, write=False) as (views, _):
                 for k, v in views.items():
