@@ -101,24 +101,32 @@ def test_layers_and_hidden_and_bf16_with_accumulation(tmp_path):
     assert result["shape"]["layers"] == 2 and result["verify"]["ok"]
 
 
+def _corrupt_after(monkeypatch, method: str, copies: str, tier: str) -> dict:
+    """Once the verifier's `method` has run at step 2, add 1 to the first 16 moments of
+    one partition on `tier` among those it holds in `copies` (through the tiers, as an
+    update would): the record no longer matches the copy. Returns {step, partition},
+    filled when it happened."""
+    original = getattr(Verifier, method)
+    hit = {}
+
+    def then_corrupt(self, step):
+        original(self, step)
+        if step == 2 and not hit:
+            part = next(p for p, _ in getattr(self, copies) if p.tier == tier)
+            with self.tm.offloaded.tiers.record(part, write=True) as (views, _):
+                views["exp_avg"][:16] += 1.0
+            hit.update(step=step, partition=part.id)
+
+    monkeypatch.setattr(Verifier, method, then_corrupt)
+    return hit
+
+
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 def test_verification_catches_a_corrupted_partition(tmp_path, monkeypatch, tier):
     """Corrupt one sampled partition's record after the reference copy was taken: the
     run reports a mismatch naming that partition, its tier and the step."""
     settings = load_config(_config(tmp_path))
-    original = Verifier.before
-    hit = {}
-
-    def before_then_corrupt(self, step):
-        original(self, step)
-        if step == 2 and not hit:
-            part = next(p for p, _ in self._pending if p.tier == tier)
-
-            with self.tm.offloaded.tiers.record(part, write=True) as (views, _):
-                views["exp_avg"][:16] += 1.0
-            hit.update(step=step, partition=part.id)
-
-    monkeypatch.setattr(Verifier, "before", before_then_corrupt)
+    hit = _corrupt_after(monkeypatch, "before", "_pending", tier)
     result = run_stress(StressArgs(settings=settings, params=5_000_000, steps=3, verify=True,
                                    synthetic_grads=True, progress=False), out=lambda *_: None)
     assert not result["verify"]["ok"]
@@ -216,18 +224,7 @@ def test_verification_catches_a_corruption_during_backward(tmp_path, monkeypatch
     """With updates during backward: a record corrupted after the verifier's copy and
     before backward updates it is reported, naming the partition."""
     settings = _overlap_settings(tmp_path, "threads")
-    original = Verifier.take
-    hit = {}
-
-    def take_then_corrupt(self, step):
-        original(self, step)
-        if step == 2 and not hit:
-            part = next(p for p, _ in self._taken if p.tier == "nvme")
-            with self.tm.offloaded.tiers.record(part, write=True) as (views, _):
-                views["exp_avg"][:16] += 1.0
-            hit.update(step=step, partition=part.id)
-
-    monkeypatch.setattr(Verifier, "take", take_then_corrupt)
+    hit = _corrupt_after(monkeypatch, "take", "_taken", "nvme")
     result = run_stress(StressArgs(settings=settings, params=10_000_000, steps=3, verify=True,
                                    progress=False), out=lambda *_: None)
     assert not result["verify"]["ok"]

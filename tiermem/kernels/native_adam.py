@@ -291,13 +291,13 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
             check_tensor(outs[i], f"weights_out[{i}]", tuple(OUT_DTYPES), n)
         s = steps[i]
         step_values.append(float(s.item() if isinstance(s, Tensor) else s))
-    lists = [params, grads, exp_avgs, exp_avg_sqs, *((max_exp_avg_sqs,) if amsgrad else ())]
+    arrays = [params, grads, exp_avgs, exp_avg_sqs, *((max_exp_avg_sqs,) if amsgrad else ())]
     i = 0
     while i < k:
         j = i + 1  # extend the run [i, j) while every list continues end to end
         while (j < k and step_values[j] == step_values[i]
                and grads[j].dtype == grads[i].dtype
-               and all(_next_to(lst[j - 1], lst[j]) for lst in lists)
+               and all(_next_to(lst[j - 1], lst[j]) for lst in arrays)
                and _outs_continue(outs[j - 1], outs[j])):
             j += 1
         n = sum(params[t].numel() for t in range(i, j))

@@ -130,13 +130,13 @@ class Offload:
         weights = self.offloaded.weights
         if weights is None:
             return {}
-        self._wait_overlap()
+        self.offloaded.wait_idle()
         return dict(weights.stats.as_dict(), bytes_read=weights.records.bytes_read,
                     bytes_written=weights.records.bytes_written)
 
     def events(self) -> list:
         """Timeline spans (telemetry.Event) of the steps recorded so far."""
-        self._wait_overlap()
+        self.offloaded.wait_idle()
         self.offloaded.tiers.flush()  # the last step's write spans are known once they land
         return [e for s in self.offloaded.history for e in (s.events or [])]
 
@@ -181,7 +181,7 @@ class Offload:
         last 1000 steps; `bytes_per_param`: NVMe bytes read and written in the step per
         parameter element this optimizer holds (optimizer.state_dtype and master_weights
         set it: 16 for fp32 state on an fp32 model all on NVMe, about 4 with int8)."""
-        self._wait_overlap()
+        self.offloaded.wait_idle()
         self.offloaded.tiers.flush()  # completes the last step's writes and their timings
         numel = max(1, sum(p.numel for p in self.offloaded.parts))
         out = []
@@ -233,10 +233,6 @@ class Offload:
 
     def _state_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() * 2 for p in self.offloaded.params)
-
-    def _wait_overlap(self) -> None:
-        if self.offloaded.overlap is not None:
-            self.offloaded.overlap.wait_idle()  # nothing may touch the tiers under its worker
 
     def _exit(self) -> None:
         """Stop updates during backward before any state moves; an error the worker hit that

@@ -331,6 +331,13 @@ class OffloadedOptimizer:
 
     # -- the step --------------------------------------------------------------
 
+    def wait_idle(self) -> None:
+        """Wait until the overlap's worker (pipeline.overlap_backward) is idle: it runs the
+        updates backward queued and, after step(), the next step's run-ahead reads, and
+        nothing else may touch the tiers meanwhile. A no-op without it."""
+        if self.overlap is not None:
+            self.overlap.wait_idle()
+
     def end_overlap(self) -> BaseException | None:
         """Stop updating during backward (hooks off, worker done); return an error the worker
         hit that no step() raised."""

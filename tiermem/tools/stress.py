@@ -140,7 +140,7 @@ def make_plan(params: int, dtype: str, settings: Settings, *, synthetic_grads: b
     verify_bytes = _verify_bytes(state, per_param, settings.pipeline.partition_size,
                                  itemsize, largest) if verify else 0
     # with updates during backward the copies are taken before it and held through it
-    verify_in_backward = verify and settings.pipeline.overlap_backward and not synthetic_grads
+    verify_in_backward = verify and updates_in_backward(settings, synthetic_grads)
     if ps.offload != "none":
         # The largest module (a block's 4h x h linear, or the embedding table) and one
         # partition's parameters, weights and grads, with a page of padding and a footer
@@ -333,16 +333,10 @@ class Verifier:
         """Copy the sampled partitions' records, weights, step counts and scalars now: with
         pipeline.overlap_backward, before the backward that starts their updates (the
         gradients are read after it, by before())."""
-        self._idle()
+        # step() left the next step's run-ahead reads to the overlap's worker, which
+        # reassigns the pipeline's buffers meanwhile (as for opt.state_dict(), tm.stats())
+        self.tm.offloaded.wait_idle()
         self._taken = [(part, self._copy(part)) for part in self.sample(step)]
-
-    def _idle(self) -> None:
-        """With pipeline.overlap_backward, step() leaves the next step's run-ahead reads to
-        the overlap's worker, which reassigns the pipeline's buffers meanwhile: the tiers
-        are its until it is idle (as for opt.state_dict() and tm.stats())."""
-        overlap = self.tm.offloaded.overlap
-        if overlap is not None:
-            overlap.wait_idle()
 
     def before(self, step: int) -> None:
         """Compute each sampled partition's reference from its copy (taken now, unless
@@ -491,7 +485,7 @@ class Verifier:
     def after(self, step: int) -> None:
         """Compare each sampled partition with its reference."""
         off = self.tm.offloaded
-        self._idle()
+        off.wait_idle()  # the overlap's worker may be running the next step's reads ahead
         for part, ref in self._pending:
             with off.tiers.record(part, write=False) as (views, _):
                 for k, v in views.items():
@@ -536,7 +530,8 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     from tiermem.tools.synthetic import choose_shape
 
     shape = choose_shape(a.params, a.layers, a.hidden)
-    if a.verify and _updates_in_backward(a) and a.settings.parameters.offload != "none":
+    in_backward = updates_in_backward(a.settings, a.synthetic_grads)
+    if a.verify and in_backward and a.settings.parameters.offload != "none":
         raise TierMemError(
             "--verify cannot check pipeline.overlap_backward: true with "
             f"parameters.offload: {a.settings.parameters.offload}: each update runs during "
@@ -569,13 +564,12 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
         # the peak after each phase: which one raised it, when a run holds more than planned
         phases = result["peak_rss_after"] = {"build": peak_rss()}
         verifier = Verifier(tm, a.seed) if a.verify else None
-        updates_in_backward = _updates_in_backward(a)
         bar = _progress(a.steps, a.progress)
         log = a.progress and bar is None  # not a terminal: one plain line per step
         try:
             for step in range(1, a.steps + 1):
                 t0 = time.perf_counter()
-                if verifier and updates_in_backward:
+                if verifier and in_backward:
                     verifier.take(step)  # the records before backward starts updating them
                     phases[f"step {step} verify copies"] = peak_rss()
                 _gradients(model, a, step, tm)
@@ -619,11 +613,11 @@ def run_stress(a: StressArgs, *, out=print) -> dict[str, Any]:
     return result
 
 
-def _updates_in_backward(a: StressArgs) -> bool:
+def updates_in_backward(settings: Settings, synthetic_grads: bool) -> bool:
     """The step's updates run during backward (pipeline.overlap_backward): --verify takes
     its copies before backward, and holds them through it. Synthetic gradients run no
     backward: their updates run at opt.step()."""
-    return a.settings.pipeline.overlap_backward and not a.synthetic_grads
+    return settings.pipeline.overlap_backward and not synthetic_grads
 
 
 def _gradients(model: SyntheticModel, a: StressArgs, step: int, tm: Offload) -> None:
