@@ -19,7 +19,11 @@ peak RSS with foreach's temporaries).
   The model is the same buffers cut into --tensor-elems parameters (a model has many
   tensors, and tiermem cuts them into partitions); the state lives in tiermem's records.
   Its "speedup" column is the best reference's time over its own: the best of torch
-  fused and DeepSpeedCPUAdam for fp32, and each of them (with casts) for bf16-mixed.
+  fused and DeepSpeedCPUAdam for fp32, and each of them (with casts) for bf16-mixed,
+  from the medians (the goal's verdict); a line under the table also gives it round by
+  round (the best reference's time in a round over the offload step's in the same
+  round, median and range over rounds), which a drift of the memory bandwidth between
+  rounds moves less.
 - torch fused / torch foreach: `torch.optim.AdamW(fused=True)` / `(foreach=True)`.
 - DeepSpeed CPU Adam: `deepspeed.ops.adam.DeepSpeedCPUAdam` (AdamW mode) when it
   imports and builds; otherwise the row says why not.
@@ -345,10 +349,26 @@ def measure(sizes: Sequence[tuple[str, int]], reps: int,
                 r["speedup_vs_best_ref"] = (ratio(min(refs), r["ns_per_param"])
                                             if ok and refs and r["implementation"] == OFFLOAD
                                             else None)
+                if r["speedup_vs_best_ref"] is not None:
+                    r["paired_speedup_vs_best_ref"] = paired_speedup(results, OFFLOAD)
                 shown = (f"{r['ns_per_param']:.3f} ns/param" if ok else r["status"])
                 print(f"{label:>6} {dtype:<10} {r['implementation']:<28} {shown}", flush=True)
             rows.extend(group)
     return rows
+
+
+def paired_speedup(results: dict[str, dict], name: str) -> dict | None:
+    """Round by round, the best reference's time over `name`'s (every implementation ran
+    once in each round, so a drift of the machine's memory bandwidth between rounds hits
+    both sides of a round's ratio alike): the median, min and max over rounds."""
+    refs = [results[k]["seconds"] for k in REFERENCES
+            if results.get(k, {}).get("status") == "measured"]
+    mine = results.get(name, {}).get("seconds")
+    if not refs or not mine or any(len(t) != len(mine) for t in refs):
+        return None
+    per_round = [min(t[i] for t in refs) / mine[i] for i in range(len(mine))]
+    return {"median": statistics.median(per_round), "min": min(per_round),
+            "max": max(per_round), "rounds": per_round}
 
 
 def show_results(rows: Sequence[dict]) -> str:
@@ -368,6 +388,10 @@ def show_results(rows: Sequence[dict]) -> str:
             print(f"{r['params']} {r['dtype']}: tiermem.offload default config "
                   f"{r['speedup_vs_best_ref']:.2f}x the best of torch fused / DeepSpeedCPUAdam"
                   f" ({verdict} the {goal:.1f}x goal)")
+            paired = r.get("paired_speedup_vs_best_ref")
+            if paired is not None:
+                print(f"{r['params']} {r['dtype']}:   paired round by round: median "
+                      f"{paired['median']:.2f}x (rounds {paired['min']:.2f}-{paired['max']:.2f})")
     native = {(r["params"], r["dtype"]): r for r in rows
               if r["implementation"] == NATIVE and r["status"] == "measured"}
     for r in rows:

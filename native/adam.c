@@ -603,6 +603,12 @@ typedef struct {
     int64_t next;  /* next chunk to hand out (atomic) */
     int crc_mask;  /* TM_CRC_* arrays to checksum, 0 for none */
     uint32_t *chunk_crcs;  /* 4 per chunk: p, m, v, vmax (those in crc_mask) */
+    /* Several runs in one pass (tm_adam_step_runs; 0 for one run, job and n): run r is
+     * jobs[r] over lens[r] elements, its chunks numbered from starts[r]; starts[nruns]
+     * is the total. No CRCs then. */
+    int nruns;
+    const adam_job *jobs;
+    const int64_t *lens, *starts;
 } adam_task;
 
 enum { TM_CRC_P = 1, TM_CRC_M = 2, TM_CRC_V = 4, TM_CRC_VMAX = 8 };
@@ -645,8 +651,14 @@ static struct {
 
 /* Take chunks until none are left: a thread slowed by other work on its core
  * simply takes fewer of them. */
+static void run_runs(adam_task *t);
+
 static void run_chunks(adam_task *t)
 {
+    if (t->nruns) {
+        run_runs(t);
+        return;
+    }
     int64_t nchunks = (t->n + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK;
     for (;;) {
         int64_t k = __atomic_fetch_add(&t->next, 1, __ATOMIC_RELAXED);
@@ -657,6 +669,25 @@ static void run_chunks(adam_task *t)
         t->fn(t->job, b, e);
         if (t->crc_mask)
             hash_chunk(t, k, b, e);
+    }
+}
+
+/* run_chunks over several runs: the chunks are numbered across the runs, so a thread
+ * that finishes its part of one run goes on into the next instead of waiting at a
+ * join (each thread's chunk numbers only grow, so its run index only moves forward). */
+static void run_runs(adam_task *t)
+{
+    int64_t total = t->starts[t->nruns];
+    int r = 0;
+    for (;;) {
+        int64_t k = __atomic_fetch_add(&t->next, 1, __ATOMIC_RELAXED);
+        if (k >= total)
+            return;
+        while (k >= t->starts[r + 1])
+            r++;
+        int64_t b = (k - t->starts[r]) * TM_ADAM_CHUNK;
+        int64_t e = b + TM_ADAM_CHUNK < t->lens[r] ? b + TM_ADAM_CHUNK : t->lens[r];
+        t->fn(&t->jobs[r], b, e);
     }
 }
 
@@ -798,8 +829,8 @@ static void join_crcs(const adam_task *t, uint32_t crcs[4])
     }
 }
 
-static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
-                         int crc_mask, uint32_t *chunk_crcs)
+/* Run task t (n elements in all) on up to nthreads threads, the caller among them. */
+static void run_task(adam_task *t, int64_t n, int nthreads)
 {
     int parts = 1;
     if (n >= TM_ADAM_PAR_MIN && nthreads > 1) {
@@ -808,20 +839,19 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
         if (parts > TM_ADAM_MAX_THREADS + 1)
             parts = TM_ADAM_MAX_THREADS + 1;
     }
-    adam_task t = {j, fn, n, 0, crc_mask, chunk_crcs};
     if (parts <= 1) {
-        if (crc_mask)
-            run_chunks(&t);  /* chunk by chunk: each is hashed while in cache */
+        if (t->crc_mask || t->nruns)
+            run_chunks(t);  /* chunk by chunk: each is hashed while in cache */
         else
-            fn(j, 0, n);
+            t->fn(t->job, 0, n);
         return;
     }
 #ifdef _OPENMP
     if (on_torch_team()) {
         /* One region per call: the team's threads take chunks like the pool's would;
-         * t lives on this stack until the region's closing barrier. */
+         * t lives on the caller's stack until the region's closing barrier. */
 #pragma omp parallel num_threads(parts)
-        run_chunks(&t);
+        run_chunks(t);
         return;
     }
 #endif
@@ -831,19 +861,26 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
     if (parts > workers + 1)
         parts = workers + 1;
     if (parts > 1) {
-        pool.task = &t;
+        pool.task = t;
         pool.parts = parts;
         pool.pending = parts - 1;
         pool.gen++;
         pthread_cond_broadcast(&pool.work);
     }
     pthread_mutex_unlock(&pool.mu);
-    run_chunks(&t);
+    run_chunks(t);
     pthread_mutex_lock(&pool.mu);
     while (pool.pending > 0)
         pthread_cond_wait(&pool.done, &pool.mu);
     pthread_mutex_unlock(&pool.mu);
     pthread_mutex_unlock(&pool.call);
+}
+
+static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
+                         int crc_mask, uint32_t *chunk_crcs)
+{
+    adam_task t = {j, fn, n, 0, crc_mask, chunk_crcs, 0, NULL, NULL, NULL};
+    run_task(&t, n, nthreads);
 }
 
 /* -- entry point ------------------------------------------------------------------ */
@@ -944,7 +981,7 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
         run_threaded(&j, fn, len, nthreads, crc_mask, chunk_crcs);
         if (crc_mask) {
             uint32_t win[4];
-            adam_task t = {&j, fn, len, 0, crc_mask, chunk_crcs};
+            adam_task t = {&j, fn, len, 0, crc_mask, chunk_crcs, 0, NULL, NULL, NULL};
             join_crcs(&t, win);
             for (int a = 0; a < 4; a++)
                 if (crc_mask & (1 << a))
@@ -955,5 +992,68 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
         done += len;
     }
     free(chunk_crcs);
+    return 0;
+}
+
+int tm_adam_step_runs(const tm_adam_run *runs, int nruns, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, int amsgrad,
+                      int maximize, int decoupled, int nthreads)
+{
+    if (nruns < 0 || (nruns && !runs))
+        return -EINVAL;
+    for (int r = 0; r < nruns; r++) {
+        const tm_adam_run *u = &runs[r];
+        if (u->n < 0 || u->grad_dtype < DT_F32 || u->grad_dtype > DT_F16 || u->step < 1)
+            return -EINVAL;
+        if (u->out && u->out_dtype != DT_BF16 && u->out_dtype != DT_F16)
+            return -EINVAL;
+        if (u->n && (!u->p || !u->exp_avg || !u->exp_avg_sq || !u->grad ||
+                     (amsgrad && !u->max_exp_avg_sq)))
+            return -EINVAL;
+    }
+    adam_job *jobs = malloc(sizeof(adam_job) * (size_t)(nruns ? nruns : 1));
+    int64_t *lens = malloc(sizeof(int64_t) * (size_t)(nruns ? nruns : 1));
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(nruns + 1));
+    if (!jobs || !lens || !starts) {
+        free(jobs);
+        free(lens);
+        free(starts);
+        return -ENOMEM;
+    }
+    int pf = tm_adam_get_prefetch();
+    int m = 0;  /* runs with elements */
+    int64_t total = 0;
+    starts[0] = 0;
+    for (int r = 0; r < nruns; r++) {
+        const tm_adam_run *u = &runs[r];
+        if (u->n == 0)
+            continue;
+        /* Each run is what tm_adam_step would do with it (fp32 moments): its own
+         * coefficients (the step count is a run's) and its own choice of streaming the
+         * low-precision copy (why: tm_adam_step_crc). */
+        size_t moved = 4 + (u->grad_dtype == DT_F32 ? 4 : 2) + (amsgrad ? 3 : 2) * 4 + 2;
+        jobs[m] = (adam_job){
+            .p = u->p, .m = u->exp_avg, .v = u->exp_avg_sq,
+            .vmax = amsgrad ? u->max_exp_avg_sq : NULL, .g = u->grad, .out = u->out,
+            .g_dtype = u->grad_dtype, .out_dtype = u->out_dtype, .s_mode = ST_F32,
+            .amsgrad = !!amsgrad,
+            .nt_out = u->out != NULL && (uint64_t)u->n * moved >= ((uint64_t)32 << 20),
+            .pf = pf,
+            .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, u->step, maximize,
+                                   decoupled),
+        };
+        lens[m] = u->n;
+        starts[m + 1] = starts[m] + (u->n + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK;
+        total += u->n;
+        m++;
+    }
+    if (m > 0) {
+        adam_fn fn = fn_for(tm_adam_get_isa());
+        adam_task t = {&jobs[0], fn, lens[0], 0, 0, NULL, m, jobs, lens, starts};
+        run_task(&t, total, nthreads);
+    }
+    free(jobs);
+    free(lens);
+    free(starts);
     return 0;
 }

@@ -96,6 +96,25 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
                      uint64_t seed, uint64_t index0, int nthreads, int crc_mask,
                      uint32_t *crcs);
 
+/* One run of tm_adam_step_runs: what tm_adam_step takes per call (fp32 moments). */
+typedef struct tm_adam_run {
+    float *p;
+    void *exp_avg, *exp_avg_sq, *max_exp_avg_sq;
+    const void *grad;
+    void *out;
+    int64_t n;
+    double step;
+    int grad_dtype, out_dtype;
+} tm_adam_run;
+
+/* tm_adam_step (state_mode 0: fp32 moments, no CRCs) on each of nruns runs, in one
+ * pass whose threads take chunks across the runs (no join between runs): the same
+ * bits as one call per run. Returns 0, -EINVAL (a bad run; nothing was updated) or
+ * -ENOMEM. */
+int tm_adam_step_runs(const tm_adam_run *runs, int nruns, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, int amsgrad,
+                      int maximize, int decoupled, int nthreads);
+
 /* Adam/AdamW with 8-bit blockwise moments (adam_lowbit.c): exp_avg and exp_avg_sq
  * one byte per element, one fp32 scale per 256 elements (a call's blocks start at
  * its element 0), dequantised, updated in fp32 and quantised again in one pass.

@@ -167,9 +167,14 @@ def test_weights_out_runs_merge_like_segment_calls(out, holes, monkeypatch):
     gen = torch.Generator().manual_seed(11)
     p0 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(4)]
-    calls = []
-    run = na._run
-    monkeypatch.setattr(na, "_run", lambda *a, **k: calls.append(a[6]) or run(*a, **k))
+    calls, c_calls = [], []
+    run_all = na._run_all
+
+    def counted(runs, *a):
+        calls.extend(n for _, n in runs)
+        c_calls.append(len(runs))
+        return run_all(runs, *a)
+    monkeypatch.setattr(na, "_run_all", counted)
     got = {}
     for way in ("merged", "per segment"):
         p = lists(p0.clone(), holes)
@@ -178,6 +183,7 @@ def test_weights_out_runs_merge_like_segment_calls(out, holes, monkeypatch):
         stepv = [torch.tensor(0.0), torch.tensor(0.0)]
         stepv[1].add_(3)  # the later segments' parameter took three steps more
         calls.clear()
+        c_calls.clear()
         for g in grads:
             for t in stepv:
                 t.add_(1)
@@ -196,6 +202,7 @@ def test_weights_out_runs_merge_like_segment_calls(out, holes, monkeypatch):
         if way == "merged":
             runs = len(p) if holes else 2
             assert len(calls) == runs * len(grads), calls
+            assert c_calls == [runs] * len(grads)  # one C call per update, all runs in it
     for a, b in zip(got["merged"], got["per segment"]):
         assert_bitwise(a, b, "merged runs vs one call per segment")
     assert_bitwise(got["merged"][3], got["merged"][0].to(out), "weights out")
@@ -212,8 +219,9 @@ def test_weights_out_gap_splits_the_run(monkeypatch):
     w = torch.zeros(n + 8, dtype=torch.bfloat16)
     outs = [w[:1000], w[1008:4008]]  # a gap of 8 elements between the two
     calls = []
-    run = na._run
-    monkeypatch.setattr(na, "_run", lambda *a, **k: calls.append(a[6]) or run(*a, **k))
+    run_all = na._run_all
+    monkeypatch.setattr(na, "_run_all",
+                        lambda runs, *a: calls.extend(n for _, n in runs) or run_all(runs, *a))
     kernels.adam_update(kernel="native", params=[p[:1000], p[1000:]], grads=[g[:1000], g[1000:]],
                         exp_avgs=[m[:1000], m[1000:]], exp_avg_sqs=[v[:1000], v[1000:]],
                         max_exp_avg_sqs=[], steps=[torch.tensor(1.0)] * 2, weights_out=outs,
@@ -225,6 +233,69 @@ def test_weights_out_gap_splits_the_run(monkeypatch):
                        exp_avgs=[m[:1000], m[1000:]], exp_avg_sqs=[v[:1000], v[1000:]],
                        max_exp_avg_sqs=[], steps=[torch.tensor(2.0)] * 2,
                        weights_out=[w[:1000]], **hp)
+
+
+@pytest.mark.parametrize("amsgrad,grad_dtype,out", [
+    (False, torch.float32, None), (True, torch.float32, None),
+    (False, torch.bfloat16, torch.bfloat16), (True, torch.float16, torch.float16)])
+def test_runs_in_one_call_match_one_call_per_run(amsgrad, grad_dtype, out):
+    """Separate runs (each its own tensors, two step counts, ragged lengths) go to the C
+    kernel in one tm_adam_step_runs call, whose threads take chunks across the runs: the
+    same bits as one call per run, on OpenMP's team, on tiermem's pool and from another
+    thread. Big enough that the threads split the work (the single-thread cut-off is
+    256K elements in all)."""
+    hp = hyper(weight_decay=0.1, decoupled_weight_decay=True, amsgrad=amsgrad)
+    sizes = [70_001, 1, 262_144 + 17, 65_536, 130_000]
+    step_of = [1, 1, 4, 4, 2]
+    gen = torch.Generator().manual_seed(21)
+    p0 = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen).to(grad_dtype) for n in sizes] for _ in range(3)]
+
+    def run(merged: bool):
+        p = [x.clone() for x in p0]
+        moms = [[torch.zeros(n) for n in sizes] for _ in range(3)]
+        w = [torch.zeros(n, dtype=out) for n in sizes] if out is not None else None
+        for k, gs in enumerate(grads):
+            steps = [torch.tensor(float(s + k)) for s in step_of]
+            if merged:
+                kernels.adam_update(kernel="native", params=p, grads=gs, exp_avgs=moms[0],
+                                    exp_avg_sqs=moms[1],
+                                    max_exp_avg_sqs=moms[2] if amsgrad else [],
+                                    steps=steps, weights_out=w, **hp)
+            else:
+                for i in range(len(p)):
+                    na.adam_fused_mixed(master=p[i], grad=gs[i], exp_avg=moms[0][i],
+                                        exp_avg_sq=moms[1][i],
+                                        max_exp_avg_sq=moms[2][i] if amsgrad else None,
+                                        weight_out=w[i] if w is not None else None,
+                                        step=steps[i], **hp)
+        return [torch.cat(x) for x in (p, *moms[: 3 if amsgrad else 2], *([w] if w else []))]
+
+    want = run(False)
+    for got in (*on_team_and_pool(lambda: run(True)), on_another_thread(lambda: run(True))):
+        for a, b in zip(got, want, strict=True):
+            assert_bitwise(a, b, "runs in one call vs one call per run")
+
+
+def test_runs_call_refuses_a_bad_run():
+    """The C entry checks every run before it updates any: a bad one updates nothing."""
+    from tiermem._lib import ffi, lib
+
+    p, g, m, v = (torch.ones(1000) for _ in range(4))
+    before = p.clone()
+    spec = ffi.new("tm_adam_run[]", 2)
+    for r in spec:
+        r.p = ffi.cast("float *", p.data_ptr())
+        r.exp_avg, r.exp_avg_sq = ffi.cast("void *", m.data_ptr()), ffi.cast("void *", v.data_ptr())
+        r.grad, r.grad_dtype, r.n, r.step = ffi.cast("void *", g.data_ptr()), 0, 1000, 1.0
+    spec[1].grad_dtype = 7  # no such dtype
+    assert lib.tm_adam_step_runs(spec, 2, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 1, 2) < 0
+    spec[1].grad_dtype, spec[1].step = 0, 0.0  # a step count before any step
+    assert lib.tm_adam_step_runs(spec, 2, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 1, 2) < 0
+    spec[1].step, spec[1].exp_avg_sq = 1.0, ffi.NULL
+    assert lib.tm_adam_step_runs(spec, 2, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 1, 2) < 0
+    assert_bitwise(p, before, "nothing updated")
+    assert lib.tm_adam_step_runs(spec, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 1, 2) == 0
 
 
 def test_threaded_path_matches_torch():

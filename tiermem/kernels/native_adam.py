@@ -263,9 +263,8 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     weights_out: per segment None or a bf16/fp16 tensor that receives the updated fp32
     params[i] rounded to nearest even (a bf16 model's weights beside its fp32 masters).
     Segments that lie end to end in every list (and share a step count, a grad dtype and
-    a weight-out dtype) go to the C kernel as one run: each call hands its work to the
-    kernel's threads and waits for the last of them, and checks its arguments in Python
-    first."""
+    a weight-out dtype) make one run, and every run goes to the C kernel in one call
+    (tm_adam_step_runs when there are several): the same bits as one call per segment."""
     _apply_env()
     k = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
@@ -291,7 +290,12 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
             check_tensor(outs[i], f"weights_out[{i}]", tuple(OUT_DTYPES), n)
         s = steps[i]
         step_values.append(float(s.item() if isinstance(s, Tensor) else s))
+    for v in step_values:
+        if v < 1:
+            raise ValueError(f"step must be the count after this step's increment (>= 1), "
+                             f"got {v}")
     arrays = [params, grads, exp_avgs, exp_avg_sqs, *((max_exp_avg_sqs,) if amsgrad else ())]
+    runs = []  # [first segment, segments after the last, elements]
     i = 0
     while i < k:
         j = i + 1  # extend the run [i, j) while every list continues end to end
@@ -300,11 +304,45 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                and all(_next_to(lst[j - 1], lst[j]) for lst in arrays)
                and _outs_continue(outs[j - 1], outs[j])):
             j += 1
-        n = sum(params[t].numel() for t in range(i, j))
+        runs.append((i, sum(params[t].numel() for t in range(i, j))))
+        i = j
+    _run_all(runs, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None,
+             outs, step_values, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
+             decoupled_weight_decay)
+
+
+def _run_all(runs: list[tuple[int, int]], params: list[Tensor], grads: list[Tensor],
+             exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+             max_exp_avg_sqs: list[Tensor] | None, outs: list[Tensor | None],
+             step_values: list[float], lr: float, beta1: float, beta2: float, eps: float,
+             weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
+    """One C call for `runs` ((first segment, elements) each; the arrays continue end to
+    end from that segment's tensors), checked by adam_native."""
+    if not runs:
+        return
+    if len(runs) == 1:
+        (i, n), = runs
         _run(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
              max_exp_avg_sqs[i] if amsgrad else None, outs[i], n, step_values[i], lr, beta1,
-             beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, None)
-        i = j
+             beta2, eps, weight_decay, amsgrad, maximize, decoupled, None)
+        return
+    # Several runs go to the kernel in one call, whose threads take chunks across them:
+    # one call per run would wait for its slowest thread each time and pay the Python
+    # and the argument checks of a call in between.
+    spec = ffi.new("tm_adam_run[]", len(runs))
+    for r, (i, n) in zip(spec, runs):
+        r.p = _ptr(params[i], "float *")
+        r.exp_avg, r.exp_avg_sq = _ptr(exp_avgs[i], "void *"), _ptr(exp_avg_sqs[i], "void *")
+        r.max_exp_avg_sq = _ptr(max_exp_avg_sqs[i] if amsgrad else None, "void *")
+        r.grad, r.grad_dtype = _ptr(grads[i], "void *"), GRAD_DTYPES[grads[i].dtype]
+        r.out = _ptr(outs[i], "void *")
+        r.out_dtype = OUT_DTYPES[outs[i].dtype] if outs[i] is not None else 0
+        r.n, r.step = n, step_values[i]
+    rc = lib.tm_adam_step_runs(spec, len(runs), lr, float(beta1), float(beta2), float(eps),
+                               float(weight_decay), int(amsgrad), int(maximize),
+                               int(decoupled), max(1, torch.get_num_threads()))
+    if rc != 0:
+        raise RuntimeError(f"tm_adam_step_runs failed: {os.strerror(-rc)}")
 
 
 def _outs_continue(a: Tensor | None, b: Tensor | None) -> bool:

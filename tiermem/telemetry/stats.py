@@ -105,12 +105,14 @@ def timed(stats: StepStats, name: str, label: str | None = None,
                                       stats.step, partition))
 
 
-def update_range(partition: int) -> ContextManager[object]:
-    """The range `tiermem.update p<N>` a torch profiler shows for one partition's update:
-    a record_function while a profiler is on, else nothing (entering one costs ~10 us, a
-    few hundred per step on a small-partition run that no one is profiling)."""
+def update_range(partition: int | str) -> ContextManager[object]:
+    """The range `tiermem.update p<N>` a torch profiler shows for one partition's update
+    (given a label, `tiermem.<label>`: several updated together): a record_function while
+    a profiler is on, else nothing (entering one costs ~10 us, a few hundred per step on a
+    small-partition run that no one is profiling)."""
     if torch._C._autograd._profiler_enabled():
-        return record_function(f"tiermem.update p{partition}")
+        return record_function(f"tiermem.update p{partition}" if isinstance(partition, int)
+                               else f"tiermem.{partition}")
     return nullcontext()
 
 

@@ -247,6 +247,21 @@ class TierManager:
                 raise TierMemError(f"partition {part.id} was visited but never released: "
                                    "its update would not reach its tier")
 
+    def hold(self, parts: Sequence[Partition]) -> list[Ready]:
+        """The records of resident `parts` (host or GPU tier) all at once, for an update
+        that runs them together (NVMe records come one at a time from visit(): they need
+        the pipeline's few buffers). The caller updates them and hands each back with
+        release(); one it never hands back is never written (a crash-consistent one)."""
+        out = []
+        for part in parts:
+            if part.tier == "nvme":
+                raise ValueError(f"partition {part.id} is on NVMe: visit() hands it out")
+            safe_point()
+            self._settle_resident(part.id)  # never change a record being written
+            out.append(Ready(part, part.views(self.resident[part.id]),
+                             part.id in self.fresh, None))
+        return out
+
     def release(self, ready: Ready, stats: StepStats, digest: int | None = None) -> None:
         """The record of `ready` is updated: issue its write-back (NVMe), or its
         write-through (resident, crash-consistent). digest: the record's CRC32C when the

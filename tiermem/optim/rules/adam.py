@@ -20,7 +20,7 @@ the same step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -152,6 +152,27 @@ class AdamRule(UpdateRule):
             maximize=bool(group["maximize"]),
             decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
             weights_out=batch.weights_out, checksums=batch.checksums, **rounding)
+
+    def update_together(self, batches: Sequence[Batch], *, kernel: str) -> None:
+        """Batches of one group with fp32 moments and nothing in the pass but the update
+        (and low-precision weights out) go to the native kernel as one list of segments:
+        one C call for all their runs, the same bits as a call per batch."""
+        if (kernel != "native" or self.state_dtype != "fp32" or len(batches) < 2
+                or any(b.checksums or b.group is not batches[0].group
+                       or self.lowbit(b.params) for b in batches)):
+            super().update_together(batches, kernel=kernel)
+            return
+        first = batches[0]
+        joined = Batch(first.part, first.group, state={k: [] for k in first.state},
+                       weights_out=[])
+        for b in batches:
+            joined.params += b.params
+            joined.grads += b.grads
+            joined.steps += b.steps
+            joined.weights_out += b.weights_out or [None] * len(b.params)
+            for k, lst in joined.state.items():
+                lst += b.state[k]
+        self.update(joined, kernel=kernel)
 
     def _update_lowbit(self, batch: Batch) -> list[dict[str, int]]:
         """kernels.lowbit per segment: the native pass on CPU tensors, the torch reference

@@ -167,3 +167,10 @@ class UpdateRule(ABC):
     def update(self, batch: Batch, *, kernel: str) -> list[dict[str, int]] | None:
         """Update the batch in place with `kernel`; the per-segment CRC32Cs of
         `batch.checksums` when the kernel computed them in its pass, else None."""
+
+    def update_together(self, batches: Sequence[Batch], *, kernel: str) -> None:
+        """Update several partitions' batches (nothing to hash: no checksums) in place, as
+        one kernel call where the rule can (its threads go on from one partition to the
+        next without a join); else one after another."""
+        for batch in batches:
+            self.update(batch, kernel=kernel)
