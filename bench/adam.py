@@ -52,6 +52,7 @@ import contextlib
 import gc
 import io
 import os
+import random
 import statistics
 import sys
 from typing import Any, Callable, Sequence
@@ -276,7 +277,7 @@ def measure_group(prob: Problem, reps: int,
                   skip: dict[str, str]) -> tuple[dict[str, dict], list[float]]:
     """Set up every implementation, run each once untimed (warm-up: first touch, lazy
     builds), then `reps` rounds of: one triad pass, one step of each implementation
-    (order rotated each round). Returns {implementation: result} and the triad times."""
+    (in a seeded random order each round). Returns {implementation: result} and the triad times."""
     triad = Triad(prob)
     with contextlib.ExitStack() as stack:  # the offload block, open while all take turns
         return _measure_group(prob, reps, skip, triad, stack)
@@ -303,8 +304,13 @@ def _measure_group(prob: Problem, reps: int, skip: dict[str, str], triad: Triad,
     order = list(runs)
     for rep in range(reps):
         triad_times.append(elapsed(triad))
-        k = rep % len(order) if order else 0
-        for name in order[k:] + order[:k]:
+        # A fresh order each round (seeded: a rerun repeats it): rotating one list would
+        # give each implementation the same predecessor in every round, and what runs
+        # just before a step (foreach's gigabyte of temporaries freed, another's cache
+        # state) would weigh on the same implementation each time.
+        this_round = list(order)
+        random.Random(rep).shuffle(this_round)
+        for name in this_round:
             try:
                 results[name]["seconds"].append(elapsed(runs[name]))
             except Exception as exc:  # noqa: BLE001
