@@ -294,7 +294,9 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         if v < 1:
             raise ValueError(f"step must be the count after this step's increment (>= 1), "
                              f"got {v}")
-    arrays = [params, grads, exp_avgs, exp_avg_sqs, *((max_exp_avg_sqs,) if amsgrad else ())]
+    # the moments first: segments of two records (host records updated together) are
+    # never end to end there, so the check stops at the first array
+    arrays = [exp_avgs, exp_avg_sqs, params, grads, *((max_exp_avg_sqs,) if amsgrad else ())]
     runs = []  # [first segment, segments after the last, elements]
     i = 0
     while i < k:

@@ -44,7 +44,7 @@ def check_tensor(t: Tensor, what: str, dtypes: Sequence[torch.dtype], n: int) ->
     contiguous CPU tensor of one of `dtypes` with `n` elements, outside autograd."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:  # (t.device builds a device object: 5x the time, 140 times a step)
         raise ValueError(f"{what}: the native kernels run on CPU tensors, got one on "
                          f"{t.device}")
     if t.dtype not in dtypes:
