@@ -747,3 +747,55 @@ def test_offload_with_the_native_kernel(tmp_path, dtype):
         torch.testing.assert_close(got, r.detach(), rtol=1e-6, atol=1e-7)
         if master is not None:  # the model's weights are the master, rounded to nearest even
             assert torch.equal(p.detach(), master.to(dtype))
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(0, 3000), min_size=1, max_size=7),
+       adjacent=st.lists(st.booleans(), min_size=7, max_size=7),
+       steps=st.lists(st.integers(1, 4), min_size=7, max_size=7),
+       amsgrad=st.booleans(), gdt=st.sampled_from(sorted(GRAD)),
+       out=st.sampled_from([None, *sorted(LOW)]), big=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_hypothesis_runs_in_one_call(cuts, adjacent, steps, amsgrad, gdt, out, big, seed):
+    """Any segment list (empty segments, end to end in one buffer or apart, step counts
+    changing along it, big enough for the threads or not) through kernels.adam_update in
+    one call gives bitwise what one call per segment gives."""
+    sizes = list(cuts)
+    if big:
+        sizes[0] += 300_000  # the threads share the pass
+    n = sum(sizes)
+    hp = hyper(weight_decay=0.05, amsgrad=amsgrad)
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen).to(GRAD[gdt])
+
+    def segments(base: torch.Tensor) -> list[torch.Tensor]:
+        out_, at = [], 0
+        for i, size in enumerate(sizes):
+            v = base[at: at + size]
+            out_.append(v if adjacent[i] else v.clone())  # apart: a tensor of its own
+            at += size
+        return out_
+
+    def run(together: bool):
+        p = segments(p0.clone())
+        moms = [segments(torch.zeros(n)) for _ in range(3)]
+        w = segments(torch.zeros(n, dtype=LOW[out])) if out is not None else None
+        gs = segments(g)
+        st_ = [torch.tensor(float(steps[i])) for i in range(len(sizes))]
+        if together:
+            kernels.adam_update(kernel="native", params=p, grads=gs, exp_avgs=moms[0],
+                                exp_avg_sqs=moms[1], max_exp_avg_sqs=moms[2] if amsgrad else [],
+                                steps=st_, weights_out=w, **hp)
+        else:
+            for i in range(len(sizes)):
+                if sizes[i]:
+                    na.adam_fused_mixed(master=p[i], grad=gs[i], exp_avg=moms[0][i],
+                                        exp_avg_sq=moms[1][i],
+                                        max_exp_avg_sq=moms[2][i] if amsgrad else None,
+                                        weight_out=w[i] if w is not None else None,
+                                        step=st_[i], **hp)
+        return [torch.cat(x) for x in (p, *moms[: 3 if amsgrad else 2], *([w] if w else []))]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert_bitwise(a, b, "one call vs one call per segment")
