@@ -898,6 +898,21 @@ static void advance(adam_job *j, int64_t k)
         j->out = (char *)j->out + k * 2;
 }
 
+/* Stream the low-precision copy past the caches once the pass moves more than an
+ * L3 holds (32 MiB: a Zen 4 CCD's; sysconf's figure in a VM is the host's total):
+ * nothing reads the copy before the next forward, by which time the rest of the
+ * pass has evicted it, so a plain store's read of the line first is wasted. On
+ * Zen 4, alternated in one process: the bf16-mixed offload step (5.6M-element
+ * passes) about 0.95x the time with streaming (faster in 13 of 14 steps); one pass
+ * repeated over 1M elements (16 MiB, cached) 1.08x, so small passes keep plain
+ * stores. */
+static int stream_out(int64_t n, int grad_dtype, int amsgrad, int state_mode, const void *out)
+{
+    size_t moved = 4 + (grad_dtype == DT_F32 ? 4 : 2) + (amsgrad ? 3 : 2) *
+                   (state_mode == ST_F32 ? 4 : 2) + 2;
+    return out != NULL && (uint64_t)n * moved >= ((uint64_t)32 << 20);
+}
+
 int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
                  const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -941,17 +956,7 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
         .s_mode = state_mode, .amsgrad = !!amsgrad,
         .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };
-    /* Stream the low-precision copy past the caches once the pass moves more than an
-     * L3 holds (32 MiB: a Zen 4 CCD's; sysconf's figure in a VM is the host's total):
-     * nothing reads the copy before the next forward, by which time the rest of the
-     * pass has evicted it, so a plain store's read of the line first is wasted. On
-     * Zen 4, alternated in one process: the bf16-mixed offload step (5.6M-element
-     * passes) about 0.95x the time with streaming (faster in 13 of 14 steps); one pass
-     * repeated over 1M elements (16 MiB, cached) 1.08x, so small passes keep plain
-     * stores. */
-    size_t moved = 4 + (grad_dtype == DT_F32 ? 4 : 2) + (amsgrad ? 3 : 2) *
-                   (state_mode == ST_F32 ? 4 : 2) + 2;
-    j.nt_out = out != NULL && (uint64_t)n * moved >= ((uint64_t)32 << 20);
+    j.nt_out = stream_out(n, grad_dtype, amsgrad, state_mode, out);
     j.pf = tm_adam_get_prefetch();
     adam_fn fn = fn_for(tm_adam_get_isa());
     uint32_t *chunk_crcs = NULL;
@@ -1030,14 +1035,13 @@ int tm_adam_step_runs(const tm_adam_run *runs, int nruns, double lr, double beta
             continue;
         /* Each run is what tm_adam_step would do with it (fp32 moments): its own
          * coefficients (the step count is a run's) and its own choice of streaming the
-         * low-precision copy (why: tm_adam_step_crc). */
-        size_t moved = 4 + (u->grad_dtype == DT_F32 ? 4 : 2) + (amsgrad ? 3 : 2) * 4 + 2;
+         * low-precision copy. */
         jobs[m] = (adam_job){
             .p = u->p, .m = u->exp_avg, .v = u->exp_avg_sq,
             .vmax = amsgrad ? u->max_exp_avg_sq : NULL, .g = u->grad, .out = u->out,
             .g_dtype = u->grad_dtype, .out_dtype = u->out_dtype, .s_mode = ST_F32,
             .amsgrad = !!amsgrad,
-            .nt_out = u->out != NULL && (uint64_t)u->n * moved >= ((uint64_t)32 << 20),
+            .nt_out = stream_out(u->n, u->grad_dtype, amsgrad, ST_F32, u->out),
             .pf = pf,
             .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, u->step, maximize,
                                    decoupled),

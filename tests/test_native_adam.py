@@ -235,6 +235,25 @@ def test_weights_out_gap_splits_the_run(monkeypatch):
                        weights_out=[w[:1000]], **hp)
 
 
+def update_segments(together: bool, p, gs, moms, w, steps, hp) -> None:
+    """One step of the segment lists p, gs, moms (exp_avg, exp_avg_sq, max), w (weights
+    out, or None): through kernels.adam_update in one call, or one adam_fused_mixed call
+    per (non-empty) segment."""
+    amsgrad = hp["amsgrad"]
+    if together:
+        kernels.adam_update(kernel="native", params=p, grads=gs, exp_avgs=moms[0],
+                            exp_avg_sqs=moms[1], max_exp_avg_sqs=moms[2] if amsgrad else [],
+                            steps=steps, weights_out=w, **hp)
+        return
+    for i in range(len(p)):
+        if p[i].numel():
+            na.adam_fused_mixed(master=p[i], grad=gs[i], exp_avg=moms[0][i],
+                                exp_avg_sq=moms[1][i],
+                                max_exp_avg_sq=moms[2][i] if amsgrad else None,
+                                weight_out=w[i] if w is not None else None,
+                                step=steps[i], **hp)
+
+
 @pytest.mark.parametrize("amsgrad,grad_dtype,out", [
     (False, torch.float32, None), (True, torch.float32, None),
     (False, torch.bfloat16, torch.bfloat16), (True, torch.float16, torch.float16)])
@@ -257,18 +276,7 @@ def test_runs_in_one_call_match_one_call_per_run(amsgrad, grad_dtype, out):
         w = [torch.zeros(n, dtype=out) for n in sizes] if out is not None else None
         for k, gs in enumerate(grads):
             steps = [torch.tensor(float(s + k)) for s in step_of]
-            if merged:
-                kernels.adam_update(kernel="native", params=p, grads=gs, exp_avgs=moms[0],
-                                    exp_avg_sqs=moms[1],
-                                    max_exp_avg_sqs=moms[2] if amsgrad else [],
-                                    steps=steps, weights_out=w, **hp)
-            else:
-                for i in range(len(p)):
-                    na.adam_fused_mixed(master=p[i], grad=gs[i], exp_avg=moms[0][i],
-                                        exp_avg_sq=moms[1][i],
-                                        max_exp_avg_sq=moms[2][i] if amsgrad else None,
-                                        weight_out=w[i] if w is not None else None,
-                                        step=steps[i], **hp)
+            update_segments(merged, p, gs, moms, w, steps, hp)
         return [torch.cat(x) for x in (p, *moms[: 3 if amsgrad else 2], *([w] if w else []))]
 
     want = run(False)
@@ -783,18 +791,7 @@ def test_hypothesis_runs_in_one_call(cuts, adjacent, steps, amsgrad, gdt, out, b
         w = segments(torch.zeros(n, dtype=LOW[out])) if out is not None else None
         gs = segments(g)
         st_ = [torch.tensor(float(steps[i])) for i in range(len(sizes))]
-        if together:
-            kernels.adam_update(kernel="native", params=p, grads=gs, exp_avgs=moms[0],
-                                exp_avg_sqs=moms[1], max_exp_avg_sqs=moms[2] if amsgrad else [],
-                                steps=st_, weights_out=w, **hp)
-        else:
-            for i in range(len(sizes)):
-                if sizes[i]:
-                    na.adam_fused_mixed(master=p[i], grad=gs[i], exp_avg=moms[0][i],
-                                        exp_avg_sq=moms[1][i],
-                                        max_exp_avg_sq=moms[2][i] if amsgrad else None,
-                                        weight_out=w[i] if w is not None else None,
-                                        step=st_[i], **hp)
+        update_segments(together, p, gs, moms, w, st_, hp)
         return [torch.cat(x) for x in (p, *moms[: 3 if amsgrad else 2], *([w] if w else []))]
 
     for a, b in zip(run(True), run(False), strict=True):

@@ -297,7 +297,7 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     # the moments first: segments of two records (host records updated together) are
     # never end to end there, so the check stops at the first array
     arrays = [exp_avgs, exp_avg_sqs, params, grads, *((max_exp_avg_sqs,) if amsgrad else ())]
-    runs = []  # [first segment, segments after the last, elements]
+    runs = []  # (first segment, elements in the run)
     i = 0
     while i < k:
         j = i + 1  # extend the run [i, j) while every list continues end to end
