@@ -173,6 +173,11 @@ class OptimizerSettings:
         "optimizer.kernel says, and with crash_consistent durability the records also keep "
         "the weights (2 B/param); fp32 parameters are their own master whatever it says.",
         default="fp32")
+    update_threads: int = doc(
+        "Threads of tiermem's native CPU update pass; 0 (auto): torch's thread count, one "
+        "less while the steps wait on NVMe more than twice as long as their updates run (the "
+        "I/O engine then gets a core of its own; docs/guide/tuning.md).", lo=0, hi=1024,
+        default=0)
     step_device: Literal["cpu", "device"] = doc(
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
         "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "

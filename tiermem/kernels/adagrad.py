@@ -29,8 +29,8 @@ from tiermem._lib import ffi, lib
 
 def adagrad_native(*, params: list[Tensor], grads: list[Tensor], state_sums: list[Tensor],
                    steps: list[Tensor], lr: float, lr_decay: float, weight_decay: float,
-                   eps: float, maximize: bool, checksums: Sequence[str] = ()
-                   ) -> list[dict[str, int]]:
+                   eps: float, maximize: bool, checksums: Sequence[str] = (),
+                   num_threads: int | None = None) -> list[dict[str, int]]:
     """tiermem's one-pass kernel; per segment {"sum"/"params": CRC32C} of the arrays named
     in `checksums`, as the step left them (empty dicts without)."""
     k = len(params)
@@ -38,7 +38,7 @@ def adagrad_native(*, params: list[Tensor], grads: list[Tensor], state_sums: lis
         if len(lst) != k:
             raise ValueError(f"{name}: {len(lst)} entries for {k} params")
     mask = crc_arrays(checksums, state="sum")
-    threads = native_threads()
+    threads = native_threads(num_threads)
     out = []
     for i in range(k):
         n = params[i].numel()
@@ -73,7 +73,8 @@ def adagrad_torch(impl: str) -> Callable[..., None]:
     fn = getattr(_torch_adagrad, f"_{impl}_adagrad")
 
     def run(*, params, grads, state_sums, steps, lr, lr_decay, weight_decay, eps, maximize,
-            checksums=()):
+            checksums=(), num_threads=None):
+        # (num_threads sizes tiermem's native pass; torch's kernels run on torch's count)
         refuse_checksums(impl, checksums)
         before = [s - 1 for s in steps]  # torch increments the counts it is given
         fn(params, grads, state_sums, before, None, None, has_sparse_grad=False,

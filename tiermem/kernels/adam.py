@@ -23,8 +23,10 @@ def adam_fused(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                weight_decay: float, amsgrad: bool, maximize: bool,
                decoupled_weight_decay: bool, weights_out: list[Tensor | None] | None = None,
                checksums: Sequence[str] = (), rounding: str | None = None,
-               seeds: list[int] | None = None, offsets: list[int] | None = None) -> None:
-    """torch's fused Adam kernel (one pass per tensor, vectorised, threaded)."""
+               seeds: list[int] | None = None, offsets: list[int] | None = None,
+               num_threads: int | None = None) -> None:
+    """torch's fused Adam kernel (one pass per tensor, vectorised, threaded on torch's
+    thread count: num_threads sizes tiermem's native pass only)."""
     _refuse_in_pass("fused", weights_out, checksums, rounding)
     fn = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     if steps and steps[0].device != params[0].device:
@@ -53,7 +55,8 @@ def _torch_impl(impl: Callable) -> Callable:
             amsgrad: bool, maximize: bool, decoupled_weight_decay: bool,
             weights_out: list[Tensor | None] | None = None, checksums: Sequence[str] = (),
             rounding: str | None = None, seeds: list[int] | None = None,
-            offsets: list[int] | None = None) -> None:
+            offsets: list[int] | None = None, num_threads: int | None = None) -> None:
+        # (num_threads sizes tiermem's native pass; torch's loops run on torch's count)
         _refuse_in_pass(impl.__name__, weights_out, checksums, rounding)
         # torch's own loops increment the steps they are given: hand them
         # private copies of the count before this step.
@@ -77,8 +80,8 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                 weight_decay: float, amsgrad: bool, maximize: bool,
                 decoupled_weight_decay: bool, weights_out: list[Tensor | None] | None = None,
                 checksums: Sequence[str] = (), rounding: str | None = None,
-                seeds: list[int] | None = None, offsets: list[int] | None = None
-                ) -> list[dict[str, int]] | None:
+                seeds: list[int] | None = None, offsets: list[int] | None = None,
+                num_threads: int | None = None) -> list[dict[str, int]] | None:
     """tiermem's own C kernel (tiermem.kernels.native_adam): torch fused's update (within
     1e-6 relative) in one SIMD pass per contiguous run, on CPU tensors; grads may also be
     bf16 or fp16.
@@ -88,7 +91,8 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     from the fp32 params[i]), return the CRC32C of the arrays named in `checksums` per
     segment, and store bf16 moments rounded as `rounding` says, drawing segment i's
     stochastic bits from stream `seeds[i]` at `offsets[i]`. With checksums or rounding it
-    returns one {array: CRC32C} per segment (empty without checksums); else None."""
+    returns one {array: CRC32C} per segment (empty without checksums); else None.
+    num_threads: the pass's threads (None: torch's count)."""
     from tiermem.kernels import native_adam as impl  # the native module, loaded on first use
 
     if weights_out is not None and all(w is None for w in weights_out):
@@ -102,7 +106,7 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                          steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                          decoupled_weight_decay=decoupled_weight_decay,
-                         weights_out=weights_out)
+                         weights_out=weights_out, num_threads=num_threads)
         return None
     rounded = {} if rounding is None else {"rounding": rounding}
     out = []
@@ -115,7 +119,7 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
             weight_out=weights_out[i] if weights_out is not None else None, step=steps[i],
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-            checksums=checksums, **rounded))
+            checksums=checksums, num_threads=num_threads, **rounded))
     return out
 
 

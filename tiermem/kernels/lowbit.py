@@ -44,7 +44,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from tiermem.kernels.native_rules import check_tensor
+from tiermem.kernels.native_rules import check_tensor, native_threads
 from tiermem.partition import QUANT_BLOCK
 
 BLOCK = QUANT_BLOCK  # 256: divides CUT_ALIGN, so a partition cut never splits a block
@@ -444,7 +444,7 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     if n and step < 1:
         raise ValueError(f"step must be the count after this step's increment (>= 1), "
                          f"got {step}")
-    threads = torch.get_num_threads() if num_threads is None else int(num_threads)
+    threads = native_threads(num_threads)
     crcs = ffi.new("uint32_t[6]")
     rc = lib.tm_adam_lowbit_step(
         _ptr(ffi, param, "void *"), MASTERS[master], LOW_WEIGHTS.get(param.dtype, 0),

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from tiermem._lib import ffi, lib
-from tiermem.kernels.native_rules import check_tensor
+from tiermem.kernels.native_rules import check_tensor, native_threads
 
 ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
@@ -232,14 +232,13 @@ def _run(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, out: T
     if step < 1:
         raise ValueError(f"step must be the count after this step's increment (>= 1), "
                          f"got {step}")
-    threads = torch.get_num_threads() if num_threads is None else int(num_threads)
     crcs = ffi.new("uint32_t[4]")
     rc = lib.tm_adam_step_crc(
         _ptr(p, "float *"), _ptr(m, "void *"), _ptr(v, "void *"), _ptr(vmax, "void *"),
         _ptr(g, "void *"), GRAD_DTYPES[g.dtype], _ptr(out, "void *"),
         OUT_DTYPES[out.dtype] if out is not None else 0, n, lr, float(beta1),
         float(beta2), float(eps), float(weight_decay), step, int(amsgrad), int(maximize),
-        int(decoupled), state_mode, seed, offset, max(1, threads), crc_mask,
+        int(decoupled), state_mode, seed, offset, native_threads(num_threads), crc_mask,
         crcs if crc_mask else ffi.NULL)
     if rc != 0:
         raise RuntimeError(f"tm_adam_step failed: {os.strerror(-rc)}")
@@ -256,8 +255,10 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                 lr: float | Tensor, beta1: float, beta2: float, eps: float,
                 weight_decay: float, amsgrad: bool, maximize: bool,
                 decoupled_weight_decay: bool,
-                weights_out: Sequence[Tensor | None] | None = None) -> None:
-    """tiermem's native kernel (native/adam.c): one pass per contiguous run, SIMD, threaded.
+                weights_out: Sequence[Tensor | None] | None = None,
+                num_threads: int | None = None) -> None:
+    """tiermem's native kernel (native/adam.c): one pass per contiguous run, SIMD, threaded
+    (num_threads, else torch's count).
 
     Same arithmetic as torch's fused CPU kernel; grads may be fp32, bf16 or fp16.
     weights_out: per segment None or a bf16/fp16 tensor that receives the updated fp32
@@ -310,14 +311,15 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         i = j
     _run_all(runs, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None,
              outs, step_values, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
-             decoupled_weight_decay)
+             decoupled_weight_decay, num_threads)
 
 
 def _run_all(runs: list[tuple[int, int]], params: list[Tensor], grads: list[Tensor],
              exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
              max_exp_avg_sqs: list[Tensor] | None, outs: list[Tensor | None],
              step_values: list[float], lr: float, beta1: float, beta2: float, eps: float,
-             weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
+             weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+             num_threads: int | None = None) -> None:
     """One C call for `runs` ((first segment, elements) each; the arrays continue end to
     end from that segment's tensors), checked by adam_native."""
     if not runs:
@@ -326,7 +328,7 @@ def _run_all(runs: list[tuple[int, int]], params: list[Tensor], grads: list[Tens
         (i, n), = runs
         _run(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
              max_exp_avg_sqs[i] if amsgrad else None, outs[i], n, step_values[i], lr, beta1,
-             beta2, eps, weight_decay, amsgrad, maximize, decoupled, None)
+             beta2, eps, weight_decay, amsgrad, maximize, decoupled, num_threads)
         return
     # Several runs go to the kernel in one call, whose threads take chunks across them:
     # one call per run would wait for its slowest thread each time and pay the Python
@@ -342,7 +344,7 @@ def _run_all(runs: list[tuple[int, int]], params: list[Tensor], grads: list[Tens
         r.n, r.step = n, step_values[i]
     rc = lib.tm_adam_step_runs(spec, len(runs), lr, float(beta1), float(beta2), float(eps),
                                float(weight_decay), int(amsgrad), int(maximize),
-                               int(decoupled), max(1, torch.get_num_threads()))
+                               int(decoupled), native_threads(num_threads))
     if rc != 0:
         raise RuntimeError(f"tm_adam_step_runs failed: {os.strerror(-rc)}")
 

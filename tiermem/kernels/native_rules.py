@@ -35,8 +35,9 @@ def set_isa(name: str) -> bool:
     return bool(lib.tm_rules_set_isa(ISAS[name]))
 
 
-def native_threads() -> int:
-    return max(1, torch.get_num_threads())
+def native_threads(num_threads: int | None = None) -> int:
+    """The threads a pass runs on: `num_threads`, else torch's count."""
+    return max(1, torch.get_num_threads() if num_threads is None else int(num_threads))
 
 
 def check_tensor(t: Tensor, what: str, dtypes: Sequence[torch.dtype], n: int) -> None:

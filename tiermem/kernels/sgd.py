@@ -33,7 +33,8 @@ from tiermem._lib import ffi, lib
 def sgd_native(*, params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
                first: list[bool], lr: float, momentum: float, dampening: float,
                weight_decay: float, nesterov: bool, maximize: bool,
-               checksums: Sequence[str] = (), match: str = "fused") -> list[dict[str, int]]:
+               checksums: Sequence[str] = (), match: str = "fused",
+               num_threads: int | None = None) -> list[dict[str, int]]:
     """tiermem's one-pass kernel; per segment {"momentum_buffer"/"params": CRC32C} of the
     arrays named in `checksums`, as the step left them (empty dicts without).
 
@@ -49,7 +50,7 @@ def sgd_native(*, params: list[Tensor], grads: list[Tensor], momentum_buffers: l
     if len(grads) != k or len(first) != k:
         raise ValueError(f"grads/first: {len(grads)}/{len(first)} entries for {k} params")
     mask = crc_arrays(checksums, state="momentum_buffer" if with_buf else None)
-    threads = native_threads()
+    threads = native_threads(num_threads)
     out = []
     for i in range(k):
         n = params[i].numel()
@@ -86,7 +87,8 @@ def sgd_torch(impl: str) -> Callable[..., list[dict[str, int]] | None]:
     fn = getattr(_torch_sgd, f"_{impl}_sgd")
 
     def run(*, params, grads, momentum_buffers, first, lr, momentum, dampening,
-            weight_decay, nesterov, maximize, checksums=(), match=impl):
+            weight_decay, nesterov, maximize, checksums=(), match=impl, num_threads=None):
+        # (num_threads sizes tiermem's native pass; torch's kernels run on torch's count)
         refuse_checksums(impl, checksums)
         kw = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                   nesterov=nesterov, maximize=maximize, has_sparse_grad=False)

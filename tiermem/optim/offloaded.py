@@ -24,6 +24,7 @@ from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_c
 from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import Batch, UpdateRule, rule_for
 from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
+from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
 from tiermem.kernels.vml import resolve_vml_dispatch
 from tiermem.params.tier import ParamTier
@@ -163,6 +164,8 @@ class OffloadedOptimizer:
         # The last HISTORY steps' figures: a long run keeps a bounded amount of them.
         self.history: deque[StepStats] = deque(maxlen=HISTORY)
         self.steps_taken = 0
+        # the native updates' thread count, step by step (optim/threads.py)
+        self.threads = UpdateThreads(settings.optimizer.update_threads)
         self.record_events = False  # timeline spans per step (tracing, plots)
         # Called with each partition once step() has updated it (its weights are final for
         # the step): distributed.py starts the weight all-gather of a window from it.
@@ -411,6 +414,7 @@ class OffloadedOptimizer:
                     self.roll_back(exc, stats.step)
                 raise
             self.close_step(stats)
+        self.threads.observe(stats)  # (timed: step_seconds is in)
         step_called(self.opt)
 
     def begin_step(self) -> StepStats:
@@ -418,7 +422,8 @@ class OffloadedOptimizer:
         for part in self.parts:
             self.rule.check_group(part, self.opt.param_groups[part.group])
         self.rule.begin_step(self.opt.param_groups)
-        stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None)
+        stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None,
+                          update_threads=self.threads.count())
         self.tiers.begin_step(stats)
         return stats
 
@@ -589,7 +594,8 @@ class OffloadedOptimizer:
             stats = StepStats()  # figures of a queued kernel: the lanes time it
         group = self.opt.param_groups[part.group]
         master = views.get("master")
-        batch = Batch(part, group, state={k: [] for k in part.kinds if k != "master"})
+        batch = Batch(part, group, state={k: [] for k in part.kinds if k != "master"},
+                      threads=self.threads.current())
         slices = {k: part.slices(k) for k in part.kinds}
         copies_back = []
         kept = []  # (record's copy, model weights): master_weights kahan/none, committed
@@ -712,7 +718,7 @@ class OffloadedOptimizer:
         master = views.get("master")
         batch = Batch(part, self.opt.param_groups[part.group],
                       state={k: [] for k in part.kinds if k != "master"}, weights_out=[],
-                      checksums=hashed)
+                      checksums=hashed, threads=self.threads.current())
         built = NativeBatch(batch)
         slices = {k: part.slices(k) for k in batch.state}  # int8 scales: one per block
         off = 0

@@ -279,6 +279,7 @@ class BackwardOverlap:
         if stats.events is not None:
             stats.events.append(Event("step", "step", t0, t1, stats.step))
         off.close_step(stats)  # commits (crash_consistent): before the worker moves again
+        off.threads.observe(stats)  # the next step's update threads (optim/threads.py)
         if any(p.tier == "nvme" for p in off.parts):
             # After _reset_round: an error of the run-ahead belongs to the next step.
             self._queue.put(_RUN_AHEAD)

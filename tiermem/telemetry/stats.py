@@ -46,6 +46,7 @@ class StepStats:
     partitions: dict[str, int] = field(default_factory=dict)  # updated, per tier
     reads_skipped: int = 0  # NVMe partitions found still in a buffer
     early_partitions: int = 0  # updated during backward, before step() (overlap_backward)
+    update_threads: int = 0  # threads of the step's native updates (optimizer.update_threads)
     # Host<->device copies of the lanes (tiermem/device_lanes.py): bytes, and the time the
     # copy streams spent on them (device-timed on CUDA).
     h2d_bytes: int = 0

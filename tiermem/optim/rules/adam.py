@@ -151,7 +151,8 @@ class AdamRule(UpdateRule):
             weight_decay=group["weight_decay"], amsgrad=bool(group["amsgrad"]),
             maximize=bool(group["maximize"]),
             decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-            weights_out=batch.weights_out, checksums=batch.checksums, **rounding)
+            weights_out=batch.weights_out, checksums=batch.checksums,
+            num_threads=batch.threads, **rounding)
 
     def update_together(self, batches: Sequence[Batch], *, kernel: str) -> None:
         """Batches of one group with fp32 moments and nothing in the pass but the update
@@ -164,7 +165,7 @@ class AdamRule(UpdateRule):
             return
         first = batches[0]
         joined = Batch(first.part, first.group, state={k: [] for k in first.state},
-                       weights_out=[])
+                       weights_out=[], threads=first.threads)
         for b in batches:
             joined.params += b.params
             joined.grads += b.grads
@@ -209,7 +210,7 @@ class AdamRule(UpdateRule):
                 eps=group["eps"], weight_decay=group["weight_decay"],
                 maximize=bool(group["maximize"]),
                 decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-                rounding=self.state_rounding,
+                rounding=self.state_rounding, num_threads=batch.threads,
                 checksums=wanted if native else ())
             if master != "fp32" and "master" in crcs:
                 crcs["weight"] = crcs.pop("master")

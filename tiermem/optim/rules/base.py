@@ -47,6 +47,8 @@ class Batch:
     # rank's share is a piece of one): what keys stochastic rounding's random streams.
     origins: list[tuple[int, int]] = field(default_factory=list)
     scalars: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # Threads tiermem's native pass may use (None: torch's count; optim.threads decides).
+    threads: int | None = None
 
 
 class UnsupportedOptimizer(TierMemError, TypeError):

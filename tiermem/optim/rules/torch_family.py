@@ -166,6 +166,7 @@ class SGDRule(TorchRule):
         return sgd_update(kernel="native", params=batch.params, grads=batch.grads,
                           momentum_buffers=batch.state.get("momentum_buffer", []),
                           first=batch.first, checksums=checksums, match=self._native_impl,
+                          num_threads=batch.threads,
                           **_flags(group, "lr", "momentum", "dampening", "weight_decay",
                                    "nesterov", "maximize"))
 
@@ -211,7 +212,7 @@ class AdagradRule(TorchRule):
     def run_native(self, batch, group, checksums):
         return adagrad_update(kernel="native", params=batch.params, grads=batch.grads,
                               state_sums=batch.state["sum"], steps=batch.steps,
-                              checksums=checksums,
+                              checksums=checksums, num_threads=batch.threads,
                               **_flags(group, "lr", "lr_decay", "weight_decay", "eps",
                                        "maximize"))
 

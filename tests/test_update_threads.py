@@ -1,0 +1,260 @@
+"""optimizer.update_threads: the native update pass leaves a core to the I/O engine while
+the steps wait on NVMe more than twice as long as their updates run, and takes it back
+when the update becomes the bound (tiermem/optim/threads.py).
+
+The policy is checked against a table of step figures; end to end, reads slowed on the
+disk side make a real step wait, and the next steps' native kernels (SGD, Adagrad, Adam,
+int8 Adam) must run on one thread fewer, the step figures must say so, and the results
+must not move: bitwise the plain optimizer (or, for the native Adam kernel, what it gives
+on every thread)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.config import ConfigError, load_config
+from tiermem.kernels import adagrad as k_adagrad
+from tiermem.kernels import lowbit as k_lowbit
+from tiermem.kernels import native_adam as k_adam
+from tiermem.kernels import sgd as k_sgd
+from tiermem.optim.threads import REVISIT, TRIAL, UpdateThreads
+from tiermem.telemetry.stats import StepStats
+
+from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config,
+                             make_batches, train, twin)
+
+STEPS = 4
+DELAY = 0.02  # seconds a slowed read takes at least
+
+
+@pytest.fixture
+def two_threads():
+    """torch's thread count 2 (the policy's n - 1 is then 1), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+W, F, B = (3.0, 1.0), (0.5, 1.0), (0.1, 1.0)  # (stall, update): waiting, full-bound, bound
+T, R = TRIAL, REVISIT
+
+
+def steps(figure, seconds, n):
+    return [(*figure, seconds)] * n
+
+
+# (name, setting, [(stall, update, step seconds) of each finished step], the count the
+# steps after them run on); torch has 2 threads: None is every thread, 1 one fewer
+POLICY = [
+    ("update-bound stays", 0, steps((0.0, 1.0), 1, 3) + steps((2.0, 1.0), 1, 5), [None] * 8),
+    ("no update: no figure", 0, steps((9.0, 0.0), 1, 8), [None] * 8),
+    ("fewer wins", 0, steps(W, 1.0, T) + steps(W, 0.9, T),
+     [None] * (T - 1) + [1] * (T + 1)),
+    ("every thread wins", 0, steps(W, 1.0, T) + steps(W, 1.1, T),
+     [None] * (T - 1) + [1] * T + [None]),
+    ("a tie keeps every thread", 0, steps(W, 1.0, 2 * T), [None] * (T - 1) + [1] * T
+     + [None]),
+    ("waiting on a thread fewer is still bound", 0,
+     steps(W, 1.0, T) + steps((0.3, 1.0), 0.9, T), [None] * (T - 1) + [1] * (T + 1)),
+    ("medians, not means", 0,
+     steps(W, 1.0, T) + [(3.0, 1.0, 0.8), (3.0, 1.0, 0.8), (3.0, 1.0, 9.0)],
+     [None] * (T - 1) + [1] * (T + 1)),
+    ("an unbound step restarts the count", 0,
+     steps(W, 1.0, T - 1) + steps(F, 1.0, 1) + steps(W, 1.0, T),
+     [None] * (2 * T - 1) + [1]),
+    ("update-bound on a thread fewer: every thread a while", 0,
+     steps(W, 1.0, T) + steps(B, 1.0, 1) + steps(W, 1.0, R), [None] * (T - 1) + [1]
+     + [None] * (R + 1)),
+    ("kept, then measured again", 0,
+     steps(W, 1.0, T) + steps(W, 0.9, T) + steps(W, 0.9, R) + steps(W, 0.9, T)
+     + steps(W, 1.0, T),
+     [None] * (T - 1) + [1] * (2 * T + R) + [None] * T + [1]),
+    ("fixed", 1, steps((0.0, 1.0), 1, 2) + steps(W, 1.0, 2 * T), [1] * (2 + 2 * T)),
+    ("fixed above torch's", 3, steps(W, 1.0, 2 * T), [3] * (2 * T)),
+]
+
+
+@pytest.mark.parametrize("name,setting,figures,expected", POLICY,
+                         ids=[p[0] for p in POLICY])
+def test_policy(two_threads, name, setting, figures, expected):
+    assert len(figures) == len(expected)
+    policy = UpdateThreads(setting)
+    assert policy.current() == (setting or None)
+    got = []
+    for stall, update, seconds in figures:
+        policy.observe(StepStats(stall_seconds=stall, update_seconds=update,
+                                 step_seconds=seconds))
+        got.append(policy.current())
+    assert got == expected
+    assert policy.count() == (expected[-1] or 2)
+
+
+def test_one_thread_never_reduces():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        policy = UpdateThreads(0)
+        policy.observe(StepStats(stall_seconds=10.0, update_seconds=1.0))
+        assert policy.current() is None and policy.count() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("value", [-1, 1025, "two"])
+def test_config_refuses(value):
+    with pytest.raises(ConfigError, match="optimizer.update_threads"):
+        load_config({"optimizer": {"update_threads": value}})
+
+
+class SlowTransfer:
+    """A read that completes no earlier than `delay` seconds after its submission."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.ready = inner, time.monotonic() + delay
+
+    def done(self) -> bool:
+        return time.monotonic() >= self.ready and self.inner.done()
+
+    def wait(self, timeout):
+        left = self.ready - time.monotonic()
+        if timeout is not None and left > timeout:
+            time.sleep(max(0.0, timeout))
+            return False
+        time.sleep(max(0.0, left))
+        return self.inner.wait(None if timeout is None else max(0.0, timeout - left))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class ThreadsSeen:
+    """The thread counts the native kernels were handed, per call."""
+
+    def __init__(self, monkeypatch):
+        self.seen: list[int] = []
+        self.last = torch.get_num_threads()
+        real = k_sgd.native_threads
+
+        def spy(num_threads=None):
+            got = real(num_threads)
+            self.seen.append(got)
+            self.last = got
+            return got
+        for mod in (k_sgd, k_adagrad, k_adam, k_lowbit):
+            monkeypatch.setattr(mod, "native_threads", spy)
+
+
+class ContendedReads:
+    """The engine's backend on a drive slower than the update, whose reads take longer
+    while the native update runs on `slow_on` threads (as the I/O engine's do on a small
+    machine while the update holds every core): the count that is faster is known."""
+
+    def __init__(self, inner, seen: ThreadsSeen, slow_on: int):
+        self.inner, self.seen, self.slow_on = inner, seen, slow_on
+
+    def submit(self, *, op, **kw):
+        got = self.inner.submit(op=op, **kw)
+        if op != "read":
+            return got
+        return SlowTransfer(got, 3 * DELAY if self.seen.last == self.slow_on else DELAY)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+OPTIMIZERS = {
+    # (not fused: torch's fused SGD refuses a step where some momentum buffers exist and
+    # others do not yet, as the model's side branch makes; the native pass equals both)
+    "sgd": (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-4), {}),
+    "adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=1e-2, weight_decay=1e-4, fused=True),
+                {}),
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05), {}),
+    "adamw-int8": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05),
+                   {"state_dtype": "int8"}),
+}
+
+
+def offloaded_run(tmp_path, monkeypatch, backend, name, *, steps=4, update_threads=0,
+                  slow_on=None, host=0):
+    """`steps` steps of `name` under tiermem; the model, tm.stats() and the set of thread
+    counts the native kernels were handed in each step."""
+    make, optimizer = OPTIMIZERS[name]
+    model, _ = twin(Synthetic)
+    opt = make(model.parameters())
+    cfg = config(tmp_path, backend=backend, kernel="auto", block_size="64KiB", host=host)
+    cfg["optimizer"].update(optimizer, update_threads=update_threads)
+    seen = ThreadsSeen(monkeypatch)
+    per_step = []
+    with tiermem.offload(opt, cfg) as tm:
+        if slow_on is not None:
+            engine = tm.offloaded.tiers.engine
+            engine._backend = ContendedReads(engine._backend, seen, slow_on)
+
+        def note(i):
+            per_step.append(set(seen.seen))
+            seen.seen.clear()
+        train(model, opt, make_batches(model, steps), after_step=note)
+        stats = tm.stats()
+        tm.discard()
+    return model, stats, per_step
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("slow_on,winner", [(2, 1), (1, 2)],
+                         ids=["fewer-faster", "every-faster"])
+def test_auto_keeps_the_faster_count(tmp_path, monkeypatch, two_threads, backend, slow_on,
+                                     winner):
+    """Transfer-bound steps on every thread, then on one fewer, then the faster count for
+    the steps after: the figures of the real steps decide."""
+    n = 1 + 2 * TRIAL + 3
+    _, stats, per_step = offloaded_run(tmp_path, monkeypatch, backend, "sgd", steps=n,
+                                       slow_on=slow_on)
+    counts = [s["update_threads"] for s in stats]
+    assert per_step == [{c} for c in counts]  # what the kernels ran on, as the stats say
+    assert 1 in counts, [(s["stall_seconds"], s["update_seconds"]) for s in stats]
+    assert counts[-3:] == [winner] * 3, (str(counts), [(round(s["step_seconds"], 3), round(s["stall_seconds"], 3), round(s["update_seconds"], 4)) for s in stats])
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_native_pass_takes_the_count(tmp_path, monkeypatch, two_threads, backend,
+                                           name):
+    """optimizer.update_threads reaches every native kernel (SGD, Adagrad, Adam, int8
+    Adam), and moves no bit of the result."""
+    model, stats, per_step = offloaded_run(tmp_path, monkeypatch, backend, name,
+                                           update_threads=1)
+    assert [s["update_threads"] for s in stats] == [1] * 4
+    assert per_step == [{1}] * 4
+    monkeypatch.undo()
+    torch.set_num_threads(2)
+    same, stats, per_step = offloaded_run(tmp_path / "all", monkeypatch, backend, name,
+                                          update_threads=2)
+    assert per_step == [{2}] * 4
+    for (n, a), b in zip(model.named_parameters(), same.parameters()):
+        assert_same_tensor(a, b, n)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_one_thread_equals_the_plain_optimizer(tmp_path, monkeypatch, two_threads, name):
+    """The native SGD and Adagrad passes equal torch's kernels bitwise, on one thread as
+    on two."""
+    make, _ = OPTIMIZERS[name]
+    _, ref = twin(Synthetic)
+    ref_opt = make(ref.parameters())
+    model, stats, _ = offloaded_run(tmp_path, monkeypatch, "threads", name, update_threads=1)
+    train(ref, ref_opt, make_batches(ref, 4))
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert_same_tensor(a, b, n)
+
+
+def test_nothing_waits_every_thread(tmp_path, monkeypatch, two_threads):
+    """With the state in host memory no step waits: all run on every thread."""
+    _, stats, per_step = offloaded_run(tmp_path, monkeypatch, "threads", "sgd", steps=8,
+                                       host="64MiB")
+    assert [s["update_threads"] for s in stats] == [2] * 8
+    assert per_step == [{2}] * 8
