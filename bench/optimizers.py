@@ -28,10 +28,17 @@ swap store hashes each record as it writes it, as for any update that returns no
 CRC). The pipeline, the engine and the disk see the same transfers at the same pace,
 without the update's memory traffic and CPU beside them, so stand-in step / I/O floor is
 what the I/O path alone costs, and step / stand-in step what the update costs on top.
-The stand-in steps leave the optimizer state as it was (a bench only).
+The stand-in steps leave the optimizer state as it was (a bench only), and do not count
+in the update-threads measurements.
+
+The tiermem steps run with optimizer.update_threads --update-threads (default 0: auto,
+which measures transfer-bound steps on every thread and on one fewer and keeps the faster;
+tiermem/optim/threads.py); each round prints its steps' counts, the table the last of each
+round.
 
 Usage: python bench/optimizers.py [--params 300M] [--rounds 5] [--steps 3]
-       [--optimizers sgd,adagrad] [--impl fused] [--stand-in] [--quick] [--json out.json]
+       [--optimizers sgd,adagrad] [--impl fused] [--update-threads 0] [--stand-in]
+       [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -89,7 +96,8 @@ def phase_rounds(args: argparse.Namespace) -> dict:
     opt = _optimizer(args, params)
     plain = _optimizer(args, params)  # same parameters, its own state, in memory
     plain.step()  # its state is allocated here, not in a timed step
-    with tiermem.offload(opt, offload_config(args), name=f"bench-opt-{args.optimizer}") as tm:
+    cfg = offload_config(args, update_threads=args.update_threads)
+    with tiermem.offload(opt, cfg, name=f"bench-opt-{args.optimizer}") as tm:
         plan = tm.plan()
         warm = time_calls(opt.step, 2)["seconds"]
         tiers = tm.offloaded.tiers
@@ -117,20 +125,26 @@ def phase_rounds(args: argparse.Namespace) -> dict:
                     per_part = rounds[-1]["update_seconds"] / max(
                         1, statistics.median(sum(s["partitions"].values()) for s in stats))
                     tm.offloaded._update = _stand_in(per_part)
+                    # the stand-in's steps must not count in update_threads' measurements
+                    policy, kept = tm.offloaded.threads, tm.offloaded.threads.setting
+                    policy.setting = policy.count()
                     try:
                         first = len(tm.stats())
                         io_block = _timed_block(opt.step, args.steps, tiers.flush)
                     finally:
                         del tm.offloaded._update  # the class's own method again
+                        policy.setting = kept
                     io_step = io_block / args.steps
                     rounds[-1].update(stand_in_step=io_step, stand_in_partition_seconds=per_part,
                                       stand_in_stats=tm.stats()[first:],
                                       stand_in_ratio=io_step / fio["seconds"])
                     extra = (f", stand-in update {io_step:.3f} s "
                              f"({io_step / fio['seconds']:.3f} x fio)")
+                threads = [s["update_threads"] for s in stats]
                 print(f"{args.optimizer} round {r + 1}: step {step:.3f} s, fio "
                       f"{fio['seconds']:.3f} s, in-memory {statistics.median(mem):.3f} s, "
-                      f"ratio {step / floor_s:.3f}{extra}", flush=True)
+                      f"ratio {step / floor_s:.3f}, update threads {threads}{extra}",
+                      flush=True)
         peak = peak_rss()
         tm.discard()
     med = {k: statistics.median(r[k] for r in rounds) for k in (
@@ -162,6 +176,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impl", choices=list(IMPLS), default="fused",
                    help="the optimizer's implementation flags, the same for tiermem and the "
                         "in-memory floor (default fused)")
+    p.add_argument("--update-threads", type=int, default=0,
+                   help="optimizer.update_threads (default 0: auto)")
     p.add_argument("--stand-in", action="store_true",
                    help="each round also times steps whose update is a stand-in that only "
                         "waits as long (what the I/O path alone costs)")
@@ -198,7 +214,8 @@ def main(argv=None) -> int:
                 [f"{name}: tiermem step (NVMe)", f"{m['step']:.3f} s",
                  f"{(m['read_bytes'] + m['write_bytes']) / 1e9:.2f} GB moved, stall "
                  f"{m['stall_seconds']:.3f} s, update {m['update_seconds']:.3f} s, "
-                 f"disk busy {m['io_seconds']:.3f} s"],
+                 f"disk busy {m['io_seconds']:.3f} s, update threads "
+                 + "/".join(str(r["stats"][-1]["update_threads"]) for r in res["rounds"])],
                 [f"{name}: I/O floor (fio r+w)", f"{m['fio']:.3f} s",
                  "per round " + ", ".join(f"{r['fio']['seconds']:.3f}" for r in res["rounds"])],
                 [f"{name}: in-memory step ({args.impl})", f"{m['memory']:.3f} s", ""],

@@ -1,12 +1,13 @@
-"""optimizer.update_threads: the native update pass leaves a core to the I/O engine while
-the steps wait on NVMe more than twice as long as their updates run, and takes it back
-when the update becomes the bound (tiermem/optim/threads.py).
+"""optimizer.update_threads: while the steps wait on NVMe longer than their updates run,
+the native update pass is measured on every thread and on one fewer and the faster is
+kept; a step whose update has become the bound goes back to every thread
+(tiermem/optim/threads.py).
 
-The policy is checked against a table of step figures; end to end, reads slowed on the
-disk side make a real step wait, and the next steps' native kernels (SGD, Adagrad, Adam,
-int8 Adam) must run on one thread fewer, the step figures must say so, and the results
-must not move: bitwise the plain optimizer (or, for the native Adam kernel, what it gives
-on every thread)."""
+The policy is checked against a table of step figures; end to end, a drive whose reads
+are slower while the update runs on one of the counts makes real steps decide, and the
+native kernels (SGD, Adagrad, Adam, int8 Adam) must run on the count the step figures
+report, with results that do not move: bitwise the plain optimizer, or what the same
+kernel gives on every thread."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def steps(figure, seconds, n):
 # (name, setting, [(stall, update, step seconds) of each finished step], the count the
 # steps after them run on); torch has 2 threads: None is every thread, 1 one fewer
 POLICY = [
-    ("update-bound stays", 0, steps((0.0, 1.0), 1, 3) + steps((2.0, 1.0), 1, 5), [None] * 8),
+    ("update-bound stays", 0, steps((0.0, 1.0), 1, 3) + steps((1.0, 1.0), 1, 5), [None] * 8),
     ("no update: no figure", 0, steps((9.0, 0.0), 1, 8), [None] * 8),
     ("fewer wins", 0, steps(W, 1.0, T) + steps(W, 0.9, T),
      [None] * (T - 1) + [1] * (T + 1)),

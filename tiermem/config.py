@@ -174,10 +174,10 @@ class OptimizerSettings:
         "the weights (2 B/param); fp32 parameters are their own master whatever it says.",
         default="fp32")
     update_threads: int = doc(
-        "Threads of tiermem's native CPU update pass; 0 (auto): torch's thread count, one "
-        "less while the steps wait on NVMe more than twice as long as their updates run (the "
-        "I/O engine then gets a core of its own; docs/guide/tuning.md).", lo=0, hi=1024,
-        default=0)
+        "Threads of tiermem's native CPU update pass; 0 (auto): torch's thread count, or one "
+        "less where that measured faster on steps that wait on NVMe longer than their "
+        "updates run (the I/O engine then gets a core of its own; docs/guide/tuning.md).",
+        lo=0, hi=1024, default=0)
     step_device: Literal["cpu", "device"] = doc(
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
         "pinned host buffers, updated weights copied back; ZeRO-Offload) or device (records "

@@ -10,9 +10,9 @@ lose more on one thread), and the int8 step, whose update is the larger part of 
 No fixed count is right for every rule and machine, so `optimizer.update_threads: 0`
 measures which is faster, on the run's own steps:
 
-- a step is transfer-bound when it waited on NVMe more than twice as long as its updates
-  ran (on one thread fewer, an update of two threads takes at most twice as long and is
-  still hidden), or, on one thread fewer, at least a quarter as long;
+- a step is transfer-bound when it waited on NVMe longer than its updates ran, or, on one
+  thread fewer, at least a quarter as long (the figures decide which count is faster; the
+  bound only keeps update-bound steps, as int8 Adam's or a host-tier run's, from trying);
 - after TRIAL transfer-bound steps on every thread, TRIAL steps run on one fewer; the
   count whose median step time is lower (every thread on a tie) is kept for REVISIT
   steps, then both are measured again, as the disk and the rest of the machine drift;
@@ -32,7 +32,7 @@ import torch
 
 from tiermem.telemetry.stats import StepStats
 
-BOUND_FULL = 2.0  # stall / update above which a step on every thread is transfer-bound
+BOUND_FULL = 1.0  # stall / update above which a step on every thread is transfer-bound
 BOUND_REDUCED = 0.25  # ... and at or above which one on a thread fewer still is
 TRIAL = 3  # steps measured at each count before choosing
 REVISIT = 50  # steps a choice is kept before both counts are measured again
