@@ -22,7 +22,7 @@ from tiermem.kernels import adagrad as k_adagrad
 from tiermem.kernels import lowbit as k_lowbit
 from tiermem.kernels import native_adam as k_adam
 from tiermem.kernels import sgd as k_sgd
-from tiermem.optim.threads import REVISIT, TRIAL, UpdateThreads
+from tiermem.optim.threads import PAIRS, REVISIT, UpdateThreads
 from tiermem.telemetry.stats import StepStats
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config,
@@ -41,42 +41,54 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-W, F, B = (3.0, 1.0), (0.5, 1.0), (0.1, 1.0)  # (stall, update): waiting, full-bound, bound
-T, R = TRIAL, REVISIT
+W, F, B = (3.0, 1.0), (0.5, 1.0), (0.1, 1.0)  # (stall, update): waiting, unbound, bound
+P, R = PAIRS, REVISIT
 
 
 def steps(figure, seconds, n):
     return [(*figure, seconds)] * n
 
 
+def pairs(full, fewer, n=P, figure=W):
+    """n measured pairs: a step on every thread taking `full` seconds, then one on a
+    thread fewer taking `fewer`."""
+    return [(*figure, full), (*figure, fewer)] * n
+
+
+def measured(winner):
+    """The counts after each step of a measurement of P pairs that `winner` wins."""
+    return [1, None] * (P - 1) + [1, winner]
+
+
 # (name, setting, [(stall, update, step seconds) of each finished step], the count the
 # steps after them run on); torch has 2 threads: None is every thread, 1 one fewer
 POLICY = [
-    ("update-bound stays", 0, steps((0.0, 1.0), 1, 3) + steps((1.0, 1.0), 1, 5), [None] * 8),
+    ("update-bound never tries", 0, steps((0.0, 1.0), 1, 3) + steps((1.0, 1.0), 1, 5),
+     [None] * 8),
     ("no update: no figure", 0, steps((9.0, 0.0), 1, 8), [None] * 8),
-    ("fewer wins", 0, steps(W, 1.0, T) + steps(W, 0.9, T),
-     [None] * (T - 1) + [1] * (T + 1)),
-    ("every thread wins", 0, steps(W, 1.0, T) + steps(W, 1.1, T),
-     [None] * (T - 1) + [1] * T + [None]),
-    ("a tie keeps every thread", 0, steps(W, 1.0, 2 * T), [None] * (T - 1) + [1] * T
-     + [None]),
-    ("waiting on a thread fewer is still bound", 0,
-     steps(W, 1.0, T) + steps((0.3, 1.0), 0.9, T), [None] * (T - 1) + [1] * (T + 1)),
-    ("medians, not means", 0,
-     steps(W, 1.0, T) + [(3.0, 1.0, 0.8), (3.0, 1.0, 0.8), (3.0, 1.0, 9.0)],
-     [None] * (T - 1) + [1] * (T + 1)),
-    ("an unbound step restarts the count", 0,
-     steps(W, 1.0, T - 1) + steps(F, 1.0, 1) + steps(W, 1.0, T),
-     [None] * (2 * T - 1) + [1]),
+    ("fewer wins", 0, pairs(1.0, 0.9), measured(1)),
+    ("every thread wins", 0, pairs(1.0, 1.1), measured(None)),
+    ("a tie keeps every thread", 0, pairs(1.0, 1.0), measured(None)),
+    ("pairs, not blocks: the disk drifts between them", 0,
+     [(*W, t) for k in range(P) for t in (1.0 + k, 0.95 + k)], measured(1)),
+    ("waiting on a thread fewer still counts", 0,
+     [(*W, 1.0), (0.3, 1.0, 0.9)] * P, measured(1)),
+    ("an unbound step on every thread opens no pair", 0,
+     [(*W, 1.0), (*W, 0.9), (*F, 5.0), (*W, 1.0), (*W, 0.9)] + pairs(1.0, 0.9, P - 2),
+     [1, None, None, 1, None] + measured(1)[4:]),
     ("update-bound on a thread fewer: every thread a while", 0,
-     steps(W, 1.0, T) + steps(B, 1.0, 1) + steps(W, 1.0, R), [None] * (T - 1) + [1]
-     + [None] * (R + 1)),
+     [(*W, 1.0), (*B, 0.5)] + steps(W, 1.0, R), [1] + [None] * (R + 1)),
     ("kept, then measured again", 0,
-     steps(W, 1.0, T) + steps(W, 0.9, T) + steps(W, 0.9, R) + steps(W, 0.9, T)
-     + steps(W, 1.0, T),
-     [None] * (T - 1) + [1] * (2 * T + R) + [None] * T + [1]),
-    ("fixed", 1, steps((0.0, 1.0), 1, 2) + steps(W, 1.0, 2 * T), [1] * (2 + 2 * T)),
-    ("fixed above torch's", 3, steps(W, 1.0, 2 * T), [3] * (2 * T)),
+     pairs(1.0, 0.9) + steps(W, 0.9, R) + pairs(1.0, 0.9),
+     measured(1) + [1] * (R - 1) + [None] + measured(1)),
+    ("the evidence adds up", 0,
+     pairs(1.0, 0.5) + steps(W, 0.5, R) + pairs(1.0, 1.1),
+     measured(1) + [1] * (R - 1) + [None] + measured(1)),
+    ("and fades", 0,
+     pairs(1.0, 0.98) + steps(W, 0.9, R) + pairs(1.0, 1.1),
+     measured(1) + [1] * (R - 1) + [None] + measured(None)),
+    ("fixed", 1, steps((0.0, 1.0), 1, 2) + pairs(1.0, 2.0), [1] * (2 + 2 * P)),
+    ("fixed above torch's", 3, pairs(1.0, 0.5), [3] * (2 * P)),
 ]
 
 
@@ -210,9 +222,9 @@ def offloaded_run(tmp_path, monkeypatch, backend, name, *, steps=4, update_threa
                          ids=["fewer-faster", "every-faster"])
 def test_auto_keeps_the_faster_count(tmp_path, monkeypatch, two_threads, backend, slow_on,
                                      winner):
-    """Transfer-bound steps on every thread, then on one fewer, then the faster count for
-    the steps after: the figures of the real steps decide."""
-    n = 1 + 2 * TRIAL + 3
+    """Transfer-bound steps on every thread and on one fewer in turns, then the faster
+    count for the steps after: the figures of the real steps decide."""
+    n = 2 + 2 * PAIRS + 3
     _, stats, per_step = offloaded_run(tmp_path, monkeypatch, backend, "sgd", steps=n,
                                        slow_on=slow_on)
     counts = [s["update_threads"] for s in stats]

@@ -4,29 +4,33 @@ An NVMe-bound step's updates run beside the I/O engine's threads, which submit a
 the transfers and take the disk's completions. With all of torch's threads in the update
 on a machine of few cores, those wait for a core, and the disk idles meanwhile. On the
 2-core development VM (docs/dev/benchmarks.md, "The update's thread count on an
-NVMe-bound step"), one update thread of two made the SGD-momentum step 0.93-0.94x as
-long, but Adagrad's 0.99-1.07x and AdamW's 1.01x (their passes compute more per byte and
-lose more on one thread), and the int8 step, whose update is the larger part of it, 1.30x.
-No fixed count is right for every rule and machine, so `optimizer.update_threads: 0`
-measures which is faster, on the run's own steps:
+NVMe-bound step"), one update thread of two made the 300M SGD-momentum step on NVMe
+0.93-0.96x as long, paired step by step, but Adagrad's and AdamW's about as long (their
+passes compute more per byte and lose more on one thread), and the int8 AdamW step, whose
+update is the larger part of it, 1.30x. No fixed count is right for every rule and
+machine, and one step's time moves by 10-20% with the disk, so `optimizer.update_threads:
+0` measures the two counts on the run's own steps, in pairs, and lets the pairs add up:
 
 - a step is transfer-bound when it waited on NVMe longer than its updates ran, or, on one
-  thread fewer, at least a quarter as long (the figures decide which count is faster; the
-  bound only keeps update-bound steps, as int8 Adam's or a host-tier run's, from trying);
-- after TRIAL transfer-bound steps on every thread, TRIAL steps run on one fewer; the
-  count whose median step time is lower (every thread on a tie) is kept for REVISIT
-  steps, then both are measured again, as the disk and the rest of the machine drift;
-- a step that is not transfer-bound ends any measurement: every thread, and on one
-  fewer (the update has become the bound) for REVISIT steps at least.
+  thread fewer, at least a quarter as long. Only such steps are measured: an update-bound
+  step (int8 Adam's, a host-tier run's) never tries one thread fewer;
+- a measurement alternates the counts step by step, PAIRS pairs of a step on every thread
+  and the next on one fewer (adjacent steps see the same disk), and adds each pair's
+  log(time on one fewer / time on every thread) to the evidence, of which what earlier
+  measurements left keeps the weight KEEP each time: one thread fewer is kept while the
+  evidence is below zero (every thread on a tie), for REVISIT steps, then the counts are
+  measured again, so a wrong choice fades and a change in the machine is followed;
+- a step on one fewer that is not transfer-bound (the update has become the bound) ends
+  the measurement: every thread for REVISIT steps.
 
-A wrong choice costs at most TRIAL of every REVISIT + 2 TRIAL steps' difference. The
-thread count never changes the results: the native kernels' threads split a pass into
-chunks of whole elements, and every CRC is assembled in the same order.
+A measurement runs PAIRS of every REVISIT + 2 PAIRS steps on the count that is slower.
+The thread count never changes the results: the native kernels' threads split a pass
+into chunks of whole elements, and every CRC is assembled in the same order.
 """
 
 from __future__ import annotations
 
-import statistics
+import math
 
 import torch
 
@@ -34,8 +38,9 @@ from tiermem.telemetry.stats import StepStats
 
 BOUND_FULL = 1.0  # stall / update above which a step on every thread is transfer-bound
 BOUND_REDUCED = 0.25  # ... and at or above which one on a thread fewer still is
-TRIAL = 3  # steps measured at each count before choosing
-REVISIT = 50  # steps a choice is kept before both counts are measured again
+PAIRS = 4  # pairs of steps (every thread, one fewer) per measurement
+REVISIT = 50  # steps a choice is kept before the counts are measured again
+KEEP = 0.8  # weight the evidence of earlier measurements keeps at each new one
 
 
 class UpdateThreads:
@@ -44,9 +49,13 @@ class UpdateThreads:
     def __init__(self, setting: int) -> None:
         self.setting = int(setting)
         self.reduced = False  # the next step runs on one thread fewer
-        self._plan = [False, True]  # counts still to measure, the current one first
-        self._times: dict[bool, list[float]] = {}  # step seconds measured at each
-        self._left = 0  # steps the choice is kept for (when nothing is measured)
+        # sum of log(step time on one fewer / on every thread) over the pairs measured,
+        # earlier measurements weighted down by KEEP each: below zero, one fewer is faster
+        self.evidence = 0.0
+        self._measuring = True
+        self._pairs: list[float] = []  # this measurement's log ratios
+        self._full: float | None = None  # the open pair's step time on every thread
+        self._left = 0  # steps the choice is kept for (when not measuring)
 
     def current(self) -> int | None:
         if self.setting > 0:
@@ -61,34 +70,29 @@ class UpdateThreads:
 
     def observe(self, stats: StepStats) -> None:
         """Take a finished step's figures into the next step's choice (auto only)."""
-        if self.setting > 0 or stats.update_seconds <= 0:
+        if (self.setting > 0 or stats.update_seconds <= 0 or stats.step_seconds <= 0
+                or torch.get_num_threads() < 2):
             return
-        waited = stats.stall_seconds / stats.update_seconds
-        bound = waited >= BOUND_REDUCED if self.reduced else waited > BOUND_FULL
-        if not bound:
-            if self.reduced:  # the update is the bound now: keep every thread a while
-                self._hold(False)
-            else:
-                self._measure()
-            return
-        if not self._plan:
+        if not self._measuring:
             self._left -= 1
             if self._left <= 0:
-                self._measure(first=self.reduced)
+                self._measuring, self.reduced, self._pairs, self._full = True, False, [], None
             return
-        got = self._times.setdefault(self.reduced, [])
-        got.append(stats.step_seconds)
-        if len(got) < TRIAL:
+        waited = stats.stall_seconds / stats.update_seconds
+        if not self.reduced:
+            # a step on every thread opens a pair, if it waited on NVMe
+            self._full = stats.step_seconds if waited > BOUND_FULL else None
+            self.reduced = self._full is not None
             return
-        self._plan.pop(0)
-        if self._plan:
-            self.reduced = self._plan[0]
+        if waited < BOUND_REDUCED:  # the update is the bound on one thread fewer
+            self._hold(False)
             return
-        t = self._times
-        self._hold(statistics.median(t[True]) < statistics.median(t[False]))
-
-    def _measure(self, first: bool = False) -> None:
-        self.reduced, self._plan, self._times = first, [first, not first], {}
+        self._pairs.append(math.log(stats.step_seconds / self._full))
+        self.reduced, self._full = False, None
+        if len(self._pairs) >= PAIRS:
+            self.evidence = KEEP * self.evidence + sum(self._pairs)
+            self._hold(self.evidence < 0)
 
     def _hold(self, reduced: bool) -> None:
-        self.reduced, self._plan, self._times, self._left = reduced, [], {}, REVISIT
+        self.reduced, self._measuring, self._left = reduced, False, REVISIT
+        self._pairs, self._full = [], None
