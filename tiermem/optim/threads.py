@@ -5,11 +5,12 @@ the transfers and take the disk's completions. With all of torch's threads in th
 on a machine of few cores, those wait for a core, and the disk idles meanwhile. On the
 2-core development VM (docs/dev/benchmarks.md, "The update's thread count on an
 NVMe-bound step"), one update thread of two made the 300M SGD-momentum step on NVMe
-0.93-0.96x as long, paired step by step, but Adagrad's and AdamW's about as long (their
-passes compute more per byte and lose more on one thread), and the int8 AdamW step, whose
-update is the larger part of it, 1.30x. No fixed count is right for every rule and
-machine, and one step's time moves by 10-20% with the disk, so `optimizer.update_threads:
-0` measures the two counts on the run's own steps, in pairs, and lets the pairs add up:
+0.93-0.96x as long (paired with every thread, block by block), but Adagrad's and AdamW's
+about as long (their passes compute more per byte and lose more on one thread), and the
+int8 AdamW step, whose update is the larger part of it, 1.30x. No fixed count is right
+for every rule and machine, and one step's time moves by 10-20% with the disk, so
+`optimizer.update_threads: 0` measures the two counts on the run's own steps, in pairs,
+and lets the pairs add up:
 
 - a step is transfer-bound when it waited on NVMe longer than its updates ran, or, on one
   thread fewer, at least a quarter as long. Only such steps are measured: an update-bound
