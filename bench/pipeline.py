@@ -174,7 +174,22 @@ class FioFloor:
         best = min(results, key=lambda k: results[k]["seconds"])
         return {**results[best], "variant": best, "variants": results}
 
-    def _run(self, depth: int, tries: int) -> dict:
+    def measure_paced(self, free: dict, tries: int = 5) -> dict:
+        """The floor of a run of steps rather than of one step: fio again at the depth
+        `free` (a measure()) won, its read job paced (fio --rate) to end when the free run's
+        write job did. A pipeline reads a record only into a buffer a write-back freed, so
+        over many steps its reads go at the writes' pace; the free floor lets them race
+        ahead and end early, which this disk rewards (docs/dev/benchmarks.md). When the
+        reads were not the shorter job, pacing changes nothing: `free` is returned."""
+        jobs = free.get("per_job_seconds", {})
+        if not (self.read_bytes and self.write_bytes) or jobs.get("read", 0) >= jobs.get(
+                "write", 0):
+            return {**free, "paced": False}
+        rate = max(1, int(self.read_bytes / jobs["write"]))
+        return {**self._run(free["depth"], tries, read_rate=rate), "paced": True,
+                "read_rate": rate}
+
+    def _run(self, depth: int, tries: int, read_rate: int | None = None) -> dict:
         # fio at times reports a job that never ran (0 ms) on a busy machine: measured
         # again rather than taken.
         for attempt in range(tries):
@@ -189,7 +204,7 @@ class FioFloor:
                 continue
             try:
                 return _fio_concurrent(self.rfile, self.wfile, self.read_bytes,
-                                       self.write_bytes, self.bs, depth)
+                                       self.write_bytes, self.bs, depth, read_rate)
             except (ZeroDivisionError, subprocess.CalledProcessError) as exc:
                 why = getattr(exc, "stderr", None) or type(exc).__name__
                 print(f"fio floor failed, try {attempt + 1} of {tries}: {str(why)[-300:]}",
@@ -200,7 +215,7 @@ class FioFloor:
 
 
 def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int, bs: int,
-                    depth: int) -> dict:
+                    depth: int, read_rate: int | None = None) -> dict:
     common = ["--ioengine=io_uring", "--direct=1", f"--bs={bs}", f"--iodepth={depth}",
               "--mem=mmaphuge"]
     # A job only for a direction with bytes: fio refuses --size=0, and a step whose
@@ -210,6 +225,8 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
     for name, (path, nbytes) in sizes.items():
         if nbytes:
             cmd += [f"--name={name}", f"--filename={path}", f"--rw={name}", f"--size={nbytes}"]
+            if name == "read" and read_rate:  # bytes per second
+                cmd.append(f"--rate={read_rate}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     out = proc.stdout
     try:

@@ -45,6 +45,13 @@ def test_optimizers_bench_smoke(tmp_path):
             assert r["read_bytes"] > 0 and r["write_bytes"] > 0
             assert r["ratio"] == pytest.approx(r["step"] / max(r["fio"]["seconds"],
                                                                  r["memory"]))
+            # the paced floor: run exactly when the reads ended first, the same bytes
+            jobs = r["fio"]["per_job_seconds"]
+            paced = r["fio_paced"]
+            assert paced["paced"] == (jobs["read"] < jobs["write"])
+            assert paced["read_gbps"] > 0 and paced["write_gbps"] > 0
+            assert r["ratio_paced"] == pytest.approx(r["step"] / max(paced["seconds"],
+                                                                       r["memory"]))
         assert result["ratios"][name] == res["median"]["ratio"]
 
 
