@@ -444,7 +444,6 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
     if n and step < 1:
         raise ValueError(f"step must be the count after this step's increment (>= 1), "
                          f"got {step}")
-    threads = native_threads(num_threads)
     crcs = ffi.new("uint32_t[6]")
     rc = lib.tm_adam_lowbit_step(
         _ptr(ffi, param, "void *"), MASTERS[master], LOW_WEIGHTS.get(param.dtype, 0),
@@ -456,7 +455,7 @@ def adam_lowbit_native(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         OUT_DTYPES[weight_out.dtype] if weight_out is not None else 0, n, float(lr),
         float(beta1), float(beta2), float(eps), float(weight_decay), step, int(maximize),
         int(decoupled_weight_decay), int(rounding == "stochastic"), seed, offset,
-        max(1, threads), mask, crcs)
+        native_threads(num_threads), mask, crcs)
     if rc == -34:  # ERANGE
         raise ValueError(f"offset {offset} + {n} elements crosses a 2^32-element window of "
                          "the random stream; split the call there")

@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from tiermem.kernels.native_rules import native_threads
 from tiermem.telemetry.stats import StepStats
 
 BOUND_FULL = 1.0  # stall / update above which a step on every thread is transfer-bound
@@ -53,10 +54,8 @@ class UpdateThreads:
         # sum of log(step time on one fewer / on every thread) over the pairs measured,
         # earlier measurements weighted down by KEEP each: below zero, one fewer is faster
         self.evidence = 0.0
-        self._measuring = True
-        self._pairs: list[float] = []  # this measurement's log ratios
-        self._full: float | None = None  # the open pair's step time on every thread
-        self._left = 0  # steps the choice is kept for (when not measuring)
+        self._left = 0  # steps the choice is still kept for; 0: measuring
+        self._measure()
 
     def current(self) -> int | None:
         if self.setting > 0:
@@ -66,18 +65,17 @@ class UpdateThreads:
 
     def count(self) -> int:
         """The number the native kernels run on now."""
-        got = self.current()
-        return max(1, torch.get_num_threads()) if got is None else got
+        return native_threads(self.current())
 
     def observe(self, stats: StepStats) -> None:
         """Take a finished step's figures into the next step's choice (auto only)."""
         if (self.setting > 0 or stats.update_seconds <= 0 or stats.step_seconds <= 0
                 or torch.get_num_threads() < 2):
             return
-        if not self._measuring:
+        if self._left > 0:
             self._left -= 1
-            if self._left <= 0:
-                self._measuring, self.reduced, self._pairs, self._full = True, False, [], None
+            if self._left == 0:
+                self._measure()
             return
         waited = stats.stall_seconds / stats.update_seconds
         if not self.reduced:
@@ -94,6 +92,12 @@ class UpdateThreads:
             self.evidence = KEEP * self.evidence + sum(self._pairs)
             self._hold(self.evidence < 0)
 
+    def _measure(self) -> None:
+        """Start a measurement: its first step on every thread."""
+        self.reduced = False
+        self._pairs: list[float] = []  # this measurement's log ratios
+        self._full: float | None = None  # the open pair's step time on every thread
+
     def _hold(self, reduced: bool) -> None:
-        self.reduced, self._measuring, self._left = reduced, False, REVISIT
-        self._pairs, self._full = [], None
+        self._measure()  # (what a measurement gathered is spent)
+        self.reduced, self._left = reduced, REVISIT
