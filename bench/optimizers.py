@@ -6,7 +6,8 @@ cores of a shared machine drift by tens of percent within a minute, so each opti
 runs in one process that alternates, for --rounds rounds:
 
 1. the I/O floor: fio moving exactly the bytes one steady tiermem step moved (its
-   median read and write bytes), reading and writing concurrently (two jobs, io_uring,
+   median read and write bytes, plus its share of the records whose write-back was
+   deferred and which the flush ending each block writes), reading and writing concurrently (two jobs, io_uring,
    O_DIRECT, huge-page buffers, the engine's block size), tried at the engine's queue
    depth per job and at half of it per job (the engine's own total); the faster of the
    two is the floor. The read job reads a file written beforehand and the write job
@@ -105,8 +106,13 @@ def phase_rounds(args: argparse.Namespace) -> dict:
         plan = tm.plan()
         warm = time_calls(opt.step, 2)["seconds"]
         tiers = tm.offloaded.tiers
+        # Records whose write-back is deferred (pipeline.write_back) are written by the
+        # flush that ends each timed block: their bytes are the block's, shared by its steps.
+        deferred = tiers.pipeline.deferred_bytes()
         tiers.flush()
         moved = stat_medians(steady(tm.stats()), ("read_bytes", "write_bytes"))
+        moved["write_bytes"] += deferred / args.steps
+        moved["deferred_bytes_per_block"] = deferred
         rounds = []
         with FioFloor(args.swap_dir, parse_size(args.block_size), args.queue_depth,
                       moved["read_bytes"], moved["write_bytes"]) as floor:

@@ -125,7 +125,7 @@ def config(swap: Path | str, *, backend: str = "threads", host: int | str = 0,
            partition_size: int | str = "64KiB", buffer_count: int = 3, prefetch_depth: int = 2,
            zigzag: bool = True, kernel: str = "match", placement: Sequence[dict] = (),
            block_size: int | str = "16KiB", queue_depth: int = 8,
-           o_direct: Any = "auto") -> dict:
+           o_direct: Any = "auto", write_back: str = "deferred") -> dict:
     """A tiermem config dict; defaults are transfer-bound: tiny partitions, few buffers."""
     return {
         "swap": {"paths": [str(swap)]},
@@ -133,7 +133,8 @@ def config(swap: Path | str, *, backend: str = "threads", host: int | str = 0,
                "o_direct": o_direct},
         "tiers": {"gpu": {"capacity": 0}, "host": {"capacity": host}},
         "pipeline": {"partition_size": partition_size, "buffer_count": buffer_count,
-                     "prefetch_depth": prefetch_depth, "zigzag": zigzag},
+                     "prefetch_depth": prefetch_depth, "zigzag": zigzag,
+                     "write_back": write_back},
         "placement": [dict(r) for r in placement],
         "optimizer": {"kernel": kernel},
     }

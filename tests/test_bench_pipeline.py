@@ -36,8 +36,10 @@ def test_pipeline_bench_smoke(tmp_path, params, reads):
     assert "step / max(floors)" in proc.stdout
     result = json.loads(out.read_text())
     tm, fio = result["tiermem"], result["fio"]
-    assert (tm["read_bytes"] > 0) == reads and tm["write_bytes"] > 0
+    # Every record in the buffers: with deferred write-back (the default) a steady step
+    # updates them where they are and moves nothing.
+    assert (tm["read_bytes"] > 0) == reads and (tm["write_bytes"] > 0) == reads
     # The floor moved exactly the directions the step moved.
-    assert (fio["read_gbps"] > 0) == reads and fio["write_gbps"] > 0
-    assert set(fio["per_job_seconds"]) == ({"read", "write"} if reads else {"write"})
+    assert (fio.get("read_gbps", 0) > 0) == reads and (fio.get("write_gbps", 0) > 0) == reads
+    assert set(fio.get("per_job_seconds", {})) == ({"read", "write"} if reads else set())
     assert result["ratio"] > 0

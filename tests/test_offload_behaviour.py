@@ -380,9 +380,11 @@ def _stats_run(tmp_path, backend, steps=4, **cfg):
 
 
 @pytest.mark.parametrize("backend", backend_params())
-def test_stats_and_plan_nvme(tmp_path, backend):
+@pytest.mark.parametrize("write_back", ["immediate", "deferred"])
+def test_stats_and_plan_nvme(tmp_path, backend, write_back):
     plan, stats, expected, dirs, existed = _stats_run(tmp_path, backend, host=0,
-                                                      buffer_count=3, prefetch_depth=2)
+                                                      buffer_count=3, prefetch_depth=2,
+                                                      write_back=write_back)
     nvme = plan["state_bytes"]["nvme"]
     assert plan["state_bytes"] == {"gpu": 0, "host": 0,
                                    "nvme": sum(p.record_bytes for p in expected)}
@@ -396,8 +398,15 @@ def test_stats_and_plan_nvme(tmp_path, backend):
     for i, s in enumerate(stats):
         assert STAT_KEYS <= set(s), STAT_KEYS - set(s)
         assert s["partitions"] == {"nvme": len(expected)}
-        # every record (and its checksum footer) written back once per step
-        assert s["write_bytes"] == {"nvme": plan["swap_bytes"]}
+        if write_back == "immediate":
+            # every record (and its checksum footer) written back once per step
+            assert s["write_bytes"] == {"nvme": plan["swap_bytes"]}
+            assert s["writes_deferred"] == 0
+        else:
+            # all but the (up to 3) records the step left unwritten in the buffers, which
+            # the next step updates again before anything else
+            assert 0 < s["write_bytes"]["nvme"] < plan["swap_bytes"]
+            assert s["writes_deferred"] == (0 if i == 0 else s["reads_skipped"])
         assert s["update_seconds"] > 0 and s["stall_seconds"] >= 0 and s["io_seconds"] > 0
         assert s["write_gbps"] > 0 and 0.0 <= s["overlap"] <= 1.0
         if i == 0:  # nothing on disk yet: records are built in the buffers, not read
@@ -433,7 +442,9 @@ def test_stats_and_plan_host_only(tmp_path):
 
 def test_plan_mixed_respects_host_capacity(tmp_path):
     cap = 200 << 10
-    plan, stats, expected, _, _ = _stats_run(tmp_path, "threads", host=cap)
+    # every NVMe record written every step, so the bytes below are exact
+    plan, stats, expected, _, _ = _stats_run(tmp_path, "threads", host=cap,
+                                             write_back="immediate")
     sb = plan["state_bytes"]
     assert 0 < sb["host"] <= cap and sb["nvme"] > 0
     assert sb["host"] + sb["nvme"] == sum(p.record_bytes for p in expected)

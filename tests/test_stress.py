@@ -60,7 +60,7 @@ def _assert_documented_shape(result):
                  "pinned", "swap", "activations", "host_need", "host_available", "disk_free"}
     step_keys = {"step", "seconds", "step_seconds", "update_seconds", "transfer_seconds",
                  "stall_seconds", "io_seconds", "read_bytes", "write_bytes", "read_gbps",
-                 "write_gbps", "overlap", "partitions", "reads_skipped"}
+                 "write_gbps", "overlap", "partitions", "reads_skipped", "writes_deferred"}
     assert plan_keys <= set(result["plan"]) and set(result["plan"]["tiers"]) == {"gpu", "host",
                                                                                 "nvme"}
     assert set(result["shape"]) == {"layers", "hidden", "embed_rows", "extra"}

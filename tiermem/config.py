@@ -120,6 +120,12 @@ class PipelineSettings:
                               lo=1, hi=4095, default=2)
     zigzag: bool = doc("Reverse the partition order every step so the partitions still in "
                        "buffers come first and need no read.", default=True)
+    write_back: Literal["deferred", "immediate"] = doc(
+        "deferred: the records a step visits last stay unwritten in their buffers, where "
+        "zig-zag has the next step update them first, and reach the disk when a buffer is "
+        "reused, on flush or at a checkpoint (scratch durability; crash_consistent always "
+        "writes every step); immediate: every update is written back at once.",
+        default="deferred")
     overlap_backward: bool = doc(
         "Start each partition's update during backward, as soon as its gradients are final "
         "(docs/guide/overlap.md); the order then follows the gradients and zigzag has no effect.",

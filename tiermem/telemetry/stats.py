@@ -45,6 +45,7 @@ class StepStats:
     io_seconds: float = 0.0  # wall time NVMe transfers of this step were in flight
     partitions: dict[str, int] = field(default_factory=dict)  # updated, per tier
     reads_skipped: int = 0  # NVMe partitions found still in a buffer
+    writes_deferred: int = 0  # NVMe write-backs saved: a record updated again in its buffer
     early_partitions: int = 0  # updated during backward, before step() (overlap_backward)
     update_threads: int = 0  # threads of the step's native updates (optimizer.update_threads)
     # Host<->device copies of the lanes (tiermem/device_lanes.py): bytes, and the time the

@@ -133,7 +133,9 @@ class TierManager:
             self.pool = BufferPool(s.pipeline.buffer_count, size, engine=self.engine)
             self.pipeline = StepPipeline(self.store, self.pool.buffers, nvme,
                                          prefetch_depth=s.pipeline.prefetch_depth,
-                                         zigzag=s.pipeline.zigzag, retries=s.io.retries)
+                                         zigzag=s.pipeline.zigzag, retries=s.io.retries,
+                                         defer_writes=(not self.crash and
+                                                       s.pipeline.write_back == "deferred"))
             if self._resume is not None:
                 self.pipeline.fresh &= set(self._resume.fresh)
             self.pipeline.run_ahead()

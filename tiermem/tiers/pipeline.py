@@ -7,7 +7,12 @@ With B pool buffers and prefetch depth k < B:
    one (the first k of a step were issued when the previous step ended);
 2. partition i is computed in its buffer;
 3. its write-back is issued and the loop goes on; a buffer is reused (or its
-   record changed again) only after that write completed.
+   record changed again) only after that write completed. With write-back
+   deferral (scratch durability, zig-zag order), the records visited last, which
+   the next step visits first while they are still in their buffers, are not
+   written: the next step updates them again, and only a buffer's eviction,
+   flush() or settle_writes() writes a deferred record. The step then writes as
+   many records as it reads.
 The order reverses every step (zig-zag), so the partitions still in buffers
 at the end of a step are the first of the next and are not read again; among
 those, the ones whose write-back landed or was issued first come first, so a
@@ -53,6 +58,10 @@ class _Slot:
     needs_init: bool = False  # part was never written: build its record, do not read
     fetched: bool = False  # read (or built) for the step being run, not left from before
     dirty: bool = False  # its write-back failed: this buffer holds the only current copy
+    # Updated, its write-back not issued (the disk copy is older): written before the
+    # buffer takes another record, or by flush() / settle_writes().
+    deferred: bool = False
+    digest: int | None = None  # the deferred record's CRC32C, when its update computed it
 
 
 class StepPipeline:
@@ -60,7 +69,7 @@ class StepPipeline:
 
     def __init__(self, store: SwapStore, buffers: Sequence[torch.Tensor],
                  parts: Sequence[Partition], *, prefetch_depth: int, zigzag: bool,
-                 retries: int = 0) -> None:
+                 retries: int = 0, defer_writes: bool = False) -> None:
         if len(buffers) < prefetch_depth + 1:
             raise ValueError(f"{len(buffers)} buffers cannot hold prefetch_depth + 1 = "
                              f"{prefetch_depth + 1} partitions")
@@ -73,6 +82,9 @@ class StepPipeline:
         self.fresh = {p.id for p in parts}
         self.steps_done = 0
         self.retries = retries  # times a failed transfer is reissued before it is an error
+        # Scratch swap files only: a crash-consistent step must reach the disk each step.
+        self.defer_writes = defer_writes
+        self._visiting: tuple[Sequence[Partition], int] | None = None  # acquire's (order, i)
         self.faults_survived = 0
         self._write_errors: list[TierMemIOError] = []
         self._open_stats: list[tuple[StepStats, list[tuple[Request, int]]]] = []
@@ -133,6 +145,8 @@ class StepPipeline:
         """Count in `stats` the reads run ahead of this step (issued as the last one ended)."""
         for tier, n in self._ahead.read_bytes.items():
             stats.add_bytes("read", tier, n)
+        for tier, n in self._ahead.write_bytes.items():  # deferred records flush() wrote
+            stats.add_bytes("write", tier, n)
         if stats.events is not None and self._ahead.events:
             stats.events.extend(self._ahead.events)
 
@@ -149,6 +163,7 @@ class StepPipeline:
         safe_point()  # a Ctrl-C leaves here: no write of this partition is half issued yet
         slot = self._load(part, window, order, i, stats)
         self._read_ahead(order, i, stats)
+        self._visiting = (order, i)
         with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
             self._finish_read(slot)
             self._settle_write(slot)  # a failure leaves it dirty: it is the latest copy
@@ -161,8 +176,31 @@ class StepPipeline:
         CRC32C if the update computed it in the same pass."""
         slot = self.where[part.id]
         slot.needs_init = False
-        self._issue_write(slot, stats, digest=digest)
+        # The record this update started from was never written: one write-back saved.
+        stats.writes_deferred += slot.deferred
+        if self._defer(part):
+            slot.deferred, slot.digest = True, digest
+        else:
+            self._issue_write(slot, stats, digest=digest)
         stats.partitions["nvme"] = stats.partitions.get("nvme", 0) + 1
+
+    def _defer(self, part: Partition) -> bool:
+        """Whether `part`'s write-back can wait: it is among the last records this step
+        visits, as many as there are buffers. Zig-zag makes those the next step's first,
+        reached before any read needs their buffers (every read the rest of this step
+        needs takes the buffer of a record visited earlier, which is needed last), so the
+        next step updates them again where they are. A guess that proves wrong costs a
+        write issued when the buffer is wanted (_load), never a record: nothing takes a
+        deferred buffer without writing it first. An order planned from the gradients
+        (overlap_backward) visits the last records last again: no deferral there."""
+        if not (self.defer_writes and self.zigzag and self.planned is None
+                and self._visiting is not None):
+            return False
+        order, i = self._visiting
+        if i >= len(order) or order[i].id != part.id:
+            return False
+        usable = sum(not s.dirty for s in self.slots)
+        return i >= len(order) - usable
 
     def end_step(self, stats: StepStats, *, run_ahead: bool = True) -> None:
         """Close the step, run the next one's reads ahead (unless the caller will, with
@@ -225,6 +263,8 @@ class StepPipeline:
         with timed(stats, "stall_seconds", f"free buffer for p{part.id}", part.id):
             while True:
                 slot = self._victim(window, order, i)
+                if slot.deferred:  # its record's only copy: to disk before the buffer is reused
+                    self._issue_write(slot, stats, digest=slot.digest)
                 self._finish_read(slot)
                 # The old record must be on disk before the buffer takes another; if its
                 # write failed for good the buffer stays with it and another is chosen.
@@ -279,7 +319,8 @@ class StepPipeline:
         n = len(pos)
         best, best_use = None, j
         for s in self.slots:
-            if s.dirty or s.read is not None or (s.write is not None and not s.write.done()):
+            if (s.dirty or s.deferred or s.read is not None
+                    or (s.write is not None and not s.write.done())):
                 continue
             if s.part is None:
                 use = float("inf")
@@ -334,10 +375,14 @@ class StepPipeline:
         # the read (and every read queued behind it) up by as much as a whole write, so the
         # disk would alternate write, read, write instead of doing both. Among the landed,
         # Belady. With none landed, the write issued first lands first.
-        landed = [s for s in pool if s.write is None or s.write.done()]
+        landed = [s for s in pool if not s.deferred and (s.write is None or s.write.done())]
         if landed:
             return max(landed, key=next_use)
-        return min(pool, key=lambda s: s.write.interval()[0])
+        # A deferred record is written only when no write in flight frees a buffer sooner.
+        writing = [s for s in pool if s.write is not None]
+        if writing:
+            return min(writing, key=lambda s: s.write.interval()[0])
+        return max(pool, key=next_use)
 
     def _finish_read(self, slot: _Slot) -> None:
         if slot.read is None:
@@ -388,6 +433,7 @@ class StepPipeline:
         return not slot.dirty
 
     def _issue_write(self, slot: _Slot, stats: StepStats, digest: int | None = None) -> None:
+        slot.deferred, slot.digest = False, None
         slot.write = self.store.write(slot.part, slot.buf, digest=digest)
         self.fresh.discard(slot.part.id)
         self._reqs.append((slot.write, slot.part.id))
@@ -411,6 +457,7 @@ class StepPipeline:
     def settle_writes(self) -> None:
         """Every write-back issued so far is on disk (raises the first that fails); reads
         in flight, the next step's run-ahead, go on."""
+        self._write_deferred()
         for slot in self.slots:
             if slot.dirty and slot.write is None:
                 slot.write = self.store.rewrite(slot.part, slot.buf)  # the disk may be back
@@ -419,6 +466,7 @@ class StepPipeline:
     def flush(self) -> None:
         """Every write-back on disk (raises the first that fails); reads in flight are
         finished, and a failed one only dropped: its record is still on disk."""
+        self._write_deferred()
         for slot in self.slots:
             try:
                 self._finish_read(slot)
@@ -428,6 +476,17 @@ class StepPipeline:
                 slot.write = self.store.rewrite(slot.part, slot.buf)  # the disk may be back
             self._finish_write(slot)
         self._close_old_stats(keep=0)
+
+    def deferred_bytes(self) -> int:
+        """Bytes of the records whose write-back is deferred: what flush() will write."""
+        return sum(self.store.slots[s.part.id].nbytes for s in self.slots if s.deferred)
+
+    def _write_deferred(self) -> None:
+        """Issue the write-back of every deferred record (all at once: the disk takes them
+        together); counted in the bytes of the next step, as the run-ahead's reads are."""
+        for slot in self.slots:
+            if slot.deferred:
+                self._issue_write(slot, self._ahead, digest=slot.digest)
 
     def _close_old_stats(self, keep: int) -> None:
         while len(self._open_stats) > keep:
