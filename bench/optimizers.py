@@ -43,6 +43,7 @@ round.
 
 Usage: python bench/optimizers.py [--params 300M] [--rounds 5] [--steps 3]
        [--optimizers sgd,adagrad] [--impl fused] [--update-threads 0] [--stand-in]
+       [--write-back deferred]
        [--quick] [--json out.json]
 """
 
@@ -101,7 +102,8 @@ def phase_rounds(args: argparse.Namespace) -> dict:
     opt = _optimizer(args, params)
     plain = _optimizer(args, params)  # same parameters, its own state, in memory
     plain.step()  # its state is allocated here, not in a timed step
-    cfg = offload_config(args, update_threads=args.update_threads)
+    cfg = offload_config(args, pipeline={"write_back": args.write_back},
+                         update_threads=args.update_threads)
     with tiermem.offload(opt, cfg, name=f"bench-opt-{args.optimizer}") as tm:
         plan = tm.plan()
         warm = time_calls(opt.step, 2)["seconds"]
@@ -190,6 +192,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impl", choices=list(IMPLS), default="fused",
                    help="the optimizer's implementation flags, the same for tiermem and the "
                         "in-memory floor (default fused)")
+    p.add_argument("--write-back", default="deferred", choices=["deferred", "immediate"],
+                   help="pipeline.write_back (default deferred, as shipped)")
     p.add_argument("--update-threads", type=int, default=0,
                    help="optimizer.update_threads (default 0: auto)")
     p.add_argument("--stand-in", action="store_true",
@@ -257,8 +261,8 @@ def main(argv=None) -> int:
     table = show_table(["what", "time (median)", "detail"], rows, title=(
         f"\n{args.params_text} fp32 parameters, state on NVMe, {args.backend}, "
         f"bs {args.block_size}, qd {args.queue_depth}, partitions {args.partition_size}, "
-        f"{args.buffers} buffers, prefetch {args.prefetch}; {args.rounds} rounds of "
-        f"{args.steps} steps\n"))
+        f"{args.buffers} buffers, prefetch {args.prefetch}, write-back {args.write_back}; "
+        f"{args.rounds} rounds of {args.steps} steps\n"))
     print()
     save(args.json, header, args=settings(args), results=results,
          ratios={k: v["median"]["ratio"] for k, v in results.items()}, table=table)
