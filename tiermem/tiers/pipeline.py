@@ -424,8 +424,9 @@ class StepPipeline:
         slot.dirty = False
 
     def _settle_write(self, slot: _Slot) -> bool:
-        """Finish slot's write-back; a failure is kept for the end of the step. True if the
-        slot's record is on disk."""
+        """Finish slot's write-back; a failure is kept for the end of the step. True unless
+        that write failed (a deferred record, never written yet, is not on disk either:
+        _load writes it before the buffer is reused)."""
         try:
             self._finish_write(slot)
         except TierMemIOError as exc:
