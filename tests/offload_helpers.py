@@ -232,6 +232,16 @@ def twin(model_cls: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
     return m, copy.deepcopy(m)
 
 
+def twin_optimizers(cls, kw: dict, sizes: Sequence[int], seed: int = 0):
+    """(params, cls(params), reference params, cls(reference)): two optimizers over the
+    same random 1-d parameters, one to tier and one to compare with."""
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(n, generator=g) for n in sizes]
+    ps = [nn.Parameter(t.clone()) for t in init]
+    ref = [nn.Parameter(t.clone()) for t in init]
+    return ps, cls(ps, **kw), ref, cls(ref, **kw)
+
+
 def listdir(path: Path | str) -> list[str]:
     return sorted(os.listdir(path)) if os.path.exists(path) else []
 

@@ -13,17 +13,13 @@ import pytest
 import torch
 
 import tiermem
-from offload_helpers import backend_params, config
+from offload_helpers import backend_params, config, twin_optimizers
 
 N_PARAMS, NUMEL, BUFFERS = 6, 20_000, 3  # 80 KB each: two 64 KiB partitions per parameter
 
 
 def make(cls, kw):
-    g = torch.Generator().manual_seed(0)
-    init = [torch.randn(NUMEL, generator=g) for _ in range(N_PARAMS)]
-    ps = [torch.nn.Parameter(t.clone()) for t in init]
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    return ps, cls(ps, **kw), ref, cls(ref, **kw)
+    return twin_optimizers(cls, kw, [NUMEL] * N_PARAMS)
 
 
 @pytest.mark.parametrize("backend", backend_params())

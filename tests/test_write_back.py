@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import tiermem
 from faults import inject
 from tiermem.io.buffers import aligned_empty
-from offload_helpers import backend_params, config
+from offload_helpers import backend_params, config, twin_optimizers
 
 N_PARAMS, NUMEL, BUFFERS = 6, 20_000, 3  # 80 KB each: two 64 KiB partitions per parameter
 OPTIMIZERS = [
@@ -32,11 +32,7 @@ IDS = ["sgd", "adamw"]
 
 
 def make(cls, kw):
-    g = torch.Generator().manual_seed(0)
-    init = [torch.randn(NUMEL, generator=g) for _ in range(N_PARAMS)]
-    ps = [torch.nn.Parameter(t.clone()) for t in init]
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    return ps, cls(ps, **kw), ref, cls(ref, **kw)
+    return twin_optimizers(cls, kw, [NUMEL] * N_PARAMS)
 
 
 def cfg(tmp_path, backend, write_back="deferred", **extra):
@@ -65,6 +61,18 @@ def assert_same(ps, opt, ref, ref_opt):
     for i in want:
         for k, v in want[i].items():
             assert torch.equal(got[i][k], v), (i, k)
+
+
+def disk_holds_the_buffers(tiers) -> None:
+    """Every NVMe record as the swap file holds it (read back, checksum and generation
+    checked) equals the record the pipeline hands out."""
+    for part in tiers.parts:
+        buf = aligned_empty(tiers.pipeline.slots[0].buf.numel())
+        tiers.store.read(part, buf).wait()
+        tiers.store.verify(part, buf)
+        with tiers.pipeline.record(part, write=False) as (views, _):
+            for kind, view in part.views(buf).items():
+                assert torch.equal(view, views[kind]), (part.id, kind)
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -134,16 +142,7 @@ def test_flush_writes_every_deferred_record(tmp_path, backend):
         tiers = tm.offloaded.tiers
         tiers.flush()
         assert not any(s.deferred for s in tiers.pipeline.slots)
-        on_disk = 0
-        for part in tiers.parts:
-            buf = aligned_empty(tiers.pipeline.slots[0].buf.numel())
-            tiers.store.read(part, buf).wait()
-            tiers.store.verify(part, buf)
-            with tiers.pipeline.record(part, write=False) as (views, _):
-                for kind, view in part.views(buf).items():
-                    assert torch.equal(view, views[kind]), (part.id, kind)
-                    on_disk += 1
-        assert on_disk
+        disk_holds_the_buffers(tiers)
         # and the buffers themselves hold the plain optimizer's state
         assert_same(ps, opt, ref, ref_opt)
 
@@ -166,13 +165,7 @@ def test_a_failed_deferred_write_is_kept_for_the_next_flush(tmp_path, backend):
         assert sum(s.dirty for s in tiers.pipeline.slots) == 1
         tiers.flush()  # the disk is back: the kept record goes out
         assert not any(s.dirty or s.deferred for s in tiers.pipeline.slots)
-        for part in tiers.parts:
-            buf = aligned_empty(tiers.pipeline.slots[0].buf.numel())
-            tiers.store.read(part, buf).wait()
-            tiers.store.verify(part, buf)
-            with tiers.pipeline.record(part, write=False) as (views, _):
-                for kind, view in part.views(buf).items():
-                    assert torch.equal(view, views[kind]), (part.id, kind)
+        disk_holds_the_buffers(tiers)
         for _ in range(2):
             step_both(ps, opt, ref, ref_opt, g)
         assert_same(ps, opt, ref, ref_opt)
@@ -247,10 +240,4 @@ def test_any_sequence_equals_the_plain_optimizer(tmp_path_factory, backend, acti
         assert_same(ps, opt, ref, ref_opt)
         tiers = tm.offloaded.tiers
         tiers.flush()
-        for part in tiers.parts:
-            buf = aligned_empty(tiers.pipeline.slots[0].buf.numel())
-            tiers.store.read(part, buf).wait()
-            tiers.store.verify(part, buf)
-            with tiers.pipeline.record(part, write=False) as (views, _):
-                for kind, view in part.views(buf).items():
-                    assert torch.equal(view, views[kind]), (part.id, kind)
+        disk_holds_the_buffers(tiers)
