@@ -10,8 +10,9 @@ runs in one process that alternates, for --rounds rounds:
    deferred and which the flush ending each block writes), reading and writing
    concurrently (two jobs, io_uring, O_DIRECT, huge-page buffers, the engine's block
    size), tried at the engine's queue depth per job and at half of it per job (the
-   engine's own total); the faster of the two is the floor. The read job reads a file written beforehand and the write job
-   overwrites one, as a steady step rewrites records written the step before;
+   engine's own total); the faster of the two is the floor. The read job reads a file
+   written beforehand and the write job overwrites one, as a steady step rewrites
+   records written the step before;
 2. the compute floor: the plain optimizer's step over the same parameters with its
    state in memory and the same implementation flags (--impl: torch's default
    for-loop, foreach, or fused), median of --memory-steps;
