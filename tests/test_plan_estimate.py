@@ -62,3 +62,23 @@ def test_no_update_figure_says_what_to_give(tmp_path):
                                    update=None, drives=1))
     assert "update floor: not measured" in text and "--update-ns" in text
     assert "NVMe-bound (the only floor estimated" in text
+
+
+@pytest.mark.parametrize("cfg, written_all", [
+    ({}, False),  # deferred write-back: the buffered records are neither read nor written
+    ({"pipeline": {"write_back": "immediate"}}, True),
+    ({"swap": {"durability": "crash_consistent"}}, True),
+    ({"pipeline": {"overlap_backward": True}}, True),  # the gradients' order: no deferral
+], ids=["deferred", "immediate", "crash-consistent", "overlap-backward"])
+def test_nvme_bytes_follow_write_back(tmp_path, cfg, written_all):
+    pipeline = {"buffer_count": 4, "partition_size": "64MiB", **cfg.pop("pipeline", {})}
+    swap = cfg.pop("swap", {})
+    settings, plan = _plan(tmp_path, tiers={"host": {"capacity": 0}}, pipeline=pipeline,
+                           **({"swap": {"paths": [str(tmp_path / "swap")], **swap}}
+                              if swap else {}))
+    text = "\n".join(estimate_step(plan, settings, read_gbps=1.0, write_gbps=1.0,
+                                   update=UpdateCost(1.0, "fused", "given"), drives=1))
+    nvme = plan.tiers["nvme"]
+    reads = nvme - 4 * (64 << 20)
+    writes = nvme if written_all else reads
+    assert f"NVMe floor: {(reads + writes) / 1e9:.3g} s" in text, text

@@ -102,9 +102,13 @@ def estimate_step(plan: Plan, settings: Settings, *, read_gbps: float | None,
     io = None
     if nvme:
         p = settings.pipeline
-        # With zigzag the partitions still in the buffers from the last step need no read.
+        # With zigzag the partitions still in the buffers from the last step need no read,
+        # and with deferred write-back (scratch durability, the zig-zag order kept) they
+        # were not written either: the step updates them again where they are.
         skipped = min(nvme, p.buffer_count * p.partition_size) if p.zigzag else 0
-        reads, writes = nvme - skipped, nvme
+        deferred = (p.write_back == "deferred" and not p.overlap_backward
+                    and settings.swap.durability == "scratch")
+        reads, writes = nvme - skipped, nvme - (skipped if deferred else 0)
         drives = drives or nvme_drives(settings)
         out.append(f"NVMe per step: read {format_size(reads)}, write {format_size(writes)}, "
                    f"over {drives} drive(s)")
