@@ -36,8 +36,8 @@ def make(cls, kw):
 
 
 def cfg(tmp_path, backend, write_back="deferred", **extra):
-    c = config(tmp_path, backend=backend, buffer_count=BUFFERS, prefetch_depth=1)
-    c["pipeline"]["write_back"] = write_back
+    c = config(tmp_path, backend=backend, buffer_count=BUFFERS, prefetch_depth=1,
+               write_back=write_back)
     for section, values in extra.items():
         c.setdefault(section, {}).update(values)
     return c
@@ -213,12 +213,9 @@ def test_any_sequence_equals_the_plain_optimizer(tmp_path_factory, backend, acti
     between steps, flushes: the weights and the state stay bitwise those of the plain
     optimizer, and the swap file after a final flush holds every record."""
     prefetch = data.draw(st.integers(1, buffers - 1), label="prefetch")
+    ps, opt, ref, ref_opt = twin_optimizers(
+        torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3), sizes)
     g = torch.Generator().manual_seed(len(sizes))
-    init = [torch.randn(n, generator=g) for n in sizes]
-    ps = [torch.nn.Parameter(t.clone()) for t in init]
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    kw = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
-    opt, ref_opt = torch.optim.SGD(ps, **kw), torch.optim.SGD(ref, **kw)
     c = config(tmp_path_factory.mktemp("swap"), backend=backend, buffer_count=buffers,
                prefetch_depth=prefetch)
     with tiermem.offload(opt, c) as tm:

@@ -270,6 +270,12 @@ class Settings:
     parameters: ParameterSettings = doc("Weights and gradients in the tiers.",
                                         default_factory=ParameterSettings)
 
+    @property
+    def defers_writes(self) -> bool:
+        """Whether the NVMe pipeline may leave updated records unwritten in its buffers
+        (pipeline.write_back: deferred); a crash-consistent step must reach the disk."""
+        return self.pipeline.write_back == "deferred" and self.swap.durability == "scratch"
+
     def validate(self) -> None:
         # A budget above RLIMIT_MEMLOCK is not an error: what cannot be locked stays pageable,
         # with one warning (tiermem.io.buffers), so the defaults work for any user.

@@ -134,8 +134,7 @@ class TierManager:
             self.pipeline = StepPipeline(self.store, self.pool.buffers, nvme,
                                          prefetch_depth=s.pipeline.prefetch_depth,
                                          zigzag=s.pipeline.zigzag, retries=s.io.retries,
-                                         defer_writes=(not self.crash and
-                                                       s.pipeline.write_back == "deferred"))
+                                         defer_writes=s.defers_writes)
             if self._resume is not None:
                 self.pipeline.fresh &= set(self._resume.fresh)
             self.pipeline.run_ahead()

@@ -199,8 +199,7 @@ class StepPipeline:
         order, i = self._visiting
         if i >= len(order) or order[i].id != part.id:
             return False
-        usable = sum(not s.dirty for s in self.slots)
-        return i >= len(order) - usable
+        return i >= len(order) - self._usable()
 
     def end_step(self, stats: StepStats, *, run_ahead: bool = True) -> None:
         """Close the step, run the next one's reads ahead (unless the caller will, with
@@ -233,8 +232,7 @@ class StepPipeline:
         queue every read someone waits for meanwhile (a forward's weights) behind it."""
         nxt = self.order(self.steps_done)
         # A buffer whose write-back failed keeps its record: it cannot take a read.
-        usable = sum(not s.dirty for s in self.slots)
-        window = nxt[: min(self.k + 1 if depth is None else depth, usable)]
+        window = nxt[: min(self.k + 1 if depth is None else depth, self._usable())]
         reading: list[Request] = []
         for q in window:
             if q.id in self.where:
@@ -332,6 +330,10 @@ class StepPipeline:
             if use > best_use and self._settle_write(s):
                 best, best_use = s, use
         return best
+
+    def _usable(self) -> int:
+        """Buffers that can take a record: not those keeping one whose write-back failed."""
+        return sum(not s.dirty for s in self.slots)
 
     def _positions(self, order: Sequence[Partition]) -> dict[int, int]:
         """Partition id -> position in `order` (kept per order list: a visit asks once per

@@ -106,8 +106,7 @@ def estimate_step(plan: Plan, settings: Settings, *, read_gbps: float | None,
         # and with deferred write-back (scratch durability, the zig-zag order kept) they
         # were not written either: the step updates them again where they are.
         skipped = min(nvme, p.buffer_count * p.partition_size) if p.zigzag else 0
-        deferred = (p.write_back == "deferred" and not p.overlap_backward
-                    and settings.swap.durability == "scratch")
+        deferred = settings.defers_writes and not p.overlap_backward
         reads, writes = nvme - skipped, nvme - (skipped if deferred else 0)
         drives = drives or nvme_drives(settings)
         out.append(f"NVMe per step: read {format_size(reads)}, write {format_size(writes)}, "
