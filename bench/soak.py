@@ -47,7 +47,7 @@ class TransientFaults:
         self.n = self.injected = 0
         self._failed: set = set()
 
-    def submit(self, *, op, file, addr, nbytes, offset, buf_index):
+    def submit(self, *, op, file, addr, nbytes, offset, buf_index, **kw):
         self.n += 1
         key = (op, file, offset)
         if self.every and self.n % self.every == 0 and key not in self._failed:
@@ -56,7 +56,7 @@ class TransientFaults:
             return FailedTransfer(errno.EIO, offset, nbytes)
         self._failed.discard(key)
         return self.inner.submit(op=op, file=file, addr=addr, nbytes=nbytes, offset=offset,
-                                 buf_index=buf_index)
+                                 buf_index=buf_index, **kw)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

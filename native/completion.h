@@ -78,6 +78,28 @@ static inline void tm_reset_request(tm_request *r)
     r->link = NULL;
     r->submit_ns = tm_now_ns();
     r->done_ns = 0;
+    r->landed = 0;
+}
+
+/* How far read r may go now, given the write r->after whose memory it reuses:
+ * the end (in r's buffer) of what it may take, from r->next on, or -1 when the
+ * write failed (r is then cancelled). The write's unsent memory is
+ * [after.buf + landed, after.buf + after.len): r may not touch it. The limit is
+ * kept a multiple of 4096 bytes from r->next (O_DIRECT) unless it is r's end. */
+static inline int64_t tm_after_limit(const tm_request *r)
+{
+    const tm_request *w = r->after;
+    if (__atomic_load_n(&w->done, __ATOMIC_ACQUIRE))
+        return w->error ? -1 : (int64_t)r->len;
+    uintptr_t a = (uintptr_t)r->buf + r->next;
+    uintptr_t unsent = (uintptr_t)w->buf + __atomic_load_n(&w->landed, __ATOMIC_SEQ_CST);
+    uintptr_t wend = (uintptr_t)w->buf + w->len;
+    if (a >= wend || (uintptr_t)r->buf + r->len <= unsent)
+        return (int64_t)r->len;
+    if (a >= unsent)
+        return (int64_t)r->next;
+    uint64_t room = (uint64_t)(unsent - a) & ~(uint64_t)4095;
+    return (int64_t)(r->next + room);
 }
 
 #endif

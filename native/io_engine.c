@@ -36,6 +36,7 @@ typedef struct piece {
     char *buf;
     uint64_t off;
     uint32_t len;
+    int busy;           /* handed out: in the ring or on the retry list */
     struct piece *next; /* free list / retry list */
 } piece;
 
@@ -67,6 +68,9 @@ struct tm_engine {
     int stopping;
     int inflight_requests; /* submitted and not done; under lock */
     unsigned *file_used;
+    /* Set by the read worker before it looks at a write's landed prefix; the
+     * write worker clears it and wakes the read worker after moving one on. */
+    int read_waiting;
 };
 
 int tm_uring_probe(void)
@@ -123,6 +127,48 @@ static void queue_piece(lane *l, piece *p)
     l->pieces_in_ring++;
 }
 
+/* r's write (r->after) failed: hand out no more of r, and fail it where it got
+ * to once its pieces in the ring are back. */
+static void cancel_rest(lane *l, tm_request *r)
+{
+    if (r->error == 0) {
+        r->error = -ECANCELED;
+        r->error_offset = r->offset + r->next;
+        r->error_length = r->len - r->next;
+    }
+    r->next = r->len;
+    if (r->inflight == 0) {
+        tm_unlink(&l->active_head, &l->active_tail, r);
+        finish_request(l->e, r);
+    }
+}
+
+/* A piece of write r landed: its landed prefix ends at the lowest piece still
+ * out (in the ring or to retry), or at what was handed out if none is. A
+ * failed write's prefix stays where it was. */
+static void advance_landed(lane *l, tm_request *r)
+{
+    if (r->error != 0)
+        return;
+    uint64_t low = r->next;
+    for (unsigned i = 0; i < l->e->queue_depth; i++) {
+        piece *p = &l->pieces[i];
+        if (p->busy && p->req == r && (uint64_t)(p->buf - r->buf) < low)
+            low = (uint64_t)(p->buf - r->buf);
+    }
+    __atomic_store_n(&r->landed, low, __ATOMIC_SEQ_CST);
+}
+
+static int wake(lane *l);
+
+/* A write moved on (or ended): the read worker, if it looked at a landed
+ * prefix since it last woke, looks again. */
+static void wake_reader(tm_engine *e)
+{
+    if (__atomic_exchange_n(&e->read_waiting, 0, __ATOMIC_SEQ_CST))
+        (void)wake(&e->lanes[0]);
+}
+
 /* Hand out pieces until the ring holds queue_depth: retries first, then the
  * lane's requests in submission order (the pipeline submits the partition it
  * needs first, first). */
@@ -140,9 +186,28 @@ static void fill_ring(lane *l)
             r = r->link;
             continue;
         }
+        uint64_t end = r->len;
+        if (r->after) {
+            /* Before the landed prefix is read: a write moving on after that
+             * sees the flag and wakes this worker (seq_cst on both sides). */
+            __atomic_store_n(&l->e->read_waiting, 1, __ATOMIC_SEQ_CST);
+            int64_t limit = tm_after_limit(r);
+            if (limit < 0) {
+                tm_request *nx = r->link;
+                cancel_rest(l, r);
+                r = nx;
+                continue;
+            }
+            end = (uint64_t)limit;
+            if (end <= r->next) { /* its memory is still being written: later ones go on */
+                r = r->link;
+                continue;
+            }
+        }
         piece *p = l->free_pieces;
         l->free_pieces = p->next;
-        uint64_t left = r->len - r->next;
+        uint64_t left = end - r->next;
+        p->busy = 1;
         p->req = r;
         p->len = left < block ? (uint32_t)left : block;
         p->off = r->offset + r->next;
@@ -187,12 +252,18 @@ static void complete_piece(lane *l, piece *p, int res)
         r->bytes_done += res;
     }
     r->inflight--;
+    p->busy = 0;
     p->next = l->free_pieces;
     l->free_pieces = p;
+    int is_write = r->op == 1;
+    if (is_write)
+        advance_landed(l, r); /* before finish_request: Python may free r after it */
     if (r->inflight == 0 && r->next >= r->len) {
         tm_unlink(&l->active_head, &l->active_tail, r);
         finish_request(l->e, r);
     }
+    if (is_write)
+        wake_reader(l->e); /* after: a read cancelled by a failed write sees it done */
 }
 
 /* Fail a list of requests with the ring's error, from where each got to (a
@@ -253,6 +324,7 @@ static void *worker_main(void *arg)
             pthread_mutex_unlock(&e->lock);
             fail_requests(e, l->active_head, ret);
             fail_requests(e, late, ret);
+            wake_reader(e); /* reads that follow these writes are cancelled */
             l->active_head = l->active_tail = NULL;
             break;
         }

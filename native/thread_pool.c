@@ -25,6 +25,8 @@ struct tm_pool;
 typedef struct pool_worker_arg {
     struct tm_pool *pool;
     int op; /* the direction this thread moves */
+    tm_request *cur; /* the request of the piece it moves, or NULL; under lock */
+    uint64_t cur_off; /* that piece's offset in the request */
 } pool_worker_arg;
 
 struct tm_pool {
@@ -39,15 +41,45 @@ struct tm_pool {
     tm_request *head, *tail;
     int stopping;
     int inflight_requests;
+    int following; /* reads in the list that follow a write (tm_request.after) */
 };
 
-/* Under lock: hand out the next piece of direction op, in submission order. */
+/* Under lock: r is done; wake its waiters. */
+static void finish(tm_pool *p, tm_request *r)
+{
+    tm_unlink(&p->head, &p->tail, r);
+    p->inflight_requests--;
+    if (r->after)
+        p->following--;
+    tm_mark_done(&p->done, r);
+}
+
+/* Under lock: hand out the next piece of direction op, in submission order; a
+ * read whose memory a write still has to send waits, and those after it go on. */
 static tm_request *take_piece(tm_pool *p, int op, uint64_t *off, uint64_t *len)
 {
-    for (tm_request *r = p->head; r; r = r->link) {
+    tm_request *nx;
+    for (tm_request *r = p->head; r; r = nx) {
+        nx = r->link;
         if (r->op != op || r->next >= r->len)
             continue;
-        uint64_t left = r->len - r->next;
+        uint64_t end = r->len;
+        if (r->after) {
+            int64_t limit = tm_after_limit(r);
+            if (limit < 0) { /* its write failed: none of the rest is issued */
+                r->error = -ECANCELED;
+                r->error_offset = r->offset + r->next;
+                r->error_length = r->len - r->next;
+                r->next = r->len;
+                if (r->inflight == 0)
+                    finish(p, r);
+                continue;
+            }
+            end = (uint64_t)limit;
+            if (end <= r->next)
+                continue;
+        }
+        uint64_t left = end - r->next;
         *off = r->next;
         *len = left < p->block_size ? left : p->block_size;
         r->next += *len;
@@ -55,6 +87,15 @@ static tm_request *take_piece(tm_pool *p, int op, uint64_t *off, uint64_t *len)
         return r;
     }
     return NULL;
+}
+
+/* Under lock: whether a request of direction op still has pieces to hand out. */
+static int pending(tm_pool *p, int op)
+{
+    for (tm_request *r = p->head; r; r = r->link)
+        if (r->op == op && r->next < r->len)
+            return 1;
+    return 0;
 }
 
 static ssize_t transfer(tm_request *r, char *buf, size_t len, off_t pos, int stream)
@@ -100,10 +141,12 @@ static void *pool_worker(void *arg)
     for (;;) {
         uint64_t off, len;
         tm_request *r = take_piece(p, a->op, &off, &len);
+        a->cur = r;
+        a->cur_off = off;
         if (!r) {
             /* Nothing left of this direction: with a stop, the other direction's
-             * threads finish theirs. */
-            if (p->stopping)
+             * threads finish theirs. A read waiting for a write is not nothing. */
+            if (p->stopping && !pending(p, a->op))
                 break;
             pthread_cond_wait(&p->work[a->op], &p->lock);
             continue;
@@ -124,11 +167,20 @@ static void *pool_worker(void *arg)
         } else {
             r->bytes_done += len;
         }
-        if (r->inflight == 0 && r->next >= r->len) {
-            tm_unlink(&p->head, &p->tail, r);
-            p->inflight_requests--;
-            tm_mark_done(&p->done, r);
+        a->cur = NULL;
+        if (r->op == 1 && r->error == 0) {
+            /* Its landed prefix ends at the lowest piece still moving. */
+            uint64_t low = r->next;
+            for (unsigned i = 0; i < p->nthreads; i++)
+                if (p->args[i].cur == r && p->args[i].cur_off < low)
+                    low = p->args[i].cur_off;
+            __atomic_store_n(&r->landed, low, __ATOMIC_SEQ_CST);
         }
+        int moved_write = r->op == 1;
+        if (r->inflight == 0 && r->next >= r->len)
+            finish(p, r);
+        if (moved_write && p->following)
+            pthread_cond_broadcast(&p->work[0]); /* reads that follow it look again */
     }
     pthread_mutex_unlock(&p->lock);
     return NULL;
@@ -190,6 +242,8 @@ int tm_pool_submit(tm_pool *p, tm_request *r)
         p->head = r;
     p->tail = r;
     p->inflight_requests++;
+    if (r->after)
+        p->following++;
     /* One waiter of the request's direction per piece, at most all of them. */
     uint64_t pieces = (r->len + p->block_size - 1) / p->block_size;
     if (pieces >= p->per_direction)

@@ -22,6 +22,13 @@ typedef struct tm_request {
     uint32_t resubmits;     /* short transfers and EAGAINs requeued */
     uint64_t submit_ns;     /* CLOCK_MONOTONIC when submitted */
     uint64_t done_ns;       /* CLOCK_MONOTONIC when the last piece landed */
+    /* A write whose memory this read reuses, or NULL: a piece of this request starts
+     * only once every byte of `after` that it overlaps has been sent (after's landed
+     * prefix covers it); if `after` fails, this request fails with -ECANCELED where it
+     * got to. Set before submit; the caller keeps `after` alive until this is done. */
+    struct tm_request *after;
+    /* Of a write: bytes of the buffer's prefix whose pieces all landed (atomic). */
+    uint64_t landed;
     /* engine-private */
     uint64_t next;          /* bytes handed to the ring so far */
     uint32_t inflight;      /* pieces in the ring */

@@ -186,7 +186,7 @@ class RecordingBackend:
         self.paths.pop(token, None)
         self.inner.remove_file(token)
 
-    def submit(self, *, op, file, addr, nbytes, offset, buf_index):
+    def submit(self, *, op, file, addr, nbytes, offset, buf_index, **kw):
         path = self.paths.get(file, "")
         record = op == "write" and self.trace.active and self.trace.mine(path)
         if record:
@@ -194,7 +194,7 @@ class RecordingBackend:
             wid = self.trace.write_id()
             self.trace.add("write", path, offset, data, wid)
         t = self.inner.submit(op=op, file=file, addr=addr, nbytes=nbytes, offset=offset,
-                              buf_index=buf_index)
+                              buf_index=buf_index, **kw)
         return _TrackedTransfer(t, self.trace, wid) if record else t
 
     def __getattr__(self, name: str) -> Any:

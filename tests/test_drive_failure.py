@@ -46,11 +46,11 @@ class DeadDrive:
         self.paths[token] = os.readlink(f"/proc/self/fd/{fd}")
         return token
 
-    def submit(self, *, op, file, addr, nbytes, offset, buf_index):
+    def submit(self, *, op, file, addr, nbytes, offset, buf_index, **kw):
         if self.drive.dead and self.paths.get(file, "").startswith(self.drive.prefix):
             return FailedTransfer(errno.EIO, offset, nbytes)
         return self.inner.submit(op=op, file=file, addr=addr, nbytes=nbytes, offset=offset,
-                                 buf_index=buf_index)
+                                 buf_index=buf_index, **kw)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

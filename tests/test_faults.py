@@ -3,6 +3,7 @@ survived by reissuing, persistent ones turned into typed errors without losing s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import tiermem
-from faults import inject
+from faults import HoldWrites, inject
 from tiermem.io.buffers import aligned_empty
 from tiermem.io import IOEngine
 
@@ -56,14 +57,15 @@ def _cfg(tmp_path, backend, retries):
             "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 1}}
 
 
-def _run(tmp_path, backend, retries=2, fault=None, steps=3):
-    """Train a small model; `fault` = (op, nth, times). Returns (params, handle, injected)."""
+def _run(tmp_path, backend, retries=2, fault=None, steps=3, late=False):
+    """Train a small model; `fault` = (op, nth, times), `late` as FaultyBackend's. Returns
+    (params, faults survived, the FaultyBackend)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 200), torch.nn.Linear(200, 128))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     with tiermem.offload(opt, _cfg(tmp_path, backend, retries)) as tm:
-        faulty = inject(tm, *fault[:2], times=fault[2]) if fault else None
+        faulty = inject(tm, *fault[:2], times=fault[2], late=late) if fault else None
         for _ in range(steps):
             model(torch.randn(4, 128, generator=g)).square().mean().backward()
             opt.step()
@@ -106,6 +108,25 @@ def test_transient_faults_at_every_position_are_survived(tmp_path, backend):
                 assert torch.equal(a, b), (op, n)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_that_fails_after_a_read_followed_it_is_survived(tmp_path, backend):
+    """A write-back that fails only once a read has taken its buffer (reads follow
+    write-backs in flight piece by piece): the buffer gets its record back from what
+    reached the disk, the write is reissued and the other record read again. At every
+    write position; bitwise the run without faults."""
+    reference, _, _ = _run(tmp_path / "ref", backend)
+    counts = _positions(tmp_path, backend)
+    followed = 0
+    for n in range(counts["write"]):
+        got, survived, faulty = _run(tmp_path / f"w{n}", backend, fault=("write", n, 1),
+                                     late=True)
+        assert faulty.injected == 1 and survived == 1, n
+        followed += faulty.followed
+        for a, b in zip(got, reference):
+            assert torch.equal(a, b), n
+    assert followed >= 2  # the followed write's failure was met, not only plain ones
+
+
 @pytest.mark.parametrize("op", ["read", "write"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_persistent_fault_is_a_typed_error_naming_the_transfer(tmp_path, backend, op):
@@ -122,18 +143,20 @@ def test_persistent_fault_is_a_typed_error_naming_the_transfer(tmp_path, backend
     assert not (tmp_path / "swap" / "tiermem-default").exists()  # state was handed back
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["failed", "failed-after-a-read-followed"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_disk_that_stays_broken_hands_the_state_back_from_memory(tmp_path, backend):
+def test_a_disk_that_stays_broken_hands_the_state_back_from_memory(tmp_path, backend, late):
     """One partition's write-back fails for good: its buffer is never reused, and at the
     end its record comes back from memory with the rest; the error says so. The result
-    equals a run without faults."""
+    equals a run without faults. `late`: the failure shows only after a read took the
+    buffer, which gets the record back from what reached the disk first."""
     reference, _, _ = _run(tmp_path / "ref", backend)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 200), torch.nn.Linear(200, 128))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with pytest.raises(tiermem.TierMemError, match="gathered from memory") as info:
         with tiermem.offload(opt, _cfg(tmp_path, backend, 1)) as tm:
-            inject(tm, "write", 5, times=10**6)
+            faulty = inject(tm, "write", 5, times=10**6, late=late)
             g = torch.Generator().manual_seed(1)
             for _ in range(3):
                 model(torch.randn(4, 128, generator=g)).square().mean().backward()
@@ -146,3 +169,70 @@ def test_a_disk_that_stays_broken_hands_the_state_back_from_memory(tmp_path, bac
     for a, b in zip(model.parameters(), reference):
         assert torch.equal(a.detach(), b)
     assert len(opt.state) == 4 and not (tmp_path / "swap" / "tiermem-default").exists()
+    assert faulty.followed >= late
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_writes_cut_off_part_way_lose_no_record(tmp_path, backend, monkeypatch):
+    """A file size limit (RLIMIT_FSIZE) inside the swap file for one step: the write-backs
+    that cross it fail part way (EFBIG) while reads follow them piece by piece. The step
+    says so; each record whose buffer a read had started to take gets back what reached
+    the disk; once the limit is lifted, flush() writes the rest and training goes on
+    bitwise as without the fault."""
+    import resource
+
+    from tiermem.tiers.pipeline import StepPipeline
+
+    restored: list[int] = []
+    real_restore = StepPipeline._restore
+
+    def spy(self, slot, landed, failure):
+        restored.append(landed)
+        return real_restore(self, slot, landed, failure)
+
+    monkeypatch.setattr(StepPipeline, "_restore", spy)
+
+    def train(tm_cb=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 200), torch.nn.Linear(200, 128))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        cfg = _cfg(tmp_path / ("cut" if tm_cb else "ref"), backend, 0)
+        cfg["io"].update(block_size="16KiB", queue_depth=1)
+        errors = 0
+        with tiermem.offload(opt, cfg) as tm:
+            engine = tm.offloaded.tiers.engine
+            engine._backend = HoldWrites(engine._backend)  # reads always follow writes
+            for step in range(6):
+                model(torch.randn(4, 128, generator=g)).square().mean().backward()
+                with tm_cb(tm) if tm_cb and step == 3 else contextlib.nullcontext():
+                    try:
+                        opt.step()
+                    except tiermem.TierMemIOError as exc:
+                        assert exc.errno == errno.EFBIG
+                        errors += 1
+                if tm_cb and step == 3:
+                    tm.offloaded.tiers.flush()  # the limit is lifted: the kept records go
+                opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], errors
+
+    @contextlib.contextmanager
+    def size_limit(tm):
+        # 8 KiB into the second 16 KiB piece of the last record in the file: its writes
+        # fail there, the other records' go through
+        last = max(tm.offloaded.tiers.store.slots.values(), key=lambda s: s.offset)
+        limit = last.offset + 16384 + 8192
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    reference, _ = train()
+    got, errors = train(size_limit)
+    assert errors == 1
+    # a read had taken part of a record's buffer, not all of it
+    assert any(0 < n < 64 << 10 for n in restored), restored
+    for a, b in zip(got, reference):
+        assert torch.equal(a, b)

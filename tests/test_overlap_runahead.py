@@ -26,8 +26,8 @@ def _counting_reads(pipeline, overlap):
     active = [False]
     real_read, real_run_ahead = pipeline.store.read, overlap._run_ahead
 
-    def read(part, buf):
-        req = real_read(part, buf)
+    def read(part, buf, **kw):
+        req = real_read(part, buf, **kw)
         if active[0]:
             seen.append(sum(not r.done() for r in fill))
             fill.append(req)

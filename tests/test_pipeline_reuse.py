@@ -90,25 +90,27 @@ class FakeStore:
 
     def __init__(self) -> None:
         self.reads: list[int] = []
+        self.follows: dict = {}  # partition id -> the write its read follows, or None
         self.slots = __import__("collections").defaultdict(lambda: types.SimpleNamespace(nbytes=1))
 
-    def read(self, part, buf) -> FakeRead:
+    def read(self, part, buf, *, after=None, nbytes=None) -> FakeRead:
         self.reads.append(part.id)
+        self.follows[part.id] = after
         return FakeRead(100.0 + len(self.reads))
 
     def finish_write(self, part, buf, req, retries=0) -> int:
         return 0
 
 
-def zigzag_pipeline(slots: list[tuple[int, bool | None, int]], n: int, k: int
-                    ) -> tuple[StepPipeline, list]:
+def zigzag_pipeline(slots: list[tuple[int, bool | None, int]], n: int, k: int,
+                    follow_writes: bool = True) -> tuple[StepPipeline, list]:
     """Partitions 0..n-1 in zig-zag order, none fresh; buffers holding `slots` as
     pipeline_with does."""
     from tiermem.telemetry.stats import StepStats
 
     parts = [types.SimpleNamespace(id=i) for i in range(n)]
     pipe = StepPipeline(FakeStore(), [torch.empty(1) for _ in slots], parts,
-                        prefetch_depth=k, zigzag=True)
+                        prefetch_depth=k, zigzag=True, follow_writes=follow_writes)
     pipe.fresh.clear()
     for slot, (pid, landed, issued) in zip(pipe.slots, slots):
         slot.part = parts[pid]
@@ -117,18 +119,28 @@ def zigzag_pipeline(slots: list[tuple[int, bool | None, int]], n: int, k: int
     return pipe, StepStats()
 
 
-def test_reads_ahead_start_past_the_records_still_in_buffers():
-    # Step order 0..7; buffers hold 0, 1, 2 (this step's first: zig-zag), 9's record (done
+@pytest.mark.parametrize("follow", [True, False], ids=["follow", "wait"])
+def test_reads_ahead_start_past_the_records_still_in_buffers(follow):
+    # Step order 0..9; buffers hold 0, 1, 2 (this step's first: zig-zag), 9's record (done
     # with this step, its write landed) and 8's (write still in flight). Updating 0 with
     # prefetch_depth 2: 1 and 2 need no read, so the read of 3 is issued now, into 9's
-    # buffer; 4 would need 8's buffer, still writing: not waited for.
+    # buffer; 4 goes into 8's buffer, following its write piece by piece. Without
+    # following, 8's buffer is not waited for.
     pipe, stats = zigzag_pipeline([(0, None, 0), (1, None, 0), (2, None, 0), (9, True, 1),
-                                   (8, False, 2)], n=10, k=2)
+                                   (8, False, 2)], n=10, k=2, follow_writes=follow)
+    write_of_8 = pipe.slots[4].write
     order = list(pipe.parts)  # the visit: 0..9
     pipe._read_ahead(order, 0, stats)
-    assert pipe.store.reads == [3]
     assert pipe.where[3] is pipe.slots[3] and 9 not in pipe.where
-    assert pipe.where[8] is pipe.slots[4]  # the buffer still writing kept its record
+    assert pipe.store.follows[3] is None  # 9's write had landed
+    if follow:
+        assert pipe.store.reads == [3, 4]
+        assert pipe.where[4] is pipe.slots[4] and 8 not in pipe.where
+        assert pipe.store.follows[4] is write_of_8
+        assert pipe.slots[4].after is write_of_8 and pipe.slots[4].write is None
+    else:
+        assert pipe.store.reads == [3]
+        assert pipe.where[8] is pipe.slots[4]  # the buffer still writing kept its record
 
 
 def test_reads_ahead_stop_at_prefetch_depth_and_never_evict_a_record_needed_sooner():

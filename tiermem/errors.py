@@ -33,10 +33,14 @@ class TierMemIOError(TierMemError, OSError):
 
     @classmethod
     def from_failure(cls, *, op: str, path: str, offset: int, length: int,
-                     err: int) -> "TierMemIOError":
-        """Build the error for a failed transfer; err is a positive errno."""
+                     err: int, follows_write: bool = False) -> "TierMemIOError":
+        """Build the error for a failed transfer; err is a positive errno; follows_write:
+        a read that followed a write into its memory (IOEngine.read(after=...))."""
         if op == "read" and err == _errno.ENODATA:
             why = "unexpected end of file (was the file truncated while in use?)"
+        elif follows_write and err == _errno.ECANCELED:
+            why = ("cancelled (ECANCELED): the write it follows failed, and the memory "
+                   "from here on still holds that write's bytes")
         else:
             why = f"{os.strerror(err)} ({_errno.errorcode.get(err, err)})"
         return cls(f"{op} of {length} bytes at offset {offset} in {path} failed: {why}",

@@ -28,6 +28,9 @@ class Transfer(Protocol):
     def interval_ns(self) -> tuple[int, int]:
         """CLOCK_MONOTONIC ns at submission and at completion (valid once done)."""
 
+    def landed(self) -> int:
+        """Of a write: bytes from its start whose pieces all landed (frozen at a failure)."""
+
 
 class Backend(Protocol):
     name: str
@@ -43,7 +46,10 @@ class Backend(Protocol):
     def remove_file(self, token: int) -> None: ...
 
     def submit(self, *, op: str, file: int, addr: int, nbytes: int, offset: int,
-               buf_index: int) -> Transfer: ...
+               buf_index: int, after: Transfer | None = None) -> Transfer:
+        """Start a transfer; a read with `after` (a write of this backend in flight)
+        takes each piece of its memory only once that write has sent it, and is
+        cancelled (ECANCELED) where it got to if that write fails."""
 
     def close(self) -> None:
         """Finish every submitted transfer, then release the backend's resources."""

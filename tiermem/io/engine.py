@@ -13,6 +13,7 @@ import errno as _errno
 import os
 import stat
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Literal, Sequence
@@ -20,6 +21,7 @@ from typing import Any, Literal, Sequence
 from tiermem.errors import TierMemIOError, TierMemWarning
 from tiermem.io import uring_backend
 from tiermem.io.buffer_ref import BufferRef, buffer_ref
+from tiermem.io.native_transfer import NativeTransfer
 from tiermem.io.thread_backend import ThreadBackend
 from tiermem.io.uring_backend import UringBackend
 from tiermem.sysinfo import mount_of
@@ -106,11 +108,39 @@ class File:
         return f"<tiermem.io.File {self.path!r} mode={self.mode} direct={self.direct} {state}>"
 
 
+class _Cancelled:
+    """A read never started: the write it was to follow had failed already."""
+
+    resubmits = 0
+
+    def __init__(self, offset: int, nbytes: int) -> None:
+        self._failure = (_errno.ECANCELED, offset, nbytes)
+        self._t = time.monotonic_ns()
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None) -> bool:
+        return True
+
+    def failure(self) -> tuple[int, int, int]:
+        return self._failure
+
+    def interval_ns(self) -> tuple[int, int]:
+        return self._t, self._t
+
+    def landed(self) -> int:
+        return 0
+
+
+_CANCEL = object()  # _dependency's answer for a read whose write had failed
+
+
 class Request:
     """Handle of one submitted read or write."""
 
     def __init__(self, engine: "IOEngine", op: str, file: File, ref: BufferRef, offset: int,
-                 transfer: Any) -> None:
+                 transfer: Any, follows_write: bool = False) -> None:
         self.op = op
         self.file = file
         self.offset = offset
@@ -118,6 +148,7 @@ class Request:
         self._engine = engine
         self._ref = ref  # keeps the buffer alive while the kernel may touch it
         self._transfer = transfer
+        self._follows_write = follows_write  # issued with read(after=a write in flight)
         self._error: TierMemIOError | None = None
         self._settled = False
         self._raised = False
@@ -149,6 +180,16 @@ class Request:
         """Pieces of this transfer requeued after a short transfer or EAGAIN."""
         return self._transfer.resubmits
 
+    @property
+    def landed(self) -> int:
+        """Of a write: bytes from the start of its memory that reached the file, a
+        multiple of 4096 unless it is all of them; where a failed write stopped, once it
+        is done. A read that followed it (read(after=...)) overwrote no more than this."""
+        if self.op != "write":
+            raise ValueError(f"landed: {self!r} is not a write")
+        n = self._transfer.landed()
+        return n if n == self.nbytes else n & ~(DIRECT_ALIGN - 1)
+
     def interval(self) -> tuple[float, float]:
         """time.monotonic() seconds when submitted and when completed (once done)."""
         t0, t1 = self._transfer.interval_ns()
@@ -163,7 +204,8 @@ class Request:
         if failure is not None:
             err, off, length = failure
             self._error = TierMemIOError.from_failure(
-                op=self.op, path=self.file.path, offset=off, length=length, err=err)
+                op=self.op, path=self.file.path, offset=off, length=length, err=err,
+                follows_write=self._follows_write)
         self._settled = True
         self._engine._retire(self)
 
@@ -310,15 +352,25 @@ class IOEngine:
 
     # -- transfers -------------------------------------------------------------
 
-    def read(self, file: File, buffer: Any, offset: int) -> Request:
-        """Start reading len(buffer) bytes of `file` at `offset` into `buffer`."""
-        return self._submit("read", file, buffer, offset)
+    def read(self, file: File, buffer: Any, offset: int, *,
+             after: Request | None = None) -> Request:
+        """Start reading len(buffer) bytes of `file` at `offset` into `buffer`.
+
+        after: a write of this engine, maybe in flight, whose memory `buffer` reuses. The
+        read takes each piece of that memory only once the write has sent it, so the two
+        run together instead of one after the other. If that write fails, the rest of
+        this read is cancelled (ECANCELED) and the memory keeps what the write had not
+        sent yet; what it had sent is on the disk. A write already finished is no
+        dependency; one that already failed cancels the read before it starts.
+        """
+        return self._submit("read", file, buffer, offset, after=after)
 
     def write(self, file: File, buffer: Any, offset: int) -> Request:
         """Start writing all of `buffer` to `file` at `offset`."""
         return self._submit("write", file, buffer, offset)
 
-    def _submit(self, op: str, file: File, buffer: Any, offset: int) -> Request:
+    def _submit(self, op: str, file: File, buffer: Any, offset: int,
+                after: Request | None = None) -> Request:
         self._check_open()
         if not isinstance(file, File) or file.engine is not self:
             raise ValueError(f"{op}: {file!r} was not opened by this engine")
@@ -335,14 +387,36 @@ class IOEngine:
                 f"read of {ref.nbytes} bytes at offset {offset} runs past the end of "
                 f"{file.path} (size {file.size()})", op="read", path=file.path,
                 offset=offset, length=ref.nbytes, errno=_errno.ENODATA)
-        transfer = self._backend.submit(op=op, file=file._token, addr=ref.addr,
-                                        nbytes=ref.nbytes, offset=offset,
-                                        buf_index=self._buffer_index(ref.addr, ref.nbytes))
-        req = Request(self, op, file, ref, offset, transfer)
+        dep = self._dependency(after)
+        if dep is _CANCEL:
+            transfer: Any = _Cancelled(offset, ref.nbytes)
+        else:
+            extra = {"after": dep} if dep is not None else {}
+            transfer = self._backend.submit(op=op, file=file._token, addr=ref.addr,
+                                            nbytes=ref.nbytes, offset=offset,
+                                            buf_index=self._buffer_index(ref.addr, ref.nbytes),
+                                            **extra)
+        req = Request(self, op, file, ref, offset, transfer, follows_write=after is not None)
         with self._lock:
             self._inflight.add(req)
         file._inflight.add(req)
         return req
+
+    def _dependency(self, after: Request | None) -> Any:
+        """The backend transfer a read must follow piece by piece; None when `after` is
+        absent or landed; _CANCEL when it failed (its memory holds the only copy of its
+        bytes). A transfer the backend did not make itself (a test's wrapper) cannot be
+        followed in C: it is waited for here instead."""
+        if after is None:
+            return None
+        if not isinstance(after, Request) or after._engine is not self or after.op != "write":
+            raise ValueError(f"read: after={after!r} must be a write of this engine")
+        if after._settled or after._transfer.done():
+            return _CANCEL if after._transfer.failure() is not None else None
+        if isinstance(after._transfer, NativeTransfer):
+            return after._transfer
+        after._transfer.wait(None)
+        return self._dependency(after)
 
     @staticmethod
     def _check_direct(op: str, file: File, ref: BufferRef, offset: int) -> None:

@@ -46,14 +46,14 @@ class ThreadBackend:
         pass
 
     def submit(self, *, op: str, file: int, addr: int, nbytes: int, offset: int,
-               buf_index: int) -> NativeTransfer:
+               buf_index: int, after: NativeTransfer | None = None) -> NativeTransfer:
         req = new_request(ffi, op=OPS[op], fd=file, fixed_file=False, buf_index=-1,
-                          addr=addr, nbytes=nbytes, offset=offset)
+                          addr=addr, nbytes=nbytes, offset=offset, after=after)
         rc = lib.tm_pool_submit(self._pool, req)
         if rc < 0:
             raise TierMemIOError(f"thread pool submit failed: {os.strerror(-rc)}", op=op,
                                  errno=-rc)
-        return NativeTransfer(self._pool, req, lib.tm_pool_wait)
+        return NativeTransfer(self._pool, req, lib.tm_pool_wait, after)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -48,14 +48,14 @@ class UringBackend:
             lib.tm_engine_unregister_file(self._engine, token)
 
     def submit(self, *, op: str, file: int, addr: int, nbytes: int, offset: int,
-               buf_index: int) -> NativeTransfer:
+               buf_index: int, after: NativeTransfer | None = None) -> NativeTransfer:
         req = new_request(ffi, op=OPS[op], fd=file if file >= 0 else -1 - file,
                           fixed_file=file >= 0, buf_index=buf_index, addr=addr,
-                          nbytes=nbytes, offset=offset)
+                          nbytes=nbytes, offset=offset, after=after)
         rc = lib.tm_engine_submit(self._engine, req)
         if rc < 0:
             raise TierMemIOError(f"io_uring submit failed: {os.strerror(-rc)}", op=op, errno=-rc)
-        return NativeTransfer(self._engine, req, lib.tm_engine_wait)
+        return NativeTransfer(self._engine, req, lib.tm_engine_wait, after)
 
     def close(self) -> None:
         if self._engine is not None:

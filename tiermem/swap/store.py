@@ -183,9 +183,14 @@ class SwapStore:
         s = self.slots[part.id]
         return s.offset + self.latest[part.id] * s.nbytes
 
-    def read(self, part: Partition, buf: torch.Tensor) -> Request:
+    def read(self, part: Partition, buf: torch.Tensor, *, after: Request | None = None,
+             nbytes: int | None = None) -> Request:
+        """Read `part`'s record (its first `nbytes` only, if given) into `buf`; `after`: a
+        write from `buf` still in flight, which the read follows piece by piece
+        (IOEngine.read)."""
         s = self.slots[part.id]
-        return self.engine.read(self.files[s.file], buf[: s.nbytes], self._offset(part))
+        n = s.nbytes if nbytes is None else nbytes
+        return self.engine.read(self.files[s.file], buf[:n], self._offset(part), after=after)
 
     def write(self, part: Partition, buf: torch.Tensor, *,
               digest: int | None = None) -> Request:

@@ -62,6 +62,10 @@ class _Slot:
     # buffer takes another record, or by flush() / settle_writes().
     deferred: bool = False
     digest: int | None = None  # the deferred record's CRC32C, when its update computed it
+    # The write-back of the record buf held before `part`, still in flight: `read` follows
+    # it piece by piece (IOEngine.read(after=...)), so it must land before read is used.
+    after: Request | None = None
+    after_part: Partition | None = None
 
 
 class StepPipeline:
@@ -69,7 +73,8 @@ class StepPipeline:
 
     def __init__(self, store: SwapStore, buffers: Sequence[torch.Tensor],
                  parts: Sequence[Partition], *, prefetch_depth: int, zigzag: bool,
-                 retries: int = 0, defer_writes: bool = False) -> None:
+                 retries: int = 0, defer_writes: bool = False,
+                 follow_writes: bool = True) -> None:
         if len(buffers) < prefetch_depth + 1:
             raise ValueError(f"{len(buffers)} buffers cannot hold prefetch_depth + 1 = "
                              f"{prefetch_depth + 1} partitions")
@@ -84,6 +89,10 @@ class StepPipeline:
         self.retries = retries  # times a failed transfer is reissued before it is an error
         # Scratch swap files only: a crash-consistent step must reach the disk each step.
         self.defer_writes = defer_writes
+        # A read into a buffer whose write-back is in flight follows it piece by piece
+        # (IOEngine.read(after=...)) instead of waiting for all of it; False waits (the
+        # bench's paired measurement of what following gains).
+        self.follow_writes = follow_writes
         self._visiting: tuple[Sequence[Partition], int] | None = None  # acquire's (order, i)
         self.faults_survived = 0
         self._write_errors: list[TierMemIOError] = []
@@ -166,6 +175,10 @@ class StepPipeline:
         self._visiting = (order, i)
         with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
             self._finish_read(slot)
+            while self.where.get(part.id) is not slot:
+                # The write-back the read followed failed: the buffer went back to it.
+                slot = self._load(part, window, order, i, stats)
+                self._finish_read(slot)
             self._settle_write(slot)  # a failure leaves it dirty: it is the latest copy
         stats.reads_skipped += not slot.fetched
         slot.fetched = False
@@ -264,15 +277,20 @@ class StepPipeline:
                 if slot.deferred:  # its record's only copy: to disk before the buffer is reused
                     self._issue_write(slot, stats, digest=slot.digest)
                 self._finish_read(slot)
-                # The old record must be on disk before the buffer takes another; if its
-                # write failed for good the buffer stays with it and another is chosen.
-                if self._settle_write(slot):
+                # The old record must be on disk before the buffer takes another (the read
+                # follows its write piece by piece); if its write failed for good the
+                # buffer stays with it and another is chosen.
+                if self._followable(slot) or self._settle_write(slot):
                     break
         return self._assign(slot, part, stats)
 
     def _assign(self, slot: _Slot, part: Partition, stats: StepStats) -> _Slot:
         """`slot` (idle, its record on disk) takes `part`: its read is issued, or it is
         marked to be built if `part` was never written."""
+        follow = None
+        if self._followable(slot):
+            follow, slot.write = slot.write, None
+            slot.after, slot.after_part = follow, slot.part
         if slot.part is not None:
             del self.where[slot.part.id]
         slot.part = part
@@ -282,7 +300,7 @@ class StepPipeline:
             slot.needs_init = True
         else:
             slot.needs_init = False
-            slot.read = self.store.read(part, slot.buf)
+            slot.read = self.store.read(part, slot.buf, after=follow)
             self._reqs.append((slot.read, part.id))
             stats.add_bytes("read", "nvme", self.store.slots[part.id].nbytes)
         return slot
@@ -311,14 +329,18 @@ class StepPipeline:
             pending += victim.read is not None
 
     def _free_now(self, pos: dict[int, int], i: int, j: int) -> _Slot | None:
-        """A buffer that can take the record at order[j] without waiting: nothing in
-        flight, its write-back landed and good, and its record needed after position j
-        (or not again this step); among those, the one needed last (Belady)."""
+        """A buffer that can take the record at order[j] without waiting: no read in
+        flight, its write-back landed and good (or in flight, for the read to follow it
+        piece by piece), and its record needed after position j (or not again this step).
+        A landed one first, as _victim does: a read that follows a write goes no faster
+        than the write. Among those, the one needed last (Belady)."""
         n = len(pos)
-        best, best_use = None, j
+        best, best_key = None, (False, j)
         for s in self.slots:
-            if (s.dirty or s.deferred or s.read is not None
-                    or (s.write is not None and not s.write.done())):
+            if s.dirty or s.deferred or s.read is not None:
+                continue
+            writing = s.write is not None and not s.write.done()
+            if writing and not self.follow_writes:
                 continue
             if s.part is None:
                 use = float("inf")
@@ -327,8 +349,9 @@ class StepPipeline:
                 # Visited already this step (or not at all): needed next step, where
                 # zig-zag visits it at about n - 1 - at.
                 use = at if at >= i else 2 * n - 1 - at
-            if use > best_use and self._settle_write(s):
-                best, best_use = s, use
+            key = (not writing, use)
+            if use > j and key > best_key and (writing or self._settle_write(s)):
+                best, best_key = s, key
         return best
 
     def _usable(self) -> int:
@@ -349,9 +372,11 @@ class StepPipeline:
         if slot is None or slot.needs_init:
             return None
         if slot.read is not None:
-            if not slot.read.done():
+            if not slot.read.done() or (slot.after is not None and not slot.after.done()):
                 return None
             self._finish_read(slot)  # checks the footer; a failure raises as compute would
+            if self.where.get(part.id) is not slot:
+                return None  # the write-back the read followed failed: loaded again later
         return part.views(slot.buf)
 
     def _victim(self, window: Sequence[Partition], order: Sequence[Partition], i: int) -> _Slot:
@@ -386,7 +411,74 @@ class StepPipeline:
             return min(writing, key=lambda s: s.write.interval()[0])
         return max(pool, key=next_use)
 
+    def _followable(self, slot: _Slot) -> bool:
+        """Whether a read into slot's buffer can go without waiting for its write-back:
+        it follows it piece by piece. A write that landed meanwhile is no dependency;
+        one that failed cancels the read, and _finish_followed gives the buffer back to
+        its record."""
+        return self.follow_writes and slot.write is not None
+
+    def _finish_followed(self, slot: _Slot) -> TierMemIOError | None:
+        """Wait for the write-back the buffer's read follows. If it failed for good, the
+        buffer holds that write's record again (its part read back from the disk), kept
+        as the only current copy (dirty), and the failure is returned: the record the
+        read was for is not in the buffer, and whoever wanted it loads it again."""
+        if slot.after is None:
+            return None
+        req, old = slot.after, slot.after_part
+        slot.after = slot.after_part = None
+        try:
+            req.wait()
+            return None
+        except TierMemIOError as exc:
+            failure = exc
+        # The engine stopped the read where the write stopped: the buffer holds the new
+        # record's first `landed` bytes (those of the old one reached the disk) and the
+        # old record's bytes after them.
+        if slot.read is not None:
+            read, slot.read = slot.read, None
+            try:
+                read.wait()
+            except TierMemIOError:
+                pass  # cancelled (ECANCELED), as said: nothing of it is used
+        self.where.pop(slot.part.id, None)
+        slot.part, slot.needs_init, slot.fetched = old, False, False
+        self.where[old.id] = slot
+        self._restore(slot, req.landed, failure)
+        # Now as a write-back that failed (_finish_write): reissued up to `retries` times,
+        # else the buffer keeps the record for flush() to try again.
+        if self.retries == 0:
+            slot.dirty = True
+            return failure
+        try:
+            self.faults_survived += 1 + self.store.finish_write(
+                old, slot.buf, self.store.rewrite(old, slot.buf), retries=self.retries - 1)
+        except TierMemIOError as exc:
+            slot.dirty = True
+            return exc
+        return None
+
+    def _restore(self, slot: _Slot, landed: int, failure: TierMemIOError) -> None:
+        """Read back into slot's buffer the first `landed` bytes of its record, which the
+        failed write had sent before a read that followed it took their memory."""
+        if not landed:
+            return
+        try:
+            self.store.read(slot.part, slot.buf, nbytes=landed).wait()
+        except TierMemIOError as exc:
+            self.where.pop(slot.part.id, None)
+            lost, slot.part = slot.part, None
+            raise TierMemError(
+                f"the optimizer state of partition {lost.id} is lost: its write-back failed "
+                f"({failure}) after its first {landed} bytes reached the disk and a read "
+                f"had reused their memory, and reading them back failed too ({exc})"
+            ) from exc
+
     def _finish_read(self, slot: _Slot) -> None:
+        # A record built in the buffer (never written) waits for the old one's write too.
+        failure = self._finish_followed(slot)
+        if failure is not None:
+            self._write_errors.append(failure)
         if slot.read is None:
             return
         req, slot.read = slot.read, None
@@ -451,6 +543,9 @@ class StepPipeline:
         stats = StepStats()
         slot = self._load(part, [part], [part], 0, stats)
         self._finish_read(slot)
+        while self.where.get(part.id) is not slot:  # the write-back the read followed failed
+            slot = self._load(part, [part], [part], 0, stats)
+            self._finish_read(slot)
         self._finish_write(slot)
         yield part.views(slot.buf), slot.needs_init
         if write:
@@ -462,6 +557,9 @@ class StepPipeline:
         in flight, the next step's run-ahead, go on."""
         self._write_deferred()
         for slot in self.slots:
+            failure = self._finish_followed(slot)
+            if failure is not None:
+                raise failure
             if slot.dirty and slot.write is None:
                 slot.write = self.store.rewrite(slot.part, slot.buf)  # the disk may be back
             self._finish_write(slot)
