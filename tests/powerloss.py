@@ -52,6 +52,7 @@ from crash_run import backward_grads, crash_config, make_model, make_optimizer, 
 from tiermem._lib import ffi
 from tiermem.errors import TierMemError
 from tiermem.io.engine import IOEngine
+from tiermem.io.native_transfer import NativeTransfer
 from tiermem.swap import fsops
 from tiermem.swap.recover import gather
 
@@ -148,29 +149,33 @@ class RecordingFsOps(fsops.FsOps):
         self._rec("unlink", os.path.abspath(path))
 
 
-class _TrackedTransfer:
-    def __init__(self, inner: Any, trace: Trace, wid: int) -> None:
-        self.inner, self.trace, self.wid, self.seen = inner, trace, wid, False
+class _TrackedTransfer(NativeTransfer):
+    """The backend's own transfer (a read may follow it in C, as in a real run), noting in
+    the trace when the write completed."""
+
+    __slots__ = ("trace", "wid", "seen")
+
+    def __init__(self, inner: NativeTransfer, trace: Trace, wid: int) -> None:
+        super().__init__(inner._owner, inner._req, inner._wait, inner._after)
+        self.trace, self.wid, self.seen = trace, wid, False
 
     def _saw(self, finished: bool) -> bool:
-        if finished and not self.seen and self.inner.failure() is None:
+        if finished and not self.seen and self.failure() is None:
             self.seen = True
             self.trace.add("complete", None, self.wid)
         return finished
 
     def done(self) -> bool:
-        return self._saw(self.inner.done())
+        return self._saw(super().done())
 
     def wait(self, timeout):
-        return self._saw(self.inner.wait(timeout))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        return self._saw(super().wait(timeout))
 
 
 class RecordingBackend:
     """Wraps an io_uring or thread backend: every write is recorded with its bytes as
-    submitted (the engine never changes a buffer while its write is in flight)."""
+    submitted (a buffer changes while its write is in flight only where a read that
+    follows the write takes memory the write has already sent)."""
 
     def __init__(self, inner: Any, trace: Trace) -> None:
         self.inner, self.trace = inner, trace
