@@ -3,38 +3,11 @@
 from __future__ import annotations
 
 import errno as _errno
-import time
 from collections import Counter
 from typing import Any
 
+from tiermem.io.backend import FailedTransfer  # noqa: F401 - re-exported for the tests
 from tiermem.io.native_transfer import NativeTransfer
-
-
-class FailedTransfer:
-    """A transfer that 'completed' with an errno, without touching the disk."""
-
-    def __init__(self, err: int, offset: int, length: int) -> None:
-        self._failure = (err, offset, length)
-        self._t = time.monotonic_ns()
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None) -> bool:
-        return True
-
-    def failure(self) -> tuple[int, int, int]:
-        return self._failure
-
-    @property
-    def resubmits(self) -> int:
-        return 0
-
-    def landed(self) -> int:
-        return 0
-
-    def interval_ns(self) -> tuple[int, int]:
-        return self._t, self._t
 
 
 class LateFailure(NativeTransfer):

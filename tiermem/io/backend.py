@@ -6,6 +6,7 @@ error messages live in IOEngine, above it.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol, Sequence
 
 
@@ -30,6 +31,33 @@ class Transfer(Protocol):
 
     def landed(self) -> int:
         """Of a write: bytes from its start whose pieces all landed (frozen at a failure)."""
+
+
+class FailedTransfer:
+    """A transfer that 'completed' with an errno without touching the disk: a read the
+    engine cancels before it starts (the write it was to follow had failed), or a fault a
+    test injects."""
+
+    resubmits = 0
+
+    def __init__(self, err: int, offset: int, length: int) -> None:
+        self._failure = (err, offset, length)
+        self._t = time.monotonic_ns()
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None) -> bool:
+        return True
+
+    def failure(self) -> tuple[int, int, int]:
+        return self._failure
+
+    def interval_ns(self) -> tuple[int, int]:
+        return self._t, self._t
+
+    def landed(self) -> int:
+        return 0
 
 
 class Backend(Protocol):

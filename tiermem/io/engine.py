@@ -13,13 +13,13 @@ import errno as _errno
 import os
 import stat
 import threading
-import time
 import warnings
 import weakref
 from typing import Any, Literal, Sequence
 
 from tiermem.errors import TierMemIOError, TierMemWarning
 from tiermem.io import uring_backend
+from tiermem.io.backend import FailedTransfer
 from tiermem.io.buffer_ref import BufferRef, buffer_ref
 from tiermem.io.native_transfer import NativeTransfer
 from tiermem.io.thread_backend import ThreadBackend
@@ -106,31 +106,6 @@ class File:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self.fd}"
         return f"<tiermem.io.File {self.path!r} mode={self.mode} direct={self.direct} {state}>"
-
-
-class _Cancelled:
-    """A read never started: the write it was to follow had failed already."""
-
-    resubmits = 0
-
-    def __init__(self, offset: int, nbytes: int) -> None:
-        self._failure = (_errno.ECANCELED, offset, nbytes)
-        self._t = time.monotonic_ns()
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None) -> bool:
-        return True
-
-    def failure(self) -> tuple[int, int, int]:
-        return self._failure
-
-    def interval_ns(self) -> tuple[int, int]:
-        return self._t, self._t
-
-    def landed(self) -> int:
-        return 0
 
 
 _CANCEL = object()  # _dependency's answer for a read whose write had failed
@@ -389,7 +364,7 @@ class IOEngine:
                 offset=offset, length=ref.nbytes, errno=_errno.ENODATA)
         dep = self._dependency(after)
         if dep is _CANCEL:
-            transfer: Any = _Cancelled(offset, ref.nbytes)
+            transfer: Any = FailedTransfer(_errno.ECANCELED, offset, ref.nbytes)
         else:
             extra = {"after": dep} if dep is not None else {}
             transfer = self._backend.submit(op=op, file=file._token, addr=ref.addr,
