@@ -181,3 +181,41 @@ def test_a_buffer_holding_a_record_read_ahead_for_this_step_is_kept():
     assert pipe.slots.index(pipe._victim(visit[:2], visit, 0)) == 2
     pipe.slots[2].write.landed = True  # landed: still the one taken
     assert pipe.slots.index(pipe._victim(visit[:2], visit, 0)) == 2
+
+
+class LoggedWrite(FakeWrite):
+    """A write-back in flight that notes in `log` when someone waits for it."""
+
+    def __init__(self, pid: int, log: list) -> None:
+        super().__init__(False, 2.0)
+        self.pid, self.log = pid, log
+
+    def wait(self) -> int:
+        self.log.append(f"wait write {self.pid}")
+        self.landed = True
+        return 1
+
+
+def test_a_record_is_read_again_only_once_the_write_back_a_read_follows_landed():
+    # 8's buffer is taken by the read of 4, which follows 8's write-back in flight. 8 is
+    # wanted again before that write has landed: reading it from the disk now could find
+    # half of the new record. Its write is waited for first; the read-ahead, which never
+    # waits, leaves 8 for later.
+    pipe, stats = zigzag_pipeline([(0, None, 0), (1, None, 0), (8, False, 2)], n=10, k=1)
+    log: list = []
+    pipe.slots[2].write = LoggedWrite(8, log)
+    real_read = pipe.store.read
+
+    def read(part, buf, **kw):
+        log.append(f"read {part.id}")
+        return real_read(part, buf, **kw)
+
+    pipe.store.read = read
+    parts = pipe.parts
+    pipe._assign(pipe.slots[2], parts[4], stats)
+    assert pipe.slots[2].after_part is parts[8] and log == ["read 4"]
+    order = [parts[i] for i in (0, 8, 1, 2, 3)]
+    pipe._read_ahead(order, 0, stats)
+    assert log == ["read 4"]  # 8 not read ahead while its write is landing
+    pipe._load(parts[8], order[1:2], order, 1, stats)
+    assert log[:3] == ["read 4", "wait write 8", "read 8"]

@@ -6,8 +6,9 @@ With B pool buffers and prefetch depth k < B:
    landed, its record needed later or not again this step), without waiting for
    one (the first k of a step were issued when the previous step ended);
 2. partition i is computed in its buffer;
-3. its write-back is issued and the loop goes on; a buffer is reused (or its
-   record changed again) only after that write completed. With write-back
+3. its write-back is issued and the loop goes on; a read into the buffer follows
+   that write piece by piece (IOEngine.read(after=...)); the record is changed
+   again, or read back from the disk, only after that write completed. With write-back
    deferral (scratch durability, zig-zag order), the records visited last, which
    the next step visits first while they are still in their buffers, are not
    written: the next step updates them again, and only a buffer's eviction,
@@ -268,6 +269,13 @@ class StepPipeline:
     def _load(self, part: Partition, window: Sequence[Partition], order: Sequence[Partition],
               i: int, stats: StepStats) -> _Slot:
         """Make sure `part`'s record is in a buffer or on its way there."""
+        writing = self._leaving(part)
+        if writing is not None:
+            # Its write-back, which a read into its old buffer follows, must land before
+            # the record is read again (a failure gives that buffer back to it).
+            failure = self._finish_followed(writing)
+            if failure is not None:
+                self._write_errors.append(failure)
         slot = self.where.get(part.id)
         if slot is not None:
             return slot
@@ -322,6 +330,8 @@ class StepPipeline:
             if slot is not None:
                 pending += slot.read is not None and not slot.read.done()
                 continue
+            if self._leaving(q) is not None:
+                return  # its write-back is still landing: read when it has (_load)
             victim = self._free_now(pos, i, j)
             if victim is None:
                 return
@@ -410,6 +420,14 @@ class StepPipeline:
         if writing:
             return min(writing, key=lambda s: s.write.interval()[0])
         return max(pool, key=next_use)
+
+    def _leaving(self, part: Partition) -> _Slot | None:
+        """The buffer `part`'s record just left: its write-back in flight, a read into
+        the buffer following it."""
+        for s in self.slots:
+            if s.after_part is not None and s.after_part.id == part.id:
+                return s
+        return None
 
     def _followable(self, slot: _Slot) -> bool:
         """Whether a read into slot's buffer can go without waiting for its write-back:
