@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tiermem
-from faults import HoldWrites, inject
+from faults import FaultyBackend, HoldWrites, inject
 from tiermem.io.buffers import aligned_empty
 from tiermem.io import IOEngine
 
@@ -236,3 +236,40 @@ def test_writes_cut_off_part_way_lose_no_record(tmp_path, backend, monkeypatch):
     assert any(0 < n < 64 << 10 for n in restored), restored
     for a, b in zip(got, reference):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("times", [1, 10**6], ids=["once", "for-good"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reading_back_a_cut_off_write_is_retried_or_names_the_lost_record(
+        tmp_path, backend, times, monkeypatch):
+    """The read that puts a failed write's record back together fails too: once, it is
+    read again (io.retries) and the run is bitwise the reference; for good, the error says
+    which partition's state is lost instead of going on with a wrong record."""
+    from tiermem.swap.store import SwapStore
+
+    real_read = SwapStore.read
+    failed = []
+
+    def read(self, part, buf, *, after=None, nbytes=None):
+        if nbytes is None or len(failed) >= times:
+            return real_read(self, part, buf, after=after, nbytes=nbytes)
+        failed.append(part.id)  # only the read-back asks for a prefix: it fails (EIO)
+        inner = self.engine._backend
+        self.engine._backend = FaultyBackend(inner, "read", 0)
+        try:
+            return real_read(self, part, buf, nbytes=nbytes)
+        finally:
+            self.engine._backend = inner
+
+    monkeypatch.setattr(SwapStore, "read", read)
+    reference, _, _ = _run(tmp_path / "ref", backend)
+    if times == 1:
+        got, survived, faulty = _run(tmp_path / "run", backend, fault=("write", 3, 1),
+                                     late=True)
+        assert failed and survived == 2  # the write and the read-back
+        for a, b in zip(got, reference):
+            assert torch.equal(a, b)
+    else:
+        with pytest.raises(tiermem.TierMemError, match="state of partition .* is lost"):
+            _run(tmp_path / "run", backend, fault=("write", 3, 1), late=True)
+        assert len(failed) == 3  # the first try and io.retries (2) more

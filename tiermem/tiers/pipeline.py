@@ -481,16 +481,19 @@ class StepPipeline:
         failed write had sent before a read that followed it took their memory."""
         if not landed:
             return
-        try:
-            self.store.read(slot.part, slot.buf, nbytes=landed).wait()
-        except TierMemIOError as exc:
-            self.where.pop(slot.part.id, None)
-            lost, slot.part = slot.part, None
-            raise TierMemError(
-                f"the optimizer state of partition {lost.id} is lost: its write-back failed "
-                f"({failure}) after its first {landed} bytes reached the disk and a read "
-                f"had reused their memory, and reading them back failed too ({exc})"
-            ) from exc
+        for attempt in range(self.retries + 1):  # read again as any failed read is
+            try:
+                self.store.read(slot.part, slot.buf, nbytes=landed).wait()
+                self.faults_survived += attempt
+                return
+            except TierMemIOError as exc:
+                last = exc
+        self.where.pop(slot.part.id, None)
+        lost, slot.part = slot.part, None
+        raise TierMemError(
+            f"the optimizer state of partition {lost.id} is lost: its write-back failed "
+            f"({failure}) after its first {landed} bytes reached the disk and a read had "
+            f"reused their memory, and reading them back failed too ({last})") from last
 
     def _finish_read(self, slot: _Slot) -> None:
         # A record built in the buffer (never written) waits for the old one's write too.
