@@ -10,16 +10,15 @@ from tiermem.io.backend import FailedTransfer  # noqa: F401 - re-exported for th
 from tiermem.io.native_transfer import NativeTransfer
 
 
-class LateFailure(NativeTransfer):
-    """A real write that lands whole but reports `err` once waited for, and is in flight
-    until then: a read into its memory follows it (IOEngine.read(after=...)) and takes all
-    of that memory, as it would where a disk fails only after the write's last piece."""
+class Held(NativeTransfer):
+    """A real write that looks in flight until waited for: a read into its memory always
+    follows it (IOEngine.read(after=...)), however fast the disk moved it."""
 
-    __slots__ = ("_err", "_waited")
+    __slots__ = ("_waited",)
 
-    def __init__(self, real: NativeTransfer, err: int) -> None:
+    def __init__(self, real: NativeTransfer) -> None:
         super().__init__(real._owner, real._req, real._wait, real._after)
-        self._err, self._waited = err, False
+        self._waited = False
 
     def done(self) -> bool:
         return self._waited
@@ -27,6 +26,18 @@ class LateFailure(NativeTransfer):
     def wait(self, timeout: float | None) -> bool:
         self._waited = self._waited or super().wait(timeout)
         return self._waited
+
+
+class LateFailure(Held):
+    """A real write that lands whole but reports `err` once waited for, and is in flight
+    until then: a read into its memory follows it (IOEngine.read(after=...)) and takes all
+    of that memory, as it would where a disk fails only after the write's last piece."""
+
+    __slots__ = ("_err",)
+
+    def __init__(self, real: NativeTransfer, err: int) -> None:
+        super().__init__(real)
+        self._err = err
 
     def failure(self) -> tuple[int, int, int] | None:
         return (self._err, self._req.offset, self._req.len) if self._waited else None
@@ -69,24 +80,6 @@ class FaultyBackend:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
-class Held(NativeTransfer):
-    """A real write that looks in flight until waited for: a read into its memory always
-    follows it (IOEngine.read(after=...)), however fast the disk moved it."""
-
-    __slots__ = ("_waited",)
-
-    def __init__(self, real: NativeTransfer) -> None:
-        super().__init__(real._owner, real._req, real._wait, real._after)
-        self._waited = False
-
-    def done(self) -> bool:
-        return self._waited
-
-    def wait(self, timeout: float | None) -> bool:
-        self._waited = self._waited or super().wait(timeout)
-        return self._waited
 
 
 class HoldWrites:
