@@ -175,11 +175,7 @@ class StepPipeline:
         self._read_ahead(order, i, stats)
         self._visiting = (order, i)
         with timed(stats, "stall_seconds", f"wait p{part.id}", part.id):
-            self._finish_read(slot)
-            while self.where.get(part.id) is not slot:
-                # The write-back the read followed failed: the buffer went back to it.
-                slot = self._load(part, window, order, i, stats)
-                self._finish_read(slot)
+            slot = self._finish_load(slot, part, window, order, i, stats)
             self._settle_write(slot)  # a failure leaves it dirty: it is the latest copy
         stats.reads_skipped += not slot.fetched
         slot.fetched = False
@@ -495,6 +491,17 @@ class StepPipeline:
             f"({failure}) after its first {landed} bytes reached the disk and a read had "
             f"reused their memory, and reading them back failed too ({last})") from last
 
+    def _finish_load(self, slot: _Slot, part: Partition, window: Sequence[Partition],
+                     order: Sequence[Partition], i: int, stats: StepStats) -> _Slot:
+        """Wait for `part`'s read into `slot` (from _load) and check it; the buffer that
+        holds `part` then. If the write-back the read followed failed, the buffer went back
+        to that write's record and `part` is loaded again."""
+        self._finish_read(slot)
+        while self.where.get(part.id) is not slot:
+            slot = self._load(part, window, order, i, stats)
+            self._finish_read(slot)
+        return slot
+
     def _finish_read(self, slot: _Slot) -> None:
         # A record built in the buffer (never written) waits for the old one's write too.
         failure = self._finish_followed(slot)
@@ -563,10 +570,7 @@ class StepPipeline:
         `write` and the block did not raise."""
         stats = StepStats()
         slot = self._load(part, [part], [part], 0, stats)
-        self._finish_read(slot)
-        while self.where.get(part.id) is not slot:  # the write-back the read followed failed
-            slot = self._load(part, [part], [part], 0, stats)
-            self._finish_read(slot)
+        slot = self._finish_load(slot, part, [part], [part], 0, stats)
         self._finish_write(slot)
         yield part.views(slot.buf), slot.needs_init
         if write:
