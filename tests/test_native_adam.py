@@ -306,6 +306,100 @@ def test_runs_call_refuses_a_bad_run():
     assert lib.tm_adam_step_runs(spec, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 1, 2) == 0
 
 
+def table_run(sizes, cuts, order, grad_dtype, out, amsgrad, steps=3, seed=0):
+    """`steps` steps of parameters of `sizes` cut at `cuts` (per parameter, the sorted
+    element offsets where a new segment starts), the segments in `order`: through one
+    AdamRunTable (each parameter's whole gradient a slot, a new tensor every step) and
+    through one adam_fused_mixed call per segment. Returns both results."""
+    hp = hyper(weight_decay=0.1, decoupled_weight_decay=True, amsgrad=amsgrad)
+    hp.pop("amsgrad")
+    gen = torch.Generator().manual_seed(seed)
+    p0 = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen).to(grad_dtype) for n in sizes]
+             for _ in range(steps)]
+    segs = []  # (param, start, stop)
+    for k, n in enumerate(sizes):
+        bounds = sorted({0, *(c for c in cuts[k] if 0 < c < n), n})
+        segs += [(k, a, b) for a, b in zip(bounds, bounds[1:])]
+    segs = [segs[i % len(segs)] for i in order] if order else segs
+    segs = list(dict.fromkeys(segs))
+
+    def state():
+        return ([x.clone() for x in p0], [[torch.zeros(n) for n in sizes] for _ in range(3)],
+                [torch.zeros(n, dtype=out) for n in sizes] if out else None)
+
+    p, moms, w = state()
+    table = na.AdamRunTable(
+        params=[p[k][a:b] for k, a, b in segs], exp_avgs=[moms[0][k][a:b] for k, a, b in segs],
+        exp_avg_sqs=[moms[1][k][a:b] for k, a, b in segs],
+        max_exp_avg_sqs=[moms[2][k][a:b] for k, a, b in segs] if amsgrad else [],
+        weights_out=[w[k][a:b] if w else None for k, a, b in segs], amsgrad=amsgrad,
+        grad_of=[(k, a) for k, a, b in segs], grad_numels=sizes)
+    for i, gs in enumerate(grads):
+        table.step(grads=[g.clone() for g in gs], steps=[torch.tensor(float(i + 1 + k))
+                                                        for k in range(len(sizes))], **hp)
+    got = [*p, *moms[0], *moms[1], *(moms[2] if amsgrad else []), *(w or [])]
+    p, moms, w = state()
+    for i, gs in enumerate(grads):
+        for k, a, b in segs:
+            na.adam_fused_mixed(master=p[k][a:b], grad=gs[k][a:b], exp_avg=moms[0][k][a:b],
+                                exp_avg_sq=moms[1][k][a:b],
+                                max_exp_avg_sq=moms[2][k][a:b] if amsgrad else None,
+                                weight_out=w[k][a:b] if w else None, amsgrad=amsgrad,
+                                step=torch.tensor(float(i + 1 + k)), **hp)
+    want = [*p, *moms[0], *moms[1], *(moms[2] if amsgrad else []), *(w or [])]
+    return got, want
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=3),
+       cuts=st.lists(st.lists(st.integers(0, 3000), max_size=4), min_size=3, max_size=3),
+       order=st.lists(st.integers(0, 20), max_size=12),
+       grad_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       out=st.sampled_from([None, torch.bfloat16, torch.float16]), amsgrad=st.booleans())
+def test_run_table_matches_one_call_per_segment(sizes, cuts, order, grad_dtype, out, amsgrad):
+    """AdamRunTable (laid out once, each segment reading its gradient from where it starts
+    in its parameter's, new gradient tensors every step, segments in any order, some
+    left out) gives the bits of one call per segment."""
+    got, want = table_run(sizes, cuts, order, grad_dtype, out, amsgrad)
+    for a, b in zip(got, want, strict=True):
+        assert_bitwise(a, b, "table vs one call per segment")
+
+
+def test_run_table_threads_match_one_call_per_segment():
+    """The same, big enough that the kernel's threads split the work and take chunks
+    across the segments, on OpenMP's team, on tiermem's pool and from another thread."""
+    def run():
+        return table_run([300_007, 200_003], [[70_001, 150_000], [1]], [], torch.bfloat16,
+                         torch.bfloat16, False, steps=2)
+    for got, want in (*on_team_and_pool(run), on_another_thread(run)):
+        for a, b in zip(got, want, strict=True):
+            assert_bitwise(a, b, "table vs one call per segment")
+
+
+def test_run_table_refuses_what_it_cannot_run():
+    p, m, v = torch.zeros(100), torch.zeros(100), torch.zeros(100)
+    hp = hyper(weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False)
+    hp.pop("amsgrad")
+    kw = dict(params=[p[:60]], exp_avgs=[m[:60]], exp_avg_sqs=[v[:60]], max_exp_avg_sqs=[],
+              weights_out=[None], amsgrad=False)
+    with pytest.raises(ValueError, match=r"grad_of\[0\]: elements 50..110 of gradient 0"):
+        na.AdamRunTable(**kw, grad_of=[(0, 50)], grad_numels=[100])
+    with pytest.raises(ValueError, match="exp_avgs: 2 entries for 1 params"):
+        na.AdamRunTable(**{**kw, "exp_avgs": [m[:60], m[60:]]}, grad_of=[(0, 0)],
+                        grad_numels=[100])
+    table = na.AdamRunTable(**kw, grad_of=[(0, 40)], grad_numels=[100])
+    with pytest.raises(ValueError, match="has 99 elements"):
+        table.step(grads=[torch.zeros(99)], steps=[1.0], **hp)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        table.step(grads=[torch.zeros(2, 50).t()], steps=[1.0], **hp)
+    with pytest.raises(ValueError, match=r"step must be the count after"):
+        table.step(grads=[torch.zeros(100)], steps=[0.0], **hp)
+    with pytest.raises(ValueError, match="2 grads and 1 step counts for 1 gradient slots"):
+        table.step(grads=[torch.zeros(100)] * 2, steps=[1.0], **hp)
+    assert_bitwise(p, torch.zeros(100), "nothing updated")
+
+
 def test_threaded_path_matches_torch():
     n = 600_001  # above the single-thread cut-off, ragged
     hp = hyper(weight_decay=0.1)

@@ -137,3 +137,48 @@ def test_a_failed_joined_call_fails_the_step(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="tm_adam_step_runs failed: Invalid argument"):
             train(model, opt, make_batches(model, 1, seed=5))
         monkeypatch.undo()
+
+
+def _moved_run(tmp_path, monkeypatch, *, dtype, change, together):
+    """STEPS steps of the Synthetic model with gradients the test sets itself, and between
+    steps what a user may do to the memory a kept together-update points into: `change`
+    "fresh": every gradient a new tensor while the last ones stay alive (other
+    addresses); "strided": non-contiguous gradients; "data": each parameter's .data
+    replaced by a copy after step 2 (the old memory stays alive too)."""
+    model, _ = twin(Synthetic)
+    model.to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    if not together:
+        monkeypatch.setattr(OffloadedOptimizer, "_together", lambda self, parts: 0)
+    g = torch.Generator().manual_seed(7)
+    alive = []  # what the test keeps from being freed (so no address is reused)
+    with tiermem.offload(opt, config(tmp_path / str(together), host="64MiB", kernel="auto")):
+        for step in range(STEPS):
+            for p in model.parameters():
+                grad = torch.randn(p.shape[::-1] if change == "strided" else p.shape,
+                                   generator=g).to(dtype)
+                p.grad = grad.t() if change == "strided" and p.dim() == 2 else grad
+                alive.append(p.grad)
+            opt.step()
+            if change == "data" and step == 1:
+                for p in model.parameters():
+                    alive.append(p.data)
+                    p.data = p.data.clone()
+    monkeypatch.undo()
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("change", ["fresh", "strided", "data"])
+def test_a_kept_together_update_follows_moved_memory(tmp_path, monkeypatch, dtype, change):
+    """The together update is made ready once and kept (TogetherPlan); gradients at new
+    addresses, strided gradients and parameters whose .data was replaced must reach the
+    kernel as they are now: bitwise the run with one call per partition."""
+    model, opt = _moved_run(tmp_path, monkeypatch, dtype=dtype, change=change, together=True)
+    apart, opt_apart = _moved_run(tmp_path, monkeypatch, dtype=dtype, change=change,
+                                  together=False)
+    for (name, p), q in zip(model.named_parameters(), apart.parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+        for k, v in opt.state[p].items():
+            assert_same_tensor(torch.as_tensor(v), torch.as_tensor(opt_apart.state[q][k]),
+                               f"{name} state[{k!r}]")

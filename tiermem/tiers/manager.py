@@ -70,6 +70,7 @@ class TierManager:
         self.parts: list[Partition] = []
         self._by_id: dict[int, Partition] = {}
         self.resident: dict[int, torch.Tensor] = {}
+        self._views: dict[int, Views] = {}  # resident records' views (_resident_views)
         self.fresh: set[int] = set()
         self.engine: IOEngine | None = None
         self.store: SwapStore | None = None
@@ -241,7 +242,7 @@ class TierManager:
             else:
                 safe_point()  # between partitions: the previous write-through is issued
                 self._settle_resident(part.id)  # never change a record being written
-                views, fresh = part.views(self.resident[part.id]), part.id in self.fresh
+                views, fresh = self._resident_views(part), part.id in self.fresh
             ready = Ready(part, views, fresh, following)
             yield ready
             if not ready.released:
@@ -259,9 +260,16 @@ class TierManager:
                 raise ValueError(f"partition {part.id} is on NVMe: visit() hands it out")
             safe_point()
             self._settle_resident(part.id)  # never change a record being written
-            out.append(Ready(part, part.views(self.resident[part.id]),
-                             part.id in self.fresh, None))
+            out.append(Ready(part, self._resident_views(part), part.id in self.fresh, None))
         return out
+
+    def _resident_views(self, part: Partition) -> Views:
+        """`part`'s views into its resident record, made once (a record stays where it was
+        allocated); a copy of the dict each time, so a caller's change stays its own."""
+        views = self._views.get(part.id)
+        if views is None:
+            views = self._views[part.id] = part.views(self.resident[part.id])
+        return dict(views)
 
     def release(self, ready: Ready, stats: StepStats, digest: int | None = None) -> None:
         """The record of `ready` is updated: issue its write-back (NVMe), or its
@@ -282,7 +290,7 @@ class TierManager:
         waiting; else None (a read in flight, or a record never written)."""
         if part.tier == "nvme":
             return self.pipeline.ready_views(part)
-        return None if part.id in self.fresh else part.views(self.resident[part.id])
+        return None if part.id in self.fresh else self._resident_views(part)
 
     def is_fresh(self, part: Partition) -> bool:
         """True while `part`'s record was never initialised or written."""
@@ -300,7 +308,7 @@ class TierManager:
                     yield got
                 return
             self._settle_resident(part.id)
-            yield part.views(self.resident[part.id]), part.id in self.fresh
+            yield self._resident_views(part), part.id in self.fresh
             if write:
                 self.fresh.discard(part.id)
                 if self.crash:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tiermem.optim.rules.adam import AdamRule
-from tiermem.optim.rules.base import Batch, UnsupportedOptimizer, UpdateRule
+from tiermem.optim.rules.base import Batch, PreparedUpdate, UnsupportedOptimizer, UpdateRule
 from tiermem.optim.rules.generic import AdafactorRule, MuonRule, ShadowRule, shadow_optimizer
 from tiermem.optim.rules.torch_family import TORCH_RULES
 
@@ -30,5 +30,5 @@ def rule_for(opt: torch.optim.Optimizer, **options) -> UpdateRule:
         f"{type(opt).__module__}.{type(opt).__qualname__}")
 
 
-__all__ = ["AdafactorRule", "AdamRule", "Batch", "MuonRule", "ShadowRule", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_for",
+__all__ = ["AdafactorRule", "AdamRule", "Batch", "MuonRule", "PreparedUpdate", "ShadowRule", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_for",
            "shadow_optimizer"]

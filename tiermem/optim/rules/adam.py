@@ -27,8 +27,9 @@ import torch
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update
 from tiermem.kernels.lowbit import CRC_ARRAYS, lowbit_update
-from tiermem.kernels.native_adam import state_seed
-from tiermem.optim.rules.base import Batch, UpdateRule, Views, check_group_tensors
+from tiermem.kernels.native_adam import AdamRunTable, state_seed
+from tiermem.optim.rules.base import (Batch, PreparedUpdate, UpdateRule, Views,
+                                      check_group_tensors)
 from tiermem.partition import QUANT_BLOCK, Partition, state_kinds
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -127,7 +128,7 @@ class AdamRule(UpdateRule):
         if self.state_dtype == "bf16":
             return True
         return kernel in ("native", "auto") and on_host and all(
-            s.param.device.type == "cpu" and s.param.dtype in (torch.float32, *MIXED_OUT)
+            s.param.is_cpu and s.param.dtype in (torch.float32, *MIXED_OUT)
             for s in part.segments)
 
     def update(self, batch: Batch, *, kernel: str) -> list[dict[str, int]] | None:
@@ -154,26 +155,16 @@ class AdamRule(UpdateRule):
             weights_out=batch.weights_out, checksums=batch.checksums,
             num_threads=batch.threads, **rounding)
 
-    def update_together(self, batches: Sequence[Batch], *, kernel: str) -> None:
+    def prepare_together(self, batches: Sequence[Batch], *, kernel: str
+                         ) -> PreparedUpdate | None:
         """Batches of one group with fp32 moments and nothing in the pass but the update
-        (and low-precision weights out) go to the native kernel as one list of segments:
-        one C call for all their runs, the same bits as a call per batch."""
-        if (kernel != "native" or self.state_dtype != "fp32" or len(batches) < 2
+        (and low-precision weights out): one native call for all their segments
+        (kernels.native_adam.AdamRunTable), the same bits as a call per batch."""
+        if (kernel != "native" or self.state_dtype != "fp32" or not batches
                 or any(b.checksums or b.group is not batches[0].group
                        or self.lowbit(b.params) for b in batches)):
-            super().update_together(batches, kernel=kernel)
-            return
-        first = batches[0]
-        joined = Batch(first.part, first.group, state={k: [] for k in first.state},
-                       weights_out=[], threads=first.threads)
-        for b in batches:
-            joined.params += b.params
-            joined.grads += b.grads
-            joined.steps += b.steps
-            joined.weights_out += b.weights_out or [None] * len(b.params)
-            for k, lst in joined.state.items():
-                lst += b.state[k]
-        self.update(joined, kernel=kernel)
+            return None
+        return AdamTogether(batches)
 
     def _update_lowbit(self, batch: Batch) -> list[dict[str, int]]:
         """kernels.lowbit per segment: the native pass on CPU tensors, the torch reference
@@ -217,6 +208,45 @@ class AdamRule(UpdateRule):
             out.append(crcs)
         return out
 
+
+
+class AdamTogether(PreparedUpdate):
+    """Adam's update of several host records in one native call, its argument table laid
+    out once (AdamRule.prepare_together): each parameter's whole gradient is a slot, and
+    its segments read theirs from where they start in it."""
+
+    def __init__(self, batches: Sequence[Batch]) -> None:
+        slot_of: dict[int, int] = {}
+        numels: list[int] = []
+        self.slots = []
+        grad_of = []
+        params, outs = [], []
+        state: dict[str, list[torch.Tensor]] = {k: [] for k in batches[0].state}
+        for b in batches:
+            for i, s in enumerate(b.segments):
+                if s.index not in slot_of:
+                    slot_of[s.index] = len(self.slots)
+                    self.slots.append(s.index)
+                    numels.append(s.param.numel())
+                grad_of.append((slot_of[s.index], s.start))
+                params.append(b.params[i])
+                outs.append(b.weights_out[i] if b.weights_out else None)
+                for k, lst in state.items():
+                    lst.append(b.state[k][i])
+        self.table = AdamRunTable(
+            params=params, exp_avgs=state["exp_avg"], exp_avg_sqs=state["exp_avg_sq"],
+            max_exp_avg_sqs=state.get("max_exp_avg_sq", []), weights_out=outs,
+            amsgrad="max_exp_avg_sq" in state, grad_of=grad_of, grad_numels=numels)
+
+    def run(self, *, grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
+            group: dict[str, Any], threads: int | None) -> None:
+        beta1, beta2 = (float(b) for b in group["betas"])
+        self.table.step(grads=grads, steps=steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+                        eps=group["eps"], weight_decay=group["weight_decay"],
+                        maximize=bool(group["maximize"]),
+                        decoupled_weight_decay=bool(group.get("decoupled_weight_decay",
+                                                              False)),
+                        num_threads=threads)
 
 
 WINDOW = 1 << 32  # elements of one stream window (the kernels' 32-bit counter)

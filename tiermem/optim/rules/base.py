@@ -51,6 +51,22 @@ class Batch:
     threads: int | None = None
 
 
+class PreparedUpdate(ABC):
+    """Several partitions' update made ready once (UpdateRule.prepare_together) for records
+    and weights that stay where they are from step to step; run() takes what changes."""
+
+    #: per gradient slot, the parameter (Segment.index) whose gradient and step count
+    #: run() takes in that place
+    slots: list[int]
+
+    @abstractmethod
+    def run(self, *, grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
+            group: dict[str, Any], threads: int | None) -> None:
+        """Update every segment in place: grads[k] (contiguous, the parameter's whole
+        gradient) and steps[k] (the count after this step's increment) of parameter
+        slots[k], the hyperparameters of `group` as they are now."""
+
+
 class UnsupportedOptimizer(TierMemError, TypeError):
     """An optimizer (or a setting of one) no rule runs exactly."""
 
@@ -170,9 +186,16 @@ class UpdateRule(ABC):
         """Update the batch in place with `kernel`; the per-segment CRC32Cs of
         `batch.checksums` when the kernel computed them in its pass, else None."""
 
+    def prepare_together(self, batches: Sequence[Batch], *, kernel: str
+                         ) -> PreparedUpdate | None:
+        """Several partitions' batches (nothing to hash: no checksums) as one update whose
+        threads go on from one partition to the next without a join, made ready for these
+        records and weights, or None where the rule has no such update (update_together
+        then runs them)."""
+        return None
+
     def update_together(self, batches: Sequence[Batch], *, kernel: str) -> None:
-        """Update several partitions' batches (nothing to hash: no checksums) in place, as
-        one kernel call where the rule can (its threads go on from one partition to the
-        next without a join); else one after another."""
+        """Update several partitions' batches (nothing to hash) in place, one after
+        another."""
         for batch in batches:
             self.update(batch, kernel=kernel)
