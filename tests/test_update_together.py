@@ -139,7 +139,7 @@ def test_a_failed_joined_call_fails_the_step(tmp_path, monkeypatch):
         monkeypatch.undo()
 
 
-def _moved_run(tmp_path, monkeypatch, *, dtype, change, together):
+def _moved_run(tmp_path, monkeypatch, *, dtype, change, together, crash=False):
     """STEPS steps of the Synthetic model with gradients the test sets itself, and between
     steps what a user may do to the memory a kept together-update points into: `change`
     "fresh": every gradient a new tensor while the last ones stay alive (other
@@ -152,7 +152,16 @@ def _moved_run(tmp_path, monkeypatch, *, dtype, change, together):
         monkeypatch.setattr(OffloadedOptimizer, "_together", lambda self, parts: 0)
     g = torch.Generator().manual_seed(7)
     alive = []  # what the test keeps from being freed (so no address is reused)
-    with tiermem.offload(opt, config(tmp_path / str(together), host="64MiB", kernel="auto")):
+    cfg = config(tmp_path / str(together), host="64MiB", kernel="auto")
+    if crash:  # records keep an fp32 master, copied to the weights after the kernel
+        cfg["swap"].update(durability="crash_consistent", checksums=False)
+    joined = []
+    if together:
+        run_together = OffloadedOptimizer._update_together
+        monkeypatch.setattr(OffloadedOptimizer, "_update_together",
+                            lambda self, parts, stats: (joined.append(len(parts)),
+                                                        run_together(self, parts, stats)))
+    with tiermem.offload(opt, cfg):
         for step in range(STEPS):
             for p in model.parameters():
                 grad = torch.randn(p.shape[::-1] if change == "strided" else p.shape,
@@ -165,18 +174,24 @@ def _moved_run(tmp_path, monkeypatch, *, dtype, change, together):
                     alive.append(p.data)
                     p.data = p.data.clone()
     monkeypatch.undo()
+    assert len(joined) == (STEPS if together else 0) and all(n > 1 for n in joined)
     return model, opt
 
 
+@pytest.mark.parametrize("crash", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("change", ["fresh", "strided", "data"])
-def test_a_kept_together_update_follows_moved_memory(tmp_path, monkeypatch, dtype, change):
+def test_a_kept_together_update_follows_moved_memory(tmp_path, monkeypatch, dtype, change,
+                                                     crash):
     """The together update is made ready once and kept (TogetherPlan); gradients at new
     addresses, strided gradients and parameters whose .data was replaced must reach the
-    kernel as they are now: bitwise the run with one call per partition."""
-    model, opt = _moved_run(tmp_path, monkeypatch, dtype=dtype, change=change, together=True)
+    kernel as they are now: bitwise the run with one call per partition. crash: a
+    crash-consistent run without checksums, whose records hold an fp32 master that the
+    kept plan copies to the weights after the kernel."""
+    model, opt = _moved_run(tmp_path, monkeypatch, dtype=dtype, change=change, together=True,
+                            crash=crash)
     apart, opt_apart = _moved_run(tmp_path, monkeypatch, dtype=dtype, change=change,
-                                  together=False)
+                                  together=False, crash=crash)
     for (name, p), q in zip(model.named_parameters(), apart.parameters()):
         assert_same_tensor(p.detach(), q.detach(), f"param {name}")
         for k, v in opt.state[p].items():

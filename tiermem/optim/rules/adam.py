@@ -209,7 +209,6 @@ class AdamRule(UpdateRule):
         return out
 
 
-
 class AdamTogether(PreparedUpdate):
     """Adam's update of several host records in one native call, its argument table laid
     out once (AdamRule.prepare_together): each parameter's whole gradient is a slot, and
