@@ -278,23 +278,10 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     if len(outs) != k:
         raise ValueError(f"weights_out: {len(outs)} tensors for {k} params")
     lr = float(lr)
-    step_values = []
     for i in range(k):
-        n = params[i].numel()
-        check_tensor(params[i], f"params[{i}]", (torch.float32,), n)
+        n = _check_segment(i, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, outs, amsgrad)
         check_tensor(grads[i], f"grads[{i}]", tuple(GRAD_DTYPES), n)
-        check_tensor(exp_avgs[i], f"exp_avgs[{i}]", (torch.float32,), n)
-        check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", (torch.float32,), n)
-        if amsgrad:
-            check_tensor(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", (torch.float32,), n)
-        if outs[i] is not None:
-            check_tensor(outs[i], f"weights_out[{i}]", tuple(OUT_DTYPES), n)
-        s = steps[i]
-        step_values.append(float(s.item() if isinstance(s, Tensor) else s))
-    for v in step_values:
-        if v < 1:
-            raise ValueError(f"step must be the count after this step's increment (>= 1), "
-                             f"got {v}")
+    step_values = _step_counts(steps)
     # the moments first: segments of two records (host records updated together) are
     # never end to end there, so the check stops at the first array
     arrays = [exp_avgs, exp_avg_sqs, params, grads, *((max_exp_avg_sqs,) if amsgrad else ())]
@@ -312,6 +299,32 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     _run_all(runs, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None,
              outs, step_values, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
              decoupled_weight_decay, num_threads)
+
+
+def _check_segment(i: int, params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                   exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
+                   outs: Sequence[Tensor | None], amsgrad: bool) -> int:
+    """Segment i's fp32 weights and moments (and its weights out) as the kernel takes them;
+    returns its element count."""
+    n = params[i].numel()
+    check_tensor(params[i], f"params[{i}]", (torch.float32,), n)
+    check_tensor(exp_avgs[i], f"exp_avgs[{i}]", (torch.float32,), n)
+    check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", (torch.float32,), n)
+    if amsgrad:
+        check_tensor(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", (torch.float32,), n)
+    if outs[i] is not None:
+        check_tensor(outs[i], f"weights_out[{i}]", tuple(OUT_DTYPES), n)
+    return n
+
+
+def _step_counts(steps: Sequence[float | Tensor]) -> list[float]:
+    """The step counts as floats, each the count after this step's increment."""
+    counts = [float(s.item() if isinstance(s, Tensor) else s) for s in steps]
+    for v in counts:
+        if v < 1:
+            raise ValueError(f"step must be the count after this step's increment (>= 1), "
+                             f"got {v}")
+    return counts
 
 
 def _run_all(runs: list[tuple[int, int]], params: list[Tensor], grads: list[Tensor],
@@ -383,14 +396,8 @@ class AdamRunTable:
         self._grad_numels = [int(n) for n in grad_numels]
         self._amsgrad = bool(amsgrad)
         for i, (r, (slot, start)) in enumerate(zip(self._spec, self._grad_of)):
-            n = params[i].numel()
-            check_tensor(params[i], f"params[{i}]", (torch.float32,), n)
-            check_tensor(exp_avgs[i], f"exp_avgs[{i}]", (torch.float32,), n)
-            check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", (torch.float32,), n)
-            if amsgrad:
-                check_tensor(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", (torch.float32,), n)
-            if weights_out[i] is not None:
-                check_tensor(weights_out[i], f"weights_out[{i}]", tuple(OUT_DTYPES), n)
+            n = _check_segment(i, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, weights_out,
+                               amsgrad)
             if not (0 <= slot < len(self._grad_numels)
                     and 0 <= start <= self._grad_numels[slot] - n):
                 raise ValueError(f"grad_of[{i}]: elements {start}..{start + n} of gradient "
@@ -423,11 +430,7 @@ class AdamRunTable:
         for slot, g in enumerate(grads):
             check_tensor(g, f"grads[{slot}]", tuple(GRAD_DTYPES), self._grad_numels[slot])
             addr.append((g.data_ptr(), g.element_size(), GRAD_DTYPES[g.dtype]))
-        counts = [float(s.item() if isinstance(s, Tensor) else s) for s in steps]
-        for v in counts:
-            if v < 1:
-                raise ValueError(f"step must be the count after this step's increment "
-                                 f"(>= 1), got {v}")
+        counts = _step_counts(steps)
         if not self._n:
             return
         if addr != self._addr:  # new gradients (set_to_none); else the same memory again
