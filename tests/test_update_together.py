@@ -197,3 +197,23 @@ def test_a_kept_together_update_follows_moved_memory(tmp_path, monkeypatch, dtyp
         for k, v in opt.state[p].items():
             assert_same_tensor(torch.as_tensor(v), torch.as_tensor(opt_apart.state[q][k]),
                                f"{name} state[{k!r}]")
+
+
+def test_leaving_lets_the_records_go(tmp_path):
+    """A kept together update holds views of the host records; leaving the block must not
+    keep their memory alive through it (the records are often gigabytes of pinned memory),
+    even while the user still holds the handle."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = Synthetic()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, config(tmp_path, host="64MiB", kernel="auto")) as tm:
+        train(model, opt, make_batches(model, 2))
+        off = tm.offloaded
+        assert off._plans, "the together update was not kept"
+        records = [StorageWeakRef(r.untyped_storage()) for r in off.tiers.resident.values()]
+    gc.collect()
+    assert records and all(r.expired() for r in records), "a record outlived the block"
+    assert not off._plans

@@ -143,7 +143,7 @@ class DistributedOffload(Offload):
             raise error
         bad = [self.coll.global_rank(r) for r, row in enumerate(flags) if not row[0]]
         if bad:
-            off.tiers.close(remove_swap=not resume)
+            off.close_tiers(remove_swap=not resume)
             raise self.coll.failure("set-up", TierMemError(f"rank(s) {bad} failed to set up"))
         if resume and len({row[1] for row in flags}) > 1:
             off = self._one_step_back(off, flags, settings, model, name)
@@ -183,7 +183,7 @@ class DistributedOffload(Offload):
         error = None
         if high - low == 1 and off.crash and int(off.resumed_step or 0) == high:
             off.detach()
-            off.tiers.close(remove_swap=False)
+            off.close_tiers(remove_swap=False)
             off = None
             try:
                 off = self._build(settings, model, name, True, previous=True)
@@ -198,7 +198,7 @@ class DistributedOffload(Offload):
             return off
         if off is not None:
             off.detach()
-            off.tiers.close(remove_swap=False)
+            off.close_tiers(remove_swap=False)
         raise TierMemError(f"cannot resume: the ranks kept different steps {steps}; ranks one "
                            "crash-consistent step apart go back to the lower one, but not "
                            "these")
@@ -405,11 +405,11 @@ class DistributedOffload(Offload):
         off.detach()
         try:
             if self._discard:
-                off.tiers.close(remove_swap=True)
+                off.close_tiers(remove_swap=True)
                 return
             if off.broken:
                 self.kept_on_disk = off.tiers.run_dir()
-                off.tiers.close(remove_swap=False, flush=False)
+                off.close_tiers(remove_swap=False, flush=False)
             else:
                 self.kept_on_disk = off.keep_on_disk()
         except BaseException as err:
@@ -424,7 +424,7 @@ class DistributedOffload(Offload):
         self._hooks.remove()
         if self._discard:
             off.detach()
-            off.tiers.close(remove_swap=True)
+            off.close_tiers(remove_swap=True)
             return
         state, failed = None, None
         fits = self._full_state_nbytes() <= available_memory() * 0.8
@@ -443,11 +443,11 @@ class DistributedOffload(Offload):
             whole = self._whole_state(state, model_dtype=True)
             self.opt.state.clear()
             self.opt.state.update(whole)
-            off.tiers.close(remove_swap=True)
+            off.close_tiers(remove_swap=True)
             return
         if failed is not None:
             dirs = ", ".join(off.tiers.store.dirs) if off.tiers.store else "-"
-            off.tiers.close(remove_swap=False, flush=False)
+            off.close_tiers(remove_swap=False, flush=False)
             raise TierMemError(f"rank {self.rank}: the optimizer state could not be written "
                                f"back or gathered ({failed}); the swap files were kept in "
                                f"{dirs}") from failed

@@ -223,7 +223,7 @@ class Offload:
             else:
                 off.opt.state.clear()
                 off.opt.state.update(state)
-                off.tiers.close(remove_swap=True)
+                off.close_tiers(remove_swap=True)
                 raise TierMemError(f"writing optimizer state to swap failed ({exc}); the state "
                                    "was gathered from memory and handed back to the optimizer, "
                                    "and the swap files were removed") from exc
@@ -266,7 +266,7 @@ class Offload:
             # disk the last committed one. Keep the disk's, untouched.
             self.kept_on_disk = off.tiers.run_dir()
             off.detach()
-            off.tiers.close(remove_swap=False, flush=False)
+            off.close_tiers(remove_swap=False, flush=False)
             self._mark_kept()
             warnings.warn(f"tiermem: a failed step could not be rolled back; "
                           f"{self.where_state_is()}", TierMemWarning, stacklevel=3)
@@ -278,7 +278,7 @@ class Offload:
             return
         if self._discard:
             off.detach()
-            off.tiers.close(remove_swap=True)
+            off.close_tiers(remove_swap=True)
             return
         need = self._state_nbytes()
         if need <= available_memory() * 0.8:
@@ -296,7 +296,7 @@ class Offload:
             off.detach()
             off.opt.state.clear()
             off.opt.state.update(state)
-            off.tiers.close(remove_swap=True)
+            off.close_tiers(remove_swap=True)
             return
         self.kept_on_disk = off.keep_on_disk()
         off.detach()

@@ -244,7 +244,7 @@ class OffloadedOptimizer:
                 self.commit()
         except BaseException:
             # A failed resume must leave the kept state exactly as it was.
-            self.tiers.close(remove_swap=not resume)
+            self.close_tiers(remove_swap=not resume)
             raise
         self._hooks = Installed(optimizer, self)
         # Updates that start during backward (pipeline.overlap_backward; tiermem/overlap.py).
@@ -254,7 +254,7 @@ class OffloadedOptimizer:
                 self.overlap = BackwardOverlap(self, model)
             except BaseException:
                 self.detach()
-                self.tiers.close(remove_swap=True)
+                self.close_tiers(remove_swap=True)
                 raise
         if settings.parameters.offload != "none":
             # Last: the partitions above were laid out from the weights still in memory.
@@ -290,7 +290,7 @@ class OffloadedOptimizer:
                     self.weights.close()
                     self.weights = None
                 self.detach()
-                self.tiers.close(remove_swap=not resume)  # a failed resume keeps the state
+                self.close_tiers(remove_swap=not resume)  # a failed resume keeps the state
                 raise
 
     # -- set-up ----------------------------------------------------------------
@@ -534,6 +534,12 @@ class OffloadedOptimizer:
                 break
             n += 1
         return n
+
+    def close_tiers(self, *, remove_swap: bool, flush: bool = True) -> None:
+        """TierManager.close, and the kept together updates dropped first: their views would
+        keep the host records' memory (pinned, often gigabytes) after the tiers let it go."""
+        self._plans.clear()
+        self.tiers.close(remove_swap=remove_swap, flush=flush)
 
     def _update_together(self, parts: Sequence[Partition], stats: StepStats) -> None:
         """Update resident host records in one native call (the rule's prepare_together):
@@ -879,7 +885,7 @@ class OffloadedOptimizer:
         run_dir = self.tiers.run_dir()
         try:
             # The failed step's writes went to copies no manifest names: drop them.
-            self.tiers.close(remove_swap=False, flush=False)
+            self.close_tiers(remove_swap=False, flush=False)
             manifest = read_manifest(run_dir, self.parts)
             self.tiers = TierManager(self.parts, self.settings, swap_name=self.swap_name,
                                      resume=manifest, keep_previous=self.keep_previous)

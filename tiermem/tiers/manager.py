@@ -456,6 +456,7 @@ class TierManager:
                 if not remove_swap and flush:
                     raise
         self.resident.clear()
+        self._views.clear()  # (they hold the records too)
         self._resident_writes.clear()
         self.pipeline = self.pool = self.store = self.engine = None
 
