@@ -577,9 +577,9 @@ class OffloadedOptimizer:
                         b.copy_out()
                 return apart
             plan = self._plans[group] = TogetherPlan(
-                group=group, ids=tuple(rec.part.id for rec in held), records=self._record_addresses(held),
-                params=self._param_keys(held), prepared=prepared,
-                copies=[c for b in built for c in b.copies])
+                group=group, ids=tuple(rec.part.id for rec in held),
+                records=self._record_addresses(held), params=self._param_keys(held),
+                prepared=prepared, copies=[c for b in built for c in b.copies])
         return lambda: self._run_plan(plan)
 
     def _run_plan(self, plan: TogetherPlan) -> None:
