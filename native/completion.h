@@ -81,6 +81,18 @@ static inline void tm_reset_request(tm_request *r)
     r->landed = 0;
 }
 
+/* Read r's write (r->after) failed: hand out none of the rest of r, which fails with
+ * -ECANCELED from where it got to (the caller finishes it once its pieces are back). */
+static inline void tm_cancel_rest(tm_request *r)
+{
+    if (r->error == 0) {
+        r->error = -ECANCELED;
+        r->error_offset = r->offset + r->next;
+        r->error_length = r->len - r->next;
+    }
+    r->next = r->len;
+}
+
 /* How far read r may go now, given the write r->after whose memory it reuses:
  * the end (in r's buffer) of what it may take, from r->next on, or -1 when the
  * write failed (r is then cancelled). The write's unsent memory is

@@ -131,12 +131,7 @@ static void queue_piece(lane *l, piece *p)
  * to once its pieces in the ring are back. */
 static void cancel_rest(lane *l, tm_request *r)
 {
-    if (r->error == 0) {
-        r->error = -ECANCELED;
-        r->error_offset = r->offset + r->next;
-        r->error_length = r->len - r->next;
-    }
-    r->next = r->len;
+    tm_cancel_rest(r);
     if (r->inflight == 0) {
         tm_unlink(&l->active_head, &l->active_tail, r);
         finish_request(l->e, r);

@@ -67,10 +67,7 @@ static tm_request *take_piece(tm_pool *p, int op, uint64_t *off, uint64_t *len)
         if (r->after) {
             int64_t limit = tm_after_limit(r);
             if (limit < 0) { /* its write failed: none of the rest is issued */
-                r->error = -ECANCELED;
-                r->error_offset = r->offset + r->next;
-                r->error_length = r->len - r->next;
-                r->next = r->len;
+                tm_cancel_rest(r);
                 if (r->inflight == 0)
                     finish(p, r);
                 continue;
