@@ -269,9 +269,7 @@ class StepPipeline:
         if writing is not None:
             # Its write-back, which a read into its old buffer follows, must land before
             # the record is read again (a failure gives that buffer back to it).
-            failure = self._finish_followed(writing)
-            if failure is not None:
-                self._write_errors.append(failure)
+            self._settle_followed(writing)
         slot = self.where.get(part.id)
         if slot is not None:
             return slot
@@ -464,13 +462,19 @@ class StepPipeline:
         if self.retries == 0:
             slot.dirty = True
             return failure
+        slot.write = self.store.rewrite(old, slot.buf)
         try:
-            self.faults_survived += 1 + self.store.finish_write(
-                old, slot.buf, self.store.rewrite(old, slot.buf), retries=self.retries - 1)
+            self._finish_write(slot, retries=self.retries - 1)
         except TierMemIOError as exc:
-            slot.dirty = True
             return exc
+        self.faults_survived += 1
         return None
+
+    def _settle_followed(self, slot: _Slot) -> None:
+        """_finish_followed, its failure kept for the end of the step (as _settle_write)."""
+        failure = self._finish_followed(slot)
+        if failure is not None:
+            self._write_errors.append(failure)
 
     def _restore(self, slot: _Slot, landed: int, failure: TierMemIOError) -> None:
         """Read back into slot's buffer the first `landed` bytes of its record, which the
@@ -504,9 +508,7 @@ class StepPipeline:
 
     def _finish_read(self, slot: _Slot) -> None:
         # A record built in the buffer (never written) waits for the old one's write too.
-        failure = self._finish_followed(slot)
-        if failure is not None:
-            self._write_errors.append(failure)
+        self._settle_followed(slot)
         if slot.read is None:
             return
         req, slot.read = slot.read, None
@@ -531,13 +533,16 @@ class StepPipeline:
         del self.where[slot.part.id]
         slot.part = None
 
-    def _finish_write(self, slot: _Slot) -> None:
+    def _finish_write(self, slot: _Slot, *, retries: int | None = None) -> None:
+        """Wait for slot's write-back, reissuing it up to `retries` times (default: the
+        pipeline's); on failure the buffer is left dirty and the error raised."""
         if slot.write is None:
             return
         req, slot.write = slot.write, None
         try:
-            self.faults_survived += self.store.finish_write(slot.part, slot.buf, req,
-                                                            retries=self.retries)
+            self.faults_survived += self.store.finish_write(
+                slot.part, slot.buf, req,
+                retries=self.retries if retries is None else retries)
         except TierMemIOError:
             # The buffer keeps the only current copy; it is never reused for another
             # partition and flush() tries the write again.
