@@ -448,13 +448,10 @@ class OffloadedOptimizer:
         segments (partitions) of one parameter share its count. `done`: the parameter
         indices already counted this step (updated). Returns the indices counted."""
         done = set() if done is None else done
-        counted = set()
-        for part in parts:
-            for s in part.segments:
-                if s.index not in done and self.has_grad(s.param):
-                    self._count(s.index)
-                    done.add(s.index)
-                    counted.add(s.index)
+        counted = {s.index for part in parts for s in part.segments
+                   if s.index not in done and self.has_grad(s.param)}
+        self._count_all(counted)
+        done |= counted
         return counted
 
     def has_grad(self, p: torch.Tensor) -> bool:
@@ -463,22 +460,16 @@ class OffloadedOptimizer:
         return p.grad is not None if self.weights is None else self.weights.has_gradient(p)
 
     def _count_all(self, indices: set[int]) -> None:
-        """_count for each of `indices`: the counts in one foreach add (one 0-d add per
-        parameter costs ~8 us of dispatch, a step's largest piece of Python on a model of
-        a few dozen tensors)."""
+        """Parameters `indices` take this step: their counts (in one foreach add: one 0-d
+        add per parameter costs ~8 us of dispatch, a step's largest piece of Python on a
+        model of a few dozen tensors), and the host scalars their last step left (kept
+        aside until now so every segment of the step started from the same)."""
         if indices:  # (foreach refuses an empty list: a step with no gradient at all)
             torch._foreach_add_([self.steps[i] for i in indices], 1)
         if self._next_scalars:
             for i in indices:
                 if i in self._next_scalars:
                     self.scalars[i] = self._next_scalars.pop(i)
-
-    def _count(self, index: int) -> None:
-        """Parameter `index` takes this step: its count, and the host scalars its last step
-        left (kept aside until now so every segment of the step started from the same)."""
-        self.steps[index] += 1
-        if index in self._next_scalars:
-            self.scalars[index] = self._next_scalars.pop(index)
 
     def update(self, parts: Sequence[Partition], stats: StepStats, *,
                done: Sequence[Partition] = (), ahead: Sequence[Partition] = ()) -> None:
