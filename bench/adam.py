@@ -183,12 +183,7 @@ def setup_offload(prob: Problem, stack: contextlib.ExitStack,
     tiermem.offload with the default config but for a host tier that holds all of it."""
     import tiermem
 
-    params = []
-    for start in range(0, prob.n, tensor_elems):
-        stop = min(prob.n, start + tensor_elems)
-        p = torch.nn.Parameter(prob.weight[start:stop])
-        p.grad = prob.grad[start:stop]
-        params.append(p)
+    params = [p for p, _, _ in _cut(prob.weight, prob.grad, tensor_elems)]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     # fp32 model: two fp32 moments (8 B/param); bf16: plus the fp32 master (12 B/param).
     host = (12 * prob.n + (256 << 20)) if prob.mixed else (8 * prob.n + (256 << 20))
@@ -196,6 +191,21 @@ def setup_offload(prob: Problem, stack: contextlib.ExitStack,
         stack.enter_context(tiermem.offload(
             opt, {"tiers": {"host": {"capacity": host}}}, name=f"bench-adam-{os.getpid()}"))
     return opt.step
+
+
+def _cut(data: torch.Tensor, grad: torch.Tensor, tensor_elems: int = TENSOR_ELEMS
+         ) -> list[tuple[torch.nn.Parameter, int, int]]:
+    """`data` (with `grad`) as parameters of tensor_elems elements each, the model the
+    offload row wraps: (parameter, first element, end) each."""
+    out = []
+    for start in range(0, data.numel(), tensor_elems):
+        stop = min(data.numel(), start + tensor_elems)
+        p = torch.nn.Parameter(data[start:stop])
+        p.grad = grad[start:stop]
+        out.append((p, start, stop))
+    return out
+
+
 def setup_native_int8(prob: Problem) -> Callable[[], None]:
     from tiermem.kernels.lowbit import adam_lowbit_native, blocks
     from tiermem.kernels.native_adam import state_seed
@@ -220,7 +230,11 @@ def _optimizer_run(prob: Problem, opt: Any, step: Any) -> Callable[[], None]:
     # Hand the optimizer the shared moments, as if it had made them on its first step.
     opt.state[prob.param] = {"step": step, "exp_avg": prob.exp_avg,
                              "exp_avg_sq": prob.exp_avg_sq}
+    return _stepping(prob, opt)
 
+
+def _stepping(prob: Problem, opt: Any) -> Callable[[], None]:
+    """One step of `opt`, with the casts every implementation but tiermem's pays."""
     def run() -> None:
         prob.cast_in()
         opt.step()
@@ -237,24 +251,14 @@ def setup_torch_fused(prob: Problem) -> Callable[[], None]:
 def setup_torch_fused_model(prob: Problem) -> Callable[[], None]:
     """torch fused over the offload row's parameters (views of the fp32 weights, or of
     bf16-mixed's master, with the shared moments' views as their state)."""
-    params = []
-    for start in range(0, prob.n, TENSOR_ELEMS):
-        stop = min(prob.n, start + TENSOR_ELEMS)
-        p = torch.nn.Parameter(prob.master[start:stop])
-        p.grad = prob.grad32[start:stop]
-        params.append((p, start, stop))
+    params = _cut(prob.master, prob.grad32)
     opt = torch.optim.AdamW([p for p, _, _ in params], lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WD, fused=True)
     for p, start, stop in params:
         opt.state[p] = {"step": torch.zeros((), dtype=torch.float32),
                         "exp_avg": prob.exp_avg[start:stop],
                         "exp_avg_sq": prob.exp_avg_sq[start:stop]}
-
-    def run() -> None:
-        prob.cast_in()
-        opt.step()
-        prob.cast_out()
-    return run
+    return _stepping(prob, opt)
 
 
 def setup_torch_foreach(prob: Problem) -> Callable[[], None]:
