@@ -332,6 +332,23 @@ def test_wait_timeout_raises_and_request_stays_usable(stalled):
     assert eng.inflight() == 0
 
 
+def test_moving_says_whether_a_transfer_is_under_way(stalled, tmp_path):
+    """IOEngine.moving() is True while a transfer is stuck and False once none is (what
+    an update asks before it takes every thread), whether or not it was waited for."""
+    eng, req, release = stalled
+    assert eng.moving()
+    release()
+    assert not eng.moving()
+    assert req.wait(timeout=60) == req.nbytes
+    with eng.open(tmp_path / "f", "w", direct=False) as f:
+        write = eng.write(f, aligned(4 * KiB), 0)
+        for _ in range(20_000):  # landed, not waited for: no longer under way
+            if not eng.moving():
+                break
+            time.sleep(0.0005)
+        assert not eng.moving() and write.wait() == 4 * KiB
+
+
 def _lands_beside(req, release, what: str) -> None:
     """req lands while the other direction's only slot is stuck; if it waits instead,
     free that slot first (so the file can close) and fail."""

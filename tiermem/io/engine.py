@@ -430,6 +430,13 @@ class IOEngine:
         with self._lock:
             return len(self._inflight)
 
+    def moving(self) -> bool:
+        """Whether a transfer is under way now: one submitted and not finished (a finished
+        one that nobody has waited for yet does not count)."""
+        with self._lock:
+            pending = list(self._inflight)
+        return not all(r.done() for r in pending)
+
     def wait_all(self) -> None:
         """Wait for every request in flight; raise the first failure no one has seen yet."""
         with self._lock:

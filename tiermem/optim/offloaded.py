@@ -580,9 +580,16 @@ class OffloadedOptimizer:
             grads.append(g if g.is_contiguous() else g.contiguous())
         plan.prepared.run(grads=grads, steps=[self.steps[i] for i in plan.prepared.slots],
                           group=self.opt.param_groups[plan.group],
-                          threads=self.threads.current())
+                          threads=self._update_threads())
         for to, src in plan.copies:
             to.copy_(src)
+
+    def _update_threads(self) -> int | None:
+        """The thread count of the native update about to run (optim/threads.py). Only a
+        step on one thread fewer asks the engine whether the disk is busy (a few
+        microseconds per update)."""
+        idle = self.threads.reduced and not self.tiers.moving()
+        return self.threads.current(disk_idle=idle)
 
     @staticmethod
     def _record_addresses(held: Sequence[Ready]) -> tuple[int, ...]:
@@ -671,7 +678,7 @@ class OffloadedOptimizer:
         group = self.opt.param_groups[part.group]
         master = views.get("master")
         batch = Batch(part, group, state={k: [] for k in part.kinds if k != "master"},
-                      threads=self.threads.current())
+                      threads=self._update_threads())
         slices = {k: part.slices(k) for k in part.kinds}
         copies_back = []
         kept = []  # (record's copy, model weights): master_weights kahan/none, committed
@@ -794,7 +801,7 @@ class OffloadedOptimizer:
         master = views.get("master")
         batch = Batch(part, self.opt.param_groups[part.group],
                       state={k: [] for k in part.kinds if k != "master"}, weights_out=[],
-                      checksums=hashed, threads=self.threads.current())
+                      checksums=hashed, threads=self._update_threads())
         built = NativeBatch(batch)
         slices = {k: part.slices(k) for k in batch.state}  # int8 scales: one per block
         off = 0

@@ -24,6 +24,12 @@ and lets the pairs add up:
 - a step on one fewer that is not transfer-bound (the update has become the bound) ends
   the measurement: every thread for REVISIT steps.
 
+An update with no transfer under way beside it takes every thread even on a step that runs
+on one fewer: with deferred write-back a step's first update comes before any write can
+start and its last after the last read landed, and the disk waits for both (on the 2-core
+VM, 300M parameters: the step 0.98-0.99x as long, docs/dev/benchmarks.md, seventeenth
+session). A step's reported count is the one beside transfers.
+
 A measurement runs PAIRS of every REVISIT + 2 PAIRS steps on the count that is slower.
 The thread count never changes the results: the native kernels' threads split a pass
 into chunks of whole elements, and every CRC is assembled in the same order.
@@ -57,14 +63,18 @@ class UpdateThreads:
         self._left = 0  # steps the choice is still kept for; 0: measuring
         self._measure()
 
-    def current(self) -> int | None:
+    def current(self, *, disk_idle: bool = False) -> int | None:
+        """The count of an update about to run; `disk_idle`: no transfer is under way.
+        One thread fewer leaves a core to the I/O engine's transfers, so an update with
+        none beside it (a step's first, before any record is written back, and its last,
+        after the last read landed) takes every thread: the disk waits for it alone."""
         if self.setting > 0:
             return self.setting
         n = torch.get_num_threads()
-        return n - 1 if self.reduced and n > 1 else None
+        return n - 1 if self.reduced and n > 1 and not disk_idle else None
 
     def count(self) -> int:
-        """The number the native kernels run on now."""
+        """The number the native kernels run on beside transfers (what a step reports)."""
         return native_threads(self.current())
 
     def observe(self, stats: StepStats) -> None:

@@ -374,6 +374,10 @@ class TierManager:
             files=[f.path for f in store.files] if store else [],
             checksums=self.settings.swap.checksums, params=params, groups=groups, rule=rule)
 
+    def moving(self) -> bool:
+        """Whether a transfer to or from NVMe is under way now."""
+        return self.engine is not None and self.engine.moving()
+
     def flush(self) -> None:
         """Every write-back on disk (raises the first I/O failure)."""
         if self.pipeline is not None:
