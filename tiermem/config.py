@@ -182,7 +182,8 @@ class OptimizerSettings:
     update_threads: int = doc(
         "Threads of tiermem's native CPU update pass; 0 (auto): torch's thread count, or one "
         "less where that measured faster on steps that wait on NVMe longer than their "
-        "updates run (the I/O engine then gets a core of its own; docs/guide/tuning.md).",
+        "updates run (the I/O engine then gets a core of its own; an update with no "
+        "transfer beside it still takes every thread; docs/guide/tuning.md).",
         lo=0, hi=1024, default=0)
     step_device: Literal["cpu", "device"] = doc(
         "Where a CUDA model's host/NVMe-homed partitions are updated: cpu (grads copied to "
