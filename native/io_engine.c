@@ -138,9 +138,11 @@ static void cancel_rest(lane *l, tm_request *r)
     }
 }
 
-/* A piece of write r landed: its landed prefix ends at the lowest piece still
- * out (in the ring or to retry), or at what was handed out if none is. A
- * failed write's prefix stays where it was. */
+/* A piece of r landed: its landed prefix ends at the lowest piece still out
+ * (in the ring or to retry), or at what was handed out if none is. A failed
+ * request's prefix stays where it was. A write's prefix is what a read that
+ * follows it may overwrite; a read's is what Python may hash while the rest
+ * lands. */
 static void advance_landed(lane *l, tm_request *r)
 {
     if (r->error != 0)
@@ -251,8 +253,7 @@ static void complete_piece(lane *l, piece *p, int res)
     p->next = l->free_pieces;
     l->free_pieces = p;
     int is_write = r->op == 1;
-    if (is_write)
-        advance_landed(l, r); /* before finish_request: Python may free r after it */
+    advance_landed(l, r); /* before finish_request: Python may free r after it */
     if (r->inflight == 0 && r->next >= r->len) {
         tm_unlink(&l->active_head, &l->active_tail, r);
         finish_request(l->e, r);

@@ -165,7 +165,7 @@ static void *pool_worker(void *arg)
             r->bytes_done += len;
         }
         a->cur = NULL;
-        if (r->op == 1 && r->error == 0) {
+        if (r->error == 0) {
             /* Its landed prefix ends at the lowest piece still moving. */
             uint64_t low = r->next;
             for (unsigned i = 0; i < p->nthreads; i++)

@@ -27,7 +27,7 @@ typedef struct tm_request {
      * prefix covers it); if `after` fails, this request fails with -ECANCELED where it
      * got to. Set before submit; the caller keeps `after` alive until this is done. */
     struct tm_request *after;
-    /* Of a write: bytes of the buffer's prefix whose pieces all landed (atomic). */
+    /* Bytes of the buffer's prefix whose pieces all landed (atomic). */
     uint64_t landed;
     /* engine-private */
     uint64_t next;          /* bytes handed to the ring so far */

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 import tiermem
+from hypothesis import given, settings, strategies as st
+
+from tiermem.errors import TierMemIOError
 from tiermem.io.buffers import aligned_empty
-from tiermem.swap.integrity import FOOTER_BYTES, IntegrityError, check, seal
+from tiermem.kernels.checksum import crc32c
+from tiermem.swap import integrity
+from tiermem.swap.integrity import FOOTER_BYTES, IntegrityError, check, hash_landing, seal
 
 
 def _record(nbytes=8192, seed=0):
@@ -19,6 +24,83 @@ def _record(nbytes=8192, seed=0):
     buf[:nbytes].copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(seed)))
     return buf
+
+
+class FakeLanding:
+    """A read that lands `steps` bytes further each time it is looked at (landed / done),
+    copying the file's bytes into the buffer only as they land: a byte hashed before its
+    turn is the buffer's old garbage, and the CRC comes out wrong."""
+
+    def __init__(self, buf, data, steps, fail=False):
+        self.buf, self.data, self.steps, self.fail = buf, data, list(steps), fail
+        self.at = 0
+
+    def _advance(self):
+        step = self.steps.pop(0) if self.steps else len(self.data)
+        new = min(len(self.data), self.at + step)
+        self.buf[self.at:new].copy_(self.data[self.at:new])
+        self.at = new
+
+    @property
+    def landed(self):
+        self._advance()
+        return self.at
+
+    def done(self):
+        self._advance()
+        return self.at == len(self.data)
+
+    def wait(self, timeout=None):
+        while not self.done():
+            pass
+        if self.fail:
+            raise TierMemIOError("read of the record failed", op="read", path="f")
+        return len(self.data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(nbytes=st.integers(1, 3 * integrity.HASH_STEP // 4096).map(lambda k: k * 4096),
+       steps=st.lists(st.integers(0, 2 * integrity.HASH_STEP), max_size=12))
+def test_a_record_hashed_as_it_lands(monkeypatch, nbytes, steps):
+    """hash_landing gives the CRC32C of the whole record, hashing only what has landed,
+    however the read's progress comes (no byte beyond the landed prefix is read: the fake
+    read leaves garbage there until it lands)."""
+    monkeypatch.setattr(integrity, "POLL", 0.0)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(nbytes))
+    buf = torch.full((nbytes + 4096,), 0x5A, dtype=torch.uint8)
+    got = hash_landing(buf, nbytes, FakeLanding(buf, data, steps))
+    assert got == crc32c(data)
+
+
+def test_the_landed_part_is_hashed_before_the_read_is_done(monkeypatch):
+    """What has landed is hashed while the rest moves: once the read is done, only what
+    landed last (under HASH_STEP) is left to hash."""
+    monkeypatch.setattr(integrity, "POLL", 0.0)
+    n, step = 4 * integrity.HASH_STEP, integrity.HASH_STEP
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    buf = torch.empty(n, dtype=torch.uint8)
+    landing = FakeLanding(buf, data, [step // 2] * 64)
+    hashed = []
+    real = integrity.crc32c
+
+    def spy(piece, crc=0, **kw):
+        hashed.append((piece.numel(), landing.at))
+        return real(piece, crc, **kw)
+    monkeypatch.setattr(integrity, "crc32c", spy)
+    assert hash_landing(buf, n, landing) == real(data)
+    assert sum(k for k, _ in hashed) == n
+    assert all(k >= step for k, at in hashed[:-1] if at < n)  # in HASH_STEP pieces or more
+    assert hashed[-1][0] < step and len(hashed) >= 4
+
+
+def test_a_read_that_fails_as_it_lands_raises_its_failure(monkeypatch):
+    monkeypatch.setattr(integrity, "POLL", 0.0)
+    n = 2 * integrity.HASH_STEP
+    data = torch.zeros(n, dtype=torch.uint8)
+    buf = torch.empty(n, dtype=torch.uint8)
+    with pytest.raises(TierMemIOError, match="read of the record failed"):
+        hash_landing(buf, n, FakeLanding(buf, data, [integrity.HASH_STEP] * 4, fail=True))
 
 
 def test_seal_then_check_passes():

@@ -459,3 +459,42 @@ def test_direct_auto_uses_o_direct_where_supported(engine, tmp_path, reset_once_
     with engine.open(tmp_path / "f", "w", direct="auto") as f:
         assert f.direct is True
     assert not [w for w in recwarn if issubclass(w.category, TierMemWarning)]
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_a_reads_landed_prefix_holds_the_files_bytes(tmp_path, backend):
+    """Request.landed of a read in flight: the prefix of the buffer that holds the file's
+    bytes already (the swap store hashes it while the rest lands). A read from a FIFO at
+    queue depth 1 lands piece by piece as the pieces are written into the FIFO."""
+    import os
+
+    piece, n = 4096, 8 * 4096
+    data = pattern(n, 5)
+    os.mkfifo(tmp_path / "fifo")
+    buf = aligned(n)
+    buf.fill_(0xAB)
+    with IOEngine(backend, queue_depth=1, block_size=piece) as eng:
+        f = eng.open(tmp_path / "fifo", "r+", direct=False)
+        rd = eng.read(f, buf, 0)
+        fd = os.open(tmp_path / "fifo", os.O_WRONLY | os.O_NONBLOCK)
+        fed = 0
+        try:
+            assert rd.landed == 0 and not rd.done()
+            for k in range(1, n // piece + 1):
+                os.write(fd, as_bytes(data[fed: fed + piece]))
+                fed += piece
+                for _ in range(5_000):
+                    if rd.landed >= fed:
+                        break
+                    time.sleep(0.001)
+                got = rd.landed
+                assert got == fed, (k, got)
+                assert as_bytes(buf[:got]) == as_bytes(data[:got])
+                assert fed == n or not rd.done()
+        finally:
+            # the read must end for the engine to close: whatever it still waits for
+            if fed < n:
+                os.write(fd, as_bytes(data[fed:]))
+            os.close(fd)
+        assert rd.wait(timeout=60) == n and rd.landed == n
+    assert as_bytes(buf) == bytes(data)

@@ -30,7 +30,7 @@ class Transfer(Protocol):
         """CLOCK_MONOTONIC ns at submission and at completion (valid once done)."""
 
     def landed(self) -> int:
-        """Of a write: bytes from its start whose pieces all landed (frozen at a failure)."""
+        """Bytes from its start whose pieces all landed (frozen at a failure)."""
 
 
 class FailedTransfer:

@@ -157,11 +157,11 @@ class Request:
 
     @property
     def landed(self) -> int:
-        """Of a write: bytes from the start of its memory that reached the file, a
-        multiple of 4096 unless it is all of them; where a failed write stopped, once it
-        is done. A read that followed it (read(after=...)) overwrote no more than this."""
-        if self.op != "write":
-            raise ValueError(f"landed: {self!r} is not a write")
+        """Bytes from the start of the buffer whose transfer finished, a multiple of 4096
+        unless it is all of them; where a failed transfer stopped, once it is done. Of a
+        write: what reached the file (a read that followed it, read(after=...), overwrote
+        no more than this); of a read: what holds the file's bytes already (the rest may
+        still change)."""
         n = self._transfer.landed()
         return n if n == self.nbytes else n & ~(DIRECT_ALIGN - 1)
 

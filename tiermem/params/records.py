@@ -77,8 +77,8 @@ class Fetch:
         if self._value is None:
             r = self.records
             if self.req is not None:
-                self.req.wait()
-                r.store.verify(r.part(self.kind, self.index), self.buf)
+                # waits for the read, hashing the record as it lands
+                r.store.verify(r.part(self.kind, self.index), self.buf, landing=self.req)
                 self.req = None
             meta = r.metas[self.index]
             self._value = self.buf[: meta.nbytes].view(meta.dtype).view(meta.shape)

@@ -24,7 +24,7 @@ import torch
 
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.swap import fsops
-from tiermem.swap.integrity import FOOTER_BYTES, check, seal
+from tiermem.swap.integrity import FOOTER_BYTES, check, hash_landing, seal
 from tiermem.swap.manifest import STATE_FILE
 from tiermem.io import File, IOEngine, Request
 from tiermem.partition import Partition
@@ -227,12 +227,20 @@ class SwapStore:
             failed += 1
             req = self.rewrite(part, buf)
 
-    def verify(self, part: Partition, buf: torch.Tensor) -> None:
-        """Check a record that a read() brought into `buf` (raises IntegrityError)."""
-        if self.checksums:
-            s = self.slots[part.id]
-            check(buf, part.record_bytes, part.id, self.generation[part.id],
-                  path=self.files[s.file].path, offset=self._offset(part))
+    def verify(self, part: Partition, buf: torch.Tensor, landing: Request | None = None
+               ) -> None:
+        """Check a record that a read() brought into `buf` (raises IntegrityError).
+        `landing`: that read, maybe still in flight: waited for here (its failure raises
+        as its wait() does), the record hashed as it lands."""
+        if not self.checksums:
+            if landing is not None:
+                landing.wait()
+            return
+        found = (hash_landing(buf, part.record_bytes, landing)
+                 if landing is not None else None)
+        s = self.slots[part.id]
+        check(buf, part.record_bytes, part.id, self.generation[part.id],
+              path=self.files[s.file].path, offset=self._offset(part), found=found)
 
     # -- commits (crash-consistent mode) ------------------------------------------
 

@@ -514,8 +514,8 @@ class StepPipeline:
         req, slot.read = slot.read, None
         for attempt in range(self.retries + 1):
             try:
-                req.wait()
-                self.store.verify(slot.part, slot.buf)
+                # waits for the read, hashing the record as it lands
+                self.store.verify(slot.part, slot.buf, landing=req)
                 self.faults_survived += attempt
                 return
             except TierMemError:
