@@ -60,9 +60,12 @@ def measured(winner):
     return [1, None] * (P - 1) + [1, winner]
 
 
-# (name, setting, [(stall, update, step seconds) of each finished step], the count the
-# steps after them run on); torch has 2 threads: None is every thread, 1 one fewer
+# (name, setting, [(stall, update, step seconds[, NVMe bytes read: 64 MiB unless said]) of
+# each finished step], the count the steps after them run on); torch has 2 threads: None
+# is every thread, 1 one fewer
 POLICY = [
+    ("a step that read nothing is not measured", 0,
+     [(*W, 0.01, 0)] + pairs(1.0, 0.9), [None] + measured(1)),
     ("update-bound never tries", 0, steps((0.0, 1.0), 1, 3) + steps((1.0, 1.0), 1, 5),
      [None] * 8),
     ("no update: no figure", 0, steps((9.0, 0.0), 1, 8), [None] * 8),
@@ -99,9 +102,10 @@ def test_policy(two_threads, name, setting, figures, expected):
     policy = UpdateThreads(setting)
     assert policy.current() == (setting or None)
     got = []
-    for stall, update, seconds in figures:
+    for stall, update, seconds, *read in figures:
         policy.observe(StepStats(stall_seconds=stall, update_seconds=update,
-                                 step_seconds=seconds))
+                                 step_seconds=seconds,
+                                 read_bytes={"nvme": read[0] if read else 1 << 26}))
         got.append(policy.current())
     assert got == expected
     assert policy.count() == (expected[-1] or 2)

@@ -14,7 +14,10 @@ and lets the pairs add up:
 
 - a step is transfer-bound when it waited on NVMe longer than its updates ran, or, on one
   thread fewer, at least a quarter as long. Only such steps are measured: an update-bound
-  step (int8 Adam's, a host-tier run's) never tries one thread fewer;
+  step (int8 Adam's, a host-tier run's) never tries one thread fewer. Nor is a step that
+  read nothing from NVMe (a run's first, whose records are built in the buffers): no read
+  of it met the update, and a pair opened on its few milliseconds outweighed every pair
+  after it;
 - a measurement alternates the counts step by step, PAIRS pairs of a step on every thread
   and the next on one fewer (adjacent steps see the same disk), and adds each pair's
   log(time on one fewer / time on every thread) to the evidence, of which what earlier
@@ -80,7 +83,7 @@ class UpdateThreads:
     def observe(self, stats: StepStats) -> None:
         """Take a finished step's figures into the next step's choice (auto only)."""
         if (self.setting > 0 or stats.update_seconds <= 0 or stats.step_seconds <= 0
-                or torch.get_num_threads() < 2):
+                or not stats.read_bytes.get("nvme") or torch.get_num_threads() < 2):
             return
         if self._left > 0:
             self._left -= 1
