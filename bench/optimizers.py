@@ -34,6 +34,10 @@ swap store hashes each record as it writes it, as for any update that returns no
 CRC). The pipeline, the engine and the disk see the same transfers at the same pace,
 without the update's memory traffic and CPU beside them, so stand-in step / I/O floor is
 what the I/O path alone costs, and step / stand-in step what the update costs on top.
+Then --steps more whose stand-in takes no time at all: the transfers with nothing to
+compute, against which the sleeping stand-in's excess is the update time the step cannot
+hide behind a transfer (its first update, before anything can be written, and its last,
+after the last read).
 The stand-in steps leave the optimizer state as it was (a bench only), and do not count
 in the update-threads measurements.
 
@@ -146,15 +150,22 @@ def phase_rounds(args: argparse.Namespace) -> dict:
                     try:
                         first = len(tm.stats())
                         io_block = _timed_block(opt.step, args.steps, tiers.flush)
+                        stand_in_stats = tm.stats()[first:]
+                        # and with an update that takes no time: the transfers alone
+                        tm.offloaded._update = _stand_in(0.0)
+                        bare_block = _timed_block(opt.step, args.steps, tiers.flush)
                     finally:
                         del tm.offloaded._update  # the class's own method again
                         policy.setting = kept
-                    io_step = io_block / args.steps
+                    io_step, bare_step = io_block / args.steps, bare_block / args.steps
                     rounds[-1].update(stand_in_step=io_step, stand_in_partition_seconds=per_part,
-                                      stand_in_stats=tm.stats()[first:],
-                                      stand_in_ratio=io_step / fio["seconds"])
+                                      stand_in_stats=stand_in_stats,
+                                      stand_in_ratio=io_step / fio["seconds"],
+                                      bare_step=bare_step,
+                                      bare_ratio=bare_step / fio["seconds"])
                     extra = (f", stand-in update {io_step:.3f} s "
-                             f"({io_step / fio['seconds']:.3f} x fio)")
+                             f"({io_step / fio['seconds']:.3f} x fio), no-time update "
+                             f"{bare_step:.3f} s ({bare_step / fio['seconds']:.3f} x fio)")
                 threads = [s["update_threads"] for s in stats]
                 print(f"{args.optimizer} round {r + 1}: step {step:.3f} s, fio "
                       f"{fio['seconds']:.3f} s (reads paced {paced['seconds']:.3f} s), "
@@ -169,7 +180,7 @@ def phase_rounds(args: argparse.Namespace) -> dict:
     med["fio"] = statistics.median(r["fio"]["seconds"] for r in rounds)
     med["fio_paced"] = statistics.median(r["fio_paced"]["seconds"] for r in rounds)
     if args.stand_in:
-        for k in ("stand_in_step", "stand_in_ratio"):
+        for k in ("stand_in_step", "stand_in_ratio", "bare_step", "bare_ratio"):
             med[k] = statistics.median(r[k] for r in rounds)
         med["update_cost"] = statistics.median(r["step"] / r["stand_in_step"] for r in rounds)
     return {"plan": plan, "warmup_seconds": warm, "moved": moved, "rounds": rounds,
@@ -253,6 +264,10 @@ def main(argv=None) -> int:
                      "I/O path alone"],
                     [f"{name}: step / stand-in step", f"{m['update_cost']:.3f}",
                      "median of rounds: what the update beside the transfers adds"],
+                    [f"{name}: step, no-time update", f"{m['bare_step']:.3f} s",
+                     f"{m['bare_ratio']:.3f} x the I/O floor (median of rounds): the "
+                     "transfers with nothing to compute; the stand-in's excess over it "
+                     "is the update time the step cannot hide (its first and last)"],
                 ]
     finally:
         try:

@@ -58,8 +58,9 @@ def test_optimizers_bench_smoke(tmp_path):
 @needs_fio
 def test_optimizers_bench_stand_in(tmp_path):
     """--stand-in: per round, steps whose update only waits write every record as the real
-    ones do and read records too (which ones stay buffered depends on timing), and the
-    real steps of the next round still read good records after them."""
+    ones do and read records too (which ones stay buffered depends on timing), steps whose
+    update takes no time are timed too, and the real steps of the next round still read
+    good records after them."""
     out = tmp_path / "optimizers.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "optimizers.py"), "--params", "6M",
@@ -76,7 +77,9 @@ def test_optimizers_bench_stand_in(tmp_path):
         assert [s["write_bytes"] for s in r["stand_in_stats"]] == [
             s["write_bytes"] for s in r["stats"]]
         assert all(s["read_bytes"]["nvme"] > 0 for s in r["stand_in_stats"])
+        assert r["bare_ratio"] == pytest.approx(r["bare_step"] / r["fio"]["seconds"])
     assert res["median"]["update_cost"] > 0
+    assert "step, no-time update" in proc.stdout
 
 
 def _fio_output(read_io: int, error: int = 0) -> str:
