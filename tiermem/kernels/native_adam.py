@@ -37,7 +37,7 @@ module was loaded) a small pool of its own pthreads. `threads()` says which, and
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -348,15 +348,30 @@ def _run_all(runs: list[tuple[int, int]], params: list[Tensor], grads: list[Tens
     # and the argument checks of a call in between.
     spec = ffi.new("tm_adam_run[]", len(runs))
     for r, (i, n) in zip(spec, runs):
-        r.p = _ptr(params[i], "float *")
-        r.exp_avg, r.exp_avg_sq = _ptr(exp_avgs[i], "void *"), _ptr(exp_avg_sqs[i], "void *")
-        r.max_exp_avg_sq = _ptr(max_exp_avg_sqs[i] if amsgrad else None, "void *")
+        _fill_run(r, i, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, outs, amsgrad)
         r.grad, r.grad_dtype = _ptr(grads[i], "void *"), GRAD_DTYPES[grads[i].dtype]
-        r.out = _ptr(outs[i], "void *")
-        r.out_dtype = OUT_DTYPES[outs[i].dtype] if outs[i] is not None else 0
         r.n, r.step = n, step_values[i]
-    rc = lib.tm_adam_step_runs(spec, len(runs), lr, float(beta1), float(beta2), float(eps),
-                               float(weight_decay), int(amsgrad), int(maximize),
+    _step_runs(spec, len(runs), lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
+               decoupled, num_threads)
+
+
+def _fill_run(r: Any, i: int, params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+              exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor] | None,
+              outs: Sequence[Tensor | None], amsgrad: bool) -> None:
+    """The tm_adam_run entry `r` points at segment i's weights, moments and weights out."""
+    r.p = _ptr(params[i], "float *")
+    r.exp_avg, r.exp_avg_sq = _ptr(exp_avgs[i], "void *"), _ptr(exp_avg_sqs[i], "void *")
+    r.max_exp_avg_sq = _ptr(max_exp_avg_sqs[i] if amsgrad else None, "void *")
+    r.out = _ptr(outs[i], "void *")
+    r.out_dtype = OUT_DTYPES[outs[i].dtype] if outs[i] is not None else 0
+
+
+def _step_runs(spec: Any, count: int, lr: float, beta1: float, beta2: float, eps: float,
+               weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
+               num_threads: int | None) -> None:
+    """tm_adam_step_runs over the first `count` entries of `spec`; raises on its failure."""
+    rc = lib.tm_adam_step_runs(spec, count, float(lr), float(beta1), float(beta2),
+                               float(eps), float(weight_decay), int(amsgrad), int(maximize),
                                int(decoupled), native_threads(num_threads))
     if rc != 0:
         raise RuntimeError(f"tm_adam_step_runs failed: {os.strerror(-rc)}")
@@ -402,12 +417,8 @@ class AdamRunTable:
                     and 0 <= start <= self._grad_numels[slot] - n):
                 raise ValueError(f"grad_of[{i}]: elements {start}..{start + n} of gradient "
                                  f"{slot} are not inside it")
-            r.p = _ptr(params[i], "float *")
-            r.exp_avg, r.exp_avg_sq = (_ptr(exp_avgs[i], "void *"),
-                                       _ptr(exp_avg_sqs[i], "void *"))
-            r.max_exp_avg_sq = _ptr(max_exp_avg_sqs[i] if amsgrad else None, "void *")
-            r.out = _ptr(weights_out[i], "void *")
-            r.out_dtype = OUT_DTYPES[weights_out[i].dtype] if weights_out[i] is not None else 0
+            _fill_run(r, i, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, weights_out,
+                      amsgrad)
             r.n = n
         self._n = k
         self._addr: list[tuple[int, int, int]] = []  # the gradients step() last pointed at
@@ -440,12 +451,8 @@ class AdamRunTable:
             self._addr = addr
         for r, (slot, _) in zip(self._spec, self._grad_of):
             r.step = counts[slot]
-        rc = lib.tm_adam_step_runs(self._spec, self._n, float(lr), float(beta1),
-                                   float(beta2), float(eps), float(weight_decay),
-                                   int(self._amsgrad), int(maximize),
-                                   int(decoupled_weight_decay), native_threads(num_threads))
-        if rc != 0:
-            raise RuntimeError(f"tm_adam_step_runs failed: {os.strerror(-rc)}")
+        _step_runs(self._spec, self._n, lr, beta1, beta2, eps, weight_decay, self._amsgrad,
+                   maximize, decoupled_weight_decay, num_threads)
 
 
 def _outs_continue(a: Tensor | None, b: Tensor | None) -> bool:
