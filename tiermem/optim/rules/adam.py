@@ -143,17 +143,13 @@ class AdamRule(UpdateRule):
             rounding = dict(rounding=self.state_rounding, offsets=batch.offsets,
                             seeds=[state_seed(step=s, partition=batch.part.id)
                                    for s in batch.steps])
-        beta1, beta2 = (float(b) for b in group["betas"])
         return adam_update(
             kernel=kernel, params=batch.params, grads=batch.grads,
             exp_avgs=batch.state["exp_avg"], exp_avg_sqs=batch.state["exp_avg_sq"],
             max_exp_avg_sqs=batch.state.get("max_exp_avg_sq", []), steps=batch.steps,
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], amsgrad=bool(group["amsgrad"]),
-            maximize=bool(group["maximize"]),
-            decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-            weights_out=batch.weights_out, checksums=batch.checksums,
-            num_threads=batch.threads, **rounding)
+            amsgrad=bool(group["amsgrad"]), weights_out=batch.weights_out,
+            checksums=batch.checksums, num_threads=batch.threads, **_hyperparameters(group),
+            **rounding)
 
     def prepare_together(self, batches: Sequence[Batch], *, kernel: str
                          ) -> PreparedUpdate | None:
@@ -239,13 +235,16 @@ class AdamTogether(PreparedUpdate):
 
     def run(self, *, grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
             group: dict[str, Any], threads: int | None) -> None:
-        beta1, beta2 = (float(b) for b in group["betas"])
-        self.table.step(grads=grads, steps=steps, lr=group["lr"], beta1=beta1, beta2=beta2,
-                        eps=group["eps"], weight_decay=group["weight_decay"],
-                        maximize=bool(group["maximize"]),
-                        decoupled_weight_decay=bool(group.get("decoupled_weight_decay",
-                                                              False)),
-                        num_threads=threads)
+        self.table.step(grads=grads, steps=steps, num_threads=threads,
+                        **_hyperparameters(group))
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """An Adam param group's hyperparameters as the kernels take them (amsgrad aside)."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], maximize=bool(group["maximize"]),
+                decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)))
 
 
 WINDOW = 1 << 32  # elements of one stream window (the kernels' 32-bit counter)
