@@ -18,7 +18,15 @@ runs in one process that alternates, for --rounds rounds:
    for-loop, foreach, or fused), median of --memory-steps;
 3. the tiermem step: --steps steps back to back, timed from the first step's call until
    the last step's write-backs have landed, divided by --steps (every byte those steps
-   move is inside the time; nothing of theirs is left in flight).
+   move is inside the time; nothing of theirs is left in flight);
+4. the I/O floor with the update beside it: fio again (as in 1, at the depth that won),
+   and one step of the plain in-memory optimizer, on as many threads as the tiered
+   update last ran on, started as soon as fio's transfers have begun
+   (FioFloor.measure_beside). On this machine a thread streaming memory slows the disk
+   (its emulation copies every byte through the host's memory), and a tiered step's
+   update streams the same weights, gradients and state while its transfers run, so
+   step / max(this floor, compute floor) is what the pipeline adds to what the disk
+   gives a step that updates. The goal's ratio stays against the floor of 1.
 
 Each round's ratio is its step / max(its I/O floor, its compute floor); the table gives
 the median over rounds and their spread (goal <= 1.10). Each round also measures fio with
@@ -98,6 +106,22 @@ def _stand_in(seconds: float):
     return update
 
 
+def _plain_step(plain, threads: int):
+    """One step of the in-memory optimizer on `threads` threads; returns its seconds."""
+    import torch
+
+    def work() -> float:
+        kept = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            t0 = time.perf_counter()
+            plain.step()
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(kept)
+    return work
+
+
 def phase_rounds(args: argparse.Namespace) -> dict:
     """One optimizer: the I/O floor, the compute floor and the tiermem step, interleaved
     round by round (the module docstring says what each is)."""
@@ -132,9 +156,15 @@ def phase_rounds(args: argparse.Namespace) -> dict:
                 stats = tm.stats()[first:]
                 step = block / args.steps
                 floor_s = max(fio["seconds"], statistics.median(mem))
+                # the update's own memory traffic beside fio's transfers, on as many
+                # threads as the tiered update ran on last
+                beside = floor.measure_beside(
+                    fio, _plain_step(plain, stats[-1]["update_threads"]))
                 rounds.append({
                     "fio": fio, "fio_paced": paced, "memory_step_seconds": mem,
                     "ratio_paced": step / max(paced["seconds"], statistics.median(mem)),
+                    "fio_beside": beside,
+                    "ratio_beside": step / max(beside["seconds"], statistics.median(mem)),
                     "memory": statistics.median(mem), "step": step,
                     "block_seconds": block, "stats": stats, "ratio": step / floor_s,
                     **stat_medians(stats, ("read_bytes", "write_bytes", "stall_seconds",
@@ -168,7 +198,8 @@ def phase_rounds(args: argparse.Namespace) -> dict:
                              f"{bare_step:.3f} s ({bare_step / fio['seconds']:.3f} x fio)")
                 threads = [s["update_threads"] for s in stats]
                 print(f"{args.optimizer} round {r + 1}: step {step:.3f} s, fio "
-                      f"{fio['seconds']:.3f} s (reads paced {paced['seconds']:.3f} s), "
+                      f"{fio['seconds']:.3f} s (reads paced {paced['seconds']:.3f} s, "
+                      f"update beside {beside['seconds']:.3f} s), "
                       f"in-memory {statistics.median(mem):.3f} s, "
                       f"ratio {step / floor_s:.3f}, update threads {threads}{extra}",
                       flush=True)
@@ -176,9 +207,12 @@ def phase_rounds(args: argparse.Namespace) -> dict:
         tm.discard()
     med = {k: statistics.median(r[k] for r in rounds) for k in (
         "step", "memory", "ratio", "read_bytes", "write_bytes", "stall_seconds",
-        "update_seconds", "io_seconds", "ratio_paced")}
+        "update_seconds", "io_seconds", "ratio_paced", "ratio_beside")}
     med["fio"] = statistics.median(r["fio"]["seconds"] for r in rounds)
     med["fio_paced"] = statistics.median(r["fio_paced"]["seconds"] for r in rounds)
+    med["fio_beside"] = statistics.median(r["fio_beside"]["seconds"] for r in rounds)
+    med["beside_slowdown"] = statistics.median(
+        r["fio_beside"]["seconds"] / r["fio"]["seconds"] for r in rounds)
     if args.stand_in:
         for k in ("stand_in_step", "stand_in_ratio", "bare_step", "bare_ratio"):
             med[k] = statistics.median(r[k] for r in rounds)
@@ -256,6 +290,11 @@ def main(argv=None) -> int:
                  "fio's reads paced to end with its writes: a run of steps' floor"],
                 [f"{name}: step / max(paced, memory)", f"{m['ratio_paced']:.3f}",
                  "median of rounds: the step against what a run of steps can reach"],
+                [f"{name}: I/O floor, update beside", f"{m['fio_beside']:.3f} s",
+                 f"{m['beside_slowdown']:.3f} x fio (median of rounds): fio while one "
+                 "in-memory step runs beside it"],
+                [f"{name}: step / max(beside, memory)", f"{m['ratio_beside']:.3f}",
+                 "median of rounds: the step against the disk it gets while it updates"],
             ]
             if args.stand_in:
                 rows += [

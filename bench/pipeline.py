@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from _harness import (add_phase_args, add_pipeline_args, fio_layout, goal_text,
                       offload_config, parse_count, parse_size, parser, peak_rss, run_header,
@@ -189,7 +190,21 @@ class FioFloor:
         return {**self._run(free["depth"], tries, read_rate=rate), "paced": True,
                 "read_rate": rate}
 
-    def _run(self, depth: int, tries: int, read_rate: int | None = None) -> dict:
+    def measure_beside(self, free: dict, work: Callable[[], float], tries: int = 5) -> dict:
+        """The floor with an update's memory traffic beside the transfers: fio again at the
+        depth `free` (a measure()) won, and `work` (one in-memory optimizer step, returning
+        its seconds) run once as soon as fio's transfers have begun. On a virtual machine
+        whose disk is emulated by copies in the host's memory, a thread streaming memory
+        slows the disk (docs/dev/benchmarks.md, the eighteenth session); a tiered step
+        must move its bytes while its update streams the same weights, gradients and
+        state, so this is what the disk gives it. `work_seconds` says how long the work
+        took, `work_ended_first` whether it was all beside the transfers."""
+        if self.read_bytes == self.write_bytes == 0:
+            return {**free, "work_seconds": work(), "work_ended_first": False}
+        return self._run(free["depth"], tries, beside=work)
+
+    def _run(self, depth: int, tries: int, read_rate: int | None = None,
+             beside: Callable[[], float] | None = None) -> dict:
         # fio at times reports a job that never ran (0 ms) on a busy machine: measured
         # again rather than taken.
         for attempt in range(tries):
@@ -204,7 +219,7 @@ class FioFloor:
                 continue
             try:
                 return _fio_concurrent(self.rfile, self.wfile, self.read_bytes,
-                                       self.write_bytes, self.bs, depth, read_rate)
+                                       self.write_bytes, self.bs, depth, read_rate, beside)
             except (ZeroDivisionError, subprocess.CalledProcessError) as exc:
                 why = getattr(exc, "stderr", None) or type(exc).__name__
                 print(f"fio floor failed, try {attempt + 1} of {tries}: {str(why)[-300:]}",
@@ -214,8 +229,39 @@ class FioFloor:
         raise RuntimeError(f"fio floor: no measurement in {tries} tries (see above)")
 
 
+def _fio_started(proc: subprocess.Popen, bs: int) -> bool:
+    """Whether fio (run with --thread: one process) has begun its transfers: a block
+    written, or more read than loading its own libraries reads (well under 4 MiB)."""
+    try:
+        with open(f"/proc/{proc.pid}/io") as f:
+            io = dict(line.split(": ") for line in f.read().splitlines() if line)
+    except OSError:  # not yet there, or gone: it ended
+        return proc.poll() is not None
+    return int(io["write_bytes"]) >= bs or int(io["read_bytes"]) >= max(4 << 20, 4 * bs)
+
+
+def _fio_beside(cmd: list[str], bs: int, work: Callable[[], float]
+                ) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run fio (`cmd`) and, once its transfers have begun, `work` beside them."""
+    proc = subprocess.Popen(cmd[:1] + ["--thread"] + cmd[1:], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        while not _fio_started(proc, bs):
+            time.sleep(0.0005)
+        seconds = work()
+        ended_first = proc.poll() is None
+        out, err = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return done, {"work_seconds": seconds, "work_ended_first": ended_first}
+
+
 def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int, bs: int,
-                    depth: int, read_rate: int | None = None) -> dict:
+                    depth: int, read_rate: int | None = None,
+                    beside: Callable[[], float] | None = None) -> dict:
     common = ["--ioengine=io_uring", "--direct=1", f"--bs={bs}", f"--iodepth={depth}",
               "--mem=mmaphuge"]
     # A job only for a direction with bytes: fio refuses --size=0, and a step whose
@@ -227,7 +273,11 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
             cmd += [f"--name={name}", f"--filename={path}", f"--rw={name}", f"--size={nbytes}"]
             if name == "read" and read_rate:  # bytes per second
                 cmd.append(f"--rate={read_rate}")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    work: dict = {}
+    if beside is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    else:
+        proc, work = _fio_beside(cmd, bs, beside)
     out = proc.stdout
     try:
         jobs = json.loads(out[out.index("{"):])["jobs"]
@@ -248,7 +298,7 @@ def _fio_concurrent(rfile: Path, wfile: Path, read_bytes: int, write_bytes: int,
     gbps = {name: nbytes / runtimes[name] / 1e9 if runtimes.get(name) else 0.0
             for name, (_, nbytes) in sizes.items()}
     return {"seconds": max(runtimes.values()), "per_job_seconds": runtimes, "depth": depth,
-            "read_gbps": gbps["read"], "write_gbps": gbps["write"]}
+            "read_gbps": gbps["read"], "write_gbps": gbps["write"], **work}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -52,6 +53,13 @@ def test_optimizers_bench_smoke(tmp_path):
             assert paced["read_gbps"] > 0 and paced["write_gbps"] > 0
             assert r["ratio_paced"] == pytest.approx(r["step"] / max(paced["seconds"],
                                                                        r["memory"]))
+            # the floor with the update beside it: the same bytes, the in-memory step run
+            # while fio moved them
+            beside = r["fio_beside"]
+            assert beside["read_gbps"] > 0 and beside["write_gbps"] > 0
+            assert beside["depth"] == r["fio"]["depth"] and beside["work_seconds"] > 0
+            assert r["ratio_beside"] == pytest.approx(r["step"] / max(beside["seconds"],
+                                                                        r["memory"]))
         assert result["ratios"][name] == res["median"]["ratio"]
 
 
@@ -99,6 +107,38 @@ def test_a_fio_job_that_did_not_move_its_bytes_is_no_floor(monkeypatch, tmp_path
         bench_pipeline._fio_concurrent(tmp_path / "r", tmp_path / "w", 8 << 20, 8 << 20,
                                        1 << 20, 4)
     assert f"fio job read: error {error}, moved {read_io} of {8 << 20} bytes" in got.value.stderr
+
+
+@needs_fio
+def test_the_work_beside_fio_runs_while_its_transfers_do(tmp_path):
+    """measure_beside starts the work only once fio's transfers have begun (not while fio
+    starts up, which takes longer than its transfers at this size), and fio's figures are
+    still whole."""
+    nbytes = 256 << 20
+    seen = {}
+
+    def work():
+        seen["moving"] = _device_bytes()
+        time.sleep(0.05)
+        seen["later"] = _device_bytes()
+        return 0.05
+
+    with bench_pipeline.FioFloor(tmp_path, 1 << 20, 4, nbytes, nbytes) as floor:
+        free = floor.measure()
+        got = floor.measure_beside(free, work)
+    assert got["work_seconds"] == 0.05 and got["depth"] == free["depth"]
+    assert got["read_gbps"] > 0 and got["write_gbps"] > 0
+    assert seen["later"] > seen["moving"], "the work ran while nothing moved"
+
+
+def _device_bytes() -> int:
+    """Sectors read and written by every disk since boot, in bytes."""
+    total = 0
+    with open("/proc/diskstats") as f:
+        for line in f:
+            cols = line.split()
+            total += (int(cols[5]) + int(cols[9])) * 512
+    return total
 
 
 def test_a_complete_fio_run_is_the_floor(monkeypatch, tmp_path):
