@@ -147,3 +147,23 @@ def test_a_complete_fio_run_is_the_floor(monkeypatch, tmp_path):
     got = bench_pipeline._fio_concurrent(tmp_path / "r", tmp_path / "w", 8 << 20, 8 << 20,
                                          1 << 20, 4)
     assert got["seconds"] == 0.7 and got["per_job_seconds"] == {"read": 0.5, "write": 0.7}
+
+
+@needs_fio
+def test_disk_contention_bench_smoke(tmp_path):
+    """bench/disk_contention.py at a tiny size: every load measured beside fio in every
+    round, fio alone its own reference, the memory loads' rates measured."""
+    out = tmp_path / "contention.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "disk_contention.py"), "--quick", "--rounds", "2",
+         "--gb", "0.1", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"none", "spin", "in cache", "read", "write", "triad"}
+    assert res["none"]["ratios"] == [1.0, 1.0]
+    for kind, r in res.items():
+        assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
+        assert r["ratios"] == [s / n for s, n in zip(r["seconds"], res["none"]["seconds"])]
+        assert (r["load_bytes_per_second"] > 0) == (kind in ("read", "write", "triad"))
+    assert "x fio alone" in proc.stdout
