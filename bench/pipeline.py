@@ -230,13 +230,16 @@ class FioFloor:
 
 
 def _fio_started(proc: subprocess.Popen, bs: int) -> bool:
-    """Whether fio (run with --thread: one process) has begun its transfers: a block
-    written, or more read than loading its own libraries reads (well under 4 MiB)."""
+    """Whether fio (run with --thread: one process) has begun its transfers, or ended (a
+    job too small to see, or a failure its output reports): a block written, or more read
+    than loading its own libraries reads (well under 4 MiB)."""
+    if proc.poll() is not None:
+        return True
     try:
         with open(f"/proc/{proc.pid}/io") as f:
             io = dict(line.split(": ") for line in f.read().splitlines() if line)
-    except OSError:  # not yet there, or gone: it ended
-        return proc.poll() is not None
+    except OSError:  # gone between the two looks: it ended
+        return True
     return int(io["write_bytes"]) >= bs or int(io["read_bytes"]) >= max(4 << 20, 4 * bs)
 
 

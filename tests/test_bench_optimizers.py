@@ -131,6 +131,36 @@ def test_the_work_beside_fio_runs_while_its_transfers_do(tmp_path):
     assert seen["later"] > seen["moving"], "the work ran while nothing moved"
 
 
+def test_fio_that_ends_before_moving_anything_is_not_waited_for(monkeypatch, tmp_path):
+    """A fio that fails at once (no block ever moved) ends the wait for its transfers to
+    begin: the work runs, and the failure is reported, rather than waited on for ever."""
+    class Ended:
+        pid, returncode = 2 ** 22 + 1, 1  # above pid_max's default: no /proc entry
+
+        def __init__(self, cmd, **kw):
+            assert cmd[1] == "--thread"
+
+        def poll(self):
+            return self.returncode
+
+        def communicate(self):
+            return _fio_output(0, error=5), "fio: io_u error"
+
+    monkeypatch.setattr(bench_pipeline.subprocess, "Popen", Ended)
+    waits = []
+
+    def sleep(seconds):  # the wait's poll: bounded here, so a wait for ever fails
+        waits.append(seconds)
+        assert len(waits) < 1000, "still waiting for the transfers of a fio that ended"
+
+    monkeypatch.setattr(bench_pipeline.time, "sleep", sleep)
+    ran = []
+    with pytest.raises(subprocess.CalledProcessError) as got:
+        bench_pipeline._fio_concurrent(tmp_path / "r", tmp_path / "w", 8 << 20, 8 << 20,
+                                       1 << 20, 4, beside=lambda: ran.append(1) or 0.0)
+    assert ran == [1] and "fio job read: error 5" in got.value.stderr
+
+
 def _device_bytes() -> int:
     """Sectors read and written by every disk since boot, in bytes."""
     total = 0
