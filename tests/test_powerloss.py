@@ -152,9 +152,10 @@ def test_every_torn_committed_record_is_refused(tmp_path):
                 f.write(manifest)
             with pytest.raises(IntegrityError):
                 gather(run)
+            net = s.model()
             with pytest.raises(IntegrityError):
-                with tiermem.offload(make_optimizer(s.model()), s.config(root),
-                                     model=s.model(), resume=True) as tm:
+                with tiermem.offload(make_optimizer(net), s.config(root), model=net,
+                                     resume=True) as tm:
                     tm.discard()
             tried += 1
         assert tried >= nbytes // 4096 - 2, pid  # the data blocks and the footer differ
