@@ -331,6 +331,37 @@ def elapsed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+class Background:
+    """While open, a thread calling `work` over and over (torch releases the GIL inside an
+    op, so it loads a core and the memory bus, not the caller); `calls` and `seconds` say
+    how many calls it made and for how long. `warm`: seconds it runs before the block."""
+
+    def __init__(self, work: Callable[[], Any], warm: float = 0.0) -> None:
+        self.work, self.warm = work, warm
+        self.calls, self.seconds = 0, 0.0
+
+    def __enter__(self) -> "Background":
+        import threading
+
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        if self.warm:
+            time.sleep(self.warm)
+        return self
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self.stop.is_set():
+            self.work()
+            self.calls += 1
+        self.seconds = time.perf_counter() - t0
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def time_calls(fn: Callable[[], Any], n: int, warmup: int = 0) -> dict[str, list[float]]:
     """Wall and CPU seconds (every thread of the process) of n calls after `warmup`
     untimed ones."""

@@ -28,66 +28,40 @@ import os
 import shutil
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
+from typing import Any, Callable
 
-from _harness import parse_size, parser, run_header, save, settings, show_table
+from _harness import (Background, parse_size, parser, run_header, save, settings,
+                      show_table)
 from pipeline import FioFloor
 
 LOADS = ("none", "spin", "in cache", "read", "write", "triad")
 
 
-class Load:
-    """While open, one thread doing `kind` of work over and over; `rate` is the bytes of
-    memory it streamed per second while open (0 for spin and in cache)."""
+def _work(kind: str, big: int) -> tuple[Callable[[], Any], int]:
+    """One call of `kind`'s load, and the bytes of memory that call streams (0: none)."""
+    import torch
 
-    def __init__(self, kind: str, big: int) -> None:
-        import torch
+    if kind == "spin":
+        def spin() -> None:
+            x = 0
+            for i in range(100_000):
+                x += i
+        return spin, 0
+    if kind == "in cache":
+        a, b = torch.ones(16 << 10), torch.ones(16 << 10)
 
-        self.kind, self.stop = kind, threading.Event()
-        n = 16 << 10 if kind == "in cache" else big // 4
-        self.a = torch.ones(n) if kind != "none" else None
-        self.b = torch.ones(n) if kind in ("in cache", "triad") else None
-        self.moved, self.seconds = 0, 0.0
-
-    def _run(self) -> None:
-        a, b = self.a, self.b
-        t0 = time.perf_counter()
-        while not self.stop.is_set():
-            if self.kind == "spin":
-                x = 0
-                for i in range(100_000):
-                    x += i
-            elif self.kind == "in cache":
-                for _ in range(1000):
-                    a.add_(b)
-            elif self.kind == "read":
-                a.sum()
-                self.moved += a.nbytes
-            elif self.kind == "write":
-                a.fill_(1.0)
-                self.moved += a.nbytes
-            else:  # triad: read a and b, write a
-                a.add_(b, alpha=0.5)
-                self.moved += 3 * a.nbytes
-        self.seconds = time.perf_counter() - t0
-
-    def __enter__(self) -> "Load":
-        if self.kind != "none":
-            self.thread = threading.Thread(target=self._run, daemon=True)
-            self.thread.start()
-            time.sleep(0.3)  # running at its pace before fio starts
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.kind != "none":
-            self.stop.set()
-            self.thread.join()
-
-    @property
-    def rate(self) -> float:
-        return self.moved / self.seconds if self.seconds else 0.0
+        def in_cache() -> None:
+            for _ in range(1000):
+                a.add_(b)
+        return in_cache, 0
+    a = torch.ones(big // 4)
+    if kind == "read":
+        return a.sum, a.nbytes
+    if kind == "write":
+        return lambda: a.fill_(1.0), a.nbytes
+    b = torch.ones_like(a)  # triad: read a and b, write a
+    return lambda: a.add_(b, alpha=0.5), 3 * a.nbytes
 
 
 def parse_args(argv=None):
@@ -124,10 +98,16 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             order = LOADS if r % 2 == 0 else LOADS[::-1]
             for kind in order:
-                with Load(kind, big) as load:
+                rate = 0.0
+                if kind == "none":
                     got = floor.measure()
+                else:
+                    work, nbytes = _work(kind, big)
+                    with Background(work, warm=0.3) as load:  # at its pace before fio starts
+                        got = floor.measure()
+                    rate = nbytes * load.calls / load.seconds
                 seconds[kind].append(got["seconds"])
-                rates[kind].append(load.rate)
+                rates[kind].append(rate)
             print(f"round {r + 1}: " + ", ".join(f"{k} {seconds[k][-1]:.3f} s" for k in LOADS),
                   flush=True)
     try:

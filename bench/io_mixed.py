@@ -28,6 +28,7 @@ Usage: flock /tmp/tiermem-heavy.lock python3 bench/io_mixed.py [--rounds 9]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,42 +37,23 @@ import sys
 import time
 from pathlib import Path
 
-from _harness import (REPO, parse_size, parser, ratio_text, run_header, save, settings,
-                      show_table)
+from _harness import (REPO, Background, parse_size, parser, ratio_text, run_header, save,
+                      settings, show_table)
 from io_vs_fio import DeviceCounters
 from pipeline import FioFloor
 
 FIO = "fio r+w"
 
 
-class Burner:
-    """While open, a thread reading and writing 256 MiB with torch, over and over (the GIL
-    is released inside each op, so it loads a core and the memory bus, not the caller)."""
+def _burner(on: bool) -> Background | contextlib.nullcontext:
+    """With --burn, a thread reading and writing 256 MiB with torch, over and over, while
+    open (an optimizer update's kind of load); without, nothing."""
+    if not on:
+        return contextlib.nullcontext()
+    import torch
 
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self) -> "Burner":
-        if self.on:
-            import threading
-
-            import torch
-
-            self.stop = threading.Event()
-            buf = torch.ones(64 << 20)
-
-            def run() -> None:
-                while not self.stop.is_set():
-                    buf.mul_(1.0000001)
-
-            self.thread = threading.Thread(target=run, daemon=True)
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.on:
-            self.stop.set()
-            self.thread.join()
+    buf = torch.ones(64 << 20)
+    return Background(lambda: buf.mul_(1.0000001))
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -95,7 +77,7 @@ def serve(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         eng, rf, wf = engines[line.strip()]
         before = disk.read()
-        with Burner(args.burn):
+        with _burner(args.burn):
             t0 = time.monotonic()
             reqs = [eng.read(rf, bufs[i], i * size) for i in range(args.reads)]
             reqs += [eng.write(wf, bufs[args.reads + i], i * size) for i in range(args.writes)]
@@ -175,7 +157,7 @@ def main(argv=None) -> int:
             disk = DeviceCounters(floor.dir)
             for r in range(args.rounds):
                 before = disk.read()
-                with Burner(args.burn):
+                with _burner(args.burn):
                     fio = floor.measure()
                 times[FIO].append({"seconds": fio["seconds"], "detail": fio,
                                    "disk": disk_summary(before, disk.read())})

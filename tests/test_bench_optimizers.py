@@ -18,6 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO / "bench"))  # after everything else: never shadows a module
 
+import io_vs_fio as bench_io_vs_fio  # noqa: E402  (bench/io_vs_fio.py)
 import pipeline as bench_pipeline  # noqa: E402  (bench/pipeline.py)
 
 needs_fio = pytest.mark.skipif(
@@ -116,11 +117,18 @@ def test_the_work_beside_fio_runs_while_its_transfers_do(tmp_path):
     still whole."""
     nbytes = 256 << 20
     seen = {}
+    disk = bench_io_vs_fio.DeviceCounters(tmp_path)
+    if disk.read() is None:
+        pytest.skip(f"no block device counters for {tmp_path}")
+
+    def moved() -> int:  # sectors read and written by the device under tmp_path, in bytes
+        c = disk.read()
+        return (c[2] + c[6]) * 512
 
     def work():
-        seen["moving"] = _device_bytes()
+        seen["moving"] = moved()
         time.sleep(0.05)
-        seen["later"] = _device_bytes()
+        seen["later"] = moved()
         return 0.05
 
     with bench_pipeline.FioFloor(tmp_path, 1 << 20, 4, nbytes, nbytes) as floor:
@@ -159,16 +167,6 @@ def test_fio_that_ends_before_moving_anything_is_not_waited_for(monkeypatch, tmp
         bench_pipeline._fio_concurrent(tmp_path / "r", tmp_path / "w", 8 << 20, 8 << 20,
                                        1 << 20, 4, beside=lambda: ran.append(1) or 0.0)
     assert ran == [1] and "fio job read: error 5" in got.value.stderr
-
-
-def _device_bytes() -> int:
-    """Sectors read and written by every disk since boot, in bytes."""
-    total = 0
-    with open("/proc/diskstats") as f:
-        for line in f:
-            cols = line.split()
-            total += (int(cols[5]) + int(cols[9])) * 512
-    return total
 
 
 def test_a_complete_fio_run_is_the_floor(monkeypatch, tmp_path):
