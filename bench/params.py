@@ -37,7 +37,7 @@ from pathlib import Path
 
 from _harness import (add_pipeline_args, fio_layout, goal_text, offload_config, parse_count,
                       parse_size, parser, run_header, save, settings, show_table)
-from pipeline import _fio_concurrent
+from pipeline import _fio_concurrent, fio_variants
 
 GOAL = 1.2
 
@@ -100,8 +100,8 @@ def fio_floor(args, read_bytes: int, write_bytes: int) -> dict:
                 fio_layout(f, n)
         need = 2 * pages_for(bs * args.queue_depth, 2 << 20) + 8
         with HugePageReservation(need) as pages:
-            for name, depth in (("2 jobs x depth", args.queue_depth),
-                                ("2 jobs x depth/2", max(1, args.queue_depth // 2))):
+            for name, depth in fio_variants(read_bytes, write_bytes,
+                                            args.queue_depth).items():
                 for attempt in range(3):
                     # the last fio's pages come back only once its ring is torn down
                     pages.ensure_available(need)

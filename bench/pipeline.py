@@ -107,6 +107,13 @@ def phase_fio(args: argparse.Namespace, read_bytes: int, write_bytes: int) -> di
         return floor.measure()
 
 
+def fio_variants(read_bytes: int, write_bytes: int, depth: int) -> dict[str, int]:
+    """The floor's two tries, named by the jobs fio runs (a step that reads nothing runs
+    the write job alone): each job at the full depth, and sharing it (the engine's total)."""
+    jobs = "2 jobs" if read_bytes and write_bytes else "1 job"
+    return {f"{jobs} x depth": depth, f"{jobs} x depth/2": max(1, depth // 2)}
+
+
 class FioFloor:
     """The I/O floor of one step: fio reading `read_bytes` and writing `write_bytes`
     concurrently (io_uring, O_DIRECT, `block_size` requests, huge-page buffers), the
@@ -170,7 +177,7 @@ class FioFloor:
         if self.read_bytes == self.write_bytes == 0:  # every record stayed in the buffers
             return {"seconds": 0.0, "per_job_seconds": {}, "depth": 0, "read_gbps": 0.0,
                     "write_gbps": 0.0, "variant": "no I/O", "variants": {}}
-        variants = {"2 jobs x depth": self.depth, "2 jobs x depth/2": max(1, self.depth // 2)}
+        variants = fio_variants(self.read_bytes, self.write_bytes, self.depth)
         results = {name: self._run(depth, tries) for name, depth in variants.items()}
         best = min(results, key=lambda k: results[k]["seconds"])
         return {**results[best], "variant": best, "variants": results}

@@ -42,4 +42,21 @@ def test_pipeline_bench_smoke(tmp_path, params, reads):
     # The floor moved exactly the directions the step moved.
     assert (fio.get("read_gbps", 0) > 0) == reads and (fio.get("write_gbps", 0) > 0) == reads
     assert set(fio.get("per_job_seconds", {})) == ({"read", "write"} if reads else set())
+    if reads:  # the floor's variant names the jobs that ran
+        assert fio["variant"].startswith("2 jobs x depth"), fio["variant"]
     assert result["ratio"] > 0
+
+
+@pytest.mark.parametrize("read, write, names", [
+    (1, 1, {"2 jobs x depth": 8, "2 jobs x depth/2": 4}),
+    (0, 1, {"1 job x depth": 8, "1 job x depth/2": 4}),  # a step that reads nothing
+    (1, 0, {"1 job x depth": 8, "1 job x depth/2": 4}),
+])
+def test_fio_variants_name_the_jobs_that_run(read, write, names):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from pipeline import fio_variants
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    assert fio_variants(read, write, 8) == names
+    assert fio_variants(read, write, 1) == {k: 1 for k in names}
