@@ -80,7 +80,9 @@ def offload(optimizer: torch.optim.Optimizer,
             model: torch.nn.Module | None = None, name: str = "default",
             resume: bool = False, process_group: Any = None,
             streams: Any = None) -> Iterator[Offload]:
-    """Keep `optimizer`'s state (torch Adam/AdamW) in tiers for the duration of the block.
+    """Keep `optimizer`'s state in tiers for the duration of the block: Adam/AdamW, the
+    rest of torch.optim with per-parameter state, and third-party optimizers through the
+    generic path (docs/guide/optimizers.md says which are refused).
 
     config: YAML path, dict of the same shape, Settings, or None for the defaults.
     model: gives parameter names to placement rules. name: the swap
