@@ -82,3 +82,24 @@ def test_nvme_bytes_follow_write_back(tmp_path, cfg, written_all):
     reads = nvme - 4 * (64 << 20)
     writes = nvme if written_all else reads
     assert f"NVMe floor: {(reads + writes) / 1e9:.3g} s" in text, text
+
+
+@pytest.mark.parametrize("names,shared", [(["a"], False), (["a", "b"], True)])
+def test_swap_paths_on_one_device_are_named(tmp_path, names, shared):
+    """Two swap directories on one file system stripe over one drive: the plan counts one
+    drive for the floor and says which paths share it (as `tiermem validate` does)."""
+    paths = [tmp_path / n for n in names]
+    for p in paths:
+        p.mkdir(mode=0o700)
+    settings = load_config({"swap": {"paths": [str(p) for p in paths]},
+                            "tiers": {"host": {"capacity": 0}}})
+    plan = make_plan(10**9, "fp32", settings, synthetic_grads=True, hidden=1024, layers=1)
+    lines = estimate_step(plan, settings, read_gbps=1.0, write_gbps=1.0,
+                          update=UpdateCost(1.0, "fused", "given"))
+    assert any(line.endswith("over 1 drive(s)") for line in lines)
+    warned = [line for line in lines if line.startswith("warning: ")]
+    if shared:
+        assert len(warned) == 1
+        assert all(str(p) in warned[0] for p in paths) and "one device" in warned[0]
+    else:
+        assert warned == []

@@ -83,10 +83,12 @@ def measure_update(settings: Settings, dtype: str, *, numel: int = MEASURE_ELEME
                       f"{torch.get_num_threads()} threads")
 
 
-def nvme_drives(settings: Settings) -> int:
-    """Distinct devices under the swap paths (stripes on one device share its rate)."""
+def nvme_drives(settings: Settings) -> tuple[int, list[str]]:
+    """Distinct devices under the swap paths (stripes on one device share its rate), and
+    the warnings naming swap paths that share one (the ones `tiermem validate` prints)."""
     report = check_paths(settings.swap.paths)
-    return len({c.device for c in report.checks if c.device is not None}) or 1
+    drives = len({c.device for c in report.checks if c.device is not None}) or 1
+    return drives, list(report.warnings)
 
 
 def _seconds(s: float) -> str:
@@ -108,9 +110,12 @@ def estimate_step(plan: Plan, settings: Settings, *, read_gbps: float | None,
         skipped = min(nvme, p.buffer_count * p.partition_size) if p.zigzag else 0
         deferred = settings.defers_writes and not p.overlap_backward
         reads, writes = nvme - skipped, nvme - (skipped if deferred else 0)
-        drives = drives or nvme_drives(settings)
+        shared: list[str] = []
+        if not drives:
+            drives, shared = nvme_drives(settings)
         out.append(f"NVMe per step: read {format_size(reads)}, write {format_size(writes)}, "
                    f"over {drives} drive(s)")
+        out += [f"warning: {w}" for w in shared]
         if read_gbps and write_gbps:
             io = (reads / (read_gbps * 1e9) + writes / (write_gbps * 1e9)) / drives
             out.append(f"NVMe floor: {_seconds(io)} (at {read_gbps:.3g} GB/s read and "
