@@ -261,7 +261,8 @@ def main() -> None:
         ratio = statistics.median(ratios)
         what = ("step after backward" if not overlap else
                 "pipeline.overlap_backward: updates during backward")
-        rows += [[f"I/O floor: fio, the {name} iteration's bytes (concurrent r+w)",
+        how = "concurrent r+w" if reads and writes else ("writes" if writes else "reads")
+        rows += [[f"I/O floor: fio, the {name} iteration's bytes ({how})",
                   f"{floor:.3g} s",
                   f"median of rounds {', '.join(f'{x:.3g}' for x in round_floors)}; read "
                   f"{reads / mib:.1f} MiB, write {writes / mib:.1f} MiB; {fio['variant']}, "
