@@ -85,7 +85,17 @@ class Probe(transformers.TrainerCallback):
         self.live_state = sum(1 for s in optimizer.state.values() if s)
 
 
-@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize("optim", [
+    "adamw_torch", "adamw_torch_fused",
+    # bitsandbytes' 8-bit AdamW on the generic path: codes, code maps, block scales
+    pytest.param("adamw_bnb_8bit", marks=pytest.mark.skipif(
+        not _has("bitsandbytes"), reason="bitsandbytes is not installed (the thirdparty "
+        "extra)"))])
 def test_trainer_built_optimizer_checkpoint_and_resume_equal_plain(tmp_path, optim):
     extra = dict(optim=optim, max_grad_norm=0.05, gradient_accumulation_steps=2)
     plain = train(tmp_path / "plain", **extra)

@@ -64,11 +64,20 @@ def state_equal(sd, ref_sd, what):
         got = sd["state"][i]
         assert set(got) - {"master_param"} == set(ref), f"{what}: state[{i}] keys"
         for k, b in ref.items():
-            a = got[k]
-            if isinstance(b, torch.Tensor) and b.dim() > 0:
-                assert_same_tensor(a, b, f"{what}: state[{i}][{k!r}]")
-            else:
-                assert float(a) == float(b), f"{what}: state[{i}][{k!r}] {a} != {b}"
+            value_equal(got[k], b, f"{what}: state[{i}][{k!r}]")
+
+
+def value_equal(a, b, where):
+    """One state value: a tensor bitwise, a number exactly, a dict (bitsandbytes keeps its
+    quantisation maps and block scales under one key) key by key."""
+    if isinstance(b, dict):
+        assert isinstance(a, dict) and set(a) == set(b), f"{where} keys"
+        for k in b:
+            value_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(b, torch.Tensor) and b.dim() > 0:
+        assert_same_tensor(a, b, where)
+    else:
+        assert float(a) == float(b), f"{where} {a} != {b}"
 
 
 def params_equal(model, ref, what):
@@ -204,7 +213,12 @@ def thirdparty():
                           ("torch_optimizer", "Yogi", dict(lr=1e-2)),
                           ("pytorch_optimizer", "Adan", dict(lr=1e-3)),
                           ("pytorch_optimizer", "AdaBelief", dict(lr=1e-3)),
-                          ("schedulefree", "AdamWScheduleFree", dict(lr=1e-3))]:
+                          ("schedulefree", "AdamWScheduleFree", dict(lr=1e-3)),
+                          # blockwise 8-bit state: uint8 codes, per-block scales and a code
+                          # map per parameter (min_8bit_size 1024: the small ones too)
+                          ("bitsandbytes.optim", "AdamW8bit", dict(lr=1e-3, min_8bit_size=1024)),
+                          ("bitsandbytes.optim", "Lion8bit", dict(lr=1e-4)),
+                          ("bitsandbytes.optim", "SGD8bit", dict(lr=1e-2, momentum=0.9))]:
         rows.append(pytest.param(mod, name, kw, id=f"{mod}.{name}"))
     return rows
 
