@@ -133,12 +133,18 @@ def test_optim_db_parity(tmp_path, backend, cls, kw, placement):
     (torch.optim.RMSprop, dict(centered=True, momentum=0.9)), (torch.optim.Adamax, {}),
     (torch.optim.RAdam, dict(decoupled_weight_decay=True, weight_decay=0.1)),
     (torch.optim.Adadelta, {}), (torch.optim.Muon, {}),
-    (torch.optim.AdamW, dict(amsgrad=True))], ids=lambda v: getattr(v, "__name__", None))
+    (torch.optim.AdamW, dict(amsgrad=True)),
+    # the generic path with uint8 codes and block scales in its records
+    (("bitsandbytes.optim", "AdamW8bit"), dict(lr=1e-3, min_8bit_size=1024)),
+    (("bitsandbytes.optim", "Lion8bit"), dict(lr=1e-4))],
+    ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
 def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):
     """Every rule: kept per-parameter scalars (ASGD's eta, mu; NAdam's mu_product) and
     records come back from the committed manifest, and a resumed run continues exactly as
     an uninterrupted one. (No host memory to hand the state back to keeps it on disk, as a
     crash does.)"""
+    if isinstance(cls, tuple):
+        cls = load(*cls)
     model, opt, ref, ref_opt = pair(cls, kw)
     batches = make_batches(model, 5)
     c = cfg(tmp_path, "threads", "mixed")
@@ -236,25 +242,38 @@ def test_thirdparty_equal_or_refused(tmp_path, backend, mod, name, kw):
     tiermem's error: never different."""
     cls = load(mod, name)
     model, opt, ref, ref_opt = pair(cls, kw)
-    batches = make_batches(model, STEPS)
+    batches = make_batches(model, STEPS + 2)
     modes = callable(getattr(cls, "train", None))  # schedule-free: train() before steps
     try:
         with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model):
             if modes:
                 opt.train()
-            train(model, opt, batches)
+            train(model, opt, batches[:STEPS])
+            sd = opt.state_dict()
     except UnsupportedOptimizer as exc:
         assert cls.__name__ in str(exc)
         assert name in (), f"refused unexpectedly: {exc}"
         return
     if modes:
         ref_opt.train()
-    train(ref, ref_opt, batches)
+    train(ref, ref_opt, batches[:STEPS])
     params_equal(model, ref, cls.__name__)
+    state_equal(sd, ref_opt.state_dict(), f"{cls.__name__}: state_dict() under offload")
     state_equal(opt.state_dict(), ref_opt.state_dict(), cls.__name__)
     for g, h in zip(opt.param_groups, ref_opt.param_groups):
         assert {k: v for k, v in g.items() if k != "params"} == \
             {k: v for k, v in h.items() if k != "params"}
+    # state_dict both ways: a plain optimizer loads tiermem's, tiermem the plain one's,
+    # and the tiered one keeps stepping as the reference does
+    plain = cls(params_for(cls, model), **kw)
+    plain.load_state_dict(sd)
+    state_equal(plain.state_dict(), sd, f"{cls.__name__}: plain loaded from tiermem")
+    opt.load_state_dict(ref_opt.state_dict())
+    with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model):
+        train(model, opt, batches[STEPS:], start=STEPS)
+    train(ref, ref_opt, batches[STEPS:], start=STEPS)
+    params_equal(model, ref, f"{cls.__name__}: after loading the plain state_dict")
+    state_equal(opt.state_dict(), ref_opt.state_dict(), f"{cls.__name__}: after loading")
 
 
 def test_coupling_optimizer_refused(tmp_path):
