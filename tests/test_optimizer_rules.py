@@ -276,6 +276,82 @@ def test_thirdparty_equal_or_refused(tmp_path, backend, mod, name, kw):
     state_equal(opt.state_dict(), ref_opt.state_dict(), f"{cls.__name__}: after loading")
 
 
+class Rounded(torch.Tensor):
+    """Momentum kept at bf16 precision behind an fp32 face, as torchao's low-bit optimizer
+    states keep codes and scales: every in-place op on it rounds the result to bf16."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func.__name__.endswith("_") and args and type(args[0]) is cls:
+            with torch._C.DisableTorchFunctionSubclass():
+                args[0].copy_(args[0].to(torch.bfloat16).float())
+        return out
+
+
+class RoundedMomentum(torch.optim.Optimizer):
+    """SGD with momentum whose buffer is a Rounded tensor subclass."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p).as_subclass(Rounded)
+                st["m"].mul_(0.9).add_(p.grad)
+                p.sub_(st["m"].as_subclass(torch.Tensor), alpha=group["lr"])
+
+
+def test_tensor_subclass_state_refused(tmp_path):
+    """State in a tensor subclass (torchao's OptimState8bit/4bit/Fp8) is refused at the
+    layout probe, before any of the optimizer's state or the weights changed."""
+    model = small()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = RoundedMomentum(model.parameters())
+    with pytest.raises(UnsupportedOptimizer, match=r"'m' is a .*Rounded, a tensor subclass"):
+        with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme"), model=model):
+            train(model, opt, make_batches(model, 1))
+    assert not opt.state
+    for p, b in zip(model.parameters(), before):
+        assert_same_tensor(p.detach(), b, "a weight after the refusal")
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_torchao_low_bit_state_refused(tmp_path, name):
+    """torchao's low-bit AdamW keeps OptimState8bit/4bit/Fp8 for parameters of 4096 or more
+    elements that its block size divides (the others get plain fp32 state, which tiermem
+    runs): refused with tiermem's error, nothing changed."""
+    cls = getattr(pytest.importorskip("torchao.optim"), name)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(),
+                                torch.nn.Linear(512, 8))
+    opt = cls(model.parameters(), lr=1e-3)
+    with pytest.raises(UnsupportedOptimizer, match=f"{name}: its state .* tensor subclass"):
+        with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme"), model=model):
+            pass
+    assert not opt.state
+
+
+def test_tensor_subclass_refusal_is_what_keeps_it_exact(tmp_path, monkeypatch):
+    """Without the refusal the run goes through and ends different from the plain one (the
+    record keeps the subclass's values as a plain tensor, which then steps unrounded): the
+    refusal is what stands between this optimizer and a silently different result."""
+    import tiermem.optim.rules.generic as generic
+
+    monkeypatch.setattr(generic, "_subclass_refusal", lambda *a: None)
+    model, opt, ref, ref_opt = pair(RoundedMomentum, {})
+    batches = make_batches(model, STEPS)
+    with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme"), model=model):
+        train(model, opt, batches)
+    train(ref, ref_opt, batches)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
 def test_coupling_optimizer_refused(tmp_path):
     model = Synthetic()
     opt = GroupNormalised(model.parameters())

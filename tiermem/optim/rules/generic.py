@@ -55,6 +55,21 @@ def is_record_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0
 
 
+def _subclass_refusal(opt: torch.optim.Optimizer, key: str, value: Tensor) -> str | None:
+    """Why state `key` cannot go into a record, if it is a tensor subclass (torchao's
+    low-bit optimizers keep OptimState8bit, OptimState4bit, OptimStateFp8: codes and block
+    scales behind a float32 face). A record holds plain tensors: storing the subclass's
+    dequantised values and handing them back would step on exact moments where the plain
+    run steps on quantised ones, different results with no error."""
+    cls = type(value)
+    if cls in (Tensor, torch.nn.Parameter):
+        return None
+    return (f"its state {key!r} is a {_name(cls)}, a tensor subclass: tiermem's records "
+            "hold plain tensors, and storing its dequantised values would change the "
+            "optimizer's arithmetic (for 8-bit Adam state, run torch.optim.AdamW with "
+            "optimizer.state_dtype: int8)")
+
+
 def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
 
@@ -229,6 +244,10 @@ class ShadowRule(UpdateRule):
         if master:
             dtypes["master"] = torch.float32
         for k, v in sh.state[p].items():
+            why = _subclass_refusal(self.opt, k, v) if isinstance(v, Tensor) else None
+            if why:
+                raise UnsupportedOptimizer(
+                    f"tiermem.offload cannot run {_name(type(self.opt))}: {why}")
             if is_record_tensor(v):
                 if k == "master":
                     raise UnsupportedOptimizer(f"{_name(type(self.opt))} keeps state named "
@@ -312,6 +331,10 @@ class ShadowRule(UpdateRule):
                         f"{tuple(batch.segments[j].param.shape)} is "
                         f"{tuple(v.shape) if isinstance(v, Tensor) else v!r}, not the "
                         f"{tuple(view.shape)} tensor tiermem laid out from its first step")
+                why = _subclass_refusal(self.opt, k, v)
+                if why:  # the layout's probe saw a plain tensor; this step made another
+                    raise TierMemError(f"{_name(type(self.opt))}: after step "
+                                       f"{float(batch.steps[j]):g}, {why}")
                 if v.data_ptr() != view.data_ptr():
                     view.copy_(v)  # replaced rather than updated in place
             extra = [k for k, v in new.items() if is_record_tensor(v) and k not in views[j]]
