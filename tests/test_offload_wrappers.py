@@ -65,8 +65,9 @@ def test_non_adam_without_wrapper_keeps_its_message(tmp_path):
 
 
 class TimmStyleLookahead(torch.optim.Optimizer):
-    """A wrapper in timm's Lookahead shape: its base optimizer in `._base_optimizer`, the
-    base's param_groups as its own, its own slow weights in its own state, no closure."""
+    """A wrapper in timm's Lookahead shape (timm's keeps its base in `.base_optimizer`,
+    this one in `._base_optimizer`: any name): the base's param_groups as its own, its own
+    slow weights in its own state, no closure."""
 
     def __init__(self, base, alpha=0.5, k=2):
         self._base_optimizer = base

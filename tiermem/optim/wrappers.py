@@ -8,7 +8,7 @@ wrapper's MRO (Lightning makes a class per optimizer, `LightningAdamW`, that als
 from the optimizer's class), so neither framework is imported here.
 
 Any other object that carries a torch optimizer in `.optimizer`, or in any other
-attribute (timm's Lookahead keeps its base in `._base_optimizer`, the SAM family in
+attribute (timm's Lookahead and pytorch-optimizer's SAM family keep theirs in
 `.base_optimizer`), is refused with the attribute to pass instead: its own step may or
 may not reach the inner optimizer, and tiering the wrong instance would train with an
 empty state, silently. Tiering the outer one is no better: tiermem steps an optimizer
