@@ -219,6 +219,9 @@ def thirdparty():
                           ("torch_optimizer", "Yogi", dict(lr=1e-2)),
                           ("pytorch_optimizer", "Adan", dict(lr=1e-3)),
                           ("pytorch_optimizer", "AdaBelief", dict(lr=1e-3)),
+                          # keeps lookahead_step and current_lr on itself, not per parameter
+                          ("pytorch_optimizer", "Ranger21", dict(lr=1e-3, num_iterations=20,
+                                                                 lookahead_merge_time=2)),
                           ("schedulefree", "AdamWScheduleFree", dict(lr=1e-3)),
                           # blockwise 8-bit state: uint8 codes, per-block scales and a code
                           # map per parameter (min_8bit_size 1024: the small ones too)
@@ -350,6 +353,85 @@ def test_tensor_subclass_refusal_is_what_keeps_it_exact(tmp_path, monkeypatch):
         train(model, opt, batches)
     train(ref, ref_opt, batches)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class SelfCounted(torch.optim.Optimizer):
+    """Bias-corrected momentum whose step count and last learning rate live on the optimizer
+    object (as Ranger21's lookahead_step and current_lr do), with a history list it appends
+    to in place."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+        self.t, self.current_lr, self.lrs = 0, lr, []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        self.current_lr = self.param_groups[0]["lr"] / (1 + 0.1 * self.t)
+        self.lrs.append(self.current_lr)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p)
+                st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                p.sub_(st["m"] / (1 - 0.9 ** self.t), alpha=self.current_lr)
+
+
+class SelfCoupled(SelfCounted):
+    """Steps each parameter on its own but keeps on itself the gradient norm over all of
+    them (for the user's logging): the weights would come out right, that value not."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t = 0.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.t += float(p.grad.square().sum())
+                    p.sub_(p.grad, alpha=group["lr"])
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_values_kept_on_the_optimizer_carried_across_partitions(tmp_path, backend):
+    """The step changes values the optimizer keeps on itself once per step, as the plain run
+    does: each partition's shadow starts from the step's values and the first one's result
+    is set back (a list appended in place grows by one entry a step, not one a partition)."""
+    model, opt, ref, ref_opt = pair(SelfCounted, {})
+    batches = make_batches(model, 4)
+    with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model) as tm:
+        train(model, opt, batches)
+        assert len(tm.offloaded.parts) > 1
+    train(ref, ref_opt, batches)
+    assert (opt.t, opt.current_lr, opt.lrs) == (ref_opt.t, ref_opt.current_lr, ref_opt.lrs)
+    params_equal(model, ref, "SelfCounted")
+
+
+def test_values_kept_on_the_optimizer_are_what_keeps_it_exact(tmp_path, monkeypatch):
+    """With the carrying patched out, the shadows' counts are lost and the run ends different
+    from the plain one, with no error."""
+    from tiermem.optim.rules.generic import ShadowRule
+
+    monkeypatch.setattr(ShadowRule, "_carry_own_values", lambda self, sh: None)
+    model, opt, ref, ref_opt = pair(SelfCounted, {})
+    batches = make_batches(model, 4)
+    with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
+        train(model, opt, batches)
+    train(ref, ref_opt, batches)
+    assert opt.t != ref_opt.t
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_coupling_through_the_optimizer_object_refused(tmp_path):
+    """A value kept on the optimizer that sums over parameters is refused at the probe."""
+    model = Synthetic()
+    opt = SelfCoupled(model.parameters())
+    with pytest.raises(UnsupportedOptimizer, match="values it keeps on itself"):
+        with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme")):
+            pass
+    assert not opt.state and opt.t == 0
 
 
 def test_coupling_optimizer_refused(tmp_path):

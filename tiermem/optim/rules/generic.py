@@ -14,8 +14,11 @@ its own. `check` runs a probe to see it: a few small parameters stepped together
 one group and each alone must end equal (parameters, state and group values), else
 the optimizer is refused as coupling its parameters. Group values a step changes
 (a step counter kept in the group) are checked to come out the same from every
-partition and set once. The probe cannot see every coupling (one that shows only
-after many steps, or only on the model's real shapes); docs/guide/optimizers.md says so.
+partition and set once, and so are the simple values the optimizer keeps on itself
+(Ranger21's `lookahead_step`): without that, a counter's change would be lost with
+its shadow, and a list appended in place would grow once per partition. The probe
+cannot see every coupling (one that shows only after many steps, or only on the model's
+real shapes); docs/guide/optimizers.md says so.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def _subclass_refusal(opt: torch.optim.Optimizer, key: str, value: Tensor) -> st
             "optimizer.state_dtype: int8)")
 
 
+_MISSING = object()  # an attribute the optimizer did not have
+
+
 def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
 
@@ -82,6 +88,8 @@ def _same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN: the same value kept, not a change
     return a == b
 
 
@@ -95,13 +103,43 @@ def _name(cls: type) -> str:
 
 
 
+# The attributes a shadow gets of its own rather than from the optimizer.
+SHADOW_OWN = frozenset({"param_groups", "state", "_optimizer_step_pre_hooks",
+                        "_optimizer_step_post_hooks"})
+SIMPLE_TENSOR = 1 << 16  # elements: a tensor attribute up to this size is a value, copied
+
+
+def _simple(value: Any, depth: int = 0) -> bool:
+    """A value an optimizer may keep on itself and a step may change (a step count, the
+    current lr, a short history): numbers, strings, small tensors, and containers of
+    them. Shadows get copies of these; anything else (a model, a callable) is shared."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return True
+    if isinstance(value, Tensor):
+        return value.numel() <= SIMPLE_TENSOR and type(value) is Tensor
+    if depth >= 4 or not isinstance(value, (list, tuple, dict, set, frozenset)):
+        return False
+    if len(value) > 4096:
+        return False
+    items = (list(value.keys()) + list(value.values())) if isinstance(value, dict) else value
+    return all(_simple(v, depth + 1) for v in items)
+
+
+def own_values(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Copies of the simple values `opt` keeps as attributes (not its groups, state or
+    hooks): what a step may change besides them (Ranger21's `lookahead_step`)."""
+    return {k: _copy(v) for k, v in opt.__dict__.items()
+            if k not in SHADOW_OWN and not k.startswith("_tiermem") and _simple(v)}
+
+
 def shadow_optimizer(opt: torch.optim.Optimizer, group: dict[str, Any],
                      params: list[Tensor]) -> torch.optim.Optimizer:
     """An optimizer of `opt`'s class and attributes stepping only `params` in one group,
     with empty state and none of the user's hooks (tiermem's own bound methods left out,
-    so its step is the class's own)."""
+    so its step is the class's own). Its simple attribute values are copies: a step that
+    changes one in place changes the shadow's, never the optimizer's."""
     sh = type(opt).__new__(type(opt))
-    sh.__dict__.update({k: v for k, v in opt.__dict__.items()
+    sh.__dict__.update({k: _copy(v) if _simple(v) else v for k, v in opt.__dict__.items()
                         if not (isinstance(v, types.MethodType) and v.__self__ is opt)
                         and not k.startswith("_tiermem")})
     sh.param_groups = [{**group, "params": params}]
@@ -130,6 +168,8 @@ class ShadowRule(UpdateRule):
         self._kinds: set[str] = set()
         self._before: list[dict[str, Any]] = []  # each group's values as the step began
         self._after: dict[int, dict[str, Any]] = {}  # ... as its first partition left them
+        self._own_before: dict[str, Any] | None = None  # the optimizer's own values, ditto
+        self._own_after: dict[str, Any] | None = None
 
     @property
     def torch_keys(self) -> dict[str, str]:  # type: ignore[override]
@@ -208,6 +248,8 @@ class ShadowRule(UpdateRule):
         for sh in shadows:
             if not _same(kept, {k: v for k, v in sh.param_groups[0].items() if k != "params"}):
                 why = why or "the group's own values end differently"
+            if not _same(own_values(whole), own_values(sh)):
+                why = why or "the values it keeps on itself end differently"
         if why:
             raise UnsupportedOptimizer(
                 f"param_groups[{g}]: {_name(type(self.opt))} couples its parameters: stepping "
@@ -285,6 +327,11 @@ class ShadowRule(UpdateRule):
     def begin_step(self, groups) -> None:
         self._before = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
         self._after = {}
+        # The values the optimizer keeps on itself as the step began: every partition's
+        # shadow starts from them, the first one's result is set back on the optimizer,
+        # and every other partition must end with the same (as for group values).
+        self._own_before = own_values(self.opt)
+        self._own_after = None
 
     def state_methods(self) -> tuple[str, ...]:
         return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
@@ -313,6 +360,9 @@ class ShadowRule(UpdateRule):
         before = (self._before[part.group] if part.group < len(self._before)
                   else {k: v for k, v in group.items() if k != "params"})
         sh = self._shadow({k: _copy(v) for k, v in before.items()}, tensors)
+        own_before = getattr(self, "_own_before", None)
+        if own_before is not None:  # not what an earlier partition of this step set
+            sh.__dict__.update({k: _copy(v) for k, v in own_before.items()})
         for j, t in enumerate(tensors):
             if not batch.first[j]:
                 sh.state[t] = {**batch.scalars[j], **views[j]}
@@ -344,6 +394,7 @@ class ShadowRule(UpdateRule):
                     "first step; tiermem lays the record out from the first step's state")
             batch.scalars[j].clear()
             batch.scalars[j].update({k: v for k, v in new.items() if not is_record_tensor(v)})
+        self._carry_own_values(sh)
         after = {k: v for k, v in sh.param_groups[0].items() if k != "params"}
         if part.group not in self._after:
             self._after[part.group] = after
@@ -355,6 +406,24 @@ class ShadowRule(UpdateRule):
                 f"param_groups[{part.group}]: {_name(type(self.opt))} changed the group's "
                 "values differently for two partitions of one step: its step couples the "
                 "parameters of a group, so tiermem cannot run it")
+
+
+    def _carry_own_values(self, sh: torch.optim.Optimizer) -> None:
+        """Set what the first partition's step changed of the values the optimizer keeps on
+        itself back on it; refuse a later partition that ends with other values."""
+        own = own_values(sh)
+        if self._own_after is None:
+            self._own_after = own
+            for k, v in own.items():
+                if not _same(v, (self._own_before or {}).get(k, _MISSING)):
+                    setattr(self.opt, k, _copy(v))
+        elif not _same(own, self._own_after):
+            changed = sorted(k for k in own.keys() | self._own_after.keys()
+                             if not _same(own.get(k, _MISSING), self._own_after.get(k, _MISSING)))
+            raise TierMemError(
+                f"{_name(type(self.opt))} changed the values it keeps on itself ({changed}) "
+                "differently for two partitions of one step: its step couples the "
+                "parameters, so tiermem cannot run it")
 
 
 class AdafactorRule(ShadowRule):
