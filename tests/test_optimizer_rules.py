@@ -126,6 +126,45 @@ def test_optim_db_parity(tmp_path, backend, cls, kw, placement):
     state_equal(plain.state_dict(), sd, "plain optimizer loaded from tiermem")
 
 
+class SelfCounted(torch.optim.Optimizer):
+    """Bias-corrected momentum whose step count and last learning rate live on the optimizer
+    object (as Ranger21's lookahead_step and current_lr do), with a history list it appends
+    to in place."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+        self.t, self.current_lr, self.lrs = 0, lr, []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        self.current_lr = self.param_groups[0]["lr"] / (1 + 0.1 * self.t)
+        self.lrs.append(self.current_lr)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p)
+                st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                p.sub_(st["m"] / (1 - 0.9 ** self.t), alpha=self.current_lr)
+
+
+class SelfCoupled(SelfCounted):
+    """Steps each parameter on its own but keeps on itself the gradient norm over all of
+    them (for the user's logging): the weights would come out right, that value not."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t = 0.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.t += float(p.grad.square().sum())
+                    p.sub_(p.grad, alpha=group["lr"])
+
+
 @pytest.mark.parametrize("cls, kw", [
     (torch.optim.ASGD, dict(t0=1)), (torch.optim.NAdam, dict(weight_decay=0.1)),
     (torch.optim.SGD, dict(momentum=0.9, dampening=0.5)), (torch.optim.Rprop, {}),
@@ -355,45 +394,6 @@ def test_tensor_subclass_refusal_is_what_keeps_it_exact(tmp_path, monkeypatch):
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-class SelfCounted(torch.optim.Optimizer):
-    """Bias-corrected momentum whose step count and last learning rate live on the optimizer
-    object (as Ranger21's lookahead_step and current_lr do), with a history list it appends
-    to in place."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
-        self.t, self.current_lr, self.lrs = 0, lr, []
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.t += 1
-        self.current_lr = self.param_groups[0]["lr"] / (1 + 0.1 * self.t)
-        self.lrs.append(self.current_lr)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["m"] = torch.zeros_like(p)
-                st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
-                p.sub_(st["m"] / (1 - 0.9 ** self.t), alpha=self.current_lr)
-
-
-class SelfCoupled(SelfCounted):
-    """Steps each parameter on its own but keeps on itself the gradient norm over all of
-    them (for the user's logging): the weights would come out right, that value not."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.t = 0.0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.t += float(p.grad.square().sum())
-                    p.sub_(p.grad, alpha=group["lr"])
-
-
 @pytest.mark.parametrize("backend", backend_params())
 def test_values_kept_on_the_optimizer_carried_across_partitions(tmp_path, backend):
     """The step changes values the optimizer keeps on itself once per step, as the plain run
@@ -432,6 +432,71 @@ def test_coupling_through_the_optimizer_object_refused(tmp_path):
         with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme")):
             pass
     assert not opt.state and opt.t == 0
+
+
+@pytest.mark.parametrize("cls, kw, names", [
+    (SelfCounted, {}, [".t", ".current_lr", ".lrs"]),
+    (("pytorch_optimizer", "Ranger21"), dict(lr=1e-3, num_iterations=20,
+                                             lookahead_merge_time=2),
+     ["param_groups[0]['step']", ".current_lr"]),
+    (PerParameter, {}, ["param_groups[0]['count']"])],
+    ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
+def test_resume_refused_when_the_step_changes_values_outside_the_state(
+        tmp_path, monkeypatch, cls, kw, names):
+    """A manifest keeps the per-parameter state, not a counter the step keeps on the
+    optimizer or in a group: a resume from disk would start it over, silently different from
+    the uninterrupted run. Refused, naming the values; the run itself was right."""
+    if isinstance(cls, tuple):
+        cls = load(*cls)
+    model, opt, ref, ref_opt = pair(cls, kw)
+    batches = make_batches(model, 3)
+    c = cfg(tmp_path, "threads", "mixed")
+    c["swap"]["durability"] = "crash_consistent"
+    monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+    with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt, c, model=model):
+            train(model, opt, batches)
+    monkeypatch.undo()
+    train(ref, ref_opt, batches)
+    params_equal(model, ref, "the crash-consistent run")
+    opt2 = cls(params_for(cls, model), **kw)
+    with pytest.raises(UnsupportedOptimizer, match="cannot resume") as err:
+        with tiermem.offload(opt2, c, model=model, resume=True):
+            pass
+    assert all(n in str(err.value) for n in names), str(err.value)
+    assert swap_dir(tmp_path).exists()  # the kept state is still there
+
+
+def test_rolled_back_step_puts_back_the_values_kept_on_the_optimizer(tmp_path, monkeypatch):
+    """A step that fails part-way (the optimizer's own step raising on the second partition,
+    after the first had set the optimizer's count) rolls back the state and the count with
+    it: training then goes on exactly as the plain run."""
+    model, opt, ref, ref_opt = pair(SelfCounted, {})
+    batches = make_batches(model, 4)
+    c = cfg(tmp_path, "threads", "nvme")
+    c["swap"]["durability"] = "crash_consistent"
+    plain_step, calls = SelfCounted.step, []
+
+    def second_fails(self, closure=None):
+        calls.append(self)
+        if len(calls) == 2:
+            raise RuntimeError("boom in the second partition")
+        return plain_step(self, closure)
+
+    with tiermem.offload(opt, c, model=model) as tm:
+        train(model, opt, batches[:2])
+        assert len(tm.offloaded.parts) > 2
+        monkeypatch.setattr(SelfCounted, "step", second_fails)
+        with pytest.raises(UnsupportedOptimizer, match="boom in the second") as info:
+            train(model, opt, batches[2:3], start=2)
+        monkeypatch.undo()
+        assert "rolled back to committed step 2" in "".join(info.value.__notes__)
+        assert (opt.t, len(opt.lrs)) == (2, 2)
+        opt.zero_grad()  # the failed step's gradients, which the retry would add to
+        train(model, opt, batches[2:], start=2)
+    train(ref, ref_opt, batches)
+    assert (opt.t, opt.lrs) == (ref_opt.t, ref_opt.lrs)
+    params_equal(model, ref, "after the roll-back")
 
 
 def test_coupling_optimizer_refused(tmp_path):

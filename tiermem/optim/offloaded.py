@@ -22,7 +22,8 @@ from tiermem.kernels.adam import kernel_matching
 from tiermem.swap.manifest import read_manifest, write_manifest
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.overlap import BackwardOverlap
-from tiermem.optim.rules import Batch, PreparedUpdate, UpdateRule, rule_for
+from tiermem.optim.rules import (Batch, PreparedUpdate, UnsupportedOptimizer, UpdateRule,
+                                 rule_for)
 from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
@@ -209,6 +210,13 @@ class OffloadedOptimizer:
         self._add_lanes(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
+        if resume and self.rule.step_changed_values():
+            raise UnsupportedOptimizer(
+                f"cannot resume {type(optimizer).__name__} from disk: its step changes "
+                f"{', '.join(self.rule.step_changed_values())}, outside its per-parameter "
+                "state, and a manifest keeps only that state, so the resumed run would start "
+                "them over; resume it through torch.save(optimizer.state_dict()) and "
+                "load_state_dict() instead")
         if resume:
             manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts,
                                      settings.swap.durability, previous=resume_previous)
@@ -889,6 +897,7 @@ class OffloadedOptimizer:
                                      resume=manifest, keep_previous=self.keep_previous)
             self._adopt_counts(manifest)
             self._restore_weights()
+            self.rule.undo_step_values()
         except BaseException as err:
             self.broken = (f"step {step} failed part-way and rolling back to committed step "
                            f"{self.committed_step} failed too ({err}); that step stays on disk "

@@ -138,6 +138,16 @@ class UpdateRule(ABC):
     def begin_step(self, groups: Sequence[dict[str, Any]]) -> None:
         """A step starts (before any partition of it is updated)."""
 
+    def undo_step_values(self) -> None:
+        """A step failed part-way and its state is rolled back: put back whatever values of
+        the optimizer's own (outside its per-parameter state) the step changed."""
+
+    def step_changed_values(self) -> list[str]:
+        """The values outside the per-parameter state that the optimizer's step changes
+        (a counter in its groups or on itself), which a manifest does not keep: a resume
+        from disk would start them over."""
+        return []
+
     def state_methods(self) -> tuple[str, ...]:
         """The optimizer's methods besides step() that use the per-parameter state
         (schedule-free's train()/eval()); tiermem routes them to run_method()."""

@@ -170,6 +170,7 @@ class ShadowRule(UpdateRule):
         self._after: dict[int, dict[str, Any]] = {}  # ... as its first partition left them
         self._own_before: dict[str, Any] | None = None  # the optimizer's own values, ditto
         self._own_after: dict[str, Any] | None = None
+        self._step_changes: list[str] = []  # what the coupling probe's steps changed
 
     @property
     def torch_keys(self) -> dict[str, str]:  # type: ignore[override]
@@ -219,6 +220,8 @@ class ShadowRule(UpdateRule):
                   for i, s in enumerate(shapes)] for _ in range(PROBE_STEPS)]
         settings = {k: _copy(v) for k, v in group.items() if k != "params"}
 
+        first: list[tuple[dict, dict]] = []  # a shadow's group and own values after step 1
+
         def run(indices: list[list[int]]):
             params = [t.clone() for t in init]
             shadows = [self._shadow({k: _copy(v) for k, v in settings.items()},
@@ -231,9 +234,20 @@ class ShadowRule(UpdateRule):
                         p.grad = grads[step][i].clone()
                     for sh in shadows:
                         self._run(sh, "a probe")
+                    if step == 0 and len(shadows) == 1:
+                        first.append(({k: _copy(v) for k, v in shadows[0].param_groups[0]
+                                       .items() if k != "params"}, own_values(shadows[0])))
             return params, shadows
 
         together, (whole,) = run([list(range(len(shapes)))])
+        # What the steps after the first change outside the per-parameter state (a counter;
+        # not a flag set once by the first step, which a fresh optimizer sets again).
+        group_1, own_1 = first[0]
+        changed = [f"param_groups[{g}][{k!r}]" for k, v in whole.param_groups[0].items()
+                   if k != "params" and not _same(v, group_1.get(k, _MISSING))]
+        changed += [f".{k}" for k, v in own_values(whole).items()
+                    if not _same(v, own_1.get(k, _MISSING))]
+        self._step_changes.extend(c for c in changed if c not in self._step_changes)
         apart, shadows = run([[i] for i in range(len(shapes))])
         why = None
         for i, (a, b) in enumerate(zip(together, apart)):
@@ -332,6 +346,16 @@ class ShadowRule(UpdateRule):
         # and every other partition must end with the same (as for group values).
         self._own_before = own_values(self.opt)
         self._own_after = None
+
+    def undo_step_values(self) -> None:
+        for g, before in enumerate(self._before):
+            if g < len(self.opt.param_groups):
+                self.opt.param_groups[g].update({k: _copy(v) for k, v in before.items()})
+        for k, v in (self._own_before or {}).items():
+            setattr(self.opt, k, _copy(v))
+
+    def step_changed_values(self) -> list[str]:
+        return list(self._step_changes)
 
     def state_methods(self) -> tuple[str, ...]:
         return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
