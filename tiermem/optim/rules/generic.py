@@ -102,7 +102,6 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-
 # The attributes a shadow gets of its own rather than from the optimizer.
 SHADOW_OWN = frozenset({"param_groups", "state", "_optimizer_step_pre_hooks",
                         "_optimizer_step_post_hooks"})
@@ -220,9 +219,9 @@ class ShadowRule(UpdateRule):
                   for i, s in enumerate(shapes)] for _ in range(PROBE_STEPS)]
         settings = {k: _copy(v) for k, v in group.items() if k != "params"}
 
-        first: list[tuple[dict, dict]] = []  # a shadow's group and own values after step 1
+        first: list[tuple[dict, dict]] = []  # the group and own values after step 1
 
-        def run(indices: list[list[int]]):
+        def run(indices: list[list[int]], note_first: bool = False):
             params = [t.clone() for t in init]
             shadows = [self._shadow({k: _copy(v) for k, v in settings.items()},
                                     [params[i] for i in idx]) for idx in indices]
@@ -234,12 +233,12 @@ class ShadowRule(UpdateRule):
                         p.grad = grads[step][i].clone()
                     for sh in shadows:
                         self._run(sh, "a probe")
-                    if step == 0 and len(shadows) == 1:
+                    if step == 0 and note_first:
                         first.append(({k: _copy(v) for k, v in shadows[0].param_groups[0]
                                        .items() if k != "params"}, own_values(shadows[0])))
             return params, shadows
 
-        together, (whole,) = run([list(range(len(shapes)))])
+        together, (whole,) = run([list(range(len(shapes)))], note_first=True)
         # What the steps after the first change outside the per-parameter state (a counter;
         # not a flag set once by the first step, which a fresh optimizer sets again).
         group_1, own_1 = first[0]
@@ -384,9 +383,8 @@ class ShadowRule(UpdateRule):
         before = (self._before[part.group] if part.group < len(self._before)
                   else {k: v for k, v in group.items() if k != "params"})
         sh = self._shadow({k: _copy(v) for k, v in before.items()}, tensors)
-        own_before = getattr(self, "_own_before", None)
-        if own_before is not None:  # not what an earlier partition of this step set
-            sh.__dict__.update({k: _copy(v) for k, v in own_before.items()})
+        if self._own_before is not None:  # not what an earlier partition of this step set
+            sh.__dict__.update({k: _copy(v) for k, v in self._own_before.items()})
         for j, t in enumerate(tensors):
             if not batch.first[j]:
                 sh.state[t] = {**batch.scalars[j], **views[j]}
@@ -430,7 +428,6 @@ class ShadowRule(UpdateRule):
                 f"param_groups[{part.group}]: {_name(type(self.opt))} changed the group's "
                 "values differently for two partitions of one step: its step couples the "
                 "parameters of a group, so tiermem cannot run it")
-
 
     def _carry_own_values(self, sh: torch.optim.Optimizer) -> None:
         """Set what the first partition's step changed of the values the optimizer keeps on
