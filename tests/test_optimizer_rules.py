@@ -174,6 +174,21 @@ class SelfCounted(Stepped):
             p.sub_(st["m"] / (1 - 0.9 ** self.t), alpha=self.current_lr)
 
 
+class GlobalStep(Stepped):
+    """Bias-corrected momentum counting its steps in state["global_step"], not under a
+    parameter (MADGRAD keeps state["k"])."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.state["global_step"] = self.state.get("global_step", 0) + 1
+        t = self.state["global_step"]
+        for group, p, st in self.with_grads():
+            if not st:
+                st["m"] = torch.zeros_like(p)
+            st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+            p.sub_(st["m"] / (1 - 0.9 ** t), alpha=group["lr"])
+
+
 class SelfCoupled(SelfCounted):
     """Steps each parameter on its own but keeps on itself the gradient norm over all of
     them (for the user's logging): the weights would come out right, that value not."""
@@ -275,6 +290,8 @@ def thirdparty():
                           # keeps lookahead_step and current_lr on itself, not per parameter
                           ("pytorch_optimizer", "Ranger21", dict(lr=1e-3, num_iterations=20,
                                                                  lookahead_merge_time=2)),
+                          # keeps its step count in state['k'], not under a parameter
+                          ("pytorch_optimizer", "MADGRAD", dict(lr=1e-3)),
                           ("schedulefree", "AdamWScheduleFree", dict(lr=1e-3)),
                           # blockwise 8-bit state: uint8 codes, per-block scales and a code
                           # map per parameter (min_8bit_size 1024: the small ones too)
@@ -283,6 +300,9 @@ def thirdparty():
                           ("bitsandbytes.optim", "SGD8bit", dict(lr=1e-2, momentum=0.9))]:
         rows.append(pytest.param(mod, name, kw, id=f"{mod}.{name}"))
     return rows
+
+
+REFUSED_THIRDPARTY = {"MADGRAD": "it keeps state under 'k', not under a parameter"}
 
 
 def load(mod, name):
@@ -308,8 +328,10 @@ def test_thirdparty_equal_or_refused(tmp_path, backend, mod, name, kw):
             sd = opt.state_dict()
     except UnsupportedOptimizer as exc:
         assert cls.__name__ in str(exc)
-        assert name in (), f"refused unexpectedly: {exc}"
+        assert name in REFUSED_THIRDPARTY, f"refused unexpectedly: {exc}"
+        assert REFUSED_THIRDPARTY[name] in str(exc)
         return
+    assert name not in REFUSED_THIRDPARTY, "ran, where tiermem should refuse it"
     if modes:
         ref_opt.train()
     train(ref, ref_opt, batches[:STEPS])
@@ -396,6 +418,25 @@ def test_tensor_subclass_refusal_is_what_keeps_it_exact(tmp_path, monkeypatch):
     model, opt, ref, ref_opt = pair(RoundedMomentum, {})
     batches = make_batches(model, STEPS)
     with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme"), model=model):
+        train(model, opt, batches)
+    train(ref, ref_opt, batches)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_state_not_under_a_parameter_refused(tmp_path, monkeypatch):
+    """A step count kept in state["global_step"] would start over in every partition's
+    shadow: refused at entry, nothing changed; with the check patched out the run ends
+    different from the plain one."""
+    import tiermem.optim.rules.generic as generic
+
+    model, opt, ref, ref_opt = pair(GlobalStep, {})
+    batches = make_batches(model, 4)
+    with pytest.raises(UnsupportedOptimizer, match="keeps state under 'global_step'"):
+        with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
+            pass
+    assert not opt.state
+    monkeypatch.setattr(generic, "_loose_state", lambda *a: [])
+    with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
         train(model, opt, batches)
     train(ref, ref_opt, batches)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))

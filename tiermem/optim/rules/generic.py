@@ -124,6 +124,12 @@ def _simple(value: Any, depth: int = 0) -> bool:
     return all(_simple(v, depth + 1) for v in items)
 
 
+def _loose_state(opt: torch.optim.Optimizer, params: list[Tensor]) -> list[Any]:
+    """The keys of `opt.state` that are none of `params` (a global step count some
+    optimizers keep in `state`, under a string)."""
+    return [k for k in opt.state if not any(k is q for q in params)]
+
+
 def own_values(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Copies of the simple values `opt` keeps as attributes (not its groups, state or
     hooks): what a step may change besides them (Ranger21's `lookahead_step`)."""
@@ -295,6 +301,12 @@ class ShadowRule(UpdateRule):
         with torch.random.fork_rng(devices=[]):
             self._train_mode(sh)
             self._run(sh, f"a parameter of shape {tuple(param.shape)}")
+        loose = _loose_state(sh, [p])
+        if loose:
+            raise UnsupportedOptimizer(
+                f"tiermem.offload cannot run {_name(type(self.opt))}: it keeps state under "
+                f"{loose[0]!r}, not under a parameter; tiermem keeps per-parameter state, and "
+                "each partition's step would start that entry over")
         kinds, shapes, dtypes = ["master"] if master else [], {}, {}
         if master:
             dtypes["master"] = torch.float32
