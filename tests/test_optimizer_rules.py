@@ -189,6 +189,19 @@ class GlobalStep(Stepped):
             p.sub_(st["m"] / (1 - 0.9 ** t), alpha=group["lr"])
 
 
+class RandomStart(Stepped):
+    """Momentum whose buffer starts as random noise drawn from torch's global generator (as
+    Gravity's does): which draws a parameter gets depends on the order of the steps."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group, p, st in self.with_grads():
+            if not st:
+                st["m"] = torch.randn_like(p) * 1e-2
+            st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+            p.sub_(st["m"], alpha=group["lr"])
+
+
 class SelfCoupled(SelfCounted):
     """Steps each parameter on its own but keeps on itself the gradient norm over all of
     them (for the user's logging): the weights would come out right, that value not."""
@@ -292,6 +305,8 @@ def thirdparty():
                                                                  lookahead_merge_time=2)),
                           # keeps its step count in state['k'], not under a parameter
                           ("pytorch_optimizer", "MADGRAD", dict(lr=1e-3)),
+                          # draws its initial state from torch's global generator
+                          ("pytorch_optimizer", "Gravity", dict(lr=1e-3)),
                           ("schedulefree", "AdamWScheduleFree", dict(lr=1e-3)),
                           # blockwise 8-bit state: uint8 codes, per-block scales and a code
                           # map per parameter (min_8bit_size 1024: the small ones too)
@@ -302,7 +317,8 @@ def thirdparty():
     return rows
 
 
-REFUSED_THIRDPARTY = {"MADGRAD": "it keeps state under 'k', not under a parameter"}
+REFUSED_THIRDPARTY = {"MADGRAD": "it keeps state under 'k', not under a parameter",
+                      "Gravity": "its step draws random numbers"}
 
 
 def load(mod, name):
@@ -419,6 +435,28 @@ def test_tensor_subclass_refusal_is_what_keeps_it_exact(tmp_path, monkeypatch):
     batches = make_batches(model, STEPS)
     with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme"), model=model):
         train(model, opt, batches)
+    train(ref, ref_opt, batches)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_random_draws_refused(tmp_path, monkeypatch):
+    """A step that draws from torch's global generator is refused at entry, the generator
+    and the state untouched; with the check patched out the run ends different from the
+    plain one (same seed before each)."""
+    import tiermem.optim.rules.generic as generic
+
+    model, opt, ref, ref_opt = pair(RandomStart, {})
+    batches = make_batches(model, 3)
+    rng = torch.get_rng_state()
+    with pytest.raises(UnsupportedOptimizer, match="its step draws random numbers"):
+        with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
+            pass
+    assert not opt.state and torch.equal(rng, torch.get_rng_state())
+    monkeypatch.setattr(generic.ShadowRule, "_refuse_draws", lambda self, before: None)
+    torch.manual_seed(5)
+    with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
+        train(model, opt, batches)
+    torch.manual_seed(5)
     train(ref, ref_opt, batches)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 

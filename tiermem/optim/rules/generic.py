@@ -214,6 +214,17 @@ class ShadowRule(UpdateRule):
                 f"tiermem.offload cannot run {_name(type(sh))}: its step() without a "
                 f"closure failed on {what} ({type(exc).__name__}: {exc})") from exc
 
+    def _refuse_draws(self, before: Tensor) -> None:
+        """A step that advanced the global RNG drew random numbers (Gravity's random initial
+        state): tiermem steps the parameters partition by partition in its own order, so
+        the draws would land on other parameters than in the plain run."""
+        if not torch.equal(before, torch.get_rng_state()):
+            raise UnsupportedOptimizer(
+                f"tiermem.offload cannot run {_name(type(self.opt))}: its step draws random "
+                "numbers from torch's global generator, and tiermem steps the parameters "
+                "partition by partition in its own order, so each parameter would get other "
+                "draws than in the plain run")
+
     def _probe_coupling(self, g: int, group: dict[str, Any]) -> None:
         dims = sorted({p.dim() for p in group["params"]})[:3]
         dtype = group["params"][0].dtype
@@ -234,6 +245,7 @@ class ShadowRule(UpdateRule):
             with torch.random.fork_rng(devices=[]):
                 for sh in shadows:
                     self._train_mode(sh)
+                rng = torch.get_rng_state()
                 for step in range(PROBE_STEPS):
                     for i, p in enumerate(params):
                         p.grad = grads[step][i].clone()
@@ -242,6 +254,7 @@ class ShadowRule(UpdateRule):
                     if step == 0 and note_first:
                         first.append(({k: _copy(v) for k, v in shadows[0].param_groups[0]
                                        .items() if k != "params"}, own_values(shadows[0])))
+                self._refuse_draws(rng)
             return params, shadows
 
         together, (whole,) = run([list(range(len(shapes)))], note_first=True)
@@ -300,7 +313,9 @@ class ShadowRule(UpdateRule):
         sh = self._shadow({k: _copy(v) for k, v in group.items() if k != "params"}, [p])
         with torch.random.fork_rng(devices=[]):
             self._train_mode(sh)
+            rng = torch.get_rng_state()
             self._run(sh, f"a parameter of shape {tuple(param.shape)}")
+            self._refuse_draws(rng)
         loose = _loose_state(sh, [p])
         if loose:
             raise UnsupportedOptimizer(
