@@ -1,7 +1,7 @@
-"""Every optimizer class of pytorch-optimizer and torch-optimizer (the thirdparty extra),
-tiered against its plain run: each must end bitwise equal or be refused with tiermem's
-error, never different. New versions of those packages bring new classes; this is where
-one that tiermem would run wrong shows up.
+"""Every optimizer class of pytorch-optimizer, torch-optimizer, lion-pytorch, schedulefree
+and bitsandbytes (the thirdparty extra), tiered against its plain run: each must end
+bitwise equal or be refused with tiermem's error, never different. New versions of those
+packages bring new classes; this is where one that tiermem would run wrong shows up.
 
 A class whose plain run cannot start on the test model (constructor arguments it
 requires, a closure it needs) is left out: there is nothing to compare with.
@@ -59,7 +59,8 @@ def outcome(cls: type, tmp_path) -> str | None:
     return "equal" if same else f"different (max abs {worst:.3g})"
 
 
-@pytest.mark.parametrize("module", ["pytorch_optimizer", "torch_optimizer"])
+@pytest.mark.parametrize("module", ["pytorch_optimizer", "torch_optimizer", "lion_pytorch",
+                                    "schedulefree", "bitsandbytes.optim"])
 def test_every_class_equal_or_refused(tmp_path, module):
     results = {}
     for i, cls in enumerate(classes(module)):
