@@ -211,8 +211,11 @@ class ShadowRule(UpdateRule):
                 type(sh).step(sh)
         except Exception as exc:
             raise UnsupportedOptimizer(
-                f"tiermem.offload cannot run {_name(type(sh))}: its step() without a "
-                f"closure failed on {what} ({type(exc).__name__}: {exc})") from exc
+                f"tiermem.offload cannot run {_name(type(sh))}: its step() failed on {what} "
+                f"({type(exc).__name__}: {exc}). tiermem steps a copy of the optimizer "
+                "holding one partition's parameters and their state (none before their "
+                "first step), without a closure: an optimizer that needs a closure, or that "
+                "makes its state in __init__, cannot run this way") from exc
 
     def _refuse_draws(self, before: Tensor) -> None:
         """A step that advanced the global RNG drew random numbers (Gravity's random initial
