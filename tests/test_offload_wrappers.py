@@ -7,6 +7,8 @@ wrappers are tested against the real packages in tests/test_integration_*.py.)
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -115,19 +117,15 @@ def test_inner_optimizer_under_another_name_is_refused(tmp_path, make, attr):
     assert installed(opt) is None
 
 
-def _lookahead_run(model, batches, offload_cfg=None):
+def _lookahead_run(model, batches, tier=None):
+    """Train `model` with a TimmStyleLookahead around AdamW, inside the offload block
+    `tier(wrapper)` opens (none when None)."""
     opt = TimmStyleLookahead(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ctx = tiermem.offload(opt, offload_cfg) if offload_cfg else None
-    if ctx:
-        ctx.__enter__()
-    try:
+    with tier(opt) if tier else contextlib.nullcontext():
         for x in batches:
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    finally:
-        if ctx:
-            ctx.__exit__(None, None, None)
 
 
 def test_the_refusal_is_what_keeps_a_wrapper_from_running_wrong(tmp_path, monkeypatch):
@@ -145,15 +143,12 @@ def test_the_refusal_is_what_keeps_a_wrapper_from_running_wrong(tmp_path, monkey
     batches = [torch.randn(8, 64) for _ in range(4)]
     _lookahead_run(ref, batches)
     monkeypatch.setattr(wrappers, "_inner_optimizer", lambda obj: None)
-    _lookahead_run(model, batches, config(tmp_path / "a", host=0, kernel="match"))
+    _lookahead_run(model, batches, lambda opt: tiermem.offload(
+        opt, config(tmp_path / "a", host=0, kernel="match")))
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     monkeypatch.undo()
     # what the message says to do: tier the inner optimizer, step through the wrapper
-    opt = TimmStyleLookahead(torch.optim.AdamW(other.parameters(), lr=1e-2))
-    with tiermem.offload(opt._base_optimizer, config(tmp_path / "b", host=0, kernel="match")):
-        for x in batches:
-            other(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+    _lookahead_run(other, batches, lambda opt: tiermem.offload(
+        opt._base_optimizer, config(tmp_path / "b", host=0, kernel="match")))
     for p, q in zip(other.parameters(), ref.parameters()):
         assert torch.equal(p, q)

@@ -210,10 +210,11 @@ class OffloadedOptimizer:
         self._add_lanes(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
-        if resume and self.rule.step_changed_values():
+        changing = self.rule.step_changed_values() if resume else []
+        if changing:
             raise UnsupportedOptimizer(
                 f"cannot resume {type(optimizer).__name__} from disk: its step changes "
-                f"{', '.join(self.rule.step_changed_values())}, outside its per-parameter "
+                f"{', '.join(changing)}, outside its per-parameter "
                 "state, and a manifest keeps only that state, so the resumed run would start "
                 "them over; resume it through torch.save(optimizer.state_dict()) and "
                 "load_state_dict() instead")

@@ -264,9 +264,10 @@ class ShadowRule(UpdateRule):
         # What the steps after the first change outside the per-parameter state (a counter;
         # not a flag set once by the first step, which a fresh optimizer sets again).
         group_1, own_1 = first[0]
+        own_whole = own_values(whole)
         changed = [f"param_groups[{g}][{k!r}]" for k, v in whole.param_groups[0].items()
                    if k != "params" and not _same(v, group_1.get(k, _MISSING))]
-        changed += [f".{k}" for k, v in own_values(whole).items()
+        changed += [f".{k}" for k, v in own_whole.items()
                     if not _same(v, own_1.get(k, _MISSING))]
         self._step_changes.extend(c for c in changed if c not in self._step_changes)
         apart, shadows = run([[i] for i in range(len(shapes))])
@@ -283,7 +284,7 @@ class ShadowRule(UpdateRule):
         for sh in shadows:
             if not _same(kept, {k: v for k, v in sh.param_groups[0].items() if k != "params"}):
                 why = why or "the group's own values end differently"
-            if not _same(own_values(whole), own_values(sh)):
+            if not _same(own_whole, own_values(sh)):
                 why = why or "the values it keeps on itself end differently"
         if why:
             raise UnsupportedOptimizer(
