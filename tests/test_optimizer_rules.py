@@ -69,11 +69,16 @@ def state_equal(sd, ref_sd, what):
 
 def value_equal(a, b, where):
     """One state value: a tensor bitwise, a number exactly, a dict (bitsandbytes keeps its
-    quantisation maps and block scales under one key) key by key."""
+    quantisation maps and block scales under one key) key by key, a list or tuple (SOAP's
+    per-side matrices) item by item."""
     if isinstance(b, dict):
         assert isinstance(a, dict) and set(a) == set(b), f"{where} keys"
         for k in b:
             value_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(b, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: {a!r} against {b!r}"
+        for n, (x, y) in enumerate(zip(a, b)):
+            value_equal(x, y, f"{where}[{n}]")
     elif isinstance(b, torch.Tensor) and b.dim() > 0:
         assert_same_tensor(a, b, where)
     else:
@@ -224,7 +229,10 @@ class SelfCoupled(SelfCounted):
     (torch.optim.AdamW, dict(amsgrad=True)),
     # the generic path with uint8 codes and block scales in its records
     (("bitsandbytes.optim", "AdamW8bit"), dict(lr=1e-3, min_8bit_size=1024)),
-    (("bitsandbytes.optim", "Lion8bit"), dict(lr=1e-4))],
+    (("bitsandbytes.optim", "Lion8bit"), dict(lr=1e-4)),
+    # a momentum per beta in a dict (SOAP and SPlus keep a step count in their groups,
+    # which a manifest does not keep: their resume is refused)
+    (("torch_optimizer", "AggMo"), dict(lr=1e-3))],
     ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
 def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):
     """Every rule: kept per-parameter scalars (ASGD's eta, mu; NAdam's mu_product) and
@@ -312,13 +320,23 @@ def thirdparty():
                           # map per parameter (min_8bit_size 1024: the small ones too)
                           ("bitsandbytes.optim", "AdamW8bit", dict(lr=1e-3, min_8bit_size=1024)),
                           ("bitsandbytes.optim", "Lion8bit", dict(lr=1e-4)),
-                          ("bitsandbytes.optim", "SGD8bit", dict(lr=1e-2, momentum=0.9))]:
+                          ("bitsandbytes.optim", "SGD8bit", dict(lr=1e-2, momentum=0.9)),
+                          # per-side preconditioners in lists, column-major eigenbases
+                          # (made again every 2 steps: used from the record in between)
+                          ("pytorch_optimizer", "SOAP", dict(lr=1e-3, precondition_frequency=2)),
+                          ("pytorch_optimizer", "SPlus", dict(lr=1e-3)),
+                          # a momentum per beta in a dict keyed by the beta
+                          ("pytorch_optimizer", "AggMo", dict(lr=1e-3)),
+                          ("torch_optimizer", "AggMo", dict(lr=1e-3)),
+                          # its last gradients in a deque
+                          ("pytorch_optimizer", "AdaShift", dict(lr=1e-3))]:
         rows.append(pytest.param(mod, name, kw, id=f"{mod}.{name}"))
     return rows
 
 
 REFUSED_THIRDPARTY = {"MADGRAD": "it keeps state under 'k', not under a parameter",
-                      "Gravity": "its step draws random numbers"}
+                      "Gravity": "its step draws random numbers",
+                      "AdaShift": "keeps state 'grad_queue' as a deque"}
 
 
 def load(mod, name):

@@ -957,6 +957,8 @@ class OffloadedOptimizer:
 
         copy_ casts: with bf16 state the moments are rounded to nearest even here."""
         index = {id(p): i for i, p in enumerate(self.params)}
+        state = {p: self.rule.from_torch_state(self._shaped(p), self.opt.param_groups[
+            self._group_of(index[id(p)])], st) for p, st in state.items()}
         for p, st in state.items():
             i = index[id(p)]
             if "step" in st:
@@ -987,9 +989,7 @@ class OffloadedOptimizer:
             st.update({k: v.clone() if isinstance(v, torch.Tensor) else v
                        for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
-            # with the weights in the parameter tier p is empty between uses: its shape
-            # and weights come from the tier
-            shaped = p if self.weights is None else self.weights.stand_in(p)
+            shaped = self._shaped(p)
             for k, shape, kdtype in self.rule.torch_state_tensors(shaped, group, dtype):
                 st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
             if not st:
@@ -999,7 +999,13 @@ class OffloadedOptimizer:
                 st[self.rule.torch_keys["master"]] = weights.float().clone()
             out[p] = st
         gather(self.tiers, self.parts, self.rule.torch_keys, out)
-        return out
+        return {p: self.rule.to_torch_state(self._shaped(p), self.opt.param_groups[
+            self._group_of(i)], out[p]) for i, p in enumerate(self.params) if p in out}
+
+    def _shaped(self, p: torch.Tensor) -> torch.Tensor:
+        """`p` with its shape: with the weights in the parameter tier p is empty between
+        uses, and its shape and weights come from the tier."""
+        return p if self.weights is None else self.weights.stand_in(p)
 
     def _group_of(self, index: int) -> int:
         n = 0

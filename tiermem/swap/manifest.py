@@ -212,6 +212,17 @@ def _is_num(v) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
+def kind_name_ok(name: str) -> bool:
+    """Whether a manifest can name a record kind `name` (read back, it is checked so)."""
+    return _KIND_PATH.match(name) is not None
+
+
+def _host_value(v, depth: int = 0) -> bool:
+    if v is None or isinstance(v, (bool, str)) or _is_num(v):
+        return True
+    return isinstance(v, list) and depth < 8 and all(_host_value(x, depth + 1) for x in v)
+
+
 def _need(ok: bool, where: str, what: str, value) -> None:
     if not ok:
         text = repr(value)
@@ -252,6 +263,10 @@ _PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments
 _PARAM_KEYS = {"name", "shape", "dtype"}
 _SCALAR_DTYPES = _DTYPES + ("int64", "int32", "bool")
 _KIND_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
+# an optimizer's own state name (FlashAdamW's "exp_avg::quantized"), or the path of a
+# tensor inside a list or dict under one ("GG[0]", "momentum_buffer[0.9]": the generic
+# path keeps each in the record): printable, up to 256 characters
+_KIND_PATH = re.compile(r"[^\x00-\x1f\x7f]{1,256}\Z")
 _BOOL_GROUP_KEYS = ("amsgrad", "maximize", "capturable", "differentiable",
                     "decoupled_weight_decay")
 _OPTIONAL_BOOL_GROUP_KEYS = ("foreach", "fused")
@@ -284,13 +299,15 @@ def _validate(d: dict, run_dir: str) -> None:
                            f"{sorted(extra)})")
         _need(isinstance(p["name"], str), f"{w}.name", "a string", p["name"])
         for key, v in _dict(p.get("scalars", {}), f"{w}.scalars").items():
-            # An optimizer's per-parameter numbers (ASGD's eta, NAdam's mu_product, ...):
-            # plain JSON numbers, or a 0-d tensor's value with its dtype.
-            ok = (v is None or isinstance(v, bool) or _is_num(v) or (
+            # An optimizer's per-parameter values (ASGD's eta, NAdam's mu_product, SOAP's
+            # empty preconditioner list of a 1-D parameter, ...): plain JSON values and
+            # lists of them, or a 0-d tensor's value with its dtype.
+            ok = _host_value(v) or (
                 isinstance(v, dict) and set(v) == {"tensor", "dtype"}
                 and (_is_num(v["tensor"]) or isinstance(v["tensor"], bool))
-                and v["dtype"] in _SCALAR_DTYPES))
-            _need(ok, f"{w}.scalars.{key}", "a number, or {tensor: number, dtype: ...}", v)
+                and v["dtype"] in _SCALAR_DTYPES)
+            _need(ok, f"{w}.scalars.{key}", "a number, string or list of them, or "
+                  "{tensor: number, dtype: ...}", v)
         _need(p["dtype"] in _DTYPES, f"{w}.dtype", f"one of {_DTYPES}", p["dtype"])
         n = 1
         for j, dim in enumerate(_list(p["shape"], f"{w}.shape")):
@@ -315,10 +332,13 @@ def _validate(d: dict, run_dir: str) -> None:
                           f"{w}.params[{j}]", f"a parameter index below {len(params)} "
                           "that no other group lists", i)
                     owner[i] = g
-            elif k == "betas":
+            elif k == "betas" and adam:
                 _need(isinstance(v, list) and len(v) == 2 and
                       all(_is_num(b) and 0 <= b < 1 for b in v), f"{w}.betas",
                       "two numbers in [0, 1)", v)
+            elif k == "betas":  # Adan's three, AggMo's any number
+                _need(isinstance(v, list) and len(v) > 0 and all(_is_num(b) for b in v),
+                      f"{w}.betas", "a list of numbers", v)
             elif k == "eps" and isinstance(v, list) and not adam:  # Adafactor's eps pair
                 _need(all(x is None or (_is_num(x) and x >= 0) for x in v), f"{w}.{k}",
                       "a number >= 0, or a list of them (or null)", v)
@@ -354,7 +374,7 @@ def _validate(d: dict, run_dir: str) -> None:
         _need(part["tier"] in _TIERS, f"{w}.tier", f"one of {_TIERS}", part["tier"])
         kinds = _list(part["kinds"], f"{w}.kinds")
         # Any update rule's state names (Adam's, the torch family's, an optimizer's own).
-        names_ok = all(isinstance(x, str) and _KIND_NAME.match(x) and (not adam or x in _KINDS)
+        names_ok = all(isinstance(x, str) and _KIND_PATH.match(x) and (not adam or x in _KINDS)
                        for x in kinds)
         _need(len(kinds) > 0 and names_ok and len(set(kinds)) == len(kinds), f"{w}.kinds",
               f"distinct names from {_KINDS}" if adam else "distinct state names", kinds)

@@ -127,6 +127,18 @@ class UpdateRule(ABC):
         one asked for the per-element state)."""
         return [(k, tuple(param.shape), dtype) for k in self.torch_state_keys(group)]
 
+    def to_torch_state(self, param: torch.Tensor, group: dict[str, Any],
+                       state: dict[str, Any]) -> dict[str, Any]:
+        """One parameter's exported state (a tensor per record kind) in torch's own form
+        (the generic path puts lists and dicts of tensors back together)."""
+        return state
+
+    def from_torch_state(self, param: torch.Tensor, group: dict[str, Any],
+                         state: dict[str, Any]) -> dict[str, Any]:
+        """One parameter's torch-format state as a tensor per record kind (the inverse of
+        to_torch_state; raises where it cannot be laid out so)."""
+        return state
+
     def kinds_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The state kinds (besides a master) a group with these flags keeps."""
         return ()

@@ -24,6 +24,7 @@ real shapes); docs/guide/optimizers.md says so.
 from __future__ import annotations
 
 import copy
+import math
 import types
 from collections import defaultdict
 from typing import Any, ClassVar
@@ -35,8 +36,12 @@ from tiermem.errors import TierMemError
 from tiermem.optim.rules.base import (Batch, UnsupportedOptimizer, UpdateRule,
                                       check_group_tensors)
 from tiermem.partition import Partition, WholeLayout
+from tiermem.swap.manifest import kind_name_ok
 
 MASTER_KEY = "master_param"
+# A parameter's host value naming its state tensors that lie in memory in another order
+# than row-major: [[kind, dims outermost first], ...] (see dim_order)
+ORDER_KEY = "tiermem_dim_order"
 PROBE_STEPS = 3
 # the probe's parameter shapes by number of dimensions: small, odd, distinct
 PROBE_SHAPES = {0: [(), ()], 1: [(37,), (11,)], 2: [(13, 7), (5, 9)],
@@ -56,6 +61,152 @@ REFUSED = {
 def is_record_tensor(value: Any) -> bool:
     """State kept in the record: tensors with at least one dimension."""
     return isinstance(value, Tensor) and value.dim() > 0
+
+
+# State kept as lists, tuples or dicts of tensors (SOAP's and SPlus's per-side
+# preconditioner matrices, AggMo's momentum per beta): each tensor is a record kind of its
+# own, named by its path ("GG[0]", "momentum_buffer[0.9]"), and a template rebuilds the
+# container around the record's views for the shadow's step and for state_dict().
+# ("leaf", kind) | ("list" | "tuple", (child, ...)) | ("dict", ((key, child), ...))
+Template = tuple
+CONTAINERS = {list: "list", tuple: "tuple", dict: "dict"}
+
+
+class NotNested(Exception):
+    """A value that cannot be a container of record tensors (says what is in the way)."""
+
+
+def has_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether `value` is, or holds inside lists, tuples and dicts, a tensor."""
+    if isinstance(value, Tensor):
+        return True
+    if depth >= 8 or type(value) not in CONTAINERS:
+        return False
+    items = value.values() if isinstance(value, dict) else value
+    return any(has_tensor(v, depth + 1) for v in items)
+
+
+def flatten(value: Any, name: str) -> tuple[Template, list[tuple[str, Tensor]]]:
+    """A container of tensors as its template and its (kind, tensor) leaves, in order.
+    Raises NotNested for a leaf that is no tensor with a dimension, or another container
+    type (a deque: its length and maxlen are its state too)."""
+    if isinstance(value, Tensor):
+        if not is_record_tensor(value):
+            raise NotNested(f"a 0-d tensor at {name}")
+        return ("leaf", name), [(name, value)]
+    kind = CONTAINERS.get(type(value))
+    if kind is None:
+        raise NotNested(f"a {type(value).__name__} at {name}")
+    children, leaves = [], []
+    pairs = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, v in pairs:
+        child, got = flatten(v, f"{name}[{key!r}]")
+        children.append((key, child) if isinstance(value, dict) else child)
+        leaves += got
+    return (kind, tuple(children)), leaves
+
+
+def rebuild(template: Template, tensors: dict[str, Tensor]) -> Any:
+    """The container `template` describes, around `tensors` (kind -> tensor)."""
+    kind, body = template
+    if kind == "leaf":
+        return tensors[body]
+    if kind == "dict":
+        return {key: rebuild(child, tensors) for key, child in body}
+    items = [rebuild(child, tensors) for child in body]
+    return items if kind == "list" else tuple(items)
+
+
+def leaves_of(template: Template, value: Any) -> list[tuple[str, Any]] | None:
+    """`value`'s (kind, leaf) pairs where it has the template's structure, else None."""
+    kind, body = template
+    if kind == "leaf":
+        return [(body, value)]
+    if CONTAINERS.get(type(value)) != kind or len(value) != len(body):
+        return None
+    if kind == "dict":
+        if [key for key, _ in body] != list(value.keys()):
+            return None
+        children = [(child, value[key]) for key, child in body]
+    else:
+        children = list(zip(body, value))
+    out: list[tuple[str, Any]] = []
+    for child, v in children:
+        got = leaves_of(child, v)
+        if got is None:
+            return None
+        out += got
+    return out
+
+
+def leaf_names(template: Template) -> list[str]:
+    kind, body = template
+    if kind == "leaf":
+        return [body]
+    return [n for child in body for n in leaf_names(child[1] if kind == "dict" else child)]
+
+
+def state_tensors(state: dict[str, Any]) -> dict[str, Tensor]:
+    """One parameter's record tensors, those inside containers under their path names."""
+    out: dict[str, Tensor] = {}
+    for k, v in state.items():
+        if is_record_tensor(v):
+            out[k] = v
+        elif not isinstance(v, Tensor) and has_tensor(v):
+            try:
+                out.update(flatten(v, k)[1])
+            except NotNested:
+                pass  # the layout's probe refuses it, saying what it is
+    return out
+
+
+def structure(state: dict[str, Any]) -> dict[str, Any]:
+    """What a record lays out of one parameter's state: each record tensor's shape and
+    dtype, and each container's template."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if is_record_tensor(v):
+            out[k] = (tuple(v.shape), v.dtype)
+        elif not isinstance(v, Tensor) and has_tensor(v):
+            try:
+                template, leaves = flatten(v, k)
+                out[k] = (template, [(tuple(t.shape), t.dtype) for _, t in leaves])
+            except NotNested as exc:
+                out[k] = str(exc)
+    return out
+
+
+def dim_order(t: Tensor) -> tuple[int, ...] | None:
+    """The order of `t`'s dims in memory, outermost first, where it is dense but not
+    contiguous (SOAP's eigenbases from torch.linalg are column-major); None when it is
+    contiguous (or not dense: a record holds it contiguous). Kept because matmul's
+    rounding follows the memory order: handing the optimizer a contiguous copy of a
+    column-major matrix changes its results in the last bits."""
+    if t.dim() < 2 or t.is_contiguous():
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    made = laid(torch.empty(t.numel(), dtype=t.dtype), tuple(t.shape), order)
+    dense = all(made.stride(d) == t.stride(d) for d in range(t.dim()) if t.shape[d] > 1)
+    return order if dense else None
+
+
+def laid(flat: Tensor, shape: tuple[int, ...], order: tuple[int, ...] | None) -> Tensor:
+    """The 1-D `flat` as a tensor of `shape` whose dims lie in memory in `order`."""
+    if order is None:
+        return flat.view(shape)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return flat.view([shape[d] for d in order]).permute(inverse)
+
+
+def json_exact(value: Any, depth: int = 0) -> bool:
+    """A host value a manifest keeps exactly (JSON turns tuples into lists and dict keys
+    into strings): None, bools, numbers (NaN and infinities only where no list holds
+    them), strings, and lists of them."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return depth == 0 or math.isfinite(value)
+    return type(value) is list and depth < 8 and all(json_exact(v, depth + 1) for v in value)
 
 
 def _subclass_refusal(opt: torch.optim.Optimizer, key: str, value: Tensor) -> str | None:
@@ -171,6 +322,8 @@ class ShadowRule(UpdateRule):
         self.opt: torch.optim.Optimizer | None = None
         self._layouts: dict[tuple, WholeLayout] = {}
         self._kinds: set[str] = set()
+        # a layout's kinds -> the containers of tensors among its state (key -> template)
+        self._nested: dict[tuple[str, ...], dict[str, Template]] = {}
         self._before: list[dict[str, Any]] = []  # each group's values as the step began
         self._after: dict[int, dict[str, Any]] = {}  # ... as its first partition left them
         self._own_before: dict[str, Any] | None = None  # the optimizer's own values, ditto
@@ -256,14 +409,24 @@ class ShadowRule(UpdateRule):
                         self._run(sh, "a probe")
                     if step == 0 and note_first:
                         first.append(({k: _copy(v) for k, v in shadows[0].param_groups[0]
-                                       .items() if k != "params"}, own_values(shadows[0])))
+                                       .items() if k != "params"}, own_values(shadows[0]),
+                                      [structure(shadows[0].state[p]) for p in params]))
                 self._refuse_draws(rng)
             return params, shadows
 
         together, (whole,) = run([list(range(len(shapes)))], note_first=True)
         # What the steps after the first change outside the per-parameter state (a counter;
         # not a flag set once by the first step, which a fresh optimizer sets again).
-        group_1, own_1 = first[0]
+        group_1, own_1, laid_out = first[0]
+        for i, p in enumerate(together):
+            now = structure(whole.state[p])
+            if now != laid_out[i]:
+                keys = sorted(k for k in now.keys() | laid_out[i].keys()
+                              if now.get(k) != laid_out[i].get(k))
+                raise UnsupportedOptimizer(
+                    f"tiermem.offload cannot run {_name(type(self.opt))}: the state it keeps "
+                    f"per parameter changes its layout after the first step ({keys} on "
+                    "tiermem's probe), and a record is laid out from the first step's state")
         own_whole = own_values(whole)
         changed = [f"param_groups[{g}][{k!r}]" for k, v in whole.param_groups[0].items()
                    if k != "params" and not _same(v, group_1.get(k, _MISSING))]
@@ -276,9 +439,10 @@ class ShadowRule(UpdateRule):
             if not _close(a, b):
                 why = f"probe parameter {i} of shape {tuple(a.shape)} ends differently"
                 break
-            sa, sb = whole.state[a], shadows[i].state[b]
+            sa, sb = state_tensors(whole.state[a]), state_tensors(shadows[i].state[b])
             for k in sa:
-                if is_record_tensor(sa[k]) and not (k in sb and _close(sa[k], sb[k])):
+                if not (k in sb and isinstance(sa[k], Tensor) and isinstance(sb[k], Tensor)
+                        and _close(sa[k], sb[k])):
                     why = f"state {k!r} of probe parameter {i} ends differently"
         kept = {k: v for k, v in whole.param_groups[0].items() if k != "params"}
         for sh in shadows:
@@ -327,9 +491,14 @@ class ShadowRule(UpdateRule):
                 f"{loose[0]!r}, not under a parameter; tiermem keeps per-parameter state, and "
                 "each partition's step would start that entry over")
         kinds, shapes, dtypes = ["master"] if master else [], {}, {}
+        nested: dict[str, Template] = {}
         if master:
             dtypes["master"] = torch.float32
-        for k, v in sh.state[p].items():
+        state = sh.state[p]
+        for k, v in state.items():
+            if not isinstance(v, Tensor) and has_tensor(v):
+                nested[k] = self._lay_out_container(k, v, state, kinds, shapes, dtypes)
+                continue
             why = _subclass_refusal(self.opt, k, v) if isinstance(v, Tensor) else None
             if why:
                 raise UnsupportedOptimizer(
@@ -342,12 +511,47 @@ class ShadowRule(UpdateRule):
                 dtypes[k] = v.dtype
                 if v.shape != param.shape:
                     shapes[k] = tuple(v.shape)
-            elif not isinstance(v, (Tensor, int, float, bool)) and v is not None:
+            elif not isinstance(v, Tensor) and not json_exact(v):
                 raise UnsupportedOptimizer(
                     f"{_name(type(self.opt))} keeps state {k!r} as a {type(v).__name__}; "
-                    "tiermem keeps per-parameter tensors and numbers only")
+                    "tiermem keeps per-parameter tensors, lists and dicts of tensors, and "
+                    "numbers (and lists of them) only")
+        odd = [k for k in kinds if not kind_name_ok(k)]
+        if odd:
+            raise UnsupportedOptimizer(
+                f"{_name(type(self.opt))} keeps state named {odd[0]!r}, which tiermem's "
+                "manifests cannot name (up to 256 printable characters, the [key]s of an "
+                "item inside lists and dicts included)")
         self._kinds.update(k for k in kinds if k != "master")
+        laid_out = tuple(k for k in kinds if k != "master")
+        if nested:
+            self._nested[laid_out] = nested
         return WholeLayout(tuple(kinds), shapes, dtypes)
+
+    def _lay_out_container(self, key: str, value: Any, state: dict[str, Any],
+                           kinds: list[str], shapes: dict[str, tuple[int, ...]],
+                           dtypes: dict[str, torch.dtype]) -> Template:
+        """A list, tuple or dict of tensors in the state: a record kind per tensor."""
+        name = _name(type(self.opt))
+        try:
+            template, leaves = flatten(value, key)
+        except NotNested as exc:
+            raise UnsupportedOptimizer(
+                f"{name} keeps state {key!r} as a {type(value).__name__} holding tensors "
+                f"and {exc}; tiermem keeps lists, tuples and dicts of tensors (each in the "
+                "record) but nothing else beside them") from None
+        for kind, t in leaves:
+            why = _subclass_refusal(self.opt, kind, t)
+            if why:
+                raise UnsupportedOptimizer(f"tiermem.offload cannot run {name}: {why}")
+            if kind in state or kind == "master":
+                raise UnsupportedOptimizer(
+                    f"{name} keeps state {kind!r} beside {key!r}, whose items tiermem would "
+                    "name so: it cannot lay out both")
+            kinds.append(kind)
+            dtypes[kind] = t.dtype
+            shapes[kind] = tuple(t.shape)
+        return template
 
     def kinds(self, param, group, *, keep_master):
         return self.whole_layout(param, group, keep_master=keep_master).kinds
@@ -403,14 +607,18 @@ class ShadowRule(UpdateRule):
 
     def _on_shadow(self, batch: Batch, call: Any) -> None:
         part, group = batch.part, batch.group
-        tensors, views = [], []
+        laid_out = tuple(k for k in part.kinds if k != "master")
+        nested = self._nested.get(laid_out, {})
+        tensors, views, orders_of = [], [], []
         for j, s in enumerate(batch.segments):
             t = batch.params[j].view(s.param.shape)
             if batch.grads:
                 t.grad = batch.grads[j].view(s.param.shape)
             tensors.append(t)
-            views.append({k: batch.state[k][j].view(s.shapes.get(k, s.param.shape))
-                          for k in batch.state})
+            orders = dict(batch.scalars[j].pop(ORDER_KEY, ()))
+            orders_of.append(orders)
+            views.append({k: laid(batch.state[k][j], s.shapes.get(k, tuple(s.param.shape)),
+                                  orders.get(k)) for k in batch.state})
         before = (self._before[part.group] if part.group < len(self._before)
                   else {k: v for k, v in group.items() if k != "params"})
         sh = self._shadow({k: _copy(v) for k, v in before.items()}, tensors)
@@ -418,13 +626,15 @@ class ShadowRule(UpdateRule):
             sh.__dict__.update({k: _copy(v) for k, v in self._own_before.items()})
         for j, t in enumerate(tensors):
             if not batch.first[j]:
-                sh.state[t] = {**batch.scalars[j], **views[j]}
+                sh.state[t] = {**batch.scalars[j], **self._nest(views[j], nested)}
         call(sh)
         for j, t in enumerate(tensors):
             t.grad = None
             new = sh.state.get(t, {})
             if not new and batch.first[j] and not batch.grads:
                 continue  # never stepped, and the method made no state: nothing to keep
+            new = self._unnest(new, nested, batch, j)
+            orders = orders_of[j]
             for k, view in views[j].items():
                 v = new.get(k)
                 if not isinstance(v, Tensor) or v.shape != view.shape:
@@ -439,14 +649,22 @@ class ShadowRule(UpdateRule):
                     raise TierMemError(f"{_name(type(self.opt))}: after step "
                                        f"{float(batch.steps[j]):g}, {why}")
                 if v.data_ptr() != view.data_ptr():
-                    view.copy_(v)  # replaced rather than updated in place
-            extra = [k for k, v in new.items() if is_record_tensor(v) and k not in views[j]]
+                    # replaced rather than updated in place: into the record in its own
+                    # memory order, which the next step's view takes again
+                    laid(batch.state[k][j], tuple(v.shape), dim_order(v)).copy_(v)
+                    orders[k] = dim_order(v)
+            extra = [k for k, v in new.items()
+                     if (is_record_tensor(v) or not isinstance(v, Tensor) and has_tensor(v))
+                     and k not in views[j]]
             if extra:
                 raise TierMemError(
                     f"{_name(type(self.opt))} created state {extra} after a parameter's "
                     "first step; tiermem lays the record out from the first step's state")
             batch.scalars[j].clear()
             batch.scalars[j].update({k: v for k, v in new.items() if not is_record_tensor(v)})
+            kept = [[k, list(o)] for k, o in orders.items() if o is not None]
+            if kept:  # (a manifest keeps it as it keeps the scalars)
+                batch.scalars[j][ORDER_KEY] = kept
         self._carry_own_values(sh)
         after = {k: v for k, v in sh.param_groups[0].items() if k != "params"}
         if part.group not in self._after:
@@ -459,6 +677,72 @@ class ShadowRule(UpdateRule):
                 f"param_groups[{part.group}]: {_name(type(self.opt))} changed the group's "
                 "values differently for two partitions of one step: its step couples the "
                 "parameters of a group, so tiermem cannot run it")
+
+    @staticmethod
+    def _nest(flat: dict[str, Tensor], nested: dict[str, Template]) -> dict[str, Any]:
+        """One parameter's record views as its state: containers rebuilt around them."""
+        out = dict(flat)
+        for key, template in nested.items():
+            for name in leaf_names(template):
+                del out[name]
+            out[key] = rebuild(template, flat)
+        return out
+
+    def _unnest(self, state: dict[str, Any], nested: dict[str, Template], batch: Batch,
+                j: int) -> dict[str, Any]:
+        """A shadow's state after its step with each container's tensors under their kinds;
+        a container whose structure is not the layout's is an error, never dropped."""
+        if not nested:
+            return state
+        out = dict(state)
+        for key, template in nested.items():
+            got = leaves_of(template, out.pop(key, None))
+            if got is None:
+                raise TierMemError(
+                    f"{_name(type(self.opt))}: after step {float(batch.steps[j]):g} the "
+                    f"state {key!r} of a parameter of shape "
+                    f"{tuple(batch.segments[j].param.shape)} is no longer laid out as its "
+                    "first step left it (tiermem keeps each tensor inside it in the record)")
+            out.update(got)
+        return out
+
+    def to_torch_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]
+                       ) -> dict[str, Any]:
+        laid_out = tuple(k for k in self.whole_layout(param, group, keep_master=False).kinds
+                         if k != "master")
+        state = dict(state)
+        for k, order in state.pop(ORDER_KEY, ()):
+            if k in state:  # the record's bytes, in the memory order the optimizer left
+                state[k] = laid(state[k].reshape(-1), tuple(state[k].shape), tuple(order))
+        nested = self._nested.get(laid_out, {})
+        return self._nest(state, nested) if nested else state
+
+    def from_torch_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]
+                         ) -> dict[str, Any]:
+        laid_out = tuple(k for k in self.whole_layout(param, group, keep_master=False).kinds
+                         if k != "master")
+        nested = self._nested.get(laid_out, {})
+        out = dict(state)
+        for key, template in nested.items():
+            if key not in out:
+                continue
+            got = leaves_of(template, out.pop(key))
+            if got is None:
+                raise TierMemError(
+                    f"{_name(type(self.opt))}: the state dict's {key!r} of a parameter of "
+                    f"shape {tuple(param.shape)} is not laid out as the optimizer's own "
+                    "first step lays it out")
+            out.update(got)
+        kept = []
+        for k, v in list(out.items()):
+            order = dim_order(v) if is_record_tensor(v) else None
+            if order is not None:  # the record keeps its bytes in memory order
+                out[k] = v.permute(order).reshape(-1)
+                kept.append([k, list(order)])
+        out.pop(ORDER_KEY, None)
+        if kept:
+            out[ORDER_KEY] = kept
+        return out
 
     def _carry_own_values(self, sh: torch.optim.Optimizer) -> None:
         """Set what the first partition's step changed of the values the optimizer keeps on
