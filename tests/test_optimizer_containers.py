@@ -31,7 +31,7 @@ class SidePreconditioned(Stepped):
     """Momenta in a dict keyed by beta (updated in place); for a 2-D parameter a list of one
     statistics matrix per side (replaced by new tensors every step) and a tuple of their
     eigenbases (torch.linalg.eigh's: column-major), made again every other step (as SOAP's
-    precondition_frequency), which rotate the update."""
+    precondition_frequency), which rotate and shift the update."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -53,7 +53,9 @@ class SidePreconditioned(Stepped):
                     st["bases"] = tuple(torch.linalg.eigh(s + torch.eye(len(s)))[1]
                                         for s in st["sides"])
                 ql, qr = st["bases"]
-                u = ql @ (ql.T @ u @ qr) @ qr.T
+                # a sum follows the memory order whatever the threads (a matmul's rounding
+                # does only on some thread counts)
+                u = ql @ (ql.T @ u @ qr) @ qr.T + 1e-3 * (ql.sum() + qr.sum())
             p.sub_(u, alpha=group["lr"])
 
 
