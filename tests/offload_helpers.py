@@ -212,10 +212,20 @@ def compare_state_dicts(sd: dict, ref_sd: dict, *, exact: bool = True) -> None:
     check = assert_same_tensor if exact else assert_close_tensor
 
     def same(a, b, what: str) -> None:
-        if isinstance(b, dict):  # bitsandbytes nests its codes, maps and scales in one key
+        if hasattr(type(b), "__tensor_flatten__"):  # torchao's low-bit state subclasses
+            assert type(a) is type(b), f"{what}: {type(a).__name__} against {type(b).__name__}"
+            names, context = b.__tensor_flatten__()
+            assert a.__tensor_flatten__() == (names, context), f"{what}: made otherwise"
+            for n in names:
+                same(getattr(a, n), getattr(b, n), f"{what}.{n}")
+        elif isinstance(b, dict):  # bitsandbytes nests its codes, maps and scales in one key
             assert isinstance(a, dict) and set(a) == set(b), f"{what} keys"
             for k in b:
                 same(a[k], b[k], f"{what}[{k!r}]")
+        elif isinstance(b, (list, tuple)):  # SOAP's per-side matrices
+            assert type(a) is type(b) and len(a) == len(b), f"{what}: {a!r} against {b!r}"
+            for n, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{what}[{n}]")
         elif isinstance(b, torch.Tensor) and b.dim() > 0:
             check(a, b, what)
         else:  # the step count, and per-parameter scalars

@@ -9,6 +9,7 @@ optimizer state bitwise, the saved checkpoint's optimizer.pt bitwise, and a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -27,11 +28,11 @@ from offload_helpers import assert_same_tensor, compare_state_dicts, config, lis
 class Tiny(nn.Module):
     """Linear -> tanh -> Linear; 1100 hidden units make a few 64 KiB partitions."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, hidden: int = 1100) -> None:
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(16, 1100), nn.Tanh(), nn.Linear(1100, 8))
+            self.net = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 8))
         self.fail_at, self.calls = fail_at, 0
 
     def forward(self, x, labels):
@@ -47,9 +48,12 @@ def dataset(n: int = 32) -> list[dict]:
             for _ in range(n)]
 
 
-def train(root: Path, *, callbacks=(), resume: str | None = None, model: Tiny | None = None,
-          **args_kw):
-    model = model or Tiny()
+def train(root: Path, *, callbacks=(), resume: str | None = None,
+          model: Tiny | Callable[[], Tiny] | None = None, **args_kw):
+    if model is None:
+        model = Tiny()
+    elif not isinstance(model, nn.Module):
+        model = model()  # a fresh one for each run
     kw = dict(output_dir=str(root), max_steps=4, per_device_train_batch_size=4,
               learning_rate=1e-2, weight_decay=0.05, lr_scheduler_type="linear",
               save_strategy="steps", save_steps=2, logging_strategy="no", report_to=[],
@@ -104,9 +108,14 @@ def _needs(module: str, *names: str) -> list:
     "adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor",
     *_needs("bitsandbytes", "adamw_bnb_8bit", "paged_adamw_32bit", "lion_8bit",
             "rmsprop_bnb_8bit", "ademamix_8bit"),
-    *_needs("schedulefree", "schedule_free_adamw")])
+    *_needs("schedulefree", "schedule_free_adamw"),
+    # torchao's low-bit AdamW: state in tensor subclasses made of codes and block scales
+    *_needs("torchao", "adamw_torch_8bit", "adamw_torch_4bit")])
 def test_trainer_built_optimizer_checkpoint_and_resume_equal_plain(tmp_path, optim):
     extra = dict(optim=optim, max_grad_norm=0.05, gradient_accumulation_steps=2)
+    # torchao quantises the state of parameters its block size divides (else: fp32)
+    lowbit = optim.startswith("adamw_torch_") and optim.endswith("bit")
+    extra["model"] = lambda: Tiny(hidden=1024 if lowbit else 1100)
     plain = train(tmp_path / "plain", **extra)
     cb = TiermemCallback(cfg(tmp_path))
     probe = Probe(cb)
@@ -123,6 +132,8 @@ def test_trainer_built_optimizer_checkpoint_and_resume_equal_plain(tmp_path, opt
     sd_tiered = torch.load(tmp_path / "tiered/checkpoint-2/optimizer.pt", weights_only=False)
     # the Trainer's sgd has no momentum, so no state; every other one must have some
     assert bool(sd_tiered["state"]) == (optim != "sgd"), "the checkpoint's optimizer state"
+    assert not lowbit or any(hasattr(type(v), "__tensor_flatten__")
+                             for st in sd_plain["state"].values() for v in st.values())
     compare_state_dicts(sd_tiered, sd_plain)
 
     r_plain = train(tmp_path / "rp", resume=str(tmp_path / "plain/checkpoint-2"), **extra)

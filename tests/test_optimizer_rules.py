@@ -71,7 +71,13 @@ def value_equal(a, b, where):
     """One state value: a tensor bitwise, a number exactly, a dict (bitsandbytes keeps its
     quantisation maps and block scales under one key) key by key, a list or tuple (SOAP's
     per-side matrices) item by item."""
-    if isinstance(b, dict):
+    if hasattr(type(b), "__tensor_flatten__"):  # torchao's low-bit state: what it is made of
+        assert type(a) is type(b), f"{where}: {type(a).__name__} against {type(b).__name__}"
+        names, context = b.__tensor_flatten__()
+        assert a.__tensor_flatten__() == (names, context), f"{where}: made otherwise"
+        for n in names:
+            assert_same_tensor(getattr(a, n), getattr(b, n), f"{where}.{n}")
+    elif isinstance(b, dict):
         assert isinstance(a, dict) and set(a) == set(b), f"{where} keys"
         for k in b:
             value_equal(a[k], b[k], f"{where}[{k!r}]")
@@ -427,19 +433,80 @@ def test_tensor_subclass_state_refused(tmp_path):
         assert_same_tensor(p.detach(), b, "a weight after the refusal")
 
 
-@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
-def test_torchao_low_bit_state_refused(tmp_path, name):
+def lowbit_pair(name):
     """torchao's low-bit AdamW keeps OptimState8bit/4bit/Fp8 for parameters of 4096 or more
-    elements that its block size divides (the others get plain fp32 state, which tiermem
-    runs): refused with tiermem's error, nothing changed."""
+    elements that its block size divides (the others get plain fp32 state)."""
     cls = getattr(pytest.importorskip("torchao.optim"), name)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(),
-                                torch.nn.Linear(512, 8))
-    opt = cls(model.parameters(), lr=1e-3)
-    with pytest.raises(UnsupportedOptimizer, match=f"{name}: its state .* tensor subclass"):
-        with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme"), model=model):
-            pass
-    assert not opt.state
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(),
+                                   torch.nn.Linear(512, 8))
+    model, ref = make(), make()
+    return cls, model, cls(model.parameters(), lr=1e-2), ref, cls(ref.parameters(), lr=1e-2)
+
+
+def lowbit_train(model, opt, xs):
+    for x in xs:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_torchao_low_bit_state_equal(tmp_path, backend, name):
+    """torchao's low-bit state is a tensor subclass made of plain tensors (codes, block
+    scales, a code map): the record keeps those, in their own dtypes, so the NVMe bytes are
+    the optimizer's own few per parameter and the run is bitwise the plain one."""
+    cls, model, opt, ref, ref_opt = lowbit_pair(name)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 256, generator=g) for _ in range(6)]
+    with tiermem.offload(opt, cfg(tmp_path, backend, "nvme"), model=model) as tm:
+        lowbit_train(model, opt, xs[:4])
+        sd = opt.state_dict()
+        on_disk = tm.plan()["state_bytes"]["nvme"]
+    lowbit_train(ref, ref_opt, xs[:4])
+    params_equal(model, ref, name)
+    ref_sd = ref_opt.state_dict()
+    state_equal(sd, ref_sd, f"{name}: state_dict()")
+    state_equal(opt.state_dict(), ref_sd, f"{name}: state handed back")
+    big = model[0].weight
+    assert type(opt.state[big]["exp_avg"]) is type(ref_opt.state[ref[0].weight]["exp_avg"])
+    n = sum(p.numel() for p in model.parameters())
+    assert on_disk < 4 * n, f"{on_disk} bytes on NVMe for {n} parameters: not low-bit"
+    # state_dict both ways
+    plain = cls(model.parameters(), lr=1e-2)
+    plain.load_state_dict(sd)
+    state_equal(plain.state_dict(), sd, f"{name}: plain loaded from tiermem")
+    opt.load_state_dict(ref_sd)
+    with tiermem.offload(opt, cfg(tmp_path, backend, "nvme"), model=model):
+        lowbit_train(model, opt, xs[4:])
+    lowbit_train(ref, ref_opt, xs[4:])
+    params_equal(model, ref, f"{name}: after loading the plain state_dict")
+    state_equal(opt.state_dict(), ref_opt.state_dict(), f"{name}: after loading")
+
+
+def test_torchao_low_bit_state_resumes(tmp_path, monkeypatch):
+    """A crash-consistent run of torchao's 4-bit AdamW (its shape is in the subclass's
+    context) resumes from the manifest and continues as an uninterrupted run."""
+    cls, model, opt, ref, ref_opt = lowbit_pair("AdamW4bit")
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 256, generator=g) for _ in range(5)]
+    c = cfg(tmp_path, "threads", "nvme")
+    c["swap"]["durability"] = "crash_consistent"
+    monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+    with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt, c, model=model):
+            lowbit_train(model, opt, xs[:3])
+    monkeypatch.undo()
+    model2 = copy.deepcopy(model)
+    opt2 = cls(model2.parameters(), lr=1e-2)
+    with tiermem.offload(opt2, c, model=model2, resume=True):
+        lowbit_train(model2, opt2, xs[3:])
+    lowbit_train(ref, ref_opt, xs)
+    params_equal(model2, ref, "resumed")
+    state_equal(opt2.state_dict(), ref_opt.state_dict(), "resumed")
 
 
 def test_tensor_subclass_refusal_is_what_keeps_it_exact(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -224,6 +224,8 @@ class WholeLayout:
     kinds: tuple[str, ...]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
+    #: the generic path's state kept as several kinds: state key -> how to rebuild it
+    nested: dict[str, Any] = field(default_factory=dict)
 
 
 def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],

@@ -64,16 +64,35 @@ def is_record_tensor(value: Any) -> bool:
 
 
 # State kept as lists, tuples or dicts of tensors (SOAP's and SPlus's per-side
-# preconditioner matrices, AggMo's momentum per beta): each tensor is a record kind of its
-# own, named by its path ("GG[0]", "momentum_buffer[0.9]"), and a template rebuilds the
+# preconditioner matrices, AggMo's momentum per beta), or as a tensor subclass made of
+# plain tensors (torchao's low-bit state: codes, block scales and a code map behind a
+# float32 face): each plain tensor is a record kind of its own, named by its path
+# ("GG[0]", "momentum_buffer[0.9]", "exp_avg.codes"), and a template rebuilds the
 # container around the record's views for the shadow's step and for state_dict().
 # ("leaf", kind) | ("list" | "tuple", (child, ...)) | ("dict", ((key, child), ...))
+# | ("subclass", (cls, its __tensor_flatten__ context, size, stride, ((attr, child), ...)))
 Template = tuple
 CONTAINERS = {list: "list", tuple: "tuple", dict: "dict"}
 
 
 class NotNested(Exception):
     """A value that cannot be a container of record tensors (says what is in the way)."""
+
+
+def made_of_tensors(value: Any) -> bool:
+    """A tensor subclass that says which plain tensors it is made of and is made again
+    from them (__tensor_flatten__ / __tensor_unflatten__, the protocol torch.compile
+    traces): torchao's OptimState8bit, OptimState4bit, OptimStateFp8."""
+    cls = type(value)
+    return (isinstance(value, Tensor) and cls not in (Tensor, torch.nn.Parameter)
+            and callable(getattr(cls, "__tensor_flatten__", None))
+            and callable(getattr(cls, "__tensor_unflatten__", None)))
+
+
+def nests(value: Any) -> bool:
+    """State the record keeps as several kinds: a container of tensors, or a tensor
+    subclass made of plain ones."""
+    return made_of_tensors(value) or (not isinstance(value, Tensor) and has_tensor(value))
 
 
 def has_tensor(value: Any, depth: int = 0) -> bool:
@@ -90,6 +109,15 @@ def flatten(value: Any, name: str) -> tuple[Template, list[tuple[str, Tensor]]]:
     """A container of tensors as its template and its (kind, tensor) leaves, in order.
     Raises NotNested for a leaf that is no tensor with a dimension, or another container
     type (a deque: its length and maxlen are its state too)."""
+    if made_of_tensors(value):
+        names, context = value.__tensor_flatten__()
+        children, leaves = [], []
+        for attr in names:
+            child, got = flatten(getattr(value, attr), f"{name}.{attr}")
+            children.append((attr, child))
+            leaves += got
+        return ("subclass", (type(value), context, tuple(value.shape), tuple(value.stride()),
+                             tuple(children))), leaves
     if isinstance(value, Tensor):
         if not is_record_tensor(value):
             raise NotNested(f"a 0-d tensor at {name}")
@@ -111,6 +139,10 @@ def rebuild(template: Template, tensors: dict[str, Tensor]) -> Any:
     kind, body = template
     if kind == "leaf":
         return tensors[body]
+    if kind == "subclass":
+        cls, context, size, stride, children = body
+        return cls.__tensor_unflatten__({attr: rebuild(child, tensors)
+                                         for attr, child in children}, context, size, stride)
     if kind == "dict":
         return {key: rebuild(child, tensors) for key, child in body}
     items = [rebuild(child, tensors) for child in body]
@@ -122,16 +154,25 @@ def leaves_of(template: Template, value: Any) -> list[tuple[str, Any]] | None:
     kind, body = template
     if kind == "leaf":
         return [(body, value)]
-    if CONTAINERS.get(type(value)) != kind or len(value) != len(body):
+    if kind == "subclass":
+        cls, context, size, _, children = body
+        if type(value) is not cls:
+            return None
+        names, now = value.__tensor_flatten__()
+        if list(names) != [attr for attr, _ in children] or now != context or \
+                tuple(value.shape) != size:
+            return None
+        pairs = [(child, getattr(value, attr)) for attr, child in children]
+    elif CONTAINERS.get(type(value)) != kind or len(value) != len(body):
         return None
-    if kind == "dict":
+    elif kind == "dict":
         if [key for key, _ in body] != list(value.keys()):
             return None
-        children = [(child, value[key]) for key, child in body]
+        pairs = [(child, value[key]) for key, child in body]
     else:
-        children = list(zip(body, value))
+        pairs = list(zip(body, value))
     out: list[tuple[str, Any]] = []
-    for child, v in children:
+    for child, v in pairs:
         got = leaves_of(child, v)
         if got is None:
             return None
@@ -143,6 +184,8 @@ def leaf_names(template: Template) -> list[str]:
     kind, body = template
     if kind == "leaf":
         return [body]
+    if kind == "subclass":
+        return [n for _, child in body[4] for n in leaf_names(child)]
     return [n for child in body for n in leaf_names(child[1] if kind == "dict" else child)]
 
 
@@ -150,13 +193,13 @@ def state_tensors(state: dict[str, Any]) -> dict[str, Tensor]:
     """One parameter's record tensors, those inside containers under their path names."""
     out: dict[str, Tensor] = {}
     for k, v in state.items():
-        if is_record_tensor(v):
-            out[k] = v
-        elif not isinstance(v, Tensor) and has_tensor(v):
+        if nests(v):
             try:
                 out.update(flatten(v, k)[1])
             except NotNested:
                 pass  # the layout's probe refuses it, saying what it is
+        elif is_record_tensor(v):
+            out[k] = v
     return out
 
 
@@ -165,14 +208,14 @@ def structure(state: dict[str, Any]) -> dict[str, Any]:
     dtype, and each container's template."""
     out: dict[str, Any] = {}
     for k, v in state.items():
-        if is_record_tensor(v):
-            out[k] = (tuple(v.shape), v.dtype)
-        elif not isinstance(v, Tensor) and has_tensor(v):
+        if nests(v):
             try:
                 template, leaves = flatten(v, k)
                 out[k] = (template, [(tuple(t.shape), t.dtype) for _, t in leaves])
             except NotNested as exc:
                 out[k] = str(exc)
+        elif is_record_tensor(v):
+            out[k] = (tuple(v.shape), v.dtype)
     return out
 
 
@@ -210,18 +253,19 @@ def json_exact(value: Any, depth: int = 0) -> bool:
 
 
 def _subclass_refusal(opt: torch.optim.Optimizer, key: str, value: Tensor) -> str | None:
-    """Why state `key` cannot go into a record, if it is a tensor subclass (torchao's
-    low-bit optimizers keep OptimState8bit, OptimState4bit, OptimStateFp8: codes and block
-    scales behind a float32 face). A record holds plain tensors: storing the subclass's
-    dequantised values and handing them back would step on exact moments where the plain
-    run steps on quantised ones, different results with no error."""
+    """Why state `key` cannot go into a record, if it is a tensor subclass that does not
+    say which plain tensors it is made of (one that does, as torchao's low-bit state,
+    goes into the record as those: made_of_tensors). A record holds plain tensors:
+    storing such a subclass's plain values and handing them back would step on other
+    numbers than the plain run does (a subclass that rounds every op, a quantised face),
+    different results with no error."""
     cls = type(value)
     if cls in (Tensor, torch.nn.Parameter):
         return None
-    return (f"its state {key!r} is a {_name(cls)}, a tensor subclass: tiermem's records "
-            "hold plain tensors, and storing its dequantised values would change the "
-            "optimizer's arithmetic (for 8-bit Adam state, run torch.optim.AdamW with "
-            "optimizer.state_dtype: int8)")
+    return (f"its state {key!r} is a {_name(cls)}, a tensor subclass that does not say which "
+            "plain tensors it is made of (__tensor_flatten__ / __tensor_unflatten__): "
+            "tiermem's records hold plain tensors, and storing its plain values would "
+            "change the optimizer's arithmetic")
 
 
 _MISSING = object()  # an attribute the optimizer did not have
@@ -322,8 +366,6 @@ class ShadowRule(UpdateRule):
         self.opt: torch.optim.Optimizer | None = None
         self._layouts: dict[tuple, WholeLayout] = {}
         self._kinds: set[str] = set()
-        # a layout's kinds -> the containers of tensors among its state (key -> template)
-        self._nested: dict[tuple[str, ...], dict[str, Template]] = {}
         self._before: list[dict[str, Any]] = []  # each group's values as the step began
         self._after: dict[int, dict[str, Any]] = {}  # ... as its first partition left them
         self._own_before: dict[str, Any] | None = None  # the optimizer's own values, ditto
@@ -496,7 +538,7 @@ class ShadowRule(UpdateRule):
             dtypes["master"] = torch.float32
         state = sh.state[p]
         for k, v in state.items():
-            if not isinstance(v, Tensor) and has_tensor(v):
+            if nests(v):
                 nested[k] = self._lay_out_container(k, v, state, kinds, shapes, dtypes)
                 continue
             why = _subclass_refusal(self.opt, k, v) if isinstance(v, Tensor) else None
@@ -523,10 +565,7 @@ class ShadowRule(UpdateRule):
                 "manifests cannot name (up to 256 printable characters, the [key]s of an "
                 "item inside lists and dicts included)")
         self._kinds.update(k for k in kinds if k != "master")
-        laid_out = tuple(k for k in kinds if k != "master")
-        if nested:
-            self._nested[laid_out] = nested
-        return WholeLayout(tuple(kinds), shapes, dtypes)
+        return WholeLayout(tuple(kinds), shapes, dtypes, nested)
 
     def _lay_out_container(self, key: str, value: Any, state: dict[str, Any],
                            kinds: list[str], shapes: dict[str, tuple[int, ...]],
@@ -607,9 +646,7 @@ class ShadowRule(UpdateRule):
 
     def _on_shadow(self, batch: Batch, call: Any) -> None:
         part, group = batch.part, batch.group
-        laid_out = tuple(k for k in part.kinds if k != "master")
-        nested = self._nested.get(laid_out, {})
-        tensors, views, orders_of = [], [], []
+        tensors, views, orders_of, nested = [], [], [], []
         for j, s in enumerate(batch.segments):
             t = batch.params[j].view(s.param.shape)
             if batch.grads:
@@ -617,6 +654,8 @@ class ShadowRule(UpdateRule):
             tensors.append(t)
             orders = dict(batch.scalars[j].pop(ORDER_KEY, ()))
             orders_of.append(orders)
+            nested.append(self.whole_layout(s.param, group,
+                                            keep_master="master" in part.kinds).nested)
             views.append({k: laid(batch.state[k][j], s.shapes.get(k, tuple(s.param.shape)),
                                   orders.get(k)) for k in batch.state})
         before = (self._before[part.group] if part.group < len(self._before)
@@ -626,14 +665,14 @@ class ShadowRule(UpdateRule):
             sh.__dict__.update({k: _copy(v) for k, v in self._own_before.items()})
         for j, t in enumerate(tensors):
             if not batch.first[j]:
-                sh.state[t] = {**batch.scalars[j], **self._nest(views[j], nested)}
+                sh.state[t] = {**batch.scalars[j], **self._nest(views[j], nested[j])}
         call(sh)
         for j, t in enumerate(tensors):
             t.grad = None
             new = sh.state.get(t, {})
             if not new and batch.first[j] and not batch.grads:
                 continue  # never stepped, and the method made no state: nothing to keep
-            new = self._unnest(new, nested, batch, j)
+            new = self._unnest(new, nested[j], batch, j)
             orders = orders_of[j]
             for k, view in views[j].items():
                 v = new.get(k)
@@ -654,8 +693,7 @@ class ShadowRule(UpdateRule):
                     laid(batch.state[k][j], tuple(v.shape), dim_order(v)).copy_(v)
                     orders[k] = dim_order(v)
             extra = [k for k, v in new.items()
-                     if (is_record_tensor(v) or not isinstance(v, Tensor) and has_tensor(v))
-                     and k not in views[j]]
+                     if (is_record_tensor(v) or nests(v)) and k not in views[j]]
             if extra:
                 raise TierMemError(
                     f"{_name(type(self.opt))} created state {extra} after a parameter's "
@@ -708,20 +746,16 @@ class ShadowRule(UpdateRule):
 
     def to_torch_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]
                        ) -> dict[str, Any]:
-        laid_out = tuple(k for k in self.whole_layout(param, group, keep_master=False).kinds
-                         if k != "master")
         state = dict(state)
         for k, order in state.pop(ORDER_KEY, ()):
             if k in state:  # the record's bytes, in the memory order the optimizer left
                 state[k] = laid(state[k].reshape(-1), tuple(state[k].shape), tuple(order))
-        nested = self._nested.get(laid_out, {})
+        nested = self.whole_layout(param, group, keep_master=False).nested
         return self._nest(state, nested) if nested else state
 
     def from_torch_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]
                          ) -> dict[str, Any]:
-        laid_out = tuple(k for k in self.whole_layout(param, group, keep_master=False).kinds
-                         if k != "master")
-        nested = self._nested.get(laid_out, {})
+        nested = self.whole_layout(param, group, keep_master=False).nested
         out = dict(state)
         for key, template in nested.items():
             if key not in out:
