@@ -18,6 +18,7 @@ import torch
 
 import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
+from tiermem.swap.manifest import read_manifest, write_manifest
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config, make_batches,
                              swap_dir, train)
@@ -595,30 +596,62 @@ def test_values_kept_on_the_optimizer_are_what_keeps_it_exact(tmp_path, monkeypa
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-@pytest.mark.parametrize("cls, kw, names", [
-    (SelfCounted, {}, [".t", ".current_lr", ".lrs"]),
+@pytest.mark.parametrize("cls, kw", [
+    (SelfCounted, {}),  # .t, .current_lr and the list .lrs kept on the optimizer
+    # its group's step and .current_lr
     (("pytorch_optimizer", "Ranger21"), dict(lr=1e-3, num_iterations=20,
-                                             lookahead_merge_time=2),
-     ["param_groups[0]['step']", ".current_lr"]),
-    (PerParameter, {}, ["param_groups[0]['count']"])],
+                                             lookahead_merge_time=2)),
+    (("pytorch_optimizer", "SOAP"), dict(lr=1e-3, precondition_frequency=2)),  # group step
+    (PerParameter, {})],  # its group's count
     ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
-def test_resume_refused_when_the_step_changes_values_outside_the_state(
-        tmp_path, monkeypatch, cls, kw, names):
-    """A manifest keeps the per-parameter state, not a counter the step keeps on the
-    optimizer or in a group: a resume from disk would start it over, silently different from
-    the uninterrupted run. Refused, naming the values; the run itself was right."""
+def test_resume_sets_back_the_values_the_step_changes_outside_the_state(
+        tmp_path, monkeypatch, cls, kw):
+    """A counter the step keeps on the optimizer or in a group is in the manifest with the
+    state: a resume from disk sets it back and continues exactly as the uninterrupted run."""
     if isinstance(cls, tuple):
         cls = load(*cls)
     model, opt, ref, ref_opt = pair(cls, kw)
+    batches = make_batches(model, 5)
+    c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches[:3])
+    model2 = copy.deepcopy(model)
+    opt2 = cls(params_for(cls, model2), **kw)
+    with tiermem.offload(opt2, c, model=model2, resume=True):
+        train(model2, opt2, batches[3:], start=3)
+    train(ref, ref_opt, batches)
+    params_equal(model2, ref, "resumed")
+    state_equal(opt2.state_dict(), ref_opt.state_dict(), "resumed")
+    assert {k: v for k, v in opt2.__dict__.items() if k in ("t", "current_lr", "lrs")} == \
+        {k: v for k, v in ref_opt.__dict__.items() if k in ("t", "current_lr", "lrs")}
+
+
+class Keyed(SelfCounted):
+    """SelfCounted that also keeps a dict of its last learning rates: no manifest value."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        self.by_step = {self.t: self.current_lr}
+
+
+@pytest.mark.parametrize("unkept", [False, True])
+def test_resume_refused_when_the_manifest_cannot_keep_a_changed_value(
+        tmp_path, monkeypatch, unkept):
+    """A changed value JSON cannot keep exactly (a dict keyed by ints), or a manifest that
+    does not keep the changed values (an earlier tiermem's): the resume is refused, naming
+    the value, and the kept state stays on disk."""
+    model, opt, ref, ref_opt = pair(Keyed if unkept else SelfCounted, {})
     batches = make_batches(model, 3)
     c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches)
-    train(ref, ref_opt, batches)
-    params_equal(model, ref, "the crash-consistent run")
-    opt2 = cls(params_for(cls, model), **kw)
+    if not unkept:  # as an earlier tiermem wrote it: no "values"
+        run_dir = swap_dir(tmp_path)
+        m = read_manifest(str(run_dir), None)
+        m.values = {}
+        write_manifest(str(run_dir), m)
+    opt2 = type(opt)(params_for(type(opt), model))
     with pytest.raises(UnsupportedOptimizer, match="cannot resume") as err:
         with tiermem.offload(opt2, c, model=model, resume=True):
             pass
-    assert all(n in str(err.value) for n in names), str(err.value)
+    assert (".by_step" if unkept else ".lrs") in str(err.value), str(err.value)
     assert swap_dir(tmp_path).exists()  # the kept state is still there
 
 

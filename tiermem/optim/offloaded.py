@@ -9,6 +9,7 @@ lr schedulers and zero_grad are untouched. `detach()` puts everything back.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_c
 from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import (Batch, PreparedUpdate, UnsupportedOptimizer, UpdateRule,
                                  rule_for)
+from tiermem.optim.rules.generic import json_exact
 from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
@@ -51,6 +53,37 @@ def scalar_to_json(value: Any) -> Any:
 def scalar_from_json(value: Any) -> Any:
     if isinstance(value, dict) and "tensor" in value:
         return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    return value
+
+
+def step_value_to_json(value: Any) -> Any:
+    """A value a step changes outside the per-parameter state (a count in a group, one kept
+    on the optimizer) as a manifest keeps it exactly, or {"unkept": ...} where JSON cannot
+    (a resume then refuses, naming it)."""
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.dim() == 0:
+        return scalar_to_json(value)
+    if isinstance(value, tuple) and all(_finite_json(v) for v in value):
+        return {"tuple": list(value)}
+    if _finite_json(value):
+        return value
+    return {"unkept": repr(value)[:200]}
+
+
+def _finite_json(value: Any) -> bool:
+    return json_exact(value) and not (isinstance(value, float) and not math.isfinite(value))
+
+
+def step_value_from_json(value: Any, what: str) -> Any:
+    if isinstance(value, dict):
+        if "unkept" in value:
+            raise UnsupportedOptimizer(
+                f"cannot resume from disk: the optimizer's step changes {what}, which the "
+                f"manifest could not keep ({value['unkept']}), so the resumed run would start "
+                "it over; resume it through torch.save(optimizer.state_dict()) and "
+                "load_state_dict() instead")
+        if "tuple" in value:
+            return tuple(value["tuple"])
+        return scalar_from_json(value)
     return value
 
 
@@ -210,14 +243,6 @@ class OffloadedOptimizer:
         self._add_lanes(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
-        changing = self.rule.step_changed_values() if resume else []
-        if changing:
-            raise UnsupportedOptimizer(
-                f"cannot resume {type(optimizer).__name__} from disk: its step changes "
-                f"{', '.join(changing)}, outside its per-parameter "
-                "state, and a manifest keeps only that state, so the resumed run would start "
-                "them over; resume it through torch.save(optimizer.state_dict()) and "
-                "load_state_dict() instead")
         if resume:
             manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts,
                                      settings.swap.durability, previous=resume_previous)
@@ -228,6 +253,14 @@ class OffloadedOptimizer:
                     f"({type(optimizer).__name__}) runs {type(self.rule).__name__}; resume "
                     "with the optimizer class that kept it")
             self._adopt_counts(manifest)
+            # the counts a step keeps in its groups or on the optimizer (Ranger21's group
+            # step and current_lr), as the committed step left them
+            self.rule.restore_step_values({
+                "groups": {g: {k: step_value_from_json(v, f"param_groups[{g}][{k!r}]")
+                               for k, v in vs.items()}
+                           for g, vs in manifest.values.get("groups", {}).items()},
+                "own": {k: step_value_from_json(v, f".{k}")
+                        for k, v in manifest.values.get("own", {}).items()}})
         self.resumed_step = manifest.step if manifest else None
         self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest,
                                  keep_previous=keep_previous)
@@ -856,9 +889,14 @@ class OffloadedOptimizer:
             scalars = self.latest_scalars(i)
             if scalars:
                 entry["scalars"] = {k: scalar_to_json(v) for k, v in scalars.items()}
+        changed = self.rule.step_values()
+        values = {"groups": {g: {k: step_value_to_json(v) for k, v in vs.items()}
+                             for g, vs in changed.get("groups", {}).items()},
+                  "own": {k: step_value_to_json(v) for k, v in changed.get("own", {}).items()}
+                  } if changed else {}
         return {"step": self.steps_taken if step is None else step,
                 "steps": [float(t) for t in self.steps], "params": params, "groups": groups,
-                "rule": type(self.rule).__name__}
+                "rule": type(self.rule).__name__, "values": values}
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""

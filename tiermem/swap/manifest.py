@@ -72,6 +72,11 @@ class Manifest:
     groups: list[dict] = field(default_factory=list)  # hyperparameters, params as indices
     rule: str = "AdamRule"  # the update rule whose state the records hold (optim/rules)
     version: int = VERSION
+    # what the optimizer's step changes outside its per-parameter state, for a resume to
+    # set back: {"groups": {group index: {key: value}}, "own": {attribute: value}}
+    # (absent from manifests of earlier tiermem versions: a resume then refuses such an
+    # optimizer)
+    values: dict = field(default_factory=dict)
 
 
 def layout_of(parts: Sequence[Partition]) -> list[dict]:
@@ -223,6 +228,21 @@ def _host_value(v, depth: int = 0) -> bool:
     return isinstance(v, list) and depth < 8 and all(_host_value(x, depth + 1) for x in v)
 
 
+def _kept_value(v) -> bool:
+    """A value a step changes outside the state, as optim/offloaded.py keeps it: JSON
+    values and lists of them, a 0-d tensor's value and dtype, a tuple, or why not kept."""
+    if _host_value(v):
+        return True
+    if not isinstance(v, dict):
+        return False
+    if set(v) == {"tensor", "dtype"}:
+        return (_is_num(v["tensor"]) or isinstance(v["tensor"], bool)) and \
+            v["dtype"] in _SCALAR_DTYPES
+    if set(v) == {"tuple"}:
+        return isinstance(v["tuple"], list) and _host_value(v["tuple"])
+    return set(v) == {"unkept"} and isinstance(v["unkept"], str)
+
+
 def _need(ok: bool, where: str, what: str, value) -> None:
     if not ok:
         text = repr(value)
@@ -280,13 +300,21 @@ _ADAM_GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
 def _validate(d: dict, run_dir: str) -> None:
     """Raise _Invalid naming the first field that a tiermem manifest cannot hold."""
     fields = {f for f in Manifest.__dataclass_fields__}
-    _dict(d, "the manifest", fields)
+    _dict(d, "the manifest", fields if "values" in d else fields - {"values"})
     _need(d["version"] == VERSION and _is_int(d["version"]), "version", str(VERSION),
           d["version"])
     _need(d["durability"] in _DURABILITY, "durability", f"one of {_DURABILITY}", d["durability"])
     _need(isinstance(d["checksums"], bool), "checksums", "true or false", d["checksums"])
     _uint(d["step"], "step")
     crash = d["durability"] == "crash_consistent"
+    values = _dict(d.get("values", {}), "values")
+    _need(set(values) <= {"groups", "own"}, "values", "an object of groups and own", values)
+    for g, kept in _dict(values.get("groups", {}), "values.groups").items():
+        _need(g.isdigit(), "values.groups", "group indices", g)
+        for k, v in _dict(kept, f"values.groups.{g}").items():
+            _need(_kept_value(v), f"values.groups.{g}.{k}", "a kept value", v)
+    for k, v in _dict(values.get("own", {}), "values.own").items():
+        _need(_kept_value(v), f"values.own.{k}", "a kept value", v)
 
     params = _list(d["params"], "params")
     sizes = []

@@ -160,6 +160,15 @@ class UpdateRule(ABC):
         from disk would start them over."""
         return []
 
+    def step_values(self) -> dict[str, Any]:
+        """The values step_changed_values() names, as they are now, for a manifest to keep:
+        {"groups": {group index: {key: value}}, "own": {attribute: value}}."""
+        return {}
+
+    def restore_step_values(self, values: dict[str, Any]) -> None:
+        """Set back what step_values() gave (a resume); raise UnsupportedOptimizer when a
+        value the step changes is not among them."""
+
     def state_methods(self) -> tuple[str, ...]:
         """The optimizer's methods besides step() that use the per-parameter state
         (schedule-free's train()/eval()); tiermem routes them to run_method()."""

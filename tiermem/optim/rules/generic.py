@@ -370,7 +370,10 @@ class ShadowRule(UpdateRule):
         self._after: dict[int, dict[str, Any]] = {}  # ... as its first partition left them
         self._own_before: dict[str, Any] | None = None  # the optimizer's own values, ditto
         self._own_after: dict[str, Any] | None = None
-        self._step_changes: list[str] = []  # what the coupling probe's steps changed
+        # what the coupling probe's steps after the first changed outside the state: group
+        # keys (group index, key) and the names of values kept on the optimizer
+        self._changed_groups: list[tuple[int, str]] = []
+        self._changed_own: list[str] = []
 
     @property
     def torch_keys(self) -> dict[str, str]:  # type: ignore[override]
@@ -434,9 +437,10 @@ class ShadowRule(UpdateRule):
                   for i, s in enumerate(shapes)] for _ in range(PROBE_STEPS)]
         settings = {k: _copy(v) for k, v in group.items() if k != "params"}
 
-        first: list[tuple[dict, dict]] = []  # the group and own values after step 1
+        # the group values, own values and state layout after each step (note_after)
+        after: list[tuple[dict, dict, list]] = []
 
-        def run(indices: list[list[int]], note_first: bool = False):
+        def run(indices: list[list[int]], note_after: bool = False):
             params = [t.clone() for t in init]
             shadows = [self._shadow({k: _copy(v) for k, v in settings.items()},
                                     [params[i] for i in idx]) for idx in indices]
@@ -449,32 +453,36 @@ class ShadowRule(UpdateRule):
                         p.grad = grads[step][i].clone()
                     for sh in shadows:
                         self._run(sh, "a probe")
-                    if step == 0 and note_first:
-                        first.append(({k: _copy(v) for k, v in shadows[0].param_groups[0]
+                    if note_after:
+                        after.append(({k: _copy(v) for k, v in shadows[0].param_groups[0]
                                        .items() if k != "params"}, own_values(shadows[0]),
                                       [structure(shadows[0].state[p]) for p in params]))
                 self._refuse_draws(rng)
             return params, shadows
 
-        together, (whole,) = run([list(range(len(shapes)))], note_first=True)
-        # What the steps after the first change outside the per-parameter state (a counter;
-        # not a flag set once by the first step, which a fresh optimizer sets again).
-        group_1, own_1, laid_out = first[0]
-        for i, p in enumerate(together):
-            now = structure(whole.state[p])
-            if now != laid_out[i]:
-                keys = sorted(k for k in now.keys() | laid_out[i].keys()
-                              if now.get(k) != laid_out[i].get(k))
-                raise UnsupportedOptimizer(
-                    f"tiermem.offload cannot run {_name(type(self.opt))}: the state it keeps "
-                    f"per parameter changes its layout after the first step ({keys} on "
-                    "tiermem's probe), and a record is laid out from the first step's state")
+        together, (whole,) = run([list(range(len(shapes)))], note_after=True)
+        # What the steps after the first change outside the per-parameter state (a counter,
+        # also one that comes back to its first value, as Ranger21's lookahead_step every
+        # lookahead_merge_time steps; not a flag set once by the first step, which a fresh
+        # optimizer sets again), and whether the state keeps its first step's layout.
+        group_1, own_1, laid_out = after[0]
         own_whole = own_values(whole)
-        changed = [f"param_groups[{g}][{k!r}]" for k, v in whole.param_groups[0].items()
-                   if k != "params" and not _same(v, group_1.get(k, _MISSING))]
-        changed += [f".{k}" for k, v in own_whole.items()
-                    if not _same(v, own_1.get(k, _MISSING))]
-        self._step_changes.extend(c for c in changed if c not in self._step_changes)
+        for group_n, own_n, layout_n in after[1:]:
+            for i, now in enumerate(layout_n):
+                if now != laid_out[i]:
+                    keys = sorted(k for k in now.keys() | laid_out[i].keys()
+                                  if now.get(k) != laid_out[i].get(k))
+                    raise UnsupportedOptimizer(
+                        f"tiermem.offload cannot run {_name(type(self.opt))}: the state it "
+                        f"keeps per parameter changes its layout after the first step ({keys} "
+                        "on tiermem's probe), and a record is laid out from the first step's "
+                        "state")
+            self._changed_groups += [(g, k) for k, v in group_n.items()
+                                     if not _same(v, group_1.get(k, _MISSING))
+                                     and (g, k) not in self._changed_groups]
+            self._changed_own += [k for k, v in own_n.items()
+                                  if not _same(v, own_1.get(k, _MISSING))
+                                  and k not in self._changed_own]
         apart, shadows = run([[i] for i in range(len(shapes))])
         why = None
         for i, (a, b) in enumerate(zip(together, apart)):
@@ -628,7 +636,33 @@ class ShadowRule(UpdateRule):
             setattr(self.opt, k, _copy(v))
 
     def step_changed_values(self) -> list[str]:
-        return list(self._step_changes)
+        return ([f"param_groups[{g}][{k!r}]" for g, k in self._changed_groups]
+                + [f".{k}" for k in self._changed_own])
+
+    def step_values(self) -> dict[str, Any]:
+        groups: dict[str, dict[str, Any]] = {}
+        for g, k in self._changed_groups:
+            if g < len(self.opt.param_groups) and k in self.opt.param_groups[g]:
+                groups.setdefault(str(g), {})[k] = self.opt.param_groups[g][k]
+        own = {k: getattr(self.opt, k) for k in self._changed_own if hasattr(self.opt, k)}
+        return {"groups": groups, "own": own}
+
+    def restore_step_values(self, values: dict[str, Any]) -> None:
+        kept = {(int(g), k) for g, vs in values.get("groups", {}).items() for k in vs}
+        missing = [f"param_groups[{g}][{k!r}]" for g, k in self._changed_groups
+                   if (g, k) not in kept]
+        missing += [f".{k}" for k in self._changed_own if k not in values.get("own", {})]
+        if missing:
+            raise UnsupportedOptimizer(
+                f"cannot resume {_name(type(self.opt))} from disk: its step changes "
+                f"{', '.join(missing)}, outside its per-parameter state, and the manifest "
+                "does not keep them (written by an older tiermem), so the resumed run would "
+                "start them over; resume it through torch.save(optimizer.state_dict()) and "
+                "load_state_dict() instead")
+        for g, vs in values.get("groups", {}).items():
+            self.opt.param_groups[int(g)].update(vs)
+        for k, v in values.get("own", {}).items():
+            setattr(self.opt, k, v)
 
     def state_methods(self) -> tuple[str, ...]:
         return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
