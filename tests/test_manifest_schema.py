@@ -110,8 +110,11 @@ def mutate(body, path, op):
 
 def free(path, op) -> bool:
     """Values the schema leaves open: any string names a parameter; torch's optional group
-    flags may be missing or null."""
+    flags may be missing or null; the values a step changes outside the state are absent
+    from the manifests of earlier versions (an Adam run keeps none)."""
     if path[0] == "params" and len(path) == 3 and path[2] == "name" and op == "path":
+        return True
+    if path == ("values",) and op == "delete":
         return True
     return (path[0] == "groups" and len(path) == 3 and path[2] in OPTIONAL_GROUP_KEYS
             and (op == "delete" or (op == "null" and path[2] in ("foreach", "fused"))))
