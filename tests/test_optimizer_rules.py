@@ -687,6 +687,52 @@ def test_rolled_back_step_puts_back_the_values_kept_on_the_optimizer(tmp_path, m
     params_equal(model, ref, "after the roll-back")
 
 
+class LazilyCounted(Stepped):
+    """Makes its step count on itself and a count in its group at its first step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not hasattr(self, "t"):
+            self.t = 0
+            self.param_groups[0]["count"] = 0
+        self.t += 1
+        self.param_groups[0]["count"] += 1
+        for group, p, st in self.with_grads():
+            if not st:
+                st["m"] = torch.zeros_like(p)
+            st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+            p.sub_(st["m"] / (1 - 0.9 ** self.t), alpha=group["lr"])
+
+
+def test_rolled_back_first_step_removes_what_it_made(tmp_path, monkeypatch):
+    """The first step failing part-way is rolled back to step 0, and what it made outside
+    the state (a count on the optimizer, a key in its group) goes with it: the retried step
+    makes them again, and training goes on exactly as the plain run."""
+    model, opt, ref, ref_opt = pair(LazilyCounted, {})
+    batches = make_batches(model, 3)
+    c = cfg(tmp_path, "threads", "nvme")
+    c["swap"]["durability"] = "crash_consistent"
+    plain_step, calls = LazilyCounted.step, []
+
+    def second_fails(self, closure=None):
+        calls.append(self)
+        if len(calls) == 2:
+            raise RuntimeError("boom in the second partition")
+        return plain_step(self, closure)
+
+    with tiermem.offload(opt, c, model=model):
+        monkeypatch.setattr(LazilyCounted, "step", second_fails)
+        with pytest.raises(UnsupportedOptimizer, match="boom in the second"):
+            train(model, opt, batches[:1])
+        monkeypatch.undo()
+        assert not hasattr(opt, "t") and "count" not in opt.param_groups[0]
+        opt.zero_grad()
+        train(model, opt, batches)
+    train(ref, ref_opt, batches)
+    assert (opt.t, opt.param_groups[0]["count"]) == (ref_opt.t, 3)
+    params_equal(model, ref, "after the roll-back")
+
+
 @pytest.mark.parametrize("cls, why", [
     (GroupNormalised, "probe parameter 0 .* ends differently"),
     # a value kept on the optimizer that sums over parameters (its weights come out right)

@@ -325,11 +325,16 @@ def _loose_state(opt: torch.optim.Optimizer, params: list[Tensor]) -> list[Any]:
     return [k for k in opt.state if not any(k is q for q in params)]
 
 
-def own_values(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Copies of the simple values `opt` keeps as attributes (not its groups, state or
+def own_keys(opt: torch.optim.Optimizer) -> set[str]:
+    """The names of the simple values `opt` keeps as attributes (not its groups, state or
     hooks): what a step may change besides them (Ranger21's `lookahead_step`)."""
-    return {k: _copy(v) for k, v in opt.__dict__.items()
+    return {k for k, v in opt.__dict__.items()
             if k not in SHADOW_OWN and not k.startswith("_tiermem") and _simple(v)}
+
+
+def own_values(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Copies of the values own_keys() names."""
+    return {k: _copy(getattr(opt, k)) for k in own_keys(opt)}
 
 
 def shadow_optimizer(opt: torch.optim.Optimizer, group: dict[str, Any],
@@ -631,8 +636,15 @@ class ShadowRule(UpdateRule):
     def undo_step_values(self) -> None:
         for g, before in enumerate(self._before):
             if g < len(self.opt.param_groups):
-                self.opt.param_groups[g].update({k: _copy(v) for k, v in before.items()})
-        for k, v in (self._own_before or {}).items():
+                group = self.opt.param_groups[g]
+                for k in [k for k in group if k != "params" and k not in before]:
+                    del group[k]  # made by the failed step (a count its first step sets up)
+                group.update({k: _copy(v) for k, v in before.items()})
+        if self._own_before is None:
+            return
+        for k in own_keys(self.opt) - self._own_before.keys():
+            delattr(self.opt, k)  # likewise: the retried step must make it again
+        for k, v in self._own_before.items():
             setattr(self.opt, k, _copy(v))
 
     def step_changed_values(self) -> list[str]:
@@ -696,6 +708,8 @@ class ShadowRule(UpdateRule):
                   else {k: v for k, v in group.items() if k != "params"})
         sh = self._shadow({k: _copy(v) for k, v in before.items()}, tensors)
         if self._own_before is not None:  # not what an earlier partition of this step set
+            for k in own_keys(sh) - self._own_before.keys():
+                delattr(sh, k)  # one it made (a count its first step sets up)
             sh.__dict__.update({k: _copy(v) for k, v in self._own_before.items()})
         for j, t in enumerate(tensors):
             if not batch.first[j]:
