@@ -236,14 +236,19 @@ def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
     parts: list[Partition] = []
     index = first_index
     for g, group in enumerate(param_groups):
-        current: Partition | None = None
+        # The partition being filled for each record layout: parameters whose state differs
+        # (bitsandbytes' 8-bit state for matrices, 32-bit for biases) alternate in most
+        # models, and packing each layout's apart keeps a step to a few partitions, each
+        # one shadow step of the generic path.
+        open_for: dict[tuple, Partition] = {}
         for j, p in enumerate(group["params"]):
             lay = whole[g][j]
             forced = rule_tier(names.get(id(p), ""), rules)
             seg = Segment(p, index, 0, p.numel(), dict(lay.shapes))
             index += 1
-            if (current is not None and current.kinds == lay.kinds
-                    and current.dtypes == lay.dtypes and current.forced == forced):
+            key = (lay.kinds, tuple(sorted((k, str(d)) for k, d in lay.dtypes.items())), forced)
+            current = open_for.get(key)
+            if current is not None:
                 current.segments.append(seg)
                 current.layout()
                 if current.record_bytes <= room:
@@ -254,6 +259,7 @@ def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
                                 forced=forced, dtypes=dict(lay.dtypes))
             current.layout()
             parts.append(current)
+            open_for[key] = current
     return parts
 
 

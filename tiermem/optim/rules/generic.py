@@ -338,15 +338,29 @@ def own_values(opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def shadow_optimizer(opt: torch.optim.Optimizer, group: dict[str, Any],
-                     params: list[Tensor]) -> torch.optim.Optimizer:
+                     params: list[Tensor], own: dict[str, Any] | None = None
+                     ) -> torch.optim.Optimizer:
     """An optimizer of `opt`'s class and attributes stepping only `params` in one group,
     with empty state and none of the user's hooks (tiermem's own bound methods left out,
     so its step is the class's own). Its simple attribute values are copies: a step that
-    changes one in place changes the shadow's, never the optimizer's."""
+    changes one in place changes the shadow's, never the optimizer's. `own`: the simple
+    values to copy instead of `opt`'s (as a step began; one `opt` has that is not among
+    them was made since, and the shadow goes without it)."""
     sh = type(opt).__new__(type(opt))
-    sh.__dict__.update({k: _copy(v) if _simple(v) else v for k, v in opt.__dict__.items()
-                        if not (isinstance(v, types.MethodType) and v.__self__ is opt)
-                        and not k.startswith("_tiermem")})
+    attrs = {}
+    for k, v in opt.__dict__.items():
+        if (isinstance(v, types.MethodType) and v.__self__ is opt) or k.startswith("_tiermem"):
+            continue
+        if own is not None and k in own:
+            attrs[k] = _copy(own[k])
+        elif _simple(v):
+            if own is None:
+                attrs[k] = _copy(v)
+        else:
+            attrs[k] = v
+    for k in (own or {}).keys() - attrs.keys():
+        attrs[k] = _copy(own[k])
+    sh.__dict__.update(attrs)
     sh.param_groups = [{**group, "params": params}]
     sh.state = defaultdict(dict)
     for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
@@ -398,8 +412,9 @@ class ShadowRule(UpdateRule):
             if not self.per_parameter and group["params"]:
                 self._probe_coupling(g, group)
 
-    def _shadow(self, group: dict[str, Any], params: list[Tensor]) -> torch.optim.Optimizer:
-        return shadow_optimizer(self.opt, group, params)
+    def _shadow(self, group: dict[str, Any], params: list[Tensor],
+                own: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+        return shadow_optimizer(self.opt, group, params, own)
 
     def _train_mode(self, sh: torch.optim.Optimizer) -> None:
         """A probe's shadow steps in training mode (schedule-free's step() refuses to run
@@ -706,11 +721,9 @@ class ShadowRule(UpdateRule):
                                   orders.get(k)) for k in batch.state})
         before = (self._before[part.group] if part.group < len(self._before)
                   else {k: v for k, v in group.items() if k != "params"})
-        sh = self._shadow({k: _copy(v) for k, v in before.items()}, tensors)
-        if self._own_before is not None:  # not what an earlier partition of this step set
-            for k in own_keys(sh) - self._own_before.keys():
-                delattr(sh, k)  # one it made (a count its first step sets up)
-            sh.__dict__.update({k: _copy(v) for k, v in self._own_before.items()})
+        # the optimizer's own values as the step began, not what an earlier partition of
+        # this step set (nor one it made: a count its first step sets up)
+        sh = self._shadow({k: _copy(v) for k, v in before.items()}, tensors, self._own_before)
         for j, t in enumerate(tensors):
             if not batch.first[j]:
                 sh.state[t] = {**batch.scalars[j], **self._nest(views[j], nested[j])}
@@ -829,15 +842,17 @@ class ShadowRule(UpdateRule):
     def _carry_own_values(self, sh: torch.optim.Optimizer) -> None:
         """Set what the first partition's step changed of the values the optimizer keeps on
         itself back on it; refuse a later partition that ends with other values."""
-        own = own_values(sh)
+        keys = own_keys(sh)
         if self._own_after is None:
-            self._own_after = own
-            for k, v in own.items():
+            self._own_after = {k: _copy(getattr(sh, k)) for k in keys}
+            for k, v in self._own_after.items():
                 if not _same(v, (self._own_before or {}).get(k, _MISSING)):
                     setattr(self.opt, k, _copy(v))
-        elif not _same(own, self._own_after):
-            changed = sorted(k for k in own.keys() | self._own_after.keys()
-                             if not _same(own.get(k, _MISSING), self._own_after.get(k, _MISSING)))
+            return
+        changed = sorted(k for k in keys | self._own_after.keys()
+                         if not _same(getattr(sh, k, _MISSING) if k in keys else _MISSING,
+                                      self._own_after.get(k, _MISSING)))
+        if changed:
             raise TierMemError(
                 f"{_name(type(self.opt))} changed the values it keeps on itself ({changed}) "
                 "differently for two partitions of one step: its step couples the "
