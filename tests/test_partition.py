@@ -304,3 +304,39 @@ def test_assign_tiers_forced_over_budget():
     parts = _parts([(8192, "gpu")])
     with pytest.raises(ValueError, match="tiers.gpu.capacity"):
         assign_tiers(parts, 4096, 1 << 30)
+
+
+@FAST
+@given(layouts=st.lists(st.sampled_from([0, 1, 2]), min_size=1, max_size=20),
+       sizes=st.lists(st.integers(1, 3000), min_size=20, max_size=20),
+       by_layout=st.booleans())
+def test_whole_parameter_partitions_by_layout(layouts, sizes, by_layout):
+    """Whole parameters with alternating record layouts: each parameter in exactly one
+    partition, never cut, with only its own layout, in parameter order within a partition,
+    none past partition_size unless alone. In parameter order (by_layout False) a new
+    partition starts at each change of layout; by layout, at most as many partitions as
+    in order, and exactly one per layout while they fit."""
+    from tiermem.partition import WholeLayout
+
+    kinds = [WholeLayout(("m",), {}, {"m": torch.float32}),
+             WholeLayout(("m", "v"), {}, {"m": torch.float32, "v": torch.float32}),
+             WholeLayout(("m",), {}, {"m": torch.uint8})]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes[:len(layouts)]]
+    whole = [[kinds[k] for k in layouts]]
+    size = 64 << 10
+    got = build_partitions([{"params": params}], {}, size, whole=whole, by_layout=by_layout)
+    seen = [s.index for p in got for s in p.segments]
+    assert sorted(seen) == list(range(len(params)))
+    for p in got:
+        idx = [s.index for s in p.segments]
+        assert idx == sorted(idx)
+        assert all(s.start == 0 and s.length == params[s.index].numel() for s in p.segments)
+        assert {layouts[i] for i in idx} == {layouts[idx[0]]}
+        assert p.kinds == kinds[layouts[idx[0]]].kinds
+        assert p.record_bytes <= size - RECORD_ALIGN or len(idx) == 1
+    in_order = build_partitions([{"params": params}], {}, size, whole=whole)
+    changes = 1 + sum(a != b for a, b in zip(layouts, layouts[1:]))
+    assert len(in_order) >= changes
+    assert len(got) <= len(in_order)
+    if by_layout and all(p.record_bytes < (size - RECORD_ALIGN) // 20 for p in got):
+        assert len(got) == len(set(layouts))

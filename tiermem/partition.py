@@ -230,16 +230,16 @@ class WholeLayout:
 
 def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
                       partition_size: int, rules: Sequence, first_id: int, first_index: int,
-                      moment_dtype: torch.dtype, whole: Sequence[Sequence[WholeLayout]]
-                      ) -> list[Partition]:
+                      moment_dtype: torch.dtype, whole: Sequence[Sequence[WholeLayout]],
+                      by_layout: bool) -> list[Partition]:
     room = partition_size - RECORD_ALIGN  # a page for the swap record's footer, as above
     parts: list[Partition] = []
     index = first_index
     for g, group in enumerate(param_groups):
-        # The partition being filled for each record layout: parameters whose state differs
-        # (bitsandbytes' 8-bit state for matrices, 32-bit for biases) alternate in most
-        # models, and packing each layout's apart keeps a step to a few partitions, each
-        # one shadow step of the generic path.
+        # The partition being filled for each record layout (by_layout), or for the last
+        # parameter's only: parameters whose state differs (bitsandbytes' 8-bit state for
+        # matrices, 32-bit for biases) alternate in most models, and packing each layout's
+        # apart keeps a step to a few partitions, each one shadow step of the generic path.
         open_for: dict[tuple, Partition] = {}
         for j, p in enumerate(group["params"]):
             lay = whole[g][j]
@@ -259,6 +259,8 @@ def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
                                 forced=forced, dtypes=dict(lay.dtypes))
             current.layout()
             parts.append(current)
+            if not by_layout:
+                open_for.clear()
             open_for[key] = current
     return parts
 
@@ -276,8 +278,8 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                      first_index: int = 0, keep_master: bool = False,
                      state_dtype: str = "fp32", master_weights: str = "fp32",
                      kinds: Sequence[Sequence[tuple[str, ...]]] | None = None,
-                     whole: Sequence[Sequence[WholeLayout]] | None = None
-                     ) -> list[Partition]:
+                     whole: Sequence[Sequence[WholeLayout]] | None = None,
+                     by_layout: bool = False) -> list[Partition]:
     """Partitions of every parameter in `param_groups`, in group and parameter order.
 
     `names` maps id(param) to its name for placement rules; `state_dtype` is
@@ -289,12 +291,16 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
 
     `whole`, per group per parameter, the layout of a rule whose math spans a parameter
     (UpdateRule.elementwise False): parameters are then never cut, and one larger than
-    `partition_size` is a partition of its own.
+    `partition_size` is a partition of its own. With `by_layout`, a parameter joins the
+    partition being filled for its own layout rather than one of its neighbour's: fewer
+    partitions where layouts alternate (bitsandbytes' 8-bit matrices and 32-bit biases),
+    each holding parameters from further apart (a partition updated during backward
+    waits for the last of its gradients: pipeline.overlap_backward keeps the order).
     """
     moment_dtype = MOMENT_DTYPES[state_dtype]
     if whole is not None:
         return _whole_partitions(param_groups, names, partition_size, rules, first_id,
-                                 first_index, moment_dtype, whole)
+                                 first_index, moment_dtype, whole, by_layout)
     parts: list[Partition] = []
     index = first_index
     for g, group in enumerate(param_groups):

@@ -25,7 +25,7 @@ from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_c
 from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import (Batch, PreparedUpdate, UnsupportedOptimizer, UpdateRule,
                                  rule_for)
-from tiermem.optim.rules.generic import json_exact
+from tiermem.optim.rules.nested import json_exact
 from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
@@ -342,7 +342,8 @@ class OffloadedOptimizer:
         parameter (per element, or per whole parameter when its math spans one)."""
         if not self.rule.elementwise:
             return {"whole": [[self.rule.whole_layout(p, g, keep_master=self._keep_master)
-                               for p in g["params"]] for g in groups]}
+                               for p in g["params"]] for g in groups],
+                    "by_layout": not self.settings.pipeline.overlap_backward}
         return {"kinds": [[self.rule.kinds(p, g, keep_master=self._keep_master)
                            for p in g["params"]] for g in groups]}
 
