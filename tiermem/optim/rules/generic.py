@@ -6,8 +6,9 @@ as its only group, its `state` pointing at views of the record) steps; whatever 
 the step replaced instead of updating in place is copied back into the record. The
 record layout comes from a probe: one step on a zero parameter of the same shape and
 dtype shows which state tensors (any shape: Adafactor's factored row/column
-statistics) and which scalars (step counts, numbers, 0-d tensors: kept on the host
-and in the manifest) a parameter gets.
+statistics; lists, tuples and dicts of them, and tensor subclasses made of plain ones,
+as several: nested.py) and which scalars (step counts, numbers, 0-d tensors: kept on the
+host and in the manifest) a parameter gets.
 
 Stepping one partition at a time is right only if the step treats each parameter on
 its own. `check` runs a probe to see it: a few small parameters stepped together in
