@@ -226,49 +226,6 @@ class SelfCoupled(SelfCounted):
             p.sub_(p.grad, alpha=group["lr"])
 
 
-@pytest.mark.parametrize("cls, kw", [
-    (torch.optim.ASGD, dict(t0=1)), (torch.optim.NAdam, dict(weight_decay=0.1)),
-    (torch.optim.SGD, dict(momentum=0.9, dampening=0.5)), (torch.optim.Rprop, {}),
-    (torch.optim.Adafactor, {}), (torch.optim.Adagrad, dict(lr_decay=0.01)),
-    (torch.optim.RMSprop, dict(centered=True, momentum=0.9)), (torch.optim.Adamax, {}),
-    (torch.optim.RAdam, dict(decoupled_weight_decay=True, weight_decay=0.1)),
-    (torch.optim.Adadelta, {}), (torch.optim.Muon, {}),
-    (torch.optim.AdamW, dict(amsgrad=True)),
-    # the generic path with uint8 codes and block scales in its records
-    (("bitsandbytes.optim", "AdamW8bit"), dict(lr=1e-3, min_8bit_size=1024)),
-    (("bitsandbytes.optim", "Lion8bit"), dict(lr=1e-4)),
-    # a momentum per beta in a dict (SOAP and SPlus keep a step count in their groups,
-    # which a manifest does not keep: their resume is refused)
-    (("torch_optimizer", "AggMo"), dict(lr=1e-3))],
-    ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
-def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):
-    """Every rule: kept per-parameter scalars (ASGD's eta, mu; NAdam's mu_product) and
-    records come back from the committed manifest, and a resumed run continues exactly as
-    an uninterrupted one. (No host memory to hand the state back to keeps it on disk, as a
-    crash does.)"""
-    if isinstance(cls, tuple):
-        cls = load(*cls)
-    model, opt, ref, ref_opt = pair(cls, kw)
-    batches = make_batches(model, 5)
-    c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches[:3])
-    model2 = copy.deepcopy(model)
-    opt2 = cls(params_for(cls, model2), **kw)
-    with tiermem.offload(opt2, c, model=model2, resume=True):
-        train(model2, opt2, batches[3:], start=3)
-    train(ref, ref_opt, batches)
-    params_equal(model2, ref, "resumed")
-    state_equal(opt2.state_dict(), ref_opt.state_dict(), "resumed")
-
-
-@pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.SparseAdam])
-def test_refused_with_a_clear_error(tmp_path, cls):
-    model = Synthetic()
-    opt = cls(model.parameters())
-    with pytest.raises(UnsupportedOptimizer, match=cls.__name__):
-        with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme")):
-            pass
-
-
 class GroupNormalised(torch.optim.Optimizer):
     """Momentum on gradients divided by the norm over the whole group: a step that couples
     the parameters of a group, which tiermem must refuse rather than run per partition."""
@@ -305,6 +262,60 @@ class PerParameter(GroupNormalised):
                 st["step"] += 1
                 st["m"].mul_(0.9).add_(p.grad / p.grad.norm())
                 p.add_(st["m"], alpha=-group["lr"] / st["step"])
+
+
+@pytest.mark.parametrize("cls, kw", [
+    (torch.optim.ASGD, dict(t0=1)), (torch.optim.NAdam, dict(weight_decay=0.1)),
+    (torch.optim.SGD, dict(momentum=0.9, dampening=0.5)), (torch.optim.Rprop, {}),
+    (torch.optim.Adafactor, {}), (torch.optim.Adagrad, dict(lr_decay=0.01)),
+    (torch.optim.RMSprop, dict(centered=True, momentum=0.9)), (torch.optim.Adamax, {}),
+    (torch.optim.RAdam, dict(decoupled_weight_decay=True, weight_decay=0.1)),
+    (torch.optim.Adadelta, {}), (torch.optim.Muon, {}),
+    (torch.optim.AdamW, dict(amsgrad=True)),
+    # the generic path with uint8 codes and block scales in its records
+    (("bitsandbytes.optim", "AdamW8bit"), dict(lr=1e-3, min_8bit_size=1024)),
+    (("bitsandbytes.optim", "Lion8bit"), dict(lr=1e-4)),
+    # a momentum per beta in a dict
+    (("torch_optimizer", "AggMo"), dict(lr=1e-3)),
+    # counts outside the per-parameter state, kept in the manifest's values: .t,
+    # .current_lr and the list .lrs on the optimizer; Ranger21's group step, .current_lr
+    # and .lookahead_step; SOAP's group step; a count in the group
+    (SelfCounted, {}),
+    (("pytorch_optimizer", "Ranger21"), dict(lr=1e-3, num_iterations=20,
+                                             lookahead_merge_time=2)),
+    (("pytorch_optimizer", "SOAP"), dict(lr=1e-3, precondition_frequency=2)),
+    (PerParameter, {})],
+    ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
+def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):
+    """Every rule: kept per-parameter scalars (ASGD's eta, mu; NAdam's mu_product), records
+    and the values a step changes outside the state (a count in a group or on the
+    optimizer) come back from the committed manifest, and a resumed run continues exactly
+    as an uninterrupted one. (No host memory to hand the state back to keeps it on disk, as
+    a crash does.)"""
+    if isinstance(cls, tuple):
+        cls = load(*cls)
+    model, opt, ref, ref_opt = pair(cls, kw)
+    batches = make_batches(model, 5)
+    c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches[:3])
+    model2 = copy.deepcopy(model)
+    opt2 = cls(params_for(cls, model2), **kw)
+    with tiermem.offload(opt2, c, model=model2, resume=True):
+        train(model2, opt2, batches[3:], start=3)
+    train(ref, ref_opt, batches)
+    params_equal(model2, ref, "resumed")
+    state_equal(opt2.state_dict(), ref_opt.state_dict(), "resumed")
+    own = ("t", "current_lr", "lrs", "lookahead_step")
+    assert {k: v for k, v in vars(opt2).items() if k in own} == \
+        {k: v for k, v in vars(ref_opt).items() if k in own}
+
+
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.SparseAdam])
+def test_refused_with_a_clear_error(tmp_path, cls):
+    model = Synthetic()
+    opt = cls(model.parameters())
+    with pytest.raises(UnsupportedOptimizer, match=cls.__name__):
+        with tiermem.offload(opt, cfg(tmp_path, "threads", "nvme")):
+            pass
 
 
 def thirdparty():
@@ -596,34 +607,6 @@ def test_values_kept_on_the_optimizer_are_what_keeps_it_exact(tmp_path, monkeypa
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-@pytest.mark.parametrize("cls, kw", [
-    (SelfCounted, {}),  # .t, .current_lr and the list .lrs kept on the optimizer
-    # its group's step and .current_lr
-    (("pytorch_optimizer", "Ranger21"), dict(lr=1e-3, num_iterations=20,
-                                             lookahead_merge_time=2)),
-    (("pytorch_optimizer", "SOAP"), dict(lr=1e-3, precondition_frequency=2)),  # group step
-    (PerParameter, {})],  # its group's count
-    ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
-def test_resume_sets_back_the_values_the_step_changes_outside_the_state(
-        tmp_path, monkeypatch, cls, kw):
-    """A counter the step keeps on the optimizer or in a group is in the manifest with the
-    state: a resume from disk sets it back and continues exactly as the uninterrupted run."""
-    if isinstance(cls, tuple):
-        cls = load(*cls)
-    model, opt, ref, ref_opt = pair(cls, kw)
-    batches = make_batches(model, 5)
-    c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches[:3])
-    model2 = copy.deepcopy(model)
-    opt2 = cls(params_for(cls, model2), **kw)
-    with tiermem.offload(opt2, c, model=model2, resume=True):
-        train(model2, opt2, batches[3:], start=3)
-    train(ref, ref_opt, batches)
-    params_equal(model2, ref, "resumed")
-    state_equal(opt2.state_dict(), ref_opt.state_dict(), "resumed")
-    assert {k: v for k, v in opt2.__dict__.items() if k in ("t", "current_lr", "lrs")} == \
-        {k: v for k, v in ref_opt.__dict__.items() if k in ("t", "current_lr", "lrs")}
-
-
 class Keyed(SelfCounted):
     """SelfCounted that also keeps a dict of its last learning rates: no manifest value."""
 
@@ -655,22 +638,28 @@ def test_resume_refused_when_the_manifest_cannot_keep_a_changed_value(
     assert swap_dir(tmp_path).exists()  # the kept state is still there
 
 
-def test_rolled_back_step_puts_back_the_values_kept_on_the_optimizer(tmp_path, monkeypatch):
-    """A step that fails part-way (the optimizer's own step raising on the second partition,
-    after the first had set the optimizer's count) rolls back the state and the count with
-    it: training then goes on exactly as the plain run."""
-    model, opt, ref, ref_opt = pair(SelfCounted, {})
-    batches = make_batches(model, 4)
+def failing_second_partition(tmp_path, cls):
+    """A crash-consistent config with all state on NVMe, and a step() for `cls` that raises
+    on the second partition it is called for (the first one's values already set back)."""
     c = cfg(tmp_path, "threads", "nvme")
     c["swap"]["durability"] = "crash_consistent"
-    plain_step, calls = SelfCounted.step, []
+    plain_step, calls = cls.step, []
 
     def second_fails(self, closure=None):
         calls.append(self)
         if len(calls) == 2:
             raise RuntimeError("boom in the second partition")
         return plain_step(self, closure)
+    return c, second_fails
 
+
+def test_rolled_back_step_puts_back_the_values_kept_on_the_optimizer(tmp_path, monkeypatch):
+    """A step that fails part-way (the optimizer's own step raising on the second partition,
+    after the first had set the optimizer's count) rolls back the state and the count with
+    it: training then goes on exactly as the plain run."""
+    model, opt, ref, ref_opt = pair(SelfCounted, {})
+    batches = make_batches(model, 4)
+    c, second_fails = failing_second_partition(tmp_path, SelfCounted)
     with tiermem.offload(opt, c, model=model) as tm:
         train(model, opt, batches[:2])
         assert len(tm.offloaded.parts) > 2
@@ -710,16 +699,7 @@ def test_rolled_back_first_step_removes_what_it_made(tmp_path, monkeypatch):
     makes them again, and training goes on exactly as the plain run."""
     model, opt, ref, ref_opt = pair(LazilyCounted, {})
     batches = make_batches(model, 3)
-    c = cfg(tmp_path, "threads", "nvme")
-    c["swap"]["durability"] = "crash_consistent"
-    plain_step, calls = LazilyCounted.step, []
-
-    def second_fails(self, closure=None):
-        calls.append(self)
-        if len(calls) == 2:
-            raise RuntimeError("boom in the second partition")
-        return plain_step(self, closure)
-
+    c, second_fails = failing_second_partition(tmp_path, LazilyCounted)
     with tiermem.offload(opt, c, model=model):
         monkeypatch.setattr(LazilyCounted, "step", second_fails)
         with pytest.raises(UnsupportedOptimizer, match="boom in the second"):
