@@ -607,6 +607,24 @@ def test_values_kept_on_the_optimizer_are_what_keeps_it_exact(tmp_path, monkeypa
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+def test_resume_before_the_first_step_of_a_lazily_counted_optimizer(tmp_path, monkeypatch):
+    """A crash before the first step resumes to step 0, where the counts a first step makes
+    (on the optimizer, in its group) do not exist yet: the manifest says so, and the
+    resumed run makes them as an uninterrupted one does."""
+    model, opt, ref, ref_opt = pair(LazilyCounted, {})
+    batches = make_batches(model, 3)
+    c = kept_on_disk(tmp_path, monkeypatch, model, opt, [])
+    assert read_manifest(str(swap_dir(tmp_path)), None).values["absent"] == [
+        "param_groups[0]['count']", ".t"]
+    model2 = copy.deepcopy(model)
+    opt2 = LazilyCounted(model2.parameters())
+    with tiermem.offload(opt2, c, model=model2, resume=True):
+        train(model2, opt2, batches)
+    train(ref, ref_opt, batches)
+    params_equal(model2, ref, "resumed")
+    assert (opt2.t, opt2.param_groups[0]["count"]) == (ref_opt.t, 3)
+
+
 class Keyed(SelfCounted):
     """SelfCounted that also keeps a dict of its last learning rates: no manifest value."""
 

@@ -260,7 +260,8 @@ class OffloadedOptimizer:
                                for k, v in vs.items()}
                            for g, vs in manifest.values.get("groups", {}).items()},
                 "own": {k: step_value_from_json(v, f".{k}")
-                        for k, v in manifest.values.get("own", {}).items()}})
+                        for k, v in manifest.values.get("own", {}).items()},
+                "absent": manifest.values.get("absent", [])})
         self.resumed_step = manifest.step if manifest else None
         self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest,
                                  keep_previous=keep_previous)
@@ -893,8 +894,8 @@ class OffloadedOptimizer:
         changed = self.rule.step_values()
         values = {"groups": {g: {k: step_value_to_json(v) for k, v in vs.items()}
                              for g, vs in changed.get("groups", {}).items()},
-                  "own": {k: step_value_to_json(v) for k, v in changed.get("own", {}).items()}
-                  } if changed else {}
+                  "own": {k: step_value_to_json(v) for k, v in changed.get("own", {}).items()},
+                  "absent": list(changed.get("absent", []))} if changed else {}
         return {"step": self.steps_taken if step is None else step,
                 "steps": [float(t) for t in self.steps], "params": params, "groups": groups,
                 "rule": type(self.rule).__name__, "values": values}

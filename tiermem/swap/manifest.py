@@ -73,7 +73,8 @@ class Manifest:
     rule: str = "AdamRule"  # the update rule whose state the records hold (optim/rules)
     version: int = VERSION
     # what the optimizer's step changes outside its per-parameter state, for a resume to
-    # set back: {"groups": {group index: {key: value}}, "own": {attribute: value}}
+    # set back: {"groups": {group index: {key: value}}, "own": {attribute: value},
+    # "absent": [the names of those not made yet]}
     # (absent from manifests of earlier tiermem versions: a resume then refuses such an
     # optimizer)
     values: dict = field(default_factory=dict)
@@ -308,7 +309,10 @@ def _validate(d: dict, run_dir: str) -> None:
     _uint(d["step"], "step")
     crash = d["durability"] == "crash_consistent"
     values = _dict(d.get("values", {}), "values")
-    _need(set(values) <= {"groups", "own"}, "values", "an object of groups and own", values)
+    _need(set(values) <= {"groups", "own", "absent"}, "values",
+          "an object of groups, own and absent", values)
+    _need(all(isinstance(x, str) for x in _list(values.get("absent", []), "values.absent")),
+          "values.absent", "a list of names", values.get("absent"))
     for g, kept in _dict(values.get("groups", {}), "values.groups").items():
         _need(g.isdigit(), "values.groups", "group indices", g)
         for k, v in _dict(kept, f"values.groups.{g}").items():

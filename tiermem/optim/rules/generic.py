@@ -477,17 +477,23 @@ class ShadowRule(UpdateRule):
 
     def step_values(self) -> dict[str, Any]:
         groups: dict[str, dict[str, Any]] = {}
+        absent = []  # not made yet (a count the first step sets up, before that step)
         for g, k in self._changed_groups:
             if g < len(self.opt.param_groups) and k in self.opt.param_groups[g]:
                 groups.setdefault(str(g), {})[k] = self.opt.param_groups[g][k]
+            else:
+                absent.append(f"param_groups[{g}][{k!r}]")
         own = {k: getattr(self.opt, k) for k in self._changed_own if hasattr(self.opt, k)}
-        return {"groups": groups, "own": own}
+        absent += [f".{k}" for k in self._changed_own if k not in own]
+        return {"groups": groups, "own": own, "absent": absent}
 
     def restore_step_values(self, values: dict[str, Any]) -> None:
         kept = {(int(g), k) for g, vs in values.get("groups", {}).items() for k in vs}
+        absent = set(values.get("absent", ()))
         missing = [f"param_groups[{g}][{k!r}]" for g, k in self._changed_groups
-                   if (g, k) not in kept]
-        missing += [f".{k}" for k in self._changed_own if k not in values.get("own", {})]
+                   if (g, k) not in kept and f"param_groups[{g}][{k!r}]" not in absent]
+        missing += [f".{k}" for k in self._changed_own
+                    if k not in values.get("own", {}) and f".{k}" not in absent]
         if missing:
             raise UnsupportedOptimizer(
                 f"cannot resume {_name(type(self.opt))} from disk: its step changes "
@@ -499,6 +505,12 @@ class ShadowRule(UpdateRule):
             self.opt.param_groups[int(g)].update(vs)
         for k, v in values.get("own", {}).items():
             setattr(self.opt, k, v)
+        for g, k in self._changed_groups:  # as the committed step left them: not made yet
+            if f"param_groups[{g}][{k!r}]" in absent:
+                self.opt.param_groups[g].pop(k, None)
+        for k in self._changed_own:
+            if f".{k}" in absent and hasattr(self.opt, k):
+                delattr(self.opt, k)
 
     def state_methods(self) -> tuple[str, ...]:
         return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
