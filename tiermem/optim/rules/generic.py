@@ -471,29 +471,36 @@ class ShadowRule(UpdateRule):
         for k, v in self._own_before.items():
             setattr(self.opt, k, _copy(v))
 
+    def _changed(self) -> list[tuple[str, int | None, str]]:
+        """(name, group index or None for one kept on the optimizer, key) of each value the
+        probe saw the step change outside the state."""
+        return ([(f"param_groups[{g}][{k!r}]", g, k) for g, k in self._changed_groups]
+                + [(f".{k}", None, k) for k in self._changed_own])
+
     def step_changed_values(self) -> list[str]:
-        return ([f"param_groups[{g}][{k!r}]" for g, k in self._changed_groups]
-                + [f".{k}" for k in self._changed_own])
+        return [name for name, _, _ in self._changed()]
 
     def step_values(self) -> dict[str, Any]:
         groups: dict[str, dict[str, Any]] = {}
+        own: dict[str, Any] = {}
         absent = []  # not made yet (a count the first step sets up, before that step)
-        for g, k in self._changed_groups:
-            if g < len(self.opt.param_groups) and k in self.opt.param_groups[g]:
-                groups.setdefault(str(g), {})[k] = self.opt.param_groups[g][k]
+        for name, g, k in self._changed():
+            where = self.opt.__dict__ if g is None else (
+                self.opt.param_groups[g] if g < len(self.opt.param_groups) else {})
+            if k not in where:
+                absent.append(name)
+            elif g is None:
+                own[k] = where[k]
             else:
-                absent.append(f"param_groups[{g}][{k!r}]")
-        own = {k: getattr(self.opt, k) for k in self._changed_own if hasattr(self.opt, k)}
-        absent += [f".{k}" for k in self._changed_own if k not in own]
+                groups.setdefault(str(g), {})[k] = where[k]
         return {"groups": groups, "own": own, "absent": absent}
 
     def restore_step_values(self, values: dict[str, Any]) -> None:
         kept = {(int(g), k) for g, vs in values.get("groups", {}).items() for k in vs}
+        kept |= {(None, k) for k in values.get("own", {})}
         absent = set(values.get("absent", ()))
-        missing = [f"param_groups[{g}][{k!r}]" for g, k in self._changed_groups
-                   if (g, k) not in kept and f"param_groups[{g}][{k!r}]" not in absent]
-        missing += [f".{k}" for k in self._changed_own
-                    if k not in values.get("own", {}) and f".{k}" not in absent]
+        missing = [name for name, g, k in self._changed()
+                   if (g, k) not in kept and name not in absent]
         if missing:
             raise UnsupportedOptimizer(
                 f"cannot resume {_name(type(self.opt))} from disk: its step changes "
@@ -505,12 +512,9 @@ class ShadowRule(UpdateRule):
             self.opt.param_groups[int(g)].update(vs)
         for k, v in values.get("own", {}).items():
             setattr(self.opt, k, v)
-        for g, k in self._changed_groups:  # as the committed step left them: not made yet
-            if f"param_groups[{g}][{k!r}]" in absent:
-                self.opt.param_groups[g].pop(k, None)
-        for k in self._changed_own:
-            if f".{k}" in absent and hasattr(self.opt, k):
-                delattr(self.opt, k)
+        for name, g, k in self._changed():  # as the committed step left them: not made yet
+            if name in absent:
+                (self.opt.__dict__ if g is None else self.opt.param_groups[g]).pop(k, None)
 
     def state_methods(self) -> tuple[str, ...]:
         return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
@@ -572,8 +576,8 @@ class ShadowRule(UpdateRule):
                 if v.data_ptr() != view.data_ptr():
                     # replaced rather than updated in place: into the record in its own
                     # memory order, which the next step's view takes again
-                    laid(batch.state[k][j], tuple(v.shape), dim_order(v)).copy_(v)
                     orders[k] = dim_order(v)
+                    laid(batch.state[k][j], tuple(v.shape), orders[k]).copy_(v)
             extra = [k for k, v in new.items()
                      if (is_record_tensor(v) or nests(v)) and k not in views[j]]
             if extra:
