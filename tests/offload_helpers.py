@@ -207,29 +207,37 @@ def compare_runs(model: nn.Module, opt: torch.optim.Optimizer, ref_model: nn.Mod
             check(a, b, f"{name} state[{k!r}]")
 
 
+def same_state_value(a, b, what: str, check=assert_bitwise) -> None:
+    """One optimizer state value: a tensor by `check`, a number exactly, a dict
+    (bitsandbytes nests its codes, maps and scales in one key) key by key, a list or tuple
+    (SOAP's per-side matrices) item by item, a tensor subclass made of plain tensors
+    (torchao's low-bit state) by what it is made of."""
+    if hasattr(type(b), "__tensor_flatten__"):
+        assert type(a) is type(b), f"{what}: {type(a).__name__} against {type(b).__name__}"
+        names, context = b.__tensor_flatten__()
+        assert a.__tensor_flatten__() == (names, context), f"{what}: made otherwise"
+        for n in names:
+            same_state_value(getattr(a, n), getattr(b, n), f"{what}.{n}", check)
+    elif isinstance(b, dict):
+        assert isinstance(a, dict) and set(a) == set(b), f"{what} keys"
+        for k in b:
+            same_state_value(a[k], b[k], f"{what}[{k!r}]", check)
+    elif isinstance(b, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{what}: {a!r} against {b!r}"
+        for n, (x, y) in enumerate(zip(a, b)):
+            same_state_value(x, y, f"{what}[{n}]", check)
+    elif isinstance(b, torch.Tensor) and b.dim() > 0:
+        check(a, b, what)
+    else:  # the step count, and per-parameter scalars
+        assert float(a) == float(b), f"{what}: {a} != {b}"
+
+
 def compare_state_dicts(sd: dict, ref_sd: dict, *, exact: bool = True) -> None:
     """Two torch-format optimizer state_dicts hold the same per-parameter state."""
     check = assert_same_tensor if exact else assert_close_tensor
 
     def same(a, b, what: str) -> None:
-        if hasattr(type(b), "__tensor_flatten__"):  # torchao's low-bit state subclasses
-            assert type(a) is type(b), f"{what}: {type(a).__name__} against {type(b).__name__}"
-            names, context = b.__tensor_flatten__()
-            assert a.__tensor_flatten__() == (names, context), f"{what}: made otherwise"
-            for n in names:
-                same(getattr(a, n), getattr(b, n), f"{what}.{n}")
-        elif isinstance(b, dict):  # bitsandbytes nests its codes, maps and scales in one key
-            assert isinstance(a, dict) and set(a) == set(b), f"{what} keys"
-            for k in b:
-                same(a[k], b[k], f"{what}[{k!r}]")
-        elif isinstance(b, (list, tuple)):  # SOAP's per-side matrices
-            assert type(a) is type(b) and len(a) == len(b), f"{what}: {a!r} against {b!r}"
-            for n, (x, y) in enumerate(zip(a, b)):
-                same(x, y, f"{what}[{n}]")
-        elif isinstance(b, torch.Tensor) and b.dim() > 0:
-            check(a, b, what)
-        else:  # the step count, and per-parameter scalars
-            assert float(a) == float(b), f"{what}: {a} != {b}"
+        same_state_value(a, b, what, check)
 
     assert set(sd["state"]) == set(ref_sd["state"])
     for i, sr in ref_sd["state"].items():

@@ -21,7 +21,7 @@ from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.swap.manifest import read_manifest, write_manifest
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config, make_batches,
-                             swap_dir, train)
+                             same_state_value, swap_dir, train)
 
 optim_db = pytest.importorskip("torch.testing._internal.common_optimizers").optim_db
 
@@ -65,31 +65,7 @@ def state_equal(sd, ref_sd, what):
         got = sd["state"][i]
         assert set(got) - {"master_param"} == set(ref), f"{what}: state[{i}] keys"
         for k, b in ref.items():
-            value_equal(got[k], b, f"{what}: state[{i}][{k!r}]")
-
-
-def value_equal(a, b, where):
-    """One state value: a tensor bitwise, a number exactly, a dict (bitsandbytes keeps its
-    quantisation maps and block scales under one key) key by key, a list or tuple (SOAP's
-    per-side matrices) item by item."""
-    if hasattr(type(b), "__tensor_flatten__"):  # torchao's low-bit state: what it is made of
-        assert type(a) is type(b), f"{where}: {type(a).__name__} against {type(b).__name__}"
-        names, context = b.__tensor_flatten__()
-        assert a.__tensor_flatten__() == (names, context), f"{where}: made otherwise"
-        for n in names:
-            assert_same_tensor(getattr(a, n), getattr(b, n), f"{where}.{n}")
-    elif isinstance(b, dict):
-        assert isinstance(a, dict) and set(a) == set(b), f"{where} keys"
-        for k in b:
-            value_equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(b, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{where}: {a!r} against {b!r}"
-        for n, (x, y) in enumerate(zip(a, b)):
-            value_equal(x, y, f"{where}[{n}]")
-    elif isinstance(b, torch.Tensor) and b.dim() > 0:
-        assert_same_tensor(a, b, where)
-    else:
-        assert float(a) == float(b), f"{where} {a} != {b}"
+            same_state_value(got[k], b, f"{what}: state[{i}][{k!r}]")
 
 
 def params_equal(model, ref, what):
