@@ -12,6 +12,7 @@ tiermem's state_dict (and tiermem loaded from a plain one) must keep stepping eq
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -63,6 +64,9 @@ def state_equal(sd, ref_sd, what):
     assert set(sd["state"]) == set(ref_sd["state"]), what
     for i, ref in ref_sd["state"].items():
         got = sd["state"][i]
+        if not isinstance(i, int):  # under a key that is no parameter (MADGRAD's 'k')
+            same_state_value(got, ref, f"{what}: state[{i!r}]")
+            continue
         assert set(got) - {"master_param"} == set(ref), f"{what}: state[{i}] keys"
         for k, b in ref.items():
             same_state_value(got[k], b, f"{what}: state[{i}][{k!r}]")
@@ -257,6 +261,10 @@ class PerParameter(GroupNormalised):
     # .current_lr and the list .lrs on the optimizer; Ranger21's group step, .current_lr
     # and .lookahead_step; SOAP's group step; a count in the group
     (SelfCounted, {}),
+    # a count in state["global_step"] / state["k"] (a 1-element tensor), loss averages in a
+    # dict in state["ema"]
+    (GlobalStep, {}), (("pytorch_optimizer", "MADGRAD"), dict(lr=1e-3)),
+    (("pytorch_optimizer", "EmoNavi"), dict(lr=1e-3)),
     (("pytorch_optimizer", "Ranger21"), dict(lr=1e-3, num_iterations=20,
                                              lookahead_merge_time=2)),
     (("pytorch_optimizer", "SOAP"), dict(lr=1e-3, precondition_frequency=2)),
@@ -307,6 +315,10 @@ def thirdparty():
                                                                  lookahead_merge_time=2)),
                           # keeps its step count in state['k'], not under a parameter
                           ("pytorch_optimizer", "MADGRAD", dict(lr=1e-3)),
+                          # and loss averages in state['ema']
+                          ("pytorch_optimizer", "EmoNavi", dict(lr=1e-3)),
+                          # makes a (random) mask per matrix in __init__
+                          ("pytorch_optimizer", "SPAM", dict(lr=1e-3, density=0.5)),
                           # draws its initial state from torch's global generator
                           ("pytorch_optimizer", "Gravity", dict(lr=1e-3)),
                           ("schedulefree", "AdamWScheduleFree", dict(lr=1e-3)),
@@ -328,7 +340,7 @@ def thirdparty():
     return rows
 
 
-REFUSED_THIRDPARTY = {"MADGRAD": "it keeps state under 'k', not under a parameter",
+REFUSED_THIRDPARTY = {"SPAM": "that step does not make it",
                       "Gravity": "its step draws random numbers",
                       "AdaShift": "keeps state 'grad_queue' as a deque"}
 
@@ -534,23 +546,91 @@ def test_random_draws_refused(tmp_path, monkeypatch):
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-def test_state_not_under_a_parameter_refused(tmp_path, monkeypatch):
-    """A step count kept in state["global_step"] would start over in every partition's
-    shadow: refused at entry, nothing changed; with the check patched out the run ends
-    different from the plain one."""
-    import tiermem.optim.rules.generic as generic
-
+@pytest.mark.parametrize("backend", backend_params())
+def test_state_not_under_a_parameter_carried_across_partitions(tmp_path, backend):
+    """A step count kept in state["global_step"] (MADGRAD keeps state["k"]) is carried as
+    the values kept on the optimizer are: each partition's shadow starts from the step's
+    value, the first one's result stays in opt.state. state_dict() keeps it under its key,
+    both ways."""
     model, opt, ref, ref_opt = pair(GlobalStep, {})
-    batches = make_batches(model, 4)
-    with pytest.raises(UnsupportedOptimizer, match="keeps state under 'global_step'"):
+    batches = make_batches(model, 5)
+    with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model) as tm:
+        train(model, opt, batches[:3])
+        assert len(tm.offloaded.parts) > 1
+        sd = opt.state_dict()
+    train(ref, ref_opt, batches[:3])
+    assert opt.state["global_step"] == 3 and sd["state"]["global_step"] == 3
+    params_equal(model, ref, "GlobalStep")
+    state_equal(sd, ref_opt.state_dict(), "GlobalStep: state_dict() under offload")
+    plain = GlobalStep(model.parameters())
+    plain.load_state_dict(sd)
+    state_equal(plain.state_dict(), sd, "GlobalStep: plain loaded from tiermem")
+    opt.load_state_dict(ref_opt.state_dict())
+    with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model):
+        train(model, opt, batches[3:], start=3)
+    train(ref, ref_opt, batches[3:], start=3)
+    params_equal(model, ref, "GlobalStep: after loading the plain state_dict")
+    assert opt.state["global_step"] == ref_opt.state["global_step"] == 5
+
+
+class ObjectCounted(Stepped):
+    """Keeps an object (not a value tiermem can copy and compare) in its state."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.state.setdefault("clock", types.SimpleNamespace(t=0)).t += 1
+        for group, p, _ in self.with_grads():
+            p.sub_(p.grad, alpha=group["lr"])
+
+
+class NumberKeyed(Stepped):
+    """Keeps a count in its state under the number 7."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.state[7] = self.state.get(7, 0) + 1
+        for group, p, _ in self.with_grads():
+            p.sub_(p.grad, alpha=group["lr"])
+
+
+class MadeInInit(Stepped):
+    """Makes a mask per matrix in __init__ (as SPAM does), before any step."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, lr)
+        for _, p, st in ((g, p, self.state[p]) for g in self.param_groups
+                         for p in g["params"]):
+            if p.dim() == 2:
+                st["mask"] = torch.ones_like(p, dtype=torch.bool)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group, p, st in self.with_grads():
+            if "m" not in st:
+                st["m"] = torch.zeros_like(p)
+            st["m"].mul_(0.9).add_(p.grad)
+            update = st["m"] if "mask" not in st else torch.where(st["mask"], st["m"], 0.0)
+            p.sub_(update, alpha=group["lr"])
+
+
+@pytest.mark.parametrize("cls, why", [
+    (ObjectCounted, "keeps state under 'clock', not under a parameter, as a SimpleNamespace"),
+    (NumberKeyed, "keeps state under 7, which is neither a parameter nor a string"),
+    (MadeInInit, r"state \['mask'\] of a parameter of shape .*does not make it")],
+    ids=lambda v: getattr(v, "__name__", None))
+def test_state_tiermem_cannot_carry_refused(tmp_path, cls, why):
+    """Refused at entry, naming the entry, with the weights and the optimizer's state as
+    they were."""
+    model = small()
+    opt = cls(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: dict(v) for k, v in opt.state.items()}
+    with pytest.raises(UnsupportedOptimizer, match=why):
         with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
             pass
-    assert not opt.state
-    monkeypatch.setattr(generic, "_loose_state", lambda *a: [])
-    with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
-        train(model, opt, batches)
-    train(ref, ref_opt, batches)
-    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert {k: dict(v) for k, v in opt.state.items()} == state_before
+    for p, b in zip(model.parameters(), before):
+        assert_same_tensor(p.detach(), b, "a weight after the refusal")
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -568,18 +648,22 @@ def test_values_kept_on_the_optimizer_carried_across_partitions(tmp_path, backen
     params_equal(model, ref, "SelfCounted")
 
 
-def test_values_kept_on_the_optimizer_are_what_keeps_it_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cls, count", [(SelfCounted, lambda o: o.t),
+                                        (GlobalStep, lambda o: o.state.get("global_step"))],
+                         ids=["on-the-optimizer", "in-its-state"])
+def test_values_kept_on_the_optimizer_are_what_keeps_it_exact(tmp_path, monkeypatch, cls,
+                                                              count):
     """With the carrying patched out, the shadows' counts are lost and the run ends different
     from the plain one, with no error."""
     from tiermem.optim.rules.generic import ShadowRule
 
     monkeypatch.setattr(ShadowRule, "_carry_own_values", lambda self, sh: None)
-    model, opt, ref, ref_opt = pair(SelfCounted, {})
+    model, opt, ref, ref_opt = pair(cls, {})
     batches = make_batches(model, 4)
     with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
         train(model, opt, batches)
     train(ref, ref_opt, batches)
-    assert opt.t != ref_opt.t
+    assert count(opt) != count(ref_opt)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
@@ -591,14 +675,14 @@ def test_resume_before_the_first_step_of_a_lazily_counted_optimizer(tmp_path, mo
     batches = make_batches(model, 3)
     c = kept_on_disk(tmp_path, monkeypatch, model, opt, [])
     assert read_manifest(str(swap_dir(tmp_path)), None).values["absent"] == [
-        "param_groups[0]['count']", ".t"]
+        "param_groups[0]['count']", ".t", ".state['seen']"]
     model2 = copy.deepcopy(model)
     opt2 = LazilyCounted(model2.parameters())
     with tiermem.offload(opt2, c, model=model2, resume=True):
         train(model2, opt2, batches)
     train(ref, ref_opt, batches)
     params_equal(model2, ref, "resumed")
-    assert (opt2.t, opt2.param_groups[0]["count"]) == (ref_opt.t, 3)
+    assert (opt2.t, opt2.param_groups[0]["count"], opt2.state["seen"]) == (ref_opt.t, 3, 3)
 
 
 class Keyed(SelfCounted):
@@ -647,37 +731,44 @@ def failing_second_partition(tmp_path, cls):
     return c, second_fails
 
 
-def test_rolled_back_step_puts_back_the_values_kept_on_the_optimizer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cls, count", [
+    (SelfCounted, lambda o: (o.t, list(o.lrs))),
+    (GlobalStep, lambda o: o.state["global_step"])], ids=["on-the-optimizer", "in-its-state"])
+def test_rolled_back_step_puts_back_the_values_kept_on_the_optimizer(tmp_path, monkeypatch,
+                                                                    cls, count):
     """A step that fails part-way (the optimizer's own step raising on the second partition,
     after the first had set the optimizer's count) rolls back the state and the count with
     it: training then goes on exactly as the plain run."""
-    model, opt, ref, ref_opt = pair(SelfCounted, {})
+    model, opt, ref, ref_opt = pair(cls, {})
     batches = make_batches(model, 4)
-    c, second_fails = failing_second_partition(tmp_path, SelfCounted)
+    c, second_fails = failing_second_partition(tmp_path, cls)
     with tiermem.offload(opt, c, model=model) as tm:
         train(model, opt, batches[:2])
         assert len(tm.offloaded.parts) > 2
-        monkeypatch.setattr(SelfCounted, "step", second_fails)
+        after_two = count(opt)
+        monkeypatch.setattr(cls, "step", second_fails)
         with pytest.raises(UnsupportedOptimizer, match="boom in the second") as info:
             train(model, opt, batches[2:3], start=2)
         monkeypatch.undo()
         assert "rolled back to committed step 2" in "".join(info.value.__notes__)
-        assert (opt.t, len(opt.lrs)) == (2, 2)
+        assert count(opt) == after_two
         opt.zero_grad()  # the failed step's gradients, which the retry would add to
         train(model, opt, batches[2:], start=2)
     train(ref, ref_opt, batches)
-    assert (opt.t, opt.lrs) == (ref_opt.t, ref_opt.lrs)
+    assert count(opt) == count(ref_opt)
     params_equal(model, ref, "after the roll-back")
 
 
 class LazilyCounted(Stepped):
-    """Makes its step count on itself and a count in its group at its first step."""
+    """Makes its step count on itself, a count in its group and one in its state at its
+    first step."""
 
     @torch.no_grad()
     def step(self, closure=None):
         if not hasattr(self, "t"):
             self.t = 0
             self.param_groups[0]["count"] = 0
+        self.state["seen"] = self.state.get("seen", 0) + 1
         self.t += 1
         self.param_groups[0]["count"] += 1
         for group, p, st in self.with_grads():
@@ -700,10 +791,11 @@ def test_rolled_back_first_step_removes_what_it_made(tmp_path, monkeypatch):
             train(model, opt, batches[:1])
         monkeypatch.undo()
         assert not hasattr(opt, "t") and "count" not in opt.param_groups[0]
+        assert "seen" not in opt.state
         opt.zero_grad()
         train(model, opt, batches)
     train(ref, ref_opt, batches)
-    assert (opt.t, opt.param_groups[0]["count"]) == (ref_opt.t, 3)
+    assert (opt.t, opt.param_groups[0]["count"], opt.state["seen"]) == (ref_opt.t, 3, 3)
     params_equal(model, ref, "after the roll-back")
 
 

@@ -19,6 +19,7 @@ import torch
 
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim.offloaded import OffloadedOptimizer
+from tiermem.optim.state_io import drop_param_state
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.telemetry.stats import StepStats
@@ -221,7 +222,7 @@ class Offload:
             except TierMemError:
                 pass
             else:
-                off.opt.state.clear()
+                drop_param_state(off.opt)
                 off.opt.state.update(state)
                 off.close_tiers(remove_swap=True)
                 raise TierMemError(f"writing optimizer state to swap failed ({exc}); the state "
@@ -294,7 +295,7 @@ class Offload:
                 raise TierMemError(f"optimizer state could not be gathered back ({exc}); "
                                    f"everything was kept on disk in {kept}") from exc
             off.detach()
-            off.opt.state.clear()
+            drop_param_state(off.opt)
             off.opt.state.update(state)
             off.close_tiers(remove_swap=True)
             return

@@ -26,7 +26,8 @@ from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import (Batch, PreparedUpdate, UnsupportedOptimizer, UpdateRule,
                                  rule_for)
 from tiermem.optim.rules.nested import json_exact
-from tiermem.optim.state_io import gather, jsonable, scatter, torch_state_dict
+from tiermem.optim.state_io import (drop_param_state, gather, jsonable, scatter,
+                                    torch_state_dict)
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
 from tiermem.kernels.vml import resolve_vml_dispatch
@@ -62,8 +63,18 @@ def step_value_to_json(value: Any) -> Any:
     (a resume then refuses, naming it)."""
     if isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.dim() == 0:
         return scalar_to_json(value)
+    if (isinstance(value, torch.Tensor) and type(value) is torch.Tensor
+            and value.device.type == "cpu" and not value.is_complex()
+            and (not value.is_floating_point() or bool(torch.isfinite(value).all()))):
+        # a small count kept as a 1-element tensor (MADGRAD's state['k']): its elements
+        # as nested lists (floats widen to doubles exactly), which torch.tensor() takes back
+        # with the shape
+        return {"tensor": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
     if isinstance(value, tuple) and all(_finite_json(v) for v in value):
         return {"tuple": list(value)}
+    if (type(value) is dict and all(isinstance(k, str) for k in value)
+            and all(_finite_json(v) for v in value.values())):
+        return {"dict": value}  # EmoNavi's loss averages in state['ema']
     if _finite_json(value):
         return value
     return {"unkept": repr(value)[:200]}
@@ -83,6 +94,8 @@ def step_value_from_json(value: Any, what: str) -> Any:
                 "load_state_dict() instead")
         if "tuple" in value:
             return tuple(value["tuple"])
+        if "dict" in value:
+            return dict(value["dict"])
         return scalar_from_json(value)
     return value
 
@@ -261,12 +274,15 @@ class OffloadedOptimizer:
                            for g, vs in manifest.values.get("groups", {}).items()},
                 "own": {k: step_value_from_json(v, f".{k}")
                         for k, v in manifest.values.get("own", {}).items()},
+                "state": {k: step_value_from_json(v, f".state[{k!r}]")
+                          for k, v in manifest.values.get("state", {}).items()},
                 "absent": manifest.values.get("absent", [])})
         self.resumed_step = manifest.step if manifest else None
         self.tiers = TierManager(self.parts, settings, swap_name=swap_name, resume=manifest,
                                  keep_previous=keep_previous)
         try:
-            existing = {p: s for p, s in optimizer.state.items() if s}
+            existing = {p: s for p, s in optimizer.state.items()
+                        if isinstance(p, torch.Tensor) and s}
             if resume_previous:
                 # The commit gone back to is the latest from now on: a crash, or a step
                 # rolled back, must not find the later one (its records get overwritten).
@@ -277,10 +293,10 @@ class OffloadedOptimizer:
             if resume:
                 if self.crash and not later:
                     self._restore_weights()
-                optimizer.state.clear()  # the kept state is the one to continue from
+                drop_param_state(optimizer)  # the kept state is the one to continue from
             elif existing:
                 self._import(existing)
-                optimizer.state.clear()  # the tiers hold it now; free the RAM
+                drop_param_state(optimizer)  # the tiers hold it now; free the RAM
             if self.crash and not resume and not later:
                 # Step 0 committed: every record, weights included, on disk before training.
                 self._initialise(self.parts)
@@ -439,14 +455,17 @@ class OffloadedOptimizer:
         closure = args[0] if args else kwargs.get("closure")
         loss = None
         if closure is not None:
+            self.rule.check_closure()  # before the closure's forward and backward run
             with torch.enable_grad():
                 loss = closure()
         with deferred():  # as above; the closure (forward, backward) stays interruptible
-            self._step_tiers()
+            # an optimizer's own step (the generic rule) gets the loss the closure gave,
+            # as its plain step would from calling the closure itself
+            self._step_tiers(None if closure is None else (lambda: loss))
         run_post_hooks(self.opt, args, kwargs)
         return loss
 
-    def _step_tiers(self) -> None:
+    def _step_tiers(self, closure: Callable[[], Any] | None = None) -> None:
         if self.weights is not None:  # the grads are in the parameter tier, not in p.grad
             stepped = {i for i, p in enumerate(self.params) if self.weights.has_gradient(p)}
         else:
@@ -454,7 +473,7 @@ class OffloadedOptimizer:
         if self.weights is None and any(self.params[i].grad.is_sparse for i in stepped):
             raise TierMemError(f"{type(self.opt).__name__} under tiermem does not support "
                                "sparse gradients")
-        stats = self.begin_step()  # refuses a group changed since the layout
+        stats = self.begin_step(closure)  # refuses a group changed since the layout
         with timed(stats, "step_seconds"), torch.no_grad():
             self._count_all(stepped)  # only once nothing can refuse the step
             try:
@@ -477,11 +496,12 @@ class OffloadedOptimizer:
         self.threads.observe(stats)  # (timed: step_seconds is in)
         step_called(self.opt)
 
-    def begin_step(self) -> StepStats:
-        """The figures of the step about to run (the reads run ahead of it counted in)."""
+    def begin_step(self, closure: Callable[[], Any] | None = None) -> StepStats:
+        """The figures of the step about to run (the reads run ahead of it counted in).
+        closure: hands the loss of the user's closure, evaluated, to the rule."""
         for part in self.parts:
             self.rule.check_group(part, self.opt.param_groups[part.group])
-        self.rule.begin_step(self.opt.param_groups)
+        self.rule.begin_step(self.opt.param_groups, closure=closure)
         stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None,
                           update_threads=self.threads.count())
         self.tiers.begin_step(stats)
@@ -895,6 +915,8 @@ class OffloadedOptimizer:
         values = {"groups": {g: {k: step_value_to_json(v) for k, v in vs.items()}
                              for g, vs in changed.get("groups", {}).items()},
                   "own": {k: step_value_to_json(v) for k, v in changed.get("own", {}).items()},
+                  "state": {k: step_value_to_json(v)
+                            for k, v in changed.get("state", {}).items()},
                   "absent": list(changed.get("absent", []))} if changed else {}
         return {"step": self.steps_taken if step is None else step,
                 "steps": [float(t) for t in self.steps], "params": params, "groups": groups,
@@ -1069,10 +1091,17 @@ class OffloadedOptimizer:
             saved = state_dict["param_groups"][part.group] if part.group < len(
                 state_dict["param_groups"]) else {}
             self.rule.check_loaded(part, saved)
-        groups_only = {"state": {}, "param_groups": state_dict["param_groups"]}
+        def a_param(k: Any) -> bool:  # torch numbers the parameters' entries
+            return isinstance(k, int) or (isinstance(k, str) and k.isdigit())
+
+        # torch's own load takes the groups, and the entries under keys that are no
+        # parameter (MADGRAD's count in state['k']) into opt.state, where they stay
+        groups_only = {"state": {k: v for k, v in state_dict["state"].items()
+                                 if not a_param(k)},
+                       "param_groups": state_dict["param_groups"]}
         type(self.opt).load_state_dict(self.opt, groups_only)
         by_index = dict(enumerate(self.params))
-        state = {by_index[int(k)]: v for k, v in state_dict["state"].items()}
+        state = {by_index[int(k)]: v for k, v in state_dict["state"].items() if a_param(k)}
         for i in range(len(self.params)):
             self.steps[i] = torch.tensor(0.0)
             self.scalars[i] = {}
@@ -1085,7 +1114,7 @@ class OffloadedOptimizer:
                 self._import(state)
         else:
             self._import(state)
-        self.opt.state.clear()
+        drop_param_state(self.opt)
         if self.crash:
             self.commit()
 

@@ -28,13 +28,23 @@ def jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def drop_param_state(opt: torch.optim.Optimizer) -> None:
+    """Empty `opt.state` of its per-parameter entries (the tiers hold them), keeping those
+    under keys that are no parameter (MADGRAD's count in state['k']): the generic rule
+    carries those from step to step in `opt.state` itself."""
+    for k in [k for k in opt.state if isinstance(k, torch.Tensor)]:
+        del opt.state[k]
+
+
 def torch_state_dict(opt: torch.optim.Optimizer, state: dict[torch.Tensor, dict[str, Any]]
                      ) -> dict[str, Any]:
     """torch's own state_dict() of `opt` as if `state` were its per-parameter state (the
-    tiers hold the real one: opt.state itself stays empty)."""
+    tiers hold the real one: opt.state itself keeps only entries under keys that are no
+    parameter, which the state_dict keeps as they are)."""
     saved = opt.state
     try:
-        opt.state = defaultdict(dict, state)
+        opt.state = defaultdict(dict, {**{k: v for k, v in saved.items()
+                                          if not isinstance(k, torch.Tensor)}, **state})
         return type(opt).state_dict(opt)
     finally:
         opt.state = saved

@@ -229,18 +229,26 @@ def _host_value(v, depth: int = 0) -> bool:
     return isinstance(v, list) and depth < 8 and all(_host_value(x, depth + 1) for x in v)
 
 
+def _tensor_value(v, depth: int = 0) -> bool:
+    if _is_num(v) or isinstance(v, bool):
+        return True
+    return isinstance(v, list) and depth < 8 and all(_tensor_value(x, depth + 1) for x in v)
+
+
 def _kept_value(v) -> bool:
     """A value a step changes outside the state, as optim/offloaded.py keeps it: JSON
-    values and lists of them, a 0-d tensor's value and dtype, a tuple, or why not kept."""
+    values and lists of them, a tensor's value (nested lists of them beyond 0-d) and
+    dtype, a tuple, a dict keyed by strings, or why not kept."""
     if _host_value(v):
         return True
     if not isinstance(v, dict):
         return False
     if set(v) == {"tensor", "dtype"}:
-        return (_is_num(v["tensor"]) or isinstance(v["tensor"], bool)) and \
-            v["dtype"] in _SCALAR_DTYPES
+        return _tensor_value(v["tensor"]) and v["dtype"] in _SCALAR_DTYPES
     if set(v) == {"tuple"}:
         return isinstance(v["tuple"], list) and _host_value(v["tuple"])
+    if set(v) == {"dict"}:
+        return isinstance(v["dict"], dict) and all(_host_value(x) for x in v["dict"].values())
     return set(v) == {"unkept"} and isinstance(v["unkept"], str)
 
 
@@ -309,16 +317,17 @@ def _validate(d: dict, run_dir: str) -> None:
     _uint(d["step"], "step")
     crash = d["durability"] == "crash_consistent"
     values = _dict(d.get("values", {}), "values")
-    _need(set(values) <= {"groups", "own", "absent"}, "values",
-          "an object of groups, own and absent", values)
+    _need(set(values) <= {"groups", "own", "state", "absent"}, "values",
+          "an object of groups, own, state and absent", values)
     _need(all(isinstance(x, str) for x in _list(values.get("absent", []), "values.absent")),
           "values.absent", "a list of names", values.get("absent"))
     for g, kept in _dict(values.get("groups", {}), "values.groups").items():
         _need(g.isdigit(), "values.groups", "group indices", g)
         for k, v in _dict(kept, f"values.groups.{g}").items():
             _need(_kept_value(v), f"values.groups.{g}.{k}", "a kept value", v)
-    for k, v in _dict(values.get("own", {}), "values.own").items():
-        _need(_kept_value(v), f"values.own.{k}", "a kept value", v)
+    for part in ("own", "state"):
+        for k, v in _dict(values.get(part, {}), f"values.{part}").items():
+            _need(_kept_value(v), f"values.{part}.{k}", "a kept value", v)
 
     params = _list(d["params"], "params")
     sizes = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -147,8 +147,15 @@ class UpdateRule(ABC):
         """Whether tiermem's native kernel runs this partition (Adam only)."""
         return False
 
-    def begin_step(self, groups: Sequence[dict[str, Any]]) -> None:
-        """A step starts (before any partition of it is updated)."""
+    def begin_step(self, groups: Sequence[dict[str, Any]], *,
+                   closure: Callable[[], Any] | None = None) -> None:
+        """A step starts (before any partition of it is updated). closure: the user passed
+        step() one, which tiermem has evaluated: this one returns its loss."""
+
+    def check_closure(self) -> None:
+        """The user passes step() a closure, which tiermem evaluates once, before any
+        partition: raise UnsupportedOptimizer if that is not what the optimizer's own step
+        would do with it (nothing has changed yet)."""
 
     def undo_step_values(self) -> None:
         """A step failed part-way and its state is rolled back: put back whatever values of

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import types
 from collections import defaultdict
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
@@ -128,53 +128,104 @@ def _simple(value: Any, depth: int = 0) -> bool:
     return all(_simple(v, depth + 1) for v in items)
 
 
-def _loose_state(opt: torch.optim.Optimizer, params: list[Tensor]) -> list[Any]:
-    """The keys of `opt.state` that are none of `params` (a global step count some
-    optimizers keep in `state`, under a string)."""
-    return [k for k in opt.state if not any(k is q for q in params)]
+# Where a value the step may change outside the per-parameter state lives: an attribute of
+# the optimizer (Ranger21's `lookahead_step`), or an entry of `opt.state` under a key that
+# is no parameter (MADGRAD's state['k']). Own values are keyed by (where, name).
+ATTR, STATE = "attr", "state"
 
 
-def own_keys(opt: torch.optim.Optimizer) -> set[str]:
-    """The names of the simple values `opt` keeps as attributes (not its groups, state or
-    hooks): what a step may change besides them (Ranger21's `lookahead_step`)."""
-    return {k for k, v in opt.__dict__.items()
+def own_keys(opt: torch.optim.Optimizer) -> set[tuple[str, Any]]:
+    """The simple values `opt` keeps as attributes (not its groups, state or hooks) and the
+    entries of its state under keys that are no parameter: what a step may change besides
+    the per-parameter state and the groups."""
+    keys = {(ATTR, k) for k, v in opt.__dict__.items()
             if k not in SHADOW_OWN and not k.startswith("_tiermem") and _simple(v)}
+    return keys | {(STATE, k) for k in opt.state if not isinstance(k, Tensor)}
 
 
-def own_values(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Copies of the values own_keys() names."""
-    return {k: _copy(getattr(opt, k)) for k in own_keys(opt)}
+def own_get(opt: torch.optim.Optimizer, key: tuple[str, Any]) -> Any:
+    where, k = key
+    # .get: reading a defaultdict must not make the entry
+    return getattr(opt, k, _MISSING) if where == ATTR else opt.state.get(k, _MISSING)
+
+
+def own_put(opt: torch.optim.Optimizer, key: tuple[str, Any], value: Any) -> None:
+    where, k = key
+    if value is _MISSING:
+        if where == ATTR:
+            opt.__dict__.pop(k, None)
+        else:
+            opt.state.pop(k, None)
+    elif where == ATTR:
+        setattr(opt, k, value)
+    else:
+        opt.state[k] = value
+
+
+def own_name(key: tuple[str, Any]) -> str:
+    where, k = key
+    return f".{k}" if where == ATTR else f".state[{k!r}]"
+
+
+def own_values(opt: torch.optim.Optimizer) -> dict[tuple[str, Any], Any]:
+    """Copies of the values own_keys() names, in a fixed order (a manifest lists them)."""
+    return {key: _copy(own_get(opt, key))
+            for key in sorted(own_keys(opt), key=lambda key: (key[0], str(key[1])))}
+
+
+def _loose_refusal(opt: torch.optim.Optimizer) -> str | None:
+    """Why an entry of `opt.state` under a key that is no parameter cannot be carried from
+    step to step as a value (every partition's shadow starts from a copy of it, and the
+    first one's result is kept), if one cannot."""
+    for k, v in opt.state.items():
+        if isinstance(k, Tensor):
+            continue
+        if not isinstance(k, str):
+            return (f"it keeps state under {k!r}, which is neither a parameter nor a string "
+                    "(torch's state_dict() numbers the parameters' entries)")
+        if not _simple(v):
+            return (f"it keeps state under {k!r}, not under a parameter, as a "
+                    f"{type(v).__name__}; tiermem carries such an entry from step to step "
+                    "only as numbers, strings, tensors of up to 65536 elements, and lists, "
+                    "tuples and dicts of them")
+    return None
 
 
 def shadow_optimizer(opt: torch.optim.Optimizer, group: dict[str, Any],
-                     params: list[Tensor], own: dict[str, Any] | None = None
+                     params: list[Tensor], own: dict[tuple[str, Any], Any] | None = None
                      ) -> torch.optim.Optimizer:
     """An optimizer of `opt`'s class and attributes stepping only `params` in one group,
-    with empty state and none of the user's hooks (tiermem's own bound methods left out,
-    so its step is the class's own). Its simple attribute values are copies: a step that
-    changes one in place changes the shadow's, never the optimizer's. `own`: the simple
-    values to copy instead of `opt`'s (as a step began; one `opt` has that is not among
-    them was made since, and the shadow goes without it)."""
+    with none of the user's hooks (tiermem's own bound methods left out, so its step is the
+    class's own), and a state holding only copies of `opt`'s entries under keys that are
+    no parameter. Its simple attribute values are copies: a step that changes one in place
+    changes the shadow's, never the optimizer's. `own`: the values (own_values()) to copy
+    instead of `opt`'s (as a step began; one `opt` has that is not among them was made
+    since, and the shadow goes without it)."""
     sh = type(opt).__new__(type(opt))
     attrs = {}
     for k, v in opt.__dict__.items():
         if (isinstance(v, types.MethodType) and v.__self__ is opt) or k.startswith("_tiermem"):
             continue
-        if own is not None and k in own:
-            attrs[k] = _copy(own[k])
+        if own is not None and (ATTR, k) in own:
+            attrs[k] = _copy(own[ATTR, k])
         elif _simple(v):
             if own is None:
                 attrs[k] = _copy(v)
         else:
             attrs[k] = v
-    for k in (own or {}).keys() - attrs.keys():
-        attrs[k] = _copy(own[k])
+    if own is None:
+        own = {(STATE, k): v for k, v in opt.state.items() if not isinstance(k, Tensor)}
+    for where, k in own.keys():
+        if where == ATTR and k not in attrs:
+            attrs[k] = _copy(own[where, k])
     sh.__dict__.update(attrs)
     sh.param_groups = [{**group, "params": params}]
-    sh.state = defaultdict(dict)
+    sh.state = defaultdict(dict, {k: _copy(v) for (where, k), v in own.items()
+                                  if where == STATE})
     for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
         setattr(sh, hooks, type(getattr(opt, hooks, {}))())
     return sh
+
 
 class ShadowRule(UpdateRule):
     """A torch.optim.Optimizer subclass stepped by its own step() on whole parameters."""
@@ -196,12 +247,16 @@ class ShadowRule(UpdateRule):
         self._kinds: set[str] = set()
         self._before: list[dict[str, Any]] = []  # each group's values as the step began
         self._after: dict[int, dict[str, Any]] = {}  # ... as its first partition left them
-        self._own_before: dict[str, Any] | None = None  # the optimizer's own values, ditto
-        self._own_after: dict[str, Any] | None = None
+        # the optimizer's own values (own_values()), ditto
+        self._own_before: dict[tuple[str, Any], Any] | None = None
+        self._own_after: dict[tuple[str, Any], Any] | None = None
         # what the coupling probe's steps after the first changed outside the state: group
         # keys (group index, key) and the names of values kept on the optimizer
         self._changed_groups: list[tuple[int, str]] = []
-        self._changed_own: list[str] = []
+        self._changed_own: list[tuple[str, Any]] = []
+        # this step's: hands each partition's shadow the loss of the user's closure
+        self._closure: Callable[[], Any] | None = None
+        self._closure_checked = False
 
     @property
     def torch_keys(self) -> dict[str, str]:  # type: ignore[override]
@@ -232,10 +287,11 @@ class ShadowRule(UpdateRule):
             with torch.no_grad():
                 type(sh).train(sh)
 
-    def _run(self, sh: torch.optim.Optimizer, what: str) -> None:
+    def _run(self, sh: torch.optim.Optimizer, what: str,
+             closure: Callable[[], Any] | None = None) -> None:
         try:
             with torch.no_grad():
-                type(sh).step(sh)
+                type(sh).step(sh) if closure is None else type(sh).step(sh, closure)
         except Exception as exc:
             raise UnsupportedOptimizer(
                 f"tiermem.offload cannot run {_name(type(sh))}: its step() failed on {what} "
@@ -243,6 +299,41 @@ class ShadowRule(UpdateRule):
                 "holding one partition's parameters and their state (none before their "
                 "first step), without a closure: an optimizer that needs a closure, or that "
                 "makes its state in __init__, cannot run this way") from exc
+
+    def check_closure(self) -> None:
+        """tiermem evaluates a closure once, then steps the partitions' shadows, each with a
+        closure handing back that loss (an optimizer may use it: EmoNavi scales its step by
+        the loss's trend). The plain step calls its closure once too, before the update;
+        one that calls it more often (to re-evaluate at moved weights) or never would step
+        on other gradients than tiermem's. A probe counts the calls, once."""
+        if self._closure_checked or self.per_parameter:
+            return
+        group = next((g for g in self.opt.param_groups if g["params"]), None)
+        if group is None:
+            return
+        first = group["params"][0]
+        shape = PROBE_SHAPES.get(first.dim(), [(2,) * first.dim()])[0]
+        p = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(first.dtype)
+        sh = self._shadow({k: _copy(v) for k, v in group.items() if k != "params"}, [p])
+        calls = []
+
+        def closure() -> Tensor:
+            calls.append(1)
+            return torch.tensor(1.0 / len(calls))
+        with torch.random.fork_rng(devices=[]):
+            self._train_mode(sh)
+            for step in range(2):
+                p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(3 + step)
+                                     ).to(first.dtype)
+                self._run(sh, "a probe with a closure", closure)
+                if len(calls) != step + 1:
+                    raise UnsupportedOptimizer(
+                        f"tiermem.offload cannot run {_name(type(self.opt))}.step(closure): "
+                        f"its step called the closure {len(calls) - step} times on tiermem's "
+                        "probe; tiermem evaluates a closure once, before stepping the "
+                        "partitions, as a step that calls it once does. Call backward "
+                        "yourself and step() without a closure")
+        self._closure_checked = True
 
     def _refuse_draws(self, before: Tensor) -> None:
         """A step that advanced the global RNG drew random numbers (Gravity's random initial
@@ -290,6 +381,7 @@ class ShadowRule(UpdateRule):
             return params, shadows
 
         together, (whole,) = run([list(range(len(shapes)))], note_after=True)
+        self._refuse_loose(whole)
         # What the steps after the first change outside the per-parameter state (a counter,
         # also one that comes back to its first value, as Ranger21's lookahead_step every
         # lookahead_merge_time steps; not a flag set once by the first step, which a fresh
@@ -351,6 +443,12 @@ class ShadowRule(UpdateRule):
             self._layouts[key] = lay
         return lay
 
+    def _refuse_loose(self, sh: torch.optim.Optimizer) -> None:
+        why = _loose_refusal(sh)
+        if why:
+            raise UnsupportedOptimizer(f"tiermem.offload cannot run {_name(type(self.opt))}: "
+                                       f"{why}")
+
     def _probe_layout(self, param: Tensor, group: dict[str, Any], dtype: torch.dtype,
                       master: bool) -> WholeLayout:
         """What one step makes of a zero parameter of this shape: the record's kinds."""
@@ -363,12 +461,7 @@ class ShadowRule(UpdateRule):
             rng = torch.get_rng_state()
             self._run(sh, f"a parameter of shape {tuple(param.shape)}")
             self._refuse_draws(rng)
-        loose = _loose_state(sh, [p])
-        if loose:
-            raise UnsupportedOptimizer(
-                f"tiermem.offload cannot run {_name(type(self.opt))}: it keeps state under "
-                f"{loose[0]!r}, not under a parameter; tiermem keeps per-parameter state, and "
-                "each partition's step would start that entry over")
+        self._refuse_loose(sh)
         kinds, shapes, dtypes = ["master"] if master else [], {}, {}
         nested: dict[str, Template] = {}
         if master:
@@ -448,7 +541,8 @@ class ShadowRule(UpdateRule):
 
     # -- the step ----------------------------------------------------------------
 
-    def begin_step(self, groups) -> None:
+    def begin_step(self, groups, *, closure: Callable[[], Any] | None = None) -> None:
+        self._closure = closure
         self._before = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
         self._after = {}
         # The values the optimizer keeps on itself as the step began: every partition's
@@ -466,41 +560,44 @@ class ShadowRule(UpdateRule):
                 group.update({k: _copy(v) for k, v in before.items()})
         if self._own_before is None:
             return
-        for k in own_keys(self.opt) - self._own_before.keys():
-            delattr(self.opt, k)  # likewise: the retried step must make it again
-        for k, v in self._own_before.items():
-            setattr(self.opt, k, _copy(v))
+        for key in own_keys(self.opt) - self._own_before.keys():
+            own_put(self.opt, key, _MISSING)  # likewise: the retried step must make it again
+        for key, v in self._own_before.items():
+            own_put(self.opt, key, _copy(v))
 
-    def _changed(self) -> list[tuple[str, int | None, str]]:
-        """(name, group index or None for one kept on the optimizer, key) of each value the
-        probe saw the step change outside the state."""
+    def _changed(self) -> list[tuple[str, int | str, Any]]:
+        """(name, where, key) of each value the probe saw the step change outside the
+        per-parameter state; where: the group's index, ATTR or STATE."""
         return ([(f"param_groups[{g}][{k!r}]", g, k) for g, k in self._changed_groups]
-                + [(f".{k}", None, k) for k in self._changed_own])
+                + [(own_name(key), *key) for key in self._changed_own])
 
     def step_changed_values(self) -> list[str]:
         return [name for name, _, _ in self._changed()]
 
     def step_values(self) -> dict[str, Any]:
-        groups: dict[str, dict[str, Any]] = {}
-        own: dict[str, Any] = {}
-        absent = []  # not made yet (a count the first step sets up, before that step)
-        for name, g, k in self._changed():
-            where = self.opt.__dict__ if g is None else (
-                self.opt.param_groups[g] if g < len(self.opt.param_groups) else {})
-            if k not in where:
-                absent.append(name)
-            elif g is None:
-                own[k] = where[k]
+        values: dict[str, Any] = {"groups": {}, "own": {}, "state": {}, "absent": []}
+        for name, where, k in self._changed():
+            if isinstance(where, int):
+                group = (self.opt.param_groups[where] if where < len(self.opt.param_groups)
+                         else {})
+                value = group.get(k, _MISSING)
+                if value is not _MISSING:
+                    values["groups"].setdefault(str(where), {})[k] = value
             else:
-                groups.setdefault(str(g), {})[k] = where[k]
-        return {"groups": groups, "own": own, "absent": absent}
+                value = own_get(self.opt, (where, k))
+                if value is not _MISSING:
+                    values["own" if where == ATTR else "state"][k] = value
+            if value is _MISSING:  # not made yet (a count the first step sets up)
+                values["absent"].append(name)
+        return values
 
     def restore_step_values(self, values: dict[str, Any]) -> None:
         kept = {(int(g), k) for g, vs in values.get("groups", {}).items() for k in vs}
-        kept |= {(None, k) for k in values.get("own", {})}
+        kept |= {(ATTR, k) for k in values.get("own", {})}
+        kept |= {(STATE, k) for k in values.get("state", {})}
         absent = set(values.get("absent", ()))
-        missing = [name for name, g, k in self._changed()
-                   if (g, k) not in kept and name not in absent]
+        missing = [name for name, where, k in self._changed()
+                   if (where, k) not in kept and name not in absent]
         if missing:
             raise UnsupportedOptimizer(
                 f"cannot resume {_name(type(self.opt))} from disk: its step changes "
@@ -511,10 +608,15 @@ class ShadowRule(UpdateRule):
         for g, vs in values.get("groups", {}).items():
             self.opt.param_groups[int(g)].update(vs)
         for k, v in values.get("own", {}).items():
-            setattr(self.opt, k, v)
-        for name, g, k in self._changed():  # as the committed step left them: not made yet
+            own_put(self.opt, (ATTR, k), v)
+        for k, v in values.get("state", {}).items():
+            own_put(self.opt, (STATE, k), v)
+        for name, where, k in self._changed():  # as the committed step left them: not made yet
             if name in absent:
-                (self.opt.__dict__ if g is None else self.opt.param_groups[g]).pop(k, None)
+                if isinstance(where, int):
+                    self.opt.param_groups[where].pop(k, None)
+                else:
+                    own_put(self.opt, (where, k), _MISSING)
 
     def state_methods(self) -> tuple[str, ...]:
         return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
@@ -528,7 +630,8 @@ class ShadowRule(UpdateRule):
         self._on_shadow(batch, call)
 
     def update(self, batch: Batch, *, kernel: str) -> None:
-        self._on_shadow(batch, lambda sh: self._run(sh, f"partition {batch.part.id}"))
+        self._on_shadow(batch, lambda sh: self._run(sh, f"partition {batch.part.id}",
+                                                    self._closure))
 
     def _on_shadow(self, batch: Batch, call: Any) -> None:
         part, group = batch.part, batch.group
@@ -641,7 +744,20 @@ class ShadowRule(UpdateRule):
 
     def from_torch_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]
                          ) -> dict[str, Any]:
-        nested = self.whole_layout(param, group, keep_master=False).nested
+        lay = self.whole_layout(param, group, keep_master=False)
+        nested = lay.nested
+        unknown = [k for k, v in state.items() if k not in nested and k not in lay.kinds
+                   and k != MASTER_KEY and (is_record_tensor(v) or nests(v))]
+        if unknown:
+            # SPAM makes a mask per matrix in __init__, before any step: the record, laid
+            # out from a first step on a fresh parameter, has no room for it, and the steps
+            # would go on without it (the masked arithmetic rounds differently)
+            raise UnsupportedOptimizer(
+                f"tiermem.offload cannot take {_name(type(self.opt))}'s state {unknown} of a "
+                f"parameter of shape {tuple(param.shape)}: the record is laid out from what "
+                "the optimizer's first step makes for a parameter without state, and that "
+                "step does not make it (state made before the first step, as in __init__, "
+                "or by a later one)")
         out = dict(state)
         for key, template in nested.items():
             if key not in out:
@@ -666,17 +782,18 @@ class ShadowRule(UpdateRule):
 
     def _carry_own_values(self, sh: torch.optim.Optimizer) -> None:
         """Set what the first partition's step changed of the values the optimizer keeps on
-        itself back on it; refuse a later partition that ends with other values."""
+        itself (and in its state under keys that are no parameter) back on it; refuse a
+        later partition that ends with other values."""
         keys = own_keys(sh)
         if self._own_after is None:
-            self._own_after = {k: _copy(getattr(sh, k)) for k in keys}
-            for k, v in self._own_after.items():
-                if not _same(v, (self._own_before or {}).get(k, _MISSING)):
-                    setattr(self.opt, k, _copy(v))
+            self._own_after = {key: _copy(own_get(sh, key)) for key in keys}
+            for key, v in self._own_after.items():
+                if not _same(v, (self._own_before or {}).get(key, _MISSING)):
+                    own_put(self.opt, key, _copy(v))
             return
-        changed = sorted(k for k in keys | self._own_after.keys()
-                         if not _same(getattr(sh, k, _MISSING) if k in keys else _MISSING,
-                                      self._own_after.get(k, _MISSING)))
+        changed = sorted(own_name(key) for key in keys | self._own_after.keys()
+                         if not _same(own_get(sh, key) if key in keys else _MISSING,
+                                      self._own_after.get(key, _MISSING)))
         if changed:
             raise TierMemError(
                 f"{_name(type(self.opt))} changed the values it keeps on itself ({changed}) "

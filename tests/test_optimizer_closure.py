@@ -1,0 +1,99 @@
+"""step(closure) on the generic path: tiermem evaluates the closure once, before any
+partition, and each partition's shadow gets a closure handing back that loss, so an
+optimizer whose step uses the loss (EmoNavi scales its update by the loss's trend) steps
+as its plain run does. An optimizer whose step calls its closure other than once is
+refused before the closure runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.optim.rules import UnsupportedOptimizer
+
+from offload_helpers import assert_same_tensor, backend_params, make_batches, train
+from test_optimizer_rules import GlobalStep, Stepped, cfg, pair, params_equal, state_equal
+
+
+class LossScaled(Stepped):
+    """Momentum whose step size follows the loss its closure returns (a loss-driven
+    schedule, as EmoNavi's); without a closure, the plain step size."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = 1.0 if loss is None else 1.0 / (1.0 + float(loss))
+        for group, p, st in self.with_grads():
+            if not st:
+                st["m"] = torch.zeros_like(p)
+            st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+            p.sub_(st["m"], alpha=group["lr"] * scale)
+        return loss
+
+
+class TwiceEvaluated(LossScaled):
+    """Evaluates its closure a second time within the step (as a sharpness-aware step does
+    at moved weights)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_closure_loss_reaches_the_optimizers_step(tmp_path, backend):
+    model, opt, ref, ref_opt = pair(LossScaled, {})
+    batches = make_batches(model, 4)
+    with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model) as tm:
+        losses = train(model, opt, batches, closure=True)
+        assert len(tm.offloaded.parts) > 1
+        sd = opt.state_dict()
+    assert losses == train(ref, ref_opt, batches, closure=True)
+    params_equal(model, ref, "LossScaled through a closure")
+    state_equal(sd, ref_opt.state_dict(), "LossScaled")
+
+
+def test_closure_loss_is_what_keeps_it_exact(tmp_path, monkeypatch):
+    """With the loss kept from the partitions' steps (each shadow stepped without a closure,
+    as before this was built), the run ends different from the plain one, with no error."""
+    from tiermem.optim.rules.generic import ShadowRule
+
+    plain = ShadowRule.begin_step
+    monkeypatch.setattr(ShadowRule, "begin_step",
+                        lambda self, groups, closure=None: plain(self, groups))
+    model, opt, ref, ref_opt = pair(LossScaled, {})
+    batches = make_batches(model, 3)
+    with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
+        train(model, opt, batches, closure=True)
+    train(ref, ref_opt, batches, closure=True)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("cls, calls", [(TwiceEvaluated, 2), (GlobalStep, 0)],
+                         ids=["twice", "never"])
+def test_closure_called_other_than_once_refused(tmp_path, cls, calls):
+    """Refused at the first step(closure), before the closure ran: the weights, the state
+    and the steps before it are untouched, and stepping without a closure goes on."""
+    model, opt, ref, ref_opt = pair(cls, {})
+    batches = make_batches(model, 3)
+    ran = []
+    with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
+        train(model, opt, batches[:1])
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(UnsupportedOptimizer,
+                           match=rf"{cls.__name__}.step\(closure\): its step called the "
+                                 rf"closure {calls} times"):
+            opt.step(lambda: ran.append(1))
+        assert not ran
+        for p, b in zip(model.parameters(), before):
+            assert_same_tensor(p.detach(), b, "a weight after the refusal")
+        train(model, opt, batches[1:], start=1)
+    train(ref, ref_opt, batches)
+    params_equal(model, ref, f"{cls.__name__} stepped without a closure")
