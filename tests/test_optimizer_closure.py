@@ -13,7 +13,8 @@ import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
 
 from offload_helpers import assert_same_tensor, backend_params, make_batches, train
-from test_optimizer_rules import GlobalStep, Stepped, cfg, pair, params_equal, state_equal
+from test_optimizer_rules import (GlobalStep, Stepped, cfg, load, pair, params_equal,
+                                  state_equal)
 
 
 class LossScaled(Stepped):
@@ -48,16 +49,24 @@ class TwiceEvaluated(LossScaled):
 
 
 @pytest.mark.parametrize("backend", backend_params())
-def test_closure_loss_reaches_the_optimizers_step(tmp_path, backend):
-    model, opt, ref, ref_opt = pair(LossScaled, {})
+@pytest.mark.parametrize("cls, kw", [
+    (LossScaled, {}),
+    # loss averages in state['ema'] (kept in opt.state, carried across partitions) scale
+    # its update once they drift apart
+    (("pytorch_optimizer", "EmoNavi"), dict(lr=1e-2))],
+    ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
+def test_closure_loss_reaches_the_optimizers_step(tmp_path, backend, cls, kw):
+    if isinstance(cls, tuple):
+        cls = load(*cls)
+    model, opt, ref, ref_opt = pair(cls, kw)
     batches = make_batches(model, 4)
     with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model) as tm:
         losses = train(model, opt, batches, closure=True)
         assert len(tm.offloaded.parts) > 1
         sd = opt.state_dict()
     assert losses == train(ref, ref_opt, batches, closure=True)
-    params_equal(model, ref, "LossScaled through a closure")
-    state_equal(sd, ref_opt.state_dict(), "LossScaled")
+    params_equal(model, ref, f"{cls.__name__} through a closure")
+    state_equal(sd, ref_opt.state_dict(), cls.__name__)
 
 
 def test_closure_loss_is_what_keeps_it_exact(tmp_path, monkeypatch):
