@@ -103,19 +103,21 @@ def _rate(text: str) -> float:
 
 
 def _optimizer(text: str) -> str:
-    from tiermem.tools.optimizers import UnknownOptimizer, choice
+    from tiermem.tools.optimizers import UnknownOptimizer, canonical
 
     try:
-        choice(text)
+        return canonical(text)
     except UnknownOptimizer as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text.lower()
 
 
 _OPTIMIZER_HELP = ("the optimizer, by name (default adamw): adamw, adam, sgd (momentum 0.9), "
                    "adagrad, rmsprop (centered, momentum 0.9), adamax, nadam, radam, adadelta, "
                    "asgd, rprop, adafactor, muon (2-D parameters), and with the thirdparty "
-                   "extra lion, lamb, adan")
+                   "extra lion, lamb, adan; or any torch.optim.Optimizer subclass by its "
+                   "import path (bitsandbytes.optim.AdamW8bit); either with keyword "
+                   "arguments: 'sgd(momentum=0.5)', "
+                   "'pytorch_optimizer.SOAP(precondition_frequency=10)'")
 
 
 def _model_size_given(args: argparse.Namespace, command: str) -> bool:

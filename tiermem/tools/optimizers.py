@@ -4,11 +4,16 @@ a partition that `stress --verify` compares with.
 
 A name stands for one optimizer class and its settings (SGD is SGD with momentum 0.9,
 RMSprop is centered with momentum: the settings that keep the most state). Third-party
-names need their package (the `thirdparty` extra); the error says which.
+names need their package (the `thirdparty` extra); the error says which. Any other
+torch.optim.Optimizer subclass is named by its import path (`bitsandbytes.optim.AdamW8bit`,
+`pytorch_optimizer.SOAP`), and a name or path may carry keyword arguments as Python
+literals: `sgd(momentum=0.5, nesterov=True)`, `pytorch_optimizer.SOAP(precondition_frequency=10)`.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import importlib
 import math
 from dataclasses import dataclass, field
@@ -63,18 +68,69 @@ def known() -> str:
     return ", ".join(OPTIMIZERS)
 
 
-def choice(name: str) -> Choice:
-    """The Choice for `name`, its class importable; UnknownOptimizer otherwise."""
+def _split(spec: str) -> tuple[str, dict[str, Any]]:
+    """`name` or `name(key=literal, ...)`: the name and the keyword arguments."""
+    head, paren, rest = spec.strip().partition("(")
+    head = head.strip()
+    if head.lower() in OPTIMIZERS:
+        head = head.lower()
+    elif ":" in head:  # module:Class, as entry points write it
+        head = head.replace(":", ".")
+    spec = head + paren + rest
+    if not paren:
+        return spec, {}
+    try:
+        call = ast.parse(spec, mode="eval").body
+        if not isinstance(call, ast.Call) or call.args:
+            raise ValueError("keyword arguments only")
+        name = ast.unparse(call.func)
+        kwargs = {}
+        for kw in call.keywords:
+            if kw.arg is None:
+                raise ValueError("no **")
+            kwargs[kw.arg] = ast.literal_eval(kw.value)
+    except (SyntaxError, ValueError) as exc:
+        raise UnknownOptimizer(
+            f"cannot read optimizer {spec!r} ({exc}): give a name or an import path, "
+            "optionally with keyword arguments as Python literals, as "
+            "'sgd(momentum=0.5)' or 'pytorch_optimizer.SOAP(precondition_frequency=10)'"
+        ) from None
+    return name, kwargs
+
+
+def canonical(spec: str) -> str:
+    """`spec` as the rest of tiermem compares it: a table name in lower case; UnknownOptimizer
+    if it names nothing that loads."""
+    choice(spec)
+    head, paren, rest = spec.strip().partition("(")
+    head = head.strip()
+    return (head.lower() if head.lower() in OPTIMIZERS else head.replace(":", ".")) + paren + rest
+
+
+def choice(spec: str) -> Choice:
+    """The Choice for `spec` (a name of the table or a class's import path, each optionally
+    with keyword arguments), its class importable; UnknownOptimizer otherwise."""
+    name, kwargs = _split(spec)
     c = OPTIMIZERS.get(name.lower())
     if c is None:
-        raise UnknownOptimizer(f"unknown optimizer {name!r}; known: {known()}")
+        module, _, cls = name.replace(":", ".").rpartition(".")
+        if not module:
+            raise UnknownOptimizer(f"unknown optimizer {name!r}; known: {known()}; or any "
+                                   "torch.optim.Optimizer subclass by its import path "
+                                   "(package.module.Class)")
+        c = Choice(module, cls)
     try:
-        getattr(importlib.import_module(c.module), c.cls)
+        found = getattr(importlib.import_module(c.module), c.cls)
     except (ImportError, AttributeError) as exc:
         hint = (f"pip install {c.package} (or tiermem[thirdparty])" if c.package
-                else "a newer torch")
+                else "a newer torch" if c.module.startswith("torch.")
+                else f"install the package that provides {c.module}")
         raise UnknownOptimizer(f"optimizer {name!r} needs {c.module}.{c.cls}, which does not "
                                f"load here ({exc}): {hint}") from None
+    if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+        raise UnknownOptimizer(f"{c.module}.{c.cls} is not a torch.optim.Optimizer subclass")
+    if kwargs:
+        c = dataclasses.replace(c, kwargs={**c.kwargs, **kwargs})
     return c
 
 
@@ -89,13 +145,22 @@ def stepped(c: Choice, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def make_optimizer(name: str, params: Sequence[torch.Tensor], lr: float
                    ) -> torch.optim.Optimizer:
+    """`name`'s optimizer over `params` (lr: unless the name gives one)."""
     c = choice(name)
-    return optimizer_class(c)(stepped(c, params), lr=lr, **c.kwargs)
+    return optimizer_class(c)(stepped(c, params), **{"lr": lr, **c.kwargs})
 
 
 # -- state bytes per parameter: asked of the rule ----------------------------------------
 
-PROXY_DIMS = (11, 13, 17, 19, 23, 29)  # distinct small sizes: each maps back to one dim
+# Each whole-parameter shape is probed on two small stand-ins of its rank whose sizes
+# differ in every dimension, so that each state tensor's dimensions map back to the
+# parameter's: a size alike in both is a constant (a code map), a pair of sizes is that
+# dimension of the parameter, and a 1-D size both stand-ins' element counts divide by the
+# same number is one value per block of that many elements (block scales). The first two
+# dimensions are multiples of 64 and a matrix has 4096 elements or more: the sizes at
+# which bitsandbytes' and torchao's 8-bit formats take over (smaller ones get fp32 state).
+PROXIES = ((192, 320, 3, 5, 7, 11), (320, 448, 5, 7, 11, 13))
+PROXIES_MANY = ((11, 13, 17, 19, 23, 29, 31, 37), (13, 17, 19, 23, 29, 31, 37, 41))
 
 
 def _probe_rule(name: str, dtype: torch.dtype, settings: Settings
@@ -103,7 +168,7 @@ def _probe_rule(name: str, dtype: torch.dtype, settings: Settings
     c = choice(name)
     dims = (2,) if c.matrices_only else (1, 2)
     probe = [torch.zeros((7,) * d, dtype=dtype, requires_grad=True) for d in dims]
-    opt = optimizer_class(c)(probe, lr=1e-3, **c.kwargs)
+    opt = optimizer_class(c)(probe, **{"lr": 1e-3, **c.kwargs})
     o = settings.optimizer
     options = dict(state_dtype=o.state_dtype, state_rounding=o.state_rounding)
     if o.master_weights != "fp32" and isinstance(opt, torch.optim.Adam):
@@ -119,8 +184,8 @@ def state_bytes(name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
     a GPU model's host or NVMe records, which keep one as its weights are on the device).
 
     Whole-parameter rules lay a record out from one step of the optimizer: that step runs
-    on a small stand-in of each shape (a distinct size per dimension), and each state
-    tensor's dimensions map back to the parameter's, so nothing of the real size is made."""
+    on two small stand-ins of each shape's rank (PROXIES), and each state tensor's
+    dimensions map back to the parameter's, so nothing of the real size is made."""
     rule, opt = _probe_rule(name, dtype, settings)
     c = choice(name)
     group = opt.param_groups[0]
@@ -146,29 +211,37 @@ def state_bytes(name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
 
 def _whole_bytes(rule: Any, group: dict, shape: tuple[int, ...], dtype: torch.dtype,
                  keep_master: bool) -> int:
-    if len(shape) > len(PROXY_DIMS):
+    rank = len(shape)
+    if rank > len(PROXIES_MANY[0]):
         raise TierMemError(f"a parameter of shape {shape}: more dimensions than the plan "
                            "probes")
-    proxy = tuple(PROXY_DIMS[:len(shape)])
-    lay = rule.whole_layout(torch.zeros(proxy, dtype=dtype), group, keep_master=keep_master)
-    numel = math.prod(shape)
+    p1, p2 = (tuple(p[:rank]) for p in (PROXIES if rank <= 4 else PROXIES_MANY))
+    lay1, lay2 = (rule.whole_layout(torch.zeros(p, dtype=dtype), group,
+                                    keep_master=keep_master) for p in (p1, p2))
+    name = type(rule.opt).__name__
+    if lay1.kinds != lay2.kinds or lay1.dtypes != lay2.dtypes:
+        raise TierMemError(f"{name} keeps other state for parameters of shapes {p1} and {p2}: "
+                           f"the plan cannot scale it to {shape}")
+    numel, n1, n2 = math.prod(shape), math.prod(p1), math.prod(p2)
     total = 0
-    for k in lay.kinds:
-        itemsize = lay.dtypes[k].itemsize
-        kshape = lay.shapes.get(k)
-        if kshape is None:
-            total += numel * itemsize
-            continue
+    for k in lay1.kinds:
+        s1, s2 = lay1.shapes.get(k, p1), lay2.shapes.get(k, p2)
+        if len(s1) != len(s2):
+            raise TierMemError(f"{name}'s state {k!r} has shapes {s1} and {s2} for parameters "
+                               f"of shapes {p1} and {p2}: the plan cannot scale it to {shape}")
         n = 1
-        for d in kshape:
-            if d == 1:
-                continue
-            if d not in proxy:
+        for a, b in zip(s1, s2):
+            if a == b:
+                n *= a  # the same for any shape
+            elif (a, b) in zip(p1, p2):
+                n *= shape[list(zip(p1, p2)).index((a, b))]
+            elif len(s1) == 1 and n1 % a == 0 and n2 % b == 0 and n1 // a == n2 // b:
+                n *= -(-numel // (n1 // a))  # one value per block of n1 // a elements
+            else:
                 raise TierMemError(
-                    f"{type(rule.opt).__name__}'s state {k!r} has a dimension of {d} for a "
-                    f"parameter of shape {proxy}: the plan cannot scale it to {shape}")
-            n *= shape[proxy.index(d)]
-        total += n * itemsize
+                    f"{name}'s state {k!r} has shapes {s1} and {s2} for parameters of "
+                    f"shapes {p1} and {p2}: the plan cannot scale it to {shape}")
+        total += n * lay1.dtypes[k].itemsize
     return total
 
 
@@ -188,9 +261,12 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
 
     Each segment is stepped as the update rule sees it: a flat slice of its parameter for
     an elementwise rule (parameters are cut at multiples of 1024 elements, so torch's
-    kernels take the same vector body and tail), the whole parameter otherwise."""
+    kernels take the same vector body and tail), the whole parameter otherwise, its state
+    in torch's format (lists, dicts and tensor subclasses rebuilt around the record's
+    tensors, in the memory order the record keeps them in) and back."""
     rule, opt = off.rule, off.opt
-    group = {k: v for k, v in opt.param_groups[part.group].items() if k != "params"}
+    real_group = opt.param_groups[part.group]
+    group = {k: v for k, v in real_group.items() if k != "params"}
     if off.settings.optimizer.kernel == "fused" and getattr(rule, "has_fused", False):
         group.update(fused=True, foreach=False)  # what the rule then runs
     master = "master" in rec
@@ -223,11 +299,13 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
             if k != "master":
                 st[rule.torch_keys[k]] = rec[k][sl[k]].clone().view(
                     s.shapes.get(k, p.shape) if not rule.elementwise else (-1,))
-        ref.state[p] = st
+        ref.state[p] = st if rule.elementwise else rule.to_torch_state(p, real_group, st)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         type(ref).step(ref)
     for i, s, p, sl in entries:
         st = ref.state[p]
+        if not rule.elementwise:
+            st = rule.from_torch_state(p, real_group, st)
         for k in rec:
             if k == "master":
                 rec[k][sl[k]].copy_(p.reshape(-1))
