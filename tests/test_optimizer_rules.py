@@ -685,6 +685,57 @@ def test_resume_before_the_first_step_of_a_lazily_counted_optimizer(tmp_path, mo
     assert (opt2.t, opt2.param_groups[0]["count"], opt2.state["seen"]) == (ref_opt.t, 3, 3)
 
 
+class LateLatched(Stepped):
+    """Halves its step size from its fifth step on, by a flag on itself, a key in its group
+    and an entry in its state that the fifth step sets (after the coupling probe's three
+    steps, which see only its group count change)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, lr)
+        self.warm = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group0 = self.param_groups[0]
+        group0["n"] = group0.get("n", 0) + 1
+        if group0["n"] == 5:
+            self.warm, group0["scale"], self.state["phase"] = True, 0.5, "late"
+        for group, p, st in self.with_grads():
+            if not st:
+                st["m"] = torch.zeros_like(p)
+            st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+            scale = group0.get("scale", 1.0) * (0.5 if self.warm else 1.0)
+            if self.state.get("phase") == "late":
+                scale *= 0.5
+            p.sub_(st["m"], alpha=group["lr"] * scale)
+
+
+@pytest.mark.parametrize("probe_seen_only", [False, True])
+def test_resume_keeps_values_that_first_change_after_the_probe(tmp_path, monkeypatch,
+                                                                 probe_seen_only):
+    """The manifest keeps every simple value outside the state, not only those the coupling
+    probe saw change: a flag, a group key and a state entry the fifth step sets come back
+    from a commit after it, and the resumed run continues exactly. With only the probe's
+    values kept, it ends different, with no error."""
+    from tiermem.optim.rules.generic import ShadowRule
+
+    if probe_seen_only:
+        monkeypatch.setattr(ShadowRule, "_kept", ShadowRule._changed)
+    model, opt, ref, ref_opt = pair(LateLatched, {})
+    batches = make_batches(model, 8)
+    c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches[:6])
+    model2 = copy.deepcopy(model)
+    opt2 = LateLatched(model2.parameters())
+    with tiermem.offload(opt2, c, model=model2, resume=True):
+        train(model2, opt2, batches[6:], start=6)
+    train(ref, ref_opt, batches)
+    same = all(torch.equal(p, q) for p, q in zip(model2.parameters(), ref.parameters()))
+    assert same != probe_seen_only
+    if not probe_seen_only:
+        assert (opt2.warm, opt2.param_groups[0]["scale"], opt2.state["phase"]) == \
+            (True, 0.5, "late")
+
+
 class Keyed(SelfCounted):
     """SelfCounted that also keeps a dict of its last learning rates: no manifest value."""
 

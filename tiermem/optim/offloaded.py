@@ -23,9 +23,8 @@ from tiermem.kernels.adam import kernel_matching
 from tiermem.swap.manifest import read_manifest, write_manifest
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.overlap import BackwardOverlap
-from tiermem.optim.rules import (Batch, PreparedUpdate, UnsupportedOptimizer, UpdateRule,
-                                 rule_for)
-from tiermem.optim.rules.nested import json_exact
+from tiermem.optim.rules import Batch, PreparedUpdate, UpdateRule, rule_for
+from tiermem.optim.rules.nested import Unkept, json_exact, value_digest
 from tiermem.optim.state_io import (drop_param_state, gather, jsonable, scatter,
                                     torch_state_dict)
 from tiermem.optim.threads import UpdateThreads
@@ -57,13 +56,18 @@ def scalar_from_json(value: Any) -> Any:
     return value
 
 
+KEPT_TENSOR = 4096  # elements: a larger tensor value goes in a manifest as its digest
+
+
 def step_value_to_json(value: Any) -> Any:
-    """A value a step changes outside the per-parameter state (a count in a group, one kept
-    on the optimizer) as a manifest keeps it exactly, or {"unkept": ...} where JSON cannot
-    (a resume then refuses, naming it)."""
+    """A value a step may change outside the per-parameter state (a count in a group, one
+    kept on the optimizer) as a manifest keeps it exactly, or {"unkept": ..., "digest": ...}
+    where JSON cannot (a resume then refuses, naming it, unless the resumed optimizer
+    holds that same value)."""
     if isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.dim() == 0:
         return scalar_to_json(value)
     if (isinstance(value, torch.Tensor) and type(value) is torch.Tensor
+            and value.numel() <= KEPT_TENSOR
             and value.device.type == "cpu" and not value.is_complex()
             and (not value.is_floating_point() or bool(torch.isfinite(value).all()))):
         # a small count kept as a 1-element tensor (MADGRAD's state['k']): its elements
@@ -77,21 +81,17 @@ def step_value_to_json(value: Any) -> Any:
         return {"dict": value}  # EmoNavi's loss averages in state['ema']
     if _finite_json(value):
         return value
-    return {"unkept": repr(value)[:200]}
+    return {"unkept": repr(value)[:200], "digest": value_digest(value)}
 
 
 def _finite_json(value: Any) -> bool:
     return json_exact(value) and not (isinstance(value, float) and not math.isfinite(value))
 
 
-def step_value_from_json(value: Any, what: str) -> Any:
+def step_value_from_json(value: Any) -> Any:
     if isinstance(value, dict):
-        if "unkept" in value:
-            raise UnsupportedOptimizer(
-                f"cannot resume from disk: the optimizer's step changes {what}, which the "
-                f"manifest could not keep ({value['unkept']}), so the resumed run would start "
-                "it over; resume it through torch.save(optimizer.state_dict()) and "
-                "load_state_dict() instead")
+        if "unkept" in value:  # the rule compares it with the resumed optimizer's
+            return Unkept(value["unkept"], value.get("digest"))
         if "tuple" in value:
             return tuple(value["tuple"])
         if "dict" in value:
@@ -269,12 +269,11 @@ class OffloadedOptimizer:
             # the counts a step keeps in its groups or on the optimizer (Ranger21's group
             # step and current_lr), as the committed step left them
             self.rule.restore_step_values({
-                "groups": {g: {k: step_value_from_json(v, f"param_groups[{g}][{k!r}]")
-                               for k, v in vs.items()}
+                "groups": {g: {k: step_value_from_json(v) for k, v in vs.items()}
                            for g, vs in manifest.values.get("groups", {}).items()},
-                "own": {k: step_value_from_json(v, f".{k}")
+                "own": {k: step_value_from_json(v)
                         for k, v in manifest.values.get("own", {}).items()},
-                "state": {k: step_value_from_json(v, f".state[{k!r}]")
+                "state": {k: step_value_from_json(v)
                           for k, v in manifest.values.get("state", {}).items()},
                 "absent": manifest.values.get("absent", [])})
         self.resumed_step = manifest.step if manifest else None

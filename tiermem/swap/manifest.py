@@ -249,7 +249,8 @@ def _kept_value(v) -> bool:
         return isinstance(v["tuple"], list) and _host_value(v["tuple"])
     if set(v) == {"dict"}:
         return isinstance(v["dict"], dict) and all(_host_value(x) for x in v["dict"].values())
-    return set(v) == {"unkept"} and isinstance(v["unkept"], str)
+    return (set(v) in ({"unkept"}, {"unkept", "digest"}) and isinstance(v["unkept"], str)
+            and isinstance(v.get("digest", ""), str))
 
 
 def _need(ok: bool, where: str, what: str, value) -> None:

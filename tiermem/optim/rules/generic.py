@@ -35,9 +35,10 @@ from torch import Tensor
 from tiermem.errors import TierMemError
 from tiermem.optim.rules.base import (Batch, UnsupportedOptimizer, UpdateRule,
                                       check_group_tensors)
-from tiermem.optim.rules.nested import (NotNested, Template, dim_order, flatten,
+from tiermem.optim.rules.nested import (NotNested, Template, Unkept, dim_order, flatten,
                                         is_record_tensor, json_exact, laid, leaf_names,
-                                        leaves_of, nests, rebuild, state_tensors, structure)
+                                        leaves_of, nests, rebuild, state_tensors, structure,
+                                        value_digest)
 from tiermem.partition import Partition, WholeLayout
 from tiermem.swap.manifest import kind_name_ok
 
@@ -254,6 +255,8 @@ class ShadowRule(UpdateRule):
         # keys (group index, key) and the names of values kept on the optimizer
         self._changed_groups: list[tuple[int, str]] = []
         self._changed_own: list[tuple[str, Any]] = []
+        # what the probe's first step set or made there: (group index, key), own_keys()
+        self._set_once: set[tuple[int | str, Any]] = set()
         # this step's: hands each partition's shadow the loss of the user's closure
         self._closure: Callable[[], Any] | None = None
         self._closure_checked = False
@@ -364,6 +367,9 @@ class ShadowRule(UpdateRule):
             params = [t.clone() for t in init]
             shadows = [self._shadow({k: _copy(v) for k, v in settings.items()},
                                     [params[i] for i in idx]) for idx in indices]
+            if note_after:  # as the optimizer is before its first step
+                after.append(({k: _copy(v) for k, v in shadows[0].param_groups[0].items()
+                               if k != "params"}, own_values(shadows[0]), []))
             with torch.random.fork_rng(devices=[]):
                 for sh in shadows:
                     self._train_mode(sh)
@@ -386,7 +392,8 @@ class ShadowRule(UpdateRule):
         # also one that comes back to its first value, as Ranger21's lookahead_step every
         # lookahead_merge_time steps; not a flag set once by the first step, which a fresh
         # optimizer sets again), and whether the state keeps its first step's layout.
-        group_1, own_1, laid_out = after[0]
+        (group_0, own_0, _), (group_1, own_1, laid_out) = after[:2]
+        after = after[1:]
         own_whole = own_values(whole)
         for group_n, own_n, layout_n in after[1:]:
             for i, now in enumerate(layout_n):
@@ -404,6 +411,13 @@ class ShadowRule(UpdateRule):
             self._changed_own += [k for k, v in own_n.items()
                                   if not _same(v, own_1.get(k, _MISSING))
                                   and k not in self._changed_own]
+        # Set by the first step (bitsandbytes' `initialized`, a count's first value): a
+        # resumed optimizer's first step sets them again, so a manifest keeps them only if
+        # a later step changes them too.
+        self._set_once |= {(g, k) for k, v in group_1.items()
+                           if not _same(v, group_0.get(k, _MISSING))}
+        self._set_once |= {key for key, v in own_1.items()
+                           if not _same(v, own_0.get(key, _MISSING))}
         apart, shadows = run([[i] for i in range(len(shapes))])
         why = None
         for i, (a, b) in enumerate(zip(together, apart)):
@@ -574,9 +588,30 @@ class ShadowRule(UpdateRule):
     def step_changed_values(self) -> list[str]:
         return [name for name, _, _ in self._changed()]
 
+    def _kept(self) -> list[tuple[str, int | str, Any]]:
+        """(name, where, key) of every value a manifest keeps: those the probe saw a step
+        change, and besides them every simple value the optimizer keeps on itself (but
+        private ones, named with a leading underscore, and `defaults`, the user's) or in
+        its state under a string key, and every group value that is none of the user's
+        hyperparameters (not in `defaults`), unless the probe's first step set it: a value
+        that first changes after the probe's steps (a flag set at the end of a warm-up) is
+        kept too."""
+        kept = self._changed()
+        skip = {(where, k) for _, where, k in kept} | self._set_once
+        for key in sorted(own_keys(self.opt), key=lambda key: (key[0], str(key[1]))):
+            if key not in skip and not (key[0] == ATTR and (key[1].startswith("_")
+                                                            or key[1] == "defaults")):
+                kept.append((own_name(key), *key))
+        defaults = getattr(self.opt, "defaults", {})
+        for g, group in enumerate(self.opt.param_groups):
+            kept += [(f"param_groups[{g}][{k!r}]", g, k) for k, v in group.items()
+                     if k != "params" and k not in defaults and (g, k) not in skip
+                     and _simple(v)]
+        return kept
+
     def step_values(self) -> dict[str, Any]:
         values: dict[str, Any] = {"groups": {}, "own": {}, "state": {}, "absent": []}
-        for name, where, k in self._changed():
+        for name, where, k in self._kept():
             if isinstance(where, int):
                 group = (self.opt.param_groups[where] if where < len(self.opt.param_groups)
                          else {})
@@ -592,9 +627,10 @@ class ShadowRule(UpdateRule):
         return values
 
     def restore_step_values(self, values: dict[str, Any]) -> None:
-        kept = {(int(g), k) for g, vs in values.get("groups", {}).items() for k in vs}
-        kept |= {(ATTR, k) for k in values.get("own", {})}
-        kept |= {(STATE, k) for k in values.get("state", {})}
+        kept = {(int(g), k): v for g, vs in values.get("groups", {}).items()
+                for k, v in vs.items()}
+        kept.update({(ATTR, k): v for k, v in values.get("own", {}).items()})
+        kept.update({(STATE, k): v for k, v in values.get("state", {}).items()})
         absent = set(values.get("absent", ()))
         missing = [name for name, where, k in self._changed()
                    if (where, k) not in kept and name not in absent]
@@ -605,12 +641,30 @@ class ShadowRule(UpdateRule):
                 "does not keep them (written by an older tiermem), so the resumed run would "
                 "start them over; resume it through torch.save(optimizer.state_dict()) and "
                 "load_state_dict() instead")
-        for g, vs in values.get("groups", {}).items():
-            self.opt.param_groups[int(g)].update(vs)
-        for k, v in values.get("own", {}).items():
-            own_put(self.opt, (ATTR, k), v)
-        for k, v in values.get("state", {}).items():
-            own_put(self.opt, (STATE, k), v)
+
+        def now(where: int | str, k: Any) -> Any:
+            if isinstance(where, int):
+                return self.opt.param_groups[where].get(k, _MISSING)
+            return own_get(self.opt, (where, k))
+
+        def name_of(where: int | str, k: Any) -> str:
+            return (f"param_groups[{where}][{k!r}]" if isinstance(where, int)
+                    else own_name((where, k)))
+        for (where, k), v in kept.items():
+            if isinstance(v, Unkept) and v.digest != value_digest(now(where, k)):
+                raise UnsupportedOptimizer(
+                    f"cannot resume {_name(type(self.opt))} from disk: its "
+                    f"{name_of(where, k)} was {v.text} at the committed step, which the "
+                    "manifest could not keep exactly, and this optimizer holds another "
+                    "value; resume it through torch.save(optimizer.state_dict()) and "
+                    "load_state_dict() instead")
+        for (where, k), v in kept.items():
+            if isinstance(v, Unkept):
+                continue  # the same as the resumed optimizer holds
+            if isinstance(where, int):
+                self.opt.param_groups[where][k] = v
+            else:
+                own_put(self.opt, (where, k), v)
         for name, where, k in self._changed():  # as the committed step left them: not made yet
             if name in absent:
                 if isinstance(where, int):

@@ -13,7 +13,9 @@ bytes in the order the optimizer left them in memory (dim_order, laid).
 
 from __future__ import annotations
 
+import hashlib
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -198,6 +200,42 @@ def laid(flat: Tensor, shape: tuple[int, ...], order: tuple[int, ...] | None) ->
         return flat.view(shape)
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return flat.view([shape[d] for d in order]).permute(inverse)
+
+
+@dataclass(frozen=True)
+class Unkept:
+    """A value a manifest could not keep exactly (an object, a dict keyed by numbers, a
+    large tensor): what it looked like, and a digest of it (None in manifests of earlier
+    versions) that tells whether the resumed optimizer holds the same."""
+
+    text: str
+    digest: str | None
+
+
+def value_digest(value: Any) -> str:
+    """A digest of a value made of tensors (dtype, shape, bytes), containers and reprs."""
+    h = hashlib.sha256()
+
+    def feed(x: Any) -> None:
+        if isinstance(x, Tensor):
+            h.update(f"T{x.dtype}{tuple(x.shape)};".encode())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                     .numpy().tobytes())
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=repr):
+                feed(k)
+                feed(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{type(x).__name__}[".encode())
+            for v in x:
+                feed(v)
+            h.update(b"]")
+        else:
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+    feed(value)
+    return h.hexdigest()[:32]
 
 
 def json_exact(value: Any, depth: int = 0) -> bool:
