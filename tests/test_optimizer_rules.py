@@ -12,8 +12,10 @@ tiermem's state_dict (and tiermem loaded from a plain one) must keep stepping eq
 from __future__ import annotations
 
 import copy
+import random
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -524,24 +526,60 @@ def test_tensor_subclass_refusal_is_what_keeps_it_exact(tmp_path, monkeypatch):
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-def test_random_draws_refused(tmp_path, monkeypatch):
-    """A step that draws from torch's global generator is refused at entry, the generator
-    and the state untouched; with the check patched out the run ends different from the
-    plain one (same seed before each)."""
+class CoinFlipped(Stepped):
+    """Momentum that skips its update on a coin flip once a step (as Kron decides on
+    balancing its preconditioner with np.random): `coin` draws from a global generator."""
+
+    coin = staticmethod(lambda: np.random.random())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        skip = self.coin() < 0.5
+        for group, p, st in self.with_grads():
+            if not st:
+                st["m"] = torch.zeros_like(p)
+            st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+            if not skip:
+                p.sub_(st["m"], alpha=group["lr"])
+
+
+class PythonCoinFlipped(CoinFlipped):
+    coin = staticmethod(lambda: random.random())
+
+
+def _seed_all(seed):
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+@pytest.mark.parametrize("cls, which", [
+    (RandomStart, "torch's global generator"), (CoinFlipped, r"numpy's global generator"),
+    (PythonCoinFlipped, r"Python's global generator")],
+    ids=lambda v: getattr(v, "__name__", None))
+def test_random_draws_refused(tmp_path, monkeypatch, cls, which):
+    """A step that draws from torch's, numpy's or Python's global generator is refused at
+    entry, the generators and the state untouched; with the checks patched out the run ends
+    different from the plain one (same seeds before each)."""
     import tiermem.optim.rules.generic as generic
 
-    model, opt, ref, ref_opt = pair(RandomStart, {})
-    batches = make_batches(model, 3)
-    rng = torch.get_rng_state()
-    with pytest.raises(UnsupportedOptimizer, match="its step draws random numbers"):
+    model, opt, ref, ref_opt = pair(cls, {})
+    batches = make_batches(model, 4)
+    _seed_all(3)
+    with pytest.raises(UnsupportedOptimizer, match=f"its step draws random numbers from {which}"):
         with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
             pass
-    assert not opt.state and torch.equal(rng, torch.get_rng_state())
+    draws = (torch.rand(()), np.random.random(), random.random())
+    _seed_all(3)
+    assert draws == (torch.rand(()), np.random.random(), random.random())
+    assert not opt.state
     monkeypatch.setattr(generic.ShadowRule, "_refuse_draws", lambda self, before: None)
-    torch.manual_seed(5)
+    # (a coin flipped once a partition also makes the coupling probe's runs differ)
+    monkeypatch.setattr(generic.ShadowRule, "_probe_coupling", lambda self, g, group: None)
+    _seed_all(5)
     with tiermem.offload(opt, cfg(tmp_path, "threads", "mixed"), model=model):
         train(model, opt, batches)
-    torch.manual_seed(5)
+    _seed_all(5)
     train(ref, ref_opt, batches)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 

@@ -24,11 +24,14 @@ real shapes); docs/guide/optimizers.md says so.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
 import types
 from collections import defaultdict
 from typing import Any, Callable, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -79,6 +82,36 @@ def _subclass_refusal(opt: torch.optim.Optimizer, key: str, value: Tensor) -> st
 
 
 _MISSING = object()  # an attribute the optimizer did not have
+
+
+@contextlib.contextmanager
+def _rngs_forked() -> Any:
+    """Run a probe's steps on copies of torch's, numpy's and Python's global generators:
+    whatever the steps draw, the user's sequences go on as if they had not run."""
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+
+
+def _rng_states() -> tuple[Tensor, Any, Any]:
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _drew(before: tuple[Tensor, Any, Any]) -> str | None:
+    """Which global generator advanced since `before` (_rng_states()), if one did."""
+    now = _rng_states()
+    if not torch.equal(before[0], now[0]):
+        return "torch's global generator"
+    if not (before[1][0] == now[1][0] and np.array_equal(before[1][1], now[1][1])
+            and before[1][2:] == now[1][2:]):
+        return "numpy's global generator (np.random)"
+    if before[2] != now[2]:
+        return "Python's global generator (random)"
+    return None
 
 
 def _copy(value: Any) -> Any:
@@ -323,7 +356,7 @@ class ShadowRule(UpdateRule):
         def closure() -> Tensor:
             calls.append(1)
             return torch.tensor(1.0 / len(calls))
-        with torch.random.fork_rng(devices=[]):
+        with _rngs_forked():
             self._train_mode(sh)
             for step in range(2):
                 p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(3 + step)
@@ -338,16 +371,18 @@ class ShadowRule(UpdateRule):
                         "yourself and step() without a closure")
         self._closure_checked = True
 
-    def _refuse_draws(self, before: Tensor) -> None:
-        """A step that advanced the global RNG drew random numbers (Gravity's random initial
-        state): tiermem steps the parameters partition by partition in its own order, so
-        the draws would land on other parameters than in the plain run."""
-        if not torch.equal(before, torch.get_rng_state()):
+    def _refuse_draws(self, before: tuple[Tensor, Any, Any]) -> None:
+        """A step that advanced a global generator drew random numbers (Gravity's random
+        initial state from torch's, Kron's balancing from numpy's): tiermem steps the
+        parameters partition by partition in its own order, and a draw made once a step
+        is made once a partition, so the draws would land otherwise than in the plain run."""
+        which = _drew(before)
+        if which:
             raise UnsupportedOptimizer(
                 f"tiermem.offload cannot run {_name(type(self.opt))}: its step draws random "
-                "numbers from torch's global generator, and tiermem steps the parameters "
-                "partition by partition in its own order, so each parameter would get other "
-                "draws than in the plain run")
+                f"numbers from {which}, and tiermem steps the parameters partition by "
+                "partition in its own order, so each parameter would get other draws than "
+                "in the plain run")
 
     def _probe_coupling(self, g: int, group: dict[str, Any]) -> None:
         dims = sorted({p.dim() for p in group["params"]})[:3]
@@ -370,10 +405,10 @@ class ShadowRule(UpdateRule):
             if note_after:  # as the optimizer is before its first step
                 after.append(({k: _copy(v) for k, v in shadows[0].param_groups[0].items()
                                if k != "params"}, own_values(shadows[0]), []))
-            with torch.random.fork_rng(devices=[]):
+            with _rngs_forked():
                 for sh in shadows:
                     self._train_mode(sh)
-                rng = torch.get_rng_state()
+                rng = _rng_states()
                 for step in range(PROBE_STEPS):
                     for i, p in enumerate(params):
                         p.grad = grads[step][i].clone()
@@ -470,9 +505,9 @@ class ShadowRule(UpdateRule):
         p.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(1)
                              ).to(dtype)
         sh = self._shadow({k: _copy(v) for k, v in group.items() if k != "params"}, [p])
-        with torch.random.fork_rng(devices=[]):
+        with _rngs_forked():
             self._train_mode(sh)
-            rng = torch.get_rng_state()
+            rng = _rng_states()
             self._run(sh, f"a parameter of shape {tuple(param.shape)}")
             self._refuse_draws(rng)
         self._refuse_loose(sh)
