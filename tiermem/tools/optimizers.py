@@ -17,7 +17,7 @@ import dataclasses
 import importlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -251,13 +251,17 @@ def _whole_bytes(rule: Any, group: dict, shape: tuple[int, ...], dtype: torch.dt
 def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
                     weights: list[tuple[Any, torch.Tensor]], *,
                     steps: dict[int, torch.Tensor] | None = None,
-                    scalars: dict[int, dict[str, Any]] | None = None) -> None:
+                    scalars: dict[int, dict[str, Any]] | None = None,
+                    grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                    ) -> None:
     """Step copies of `part`'s parameters (or their masters), gradients and state (`rec`,
     taken from the record before the step) with the plain optimizer, in memory; write the
     result into `rec` and `weights` (per segment, a copy of the model's weights), which
     then hold what the tiered step must produce. steps / scalars: each parameter's step
     count and scalars as they were when `rec` was taken (default: the optimizer's now,
-    which is the same unless updates ran since: pipeline.overlap_backward).
+    which is the same unless updates ran since: pipeline.overlap_backward). grad_of: a
+    parameter's gradient for the step (default its .grad; with parameters.offload the
+    parameter tier holds it).
 
     Each segment is stepped as the update rule sees it: a flat slice of its parameter for
     an elementwise rule (parameters are cut at multiples of 1024 elements, so torch's
@@ -272,13 +276,16 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
     master = "master" in rec
     params, entries = [], []
     for i, s in enumerate(part.segments):
-        if s.param.grad is None:
+        full = s.param.grad if grad_of is None else grad_of(s.param)
+        if full is None:
             continue
-        shape = (s.length,) if rule.elementwise else tuple(s.param.shape)
+        # (with parameters.offload p is empty between uses: its shape is the tier's)
+        whole = s.param if off.weights is None else off.weights.stand_in(s.param)
+        shape = (s.length,) if rule.elementwise else tuple(whole.shape)
         sl = {k: part.slices(k)[i] for k in rec}
         cur = weights[i][1]
         p = (rec["master"][sl["master"]] if master else cur).clone().view(shape)
-        g = s.param.grad.reshape(-1)[s.start: s.start + s.length]
+        g = full.reshape(-1)[s.start: s.start + s.length]
         p.grad = g.to(p.dtype).clone().view(shape)
         params.append(p)
         entries.append((i, s, p, sl))

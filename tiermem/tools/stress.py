@@ -372,7 +372,7 @@ class Verifier:
         rec, weights = copy["record"], copy["weights"]
         if verifies_with_plain(off.rule):
             plain_reference(off, part, rec, weights, steps=copy["steps"],
-                            scalars=copy["scalars"])
+                            scalars=copy["scalars"], grad_of=lambda p: _grad_of(off, p))
             return {"record": rec, "weights": weights}
         group = off.opt.param_groups[part.group]
         lists: dict[str, list] = {k: [] for k in ("params", "grads", "steps", *MOMENTS)}
