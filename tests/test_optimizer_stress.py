@@ -18,14 +18,16 @@ from tiermem.tools.synthetic import choose_shape, param_shapes
 from offload_helpers import backend_params
 
 
-def _config(tmp_path, backend="threads", host="1MiB", durability="scratch", params="none"):
+def _config(tmp_path, backend="threads", host="1MiB", durability="scratch", params="none",
+            overlap=False):
     path = tmp_path / "cfg.yaml"
     path.write_text(f"""
 parameters: {{offload: {params}}}
 swap: {{paths: [{tmp_path / 'swap'}], durability: {durability}}}
 io: {{backend: {backend}}}
 tiers: {{host: {{capacity: {host}}}}}
-pipeline: {{partition_size: 1MiB, buffer_count: 3, prefetch_depth: 2}}
+pipeline: {{partition_size: 1MiB, buffer_count: 3, prefetch_depth: 2,
+           overlap_backward: {str(overlap).lower()}}}
 """)
     return path
 
@@ -205,5 +207,18 @@ def test_verified_with_the_weights_in_the_tiers(tmp_path, params, spec):
     sampled partition as different)."""
     _available(spec)
     result = _stress(tmp_path, spec, synthetic_grads=False, params=params)
+    assert result["verify"]["ok"], result["verify"]["mismatches"]
+    assert result["verify"]["partitions_checked"] >= 3
+
+
+@pytest.mark.parametrize("spec", ["rmsprop", "pytorch_optimizer.MADGRAD",
+                                  "pytorch_optimizer.SOAP(precondition_frequency=2)"])
+def test_verified_with_updates_during_backward(tmp_path, spec):
+    """With pipeline.overlap_backward the sampled partitions are updated during backward,
+    before the reference is computed: it steps from the values the step began with (the
+    group's count, MADGRAD's state['k']), taken before backward with the records (it took
+    them after, and reported the partitions of optimizers that count as different)."""
+    _available(spec)
+    result = _stress(tmp_path, spec, synthetic_grads=False, overlap=True)
     assert result["verify"]["ok"], result["verify"]["mismatches"]
     assert result["verify"]["partitions_checked"] >= 3

@@ -252,8 +252,8 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
                     weights: list[tuple[Any, torch.Tensor]], *,
                     steps: dict[int, torch.Tensor] | None = None,
                     scalars: dict[int, dict[str, Any]] | None = None,
-                    grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-                    ) -> None:
+                    grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                    values: tuple[dict[str, Any], dict] | None = None) -> None:
     """Step copies of `part`'s parameters (or their masters), gradients and state (`rec`,
     taken from the record before the step) with the plain optimizer, in memory; write the
     result into `rec` and `weights` (per segment, a copy of the model's weights), which
@@ -261,7 +261,8 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
     count and scalars as they were when `rec` was taken (default: the optimizer's now,
     which is the same unless updates ran since: pipeline.overlap_backward). grad_of: a
     parameter's gradient for the step (default its .grad; with parameters.offload the
-    parameter tier holds it).
+    parameter tier holds it). values: the group's values and the optimizer's own values
+    (rules.own_values) as they were then, likewise (default: now).
 
     Each segment is stepped as the update rule sees it: a flat slice of its parameter for
     an elementwise rule (parameters are cut at multiples of 1024 elements, so torch's
@@ -270,7 +271,8 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
     tensors, in the memory order the record keeps them in) and back."""
     rule, opt = off.rule, off.opt
     real_group = opt.param_groups[part.group]
-    group = {k: v for k, v in real_group.items() if k != "params"}
+    group = ({k: v for k, v in real_group.items() if k != "params"} if values is None
+             else dict(values[0]))
     if off.settings.optimizer.kernel == "fused" and getattr(rule, "has_fused", False):
         group.update(fused=True, foreach=False)  # what the rule then runs
     master = "master" in rec
@@ -291,7 +293,7 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
         entries.append((i, s, p, sl))
     if not params:
         return
-    ref = shadow_optimizer(opt, group, params)
+    ref = shadow_optimizer(opt, group, params, None if values is None else values[1])
     for i, s, p, sl in entries:
         step = off.steps[s.index] if steps is None else steps[s.index]
         if float(step) == 0:

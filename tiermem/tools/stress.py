@@ -10,6 +10,7 @@ compared bit for bit: Adam/AdamW with the same kernel, every other optimizer
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import random
@@ -25,6 +26,7 @@ from tiermem.config import Settings, swap_dir
 from tiermem.context import Offload, offload
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update, kernel_matching
+from tiermem.optim.rules import own_values
 from tiermem.optim.rules.adam import MOMENTS
 from tiermem.partition import Partition
 from tiermem.sizes import format_size
@@ -363,6 +365,11 @@ class Verifier:
             "scalars": {s.index: {k: v.clone() if isinstance(v, torch.Tensor) else v
                                   for k, v in off.latest_scalars(s.index).items()}
                         for s in part.segments},
+            # the values a step changes outside the state (a group's count, MADGRAD's
+            # state['k']): with pipeline.overlap_backward the step has run by before()
+            "values": ({k: copy.deepcopy(v) for k, v in
+                        off.opt.param_groups[part.group].items() if k != "params"},
+                       own_values(off.opt)),
         }
 
     def _reference(self, part: Partition, copy: dict) -> dict:
@@ -372,7 +379,8 @@ class Verifier:
         rec, weights = copy["record"], copy["weights"]
         if verifies_with_plain(off.rule):
             plain_reference(off, part, rec, weights, steps=copy["steps"],
-                            scalars=copy["scalars"], grad_of=lambda p: _grad_of(off, p))
+                            scalars=copy["scalars"], grad_of=lambda p: _grad_of(off, p),
+                            values=copy["values"])
             return {"record": rec, "weights": weights}
         group = off.opt.param_groups[part.group]
         lists: dict[str, list] = {k: [] for k in ("params", "grads", "steps", *MOMENTS)}

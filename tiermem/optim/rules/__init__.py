@@ -6,7 +6,8 @@ import torch
 
 from tiermem.optim.rules.adam import AdamRule
 from tiermem.optim.rules.base import Batch, PreparedUpdate, UnsupportedOptimizer, UpdateRule
-from tiermem.optim.rules.generic import AdafactorRule, MuonRule, ShadowRule, shadow_optimizer
+from tiermem.optim.rules.generic import (AdafactorRule, MuonRule, ShadowRule, own_values,
+                                         shadow_optimizer)
 from tiermem.optim.rules.torch_family import TORCH_RULES
 
 # Rules for named classes; any other torch.optim.Optimizer gets the generic ShadowRule.
@@ -31,4 +32,4 @@ def rule_for(opt: torch.optim.Optimizer, **options) -> UpdateRule:
 
 
 __all__ = ["AdafactorRule", "AdamRule", "Batch", "MuonRule", "PreparedUpdate", "ShadowRule", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_for",
-           "shadow_optimizer"]
+           "own_values", "shadow_optimizer"]
