@@ -333,8 +333,9 @@ class ShadowRule(UpdateRule):
                 f"tiermem.offload cannot run {_name(type(sh))}: its step() failed on {what} "
                 f"({type(exc).__name__}: {exc}). tiermem steps a copy of the optimizer "
                 "holding one partition's parameters and their state (none before their "
-                "first step), without a closure: an optimizer that needs a closure, or that "
-                "makes its state in __init__, cannot run this way") from exc
+                "first step); its probes run without a closure: an optimizer that cannot "
+                "step without one, or that makes its state in __init__, cannot run this "
+                "way") from exc
 
     def check_closure(self) -> None:
         """tiermem evaluates a closure once, then steps the partitions' shadows, each with a
@@ -427,10 +428,9 @@ class ShadowRule(UpdateRule):
         # also one that comes back to its first value, as Ranger21's lookahead_step every
         # lookahead_merge_time steps; not a flag set once by the first step, which a fresh
         # optimizer sets again), and whether the state keeps its first step's layout.
-        (group_0, own_0, _), (group_1, own_1, laid_out) = after[:2]
-        after = after[1:]
+        (group_0, own_0, _), (group_1, own_1, laid_out), *later = after
         own_whole = own_values(whole)
-        for group_n, own_n, layout_n in after[1:]:
+        for group_n, own_n, layout_n in later:
             for i, now in enumerate(layout_n):
                 if now != laid_out[i]:
                     keys = sorted(k for k in now.keys() | laid_out[i].keys()
