@@ -222,3 +222,11 @@ def test_verified_with_updates_during_backward(tmp_path, spec):
     result = _stress(tmp_path, spec, synthetic_grads=False, overlap=True)
     assert result["verify"]["ok"], result["verify"]["mismatches"]
     assert result["verify"]["partitions_checked"] >= 3
+
+
+def test_plan_command_times_any_optimizers_update(tmp_path):
+    proc = _cli("plan", "--config", str(_config(tmp_path)), "--params", "100M",
+                "--optimizer", "adagrad", "--read-gbps", "2", "--write-gbps", "2")
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "kernel Adagrad's own step, measured here on a 1024 x 1024 matrix" in proc.stdout
+    assert "estimated opt.step() time" in proc.stdout, proc.stdout

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tiermem.config import load_config
-from tiermem.tools.estimate import UpdateCost, estimate_step, kernel_for, measure_update
+from tiermem.tools.estimate import (UpdateCost, estimate_step, kernel_for,
+                                    measure_plain_update, measure_update)
 from tiermem.tools.stress import make_plan
 
 
@@ -24,6 +25,21 @@ def test_measure_update_runs_the_configured_kernel(optimizer, dtype, kernel):
     cost = measure_update(settings, dtype, numel=1 << 16, repeats=1)
     assert cost.kernel == kernel and cost.ns_per_param > 0
     assert "measured here on 65536 elements" in cost.source
+
+
+@pytest.mark.parametrize("spec, name", [("sgd", "SGD"), ("adafactor", "Adafactor"),
+                                        ("torch.optim.RMSprop(centered=True)", "RMSprop")])
+def test_measure_plain_update_times_the_optimizers_own_step(spec, name, monkeypatch):
+    """Every optimizer but Adam steps per partition as its plain self does: the plan times
+    that step on a small matrix (each step counted, the first one left out)."""
+    import tiermem.tools.estimate as estimate
+
+    clock = iter(range(100))
+    monkeypatch.setattr(estimate.time, "perf_counter", lambda: float(next(clock)))
+    cost = measure_plain_update(spec, numel=64 * 64, repeats=2)
+    # each step reads the clock twice: 1 s a step, over 4096 elements
+    assert cost.ns_per_param == pytest.approx(1e9 / 4096)
+    assert cost.kernel == f"{name}'s own step" and "on a 64 x 64 matrix" in cost.source
 
 
 def _plan(tmp_path, **cfg):

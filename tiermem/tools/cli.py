@@ -275,7 +275,9 @@ def _param_flags(p: argparse.ArgumentParser) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from tiermem.config import load_config
-    from tiermem.tools.estimate import UpdateCost, estimate_step, kernel_for, measure_update
+    from tiermem.tools.estimate import (UpdateCost, estimate_step, kernel_for,
+                                        measure_plain_update, measure_update)
+    from tiermem.tools.optimizers import choice
     from tiermem.tools.stress import PlanError, check_plan, make_plan
     from tiermem.tools.synthetic import choose_shape, param_shapes
 
@@ -292,9 +294,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(line)
     if args.update_ns is not None:
         update = UpdateCost(args.update_ns, kernel_for(settings), "given")
-    elif args.optimizer in ("adam", "adamw"):
+    elif (choice(args.optimizer).module, choice(args.optimizer).cls) in (
+            ("torch.optim", "Adam"), ("torch.optim", "AdamW")):
         update = measure_update(settings, args.dtype)
-    else:  # the measurement times Adam's kernels: say so rather than guess
+    elif settings.optimizer.state_dtype == "fp32":
+        # every other optimizer steps as its plain self does, per partition
+        update = measure_plain_update(args.optimizer)
+    else:  # refused when the offload starts: only Adam keeps other moment dtypes
         update = None
     read, write = rates
     for line in estimate_step(plan, settings, read_gbps=read, write_gbps=write, update=update):

@@ -10,6 +10,7 @@ passes, and pipeline fill are not counted.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -80,6 +81,36 @@ def measure_update(settings: Settings, dtype: str, *, numel: int = MEASURE_ELEME
             best = min(best, time.perf_counter() - t0)
     return UpdateCost(best / numel * 1e9, kernel,
                       f"measured here on {format_count(numel)} elements, "
+                      f"{torch.get_num_threads()} threads")
+
+
+PLAIN_ELEMENTS = 1 << 20  # a 1024 x 1024 matrix: whole-parameter steps cost by shape too
+
+
+def measure_plain_update(spec: str, *, numel: int = PLAIN_ELEMENTS,
+                         repeats: int = 3) -> UpdateCost:
+    """Time the plain optimizer `spec`'s own step in memory on one fp32 square matrix of
+    about `numel` elements (the best of `repeats` steps after a first one, which makes the
+    state): what every optimizer but Adam runs per partition, torch's functions on the
+    record's views or the optimizer's step() on whole parameters. A whole-parameter
+    step's cost is not linear in the elements (SOAP's eigendecompositions every few
+    steps): the figure is this matrix's."""
+    from tiermem.tools.optimizers import make_optimizer
+
+    side = math.isqrt(numel)
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(side, side, generator=gen).requires_grad_()
+    grad = torch.randn(side, side, generator=gen)
+    opt = make_optimizer(spec, [param], 1e-4)
+    best = float("inf")
+    for i in range(repeats + 1):
+        param.grad = grad.clone()
+        t0 = time.perf_counter()
+        opt.step()
+        if i:  # the first step makes the state and pays for its page faults
+            best = min(best, time.perf_counter() - t0)
+    return UpdateCost(best / (side * side) * 1e9, f"{type(opt).__name__}'s own step",
+                      f"measured here on a {side} x {side} matrix, "
                       f"{torch.get_num_threads()} threads")
 
 
