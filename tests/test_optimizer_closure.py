@@ -6,13 +6,15 @@ refused before the closure runs."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
 
-from offload_helpers import assert_same_tensor, backend_params, make_batches, train
+from offload_helpers import assert_same_tensor, backend_params, make_batches, swap_dir, train
 from test_optimizer_rules import (GlobalStep, Stepped, cfg, load, pair, params_equal,
                                   state_equal)
 
@@ -106,3 +108,57 @@ def test_closure_called_other_than_once_refused(tmp_path, cls, calls):
         train(model, opt, batches[1:], start=1)
     train(ref, ref_opt, batches)
     params_equal(model, ref, f"{cls.__name__} stepped without a closure")
+
+
+class LossAveraged(Stepped):
+    """Momentum whose step size follows an average of the losses its closure returns, kept
+    in state["avg"] (as EmoNavi keeps its in state["ema"]). Without a closure the average
+    stays where its first step set it: the coupling probe, stepping without one, sees a
+    value set once."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        avg = self.state.setdefault("avg", 1.0)
+        if loss is not None:
+            self.state["avg"] = avg = 0.5 * avg + 0.5 * float(loss)
+        for group, p, st in self.with_grads():
+            if not st:
+                st["m"] = torch.zeros_like(p)
+            st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+            p.sub_(st["m"], alpha=group["lr"] / avg)
+        return loss
+
+
+@pytest.mark.parametrize("noted", [True, False])
+def test_values_the_loss_changes_resume(tmp_path, monkeypatch, noted):
+    """A value only the closure's loss changes is noted by the closure's probe and kept in
+    the crash-consistent manifest: a resumed run continues exactly. With the noting patched
+    out it is taken for a value its first step sets once, left out, and the resumed run
+    ends different, with no error."""
+    from tiermem.optim.rules.generic import ShadowRule
+
+    if not noted:
+        monkeypatch.setattr(ShadowRule, "_note_changes", lambda self, g, after: None)
+    model, opt, ref, ref_opt = pair(LossAveraged, {})
+    batches = make_batches(model, 5)
+    c = cfg(tmp_path, "threads", "mixed")
+    c["swap"]["durability"] = "crash_consistent"
+    # no host memory to hand the state back to: it stays on disk, as after a crash
+    monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+    with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt, c, model=model):
+            train(model, opt, batches[:3], closure=True)
+    assert swap_dir(tmp_path).exists()
+    model2 = copy.deepcopy(model)
+    opt2 = LossAveraged(model2.parameters())
+    with tiermem.offload(opt2, c, model=model2, resume=True):
+        train(model2, opt2, batches[3:], start=3, closure=True)
+    train(ref, ref_opt, batches, closure=True)
+    same = all(torch.equal(p, q) for p, q in zip(model2.parameters(), ref.parameters()))
+    assert same == noted
+    if noted:
+        assert opt2.state["avg"] == ref_opt.state["avg"]

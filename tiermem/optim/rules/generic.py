@@ -357,9 +357,10 @@ class ShadowRule(UpdateRule):
         def closure() -> Tensor:
             calls.append(1)
             return torch.tensor(1.0 / len(calls))
+        after = []  # the group's and the optimizer's own values after each step
         with _rngs_forked():
             self._train_mode(sh)
-            for step in range(2):
+            for step in range(PROBE_STEPS):
                 p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(3 + step)
                                      ).to(first.dtype)
                 self._run(sh, "a probe with a closure", closure)
@@ -370,7 +371,27 @@ class ShadowRule(UpdateRule):
                         "probe; tiermem evaluates a closure once, before stepping the "
                         "partitions, as a step that calls it once does. Call backward "
                         "yourself and step() without a closure")
+                after.append(({k: _copy(v) for k, v in sh.param_groups[0].items()
+                               if k != "params"}, own_values(sh)))
+        # What the steps change with a loss to see (EmoNavi's loss averages in
+        # state['ema']: the coupling probe, stepping without a closure, saw them set once
+        # and kept): kept in the manifest from now on, as the probe's changed values are.
+        self._note_changes(next(i for i, gr in enumerate(self.opt.param_groups)
+                                if gr is group), after)
         self._closure_checked = True
+
+    def _note_changes(self, g: int, after: list[tuple[dict, dict]]) -> None:
+        """Note the values outside the state that a probe's steps after its first changed
+        (`after`: the group's values and own_values() after each step): a manifest keeps
+        them, a resume sets them back."""
+        (group_1, own_1), *later = after
+        for group_n, own_n in later:
+            self._changed_groups += [(g, k) for k, v in group_n.items()
+                                     if not _same(v, group_1.get(k, _MISSING))
+                                     and (g, k) not in self._changed_groups]
+            self._changed_own += [key for key, v in own_n.items()
+                                  if not _same(v, own_1.get(key, _MISSING))
+                                  and key not in self._changed_own]
 
     def _refuse_draws(self, before: tuple[Tensor, Any, Any]) -> None:
         """A step that advanced a global generator drew random numbers (Gravity's random
@@ -430,7 +451,7 @@ class ShadowRule(UpdateRule):
         # optimizer sets again), and whether the state keeps its first step's layout.
         (group_0, own_0, _), (group_1, own_1, laid_out), *later = after
         own_whole = own_values(whole)
-        for group_n, own_n, layout_n in later:
+        for _, _, layout_n in later:
             for i, now in enumerate(layout_n):
                 if now != laid_out[i]:
                     keys = sorted(k for k in now.keys() | laid_out[i].keys()
@@ -440,12 +461,7 @@ class ShadowRule(UpdateRule):
                         f"keeps per parameter changes its layout after the first step ({keys} "
                         "on tiermem's probe), and a record is laid out from the first step's "
                         "state")
-            self._changed_groups += [(g, k) for k, v in group_n.items()
-                                     if not _same(v, group_1.get(k, _MISSING))
-                                     and (g, k) not in self._changed_groups]
-            self._changed_own += [k for k, v in own_n.items()
-                                  if not _same(v, own_1.get(k, _MISSING))
-                                  and k not in self._changed_own]
+        self._note_changes(g, [(group_n, own_n) for group_n, own_n, _ in after[1:]])
         # Set by the first step (bitsandbytes' `initialized`, a count's first value): a
         # resumed optimizer's first step sets them again, so a manifest keeps them only if
         # a later step changes them too.
