@@ -17,27 +17,34 @@ from test_optimizer_rules import params_equal, state_equal
 schedulefree = pytest.importorskip("schedulefree")
 
 
-def cfg(tmp_path, backend, durability="scratch"):
+def cfg(tmp_path, backend, durability="scratch", params="none"):
     c = config(tmp_path, backend=backend, host="128KiB", kernel="match")
     c["swap"]["durability"] = durability
+    c["parameters"] = {"offload": params}
     return c
 
 
-@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
+@pytest.mark.parametrize("durability, params", [
+    ("scratch", "none"), ("crash_consistent", "none"),
+    # the weights train()/eval() move are in the parameter tier: materialised and written
+    # back partition by partition (the methods failed on the empty parameters)
+    ("scratch", "nvme"), ("crash_consistent", "host")])
 @pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("name", ["AdamWScheduleFree", "SGDScheduleFree"])
-def test_train_eval_switches_equal_plain(tmp_path, backend, name, durability):
+def test_train_eval_switches_equal_plain(tmp_path, backend, name, durability, params):
     cls = getattr(schedulefree, name)
     kw = dict(lr=1e-2, weight_decay=0.01, warmup_steps=2)
     model = Synthetic()
     ref = copy.deepcopy(model)
     opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
     batches = make_batches(model, 6)
-    with tiermem.offload(opt, cfg(tmp_path, backend, durability), model=model) as tm:
+    with tiermem.offload(opt, cfg(tmp_path, backend, durability, params),
+                         model=model) as tm:
         opt.train()
         train(model, opt, batches[:3])
         opt.eval()  # the weights become the averaged x, from z in the records
-        evaluated = [p.detach().clone() for p in model.parameters()]
+        evaluated = [p.detach().clone() if params == "none"
+                     else tm.offloaded.weights.current_weight(p) for p in model.parameters()]
         opt.eval()  # a second eval() changes nothing, as in plain schedule-free
         opt.train()
         train(model, opt, batches[3:], start=3)
@@ -48,7 +55,7 @@ def test_train_eval_switches_equal_plain(tmp_path, backend, name, durability):
     train(ref, ref_opt, batches[:3])
     ref_opt.eval()
     for p, q in zip(evaluated, ref.parameters()):
-        assert torch.equal(p, q.detach())
+        assert torch.equal(p.reshape(q.shape), q.detach())
     ref_opt.eval()
     ref_opt.train()
     train(ref, ref_opt, batches[3:], start=3)
@@ -68,3 +75,40 @@ def test_step_in_eval_mode_is_refused_as_plain(tmp_path):
         opt.eval()
         with pytest.raises(Exception, match="train mode"):
             train(model, opt, batches)
+
+
+@pytest.mark.parametrize("mode_kept", [True, False])
+def test_resume_keeps_the_train_mode(tmp_path, monkeypatch, mode_kept):
+    """A crash-consistent run committed in train mode keeps the group's train_mode with the
+    state (train() changes it, the probe sees it): the resumed run's own train() leaves the
+    committed weights as they are, and it continues exactly. With train_mode left out of
+    the values a step keeps, that train() moves the weights again: different, no error."""
+    from tiermem.optim.rules.generic import ShadowRule
+
+    if not mode_kept:
+        changed = ShadowRule._changed
+        monkeypatch.setattr(ShadowRule, "_changed", lambda self: [
+            c for c in changed(self) if c[2] != "train_mode"])
+        monkeypatch.setattr(ShadowRule, "_kept", ShadowRule._changed)
+    cls = schedulefree.AdamWScheduleFree
+    kw = dict(lr=1e-2, warmup_steps=2)
+    model = Synthetic()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
+    batches = make_batches(model, 5)
+    c = cfg(tmp_path, "threads", "crash_consistent")
+    monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+    with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt, c, model=model):
+            opt.train()
+            train(model, opt, batches[:3])
+    model2 = copy.deepcopy(model)
+    opt2 = cls(model2.parameters(), **kw)
+    with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt2, c, model=model2, resume=True):
+            opt2.train()
+            train(model2, opt2, batches[3:], start=3)
+    ref_opt.train()
+    train(ref, ref_opt, batches)
+    same = all(torch.equal(p, q) for p, q in zip(model2.parameters(), ref.parameters()))
+    assert same == mode_kept

@@ -1137,7 +1137,9 @@ class OffloadedOptimizer:
         with torch.no_grad(), deferred():
             for part in self.parts:
                 group = self.opt.param_groups[part.group]
-                with self.tiers.record(part, write=True) as (views, fresh):
+                # (parameters.offload: the weights it moves, from the tier and back)
+                with self._model_weights(part, changed=True), \
+                        self.tiers.record(part, write=True) as (views, fresh):
                     if fresh:
                         self.rule.init(part, views)
                     master = views.get("master")

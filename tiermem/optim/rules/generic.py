@@ -424,12 +424,19 @@ class ShadowRule(UpdateRule):
             params = [t.clone() for t in init]
             shadows = [self._shadow({k: _copy(v) for k, v in settings.items()},
                                     [params[i] for i in idx]) for idx in indices]
-            if note_after:  # as the optimizer is before its first step
-                after.append(({k: _copy(v) for k, v in shadows[0].param_groups[0].items()
-                               if k != "params"}, own_values(shadows[0]), []))
+            def values() -> tuple[dict, dict]:
+                return ({k: _copy(v) for k, v in shadows[0].param_groups[0].items()
+                         if k != "params"}, own_values(shadows[0]))
+            before_methods = values() if note_after else None
             with _rngs_forked():
                 for sh in shadows:
                     self._train_mode(sh)
+                if note_after:
+                    # What train() changed (schedule-free's group train_mode) says which
+                    # weights the records hold: a resume sets it back, so that the resumed
+                    # run's own train() does not move them again.
+                    self._note_changes(g, [before_methods, values()])
+                    after.append((*values(), []))  # as the optimizer is before its first step
                 rng = _rng_states()
                 for step in range(PROBE_STEPS):
                     for i, p in enumerate(params):
