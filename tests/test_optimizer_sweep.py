@@ -1,5 +1,6 @@
-"""Every optimizer class of pytorch-optimizer, torch-optimizer, lion-pytorch, schedulefree
-and bitsandbytes (the thirdparty extra), tiered against its plain run: each must end
+"""Every optimizer class of pytorch-optimizer, torch-optimizer, lion-pytorch, schedulefree,
+bitsandbytes, adam-atan2-pytorch, came-pytorch and prodigyopt (the thirdparty extra),
+tiered against its plain run: each must end
 bitwise equal or be refused with tiermem's error, never different. New versions of those
 packages bring new classes; this is where one that tiermem would run wrong shows up.
 
@@ -60,7 +61,8 @@ def outcome(cls: type, tmp_path) -> str | None:
 
 
 @pytest.mark.parametrize("module", ["pytorch_optimizer", "torch_optimizer", "lion_pytorch",
-                                    "schedulefree", "bitsandbytes.optim"])
+                                    "schedulefree", "bitsandbytes.optim",
+                                    "adam_atan2_pytorch", "came_pytorch", "prodigyopt"])
 def test_every_class_equal_or_refused(tmp_path, module):
     results = {}
     for i, cls in enumerate(classes(module)):
@@ -69,4 +71,5 @@ def test_every_class_equal_or_refused(tmp_path, module):
             results[cls.__name__] = got
     wrong = {k: v for k, v in results.items() if v not in ("equal", "refused")}
     assert not wrong, f"tiered runs that ended different from the plain ones: {wrong}"
+    # (prodigyopt's one class, Prodigy, couples its parameters: refused)
     assert sum(v == "equal" for v in results.values()) >= len(results) // 2, results
