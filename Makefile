@@ -41,7 +41,7 @@ $(STAMP): $(NATIVE)
 # The framework integrations' tests run against the real packages (lightning, accelerate,
 # transformers); pinning the installed torch keeps pip from swapping in a CUDA build.
 $(ISTAMP): $(STAMP)
-	@echo "setup: installing the integrations and third-party optimizer extras (lightning, accelerate, transformers; lion-pytorch, torch-optimizer, pytorch-optimizer, schedulefree, bitsandbytes, torchao)"
+	@echo "setup: installing the integrations and third-party optimizer extras (lightning, accelerate, transformers; lion-pytorch, torch-optimizer, pytorch-optimizer, schedulefree, bitsandbytes, torchao, adam-atan2-pytorch, came-pytorch, prodigyopt)"
 	@$(PYTHON) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > build/torch-constraint.txt
 	@$(PYTHON) -m pip install -q --no-build-isolation -c build/torch-constraint.txt -e ".[test,integrations,thirdparty]"
 	@touch $(ISTAMP)
