@@ -230,3 +230,24 @@ def test_plan_command_times_any_optimizers_update(tmp_path):
     assert proc.returncode in (0, 1), proc.stderr
     assert "kernel Adagrad's own step, measured here on a 1024 x 1024 matrix" in proc.stdout
     assert "estimated opt.step() time" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("sgd(lr=-1)", "torch.optim.SGD does not take these arguments (ValueError: Invalid "
+                   "learning rate: -1)"),
+    ("sgd(momentom=0.9)", "unexpected keyword argument 'momentom'")])
+def test_optimizer_arguments_checked_by_the_class(spec, why):
+    proc = _cli("plan", "--params", "1M", "--optimizer", spec)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and why in lines[0], proc.stderr
+
+
+def test_plan_refuses_what_the_offload_refuses():
+    """State the class makes before any step (a mask per matrix in __init__, as SPAM's) is
+    refused by the plan as at tiermem.offload's entry, not counted."""
+    from tiermem.optim.rules import UnsupportedOptimizer
+
+    with pytest.raises(UnsupportedOptimizer, match=r"state \['mask'\]"):
+        state_bytes("test_optimizer_rules.MadeInInit", [(64, 64)], torch.float32,
+                    load_config({}))

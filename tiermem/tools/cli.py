@@ -292,10 +292,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                      on_gpu=args.on_gpu)
     for line in plan.lines():
         print(line)
+    adam = (choice(args.optimizer).module, choice(args.optimizer).cls) in (
+        ("torch.optim", "Adam"), ("torch.optim", "AdamW"))
     if args.update_ns is not None:
-        update = UpdateCost(args.update_ns, kernel_for(settings), "given")
-    elif (choice(args.optimizer).module, choice(args.optimizer).cls) in (
-            ("torch.optim", "Adam"), ("torch.optim", "AdamW")):
+        update = UpdateCost(args.update_ns, kernel_for(settings) if adam else
+                            f"{choice(args.optimizer).cls}'s own step", "given")
+    elif adam:
         update = measure_update(settings, args.dtype)
     elif settings.optimizer.state_dtype == "fp32":
         # every other optimizer steps as its plain self does, per partition

@@ -100,8 +100,13 @@ def _split(spec: str) -> tuple[str, dict[str, Any]]:
 
 def canonical(spec: str) -> str:
     """`spec` as the rest of tiermem compares it: a table name in lower case; UnknownOptimizer
-    if it names nothing that loads."""
-    choice(spec)
+    if it names nothing that loads, or its arguments are not the class's."""
+    c = choice(spec)
+    try:  # the class's own check of its arguments (a negative lr, a misspelt keyword)
+        optimizer_class(c)([torch.zeros(2, 2, requires_grad=True)], **{"lr": 1e-3, **c.kwargs})
+    except Exception as exc:
+        raise UnknownOptimizer(f"optimizer {spec.strip()!r}: {c.module}.{c.cls} does not take "
+                               f"these arguments ({type(exc).__name__}: {exc})") from None
     head, paren, rest = spec.strip().partition("(")
     head = head.strip()
     return (head.lower() if head.lower() in OPTIMIZERS else head.replace(":", ".")) + paren + rest
@@ -189,6 +194,9 @@ def state_bytes(name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
     rule, opt = _probe_rule(name, dtype, settings)
     c = choice(name)
     group = opt.param_groups[0]
+    for p in group["params"]:
+        if opt.state.get(p):  # state the class makes before a step: what entry would take
+            rule.from_torch_state(p, group, opt.state[p])
     keep_master = settings.swap.durability == "crash_consistent" or on_gpu
     total = 0
     for shape in shapes:
