@@ -76,7 +76,9 @@ enum { ST_F32 = 0, ST_BF16_RNE = 1, ST_BF16_SR = 2 };  /* how the moments are st
 
 #define TM_ADAM_PAR_MIN (256 * 1024)   /* below this, no threads */
 #define TM_ADAM_PAR_UNIT (128 * 1024)  /* at least this many elements per thread */
-#define TM_ADAM_CHUNK (64 * 1024)      /* threads take chunks of this many elements */
+#define TM_ADAM_CHUNK (64 * 1024)      /* a pass that hashes takes chunks of this many */
+/* A pass that hashes nothing takes chunks of up to this many elements (stream_chunk). */
+#define TM_ADAM_STREAM_CHUNK (1024 * 1024)
 #define TM_ADAM_MAX_THREADS 256
 
 typedef struct adam_job {
@@ -609,7 +611,24 @@ typedef struct {
     int nruns;
     const adam_job *jobs;
     const int64_t *lens, *starts;
+    int64_t chunk;  /* elements a chunk: TM_ADAM_CHUNK when hashing, else stream_chunk() */
 } adam_task;
+
+/* The chunk of a pass over n elements on up to nthreads threads that hashes nothing: as
+ * long as TM_ADAM_STREAM_CHUNK, so that each thread streams long runs of each array, yet
+ * four or more a thread, so that one slowed by other work on its core takes fewer. With
+ * 64K-element chunks handed out in turn to two threads the fp32 pass over 100M elements
+ * (25 tensors) ran 1.06-1.08x torch's fused AdamW on this 2-vCPU Zen 5 VM when memory
+ * moved ~120 GB/s; with 256K 1.00-1.01x, 1M 0.98-0.99x, 4M 1.00-1.02x (alternated in one
+ * process, 15 rounds each; docs/dev/benchmarks.md, twenty-second session). A pass that
+ * hashes keeps TM_ADAM_CHUNK: each chunk is hashed right after its update, from cache. */
+static int64_t stream_chunk(int64_t n, int nthreads)
+{
+    int64_t per = n / (4 * (int64_t)(nthreads > 1 ? nthreads : 1));
+    per = (per + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK * TM_ADAM_CHUNK;
+    return per < TM_ADAM_CHUNK ? TM_ADAM_CHUNK
+         : per > TM_ADAM_STREAM_CHUNK ? TM_ADAM_STREAM_CHUNK : per;
+}
 
 enum { TM_CRC_P = 1, TM_CRC_M = 2, TM_CRC_V = 4, TM_CRC_VMAX = 8 };
 
@@ -659,13 +678,13 @@ static void run_chunks(adam_task *t)
         run_runs(t);
         return;
     }
-    int64_t nchunks = (t->n + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK;
+    int64_t nchunks = (t->n + t->chunk - 1) / t->chunk;
     for (;;) {
         int64_t k = __atomic_fetch_add(&t->next, 1, __ATOMIC_RELAXED);
         if (k >= nchunks)
             return;
-        int64_t b = k * TM_ADAM_CHUNK;
-        int64_t e = b + TM_ADAM_CHUNK < t->n ? b + TM_ADAM_CHUNK : t->n;
+        int64_t b = k * t->chunk;
+        int64_t e = b + t->chunk < t->n ? b + t->chunk : t->n;
         t->fn(t->job, b, e);
         if (t->crc_mask)
             hash_chunk(t, k, b, e);
@@ -685,8 +704,8 @@ static void run_runs(adam_task *t)
             return;
         while (k >= t->starts[r + 1])
             r++;
-        int64_t b = (k - t->starts[r]) * TM_ADAM_CHUNK;
-        int64_t e = b + TM_ADAM_CHUNK < t->lens[r] ? b + TM_ADAM_CHUNK : t->lens[r];
+        int64_t b = (k - t->starts[r]) * t->chunk;
+        int64_t e = b + t->chunk < t->lens[r] ? b + t->chunk : t->lens[r];
         t->fn(&t->jobs[r], b, e);
     }
 }
@@ -815,14 +834,14 @@ static int grow_pool(int want)
 /* CRCs of the arrays in crc_mask over [0, n), from the chunk CRCs, in order. */
 static void join_crcs(const adam_task *t, uint32_t crcs[4])
 {
-    int64_t nchunks = (t->n + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK;
+    int64_t nchunks = (t->n + t->chunk - 1) / t->chunk;
     for (int a = 0; a < 4; a++) {
         if (!(t->crc_mask & (1 << a)))
             continue;
         size_t sz = crc_elem(t->job, a);
         uint32_t c = 0;
         for (int64_t k = 0; k < nchunks; k++) {
-            int64_t len = k == nchunks - 1 ? t->n - k * TM_ADAM_CHUNK : TM_ADAM_CHUNK;
+            int64_t len = k == nchunks - 1 ? t->n - k * t->chunk : t->chunk;
             c = tm_crc32c_combine(c, t->chunk_crcs[4 * k + a], (uint64_t)len * sz);
         }
         crcs[a] = c;
@@ -879,7 +898,8 @@ static void run_task(adam_task *t, int64_t n, int nthreads)
 static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
                          int crc_mask, uint32_t *chunk_crcs)
 {
-    adam_task t = {j, fn, n, 0, crc_mask, chunk_crcs, 0, NULL, NULL, NULL};
+    adam_task t = {j, fn, n, 0, crc_mask, chunk_crcs, 0, NULL, NULL, NULL,
+                   crc_mask ? TM_ADAM_CHUNK : stream_chunk(n, nthreads)};
     run_task(&t, n, nthreads);
 }
 
@@ -986,7 +1006,8 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
         run_threaded(&j, fn, len, nthreads, crc_mask, chunk_crcs);
         if (crc_mask) {
             uint32_t win[4];
-            adam_task t = {&j, fn, len, 0, crc_mask, chunk_crcs, 0, NULL, NULL, NULL};
+            adam_task t = {&j, fn, len, 0, crc_mask, chunk_crcs, 0, NULL, NULL, NULL,
+                           TM_ADAM_CHUNK};
             join_crcs(&t, win);
             for (int a = 0; a < 4; a++)
                 if (crc_mask & (1 << a))
@@ -1047,13 +1068,15 @@ int tm_adam_step_runs(const tm_adam_run *runs, int nruns, double lr, double beta
                                    decoupled),
         };
         lens[m] = u->n;
-        starts[m + 1] = starts[m] + (u->n + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK;
         total += u->n;
         m++;
     }
+    int64_t chunk = stream_chunk(total, nthreads);
+    for (int r = 0; r < m; r++)
+        starts[r + 1] = starts[r] + (lens[r] + chunk - 1) / chunk;
     if (m > 0) {
         adam_fn fn = fn_for(tm_adam_get_isa());
-        adam_task t = {&jobs[0], fn, lens[0], 0, 0, NULL, m, jobs, lens, starts};
+        adam_task t = {&jobs[0], fn, lens[0], 0, 0, NULL, m, jobs, lens, starts, chunk};
         run_task(&t, total, nthreads);
     }
     free(jobs);
