@@ -604,24 +604,25 @@ typedef struct {
     int64_t n;
     int64_t next;  /* next chunk to hand out (atomic) */
     int crc_mask;  /* TM_CRC_* arrays to checksum, 0 for none */
-    uint32_t *chunk_crcs;  /* 4 per chunk: p, m, v, vmax (those in crc_mask) */
+    uint32_t *chunk_crcs;  /* 4 per TM_ADAM_CHUNK piece: p, m, v, vmax (in crc_mask) */
     /* Several runs in one pass (tm_adam_step_runs; 0 for one run, job and n): run r is
      * jobs[r] over lens[r] elements, its chunks numbered from starts[r]; starts[nruns]
      * is the total. No CRCs then. */
     int nruns;
     const adam_job *jobs;
     const int64_t *lens, *starts;
-    int64_t chunk;  /* elements a chunk: TM_ADAM_CHUNK when hashing, else stream_chunk() */
+    int64_t chunk;  /* elements a chunk (stream_chunk()); hashed in TM_ADAM_CHUNK pieces */
 } adam_task;
 
-/* The chunk of a pass over n elements on up to nthreads threads that hashes nothing: as
- * long as TM_ADAM_STREAM_CHUNK, so that each thread streams long runs of each array, yet
- * four or more a thread, so that one slowed by other work on its core takes fewer. With
+/* The chunk of a pass over n elements on up to nthreads threads: as long as
+ * TM_ADAM_STREAM_CHUNK, so that each thread streams long runs of each array, yet four or
+ * more a thread, so that one slowed by other work on its core takes fewer. With
  * 64K-element chunks handed out in turn to two threads the fp32 pass over 100M elements
  * (25 tensors) ran 1.06-1.08x torch's fused AdamW on this 2-vCPU Zen 5 VM when memory
  * moved ~120 GB/s; with 256K 1.00-1.01x, 1M 0.98-0.99x, 4M 1.00-1.02x (alternated in one
  * process, 15 rounds each; docs/dev/benchmarks.md, twenty-second session). A pass that
- * hashes keeps TM_ADAM_CHUNK: each chunk is hashed right after its update, from cache. */
+ * hashes updates and hashes a chunk TM_ADAM_CHUNK elements at a time, each piece from
+ * cache right after its update (chunk_crcs holds a CRC per piece). */
 static int64_t stream_chunk(int64_t n, int nthreads)
 {
     int64_t per = n / (4 * (int64_t)(nthreads > 1 ? nthreads : 1));
@@ -685,9 +686,16 @@ static void run_chunks(adam_task *t)
             return;
         int64_t b = k * t->chunk;
         int64_t e = b + t->chunk < t->n ? b + t->chunk : t->n;
-        t->fn(t->job, b, e);
-        if (t->crc_mask)
-            hash_chunk(t, k, b, e);
+        if (!t->crc_mask) {
+            t->fn(t->job, b, e);
+            continue;
+        }
+        /* piece by piece, each hashed right after its update, while it is in cache */
+        for (int64_t pb = b; pb < e; pb += TM_ADAM_CHUNK) {
+            int64_t pe = pb + TM_ADAM_CHUNK < e ? pb + TM_ADAM_CHUNK : e;
+            t->fn(t->job, pb, pe);
+            hash_chunk(t, pb / TM_ADAM_CHUNK, pb, pe);
+        }
     }
 }
 
@@ -834,14 +842,14 @@ static int grow_pool(int want)
 /* CRCs of the arrays in crc_mask over [0, n), from the chunk CRCs, in order. */
 static void join_crcs(const adam_task *t, uint32_t crcs[4])
 {
-    int64_t nchunks = (t->n + t->chunk - 1) / t->chunk;
+    int64_t npieces = (t->n + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK;
     for (int a = 0; a < 4; a++) {
         if (!(t->crc_mask & (1 << a)))
             continue;
         size_t sz = crc_elem(t->job, a);
         uint32_t c = 0;
-        for (int64_t k = 0; k < nchunks; k++) {
-            int64_t len = k == nchunks - 1 ? t->n - k * t->chunk : t->chunk;
+        for (int64_t k = 0; k < npieces; k++) {
+            int64_t len = k == npieces - 1 ? t->n - k * TM_ADAM_CHUNK : TM_ADAM_CHUNK;
             c = tm_crc32c_combine(c, t->chunk_crcs[4 * k + a], (uint64_t)len * sz);
         }
         crcs[a] = c;
@@ -899,7 +907,7 @@ static void run_threaded(const adam_job *j, adam_fn fn, int64_t n, int nthreads,
                          int crc_mask, uint32_t *chunk_crcs)
 {
     adam_task t = {j, fn, n, 0, crc_mask, chunk_crcs, 0, NULL, NULL, NULL,
-                   crc_mask ? TM_ADAM_CHUNK : stream_chunk(n, nthreads)};
+                   stream_chunk(n, nthreads)};
     run_task(&t, n, nthreads);
 }
 
@@ -981,7 +989,7 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
     adam_fn fn = fn_for(tm_adam_get_isa());
     uint32_t *chunk_crcs = NULL;
     if (crc_mask) {
-        /* 4 CRCs per chunk of the longest window run (n at most). */
+        /* 4 CRCs per piece of the longest window run (n at most). */
         chunk_crcs = malloc(sizeof(uint32_t) * 4 * (size_t)((n + TM_ADAM_CHUNK - 1) /
                                                             TM_ADAM_CHUNK));
         if (!chunk_crcs)

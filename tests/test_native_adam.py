@@ -890,3 +890,21 @@ def test_hypothesis_runs_in_one_call(cuts, adjacent, steps, amsgrad, gdt, out, b
 
     for a, b in zip(run(True), run(False), strict=True):
         assert_bitwise(a, b, "one call vs one call per segment")
+
+
+@pytest.mark.parametrize("n", [(1 << 16) - 3, (1 << 19) + 5, 3 * (1 << 20) + 13])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_checksums_in_the_pass_are_the_arrays_crcs(n, threads):
+    """The CRCs the pass computes piece by piece (64K elements, inside chunks of up to 1M a
+    thread takes) are the CRC32C of each array's bytes after the update, whatever the
+    chunking: one piece, pieces of a chunk, several chunks a thread, a ragged end."""
+    from tiermem.kernels.checksum import crc32c
+
+    gen = torch.Generator().manual_seed(n)
+    p, g, m = (torch.randn(n, generator=gen) for _ in range(3))
+    v = torch.rand(n, generator=gen)
+    got = na.adam_fused_mixed(master=p, grad=g, exp_avg=m, exp_avg_sq=v, step=2, lr=1e-3,
+                              beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                              num_threads=threads,
+                              checksums=("master", "exp_avg", "exp_avg_sq"))
+    assert got == {"master": crc32c(p), "exp_avg": crc32c(m), "exp_avg_sq": crc32c(v)}
