@@ -317,14 +317,15 @@ def test_hypothesis_kernel_matches_reference(n, master, rounding, offset, seed, 
     _assert_same(state, ref, "hypothesis")
 
 
+# one 64K-element piece a chunk; chunks of several pieces, each hashed after its update
+@pytest.mark.parametrize("n", [300_000 + 123, 3 * (1 << 20) + 123])
 @pytest.mark.parametrize("master,moments", [("fp32", "int8"), ("kahan", "fp32"),
                                             ("none", "bf16")])
-def test_threads_and_checksums_agree(master, moments):
+def test_threads_and_checksums_agree(master, moments, n):
     """A threaded call (several chunks) equals a one-thread call, and the CRCs it returns
     are those of the arrays it left."""
     from tiermem.kernels.checksum import crc32c
     gen = torch.Generator().manual_seed(1)
-    n = 300_000 + 123
     a = _state(n, master, gen, moments=moments)
     b = _clone(a)
     grads = _grads(n, 2, gen, torch.float32, 3, specials=False)
