@@ -68,16 +68,19 @@ def known() -> str:
     return ", ".join(OPTIMIZERS)
 
 
-def _split(spec: str) -> tuple[str, dict[str, Any]]:
-    """`name` or `name(key=literal, ...)`: the name and the keyword arguments."""
+def _normalised(spec: str) -> str:
+    """`spec` with a table name in lower case and module:Class (as entry points write
+    it) as module.Class."""
     head, paren, rest = spec.strip().partition("(")
     head = head.strip()
-    if head.lower() in OPTIMIZERS:
-        head = head.lower()
-    elif ":" in head:  # module:Class, as entry points write it
-        head = head.replace(":", ".")
-    spec = head + paren + rest
-    if not paren:
+    head = head.lower() if head.lower() in OPTIMIZERS else head.replace(":", ".")
+    return head + paren + rest
+
+
+def _split(spec: str) -> tuple[str, dict[str, Any]]:
+    """`name` or `name(key=literal, ...)`: the name and the keyword arguments."""
+    spec = _normalised(spec)
+    if "(" not in spec:
         return spec, {}
     try:
         call = ast.parse(spec, mode="eval").body
@@ -107,9 +110,7 @@ def canonical(spec: str) -> str:
     except Exception as exc:
         raise UnknownOptimizer(f"optimizer {spec.strip()!r}: {c.module}.{c.cls} does not take "
                                f"these arguments ({type(exc).__name__}: {exc})") from None
-    head, paren, rest = spec.strip().partition("(")
-    head = head.strip()
-    return (head.lower() if head.lower() in OPTIMIZERS else head.replace(":", ".")) + paren + rest
+    return _normalised(spec)
 
 
 def choice(spec: str) -> Choice:
@@ -118,7 +119,7 @@ def choice(spec: str) -> Choice:
     name, kwargs = _split(spec)
     c = OPTIMIZERS.get(name.lower())
     if c is None:
-        module, _, cls = name.replace(":", ".").rpartition(".")
+        module, _, cls = name.rpartition(".")
         if not module:
             raise UnknownOptimizer(f"unknown optimizer {name!r}; known: {known()}; or any "
                                    "torch.optim.Optimizer subclass by its import path "
