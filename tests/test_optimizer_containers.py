@@ -21,7 +21,7 @@ import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
 
 from offload_helpers import backend_params, make_batches, train
-from test_optimizer_rules import (Stepped, cfg, kept_on_disk, params_equal, small,
+from test_optimizer_rules import (Stepped, cfg, kept_on_disk, params_equal, resumed, small,
                                   state_equal)
 
 STEPS = 3
@@ -165,10 +165,8 @@ def test_crash_consistent_resume(tmp_path, monkeypatch):
     model, opt, ref, ref_opt = pair()
     batches = make_batches(model, 5)
     c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches[:3])
-    model2 = copy.deepcopy(model)
-    opt2 = SidePreconditioned(model2.parameters())
-    with tiermem.offload(opt2, c, model=model2, resume=True):
-        train(model2, opt2, batches[3:], start=3)
+    model2, opt2 = resumed(c, model, lambda m: SidePreconditioned(m.parameters()),
+                           batches[3:], 3)
     train(ref, ref_opt, batches)
     params_equal(model2, ref, "resumed")
     state_equal(opt2.state_dict(), ref_opt.state_dict(), "resumed")

@@ -100,6 +100,16 @@ def kept_on_disk(tmp_path, monkeypatch, model, opt, batches) -> dict:
     return c
 
 
+def resumed(c, model, make, batches, start):
+    """A copy of `model` and a new optimizer (make(params)) resumed from the state kept
+    under config `c`, then trained on `batches` from step `start`."""
+    model2 = copy.deepcopy(model)
+    opt2 = make(model2)
+    with tiermem.offload(opt2, c, model=model2, resume=True):
+        train(model2, opt2, batches, start=start)
+    return model2, opt2
+
+
 def pair(cls, kw):
     model = small()
     ref = copy.deepcopy(model)
@@ -283,10 +293,7 @@ def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):
     model, opt, ref, ref_opt = pair(cls, kw)
     batches = make_batches(model, 5)
     c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches[:3])
-    model2 = copy.deepcopy(model)
-    opt2 = cls(params_for(cls, model2), **kw)
-    with tiermem.offload(opt2, c, model=model2, resume=True):
-        train(model2, opt2, batches[3:], start=3)
+    model2, opt2 = resumed(c, model, lambda m: cls(params_for(cls, m), **kw), batches[3:], 3)
     train(ref, ref_opt, batches)
     params_equal(model2, ref, "resumed")
     state_equal(opt2.state_dict(), ref_opt.state_dict(), "resumed")
@@ -714,10 +721,7 @@ def test_resume_before_the_first_step_of_a_lazily_counted_optimizer(tmp_path, mo
     c = kept_on_disk(tmp_path, monkeypatch, model, opt, [])
     assert read_manifest(str(swap_dir(tmp_path)), None).values["absent"] == [
         "param_groups[0]['count']", ".t", ".state['seen']"]
-    model2 = copy.deepcopy(model)
-    opt2 = LazilyCounted(model2.parameters())
-    with tiermem.offload(opt2, c, model=model2, resume=True):
-        train(model2, opt2, batches)
+    model2, opt2 = resumed(c, model, lambda m: LazilyCounted(m.parameters()), batches, 0)
     train(ref, ref_opt, batches)
     params_equal(model2, ref, "resumed")
     assert (opt2.t, opt2.param_groups[0]["count"], opt2.state["seen"]) == (ref_opt.t, 3, 3)
@@ -762,10 +766,7 @@ def test_resume_keeps_values_that_first_change_after_the_probe(tmp_path, monkeyp
     model, opt, ref, ref_opt = pair(LateLatched, {})
     batches = make_batches(model, 8)
     c = kept_on_disk(tmp_path, monkeypatch, model, opt, batches[:6])
-    model2 = copy.deepcopy(model)
-    opt2 = LateLatched(model2.parameters())
-    with tiermem.offload(opt2, c, model=model2, resume=True):
-        train(model2, opt2, batches[6:], start=6)
+    model2, opt2 = resumed(c, model, lambda m: LateLatched(m.parameters()), batches[6:], 6)
     train(ref, ref_opt, batches)
     same = all(torch.equal(p, q) for p, q in zip(model2.parameters(), ref.parameters()))
     assert same != probe_seen_only
