@@ -233,7 +233,8 @@ def same_state_value(a, b, what: str, check=assert_bitwise) -> None:
 
 
 def compare_state_dicts(sd: dict, ref_sd: dict, *, exact: bool = True) -> None:
-    """Two torch-format optimizer state_dicts hold the same per-parameter state."""
+    """Two torch-format optimizer state_dicts hold the same per-parameter state (and the
+    same entries under keys that are no parameter: MADGRAD's state['k'])."""
     check = assert_same_tensor if exact else assert_close_tensor
 
     def same(a, b, what: str) -> None:
@@ -242,6 +243,9 @@ def compare_state_dicts(sd: dict, ref_sd: dict, *, exact: bool = True) -> None:
     assert set(sd["state"]) == set(ref_sd["state"])
     for i, sr in ref_sd["state"].items():
         st = sd["state"][i]
+        if not isinstance(i, int):
+            same(st, sr, f"state[{i!r}]")
+            continue
         for k, b in sr.items():
             assert k in st, f"state[{i}] lacks {k!r}"
             same(st[k], b, f"state[{i}][{k!r}]")

@@ -186,3 +186,30 @@ def test_offload_unwraps_lightning_optimizer(tmp_path):
         assert installed(opt) is not None and installed(wrapped) is None
         assert tm.optimizer is opt
         assert tm.plan()["unwrapped"] == "lightning.pytorch.core.optimizer.LightningOptimizer"
+
+
+@pytest.mark.parametrize("mod, name, kw", [
+    # the generic path: a count in opt.state["k"] (a tensor under a string key), carried
+    # through Lightning's checkpoint and its resume
+    ("pytorch_optimizer", "MADGRAD", dict(lr=1e-3)),
+    # its step uses the loss of the closure Lightning's automatic optimisation passes
+    ("pytorch_optimizer", "EmoNavi", dict(lr=1e-2))])
+def test_thirdparty_optimizer_fit_and_resume_equal_plain(tmp_path, mod, name, kw):
+    cls = getattr(pytest.importorskip(mod), name)
+
+    class WithIt(Tiny):
+        def configure_optimizers(self):
+            return cls(self.parameters(), **kw)
+
+    plain = WithIt(batches=2)
+    t_plain = fit(tmp_path / "plain", plain, ckpt_every=2)
+    tiered = WithIt(batches=2)
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[TiermemCallback(cfg(tmp_path))],
+                   ckpt_every=2)
+    compare((tiered, t_tiered), (plain, t_plain))
+    r_plain = WithIt(batches=2)
+    tr_plain = fit(tmp_path / "rp", r_plain, ckpt_path=str(tmp_path / "plain/ckpt/step=2.ckpt"))
+    r_tiered = WithIt(batches=2)
+    tr_tiered = fit(tmp_path / "rt", r_tiered, callbacks=[TiermemCallback(cfg(tmp_path))],
+                    ckpt_path=str(tmp_path / "tiered/ckpt/step=2.ckpt"))
+    compare((r_tiered, tr_tiered), (r_plain, tr_plain))
