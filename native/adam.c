@@ -77,7 +77,11 @@ enum { ST_F32 = 0, ST_BF16_RNE = 1, ST_BF16_SR = 2 };  /* how the moments are st
 #define TM_ADAM_PAR_MIN (256 * 1024)   /* below this, no threads */
 #define TM_ADAM_PAR_UNIT (128 * 1024)  /* at least this many elements per thread */
 #define TM_ADAM_CHUNK (64 * 1024)      /* a pass that hashes takes chunks of this many */
-/* A pass that hashes nothing takes chunks of up to this many elements (stream_chunk). */
+/* Threads take chunks of up to this many elements (stream_chunk). With 64K-element
+ * chunks handed out in turn to two threads the fp32 pass over 100M elements (25 tensors)
+ * ran 1.06-1.08x torch's fused AdamW on this 2-vCPU Zen 5 VM when memory moved ~120 GB/s;
+ * with 256K 1.00-1.01x, 1M 0.98-0.99x, 4M 1.00-1.02x (alternated in one process, 15
+ * rounds each; docs/dev/benchmarks.md, twenty-second session). */
 #define TM_ADAM_STREAM_CHUNK (1024 * 1024)
 #define TM_ADAM_MAX_THREADS 256
 
@@ -614,21 +618,11 @@ typedef struct {
     int64_t chunk;  /* elements a chunk (stream_chunk()); hashed in TM_ADAM_CHUNK pieces */
 } adam_task;
 
-/* The chunk of a pass over n elements on up to nthreads threads: as long as
- * TM_ADAM_STREAM_CHUNK, so that each thread streams long runs of each array, yet four or
- * more a thread, so that one slowed by other work on its core takes fewer. With
- * 64K-element chunks handed out in turn to two threads the fp32 pass over 100M elements
- * (25 tensors) ran 1.06-1.08x torch's fused AdamW on this 2-vCPU Zen 5 VM when memory
- * moved ~120 GB/s; with 256K 1.00-1.01x, 1M 0.98-0.99x, 4M 1.00-1.02x (alternated in one
- * process, 15 rounds each; docs/dev/benchmarks.md, twenty-second session). A pass that
- * hashes updates and hashes a chunk TM_ADAM_CHUNK elements at a time, each piece from
- * cache right after its update (chunk_crcs holds a CRC per piece). */
+/* A pass that hashes updates and hashes a chunk TM_ADAM_CHUNK elements at a time, each
+ * piece from cache right after its update (chunk_crcs holds a CRC per piece). */
 static int64_t stream_chunk(int64_t n, int nthreads)
 {
-    int64_t per = n / (4 * (int64_t)(nthreads > 1 ? nthreads : 1));
-    per = (per + TM_ADAM_CHUNK - 1) / TM_ADAM_CHUNK * TM_ADAM_CHUNK;
-    return per < TM_ADAM_CHUNK ? TM_ADAM_CHUNK
-         : per > TM_ADAM_STREAM_CHUNK ? TM_ADAM_STREAM_CHUNK : per;
+    return tm_stream_chunk(n, nthreads, TM_ADAM_CHUNK, TM_ADAM_STREAM_CHUNK);
 }
 
 enum { TM_CRC_P = 1, TM_CRC_M = 2, TM_CRC_V = 4, TM_CRC_VMAX = 8 };

@@ -1182,14 +1182,11 @@ int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *co
         parts = nthreads < nchunks ? nthreads : (int)nchunks;
     if (parts > LB_MAX_THREADS)
         parts = LB_MAX_THREADS;
-    /* Long chunks, four or more a thread, as adam.c's stream_chunk (why there): the int8
-     * pass over 100M elements on two threads took 0.164-0.167 ns/param with chunks of
-     * 1M elements against 0.189-0.227 with 64K ones handed out in turn (this VM,
-     * alternated, 5 pairs of runs). */
-    int64_t chunk = n / (4 * (int64_t)parts);
-    chunk = (chunk + LB_CHUNK - 1) / LB_CHUNK * LB_CHUNK;
-    chunk = chunk < LB_CHUNK ? LB_CHUNK : chunk > LB_STREAM_CHUNK ? LB_STREAM_CHUNK : chunk;
-    lb_task t = {&j, fn, n, 0, crc_mask, chunk_crcs, chunk};
+    /* Long chunks (parallel.h): the int8 pass over 100M elements on two threads took
+     * 0.164-0.167 ns/param with chunks of 1M elements against 0.189-0.227 with 64K ones
+     * handed out in turn (this VM, alternated, 5 pairs of runs). */
+    lb_task t = {&j, fn, n, 0, crc_mask, chunk_crcs,
+                 tm_stream_chunk(n, parts, LB_CHUNK, LB_STREAM_CHUNK)};
     /* one task, its chunks taken in turn by every thread */
     tm_parallel_pieces(run_chunks, &t, 0, parts);
     if (crc_mask) {
