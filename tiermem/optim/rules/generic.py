@@ -177,33 +177,41 @@ def own_keys(opt: torch.optim.Optimizer) -> set[tuple[str, Any]]:
     return keys | {(STATE, k) for k in opt.state if not isinstance(k, Tensor)}
 
 
-def own_get(opt: torch.optim.Optimizer, key: tuple[str, Any]) -> Any:
+# A value outside the per-parameter state is named by (where, key): where is a group's
+# index, ATTR or STATE. The three functions below are the one way to read, set (or, with
+# _MISSING, remove) and name one.
+
+
+def _home(opt: torch.optim.Optimizer, where: int | str) -> dict:
+    if isinstance(where, int):
+        return opt.param_groups[where] if where < len(opt.param_groups) else {}
+    return opt.__dict__ if where == ATTR else opt.state
+
+
+def value_get(opt: torch.optim.Optimizer, key: tuple[int | str, Any]) -> Any:
     where, k = key
     # .get: reading a defaultdict must not make the entry
-    return getattr(opt, k, _MISSING) if where == ATTR else opt.state.get(k, _MISSING)
+    return _home(opt, where).get(k, _MISSING)
 
 
-def own_put(opt: torch.optim.Optimizer, key: tuple[str, Any], value: Any) -> None:
+def value_put(opt: torch.optim.Optimizer, key: tuple[int | str, Any], value: Any) -> None:
     where, k = key
     if value is _MISSING:
-        if where == ATTR:
-            opt.__dict__.pop(k, None)
-        else:
-            opt.state.pop(k, None)
-    elif where == ATTR:
-        setattr(opt, k, value)
+        _home(opt, where).pop(k, None)
     else:
-        opt.state[k] = value
+        _home(opt, where)[k] = value
 
 
-def own_name(key: tuple[str, Any]) -> str:
+def value_name(key: tuple[int | str, Any]) -> str:
     where, k = key
+    if isinstance(where, int):
+        return f"param_groups[{where}][{k!r}]"
     return f".{k}" if where == ATTR else f".state[{k!r}]"
 
 
 def own_values(opt: torch.optim.Optimizer) -> dict[tuple[str, Any], Any]:
     """Copies of the values own_keys() names, in a fixed order (a manifest lists them)."""
-    return {key: _copy(own_get(opt, key))
+    return {key: _copy(value_get(opt, key))
             for key in sorted(own_keys(opt), key=lambda key: (key[0], str(key[1])))}
 
 
@@ -633,21 +641,20 @@ class ShadowRule(UpdateRule):
         if self._own_before is None:
             return
         for key in own_keys(self.opt) - self._own_before.keys():
-            own_put(self.opt, key, _MISSING)  # likewise: the retried step must make it again
+            value_put(self.opt, key, _MISSING)  # likewise: the retried step must make it again
         for key, v in self._own_before.items():
-            own_put(self.opt, key, _copy(v))
+            value_put(self.opt, key, _copy(v))
 
-    def _changed(self) -> list[tuple[str, int | str, Any]]:
-        """(name, where, key) of each value the probe saw the step change outside the
-        per-parameter state; where: the group's index, ATTR or STATE."""
-        return ([(f"param_groups[{g}][{k!r}]", g, k) for g, k in self._changed_groups]
-                + [(own_name(key), *key) for key in self._changed_own])
+    def _changed(self) -> list[tuple[int | str, Any]]:
+        """(where, key) of each value the probe saw the step change outside the
+        per-parameter state (value_name() names it)."""
+        return [(g, k) for g, k in self._changed_groups] + list(self._changed_own)
 
     def step_changed_values(self) -> list[str]:
-        return [name for name, _, _ in self._changed()]
+        return [value_name(key) for key in self._changed()]
 
-    def _kept(self) -> list[tuple[str, int | str, Any]]:
-        """(name, where, key) of every value a manifest keeps: those the probe saw a step
+    def _kept(self) -> list[tuple[int | str, Any]]:
+        """(where, key) of every value a manifest keeps: those the probe saw a step
         change, and besides them every simple value the optimizer keeps on itself (but
         private ones, named with a leading underscore, and `defaults`, the user's) or in
         its state under a string key, and every group value that is none of the user's
@@ -655,33 +662,29 @@ class ShadowRule(UpdateRule):
         that first changes after the probe's steps (a flag set at the end of a warm-up) is
         kept too."""
         kept = self._changed()
-        skip = {(where, k) for _, where, k in kept} | self._set_once
+        skip = set(kept) | self._set_once
         for key in sorted(own_keys(self.opt), key=lambda key: (key[0], str(key[1]))):
             if key not in skip and not (key[0] == ATTR and (key[1].startswith("_")
                                                             or key[1] == "defaults")):
-                kept.append((own_name(key), *key))
+                kept.append(key)
         defaults = getattr(self.opt, "defaults", {})
         for g, group in enumerate(self.opt.param_groups):
-            kept += [(f"param_groups[{g}][{k!r}]", g, k) for k, v in group.items()
+            kept += [(g, k) for k, v in group.items()
                      if k != "params" and k not in defaults and (g, k) not in skip
                      and _simple(v)]
         return kept
 
     def step_values(self) -> dict[str, Any]:
         values: dict[str, Any] = {"groups": {}, "own": {}, "state": {}, "absent": []}
-        for name, where, k in self._kept():
-            if isinstance(where, int):
-                group = (self.opt.param_groups[where] if where < len(self.opt.param_groups)
-                         else {})
-                value = group.get(k, _MISSING)
-                if value is not _MISSING:
-                    values["groups"].setdefault(str(where), {})[k] = value
-            else:
-                value = own_get(self.opt, (where, k))
-                if value is not _MISSING:
-                    values["own" if where == ATTR else "state"][k] = value
+        for key in self._kept():
+            where, k = key
+            value = value_get(self.opt, key)
             if value is _MISSING:  # not made yet (a count the first step sets up)
-                values["absent"].append(name)
+                values["absent"].append(value_name(key))
+            elif isinstance(where, int):
+                values["groups"].setdefault(str(where), {})[k] = value
+            else:
+                values["own" if where == ATTR else "state"][k] = value
         return values
 
     def restore_step_values(self, values: dict[str, Any]) -> None:
@@ -690,8 +693,8 @@ class ShadowRule(UpdateRule):
         kept.update({(ATTR, k): v for k, v in values.get("own", {}).items()})
         kept.update({(STATE, k): v for k, v in values.get("state", {}).items()})
         absent = set(values.get("absent", ()))
-        missing = [name for name, where, k in self._changed()
-                   if (where, k) not in kept and name not in absent]
+        missing = [value_name(key) for key in self._changed()
+                   if key not in kept and value_name(key) not in absent]
         if missing:
             raise UnsupportedOptimizer(
                 f"cannot resume {_name(type(self.opt))} from disk: its step changes "
@@ -699,36 +702,20 @@ class ShadowRule(UpdateRule):
                 "does not keep them (written by an older tiermem), so the resumed run would "
                 "start them over; resume it through torch.save(optimizer.state_dict()) and "
                 "load_state_dict() instead")
-
-        def now(where: int | str, k: Any) -> Any:
-            if isinstance(where, int):
-                return self.opt.param_groups[where].get(k, _MISSING)
-            return own_get(self.opt, (where, k))
-
-        def name_of(where: int | str, k: Any) -> str:
-            return (f"param_groups[{where}][{k!r}]" if isinstance(where, int)
-                    else own_name((where, k)))
-        for (where, k), v in kept.items():
-            if isinstance(v, Unkept) and v.digest != value_digest(now(where, k)):
+        for key, v in kept.items():
+            if isinstance(v, Unkept) and v.digest != value_digest(value_get(self.opt, key)):
                 raise UnsupportedOptimizer(
                     f"cannot resume {_name(type(self.opt))} from disk: its "
-                    f"{name_of(where, k)} was {v.text} at the committed step, which the "
+                    f"{value_name(key)} was {v.text} at the committed step, which the "
                     "manifest could not keep exactly, and this optimizer holds another "
                     "value; resume it through torch.save(optimizer.state_dict()) and "
                     "load_state_dict() instead")
-        for (where, k), v in kept.items():
-            if isinstance(v, Unkept):
-                continue  # the same as the resumed optimizer holds
-            if isinstance(where, int):
-                self.opt.param_groups[where][k] = v
-            else:
-                own_put(self.opt, (where, k), v)
-        for name, where, k in self._changed():  # as the committed step left them: not made yet
-            if name in absent:
-                if isinstance(where, int):
-                    self.opt.param_groups[where].pop(k, None)
-                else:
-                    own_put(self.opt, (where, k), _MISSING)
+        for key, v in kept.items():
+            if not isinstance(v, Unkept):  # (an Unkept is what the optimizer holds)
+                value_put(self.opt, key, v)
+        for key in self._changed():  # as the committed step left them: not made yet
+            if value_name(key) in absent:
+                value_put(self.opt, key, _MISSING)
 
     def state_methods(self) -> tuple[str, ...]:
         return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
@@ -898,13 +885,13 @@ class ShadowRule(UpdateRule):
         later partition that ends with other values."""
         keys = own_keys(sh)
         if self._own_after is None:
-            self._own_after = {key: _copy(own_get(sh, key)) for key in keys}
+            self._own_after = {key: _copy(value_get(sh, key)) for key in keys}
             for key, v in self._own_after.items():
                 if not _same(v, (self._own_before or {}).get(key, _MISSING)):
-                    own_put(self.opt, key, _copy(v))
+                    value_put(self.opt, key, _copy(v))
             return
-        changed = sorted(own_name(key) for key in keys | self._own_after.keys()
-                         if not _same(own_get(sh, key) if key in keys else _MISSING,
+        changed = sorted(value_name(key) for key in keys | self._own_after.keys()
+                         if not _same(value_get(sh, key) if key in keys else _MISSING,
                                       self._own_after.get(key, _MISSING)))
         if changed:
             raise TierMemError(
