@@ -88,7 +88,7 @@ def test_resume_keeps_the_train_mode(tmp_path, monkeypatch, mode_kept):
     if not mode_kept:
         changed = ShadowRule._changed
         monkeypatch.setattr(ShadowRule, "_changed", lambda self: [
-            c for c in changed(self) if c[2] != "train_mode"])
+            (where, key) for where, key in changed(self) if key != "train_mode"])
         monkeypatch.setattr(ShadowRule, "_kept", ShadowRule._changed)
     cls = schedulefree.AdamWScheduleFree
     kw = dict(lr=1e-2, warmup_steps=2)
