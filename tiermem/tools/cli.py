@@ -292,11 +292,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                      on_gpu=args.on_gpu)
     for line in plan.lines():
         print(line)
-    adam = (choice(args.optimizer).module, choice(args.optimizer).cls) in (
-        ("torch.optim", "Adam"), ("torch.optim", "AdamW"))
+    chosen = choice(args.optimizer)
+    adam = (chosen.module, chosen.cls) in (("torch.optim", "Adam"), ("torch.optim", "AdamW"))
     if args.update_ns is not None:
         update = UpdateCost(args.update_ns, kernel_for(settings) if adam else
-                            f"{choice(args.optimizer).cls}'s own step", "given")
+                            f"{chosen.cls}'s own step", "given")
     elif adam:
         update = measure_update(settings, args.dtype)
     elif settings.optimizer.state_dtype == "fp32":

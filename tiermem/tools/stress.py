@@ -338,16 +338,22 @@ class Verifier:
         # step() left the next step's run-ahead reads to the overlap's worker, which
         # reassigns the pipeline's buffers meanwhile (as for opt.state_dict(), tm.stats())
         self.tm.offloaded.wait_idle()
-        self._taken = [(part, self._copy(part)) for part in self.sample(step)]
+        self._taken = self._copies(step)
 
     def before(self, step: int) -> None:
         """Compute each sampled partition's reference from its copy (taken now, unless
         take() took it before backward) and the gradients backward left."""
-        taken = self._taken or [(part, self._copy(part)) for part in self.sample(step)]
+        taken = self._taken or self._copies(step)
         self._taken = []
         self._pending = [(part, self._reference(part, copy)) for part, copy in taken]
 
-    def _copy(self, part: Partition) -> dict:
+    def _copies(self, step: int) -> list[tuple[Partition, dict]]:
+        """The sampled partitions and their copies; the values the optimizer keeps outside
+        the state (rules.own_values), copied once for all of them."""
+        own = own_values(self.tm.offloaded.opt)
+        return [(part, self._copy(part, own)) for part in self.sample(step)]
+
+    def _copy(self, part: Partition, own: dict) -> dict:
         off = self.tm.offloaded
         rec: dict[str, torch.Tensor] = {}
         with off.tiers.record(part, write=False) as (views, fresh):
@@ -368,8 +374,7 @@ class Verifier:
             # the values a step changes outside the state (a group's count, MADGRAD's
             # state['k']): with pipeline.overlap_backward the step has run by before()
             "values": ({k: copy.deepcopy(v) for k, v in
-                        off.opt.param_groups[part.group].items() if k != "params"},
-                       own_values(off.opt)),
+                        off.opt.param_groups[part.group].items() if k != "params"}, own),
         }
 
     def _reference(self, part: Partition, copy: dict) -> dict:
