@@ -81,6 +81,17 @@ def compare(a: tuple[Tiny, L.Trainer], b: tuple[Tiny, L.Trainer]) -> None:
     compare_state_dicts(ta.optimizers[0].state_dict(), tb.optimizers[0].state_dict())
 
 
+def resumed_from_step_2(tmp_path: Path, make) -> tuple[tuple[Tiny, L.Trainer], ...]:
+    """Plain and tiered fits of make() resumed from their step-2 checkpoints (of the fits
+    under tmp_path/plain and tmp_path/tiered): (tiered, its trainer), (plain, its)."""
+    r_plain = make()
+    tr_plain = fit(tmp_path / "rp", r_plain, ckpt_path=str(tmp_path / "plain/ckpt/step=2.ckpt"))
+    r_tiered = make()
+    tr_tiered = fit(tmp_path / "rt", r_tiered, callbacks=[TiermemCallback(cfg(tmp_path))],
+                    ckpt_path=str(tmp_path / "tiered/ckpt/step=2.ckpt"))
+    return (r_tiered, tr_tiered), (r_plain, tr_plain)
+
+
 def cfg(tmp_path: Path, **pipeline) -> dict:
     c = config(tmp_path / "swap", host=0, kernel="match")
     c["pipeline"].update(pipeline)
@@ -111,13 +122,9 @@ def test_fit_checkpoint_and_resume_equal_plain(tmp_path):
         assert_same_tensor(ck_tiered["state_dict"][k], v, k)
 
     # resume from step 2 to 4: the tiered resume equals the plain one, and both the full fit
-    r_plain = Tiny(batches=2)
-    tr_plain = fit(tmp_path / "rp", r_plain, ckpt_path=str(tmp_path / "plain/ckpt/step=2.ckpt"))
-    r_tiered = Tiny(batches=2)
-    tr_tiered = fit(tmp_path / "rt", r_tiered, callbacks=[TiermemCallback(cfg(tmp_path))],
-                    ckpt_path=str(tmp_path / "tiered/ckpt/step=2.ckpt"))
-    compare((r_tiered, tr_tiered), (r_plain, tr_plain))
-    compare((r_tiered, tr_tiered), (plain, t_plain))
+    tiered_resumed, plain_resumed = resumed_from_step_2(tmp_path, lambda: Tiny(batches=2))
+    compare(tiered_resumed, plain_resumed)
+    compare(tiered_resumed, (plain, t_plain))
 
 
 def test_clipping_and_accumulation_equal_plain(tmp_path):
@@ -207,9 +214,4 @@ def test_thirdparty_optimizer_fit_and_resume_equal_plain(tmp_path, mod, name, kw
     t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[TiermemCallback(cfg(tmp_path))],
                    ckpt_every=2)
     compare((tiered, t_tiered), (plain, t_plain))
-    r_plain = WithIt(batches=2)
-    tr_plain = fit(tmp_path / "rp", r_plain, ckpt_path=str(tmp_path / "plain/ckpt/step=2.ckpt"))
-    r_tiered = WithIt(batches=2)
-    tr_tiered = fit(tmp_path / "rt", r_tiered, callbacks=[TiermemCallback(cfg(tmp_path))],
-                    ckpt_path=str(tmp_path / "tiered/ckpt/step=2.ckpt"))
-    compare((r_tiered, tr_tiered), (r_plain, tr_plain))
+    compare(*resumed_from_step_2(tmp_path, lambda: WithIt(batches=2)))

@@ -23,13 +23,16 @@ class LossScaled(Stepped):
     """Momentum whose step size follows the loss its closure returns (a loss-driven
     schedule, as EmoNavi's); without a closure, the plain step size."""
 
+    def scale(self, loss) -> float:
+        return 1.0 if loss is None else 1.0 / (1.0 + float(loss))
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scale = 1.0 if loss is None else 1.0 / (1.0 + float(loss))
+        scale = self.scale(loss)
         for group, p, st in self.with_grads():
             if not st:
                 st["m"] = torch.zeros_like(p)
@@ -110,27 +113,17 @@ def test_closure_called_other_than_once_refused(tmp_path, cls, calls):
     params_equal(model, ref, f"{cls.__name__} stepped without a closure")
 
 
-class LossAveraged(Stepped):
+class LossAveraged(LossScaled):
     """Momentum whose step size follows an average of the losses its closure returns, kept
     in state["avg"] (as EmoNavi keeps its in state["ema"]). Without a closure the average
     stays where its first step set it: the coupling probe, stepping without one, sees a
     value set once."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def scale(self, loss) -> float:
         avg = self.state.setdefault("avg", 1.0)
         if loss is not None:
             self.state["avg"] = avg = 0.5 * avg + 0.5 * float(loss)
-        for group, p, st in self.with_grads():
-            if not st:
-                st["m"] = torch.zeros_like(p)
-            st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
-            p.sub_(st["m"], alpha=group["lr"] / avg)
-        return loss
+        return 1.0 / avg
 
 
 @pytest.mark.parametrize("noted", [True, False])
