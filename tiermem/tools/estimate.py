@@ -20,6 +20,7 @@ from tiermem.config import Settings
 from tiermem.kernels.adam import adam_update
 from tiermem.sizes import format_count, format_size
 from tiermem.swap.paths import check_paths
+from tiermem.tools.optimizers import make_optimizer
 from tiermem.tools.stress import DTYPES, Plan
 
 MEASURE_ELEMENTS = 4_000_000  # 64 MB of fp32 tensors, past the caches, allocated once
@@ -95,8 +96,6 @@ def measure_plain_update(spec: str, *, numel: int = PLAIN_ELEMENTS,
     record's views or the optimizer's step() on whole parameters. A whole-parameter
     step's cost is not linear in the elements (SOAP's eigendecompositions every few
     steps): the figure is this matrix's."""
-    from tiermem.tools.optimizers import make_optimizer
-
     side = math.isqrt(numel)
     gen = torch.Generator().manual_seed(0)
     param = torch.randn(side, side, generator=gen).requires_grad_()
