@@ -16,6 +16,7 @@ import json
 import os
 
 import pytest
+import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -207,7 +208,6 @@ def test_manifest_names_the_moment_dtype_so_recover_reads_bf16_state(tmp_path):
     """optimizer.state_dtype bf16: the manifest says each partition's moment dtype, so
     `tiermem recover` lays the records out as they were written (before, it assumed fp32
     and refused every bf16-state run: 'record of 61440 bytes, its layout gives 86016')."""
-    import torch
 
     cfg = crash_config(str(tmp_path), "threads", "bf16")
     model = make_model()
@@ -219,9 +219,95 @@ def test_manifest_names_the_moment_dtype_so_recover_reads_bf16_state(tmp_path):
         ckpt = gather(str(tmp_path / "tiermem-default"))
         live = opt.state_dict()["state"]
         assert ckpt["step"] == 2
-        for i, st in ckpt["optimizer"]["state"].items():
+        for i, state in ckpt["optimizer"]["state"].items():
             for k in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(st[k], live[i][k].float()), (i, k)
+                assert torch.equal(state[k], live[i][k].float()), (i, k)
         for name, p in model.named_parameters():
             assert torch.equal(ckpt["model"][name], p.detach().float()), name
         tm.discard()
+
+
+class Paired(torch.optim.Optimizer):
+    """Two momenta per parameter kept in a list (a container the record keeps as two
+    kinds), for a whole-parameter layout with nested state in the manifest."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["pair"] = [torch.zeros_like(p), torch.zeros_like(p)]
+                st["pair"][0].mul_(0.9).add_(p.grad)
+                st["pair"][1].mul_(0.5).add_(p.grad)
+                p.sub_(st["pair"][0] + st["pair"][1], alpha=group["lr"])
+
+
+@pytest.fixture(scope="module")
+def whole_kept(tmp_path_factory):
+    """A committed run of Adafactor's and Paired's whole-parameter layouts (shapes, dtypes,
+    a list), its manifest body and run directory."""
+    root = tmp_path_factory.mktemp("whole")
+    cfg = crash_config(str(root), "threads")
+    model = make_model()
+    opt = Paired([p for p in model.parameters() if p.dim() == 1])
+    fact = torch.optim.Adafactor([p for p in model.parameters() if p.dim() > 1], lr=0.01)
+    kept = {}
+    for name, o in (("paired", opt), ("adafactor", fact)):
+        with tiermem.offload(o, cfg, model=model, name=name) as tm:
+            for k in (1, 2):
+                set_grads(model, k)
+                o.step()
+            run = os.path.join(str(root), f"tiermem-{name}")
+            files = {}
+            for f in os.listdir(run):
+                with open(os.path.join(run, f), "rb") as fh:
+                    files[f] = fh.read()
+            kept[name] = (run, files)
+            gather(run)  # intact: recovers
+            tm.discard()
+    return kept
+
+
+@pytest.mark.parametrize("which, field, value, says", [
+    ("adafactor", ("partitions", 0, "dtypes", "row_var"), "complex128",
+     "partitions[0].dtypes.row_var"),
+    ("adafactor", ("partitions", 0, "dtypes", "nonesuch"), "float32", "partitions[0].dtypes"),
+    ("adafactor", ("partitions", 0, "shapes", 0, "row_var", 0), -1,
+     "partitions[0].shapes[0].row_var[0]"),
+    ("adafactor", ("partitions", 0, "shapes"), [], "partitions[0].shapes"),
+    ("adafactor", ("partitions", 0, "shapes", 0, "row_var"), [10**6],
+     "partition 0: record of"),
+    ("adafactor", ("params", 0, "scalars", "tiermem_dim_order"), [["row_var", [3]]],
+     "params[0].scalars.tiermem_dim_order"),
+    ("adafactor", ("params", 0, "scalars", "tiermem_dim_order"), [["nonesuch", [0]]],
+     "params[0].scalars.tiermem_dim_order"),
+    ("paired", ("partitions", 0, "nested", 0, "pair"), {"leaf": "nonesuch"},
+     "partitions[0].nested[0].pair.leaf"),
+    ("paired", ("partitions", 0, "nested", 0, "pair"), {"set": []},
+     "partitions[0].nested[0].pair"),
+    ("paired", ("partitions", 0, "nested", 0, "pair"), {"list": [{"list": [{"list": [
+        {"list": [{"list": [{"list": [{"list": [{"list": [{"list": []}]}]}]}]}]}]}]}]},
+     "nested at most 8 deep"),
+])
+def test_whole_parameter_layout_fields_are_checked(whole_kept, which, field, value, says):
+    """The layout recover rebuilds a whole-parameter rule's state from (layout_of: each
+    kind's dtype, shapes, the containers the optimizer keeps tensors in) is checked like
+    every other field: a crafted one is refused, naming it."""
+    run, files = whole_kept[which]
+    body = json.loads(files[MANIFEST])
+    parent = body
+    for k in field[:-1]:
+        parent = parent[k]
+    parent[field[-1]] = value
+    os.makedirs(run, mode=0o700, exist_ok=True)
+    for name, data in {**files, MANIFEST: encode(body)}.items():
+        with open(os.path.join(run, name), "wb") as f:
+            f.write(data)
+    with pytest.raises(TierMemError, match=_re(says)):
+        gather(run)

@@ -57,6 +57,9 @@ class Segment:
     # kind -> shape of that state tensor, for kinds that are not one value per element
     # (a whole-parameter rule's factored statistics); the rest have `length` elements
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # state key -> the container (list, tuple, dict) the generic path keeps as several
+    # kinds, as WholeLayout.nested gives it (a manifest keeps it as template_json says)
+    nested: dict[str, Any] = field(default_factory=dict)
 
     def size(self, kind: str) -> int:
         """Elements of `kind` this segment keeps in the record."""
@@ -216,6 +219,38 @@ def state_kinds(param: torch.Tensor, amsgrad: bool, keep_master: bool = False,
     return kinds + (("max_exp_avg_sq",) if amsgrad else ())
 
 
+# A parameter's scalar (in the manifest: its "scalars") listing the record kinds whose bytes
+# lie in another memory order than the row-major one: [[kind, order], ...], the dims
+# outermost first (the generic path keeps an optimizer's column-major state as it is laid)
+ORDER_KEY = "tiermem_dim_order"
+
+
+def laid(flat: torch.Tensor, shape: Sequence[int], order: Sequence[int] | None
+         ) -> torch.Tensor:
+    """The 1-D `flat` as a tensor of `shape` whose dims lie in memory in `order`."""
+    if order is None:
+        return flat.view(tuple(shape))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return flat.view([shape[d] for d in order]).permute(inverse)
+
+
+def template_json(template: Any) -> Any:
+    """A container template of the generic path (optim/rules/nested.py: ("leaf", kind),
+    ("list" | "tuple", children), ("dict", ((key, child), ...)), ("subclass", (cls, ...)))
+    as a manifest keeps it: {"leaf": kind}, {"list": [...]}, {"tuple": [...]},
+    {"dict": [[key, child], ...]}, or {"subclass": "module.Class"} (a tensor subclass is
+    made again by its class, which only a resume in the same program has)."""
+    kind, body = template
+    if kind == "leaf":
+        return {"leaf": body}
+    if kind == "subclass":
+        cls = body[0]
+        return {"subclass": f"{cls.__module__}.{cls.__qualname__}"}
+    if kind == "dict":
+        return {"dict": [[key, template_json(child)] for key, child in body]}
+    return {kind: [template_json(child) for child in body]}
+
+
 @dataclass
 class WholeLayout:
     """What a whole-parameter rule keeps for one parameter: its kinds in record order, the
@@ -244,7 +279,7 @@ def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
         for j, p in enumerate(group["params"]):
             lay = whole[g][j]
             forced = rule_tier(names.get(id(p), ""), rules)
-            seg = Segment(p, index, 0, p.numel(), dict(lay.shapes))
+            seg = Segment(p, index, 0, p.numel(), dict(lay.shapes), dict(lay.nested))
             index += 1
             key = (lay.kinds, tuple(sorted((k, str(d)) for k, d in lay.dtypes.items())), forced)
             current = open_for.get(key)

@@ -20,11 +20,12 @@ from tiermem.config import ConfigError, Settings
 from tiermem.device.lanes import CudaBackend, DeferredBackend, DeviceLanes
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import kernel_matching
-from tiermem.swap.manifest import read_manifest, write_manifest
+from tiermem.swap.manifest import (read_manifest, scalar_from_json, value_from_json,
+                                    write_manifest)
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import Batch, PreparedUpdate, UpdateRule, rule_for
-from tiermem.optim.rules.nested import Unkept, json_exact, value_digest
+from tiermem.optim.rules.nested import json_exact, value_digest
 from tiermem.optim.state_io import (drop_param_state, gather, jsonable, scatter,
                                     torch_state_dict)
 from tiermem.optim.threads import UpdateThreads
@@ -47,12 +48,6 @@ def scalar_to_json(value: Any) -> Any:
     with its dtype (an fp32 value is a double JSON keeps to the last bit)."""
     if isinstance(value, torch.Tensor):
         return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
-    return value
-
-
-def scalar_from_json(value: Any) -> Any:
-    if isinstance(value, dict) and "tensor" in value:
-        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
     return value
 
 
@@ -86,18 +81,6 @@ def step_value_to_json(value: Any) -> Any:
 
 def _finite_json(value: Any) -> bool:
     return json_exact(value) and not (isinstance(value, float) and not math.isfinite(value))
-
-
-def step_value_from_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        if "unkept" in value:  # the rule compares it with the resumed optimizer's
-            return Unkept(value["unkept"], value.get("digest"))
-        if "tuple" in value:
-            return tuple(value["tuple"])
-        if "dict" in value:
-            return dict(value["dict"])
-        return scalar_from_json(value)
-    return value
 
 
 def check_weights_supported(settings: Settings, model: torch.nn.Module | None, streams: Any,
@@ -269,11 +252,11 @@ class OffloadedOptimizer:
             # the counts a step keeps in its groups or on the optimizer (Ranger21's group
             # step and current_lr), as the committed step left them
             self.rule.restore_step_values({
-                "groups": {g: {k: step_value_from_json(v) for k, v in vs.items()}
+                "groups": {g: {k: value_from_json(v) for k, v in vs.items()}
                            for g, vs in manifest.values.get("groups", {}).items()},
-                "own": {k: step_value_from_json(v)
+                "own": {k: value_from_json(v)
                         for k, v in manifest.values.get("own", {}).items()},
-                "state": {k: step_value_from_json(v)
+                "state": {k: value_from_json(v)
                           for k, v in manifest.values.get("state", {}).items()},
                 "absent": manifest.values.get("absent", [])})
         self.resumed_step = manifest.step if manifest else None

@@ -34,7 +34,7 @@ import torch
 
 from tiermem.errors import TierMemError, TierMemIOError
 from tiermem.kernels.checksum import crc32c
-from tiermem.partition import SCALE_KINDS, Partition, blocks, record_layout
+from tiermem.partition import SCALE_KINDS, Partition, blocks, record_layout, template_json
 from tiermem.swap.integrity import FOOTER_BYTES
 from tiermem.swap import fsops
 
@@ -53,6 +53,38 @@ STATE_FILE = "state.swap"  # each run directory's swap file (the store creates i
 
 class ManifestError(TierMemError):
     """A manifest that is damaged, crafted or from another version: names file and field."""
+
+
+@dataclass(frozen=True)
+class Unkept:
+    """A value a manifest could not keep exactly (an object, a dict keyed by numbers, a
+    large tensor): what it looked like, and a digest of it (None in manifests of earlier
+    versions) that tells whether the resumed optimizer holds the same."""
+
+    text: str
+    digest: str | None
+
+
+def scalar_from_json(value):
+    """A per-parameter scalar as torch's state holds it, from the manifest's form (a
+    number, or a 0-d tensor's value with its dtype)."""
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    return value
+
+
+def value_from_json(value):
+    """A value a step changed outside the per-parameter state (values.groups, .own,
+    .state), from the manifest's form: exact, or an Unkept where JSON could not keep it."""
+    if isinstance(value, dict):
+        if "unkept" in value:
+            return Unkept(value["unkept"], value.get("digest"))
+        if "tuple" in value:
+            return tuple(value["tuple"])
+        if "dict" in value:
+            return dict(value["dict"])
+        return scalar_from_json(value)
+    return value
 
 
 @dataclass
@@ -80,11 +112,32 @@ class Manifest:
     values: dict = field(default_factory=dict)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def layout_of(parts: Sequence[Partition]) -> list[dict]:
-    return [{"id": p.id, "group": p.group, "tier": p.tier, "numel": p.numel,
-             "record_bytes": p.record_bytes, "kinds": list(p.kinds),
-             "moment_dtype": str(p.moment_dtype).removeprefix("torch."),
-             "segments": [[s.index, s.start, s.length] for s in p.segments]} for p in parts]
+    """Each partition's record layout as a manifest keeps it. Besides the segments and
+    kinds, a whole-parameter rule's partition says what its kinds are (`dtypes`: those
+    not in kind_dtype's dtype; `shapes`: per segment, the kinds that are not one value per
+    element; `nested`: per segment, the containers the generic path keeps as several
+    kinds), so that `tiermem recover` can rebuild the optimizer's state from the
+    manifest alone."""
+    out = []
+    for p in parts:
+        entry = {"id": p.id, "group": p.group, "tier": p.tier, "numel": p.numel,
+                 "record_bytes": p.record_bytes, "kinds": list(p.kinds),
+                 "moment_dtype": _dtype_name(p.moment_dtype),
+                 "segments": [[s.index, s.start, s.length] for s in p.segments]}
+        if p.dtypes:
+            entry["dtypes"] = {k: _dtype_name(d) for k, d in p.dtypes.items()}
+        if any(s.shapes for s in p.segments):
+            entry["shapes"] = [{k: list(v) for k, v in s.shapes.items()} for s in p.segments]
+        if any(s.nested for s in p.segments):
+            entry["nested"] = [{k: template_json(t) for k, t in s.nested.items()}
+                               for s in p.segments]
+        out.append(entry)
+    return out
 
 
 def write_manifest(run_dir: str, manifest: Manifest, name: str = MANIFEST) -> str:
@@ -152,6 +205,12 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
             f"swap.durability: {m.durability}, this config says {durability}; resume with "
             f"{m.durability}")
     expected = layout_of(parts)
+    if len(expected) == len(m.partitions):
+        # A manifest of an earlier tiermem lacks the whole-parameter layout's dtypes,
+        # shapes and nested containers: compared on what it keeps (its record_bytes
+        # still sizes every record).
+        expected = [{k: v for k, v in e.items() if k in _PART_KEYS or k in kept_entry}
+                    for e, kept_entry in zip(expected, m.partitions)]
     kept = {p["moment_dtype"] for p in m.partitions}
     want = {p["moment_dtype"] for p in expected}
     if kept and want and kept != want:
@@ -291,6 +350,10 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64")
 _PART_KEYS = {"id", "group", "tier", "numel", "record_bytes", "kinds", "segments",
               "moment_dtype"}
 _PARAM_KEYS = {"name", "shape", "dtype"}
+_WHOLE_KEYS = {"dtypes", "shapes", "nested"}  # a whole-parameter rule's (layout_of)
+# the dtypes an optimizer's own state may have in a record
+_STATE_DTYPES = _DTYPES + ("int8", "uint8", "int16", "int32", "int64", "bool")
+_TEMPLATE_KINDS = {"leaf", "list", "tuple", "dict", "subclass"}
 _SCALAR_DTYPES = _DTYPES + ("int64", "int32", "bool")
 _KIND_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
 # an optimizer's own state name (FlashAdamW's "exp_avg::quantized"), or the path of a
@@ -305,6 +368,42 @@ _NUM_GROUP_KEYS = ("lr", "eps", "weight_decay", "initial_lr")
 # whatever the torch version (recover hands them on).
 _REQUIRED_GROUP_KEYS = ("params", "lr")
 _ADAM_GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def _template(t, where: str, kinds: list, depth: int = 0) -> None:
+    """A container template as template_json writes it, its leaves kinds of the record."""
+    _need(isinstance(t, dict) and len(t) == 1 and set(t) <= _TEMPLATE_KINDS and depth < 8,
+          where, f"one of {sorted(_TEMPLATE_KINDS)} (nested at most 8 deep)", t)
+    (kind, body), = t.items()
+    if kind == "leaf":
+        _need(body in kinds, f"{where}.leaf", "a kind of the partition", body)
+    elif kind == "subclass":
+        _need(isinstance(body, str), f"{where}.subclass", "a class name", body)
+    elif kind == "dict":
+        for j, pair in enumerate(_list(body, f"{where}.dict")):
+            key, child = _list(pair, f"{where}.dict[{j}]", 2)
+            _need(key is None or isinstance(key, (bool, str)) or _is_num(key),
+                  f"{where}.dict[{j}][0]", "a string, number, boolean or null", key)
+            _template(child, f"{where}.dict[{j}][1]", kinds, depth + 1)
+    else:
+        for j, child in enumerate(_list(body, f"{where}.{kind}")):
+            _template(child, f"{where}.{kind}[{j}]", kinds, depth + 1)
+
+
+def _whole_layout(part: dict, w: str, kinds: list) -> None:
+    """A whole-parameter rule's dtypes, shapes and containers (layout_of)."""
+    for kind, name in _dict(part.get("dtypes", {}), f"{w}.dtypes").items():
+        _need(kind in kinds, f"{w}.dtypes", "kinds of the partition", kind)
+        _need(name in _STATE_DTYPES, f"{w}.dtypes.{kind}", f"one of {_STATE_DTYPES}", name)
+    n = len(part["segments"])
+    for j, shapes in enumerate(_list(part.get("shapes", [{}] * n), f"{w}.shapes", n)):
+        for kind, shape in _dict(shapes, f"{w}.shapes[{j}]").items():
+            _need(kind in kinds, f"{w}.shapes[{j}]", "kinds of the partition", kind)
+            for i, dim in enumerate(_list(shape, f"{w}.shapes[{j}].{kind}")):
+                _uint(dim, f"{w}.shapes[{j}].{kind}[{i}]")
+    for j, nested in enumerate(_list(part.get("nested", [{}] * n), f"{w}.nested", n)):
+        for key, t in _dict(nested, f"{w}.nested[{j}]").items():
+            _template(t, f"{w}.nested[{j}].{key}", kinds)
 
 
 def _validate(d: dict, run_dir: str) -> None:
@@ -408,7 +507,11 @@ def _validate(d: dict, run_dir: str) -> None:
     covered = [0] * len(params)
     for k, part in enumerate(parts):
         w = f"partitions[{k}]"
-        _dict(part, w, _PART_KEYS)
+        _dict(part, w)
+        extra, missing = set(part) - _PART_KEYS - _WHOLE_KEYS, _PART_KEYS - set(part)
+        if extra or missing:
+            raise _Invalid(f"{w} has the wrong fields (missing {sorted(missing)}, unexpected "
+                           f"{sorted(extra)})")
         _need(part["id"] == k and _is_int(part["id"]), f"{w}.id", f"{k} (partitions in order)",
               part["id"])
         _need(_is_int(part["group"]) and 0 <= part["group"] < len(groups), f"{w}.group",
@@ -435,6 +538,7 @@ def _validate(d: dict, run_dir: str) -> None:
             covered[index] += length
             total += length
             nblocks += blocks(length)
+        _whole_layout(part, w, kinds)
         _need(part["numel"] == total and _is_int(part["numel"]), f"{w}.numel",
               f"{total}, the sum of its segments", part["numel"])
         _uint(part["record_bytes"], f"{w}.record_bytes")

@@ -23,6 +23,21 @@ exactly: what the model held at that step, loadable into a plain bf16 model), an
 optimizer's "master_param" what state_dict() gives, the weight plus its Kahan term
 added in fp32 (the value the next step's update starts from; without kahan, the weight).
 A scratch run's Kahan term is left out: its bf16 weights are the model's own checkpoint.
+
+Runs of any other optimizer (the whole-parameter rules: Adafactor, Muon, and the generic
+path's third-party optimizers) come out the same way, from the layout the manifest keeps
+of each record (each kind's dtype and shape, the memory order of a column-major state
+tensor, the lists and dicts the optimizer keeps its tensors in): the optimizer's own
+per-parameter state as its state_dict() holds it, its entries under keys that are no
+parameter (MADGRAD's state['k']), and its groups as the committed step left them. What it
+keeps as attributes on itself (no state_dict() holds them) comes under
+"optimizer_attributes"; one the manifest could keep only as a digest is named under
+"optimizer_attributes_unkept". A value the optimizer's first step sets and no later step
+changes (bitsandbytes' `initialized`, EmoNavi's state['ema'] without a closure's loss) is
+not kept: the loaded optimizer's first step makes it again, as a resumed one's does.
+State a tensor subclass holds (torchao's low-bit state), and a group or state value kept
+only as a digest, are refused: only a resume in the optimizer's own program can make
+them again.
 """
 
 from __future__ import annotations
@@ -34,9 +49,11 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.swap.integrity import check
-from tiermem.swap.manifest import RESIDENT_FILE, Manifest, read_manifest
+from tiermem.swap.manifest import (RESIDENT_FILE, Manifest, Unkept, read_manifest,
+                                    scalar_from_json, value_from_json)
 from tiermem.kernels.lowbit import dequantize
-from tiermem.partition import SCALE_KINDS, Partition, Segment, low_weight_dtypes
+from tiermem.partition import (ORDER_KEY, SCALE_KINDS, Partition, Segment, laid,
+                               low_weight_dtypes)
 
 FORMAT = "tiermem-recover-1"
 # Rules whose records hold one value per element of each state kind, under torch's own
@@ -53,14 +70,6 @@ EAGER_RULES = {"AdagradRule": {"sum": "initial_accumulator_value"}}
 WEIGHT_KINDS = ("master", "weight", "kahan")
 
 
-def _scalar(value: Any) -> Any:
-    """A per-parameter scalar as the manifest keeps it (a number, or a 0-d tensor with its
-    dtype) back as torch's state holds it."""
-    if isinstance(value, dict) and "tensor" in value:
-        return torch.tensor(value["tensor"], dtype=_dtype(value["dtype"]))
-    return value
-
-
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -69,11 +78,15 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _partition(entry: dict, params: list[dict]) -> Partition:
-    segs = [Segment(None, index, start, length) for index, start, length in entry["segments"]]
+    shapes = entry.get("shapes") or [{} for _ in entry["segments"]]
+    segs = [Segment(None, index, start, length, {k: tuple(v) for k, v in shaped.items()})
+            for (index, start, length), shaped in zip(entry["segments"], shapes)]
     kinds = tuple(entry["kinds"])
     # an fp16 model's weights and Kahan term are fp16 in the record (one dtype a partition)
     dtypes = (low_weight_dtypes(kinds, _dtype(params[segs[0].index]["dtype"]))
               if segs and segs[0].index < len(params) else {})
+    # a whole-parameter rule's kinds, in the dtypes the optimizer made them in
+    dtypes.update({k: _dtype(v) for k, v in (entry.get("dtypes") or {}).items()})
     part = Partition(entry["id"], entry["group"], segs, kinds,
                      moment_dtype=_dtype(entry["moment_dtype"]), tier=entry["tier"],
                      dtypes=dtypes)
@@ -134,13 +147,7 @@ def gather(run_dir: str) -> dict[str, Any]:
     if not m.params:
         raise TierMemError(f"cannot recover: the manifest in {run_dir} lists no parameters")
     if m.rule not in ELEMENTWISE_RULES:
-        # A whole-parameter rule's records hold state of the optimizer's own shapes (the
-        # manifest does not say which): refused rather than written wrong.
-        raise TierMemError(
-            f"cannot recover {run_dir}: tiermem recover writes checkpoints of runs of Adam, "
-            f"AdamW and torch's elementwise optimizers ({', '.join(sorted(ELEMENTWISE_RULES))}"
-            f"), and this run's state is {m.rule}'s; resume it with "
-            "tiermem.offload(..., resume=True) and save optimizer.state_dict()")
+        return _gather_whole(run_dir, m)
     has_step, eager = m.rule not in NO_STEP_RULES, m.rule in EAGER_RULES
     names = [p["name"] or f"param.{i}" for i, p in enumerate(m.params)]
     group_of = {i: g for g, group in enumerate(m.groups) for i in group["params"]}
@@ -153,7 +160,7 @@ def gather(run_dir: str) -> dict[str, Any]:
             continue  # never stepped: torch keeps no state for it either
         shape = m.params[i]["shape"]
         st: dict[str, Any] = {"step": torch.tensor(float(step))} if has_step else {}
-        st.update({k: _scalar(v) for k, v in (m.params[i].get("scalars") or {}).items()})
+        st.update({k: scalar_from_json(v) for k, v in (m.params[i].get("scalars") or {}).items()})
         for k in kinds_of.get(i, ()):
             if k not in WEIGHT_KINDS and k not in SCALE_KINDS:
                 # never stepped (Adagrad builds its state when made): torch's starting value
@@ -215,16 +222,133 @@ def gather(run_dir: str) -> dict[str, Any]:
     return out
 
 
+def _refuse_unkept(run_dir: str, what: str, value: Any) -> Any:
+    if isinstance(value, Unkept):
+        raise TierMemError(
+            f"cannot recover {run_dir}: the optimizer's {what} was {value.text} at the "
+            "committed step, which the manifest could keep only as a digest; resume the run "
+            "with tiermem.offload(..., resume=True) in the optimizer's own program and save "
+            "optimizer.state_dict()")
+    return value
+
+
+def _rebuild(t: dict, tensors: dict[str, torch.Tensor], run_dir: str, what: str) -> Any:
+    """The list, tuple or dict a template (manifest.template_json) describes, around the
+    record's tensors (each taken out of `tensors`)."""
+    (kind, body), = t.items()
+    if kind == "leaf":
+        return tensors.pop(body)
+    if kind == "subclass":
+        raise TierMemError(
+            f"cannot recover {run_dir}: the optimizer keeps {what} as a {body}, a tensor "
+            "subclass that only its own program can make again; resume the run with "
+            "tiermem.offload(..., resume=True) there and save optimizer.state_dict()")
+    if kind == "dict":
+        return {key: _rebuild(child, tensors, run_dir, what) for key, child in body}
+    items = [_rebuild(child, tensors, run_dir, what) for child in body]
+    return items if kind == "list" else tuple(items)
+
+
+def _orders(kept: Any, part: Partition, seg: Segment, shape: tuple[int, ...], run_dir: str,
+            i: int) -> dict[str, tuple[int, ...]]:
+    """A parameter's ORDER_KEY scalar, checked: each entry a kind of its record and a
+    permutation of that kind's dims."""
+    out = {}
+    for entry in kept if isinstance(kept, list) else [kept]:
+        ok = isinstance(entry, list) and len(entry) == 2 and entry[0] in part.kinds
+        if ok:
+            k, order = entry
+            dims = len(seg.shapes.get(k, shape))
+            ok = (isinstance(order, list) and all(type(d) is int for d in order)
+                  and sorted(order) == list(range(dims)))
+        if not ok:
+            raise TierMemError(
+                f"cannot recover {run_dir}: the manifest's params[{i}].scalars.{ORDER_KEY} "
+                f"holds {entry!r}, not a kind of its record with an order of its dims")
+        out[k] = tuple(order)
+    return out
+
+
+def _gather_whole(run_dir: str, m: Manifest) -> dict[str, Any]:
+    """gather() for a whole-parameter rule's run: each parameter's state is the record's
+    kinds in the shapes, dtypes, memory order and containers the manifest gives, beside
+    its scalars; its fp32 master (crash-consistent runs) is its weight."""
+    names = [p["name"] or f"param.{i}" for i, p in enumerate(m.params)]
+    parts = [_partition(e, m.params) for e in m.partitions]
+    state: dict[Any, dict[str, Any]] = {}
+    weights: dict[int, torch.Tensor] = {}
+    fresh = set(m.fresh)
+    records = _Records(run_dir, m)
+    try:
+        for part, entry in zip(parts, m.partitions):
+            if part.id in fresh:
+                continue  # never written: its parameters never stepped
+            views = part.views(records.read(part))
+            slices = {k: part.slices(k) for k in views}
+            nested = entry.get("nested") or [{} for _ in part.segments]
+            for n, s in enumerate(part.segments):
+                i, shape = s.index, tuple(m.params[s.index]["shape"])
+                if "master" in views:
+                    weights[i] = views["master"][slices["master"][n]].clone().view(shape)
+                if m.steps[i] == 0:
+                    continue  # never stepped: torch keeps no state for it either
+                st = {k: scalar_from_json(v)
+                      for k, v in (m.params[i].get("scalars") or {}).items()}
+                orders = _orders(st.pop(ORDER_KEY, []), part, s, shape, run_dir, i)
+                tensors = {k: laid(views[k][slices[k][n]].clone(), s.shapes.get(k, shape),
+                                   orders.get(k))
+                           for k in part.kinds if k != "master"}
+                for key, t in nested[n].items():
+                    st[key] = _rebuild(t, tensors, run_dir,
+                                       f"state {key!r} of {names[i]}")
+                st.update(tensors)
+                if "master" in views and m.params[i]["dtype"] != "float32":
+                    st["master_param"] = weights[i].clone()
+                state[i] = st
+    finally:
+        records.close()
+    values = m.values or {}
+    for key, v in values.get("state", {}).items():  # entries under keys that are no parameter
+        state[key] = _refuse_unkept(run_dir, f"state[{key!r}]", value_from_json(v))
+    groups = [{**g, "betas": tuple(g["betas"])} if isinstance(g.get("betas"), list) else dict(g)
+              for g in m.groups]
+    for g, kept in values.get("groups", {}).items():
+        for k, v in kept.items():  # exact, where the groups above hold JSON's form
+            groups[int(g)][k] = _refuse_unkept(run_dir, f"param_groups[{g}][{k!r}]",
+                                               value_from_json(v))
+    own = {k: value_from_json(v) for k, v in values.get("own", {}).items()}
+    out: dict[str, Any] = {"format": FORMAT, "step": m.step, "durability": m.durability,
+                           "optimizer": {"state": state, "param_groups": groups},
+                           "optimizer_attributes": {k: v for k, v in own.items()
+                                                    if not isinstance(v, Unkept)}}
+    unkept = sorted(k for k, v in own.items() if isinstance(v, Unkept))
+    if unkept:
+        out["optimizer_attributes_unkept"] = unkept
+    if len(weights) == len(m.params):
+        out["model"] = {names[i]: weights[i] for i in range(len(m.params))}
+    return out
+
+
 def recover(run_dir: str, out_path: str) -> dict[str, Any]:
     """Write the checkpoint of `run_dir` to `out_path` (atomically); returns a summary."""
     ckpt = gather(run_dir)
     tmp = out_path + ".tmp"
     torch.save(ckpt, tmp)
     os.replace(tmp, out_path)
-    nbytes = sum(t.numel() * t.element_size() for st in ckpt["optimizer"]["state"].values()
-                 for t in st.values() if isinstance(t, torch.Tensor))
-    nbytes += sum(t.numel() * t.element_size() for t in ckpt.get("model", {}).values())
+    state = ckpt["optimizer"]["state"]
     return {"step": ckpt["step"], "durability": ckpt["durability"],
             "parameters": sum(len(g["params"]) for g in ckpt["optimizer"]["param_groups"]),
-            "with_state": len(ckpt["optimizer"]["state"]), "has_model": "model" in ckpt,
-            "bytes": nbytes, "path": out_path}
+            "with_state": sum(isinstance(k, int) for k in state), "has_model": "model" in ckpt,
+            "bytes": _nbytes(state) + _nbytes(ckpt.get("model", {})), "path": out_path,
+            "attributes": sorted(ckpt.get("optimizer_attributes", {})),
+            "unkept": ckpt.get("optimizer_attributes_unkept", [])}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0

@@ -254,6 +254,13 @@ def _cmd_recover(args: argparse.Namespace) -> int:
           f"{format_size(info['bytes'])} -> {info['path']}")
     if not info["has_model"]:
         print("  (no model weights: a scratch-mode run keeps fp32 weights in the model itself)")
+    if info["attributes"]:
+        print(f"  values the optimizer keeps on itself, under 'optimizer_attributes' (no "
+              f"state_dict() holds them; set them on the optimizer): "
+              f"{', '.join(info['attributes'])}")
+    if info["unkept"]:
+        print(f"  not recovered (the manifest kept only their digest): "
+              f"{', '.join(info['unkept'])}")
     return 0
 
 

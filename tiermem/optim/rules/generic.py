@@ -38,17 +38,14 @@ from torch import Tensor
 from tiermem.errors import TierMemError
 from tiermem.optim.rules.base import (Batch, UnsupportedOptimizer, UpdateRule,
                                       check_group_tensors)
-from tiermem.optim.rules.nested import (NotNested, Template, Unkept, dim_order, flatten,
-                                        is_record_tensor, json_exact, laid, leaf_names,
-                                        leaves_of, nests, rebuild, state_tensors, structure,
+from tiermem.optim.rules.nested import (NotNested, Template, dim_order, flatten,
+                                        is_record_tensor, json_exact, leaf_names, leaves_of,
+                                        nests, rebuild, state_tensors, structure,
                                         value_digest)
-from tiermem.partition import Partition, WholeLayout
-from tiermem.swap.manifest import kind_name_ok
+from tiermem.partition import ORDER_KEY, Partition, WholeLayout, laid
+from tiermem.swap.manifest import Unkept, kind_name_ok
 
 MASTER_KEY = "master_param"
-# A parameter's host value naming its state tensors that lie in memory in another order
-# than row-major: [[kind, dims outermost first], ...] (see dim_order)
-ORDER_KEY = "tiermem_dim_order"
 PROBE_STEPS = 3
 # the probe's parameter shapes by number of dimensions: small, odd, distinct
 PROBE_SHAPES = {0: [(), ()], 1: [(37,), (11,)], 2: [(13, 7), (5, 9)],

@@ -8,14 +8,14 @@ low-bit state: codes, block scales and a code map behind a float32 face), is sev
 each plain tensor inside is a record kind of its own, named by its path ("GG[0]",
 "momentum_buffer[0.9]", "exp_avg.codes"), and a template rebuilds the container around
 the record's views for the shadow's step and for state_dict(). A record keeps a tensor's
-bytes in the order the optimizer left them in memory (dim_order, laid).
+bytes in the order the optimizer left them in memory (dim_order here, and
+tiermem.partition.laid).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -192,24 +192,6 @@ def dim_order(t: Tensor) -> tuple[int, ...] | None:
         step *= t.shape[d]
     dense = all(want[d] == t.stride(d) for d in range(t.dim()) if t.shape[d] > 1)
     return order if dense else None
-
-
-def laid(flat: Tensor, shape: tuple[int, ...], order: tuple[int, ...] | None) -> Tensor:
-    """The 1-D `flat` as a tensor of `shape` whose dims lie in memory in `order`."""
-    if order is None:
-        return flat.view(shape)
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return flat.view([shape[d] for d in order]).permute(inverse)
-
-
-@dataclass(frozen=True)
-class Unkept:
-    """A value a manifest could not keep exactly (an object, a dict keyed by numbers, a
-    large tensor): what it looked like, and a digest of it (None in manifests of earlier
-    versions) that tells whether the resumed optimizer holds the same."""
-
-    text: str
-    digest: str | None
 
 
 def value_digest(value: Any) -> str:
