@@ -195,3 +195,19 @@ def test_recover_refuses_a_group_value_kept_only_as_a_digest(tmp_path, monkeypat
     write_manifest(str(run), man)
     with pytest.raises(TierMemError, match=r"param_groups\[0\]\['schedule'\] was <object>"):
         rec.gather(str(run))
+
+
+def test_recover_cli_names_the_values_kept_on_the_optimizer(tmp_path, monkeypatch, capsys):
+    """`tiermem recover` says which values the checkpoint holds beside the state_dict (they
+    belong on the optimizer the user loads it into)."""
+    import tiermem.tools.cli
+
+    model = Synthetic()
+    opt = SelfCounted(model.parameters())
+    kept_on_disk(tmp_path, monkeypatch, model, opt, make_batches(model, 2))
+    capsys.readouterr()
+    out = tmp_path / "r.pt"
+    assert tiermem.tools.cli.main(["recover", str(swap_dir(tmp_path)), "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "under 'optimizer_attributes'" in said and "current_lr, lrs, t" in said, said
+    assert torch.load(out, weights_only=False)["optimizer_attributes"]["t"] == 2
