@@ -11,8 +11,17 @@ What the checkpoint holds (DCP keys):
   pieces as chunks of that 1-D tensor, one chunk per partition segment; a load asks
   for its own pieces and DCP reads whatever stored chunks overlap them, so a
   checkpoint written by N ranks loads into M ranks, or one process.
-- `tiermem.steps`: every parameter's step count; `tiermem.meta`: JSON with each
+  Moments kept in bf16 or int8 (optimizer.state_dtype) are saved as their exact fp32
+  values and stored back in the loading run's own state dtype (int8: quantised per
+  segment, as load_state_dict does), so a checkpoint also moves state between dtypes.
+- `tiermem.steps`: every parameter's step count; `tiermem.scalars`: every parameter's
+  per-parameter scalars besides it (ASGD's eta and mu, NAdam's mu_product), one column
+  per name META lists, NaN for a parameter without them; `tiermem.meta`: JSON with each
   parameter's shape and dtype and the param groups' hyperparameters.
+
+Runs of elementwise rules only (Adam, AdamW, torch's elementwise family): a whole-
+parameter rule's state has the optimizer's own shapes and dtypes, which a resharded load
+cannot cut; those are refused, naming the optimizer (save optimizer.state_dict()).
 
 Never the whole state in RAM: save resolves DCP's write items lazily, in partition
 order (a single writer thread keeps that order), reading one partition record at a
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -43,10 +53,13 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
                                                           create_read_items_for_chunk_list)
 
 from tiermem.errors import TierMemError
-from tiermem.optim.state_io import jsonable
+from tiermem.kernels.lowbit import dequantize, quantize
+from tiermem.optim.rules import UnsupportedOptimizer
+from tiermem.optim.state_io import SCALE_OF, jsonable
+from tiermem.partition import SCALE_KINDS
 
 FORMAT = "tiermem-dcp-1"
-META, STEPS = "tiermem.meta", "tiermem.steps"
+META, STEPS, SCALARS = "tiermem.meta", "tiermem.steps", "tiermem.scalars"
 
 
 def _fqn(index: int, kind: str) -> str:
@@ -75,26 +88,65 @@ class _Source:
                            "agreeing on step counts for a checkpoint")
         return out.clamp_(min=0)
 
+    def scalar_keys(self) -> list[str]:
+        """The per-parameter scalar names of every group, in a fixed order."""
+        keys = {k for g in self.opt.param_groups for k in self.off.rule.scalar_keys(g)}
+        return sorted(keys)
+
+    def scalars(self) -> torch.Tensor:
+        """Every parameter's scalars (scalar_keys' columns; NaN where it has none), as the
+        ranks holding them know them (collective under a process group)."""
+        keys = self.scalar_keys()
+        out = torch.full((len(self.params), len(keys)), -math.inf, dtype=torch.float64)
+        for part in self.off.parts:
+            for s in part.segments:
+                have = self.off.latest_scalars(s.index)
+                for c, k in enumerate(keys):
+                    if k in have:
+                        out[self.locate(s)[0], c] = float(have[k])
+        if self.coll is not None and out.numel():
+            self.coll.wait(self.coll.all_reduce(out, torch.distributed.ReduceOp.MAX),
+                           "agreeing on per-parameter scalars for a checkpoint")
+        return out.masked_fill_(out == -math.inf, math.nan)
+
 
 def _source(tm: Any) -> _Source:
     from tiermem.dist.sharded import DistributedOffload
 
     if isinstance(tm, DistributedOffload):
+        _check_rule(tm.offloaded)
         flat = [pc for pcs in tm.layout.pieces for pc in pcs]
         return _Source(tm.offloaded, tm.opt, tm.layout.params,
                        lambda s: (flat[s.index].index, flat[s.index].start + s.start),
                        tm.coll.group, tm.coll)
     off = tm.offloaded
+    _check_rule(off)
     if off.overlap is not None:
         # Its worker may still be reading the next step ahead, or be half-way through a step.
         off.overlap.require_idle("a tiermem.dist.dcp checkpoint")
     return _Source(off, off.opt, off.params, lambda s: (s.index, s.start))
 
 
+def _check_rule(off: Any) -> None:
+    if not off.rule.elementwise:
+        name = f"{type(off.opt).__module__}.{type(off.opt).__qualname__}"
+        raise UnsupportedOptimizer(
+            f"tiermem.dist.dcp checkpoints the state of elementwise optimizers (Adam, AdamW, "
+            f"torch's elementwise family), and {name} keeps whole-parameter state in its own "
+            "shapes and dtypes, which a resharded load cannot cut: save "
+            "optimizer.state_dict() instead (or resume a crash-consistent run)")
+
+
+def _saved_kinds(part: Any) -> list[str]:
+    """The kinds a checkpoint holds of `part`: all but int8 scales (their moment is saved
+    as its fp32 values)."""
+    return [k for k in part.kinds if k not in SCALE_KINDS]
+
+
 def _meta(src: _Source) -> dict:
     groups = [{k: jsonable(v) for k, v in g.items() if k != "params"}
               for g in src.opt.param_groups]
-    return {"format": FORMAT, "groups": groups,
+    return {"format": FORMAT, "groups": groups, "scalar_keys": src.scalar_keys(),
             "params": [{"numel": p.numel(), "shape": list(p.shape),
                         "dtype": str(p.dtype).removeprefix("torch.")} for p in src.params]}
 
@@ -127,13 +179,21 @@ class _SavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         self._steps = self.src.steps()
+        self._scalars = self.src.scalars()
         n = len(self.src.params)
         # Replicated on every rank: DCP keeps one copy of each.
         items = [WriteItem(index=MetadataIndex(META), type=WriteItemType.BYTE_IO),
                  WriteItem(index=MetadataIndex(STEPS, torch.Size([0])),
                            type=WriteItemType.TENSOR, tensor_data=_chunk(STEPS, 0, n, n).tensor_data)]
+        if self._scalars.shape[1]:
+            items.append(WriteItem(
+                index=MetadataIndex(SCALARS, torch.Size([0, 0])), type=WriteItemType.TENSOR,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size([0, 0]), self._scalars.shape),
+                    properties=TensorProperties(dtype=torch.float64),
+                    size=self._scalars.shape)))
         for part in self.src.off.parts:  # partition order: one record read per partition
-            for kind in part.kinds:
+            for kind in _saved_kinds(part):
                 off = 0
                 for s in part.segments:
                     i, start = self.src.locate(s)
@@ -155,6 +215,8 @@ class _SavePlanner(DefaultSavePlanner):
             return io.BytesIO(json.dumps(_meta(self.src)).encode())
         if fqn == STEPS:
             return self._steps.clone()
+        if fqn == SCALARS:
+            return self._scalars.clone()
         part, kind, off, length = self._where[(fqn, write_item.index.offset[0])]
         views = self._record(part)
         out = views[kind][off: off + length].clone()
@@ -171,8 +233,20 @@ class _SavePlanner(DefaultSavePlanner):
 
         with self.src.off.tiers.record(part, write=False) as (views, fresh):
             got = {}
-            for k, v in views.items():
-                got[k] = torch.zeros_like(v) if fresh else v.clone()
+            for k in _saved_kinds(part):
+                # fp32 whatever the state dtype: bf16 widens exactly, int8 codes become
+                # their values (code x scale), per segment as they were quantised
+                got[k] = torch.zeros(part.numel, dtype=torch.float32)
+                if fresh:
+                    continue
+                if SCALE_OF.get(k) in views:
+                    codes, scales = views[k], views[SCALE_OF[k]]
+                    for sl, ssl, o in zip(part.slices(k), part.slices(SCALE_OF[k]),
+                                          _offsets(part)):
+                        got[k][o: o + sl.stop - sl.start].copy_(
+                            dequantize(codes[sl], scales[ssl], signed=k == "exp_avg"))
+                else:
+                    got[k].copy_(views[k])
             if fresh and "master" in got:  # never stepped: the weights are the model's
                 o = 0
                 for s in part.segments:
@@ -229,6 +303,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         self._staging: dict[int, _Staging] = {}
         self.meta: dict | None = None
         self.steps: torch.Tensor | None = None
+        self.scalars: torch.Tensor | None = None  # read into (SCALARS), when saved
         self.peak_staged = 0  # most partitions assembled at once
         self.missing_master: set[int] = set()
 
@@ -241,8 +316,11 @@ class _LoadPlanner(DefaultLoadPlanner):
         self._steps_buf = torch.zeros(n)
         items: list[ReadItem] = [*_create_read_items(META, md[META], None),
                                  *_create_read_items(STEPS, md[STEPS], self._steps_buf)]
+        if SCALARS in md:
+            self.scalars = torch.zeros(tuple(md[SCALARS].size), dtype=torch.float64)
+            items += _create_read_items(SCALARS, md[SCALARS], self.scalars)
         for part in self.src.off.parts:
-            for kind in part.kinds:
+            for kind in _saved_kinds(part):
                 off = 0
                 for s in part.segments:
                     i, start = self.src.locate(s)
@@ -288,6 +366,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         if fqn == STEPS:
             return self._steps_buf
+        if fqn == SCALARS:
+            return self.scalars
         start = read_item.dest_index.offset[0]
         part, kind, off = self._dest[(fqn, start)]
         st = self._staging.get(part.id) or self._stage(part)
@@ -299,6 +379,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         if fqn == STEPS:
             self.steps = self._steps_buf
             return
+        if fqn == SCALARS:
+            return
         part = self._dest[(fqn, read_item.dest_index.offset[0])][0]
         st = self._staging[part.id]
         st.pending -= 1
@@ -306,7 +388,7 @@ class _LoadPlanner(DefaultLoadPlanner):
             self._write(part)
 
     def _stage(self, part: Any) -> _Staging:
-        views = {k: torch.zeros(part.numel, dtype=torch.float32) for k in part.kinds}
+        views = {k: torch.zeros(part.numel, dtype=torch.float32) for k in _saved_kinds(part)}
         if part.id in self.missing_master:
             o = 0
             for s in part.segments:
@@ -322,8 +404,27 @@ class _LoadPlanner(DefaultLoadPlanner):
         st = self._staging.pop(part.id)
 
         with self.src.off.tiers.record(part, write=True) as (views, _):
-            for k, v in views.items():
-                v.copy_(st.views[k])
+            for k, v in st.views.items():
+                if SCALE_OF.get(k) not in views:
+                    views[k].copy_(v)  # bf16 moments: rounded to nearest even, as copy_ does
+                    continue
+                # int8: quantised per segment (its blocks start at the segment's element 0),
+                # to nearest, as load_state_dict quantises
+                scales = views[SCALE_OF[k]]
+                for sl, ssl, o in zip(part.slices(k), part.slices(SCALE_OF[k]),
+                                      _offsets(part)):
+                    codes, sc = quantize(v[o: o + sl.stop - sl.start], signed=k == "exp_avg")
+                    views[k][sl].copy_(codes)
+                    scales[ssl].copy_(sc)
+
+
+def _offsets(part: Any) -> list[int]:
+    """Each segment's first element in a one-value-per-element view of `part`."""
+    out, o = [], 0
+    for s in part.segments:
+        out.append(o)
+        o += s.length
+    return out
 
 
 def load(tm: Any, path: str) -> dict[str, int]:
@@ -343,9 +444,18 @@ def load(tm: Any, path: str) -> dict[str, int]:
         raise TierMemError(f"checkpoint {path} lacks pieces of partitions "
                            f"{sorted(planner._staging)}")
     steps = planner.steps
+    keys = planner.meta.get("scalar_keys", [])
+    if src.scalar_keys() and (planner.scalars is None or keys != src.scalar_keys()):
+        raise TierMemError(
+            f"checkpoint {path} has no per-parameter scalars {src.scalar_keys()} (written by "
+            f"an earlier tiermem, or for another optimizer: it keeps {keys}); "
+            "loading it would start them over")
     for part in src.off.parts:
         for s in part.segments:
-            src.off.steps[s.index] = torch.tensor(float(steps[src.locate(s)[0]]))
+            i = src.locate(s)[0]
+            src.off.set_counts(s.index, float(steps[i]), {} if planner.scalars is None else {
+                k: torch.tensor(float(v), dtype=torch.float32)
+                for k, v in zip(keys, planner.scalars[i].tolist()) if not math.isnan(v)})
     for group, saved in zip(src.opt.param_groups, planner.meta["groups"]):
         for k, v in saved.items():
             if k in group:

@@ -808,6 +808,12 @@ class OffloadedOptimizer:
                 mine[k] = torch.tensor(start[k], dtype=torch.float32)
         batch.scalars.append(mine)
 
+    def set_counts(self, index: int, step: float, scalars: dict[str, torch.Tensor]) -> None:
+        """Parameter `index`'s step count and scalars, as a checkpoint gives them."""
+        self.steps[index] = torch.tensor(step)
+        self.scalars[index] = scalars
+        self._next_scalars.pop(index, None)
+
     def latest_scalars(self, index: int) -> dict[str, torch.Tensor]:
         """Parameter `index`'s scalars as its last update left them."""
         return self._next_scalars.get(index, self.scalars[index])
