@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import tiermem
 from tiermem.dist.collectives import PeerError
+from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.swap.manifest import read_manifest
 
 from offload_helpers import (Synthetic, assert_close_tensor, assert_same_tensor,
@@ -425,6 +426,99 @@ def fsdp2(rank: int, world: int, tmp: str, repad: bool = False) -> None:
             assert_close_tensor(st[k].full_tensor(), sr[k], f"rank {rank} state {k}")
 
 
+# torch's elementwise optimizers under ZeRO and FSDP2: the eager accumulator (Adagrad),
+# per-parameter scalars (ASGD's eta and mu, NAdam's mu_product), no step count in the state
+# (SGD), state of two kinds and a sign-based rule (RMSprop, Rprop)
+TORCH_FAMILY = [
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (torch.optim.SGD, dict(lr=0.05)),
+    (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)),
+    (torch.optim.ASGD, dict(lr=0.01, t0=1)),
+    (torch.optim.NAdam, dict(lr=0.01, decoupled_weight_decay=True, weight_decay=0.1)),
+    (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
+    (torch.optim.Rprop, dict(lr=0.01)),
+]
+
+
+def torch_family(rank: int, world: int, tmp: str) -> None:
+    """Each of TORCH_FAMILY over ZeRO shares (two groups, a parameter some rank owns none
+    of, grads None on some ranks in a step): weights and state equal the plain optimizer on
+    the mean gradient (bitwise with 2 ranks); state_dict() inside the block gathers torch's
+    format, per-parameter scalars included, and loading it back steps on equal."""
+    from offload_helpers import compare_state_dicts
+
+    import inspect
+
+    exact = world == 2
+    for n, (cls, kw) in enumerate(TORCH_FAMILY):
+        if not exact and "eps" in inspect.signature(cls).parameters:
+            # An element whose ranks' gradients cancel holds ~1e-9 of rounding (see
+            # parity()); the state keeps g / (sqrt(avg) + eps) with no lr in front
+            # (RMSprop's momentum_buffer), so eps must be 1e-2 for it to stay under 1e-6.
+            kw = {**kw, "eps": 1e-2}
+        model = Synthetic()
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = cls(groups_of(model), **kw), cls(groups_of(ref_model), **kw)
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n)), host="64KiB")):
+            # before any step: nothing, or Adagrad's accumulators as its __init__ made them
+            compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+            sd = opt.state_dict()
+            compare_state_dicts(sd, ref_opt.state_dict(), exact=exact)
+            opt.load_state_dict(sd)
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=2)
+        compare_runs(model, opt, ref_model, ref_opt, exact=exact)
+        barrier()
+
+
+def fsdp2_torch_family(rank: int, world: int, tmp: str) -> None:
+    """TORCH_FAMILY on fully_shard parameters: each rank tiers its local shard; weights and
+    state (DTensors) equal the plain optimizer's on the mean gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    for n, (cls, kw) in enumerate(TORCH_FAMILY):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(61, 1031), torch.nn.Tanh(),
+                                    torch.nn.Linear(1031, 33))
+        ref_model = copy.deepcopy(model)
+        for layer in (model[0], model[2], model):
+            fully_shard(layer)
+        opt, ref_opt = cls(model.parameters(), **kw), cls(ref_model.parameters(), **kw)
+        g = torch.Generator().manual_seed(20 + rank)
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n)))):
+            for _ in range(3):
+                x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
+                (model(x) - y).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                (ref_model(x) - y).square().mean().backward()
+                averaged(ref_model, world)
+                ref_opt.step()
+                ref_opt.zero_grad()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert_close_tensor(p.full_tensor().detach(), q.detach(), f"{cls.__name__} {p.shape}")
+            st, sr = opt.state.get(p, {}), ref_opt.state.get(q, {})
+            assert set(st) == set(sr), (cls.__name__, sorted(st), sorted(sr))
+            for k, v in sr.items():
+                got = st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]
+                assert_close_tensor(torch.as_tensor(got), torch.as_tensor(v),
+                                    f"{cls.__name__} state {k}")
+        barrier()
+
+
+def whole_parameter_refused(rank: int, world: int, tmp: str) -> None:
+    """A rule whose step spans whole parameters cannot step a rank's pieces of them."""
+    model = Synthetic()
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    try:
+        with tiermem.offload(opt, small_cfg(tmp)):
+            pass
+    except UnsupportedOptimizer as exc:
+        assert "torch.optim.Adafactor, whose step spans whole parameters" in str(exc), exc
+    else:
+        raise AssertionError("Adafactor under a process group was not refused")
+
+
 def rank_raises(rank: int, world: int, tmp: str) -> None:
     """The last rank raises before its second step: the others get, within
     distributed.timeout, an error naming it and its exception."""
@@ -511,6 +605,9 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "kept-guard": lambda r, d: kept_guard(r, world, d),
         "dcp-save": lambda r, d: dcp_save(r, world, d, extra["ckpt"]),
         "dcp-load": lambda r, d: dcp_load(r, world, d, extra["ckpt"]),
+        "torch-family": lambda r, d: torch_family(r, world, d),
+        "fsdp2-torch-family": lambda r, d: fsdp2_torch_family(r, world, d),
+        "whole-parameter-refused": lambda r, d: whole_parameter_refused(r, world, d),
         "fsdp2": lambda r, d: fsdp2(r, world, d),
         "fsdp2-repadded": lambda r, d: fsdp2(r, world, d, repad=True),
         "rank-raises": lambda r, d: rank_raises(r, world, d),

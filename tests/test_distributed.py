@@ -26,9 +26,9 @@ TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
        "parity-lanes-device", "ddp-allreduced", "state-dict", "int8-nearest", "int8-kahan",
        "int8-none-stochastic", "fp32-kahan", "bf16-none-stochastic",
        "resume-one-step-apart", "kept-guard", "placeholders", "dcp-save", "fsdp2",
-       "fsdp2-repadded",
+       "fsdp2-repadded", "torch-family", "fsdp2-torch-family", "whole-parameter-refused",
        "rank-raises"]  # rank-raises breaks the group: last
-THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load",
+THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load", "torch-family",
          "rank-dies"]  # rank-dies kills rank 2: last
 
 

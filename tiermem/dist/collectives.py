@@ -17,10 +17,11 @@ still: dead, or frozen so hard that not even a Python thread runs.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,26 @@ class Collectives:
         if n:
             self.wait(self.all_reduce(steps, dist.ReduceOp.MAX), what)
         return steps
+
+    def agreed_scalars(self, keys_of: Sequence[Sequence[str]],
+                       shadow: dict[int, dict[str, Any]], what: str
+                       ) -> list[dict[str, torch.Tensor]]:
+        """Each parameter's scalars besides its step (`keys_of[i]`: ASGD's eta and mu,
+        NAdam's mu_product; fp32 0-d tensors) as the ranks holding its state know them:
+        every holder steps it alike, so they agree; a rank owning none of it has none."""
+        cols = sorted({k for keys in keys_of for k in keys})
+        if not cols:
+            return [{} for _ in keys_of]
+        table = torch.full((len(keys_of), len(cols)), -math.inf, dtype=torch.float64)
+        for i, st in shadow.items():
+            for c, k in enumerate(cols):
+                if k in st:
+                    table[i, c] = float(st[k])
+        if len(keys_of):
+            self.wait(self.all_reduce(table, dist.ReduceOp.MAX), what)
+        return [{k: torch.tensor(table[i, cols.index(k)].item(), dtype=torch.float32)
+                 for k in keys if table[i, cols.index(k)] != -math.inf}
+                for i, keys in enumerate(keys_of)]
 
     def wait(self, work: Any, what: str) -> None:
         try:

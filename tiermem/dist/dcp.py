@@ -5,9 +5,10 @@
 
 What the checkpoint holds (DCP keys):
 - `tiermem.state.<i>.<kind>`: the fp32 state of parameter i (its position in the
-  optimizer's flattened param order), flattened to 1-D: kind exp_avg, exp_avg_sq,
-  max_exp_avg_sq (amsgrad), master (the fp32 master weight of a low-precision
-  parameter, or of any parameter under crash_consistent). Each rank writes its
+  optimizer's flattened param order), flattened to 1-D: each state tensor the optimizer
+  keeps (Adam's exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad; SGD's momentum_buffer,
+  Adagrad's sum, ...) and master (the fp32 master weight of a low-precision parameter,
+  or of any parameter under crash_consistent). Each rank writes its
   pieces as chunks of that 1-D tensor, one chunk per partition segment; a load asks
   for its own pieces and DCP reads whatever stored chunks overlap them, so a
   checkpoint written by N ranks loads into M ranks, or one process.

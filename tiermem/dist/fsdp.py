@@ -113,16 +113,20 @@ class FsdpLayout:
         return t.reshape(-1)[pc.start: pc.start + pc.length]
 
     def gather_state(self, shadow: dict[int, dict[str, Any]], kinds_of: Sequence[Sequence[str]],
-                     *, model_dtype: bool) -> dict[int, dict[str, Any]]:
-        """State as DTensors sharded like their parameters; only the step counts are agreed
-        on (a rank whose shard of a parameter is empty has no state of its own for it)."""
+                     scalars_of: Sequence[Sequence[str]], *, model_dtype: bool,
+                     has_step: bool = True, eager: bool = False) -> dict[int, dict[str, Any]]:
+        """State as DTensors sharded like their parameters; only the step counts and the
+        per-parameter scalars are agreed on (a rank whose shard of a parameter is empty has
+        no state of its own for it). Arguments as ZeroLayout.gather_state's."""
         steps = self.coll.agreed_steps(len(self.params), shadow, "agreeing on step counts")
+        scalars = self.coll.agreed_scalars(scalars_of, shadow, "agreeing on step counts")
         out: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
-            if steps[i] <= 0:
+            if steps[i] < 0 or (steps[i] == 0 and not eager):
                 continue
             local_shape = p._local_tensor.shape
-            st: dict[str, Any] = {"step": torch.tensor(float(steps[i]))}
+            st: dict[str, Any] = {"step": torch.tensor(float(steps[i]))} if has_step else {}
+            st.update(scalars[i])
             for kind in kinds_of[i]:
                 dtype = p.dtype if model_dtype and kind != "master_param" else torch.float32
                 mine = shadow.get(i, {}).get(kind)
@@ -130,5 +134,6 @@ class FsdpLayout:
                          else torch.zeros(local_shape, dtype=dtype))
                 st[kind] = DTensor.from_local(local, p.device_mesh, p.placements,
                                               run_check=False, shape=p.shape, stride=p.stride())
-            out[i] = st
+            if st:  # SGD without momentum keeps nothing
+                out[i] = st
         return out

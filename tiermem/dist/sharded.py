@@ -1,7 +1,9 @@
 """`tiermem.offload` under torch.distributed: each rank tiers only its share of the state.
 
 The user's optimizer is left holding the whole model's parameters; tiermem builds
-a *shadow* torch Adam over this rank's pieces (zero.py: 1-D views of each rank's
+a *shadow* optimizer of the same torch class (Adam for Adam/AdamW, or one of torch's
+elementwise optimizers: their math is per element, so a share of a parameter steps as
+that part of the whole does) over this rank's pieces (zero.py: 1-D views of each rank's
 share of replicated parameters; fsdp.py: the local shards of FSDP2 DTensors) and
 wraps it in an ordinary OffloadedOptimizer, so partitions, tiers, the pipeline,
 durability and resume work on a share exactly as they do on a whole model. The
@@ -34,8 +36,8 @@ from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
 from tiermem.optim.state_io import torch_state_dict
-from tiermem.optim.rules import AdamRule, UnsupportedOptimizer
-from tiermem.optim.rules.adam import MASTER_KEY, MOMENTS
+from tiermem.optim.rules import UnsupportedOptimizer
+from tiermem.optim.rules.adam import MASTER_KEY
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.dist.zero import ZeroLayout
@@ -101,13 +103,16 @@ class DistributedOffload(Offload):
         if not (dist.is_available() and dist.is_initialized()):
             raise TierMemError("tiermem shards the optimizer state over a process group, but "
                                "torch.distributed is not initialised (init_process_group)")
-        if not isinstance(check_optimizer(opt), AdamRule):
-            # The shares are stepped by a shadow torch Adam (below), and the state moves
-            # between ranks as Adam's moments: any other optimizer would run as Adam.
+        self.rule = check_optimizer(opt)
+        if not self.rule.elementwise:
+            # A share is a piece of a parameter (ZeRO) or a shard of it (FSDP2): a rule
+            # whose math spans the whole parameter would step each piece as a parameter.
             raise UnsupportedOptimizer(
                 f"tiermem under torch.distributed (process_group= or DTensor parameters) "
-                f"runs torch.optim.Adam/AdamW only, not {type(opt).__module__}."
-                f"{type(opt).__qualname__} yet; in one process every torch optimizer works")
+                f"runs elementwise optimizers (Adam, AdamW, torch's SGD, Adagrad, RMSprop, "
+                f"Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop), not {type(opt).__module__}."
+                f"{type(opt).__qualname__}, whose step spans whole parameters and a rank "
+                "holds pieces of them; in one process it works")
         self.opt = opt
         self.block_name = name  # the user's name=; each rank's directory adds -rank<r>
         d = settings.distributed
@@ -158,8 +163,12 @@ class DistributedOffload(Offload):
     def _build(self, settings: Settings, model: Any, name: str,
                resume: bool, previous: bool = False) -> OffloadedOptimizer:
         opt, lay = self.opt, self.layout
-        self.shadow = torch.optim.Adam([{**_hyper(g), "params": views}
-                                        for g, views in zip(opt.param_groups, lay.views)])
+        # torch's own class of the rule (AdamW is Adam with its groups' flags), built
+        # from the user's groups: it makes what its __init__ makes (Adagrad's eager
+        # accumulators), which _seed then overwrites with the user's own state
+        self.shadow = self.rule.optimizers[0]([{**_hyper(g), "params": views}
+                                               for g, views in zip(opt.param_groups,
+                                                                   lay.views)])
         self._seed(opt.state)
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
@@ -214,9 +223,14 @@ class DistributedOffload(Offload):
             g, k = self._at[i]
             pc = self.layout.pieces[g][k]
             self.shadow.state[self.layout.views[g][k]] = {
-                key: (self.layout.piece_of(v, pc).clone()
-                      if isinstance(v, torch.Tensor) and key != "step" else v)
-                for key, v in st.items()}
+                key: self._piece(key, v, pc) for key, v in st.items()}
+
+    def _piece(self, key: str, value: Any, pc: Any) -> Any:
+        """This rank's piece of one entry of a parameter's state: of a tensor with one value
+        per element; a count or another per-parameter scalar (ASGD's eta) as it is."""
+        if isinstance(value, torch.Tensor) and key != "step" and value.dim() > 0:
+            return self.layout.piece_of(value, pc).clone()
+        return value.clone() if isinstance(value, torch.Tensor) else value
 
     def _gather_plans(self) -> list[dict[str, Any]]:
         tiers = self.offloaded.tiers
@@ -297,13 +311,14 @@ class DistributedOffload(Offload):
     # -- state in torch's layout ---------------------------------------------------------
 
     def _kinds(self, *, model_dtype: bool) -> list[list[str]]:
-        """State keys of every parameter, as export_state gives them."""
+        """State tensors (one value per element) of every parameter, as export_state gives
+        them."""
         out = []
         for group in self.opt.param_groups:
-            moments = [k for k in MOMENTS if k != "max_exp_avg_sq" or group.get("amsgrad")]
+            kinds = self.rule.torch_state_keys(group)
             for p in group["params"]:
                 extra = [MASTER_KEY] if not model_dtype and p.dtype != torch.float32 else []
-                out.append(moments + extra)
+                out.append(kinds + extra)
         return out
 
     def _whole_state(self, shadow_state: dict, *, model_dtype: bool
@@ -311,9 +326,18 @@ class DistributedOffload(Offload):
         """The user's per-parameter state from every rank's shares (collective)."""
         by_view = {id(v): i for i, (g, k) in self._at.items()
                    for v in [self.layout.views[g][k]]}
-        mine = {by_view[id(v)]: st for v, st in shadow_state.items()}
+        at = {id(v): j for j, v in enumerate(self.offloaded.params)}
+        mine = {}
+        for v, st in shadow_state.items():
+            # every rank holding a piece knows the parameter's step count, kept or not
+            # (SGD keeps none in its state)
+            mine[by_view[id(v)]] = {**st, "step": st.get("step", self.offloaded.steps[at[id(v)]])}
+        scalar_keys = [list(self.rule.scalar_keys(g)) for g in self.opt.param_groups
+                       for _ in g["params"]]
         whole = self.layout.gather_state(mine, self._kinds(model_dtype=model_dtype),
-                                         model_dtype=model_dtype)
+                                         scalar_keys, model_dtype=model_dtype,
+                                         has_step=self.rule.has_step,
+                                         eager=self.rule.eager_state)
         return {self.layout.params[i]: st for i, st in whole.items()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -337,9 +361,7 @@ class DistributedOffload(Offload):
                 continue
             g, k = self._at[i]
             pc = self.layout.pieces[g][k]
-            shadow_state[j] = {key: (self.layout.piece_of(v, pc).clone()
-                                     if isinstance(v, torch.Tensor) and key != "step" else v)
-                               for key, v in st.items()}
+            shadow_state[j] = {key: self._piece(key, v, pc) for key, v in st.items()}
         groups, j = [], 0
         for sg in self.shadow.param_groups:
             groups.append({**_hyper(sg), "params": list(range(j, j + len(sg["params"])))})
@@ -415,7 +437,7 @@ class DistributedOffload(Offload):
         except BaseException as err:
             exc.add_note(f"tiermem: rank {self.rank} could not keep its share on disk ({err})")
             return
-        self._mark_kept()  # a caught exception must not let opt.step() start Adam over
+        self._mark_kept()  # a caught exception must not let opt.step() start the state over
         exc.add_note(f"tiermem: rank {self.rank} left on {type(exc).__name__}; "
                      f"{self.where_state_is()}")
 

@@ -188,22 +188,28 @@ class ZeroLayout:
         return t.reshape(-1)[pc.start: pc.start + pc.length]
 
     def gather_state(self, shadow: dict[int, dict[str, Any]], kinds_of: Sequence[Sequence[str]],
-                     *, model_dtype: bool) -> dict[int, dict[str, Any]]:
+                     scalars_of: Sequence[Sequence[str]], *, model_dtype: bool,
+                     has_step: bool = True, eager: bool = False) -> dict[int, dict[str, Any]]:
         """Whole-parameter state from every rank's pieces (collective: every rank calls it
-        with its own pieces' state, `shadow`: param index -> {step, kind: flat tensor}).
+        with its own pieces' state, `shadow`: param index -> {step, scalars, kind: flat
+        tensor}).
 
-        kinds_of[i]: the state keys parameter i has on its owners; model_dtype: moments in
-        the parameter's dtype (else fp32), as OffloadedOptimizer.export_state. Every rank ends up with
-        the whole state; one all-gather per parameter and kind, so at most one parameter's
-        state is in flight."""
+        kinds_of[i]: the state tensors parameter i has on its owners (one value per
+        element); scalars_of[i]: its other per-parameter values (ASGD's eta); model_dtype:
+        moments in the parameter's dtype (else fp32), as OffloadedOptimizer.export_state;
+        has_step: torch keeps the count in the state; eager: the optimizer makes the state
+        before the first step (Adagrad). Every rank ends up with the whole state; one
+        all-gather per parameter and kind, so at most one parameter's state is in flight."""
         steps = self.coll.agreed_steps(len(self.params), shadow, "gathering the optimizer state")
+        scalars = self.coll.agreed_scalars(scalars_of, shadow, "gathering the optimizer state")
         out: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
-            if steps[i] <= 0:
+            if steps[i] < 0 or (steps[i] == 0 and not eager):
                 continue  # never stepped on any rank: torch keeps no state for it either
             owners = self.owners(i)
             width = max(pc.length for _, pc in owners)
-            st: dict[str, Any] = {"step": torch.tensor(float(steps[i]))}
+            st: dict[str, Any] = {"step": torch.tensor(float(steps[i]))} if has_step else {}
+            st.update(scalars[i])
             for kind in kinds_of[i]:
                 mine = shadow.get(i, {}).get(kind)
                 dtype = p.dtype if model_dtype and kind != "master_param" else torch.float32
@@ -217,5 +223,6 @@ class ZeroLayout:
                     whole[pc.start: pc.start + pc.length].copy_(recv[r * width: r * width +
                                                                      pc.length])
                 st[kind] = whole.view(p.shape)
-            out[i] = st
+            if st:  # SGD without momentum keeps nothing
+                out[i] = st
         return out
