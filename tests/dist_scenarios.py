@@ -506,6 +506,60 @@ def fsdp2_torch_family(rank: int, world: int, tmp: str) -> None:
         barrier()
 
 
+RECOVERED = [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05, foreach=False)),
+             (torch.optim.ASGD, dict(lr=0.01, t0=1))]
+
+
+def recover_kept(rank: int, world: int, tmp: str) -> None:
+    """Crash-consistent runs whose shares stay on disk at exit (no host memory for them), to
+    be put back together by `tiermem recover` in the test process: rank 0 saves what the
+    plain optimizer and model hold after the same steps beside them. FSDP2's shards too."""
+    import warnings
+    from unittest import mock
+
+    from torch.distributed.fsdp import fully_shard
+
+    for n, (cls, kw) in enumerate(RECOVERED):
+        model = Synthetic()
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = cls(groups_of(model), **kw), cls(groups_of(ref_model), **kw)
+        cfg = small_cfg(tmp)
+        cfg["swap"]["durability"] = "crash_consistent"
+        with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with tiermem.offload(opt, cfg, model=model, name=f"kept{n}"):
+                    train_pair(rank, world, model, opt, ref_model, ref_opt, 3)
+        if rank == 0:
+            torch.save({"model": ref_model.state_dict(), "optimizer": ref_opt.state_dict()},
+                       os.path.join(tmp, f"kept{n}.expected.pt"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(61, 1031), torch.nn.Tanh(),
+                                torch.nn.Linear(1031, 33))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    cfg = small_cfg(tmp)
+    cfg["swap"]["durability"] = "crash_consistent"
+    g = torch.Generator().manual_seed(20 + rank)
+    with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tiermem.offload(opt, cfg, model=model, name="fsdp"):
+                for _ in range(2):
+                    x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
+                    (model(x) - y).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                # the shards' whole values, as every rank sees them
+                want = {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
+                        "optimizer": {i: opt.state_dict()["state"][i]["momentum_buffer"]
+                                      .full_tensor() for i in range(4)}}
+    if rank == 0:
+        torch.save(want, os.path.join(tmp, "fsdp.expected.pt"))
+    barrier()
+
+
 def whole_parameter_refused(rank: int, world: int, tmp: str) -> None:
     """A rule whose step spans whole parameters cannot step a rank's pieces of them."""
     model = Synthetic()
@@ -608,6 +662,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "torch-family": lambda r, d: torch_family(r, world, d),
         "fsdp2-torch-family": lambda r, d: fsdp2_torch_family(r, world, d),
         "whole-parameter-refused": lambda r, d: whole_parameter_refused(r, world, d),
+        "recover-kept": lambda r, d: recover_kept(r, world, d),
         "fsdp2": lambda r, d: fsdp2(r, world, d),
         "fsdp2-repadded": lambda r, d: fsdp2(r, world, d, repad=True),
         "rank-raises": lambda r, d: rank_raises(r, world, d),

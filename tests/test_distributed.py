@@ -8,7 +8,9 @@ checkpoint that the 3-rank group and this process (1 rank) load.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 
 import pytest
@@ -19,7 +21,8 @@ from tiermem.config import ConfigError, load_config
 from tiermem.dist.shard import CUT_ALIGN, pieces_in, share_cuts
 
 from dist_harness import launch
-from offload_helpers import available_backends, compare_state_dicts, config
+from offload_helpers import (assert_close_tensor, assert_same_tensor, available_backends,
+                             compare_state_dicts, config)
 
 URING = "io_uring" in available_backends()
 TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
@@ -27,8 +30,10 @@ TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
        "int8-none-stochastic", "fp32-kahan", "bf16-none-stochastic",
        "resume-one-step-apart", "kept-guard", "placeholders", "dcp-save", "fsdp2",
        "fsdp2-repadded", "torch-family", "fsdp2-torch-family", "whole-parameter-refused",
+       "recover-kept",
        "rank-raises"]  # rank-raises breaks the group: last
 THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load", "torch-family",
+         "recover-kept",
          "rank-dies"]  # rank-dies kills rank 2: last
 
 
@@ -103,6 +108,67 @@ def test_dcp_checkpoint_of_two_ranks_loads_in_one_process(two, base, tmp_path):
         sd = opt.state_dict()
     assert figures["peak_staged"] <= 2
     compare_state_dicts(sd, torch.load(str(base / "ckpt") + ".expected.pt"), exact=True)
+
+
+@pytest.mark.parametrize("group", ["two", "three"])
+def test_recover_puts_the_ranks_shares_back_together(request, base, tmp_path, capsys, group):
+    """`tiermem recover` of one rank's directory finds the others beside it and writes the
+    whole model's checkpoint: the plain optimizer's state_dict (scalars included) and the
+    weights, as one process's optimizer on the mean gradient has them; FSDP2 shards too.
+    A rank's directory missing, or given twice, is refused by name."""
+    import tiermem.tools.cli
+    from dist_scenarios import RECOVERED
+    from tiermem.swap import recover as rec
+
+    world = {"two": 2, "three": 3}[group]
+    _outcome(request.getfixturevalue(group), "recover-kept")
+    tmp = base / f"w{world}" / "recover-kept"
+    for n, _ in enumerate(RECOVERED):
+        want = torch.load(tmp / f"kept{n}.expected.pt")
+        out = tmp_path / f"kept{n}.pt"
+        assert tiermem.tools.cli.main(["recover", str(tmp / f"tiermem-kept{n}-rank1"),
+                                       "-o", str(out)]) == 0, capsys.readouterr().err
+        got = torch.load(out)
+        assert got["step"] == 3
+        compare_state_dicts(got["optimizer"], want["optimizer"], exact=world == 2)
+        for k, v in want["model"].items():
+            (assert_same_tensor if world == 2 else assert_close_tensor)(
+                got["model"][k], v, k)
+    got = rec.gather(str(tmp / "tiermem-fsdp-rank0"))
+    want = torch.load(tmp / "fsdp.expected.pt")
+    for k, v in want["model"].items():
+        assert_same_tensor(got["model"][k], v, k)
+    for i, v in want["optimizer"].items():
+        assert_same_tensor(got["optimizer"]["state"][i]["momentum_buffer"], v, f"state {i}")
+    # every rank's directory named, in any order: the same checkpoint
+    dirs = [str(tmp / f"tiermem-kept0-rank{r}") for r in reversed(range(world))]
+    compare_state_dicts(rec.gather(*dirs)["optimizer"],
+                        rec.gather(dirs[-1])["optimizer"], exact=True)
+    with pytest.raises(tiermem.TierMemError, match="both hold rank"):
+        rec.gather(dirs[0], dirs[0], *dirs[1:])
+    # a crafted share is refused like any field, naming it
+    from tiermem.swap.manifest import MANIFEST, encode
+    path = tmp / "tiermem-kept0-rank1" / MANIFEST
+    raw = path.read_bytes()
+    for field, value, says in [("pieces", [[99, 0]], "share.pieces"),
+                               ("ranks", [0, 0, 1][:world], "share.ranks"),
+                               ("group_params", [[0]], "share.group_params")]:
+        body = json.loads(raw)
+        body["share"][field] = value
+        path.write_bytes(encode(body))
+        try:
+            with pytest.raises(tiermem.TierMemError, match=re.escape(says)):
+                rec.gather(dirs[-1])
+        finally:
+            path.write_bytes(raw)
+    away = tmp / "rank1-away"
+    os.rename(tmp / "tiermem-kept0-rank1", away)
+    try:
+        with pytest.raises(tiermem.TierMemError, match=r"the directories of ranks \[1\] "
+                                                       r"are not beside it"):
+            rec.gather(dirs[-1])
+    finally:
+        os.rename(away, tmp / "tiermem-kept0-rank1")
 
 
 # -- shares ------------------------------------------------------------------------------

@@ -111,12 +111,13 @@ def mutate(body, path, op):
 
 def free(path, op) -> bool:
     """Values the schema leaves open: any string names a parameter; torch's optional group
-    flags may be missing or null; the values a step changes outside the state are absent
-    from the manifests of earlier versions (an Adam run keeps none)."""
+    flags may be missing or null; the values a step changes outside the state, and a
+    rank's share, are absent from the manifests of earlier versions (an Adam run keeps
+    none; one process has no share)."""
     if path[0] == "params" and len(path) == 3 and path[2] == "name" and op == "path":
         return True
-    if path == ("values",) and op == "delete":
-        return True
+    if path in (("values",), ("share",)) and op == "delete":
+        return True  # (a rank's share: absent in one process and in earlier versions)
     return (path[0] == "groups" and len(path) == 3 and path[2] in OPTIONAL_GROUP_KEYS
             and (op == "delete" or (op == "null" and path[2] in ("foreach", "fused"))))
 

@@ -173,13 +173,21 @@ class DistributedOffload(Offload):
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
                         for pcs, vs in zip(lay.pieces, lay.views) for pc, v in zip(pcs, vs)])
+        origins = [(pc.index, pc.start) for pcs in lay.pieces for pc in pcs]
+        index = {id(p): i for i, p in enumerate(lay.params)}
+        share = {"world": self.coll.world, "rank": self.coll.rank,
+                 "ranks": [self.coll.global_rank(r) for r in range(self.coll.world)],
+                 "pieces": [list(o) for o in origins],
+                 "params": [{"name": names.get(id(p), ""), "shape": list(p.shape),
+                             "dtype": str(p.dtype).removeprefix("torch.")}
+                            for p in lay.params],
+                 "group_params": [[index[id(p)] for p in g["params"]]
+                                  for g in opt.param_groups]}
         return OffloadedOptimizer(self.shadow, rank_paths(settings, self.rank, self.local_rank),
                                   model=named if model is not None else None,
                                   swap_name=f"{name}-rank{self.rank}", resume=resume,
                                   resume_previous=previous, keep_previous=True,
-                                  streams=self.streams,
-                                  origins=[(pc.index, pc.start) for pcs in lay.pieces
-                                           for pc in pcs])
+                                  streams=self.streams, origins=origins, share=share)
 
     def _one_step_back(self, off: OffloadedOptimizer, flags: list[list[float]],
                        settings: Settings, model: Any, name: str) -> OffloadedOptimizer:

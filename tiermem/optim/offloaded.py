@@ -163,13 +163,14 @@ class OffloadedOptimizer:
                  resume: bool = False, resume_previous: bool = False,
                  keep_previous: bool = False,
                  streams: CudaBackend | DeferredBackend | None = None,
-                 origins: Sequence[tuple[int, int]] = ()) -> None:
+                 origins: Sequence[tuple[int, int]] = (), share: dict | None = None) -> None:
         """resume_previous: resume from the commit before the last (manifest.PREVIOUS);
         keep_previous: every commit keeps the one before it (both: torch.distributed);
         streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters);
         origins: per parameter, the user's parameter it is a piece of and the piece's first
         element there (a rank's shares; default: itself, from element 0), which keys the
-        random streams of stochastic rounding (UpdateRule: Batch.origins).
+        random streams of stochastic rounding (UpdateRule: Batch.origins);
+        share: what a rank's manifests say of its share (swap/manifest.py: Manifest.share).
         With parameters.offload the model's weights and grads move to a ParamTier once the
         state is laid out (each partition's parameters are opened from it for its update)."""
         # Before any update: torch's first multithreaded sqrt may otherwise run a
@@ -201,6 +202,7 @@ class OffloadedOptimizer:
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = [torch.tensor(0.0) for _ in self.params]
         self.origins = list(origins)
+        self.share = share or {}
         # Each parameter's other scalar state (rule.scalar_keys: ASGD's eta, mu, ...) as
         # its last completed step left it, and the values this step's update made, which
         # replace them when the parameter's next step is counted: every segment of a
@@ -908,7 +910,7 @@ class OffloadedOptimizer:
                   "absent": list(changed.get("absent", []))} if changed else {}
         return {"step": self.steps_taken if step is None else step,
                 "steps": [float(t) for t in self.steps], "params": params, "groups": groups,
-                "rule": type(self.rule).__name__, "values": values}
+                "rule": type(self.rule).__name__, "values": values, "share": self.share}
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""

@@ -110,6 +110,12 @@ class Manifest:
     # (absent from manifests of earlier tiermem versions: a resume then refuses such an
     # optimizer)
     values: dict = field(default_factory=dict)
+    # a rank's share under torch.distributed: {"world", "rank" (in the group), "ranks"
+    # (the group's global ranks, which name the ranks' run directories), "pieces": [[the
+    # user's parameter index, first element] per parameter above], "params": [name, shape,
+    # dtype per user parameter], "group_params": [the user's parameter indices per group]},
+    # so that `tiermem recover` puts the ranks' pieces back together (absent in one process)
+    share: dict = field(default_factory=dict)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -390,6 +396,36 @@ def _template(t, where: str, kinds: list, depth: int = 0) -> None:
             _template(child, f"{where}.{kind}[{j}]", kinds, depth + 1)
 
 
+def _share(share: dict, n: int) -> list[int]:
+    """A rank's share (Manifest.share), checked; returns each user parameter's elements."""
+    _dict(share, "share", {"world", "rank", "ranks", "pieces", "params", "group_params"})
+    world = _uint(share["world"], "share.world")
+    _need(world >= 1 and _uint(share["rank"], "share.rank") < world, "share.rank",
+          f"a rank below share.world ({world})", share["rank"])
+    ranks = _list(share["ranks"], "share.ranks", world)
+    _need(all(_is_int(r) and r >= 0 for r in ranks) and len(set(ranks)) == world,
+          "share.ranks", "the group's distinct global ranks", ranks)
+    users = _list(share["params"], "share.params")
+    numels = []
+    for i, p in enumerate(users):
+        w = f"share.params[{i}]"
+        _dict(p, w, _PARAM_KEYS)
+        _need(isinstance(p["name"], str), f"{w}.name", "a string", p["name"])
+        _need(p["dtype"] in _DTYPES, f"{w}.dtype", f"one of {_DTYPES}", p["dtype"])
+        numels.append(math.prod(_uint(x, f"{w}.shape[{j}]")
+                                for j, x in enumerate(_list(p["shape"], f"{w}.shape"))))
+    for j, piece in enumerate(_list(share["pieces"], "share.pieces", n)):
+        index, start = _list(piece, f"share.pieces[{j}]", 2)
+        _need(_is_int(index) and 0 <= index < len(users), f"share.pieces[{j}][0]",
+              f"a user parameter index below {len(users)}", index)
+        _uint(start, f"share.pieces[{j}][1]")
+    listed = [i for g, ids in enumerate(_list(share["group_params"], "share.group_params"))
+              for i in _list(ids, f"share.group_params[{g}]")]
+    _need(sorted(listed) == list(range(len(users))), "share.group_params",
+          f"the user parameters 0..{len(users) - 1}, each once", listed[:8])
+    return numels
+
+
 def _whole_layout(part: dict, w: str, kinds: list) -> None:
     """A whole-parameter rule's dtypes, shapes and containers (layout_of)."""
     for kind, name in _dict(part.get("dtypes", {}), f"{w}.dtypes").items():
@@ -409,7 +445,7 @@ def _whole_layout(part: dict, w: str, kinds: list) -> None:
 def _validate(d: dict, run_dir: str) -> None:
     """Raise _Invalid naming the first field that a tiermem manifest cannot hold."""
     fields = {f for f in Manifest.__dataclass_fields__}
-    _dict(d, "the manifest", fields if "values" in d else fields - {"values"})
+    _dict(d, "the manifest", fields - {k for k in ("values", "share") if k not in d})
     _need(d["version"] == VERSION and _is_int(d["version"]), "version", str(VERSION),
           d["version"])
     _need(d["durability"] in _DURABILITY, "durability", f"one of {_DURABILITY}", d["durability"])
@@ -430,6 +466,8 @@ def _validate(d: dict, run_dir: str) -> None:
             _need(_kept_value(v), f"values.{part}.{k}", "a kept value", v)
 
     params = _list(d["params"], "params")
+    share = _dict(d.get("share", {}), "share")  # absent from earlier versions' manifests
+    numels = _share(share, len(params)) if share else None
     sizes = []
     for i, p in enumerate(params):
         w = f"params[{i}]"
@@ -454,6 +492,9 @@ def _validate(d: dict, run_dir: str) -> None:
         for j, dim in enumerate(_list(p["shape"], f"{w}.shape")):
             n *= _uint(dim, f"{w}.shape[{j}]")
         sizes.append(n)
+    for j, (index, start) in enumerate(d["share"]["pieces"] if numels is not None else ()):
+        _need(start + sizes[j] <= numels[index], f"share.pieces[{j}]",
+              f"inside user parameter {index} ({numels[index]} elements)", [index, start])
     steps = _list(d["steps"], "steps", len(params))
     for i, s in enumerate(steps):
         _need(_is_num(s) and s >= 0, f"steps[{i}]", "a number >= 0", s)

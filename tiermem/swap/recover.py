@@ -42,7 +42,9 @@ them again.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from typing import Any
 
 import torch
@@ -141,9 +143,20 @@ class _Records:
             os.close(fd)
 
 
-def gather(run_dir: str) -> dict[str, Any]:
-    """The checkpoint dict of the state committed in `run_dir` (see the module doc)."""
+def gather(run_dir: str, *others: str) -> dict[str, Any]:
+    """The checkpoint dict of the state committed in `run_dir` (see the module doc); of a
+    run under torch.distributed, of every rank's directory together (`others`: the other
+    ranks' directories, found beside `run_dir` when not given)."""
     m = read_manifest(run_dir, None)
+    if m.share:
+        return _gather_ranks(run_dir, m, others)
+    if others:
+        raise TierMemError(f"cannot recover: {run_dir} holds one process's run, not a rank's "
+                           "share: give its directory alone")
+    return _gather_one(run_dir, m)
+
+
+def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
     if not m.params:
         raise TierMemError(f"cannot recover: the manifest in {run_dir} lists no parameters")
     if m.rule not in ELEMENTWISE_RULES:
@@ -329,9 +342,121 @@ def _gather_whole(run_dir: str, m: Manifest) -> dict[str, Any]:
     return out
 
 
-def recover(run_dir: str, out_path: str) -> dict[str, Any]:
-    """Write the checkpoint of `run_dir` to `out_path` (atomically); returns a summary."""
-    ckpt = gather(run_dir)
+_RANK_DIR = re.compile(r"(.*)-rank(\d+)\Z")
+
+
+def _rank_manifests(run_dir: str, m: Manifest, others: tuple[str, ...]
+                    ) -> list[tuple[str, Manifest]]:
+    """Every rank's (directory, manifest) of a run under torch.distributed, in group rank
+    order, at one committed step (ranks one crash-consistent step apart go back to the
+    lower one, as a resume does)."""
+    share = m.share
+    if others:
+        dirs = [run_dir, *others]
+    else:
+        hit = _RANK_DIR.match(os.path.basename(os.path.normpath(run_dir)))
+        if hit is None:
+            raise TierMemError(f"cannot recover: {run_dir} holds rank {share['rank']}'s share "
+                               "of a distributed run, and its name does not say where the "
+                               "others are: give every rank's directory")
+        parent = os.path.dirname(os.path.normpath(run_dir))
+        dirs = [os.path.join(parent, f"{hit.group(1)}-rank{g}") for g in share["ranks"]]
+        missing = [g for g, d in zip(share["ranks"], dirs) if not os.path.isdir(d)]
+        if missing:
+            raise TierMemError(
+                f"cannot recover: {run_dir} holds one rank's share of a run over "
+                f"{share['world']} ranks, and the directories of ranks {missing} are not "
+                f"beside it in {parent} (swap paths per rank?): give every rank's directory")
+    kept: dict[int, tuple[str, Manifest]] = {}
+    for d in dirs:
+        md = m if d == run_dir else read_manifest(d, None)
+        sh = md.share
+        same = bool(sh) and all(sh.get(k) == share[k] for k in
+                                ("world", "ranks", "params", "group_params"))
+        if not same or md.rule != m.rule:
+            raise TierMemError(f"cannot recover: {d} is not a share of the same distributed "
+                               f"run as {run_dir}")
+        if sh["rank"] in kept:
+            raise TierMemError(f"cannot recover: {kept[sh['rank']][0]} and {d} both hold "
+                               f"rank {sh['rank']}'s share")
+        kept[sh["rank"]] = (d, md)
+    missing = sorted(set(range(share["world"])) - set(kept))
+    if missing:
+        raise TierMemError(f"cannot recover: the run has {share['world']} ranks and no "
+                           f"directory was given for ranks {missing}")
+    out = [kept[r] for r in range(share["world"])]
+    low = min(md.step for _, md in out)
+    if any(md.step != low for _, md in out):
+        if max(md.step for _, md in out) - low != 1 or m.durability != "crash_consistent":
+            raise TierMemError(f"cannot recover: the ranks kept different steps "
+                               f"{[md.step for _, md in out]}")
+        out = [(d, md if md.step == low else read_manifest(d, None, previous=True))
+               for d, md in out]
+        if any(md.step != low for _, md in out):
+            raise TierMemError(f"cannot recover: the ranks kept different steps, and the "
+                               f"commits before them are not at step {low}")
+    return out
+
+
+def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...]) -> dict[str, Any]:
+    """gather() of a run under torch.distributed: each rank's pieces (elementwise state,
+    one value per element) put back into the user's parameters."""
+    share = m.share
+    users = share["params"]
+    numels = [math.prod(p["shape"]) for p in users]
+    state: dict[int, dict[str, Any]] = {}
+    weights: dict[int, torch.Tensor] = {}
+    with_state = [0] * len(users)
+    with_weights = [0] * len(users)
+    groups: list[dict] = []
+    step = 0
+    for d, md in _rank_manifests(run_dir, m, others):
+        part = _gather_one(d, md)
+        step, groups = md.step, part["optimizer"]["param_groups"]
+        names = [p["name"] or f"param.{i}" for i, p in enumerate(md.params)]
+        for j, (ui, start) in enumerate(md.share["pieces"]):
+            n = math.prod(md.params[j]["shape"])
+            piece = part.get("model", {}).get(names[j])
+            if piece is not None:
+                w = weights.setdefault(ui, torch.zeros(numels[ui], dtype=torch.float32))
+                w[start: start + n].copy_(piece.reshape(-1))
+                with_weights[ui] += n
+            st = part["optimizer"]["state"].get(j)
+            if st is None:
+                continue
+            whole = state.setdefault(ui, {})
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:  # one value per element
+                    whole.setdefault(k, torch.zeros(numels[ui], dtype=v.dtype))[
+                        start: start + n].copy_(v.reshape(-1))
+                elif k not in whole:
+                    whole[k] = v
+                elif not (torch.equal(whole[k], v) if isinstance(v, torch.Tensor)
+                          else whole[k] == v):
+                    raise TierMemError(f"cannot recover: the ranks' pieces of parameter {ui} "
+                                       f"disagree on its {k!r} ({whole[k]} and {v})")
+            with_state[ui] += n
+    short = [i for i in state if with_state[i] != numels[i]]
+    if short:
+        raise TierMemError(f"cannot recover: the ranks' shares of parameters {short[:8]} do "
+                           "not cover them (some ranks' state of them is missing)")
+    for i, st in state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                st[k] = v.view(users[i]["shape"])
+    groups = [{**g, "params": list(ids)} for g, ids in zip(groups, share["group_params"])]
+    out: dict[str, Any] = {"format": FORMAT, "step": step, "durability": m.durability,
+                           "optimizer": {"state": state, "param_groups": groups}}
+    if all(with_weights[i] == numels[i] for i in range(len(users))):
+        out["model"] = {p["name"] or f"param.{i}": weights[i].view(p["shape"])
+                        for i, p in enumerate(users)}
+    return out
+
+
+def recover(run_dir: str, out_path: str, *others: str) -> dict[str, Any]:
+    """Write the checkpoint of `run_dir` (and `others`: see gather) to `out_path`
+    (atomically); returns a summary."""
+    ckpt = gather(run_dir, *others)
     tmp = out_path + ".tmp"
     torch.save(ckpt, tmp)
     os.replace(tmp, out_path)

@@ -361,7 +361,8 @@ class TierManager:
 
     def _manifest(self, *, step: int, steps: Sequence[float], params: list[dict],
                   groups: list[dict], rule: str, records: dict[int, tuple[int, int]] | None = None,
-                  resident: list[dict] | None = None, values: dict | None = None) -> Manifest:
+                  resident: list[dict] | None = None, values: dict | None = None,
+                  share: dict | None = None) -> Manifest:
         store = self.store
         fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
         records = records if records is not None else (store.latest_records() if store else {})
@@ -373,7 +374,7 @@ class TierManager:
             records=store.locations() if store else {},
             files=[f.path for f in store.files] if store else [],
             checksums=self.settings.swap.checksums, params=params, groups=groups, rule=rule,
-            values=values or {})
+            values=values or {}, share=share or {})
 
     def moving(self) -> bool:
         """Whether a transfer to or from NVMe is under way now."""

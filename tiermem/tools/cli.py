@@ -240,14 +240,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_recover(args: argparse.Namespace) -> int:
     import os
+    import re
 
     from tiermem.swap.recover import recover
     from tiermem.sizes import format_size
 
-    run_dir = os.path.abspath(args.dir)
-    out = args.output or os.path.join(os.getcwd(),
-                                      f"{os.path.basename(run_dir)}-recovered.pt")
-    info = recover(run_dir, out)
+    run_dir, *others = [os.path.abspath(d) for d in args.dir]
+    # a rank's directory (<name>-rank<r>) stands for the whole run
+    base = re.sub(r"-rank\d+$", "", os.path.basename(os.path.normpath(run_dir)))
+    out = args.output or os.path.join(os.getcwd(), f"{base}-recovered.pt")
+    info = recover(run_dir, out, *others)
     weights = "model weights and " if info["has_model"] else ""
     print(f"{run_dir}: step {info['step']} ({info['durability']}), {weights}optimizer state "
           f"of {info['with_state']}/{info['parameters']} parameters, "
@@ -473,7 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_cmd_validate)
     r = sub.add_parser("recover", help="write a run directory's committed state to a torch "
                        "checkpoint file")
-    r.add_argument("dir", help="run directory (<swap path>/tiermem-<name>) with a manifest.json")
+    r.add_argument("dir", nargs="+",
+                   help="run directory (<swap path>/tiermem-<name>) with a manifest.json; of "
+                        "a run under torch.distributed, any rank's (tiermem-<name>-rank<r>: "
+                        "the others are looked for beside it) or every rank's")
     r.add_argument("-o", "--output", help="checkpoint file (default: ./<dir name>-recovered.pt)")
     r.set_defaults(func=_cmd_recover)
     d = sub.add_parser("doctor", help="report what this machine offers tiermem (io_uring, "
