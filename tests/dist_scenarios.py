@@ -383,12 +383,10 @@ def repad_shards_like_old_torch(model) -> int:
     return moved
 
 
-def fsdp2(rank: int, world: int, tmp: str, repad: bool = False) -> None:
-    """fully_shard parameters (DTensors): tiermem tiers each rank's local shard; weights and
-    state equal a plain AdamW on the mean gradient. repad: the shards move to new storage
-    after tiermem.offload started, as older torch did at the first forward."""
+def sharded_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The FSDP2 scenarios' model, fully_shard-ed (1031 rows over 2 ranks: the last shard of
+    the first layer is uneven), and a plain copy of it for the reference."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(61, 1031), torch.nn.Tanh(),
@@ -396,6 +394,33 @@ def fsdp2(rank: int, world: int, tmp: str, repad: bool = False) -> None:
     ref_model = copy.deepcopy(model)
     for layer in (model[0], model[2], model):
         fully_shard(layer)
+    return model, ref_model
+
+
+def sharded_steps(rank: int, world: int, model, opt, ref_model, ref_opt, g, steps: int
+                  ) -> None:
+    """`steps` steps of the FSDP2 model on this rank's batches; the reference (when given)
+    on the mean gradient."""
+    for _ in range(steps):
+        x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
+        (model(x) - y).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if ref_opt is None:
+            continue
+        (ref_model(x) - y).square().mean().backward()
+        averaged(ref_model, world)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
+def fsdp2(rank: int, world: int, tmp: str, repad: bool = False) -> None:
+    """fully_shard parameters (DTensors): tiermem tiers each rank's local shard; weights and
+    state equal a plain AdamW on the mean gradient. repad: the shards move to new storage
+    after tiermem.offload started, as older torch did at the first forward."""
+    from torch.distributed.tensor import DTensor
+
+    model, ref_model = sharded_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.05,
                                 foreach=False)
@@ -407,15 +432,7 @@ def fsdp2(rank: int, world: int, tmp: str, repad: bool = False) -> None:
         if repad:
             # 1031 rows over 2 ranks: the last rank's shard of model[0] is padded.
             assert (repad_shards_like_old_torch(model) > 0) == (rank == world - 1)
-        for _ in range(3):
-            x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
-            (model(x) - y).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            (ref_model(x) - y).square().mean().backward()
-            averaged(ref_model, world)
-            ref_opt.step()
-            ref_opt.zero_grad()
+        sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 3)
         for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
             assert_close_tensor(p.full_tensor().detach(), q.detach(), f"rank {rank} {n}")
     for p, q in zip(model.parameters(), ref_model.parameters()):
@@ -474,27 +491,12 @@ def torch_family(rank: int, world: int, tmp: str) -> None:
 def fsdp2_torch_family(rank: int, world: int, tmp: str) -> None:
     """TORCH_FAMILY on fully_shard parameters: each rank tiers its local shard; weights and
     state (DTensors) equal the plain optimizer's on the mean gradient."""
-    from torch.distributed.fsdp import fully_shard
-
     for n, (cls, kw) in enumerate(TORCH_FAMILY):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(61, 1031), torch.nn.Tanh(),
-                                    torch.nn.Linear(1031, 33))
-        ref_model = copy.deepcopy(model)
-        for layer in (model[0], model[2], model):
-            fully_shard(layer)
+        model, ref_model = sharded_pair()
         opt, ref_opt = cls(model.parameters(), **kw), cls(ref_model.parameters(), **kw)
         g = torch.Generator().manual_seed(20 + rank)
         with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n)))):
-            for _ in range(3):
-                x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
-                (model(x) - y).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-                (ref_model(x) - y).square().mean().backward()
-                averaged(ref_model, world)
-                ref_opt.step()
-                ref_opt.zero_grad()
+            sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 3)
         for p, q in zip(model.parameters(), ref_model.parameters()):
             assert_close_tensor(p.full_tensor().detach(), q.detach(), f"{cls.__name__} {p.shape}")
             st, sr = opt.state.get(p, {}), ref_opt.state.get(q, {})
@@ -517,8 +519,6 @@ def recover_kept(rank: int, world: int, tmp: str) -> None:
     import warnings
     from unittest import mock
 
-    from torch.distributed.fsdp import fully_shard
-
     for n, (cls, kw) in enumerate(RECOVERED):
         model = Synthetic()
         ref_model = copy.deepcopy(model)
@@ -533,11 +533,7 @@ def recover_kept(rank: int, world: int, tmp: str) -> None:
         if rank == 0:
             torch.save({"model": ref_model.state_dict(), "optimizer": ref_opt.state_dict()},
                        os.path.join(tmp, f"kept{n}.expected.pt"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(61, 1031), torch.nn.Tanh(),
-                                torch.nn.Linear(1031, 33))
-    for layer in (model[0], model[2], model):
-        fully_shard(layer)
+    model, _ = sharded_pair()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     cfg = small_cfg(tmp)
     cfg["swap"]["durability"] = "crash_consistent"
@@ -546,11 +542,7 @@ def recover_kept(rank: int, world: int, tmp: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with tiermem.offload(opt, cfg, model=model, name="fsdp"):
-                for _ in range(2):
-                    x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
-                    (model(x) - y).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
+                sharded_steps(rank, world, model, opt, None, None, g, 2)
                 # the shards' whole values, as every rank sees them
                 want = {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
                         "optimizer": {i: opt.state_dict()["state"][i]["momentum_buffer"]
