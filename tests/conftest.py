@@ -27,6 +27,12 @@ from tiermem.kernels.vml import resolve_vml_dispatch
 # must not be a racy first VML call either (tiermem/kernels/vml.py).
 resolve_vml_dispatch()
 
+# torch's test utilities (the optimizer database the parity tests read) load a
+# hypothesis profile of their own when first imported, which would replace ours for every
+# test module imported after them: import them first, then load ours.
+with contextlib.suppress(ImportError):
+    import torch.testing._internal.common_utils  # noqa: F401
+
 settings.register_profile(
     "tiermem", deadline=None, max_examples=100, print_blob=True,
     # The examples reuse one tmp_path file, rewritten (mode "w") by every example.

@@ -552,6 +552,31 @@ def recover_kept(rank: int, world: int, tmp: str) -> None:
     barrier()
 
 
+def resume_kept_scalars(rank: int, world: int, tmp: str) -> None:
+    """A crash-consistent ASGD run kept on disk resumes on every rank with its shares'
+    per-parameter scalars (eta, mu) and continues as the uninterrupted reference."""
+    import warnings
+    from unittest import mock
+
+    kw = dict(lr=0.01, t0=1)
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.ASGD(groups_of(model), **kw)
+    ref_opt = torch.optim.ASGD(groups_of(ref_model), **kw)
+    cfg = small_cfg(tmp)
+    cfg["swap"]["durability"] = "crash_consistent"
+    with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tiermem.offload(opt, cfg, model=model, name="asgd"):
+                train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+    assert not opt.state
+    with tiermem.offload(opt, cfg, model=model, name="asgd", resume=True) as tm:
+        assert tm.resumed_step == 2, tm.resumed_step
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=2)
+    compare_runs(model, opt, ref_model, ref_opt, exact=world == 2)
+
+
 def whole_parameter_refused(rank: int, world: int, tmp: str) -> None:
     """A rule whose step spans whole parameters cannot step a rank's pieces of them."""
     model = Synthetic()
@@ -655,6 +680,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "fsdp2-torch-family": lambda r, d: fsdp2_torch_family(r, world, d),
         "whole-parameter-refused": lambda r, d: whole_parameter_refused(r, world, d),
         "recover-kept": lambda r, d: recover_kept(r, world, d),
+        "resume-kept-scalars": lambda r, d: resume_kept_scalars(r, world, d),
         "fsdp2": lambda r, d: fsdp2(r, world, d),
         "fsdp2-repadded": lambda r, d: fsdp2(r, world, d, repad=True),
         "rank-raises": lambda r, d: rank_raises(r, world, d),

@@ -30,7 +30,7 @@ TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
        "int8-none-stochastic", "fp32-kahan", "bf16-none-stochastic",
        "resume-one-step-apart", "kept-guard", "placeholders", "dcp-save", "fsdp2",
        "fsdp2-repadded", "torch-family", "fsdp2-torch-family", "whole-parameter-refused",
-       "recover-kept",
+       "recover-kept", "resume-kept-scalars",
        "rank-raises"]  # rank-raises breaks the group: last
 THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load", "torch-family",
          "recover-kept",
