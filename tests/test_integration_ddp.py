@@ -44,16 +44,24 @@ def check_shares(out: dict) -> None:
     assert all(s > 0 for s in shares) and sum(shares) == n, shares  # each rank a share only
 
 
-def rank_main(rank: int, world: int, swap: str) -> dict:
-    torchrun_env(rank, world, 29599)
+def rank_main(rank: int, world: int, swap: str, optimizer: str = "adamw") -> dict:
+    """optimizer "sgd": SGD with Nesterov momentum and the same step schedule, which the
+    sharded path runs as its own torch class (not only Adam/AdamW)."""
+    torchrun_env(rank, world, 29599 if optimizer == "adamw" else 29596)
     import lightning.pytorch as L
     import torch
 
     from tiermem.integrations.lightning import TiermemCallback
     from test_integration_lightning import Tiny, compare, cfg
 
+    class TinySGD(Tiny):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
     def fit(callbacks):
-        module = Tiny()
+        module = Tiny() if optimizer == "adamw" else TinySGD()
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=3,
                             logger=False, enable_progress_bar=False,
                             enable_model_summary=False, enable_checkpointing=False,
@@ -76,10 +84,12 @@ def rank_main(rank: int, world: int, swap: str) -> dict:
     return check_share(plans[0], rank, world, tiered[0])
 
 
-def test_lightning_ddp_two_ranks(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_lightning_ddp_two_ranks(tmp_path, optimizer):
     pytest.importorskip("lightning.pytorch", reason="lightning is not installed "
                         "(pip install -e '.[integrations]')")
-    out = launch(2, "test_integration_ddp", "rank_main", str(tmp_path), deadline=240)
+    out = launch(2, "test_integration_ddp", "rank_main", str(tmp_path), optimizer,
+                 deadline=240)
     check_shares(out)
 
 
