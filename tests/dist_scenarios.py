@@ -578,16 +578,25 @@ def resume_kept_scalars(rank: int, world: int, tmp: str) -> None:
 
 
 def whole_parameter_refused(rank: int, world: int, tmp: str) -> None:
-    """A rule whose step spans whole parameters cannot step a rank's pieces of them."""
-    model = Synthetic()
-    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    """A rule that steps whole parameters (Adafactor; the generic path's optimizers, Lion
+    from PyPI here) cannot step a rank's pieces of them."""
+    makers = [lambda ps: torch.optim.Adafactor(ps, lr=0.01)]
     try:
-        with tiermem.offload(opt, small_cfg(tmp)):
-            pass
-    except UnsupportedOptimizer as exc:
-        assert "torch.optim.Adafactor, whose step spans whole parameters" in str(exc), exc
-    else:
-        raise AssertionError("Adafactor under a process group was not refused")
+        from lion_pytorch import Lion
+        makers.append(lambda ps: Lion(ps, lr=1e-4))
+    except ImportError:  # the thirdparty test extra
+        pass
+    for make in makers:
+        model = Synthetic()
+        opt = make(model.parameters())
+        try:
+            with tiermem.offload(opt, small_cfg(tmp)):
+                pass
+        except UnsupportedOptimizer as exc:
+            assert f"{type(opt).__qualname__}, which tiermem steps a whole parameter at a " \
+                "time" in str(exc), exc
+        else:
+            raise AssertionError(f"{type(opt).__name__} under a process group was not refused")
 
 
 def rank_raises(rank: int, world: int, tmp: str) -> None:

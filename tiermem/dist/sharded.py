@@ -111,8 +111,10 @@ class DistributedOffload(Offload):
                 f"tiermem under torch.distributed (process_group= or DTensor parameters) "
                 f"runs elementwise optimizers (Adam, AdamW, torch's SGD, Adagrad, RMSprop, "
                 f"Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop), not {type(opt).__module__}."
-                f"{type(opt).__qualname__}, whose step spans whole parameters and a rank "
-                "holds pieces of them; in one process it works")
+                f"{type(opt).__qualname__}, which tiermem steps a whole parameter at a time "
+                "(its math may span one: Adafactor's factored statistics, Muon's "
+                "orthogonalisation, or any optimizer's own step()) while a rank holds pieces "
+                "of them; in one process it works")
         self.opt = opt
         self.block_name = name  # the user's name=; each rank's directory adds -rank<r>
         d = settings.distributed
