@@ -37,6 +37,7 @@ STATE_BYTES = 4  # bytes of an fp32 state element (the master; moments unless bf
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 QUANT_BLOCK = 256  # elements per int8 block: divides CUT_ALIGN, so no cut splits a block
 SCALE_KINDS = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}  # -> moment
+SCALE_OF = {moment: scale for scale, moment in SCALE_KINDS.items()}  # int8 moment -> its scales
 # kinds of master_weights kahan/none: the compensation term, and the model's weights as a
 # crash-consistent record keeps them; in the model's dtype (bf16 by default, or fp16)
 LOW_WEIGHT_KINDS = ("weight", "kahan")

@@ -54,9 +54,9 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
                                                           create_read_items_for_chunk_list)
 
 from tiermem.errors import TierMemError
-from tiermem.kernels.lowbit import dequantize, quantize
+from tiermem.kernels.lowbit import segment_values, store_segment
 from tiermem.optim.rules import UnsupportedOptimizer
-from tiermem.optim.state_io import SCALE_OF, jsonable
+from tiermem.optim.state_io import jsonable
 from tiermem.partition import SCALE_KINDS
 
 FORMAT = "tiermem-dcp-1"
@@ -234,20 +234,13 @@ class _SavePlanner(DefaultSavePlanner):
 
         with self.src.off.tiers.record(part, write=False) as (views, fresh):
             got = {}
+            slices = {k: part.slices(k) for k in views}
             for k in _saved_kinds(part):
                 # fp32 whatever the state dtype: bf16 widens exactly, int8 codes become
                 # their values (code x scale), per segment as they were quantised
                 got[k] = torch.zeros(part.numel, dtype=torch.float32)
-                if fresh:
-                    continue
-                if SCALE_OF.get(k) in views:
-                    codes, scales = views[k], views[SCALE_OF[k]]
-                    for sl, ssl, o in zip(part.slices(k), part.slices(SCALE_OF[k]),
-                                          _offsets(part)):
-                        got[k][o: o + sl.stop - sl.start].copy_(
-                            dequantize(codes[sl], scales[ssl], signed=k == "exp_avg"))
-                else:
-                    got[k].copy_(views[k])
+                for n, sl in enumerate(slices[k] if not fresh else ()):
+                    got[k][sl].copy_(segment_values(views, slices, k, n))
             if fresh and "master" in got:  # never stepped: the weights are the model's
                 o = 0
                 for s in part.segments:
@@ -405,27 +398,12 @@ class _LoadPlanner(DefaultLoadPlanner):
         st = self._staging.pop(part.id)
 
         with self.src.off.tiers.record(part, write=True) as (views, _):
+            slices = {k: part.slices(k) for k in views}
             for k, v in st.views.items():
-                if SCALE_OF.get(k) not in views:
-                    views[k].copy_(v)  # bf16 moments: rounded to nearest even, as copy_ does
-                    continue
-                # int8: quantised per segment (its blocks start at the segment's element 0),
-                # to nearest, as load_state_dict quantises
-                scales = views[SCALE_OF[k]]
-                for sl, ssl, o in zip(part.slices(k), part.slices(SCALE_OF[k]),
-                                      _offsets(part)):
-                    codes, sc = quantize(v[o: o + sl.stop - sl.start], signed=k == "exp_avg")
-                    views[k][sl].copy_(codes)
-                    scales[ssl].copy_(sc)
-
-
-def _offsets(part: Any) -> list[int]:
-    """Each segment's first element in a one-value-per-element view of `part`."""
-    out, o = [], 0
-    for s in part.segments:
-        out.append(o)
-        o += s.length
-    return out
+                # per segment as load_state_dict stores it: bf16 rounded to nearest even,
+                # int8 quantised to nearest with its blocks from the segment's first element
+                for n, sl in enumerate(slices[k]):
+                    store_segment(views, slices, k, n, v[sl])
 
 
 def load(tm: Any, path: str) -> dict[str, int]:

@@ -18,7 +18,9 @@ moment (the power of two that puts the block's largest finite magnitude in
 element: exp_avg
 sign + 4-bit exponent + 3-bit mantissa, exp_avg_sq 5-bit exponent + 3-bit mantissa;
 code 0 is zero, code 1 NaN (any non-finite moment). `quantize` / `dequantize` convert a
-segment between fp32 and that format (state_dict() and load_state_dict() use them).
+segment between fp32 and that format; `segment_values` / `store_segment` do it for one
+segment of a record (state_dict(), load_state_dict(), tiermem recover and DCP checkpoints
+use them).
 
 Dense moments (exp_avg / exp_avg_sq fp32 or bf16 tensors, no scales: master_weights
 kahan/none with state_dtype fp32 or bf16) run the same pass and the same weight
@@ -45,7 +47,7 @@ import torch
 from torch import Tensor
 
 from tiermem.kernels.native_rules import check_tensor, native_threads
-from tiermem.partition import QUANT_BLOCK
+from tiermem.partition import QUANT_BLOCK, SCALE_OF
 
 BLOCK = QUANT_BLOCK  # 256: divides CUT_ALIGN, so a partition cut never splits a block
 TOP = 1.875  # the largest code's value
@@ -140,6 +142,32 @@ def dequantize(codes: Tensor, scale: Tensor, *, signed: bool) -> Tensor:
         bits = bits | ((c & 0x80) << 24)
     bits = torch.where(mag == NAN_CODE, 0x7FC00000, bits)
     return _as_f32(bits) * _per_element(scale.float(), c.numel())
+
+
+def segment_values(views: dict[str, Tensor], slices: dict[str, list[slice]], kind: str,
+                   n: int) -> Tensor:
+    """Segment n of a record's `kind` (views, slices: Partition.views() and each kind's
+    Partition.slices()) as values: an int8 moment's codes (its scales' kind in the record)
+    dequantised exactly with their block scales, any other kind its view."""
+    value = views[kind][slices[kind][n]]
+    scale = SCALE_OF.get(kind)
+    if scale not in views:
+        return value
+    return dequantize(value, views[scale][slices[scale][n]], signed=kind == "exp_avg")
+
+
+def store_segment(views: dict[str, Tensor], slices: dict[str, list[slice]], kind: str, n: int,
+                  values: Tensor) -> None:
+    """`values` into segment n of a record's `kind`: an int8 moment quantised to nearest
+    (its blocks start at the segment's element 0) with its block scales, any other kind
+    copied (copy_ casts: bf16 rounds to nearest even)."""
+    scale = SCALE_OF.get(kind)
+    if scale not in views:
+        views[kind][slices[kind][n]].copy_(values)
+        return
+    codes, sc = quantize(values, signed=kind == "exp_avg")
+    views[kind][slices[kind][n]].copy_(codes)
+    views[scale][slices[scale][n]].copy_(sc)
 
 
 def _scales(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-from tiermem.kernels.lowbit import dequantize, kahan_term, quantize
-from tiermem.partition import SCALE_KINDS, Partition
+from tiermem.kernels.lowbit import kahan_term, segment_values, store_segment
+from tiermem.partition import SCALE_KINDS, SCALE_OF, Partition
 from tiermem.tiers.manager import TierManager
 
 
@@ -50,9 +50,6 @@ def torch_state_dict(opt: torch.optim.Optimizer, state: dict[torch.Tensor, dict[
         opt.state = saved
 
 
-SCALE_OF = {m: k for k, m in SCALE_KINDS.items()}  # int8 moment -> its scales' kind
-
-
 def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
             state: dict[torch.Tensor, dict[str, Any]]) -> None:
     """Write per-parameter `state` (torch's layout; `keys`: record kind -> state key) into
@@ -83,16 +80,12 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
                     if src is None:
                         src = s.param.detach() if k == "master" else None
                     if SCALE_OF.get(k) in views:  # int8 codes
-                        scale = views[SCALE_OF[k]][slices[SCALE_OF[k]][i]]
                         if src is None:
                             dst.zero_()
-                            scale.zero_()
+                            views[SCALE_OF[k]][slices[SCALE_OF[k]][i]].zero_()
                         else:
-                            codes, sc = quantize(
-                                src.reshape(-1)[s.start: s.start + s.length].cpu(),
-                                signed=k == "exp_avg")
-                            dst.copy_(codes)
-                            scale.copy_(sc)
+                            store_segment(views, slices, k, i,
+                                          src.reshape(-1)[s.start: s.start + s.length].cpu())
                     elif src is None:
                         dst.zero_()
                     else:
@@ -126,8 +119,5 @@ def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
                     key = keys[k]
                     if key not in st:
                         continue
-                    value = src[slices[k][i]]
-                    if SCALE_OF.get(k) in views:  # int8 codes
-                        value = dequantize(value, views[SCALE_OF[k]][slices[SCALE_OF[k]][i]],
-                                           signed=k == "exp_avg")
+                    value = segment_values(views, slices, k, i)  # int8 codes: dequantised
                     st[key].view(-1)[s.start: s.start + s.size(k)].copy_(value)

@@ -53,7 +53,7 @@ from tiermem.errors import TierMemError
 from tiermem.swap.integrity import check
 from tiermem.swap.manifest import (RESIDENT_FILE, Manifest, Unkept, read_manifest,
                                     scalar_from_json, value_from_json)
-from tiermem.kernels.lowbit import dequantize
+from tiermem.kernels.lowbit import segment_values
 from tiermem.partition import (ORDER_KEY, SCALE_KINDS, Partition, Segment, laid,
                                low_weight_dtypes)
 
@@ -195,20 +195,16 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
             if part.id in fresh:
                 continue
             views = part.views(records.read(part))
-            scale_of = {moment: k for k, moment in SCALE_KINDS.items() if k in views}
             slices = {k: part.slices(k) for k in views}
             for n, s in enumerate(part.segments):
                 if m.steps[s.index] == 0 and s.index not in weights:
                     continue  # never stepped: the starting state set above
                 # in record order: a "weight" kind comes before its "kahan" term
-                for k, src in views.items():
+                for k in views:
                     if k in SCALE_KINDS:
                         continue
-                    sl = slices[k][n]
-                    value = src[sl]
-                    if k in scale_of:  # int8 codes: the fp32 moments torch keeps
-                        value = dequantize(value, views[scale_of[k]][slices[scale_of[k]][n]],
-                                           signed=k == "exp_avg")
+                    # int8 codes: the fp32 moments torch keeps
+                    value = segment_values(views, slices, k, n)
                     if k in ("master", "weight") and s.index in weights:
                         weights[s.index].view(-1)[s.start: s.start + s.length].copy_(value)
                     if m.steps[s.index] == 0:
