@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,23 @@ _instances = itertools.count()  # every rank builds its offloads in the same ord
 
 class PeerError(TierMemError):
     """Another rank failed, hung or fell behind while this one waited in a collective."""
+
+
+def scalar_table(coll: Collectives | None, cols: Sequence[str],
+                 held: Iterable[tuple[int, dict[str, Any]]], n: int, what: str
+                 ) -> torch.Tensor:
+    """The per-parameter scalars `cols` (ASGD's eta, ...) of `n` parameters as an n x
+    len(cols) float64 table, -inf where no one holds one; `held`: (parameter index, its
+    scalars) pairs. Under a process group (coll) the MAX over the ranks: every rank holding
+    a piece of a parameter steps it alike, so they agree, and one holding none has -inf."""
+    table = torch.full((n, len(cols)), -math.inf, dtype=torch.float64)
+    for i, have in held:
+        for c, k in enumerate(cols):
+            if k in have:
+                table[i, c] = float(have[k])
+    if coll is not None and table.numel():
+        coll.wait(coll.all_reduce(table, dist.ReduceOp.MAX), what)
+    return table
 
 
 class Collectives:
@@ -122,13 +139,7 @@ class Collectives:
         cols = sorted({k for keys in keys_of for k in keys})
         if not cols:
             return [{} for _ in keys_of]
-        table = torch.full((len(keys_of), len(cols)), -math.inf, dtype=torch.float64)
-        for i, st in shadow.items():
-            for c, k in enumerate(cols):
-                if k in st:
-                    table[i, c] = float(st[k])
-        if len(keys_of):
-            self.wait(self.all_reduce(table, dist.ReduceOp.MAX), what)
+        table = scalar_table(self, cols, shadow.items(), len(keys_of), what)
         return [{k: torch.tensor(table[i, cols.index(k)].item(), dtype=torch.float32)
                  for k in keys if table[i, cols.index(k)] != -math.inf}
                 for i, keys in enumerate(keys_of)]

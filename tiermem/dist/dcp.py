@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan,
 from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
                                                           create_read_items_for_chunk_list)
 
+from tiermem.dist.collectives import scalar_table
 from tiermem.errors import TierMemError
 from tiermem.kernels.lowbit import segment_values, store_segment
 from tiermem.optim.rules import UnsupportedOptimizer
@@ -97,16 +98,9 @@ class _Source:
     def scalars(self) -> torch.Tensor:
         """Every parameter's scalars (scalar_keys' columns; NaN where it has none), as the
         ranks holding them know them (collective under a process group)."""
-        keys = self.scalar_keys()
-        out = torch.full((len(self.params), len(keys)), -math.inf, dtype=torch.float64)
-        for part in self.off.parts:
-            for s in part.segments:
-                have = self.off.latest_scalars(s.index)
-                for c, k in enumerate(keys):
-                    if k in have:
-                        out[self.locate(s)[0], c] = float(have[k])
-        if self.coll is not None and out.numel():
-            self.coll.wait(self.coll.all_reduce(out, torch.distributed.ReduceOp.MAX),
+        held = ((self.locate(s)[0], self.off.latest_scalars(s.index))
+                for part in self.off.parts for s in part.segments)
+        out = scalar_table(self.coll, self.scalar_keys(), held, len(self.params),
                            "agreeing on per-parameter scalars for a checkpoint")
         return out.masked_fill_(out == -math.inf, math.nan)
 
@@ -423,10 +417,10 @@ def load(tm: Any, path: str) -> dict[str, int]:
         raise TierMemError(f"checkpoint {path} lacks pieces of partitions "
                            f"{sorted(planner._staging)}")
     steps = planner.steps
-    keys = planner.meta.get("scalar_keys", [])
-    if src.scalar_keys() and (planner.scalars is None or keys != src.scalar_keys()):
+    keys, want = planner.meta.get("scalar_keys", []), src.scalar_keys()
+    if want and (planner.scalars is None or keys != want):
         raise TierMemError(
-            f"checkpoint {path} has no per-parameter scalars {src.scalar_keys()} (written by "
+            f"checkpoint {path} has no per-parameter scalars {want} (written by "
             f"an earlier tiermem, or for another optimizer: it keeps {keys}); "
             "loading it would start them over")
     for part in src.off.parts:
