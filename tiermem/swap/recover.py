@@ -223,12 +223,18 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
     for i, st in state.items():
         if "master_param" in st and m.steps[i] == 0 and i in weights:
             st["master_param"] = weights[i].clone()  # never stepped: the weights as they are
-    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g) for g in m.groups]
+    groups = _groups(m)
     out: dict[str, Any] = {"format": FORMAT, "step": m.step, "durability": m.durability,
                            "optimizer": {"state": state, "param_groups": groups}}
     if len(weights) == len(m.params):
         out["model"] = {names[i]: weights[i] for i in range(len(m.params))}
     return out
+
+
+def _groups(m: Manifest) -> list[dict]:
+    """The manifest's param groups as torch's state_dict holds them (betas a tuple: JSON
+    kept it as a list)."""
+    return [{**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g) for g in m.groups]
 
 
 def _refuse_unkept(run_dir: str, what: str, value: Any) -> Any:
@@ -319,8 +325,7 @@ def _gather_whole(run_dir: str, m: Manifest) -> dict[str, Any]:
     values = m.values or {}
     for key, v in values.get("state", {}).items():  # entries under keys that are no parameter
         state[key] = _refuse_unkept(run_dir, f"state[{key!r}]", value_from_json(v))
-    groups = [{**g, "betas": tuple(g["betas"])} if isinstance(g.get("betas"), list) else dict(g)
-              for g in m.groups]
+    groups = _groups(m)
     for g, kept in values.get("groups", {}).items():
         for k, v in kept.items():  # exact, where the groups above hold JSON's form
             groups[int(g)][k] = _refuse_unkept(run_dir, f"param_groups[{g}][{k!r}]",
@@ -339,6 +344,13 @@ def _gather_whole(run_dir: str, m: Manifest) -> dict[str, Any]:
 
 
 _RANK_DIR = re.compile(r"(.*)-rank(\d+)\Z")
+
+
+def run_name(run_dir: str) -> str:
+    """The run's directory name; of a rank's directory (<name>-rank<r>), the whole run's."""
+    base = os.path.basename(os.path.normpath(run_dir))
+    hit = _RANK_DIR.match(base)
+    return hit.group(1) if hit else base
 
 
 def _rank_manifests(run_dir: str, m: Manifest, others: tuple[str, ...]
@@ -407,17 +419,17 @@ def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...]) -> dict[st
     groups: list[dict] = []
     step = 0
     for d, md in _rank_manifests(run_dir, m, others):
-        part = _gather_one(d, md)
-        step, groups = md.step, part["optimizer"]["param_groups"]
+        ckpt = _gather_one(d, md)
+        step, groups = md.step, ckpt["optimizer"]["param_groups"]
         names = [p["name"] or f"param.{i}" for i, p in enumerate(md.params)]
         for j, (ui, start) in enumerate(md.share["pieces"]):
             n = math.prod(md.params[j]["shape"])
-            piece = part.get("model", {}).get(names[j])
+            piece = ckpt.get("model", {}).get(names[j])
             if piece is not None:
                 w = weights.setdefault(ui, torch.zeros(numels[ui], dtype=torch.float32))
                 w[start: start + n].copy_(piece.reshape(-1))
                 with_weights[ui] += n
-            st = part["optimizer"]["state"].get(j)
+            st = ckpt["optimizer"]["state"].get(j)
             if st is None:
                 continue
             whole = state.setdefault(ui, {})

@@ -240,15 +240,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_recover(args: argparse.Namespace) -> int:
     import os
-    import re
 
-    from tiermem.swap.recover import recover
+    from tiermem.swap.recover import recover, run_name
     from tiermem.sizes import format_size
 
     run_dir, *others = [os.path.abspath(d) for d in args.dir]
-    # a rank's directory (<name>-rank<r>) stands for the whole run
-    base = re.sub(r"-rank\d+$", "", os.path.basename(os.path.normpath(run_dir)))
-    out = args.output or os.path.join(os.getcwd(), f"{base}-recovered.pt")
+    out = args.output or os.path.join(os.getcwd(), f"{run_name(run_dir)}-recovered.pt")
     info = recover(run_dir, out, *others)
     weights = "model weights and " if info["has_model"] else ""
     print(f"{run_dir}: step {info['step']} ({info['durability']}), {weights}optimizer state "
