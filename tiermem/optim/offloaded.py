@@ -22,6 +22,7 @@ from tiermem.errors import TierMemError
 from tiermem.kernels.adam import kernel_matching
 from tiermem.swap.manifest import (read_manifest, scalar_from_json, value_from_json,
                                     write_manifest)
+from tiermem.optim.counts import StepCounts
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import Batch, PreparedUpdate, UpdateRule, rule_for
@@ -200,7 +201,7 @@ class OffloadedOptimizer:
             raise TierMemError("placement rules match parameter names: pass model= to "
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
-        self.steps = [torch.tensor(0.0) for _ in self.params]
+        self.steps = StepCounts(0.0 for _ in self.params)
         self.origins = list(origins)
         self.share = share or {}
         # Each parameter's other scalar state (rule.scalar_keys: ASGD's eta, mu, ...) as
@@ -508,12 +509,10 @@ class OffloadedOptimizer:
         return p.grad is not None if self.weights is None else self.weights.has_gradient(p)
 
     def _count_all(self, indices: set[int]) -> None:
-        """Parameters `indices` take this step: their counts (in one foreach add: one 0-d
-        add per parameter costs ~8 us of dispatch, a step's largest piece of Python on a
-        model of a few dozen tensors), and the host scalars their last step left (kept
-        aside until now so every segment of the step started from the same)."""
-        if indices:  # (foreach refuses an empty list: a step with no gradient at all)
-            torch._foreach_add_([self.steps[i] for i in indices], 1)
+        """Parameters `indices` take this step: their counts (StepCounts: one add for a
+        step of every parameter), and the host scalars their last step left (kept aside
+        until now so every segment of the step started from the same)."""
+        self.steps.increment(indices)
         if self._next_scalars:
             for i in indices:
                 if i in self._next_scalars:
@@ -626,7 +625,8 @@ class OffloadedOptimizer:
         for i in plan.prepared.slots:
             g = self.params[i].grad
             grads.append(g if g.is_contiguous() else g.contiguous())
-        plan.prepared.run(grads=grads, steps=[self.steps[i] for i in plan.prepared.slots],
+        counts = self.steps.values()  # one read, not one .item() per parameter
+        plan.prepared.run(grads=grads, steps=[counts[i] for i in plan.prepared.slots],
                           group=self.opt.param_groups[plan.group],
                           threads=self._update_threads())
         for to, src in plan.copies:
@@ -812,7 +812,7 @@ class OffloadedOptimizer:
 
     def set_counts(self, index: int, step: float, scalars: dict[str, torch.Tensor]) -> None:
         """Parameter `index`'s step count and scalars, as a checkpoint gives them."""
-        self.steps[index] = torch.tensor(step)
+        self.steps[index] = step
         self.scalars[index] = scalars
         self._next_scalars.pop(index, None)
 
@@ -909,7 +909,7 @@ class OffloadedOptimizer:
                             for k, v in changed.get("state", {}).items()},
                   "absent": list(changed.get("absent", []))} if changed else {}
         return {"step": self.steps_taken if step is None else step,
-                "steps": [float(t) for t in self.steps], "params": params, "groups": groups,
+                "steps": self.steps.values(), "params": params, "groups": groups,
                 "rule": type(self.rule).__name__, "values": values, "share": self.share}
 
     def commit(self, step: int | None = None) -> None:
@@ -961,7 +961,7 @@ class OffloadedOptimizer:
                      f"model's weights were rolled back to committed step {manifest.step}")
 
     def _adopt_counts(self, manifest: Any) -> None:
-        self.steps = [torch.tensor(float(s)) for s in manifest.steps]
+        self.steps = StepCounts(manifest.steps)
         self.scalars = [{k: scalar_from_json(v) for k, v in (entry.get("scalars") or {}).items()}
                         for entry in (manifest.params or [{} for _ in manifest.steps])]
         self._next_scalars = {}
@@ -1014,11 +1014,10 @@ class OffloadedOptimizer:
         for p, st in state.items():
             i = index[id(p)]
             if "step" in st:
-                self.steps[i] = torch.as_tensor(st["step"], dtype=torch.float32
-                                                ).detach().clone().cpu()
+                self.steps[i] = float(st["step"])
             elif st and not self.rule.has_step:
                 # torch keeps no count (SGD): state present means the first step is done.
-                self.steps[i] = torch.tensor(1.0)
+                self.steps[i] = 1.0
             group = self.opt.param_groups[self._group_of(i)]
             self.scalars[i] = self.rule.host_scalars(st, group)
             self._next_scalars.pop(i, None)
@@ -1093,7 +1092,7 @@ class OffloadedOptimizer:
         by_index = dict(enumerate(self.params))
         state = {by_index[int(k)]: v for k, v in state_dict["state"].items() if a_param(k)}
         for i in range(len(self.params)):
-            self.steps[i] = torch.tensor(0.0)
+            self.steps[i] = 0.0
             self.scalars[i] = {}
         self._next_scalars.clear()
         if self.weights is not None and any("master" in part.kinds or "weight" in part.kinds
@@ -1185,7 +1184,7 @@ class OffloadedOptimizer:
             self.budgets.left = left
             raise
         self.params.extend(group["params"])
-        self.steps.extend(torch.tensor(0.0) for _ in group["params"])
+        self.steps.extend(len(group["params"]))
         self.scalars.extend({} for _ in group["params"])
         self.parts.extend(new)
         if self.crash:
