@@ -6,7 +6,8 @@ the updated parameters (round to nearest even) in the same pass. It follows torc
 CPU AdamW (`torch.optim.AdamW(fused=True)`) to within 1e-6 relative (1e-7 absolute), the
 tolerance tests/test_native_adam.py holds it to over 100 steps: torch's own vectorisation
 may contract operations differently on another CPU (on the AVX-512 machine it was
-measured on the two agree bitwise). Its AVX-512, AVX2 and scalar paths give bitwise the
+measured on the two agree bitwise but in the last numel % 8 elements of a parameter,
+which torch's fused kernel updates in a scalar loop: docs/guide/numerics.md). Its AVX-512, AVX2 and scalar paths give bitwise the
 same results as each other.
 
 - `adam_native(...)`: the update part of tiermem.kernels.adam's kernel signature (the
