@@ -131,3 +131,22 @@ def test_fp16_grad_scaler_is_refused(tmp_path):
         with tiermem.offload(wrapped, cfg(tmp_path)):
             pass
     assert installed(opt) is None
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_clipping_with_the_weights_in_the_tiers_equals_plain(tmp_path, offload):
+    # Accelerator.clip_grad_norm_ reads p.grad itself; with parameters.offload the
+    # gradients are in the parameter tier, and tiermem routes the call there
+    # (tiermem/optim/clipping.py) rather than letting it clip nothing.
+    own = vars(accelerate.Accelerator)["clip_grad_norm_"]
+    data = batches(6)
+    plain = setup()
+    loop(*plain, data)
+    tiered = setup()
+    c = cfg(tmp_path)
+    c["parameters"] = {"offload": offload}
+    accelerator, model, opt = tiered
+    with tiermem.offload(opt, c, model=model):
+        loop(accelerator, model, opt, data)
+    compare(tiered, plain)
+    assert vars(accelerate.Accelerator)["clip_grad_norm_"] is own  # its own method again

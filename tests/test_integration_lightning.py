@@ -215,3 +215,18 @@ def test_thirdparty_optimizer_fit_and_resume_equal_plain(tmp_path, mod, name, kw
                    ckpt_every=2)
     compare((tiered, t_tiered), (plain, t_plain))
     compare(*resumed_from_step_2(tmp_path, lambda: WithIt(batches=2)))
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_clipping_with_the_weights_in_the_tiers_equals_plain(tmp_path, offload):
+    # Lightning clips with torch.nn.utils.clip_grad_norm_, which finds no p.grad when the
+    # gradients live in the parameter tier: tiermem routes it to the tier's clip
+    # (tiermem/optim/clipping.py) rather than letting it clip nothing.
+    kw = dict(gradient_clip_val=0.05, accumulate_grad_batches=2, max_steps=3)
+    plain = Tiny()
+    t_plain = fit(tmp_path / "plain", plain, **kw)
+    c = cfg(tmp_path)
+    c["parameters"] = {"offload": offload}
+    tiered = Tiny()
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[TiermemCallback(c)], **kw)
+    compare((tiered, t_tiered), (plain, t_plain))

@@ -172,3 +172,27 @@ def test_overlap_is_refused_before_any_step(tmp_path):
     with pytest.raises(TierMemError, match="overlap_backward"):
         train(tmp_path / "t", callbacks=[cb], model=model, save_strategy="no")
     assert model.calls == 0
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_clipping_with_the_weights_in_the_tiers_equals_plain(tmp_path, offload):
+    # The Trainer clips through Accelerate, which reads p.grad; with parameters.offload
+    # the gradients are in the parameter tier, and tiermem routes the clip there. The
+    # logged grad_norm is the tier's, as the plain run's.
+    extra = dict(optim="adamw_torch", max_grad_norm=0.05, gradient_accumulation_steps=2,
+                 logging_strategy="steps", logging_steps=1)
+    plain = train(tmp_path / "plain", **extra)
+    c = cfg(tmp_path)
+    c["parameters"] = {"offload": offload}
+    cb = TiermemCallback(c)
+    with cb:
+        tiered = train(tmp_path / "tiered", callbacks=[cb], **extra)
+    compare(tiered, plain)
+    norms = [[e["grad_norm"] for e in t.state.log_history if "grad_norm" in e]
+             for _, t in (tiered, plain)]
+    assert norms[0] == norms[1] and len(norms[0]) == 4 and max(norms[0]) > 0.05
+    from safetensors.torch import load_file  # the checkpoint's weights too
+    saved = [load_file(tmp_path / run / "checkpoint-2/model.safetensors")
+             for run in ("tiered", "plain")]
+    for k, v in saved[1].items():
+        assert_same_tensor(saved[0][k], v, k)

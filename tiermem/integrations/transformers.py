@@ -63,6 +63,18 @@ class TiermemCallback(TrainerCallback):
             tiermem.offload(optimizer, settings, model=model, **self.offload_kwargs))
         self._stack = stack
 
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
+                              **kwargs: Any) -> None:
+        # With parameters.offload the gradients live in the parameter tier, not in p.grad.
+        # The Trainer clips through Accelerate, whose clip reads p.grad: it found none and
+        # scaled nothing (an Accelerate that calls torch.nn.utils.clip_grad_norm_ reaches
+        # the tier's clip instead: tiermem/optim/clipping.py). Clip once here, as the
+        # Trainer meant to; its logged grad_norm still reads what Accelerate found.
+        tm = self.tm
+        if (tm is not None and args.max_grad_norm and args.max_grad_norm > 0
+                and tm.offloaded.weights is not None and not tm.clipped()):
+            tm.clip_grad_norm_(args.max_grad_norm)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._leave(None)
 

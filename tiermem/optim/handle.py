@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tiermem.errors import TierMemError, TierMemWarning
+from tiermem.optim import clipping
 from tiermem.optim.offloaded import OffloadedOptimizer
 from tiermem.optim.state_io import drop_param_state
 from tiermem.sizes import format_size
@@ -92,6 +93,8 @@ class Offload:
         self.unwrapped: str | None = None
         self.kept_on_disk: str | None = None
         self._discard = False
+        if off.weights is not None:  # torch's clipping would see no gradient: route it
+            clipping.open_tier(self)
 
     def record_events(self, on: bool = True) -> None:
         """Keep a timeline of every step (`tm.events()`): NVMe reads and writes, updates,
@@ -107,21 +110,44 @@ class Offload:
         overlap = self.offloaded.overlap
         return overlap.accumulating() if overlap is not None else contextlib.nullcontext()
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters; with
         parameters.offload over the gradients in the tiers (their norm was computed as they
         streamed; the step applies the coefficient as it reads each one). Returns the total
-        norm."""
+        norm. (With parameters.offload, torch.nn.utils.clip_grad_norm_ over the model's
+        parameters comes here too: optim/clipping.py.)"""
         weights = self.offloaded.weights
         if weights is None:
-            return torch.nn.utils.clip_grad_norm_(self.offloaded.params, max_norm, norm_type)
+            return torch.nn.utils.clip_grad_norm_(self.offloaded.params, max_norm, norm_type,
+                                                  error_if_nonfinite)
         if self.offloaded.overlap is not None:
             # the updates started during backward, before the global norm was known
             raise TierMemError(
                 "tm.clip_grad_norm_ cannot run with pipeline.overlap_backward: true and "
                 "parameters.offload: backward already updated partitions with the unclipped "
                 "gradients. Set pipeline.overlap_backward: false to clip by global norm")
-        return weights.clip_grad_norm_(max_norm, norm_type)
+        return weights.clip_grad_norm_(max_norm, norm_type,
+                                       error_if_nonfinite=error_if_nonfinite)
+
+    def clipped(self) -> bool:
+        """With parameters.offload: the coming step's gradients were clipped (by
+        tm.clip_grad_norm_, or torch's clip_grad_norm_ routed to it)."""
+        weights = self.offloaded.weights
+        return weights is not None and weights.clip_coef is not None
+
+    # -- what optim/clipping.py asks of a block with a parameter tier (clipping.Clipper)
+
+    def held(self, p: torch.Tensor) -> bool:
+        """p's gradient lives in this block's parameter tier."""
+        weights = self.offloaded.weights
+        return weights is not None and id(p) in weights.index
+
+    def with_grads(self) -> list[torch.Tensor]:
+        """The parameter tier's parameters that have a gradient for the coming step."""
+        weights = self.offloaded.weights
+        return [] if weights is None else [p for p in weights.params
+                                           if weights.has_gradient(p)]
 
     def param_stats(self) -> dict[str, int]:
         """The parameter tier's counters (fetches, prefetched, on_demand, out_of_order,
@@ -239,6 +265,7 @@ class Offload:
         """Stop updates during backward before any state moves; an error the worker hit that
         no step() raised is raised once the state is safe (or noted on the exit's own)."""
         pending = self.offloaded.end_overlap()
+        clipping.close_tier(self)
         try:
             weights, self.offloaded.weights = self.offloaded.weights, None
             failed = None

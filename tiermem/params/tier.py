@@ -1077,10 +1077,12 @@ class ParamTier:
         return i is not None and self.has_grad[i]
 
     @_locked
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the stored gradients by their global norm, as torch.nn.utils.clip_grad_norm_
         over model.parameters(): returns the total norm; the step applies the coefficient
-        as it reads each gradient."""
+        as it reads each gradient. error_if_nonfinite: raise torch's error, before any
+        coefficient is kept, where the norm is inf or nan."""
         if norm_type != 2.0:
             raise TierMemError(f"clip_grad_norm_ with parameters.offload computes the 2-norm "
                                f"as gradients stream; norm_type={norm_type} is not supported")
@@ -1091,6 +1093,11 @@ class ParamTier:
         if not norms:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` "
+                "is non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # a second clip before the step multiplies again, as torch's would
         self.clip_coef = coef if self.clip_coef is None else self.clip_coef * coef
