@@ -97,6 +97,9 @@ typedef struct adam_job {
     int amsgrad;
     int nt_out;               /* streaming stores for out (AVX-512 path only) */
     int pf;                   /* software prefetch (tm_adam_get_prefetch) */
+    /* Elements from this one on (relative to p) run torch's scalar-loop arithmetic
+     * (numeric.h, torch_tail) on the scalar path; INT64_MAX: none. */
+    int64_t tail_from;
     tm_adam_coef k;           /* the arithmetic's coefficients (numeric.h) */
 } adam_job;
 
@@ -663,6 +666,21 @@ static struct {
 } pool = {.call = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
           .work = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
 
+/* fn over elements [b, e) of job j, the ones from j->tail_from on with torch's
+ * scalar-loop arithmetic: at most 7 elements of a tensor, so the scalar path. */
+static void update_range(adam_fn fn, const adam_job *j, int64_t b, int64_t e)
+{
+    if (j->tail_from >= e) {
+        fn(j, b, e);
+        return;
+    }
+    if (b < j->tail_from)
+        fn(j, b, j->tail_from);
+    adam_job c = *j;
+    c.k.torch_tail = 1;
+    adam_scalar(&c, b > j->tail_from ? b : j->tail_from, e);
+}
+
 /* Take chunks until none are left: a thread slowed by other work on its core
  * simply takes fewer of them. */
 static void run_runs(adam_task *t);
@@ -681,13 +699,13 @@ static void run_chunks(adam_task *t)
         int64_t b = k * t->chunk;
         int64_t e = b + t->chunk < t->n ? b + t->chunk : t->n;
         if (!t->crc_mask) {
-            t->fn(t->job, b, e);
+            update_range(t->fn, t->job, b, e);
             continue;
         }
         /* piece by piece, each hashed right after its update, while it is in cache */
         for (int64_t pb = b; pb < e; pb += TM_ADAM_CHUNK) {
             int64_t pe = pb + TM_ADAM_CHUNK < e ? pb + TM_ADAM_CHUNK : e;
-            t->fn(t->job, pb, pe);
+            update_range(t->fn, t->job, pb, pe);
             hash_chunk(t, pb / TM_ADAM_CHUNK, pb, pe);
         }
     }
@@ -708,7 +726,7 @@ static void run_runs(adam_task *t)
             r++;
         int64_t b = (k - t->starts[r]) * t->chunk;
         int64_t e = b + t->chunk < t->lens[r] ? b + t->chunk : t->lens[r];
-        t->fn(&t->jobs[r], b, e);
+        update_range(t->fn, &t->jobs[r], b, e);
     }
 }
 
@@ -864,7 +882,7 @@ static void run_task(adam_task *t, int64_t n, int nthreads)
         if (t->crc_mask || t->nruns)
             run_chunks(t);  /* chunk by chunk: each is hashed while in cache */
         else
-            t->fn(t->job, 0, n);
+            update_range(t->fn, t->job, 0, n);
         return;
     }
 #ifdef _OPENMP
@@ -918,6 +936,8 @@ static void advance(adam_job *j, int64_t k)
     j->g = (const char *)j->g + k * (j->g_dtype == DT_F32 ? 4 : 2);
     if (j->out)
         j->out = (char *)j->out + k * 2;
+    if (j->tail_from != INT64_MAX)
+        j->tail_from = j->tail_from > k ? j->tail_from - k : 0;
 }
 
 /* Stream the low-precision copy past the caches once the pass moves more than an
@@ -943,7 +963,8 @@ int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq
 {
     return tm_adam_step_crc(p, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, grad_dtype, out,
                             out_dtype, n, lr, beta1, beta2, eps, weight_decay, step, amsgrad,
-                            maximize, decoupled, state_mode, seed, index0, nthreads, 0, NULL);
+                            maximize, decoupled, state_mode, seed, index0, nthreads, 0, NULL,
+                            0);
 }
 
 int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
@@ -951,9 +972,9 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
                      double lr, double beta1, double beta2, double eps, double weight_decay,
                      double step, int amsgrad, int maximize, int decoupled, int state_mode,
                      uint64_t seed, uint64_t index0, int nthreads, int crc_mask,
-                     uint32_t *crcs)
+                     uint32_t *crcs, int64_t tail_len)
 {
-    if (n < 0 || grad_dtype < DT_F32 || grad_dtype > DT_F16)
+    if (n < 0 || grad_dtype < DT_F32 || grad_dtype > DT_F16 || tail_len < 0 || tail_len > n)
         return -EINVAL;
     if (crc_mask < 0 || crc_mask > 15 || (crc_mask && !crcs) ||
         ((crc_mask & TM_CRC_VMAX) && !amsgrad))
@@ -976,6 +997,7 @@ int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_av
         .p = p, .m = exp_avg, .v = exp_avg_sq, .vmax = amsgrad ? max_exp_avg_sq : NULL,
         .g = grad, .out = out, .g_dtype = grad_dtype, .out_dtype = out_dtype,
         .s_mode = state_mode, .amsgrad = !!amsgrad,
+        .tail_from = tail_len ? n - tail_len : INT64_MAX,
         .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
     };
     j.nt_out = stream_out(n, grad_dtype, amsgrad, state_mode, out);
@@ -1031,7 +1053,8 @@ int tm_adam_step_runs(const tm_adam_run *runs, int nruns, double lr, double beta
         return -EINVAL;
     for (int r = 0; r < nruns; r++) {
         const tm_adam_run *u = &runs[r];
-        if (u->n < 0 || u->grad_dtype < DT_F32 || u->grad_dtype > DT_F16 || u->step < 1)
+        if (u->n < 0 || u->grad_dtype < DT_F32 || u->grad_dtype > DT_F16 || u->step < 1 ||
+            u->tail_len < 0 || u->tail_len > u->n)
             return -EINVAL;
         if (u->out && u->out_dtype != DT_BF16 && u->out_dtype != DT_F16)
             return -EINVAL;
@@ -1066,6 +1089,7 @@ int tm_adam_step_runs(const tm_adam_run *runs, int nruns, double lr, double beta
             .amsgrad = !!amsgrad,
             .nt_out = stream_out(u->n, u->grad_dtype, amsgrad, ST_F32, u->out),
             .pf = pf,
+            .tail_from = u->tail_len ? u->n - u->tail_len : INT64_MAX,
             .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, u->step, maximize,
                                    decoupled),
         };

@@ -136,6 +136,11 @@ typedef struct tm_adam_coef {
     int maximize;
     int wd_mode;              /* 0 none, 1 L2 (Adam), 2 decoupled (AdamW) */
     int small;                /* |1 - beta1| < 0.5: lerp from m, else from g */
+    /* 1: exp_avg_sq as torch's fused CPU kernel computes it in its scalar loop (the last
+     * numel % 8 elements of a tensor it steps): v * beta2 fused onto the rounded
+     * (1 - beta2) * g * g, where its vector loop, and ours everywhere else, round v * beta2
+     * and fuse the second product (adam.c's tail_from says where; set there). */
+    int torch_tail;
     float wd, decay, c1, c1m1, b2, c2, bc2s, eps, nss;
 } tm_adam_coef;
 
@@ -169,6 +174,10 @@ tm_moments1(const tm_adam_coef *c, float *g, float *p, float *m, float *v)
     float d = *g - *m;
     *m = c->small ? fmaf(c->c1, d, *m) : fmaf(c->c1m1, d, *g);
     float cg = c->c2 * *g;
+    if (c->torch_tail) {
+        *v = fmaf(*v, c->b2, cg * *g);
+        return;
+    }
     float vb = *v * c->b2;
     *v = fmaf(cg, *g, vb);
 }

@@ -95,13 +95,15 @@ int tm_adam_step(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq
 /* tm_adam_step, also returning in crcs[0..3] the CRC32C of the bytes it wrote to
  * p, exp_avg, exp_avg_sq, max_exp_avg_sq (those whose bit 1, 2, 4, 8 is set in
  * crc_mask; the others are left alone). Each chunk is hashed right after it
- * was updated, on the thread that updated it. */
+ * was updated, on the thread that updated it. The last tail_len elements (0: none)
+ * take the arithmetic of torch's fused CPU kernel's scalar loop, which it runs over
+ * the last numel % 8 elements of each tensor it steps (numeric.h, torch_tail). */
 int tm_adam_step_crc(float *p, void *exp_avg, void *exp_avg_sq, void *max_exp_avg_sq,
                      const void *grad, int grad_dtype, void *out, int out_dtype, int64_t n,
                      double lr, double beta1, double beta2, double eps, double weight_decay,
                      double step, int amsgrad, int maximize, int decoupled, int state_mode,
                      uint64_t seed, uint64_t index0, int nthreads, int crc_mask,
-                     uint32_t *crcs);
+                     uint32_t *crcs, int64_t tail_len);
 
 /* One run of tm_adam_step_runs: what tm_adam_step takes per call (fp32 moments). */
 typedef struct tm_adam_run {
@@ -112,6 +114,7 @@ typedef struct tm_adam_run {
     int64_t n;
     double step;
     int grad_dtype, out_dtype;
+    int64_t tail_len;  /* as tm_adam_step_crc's: the last elements in torch's scalar loop */
 } tm_adam_run;
 
 /* tm_adam_step (state_mode 0: fp32 moments, no CRCs) on each of nruns runs, in one

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiermem
+from tiermem.kernels.native_adam import torch_tail_width
 from tiermem.partition import build_partitions
 
 from offload_helpers import (Synthetic, assert_same_tensor, available_backends,
@@ -68,9 +69,15 @@ OPTIMIZERS = {
     "adamw-loop-fused-vs-unfused": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01,
                                                             foreach=False),
                                     "fused", {}, False),
-    # auto (the default) runs the native kernel on these CPU models: within 1e-6 of fused
+    # auto (the default) runs the native kernel on these CPU models: bitwise fused where
+    # the native kernel knows torch's scalar tail (kernels.native_adam.torch_tail_width),
+    # else within 1e-6
     "adamw-auto-vs-fused": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01), "auto",
-                            dict(fused=True), False),
+                            dict(fused=True), torch_tail_width() >= 0),
+    "adam-amsgrad-maximize-auto-vs-fused": (torch.optim.Adam,
+                                            dict(lr=1e-2, weight_decay=0.02, amsgrad=True,
+                                                 maximize=True), "auto", dict(fused=True),
+                                            torch_tail_width() >= 0),
     "adam-amsgrad-maximize-auto-vs-unfused": (torch.optim.Adam,
                                               dict(lr=1e-2, weight_decay=0.02, amsgrad=True,
                                                    maximize=True), "auto", {}, False),

@@ -159,7 +159,7 @@ class OptimizerSettings:
         "tiermem's native SGD/Adagrad where it equals that bitwise); fused: torch's fused "
         "kernel on each partition; match: "
         "the same implementation the wrapped optimizer would run (bitwise parity); native: "
-        "tiermem's SIMD kernel (native/adam.c, within 1e-6 of fused).", default="auto")
+        "tiermem's SIMD kernel (native/adam.c, bitwise fused where it knows torch's scalar tail, else within 1e-6).", default="auto")
     state_dtype: Literal["fp32", "bf16", "int8"] = doc(
         "Storage of exp_avg, exp_avg_sq (and max_exp_avg_sq): bf16 keeps 2 bytes per "
         "moment instead of 4, int8 1 byte plus an fp32 scale per 256 (blockwise 8-bit codes; "

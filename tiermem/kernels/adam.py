@@ -5,7 +5,10 @@ signature, picked by `adam_update(kernel=...)`. Tensors come as lists of
 segment views: fp32 parameters (the model's own, or master copies in the
 record), gradients of the same dtype and device, and the state views. `steps`
 hold each segment's step count *after* this step's increment; several
-segments of one parameter share one step tensor.
+segments of one parameter share one step tensor. `torch_tails` gives, per segment, how
+many of its last elements torch's fused kernel would run in its scalar loop
+(kernels.native_adam.tail_len): the native kernel gives them that loop's arithmetic;
+torch's own kernels have their own and ignore it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def adam_fused(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                decoupled_weight_decay: bool, weights_out: list[Tensor | None] | None = None,
                checksums: Sequence[str] = (), rounding: str | None = None,
                seeds: list[int] | None = None, offsets: list[int] | None = None,
-               num_threads: int | None = None) -> None:
+               num_threads: int | None = None, torch_tails: list[int] | None = None) -> None:
     """torch's fused Adam kernel (one pass per tensor, vectorised, threaded on torch's
     thread count: num_threads sizes tiermem's native pass only)."""
     _refuse_in_pass("fused", weights_out, checksums, rounding)
@@ -55,7 +58,8 @@ def _torch_impl(impl: Callable) -> Callable:
             amsgrad: bool, maximize: bool, decoupled_weight_decay: bool,
             weights_out: list[Tensor | None] | None = None, checksums: Sequence[str] = (),
             rounding: str | None = None, seeds: list[int] | None = None,
-            offsets: list[int] | None = None, num_threads: int | None = None) -> None:
+            offsets: list[int] | None = None, num_threads: int | None = None,
+            torch_tails: list[int] | None = None) -> None:
         # (num_threads sizes tiermem's native pass; torch's loops run on torch's count)
         _refuse_in_pass(impl.__name__, weights_out, checksums, rounding)
         # torch's own loops increment the steps they are given: hand them
@@ -81,10 +85,12 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                 decoupled_weight_decay: bool, weights_out: list[Tensor | None] | None = None,
                 checksums: Sequence[str] = (), rounding: str | None = None,
                 seeds: list[int] | None = None, offsets: list[int] | None = None,
-                num_threads: int | None = None) -> list[dict[str, int]] | None:
-    """tiermem's own C kernel (tiermem.kernels.native_adam): torch fused's update (within
-    1e-6 relative) in one SIMD pass per contiguous run, on CPU tensors; grads may also be
-    bf16 or fp16.
+                num_threads: int | None = None,
+                torch_tails: list[int] | None = None) -> list[dict[str, int]] | None:
+    """tiermem's own C kernel (tiermem.kernels.native_adam): torch fused's update (bit for
+    bit where torch_tails says where torch's scalar loop runs and its vector loop is 8
+    wide, else within 1e-6 relative) in one SIMD pass per contiguous run, on CPU tensors;
+    grads may also be bf16 or fp16.
 
     In the same pass it can also (the in-pass options, which only this kernel has) write
     each segment's low-precision model weights (weights_out[i], rounded to nearest even
@@ -106,7 +112,8 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                          steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                          decoupled_weight_decay=decoupled_weight_decay,
-                         weights_out=weights_out, num_threads=num_threads)
+                         weights_out=weights_out, num_threads=num_threads,
+                         torch_tails=torch_tails)
         return None
     rounded = {} if rounding is None else {"rounding": rounding}
     out = []
@@ -119,7 +126,8 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
             weight_out=weights_out[i] if weights_out is not None else None, step=steps[i],
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-            checksums=checksums, num_threads=num_threads, **rounded))
+            checksums=checksums, num_threads=num_threads,
+            torch_tail=torch_tails[i] if torch_tails is not None else 0, **rounded))
     return out
 
 

@@ -2,13 +2,14 @@
 
 One fused pass per call reads the gradient (fp32, bf16 or fp16, upcast in registers),
 updates the fp32 parameters and moments in place, and can write a bf16 or fp16 copy of
-the updated parameters (round to nearest even) in the same pass. It follows torch's fused
-CPU AdamW (`torch.optim.AdamW(fused=True)`) to within 1e-6 relative (1e-7 absolute), the
-tolerance tests/test_native_adam.py holds it to over 100 steps: torch's own vectorisation
-may contract operations differently on another CPU (on the AVX-512 machine it was
-measured on the two agree bitwise but in the last numel % 8 elements of a parameter,
-which torch's fused kernel updates in a scalar loop: docs/guide/numerics.md). Its AVX-512, AVX2 and scalar paths give bitwise the
-same results as each other.
+the updated parameters (round to nearest even) in the same pass. It equals torch's fused
+CPU AdamW (`torch.optim.AdamW(fused=True)`) bit for bit: torch's kernel updates the last
+numel % 8 elements of each tensor in a scalar loop that rounds exp_avg_sq another way,
+and this kernel gives the elements its callers name (torch_tails, from tail_len) that
+loop's arithmetic (torch_tail_width: the width, measured once). Where a torch build's
+fused kernel does something else, it stays within 1e-6 relative (1e-7 absolute), the
+tolerance tests/test_native_adam.py holds it to over 100 steps. Its AVX-512, AVX2 and
+scalar paths give bitwise the same results as each other.
 
 - `adam_native(...)`: the update part of tiermem.kernels.adam's kernel signature (the
   dispatcher's "native" kernel calls it) with its weights out: gradients may be fp32,
@@ -165,7 +166,7 @@ def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
                      amsgrad: bool = False, maximize: bool = False,
                      decoupled_weight_decay: bool = True, rounding: str = "nearest",
                      seed: int = 0, offset: int = 0, num_threads: int | None = None,
-                     checksums: Sequence[str] = ()) -> dict[str, int]:
+                     checksums: Sequence[str] = (), torch_tail: int = 0) -> dict[str, int]:
     """One Adam/AdamW step on one contiguous run, in one pass.
 
     master: fp32, updated in place. exp_avg, exp_avg_sq (and max_exp_avg_sq with
@@ -180,7 +181,10 @@ def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
 
     checksums: names among "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"; returns
     {name: CRC32C of that tensor's bytes after the update}, computed in the same pass
-    (empty without checksums)."""
+    (empty without checksums).
+
+    torch_tail: the last elements that take torch's fused kernel's scalar-loop arithmetic
+    (tail_len: where the run ends a parameter)."""
     _apply_env()
     n = master.numel()
     check_tensor(master, "master", (torch.float32,), n)
@@ -205,7 +209,7 @@ def adam_fused_mixed(*, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
     crcs = _run(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None,
                 weight_out, n, float(step), float(lr), beta1, beta2, eps, weight_decay,
                 amsgrad, maximize, decoupled_weight_decay, num_threads, mode, seed, offset,
-                crc_mask=mask)
+                crc_mask=mask, tail_len=_checked_tail(torch_tail, n))
     return {name: crcs[bit.bit_length() - 1] for name, bit in CRC_ARRAYS.items()
             if mask & bit}
 
@@ -226,7 +230,7 @@ def _run(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, out: T
          n: int, step: float, lr: float, beta1: float, beta2: float, eps: float,
          weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
          num_threads: int | None, state_mode: int = 0, seed: int = 0,
-         offset: int = 0, crc_mask: int = 0) -> list[int]:
+         offset: int = 0, crc_mask: int = 0, tail_len: int = 0) -> list[int]:
     """Run the kernel; the CRC32C of each array in crc_mask (p, m, v, vmax) comes back."""
     if n == 0:
         return [0, 0, 0, 0]
@@ -240,10 +244,69 @@ def _run(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, out: T
         OUT_DTYPES[out.dtype] if out is not None else 0, n, lr, float(beta1),
         float(beta2), float(eps), float(weight_decay), step, int(amsgrad), int(maximize),
         int(decoupled), state_mode, seed, offset, native_threads(num_threads), crc_mask,
-        crcs if crc_mask else ffi.NULL)
+        crcs if crc_mask else ffi.NULL, tail_len)
     if rc != 0:
         raise RuntimeError(f"tm_adam_step failed: {os.strerror(-rc)}")
     return list(crcs)
+
+
+_TAIL_WIDTH: int | None = None  # torch_tail_width(), once measured
+
+
+def torch_tail_width() -> int:
+    """How many elements wide the vector loop of torch's fused CPU Adam kernel is: it runs
+    the last numel % width elements of each tensor it steps in a scalar loop, which
+    rounds exp_avg_sq differently from its vector loop (native/numeric.h, torch_tail), so
+    the native kernel gives those elements the scalar loop's arithmetic to stay bitwise
+    equal to AdamW(fused=True). Measured once, by which width makes the native kernel
+    equal torch._fused_adam_ bit for bit on a few small tensors: 8 with torch's AVX2
+    build of that kernel (which x86 CPUs run, AVX-512 ones too); 0 when no tail needs
+    other arithmetic; -1 when no width tried matches (the native kernel then keeps its
+    own arithmetic everywhere, within 1e-6 relative of torch's)."""
+    global _TAIL_WIDTH
+    if _TAIL_WIDTH is None:
+        _TAIL_WIDTH = _probe_tail_width()
+    return _TAIL_WIDTH
+
+
+def _probe_tail_width() -> int:
+    gen = torch.Generator().manual_seed(0)
+    rows, n = 6, 4 * 16 + 15  # every width tried leaves 7..15 elements to its scalar loop
+    start = [torch.randn(rows, n, generator=gen), torch.randn(rows, n, generator=gen) * 0.01,
+             torch.rand(rows, n, generator=gen) * 0.01]
+    grads = [torch.randn(rows, n, generator=gen) for _ in range(3)]
+    want = [t.clone() for t in start]
+    for k, g in enumerate(grads, start=1):
+        torch._fused_adam_(*(list(t.unbind(0)) for t in (want[0], g, want[1], want[2])), [],
+                           [torch.tensor(float(k))] * rows, lr=0.01, beta1=0.9, beta2=0.999,
+                           weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    for width in (0, 8, 16):
+        got = [t.clone() for t in start]
+        for k, g in enumerate(grads, start=1):
+            for r in range(rows):
+                _run(got[0][r], g[r], got[1][r], got[2][r], None, None, n, float(k), 0.01, 0.9,
+                     0.999, 1e-8, 0.01, False, False, False, 1,
+                     tail_len=n % width if width else 0)
+        if all(torch.equal(a, b) for a, b in zip(got, want)):
+            return width
+    return -1
+
+
+def tail_len(numel: int, start: int, n: int) -> int:
+    """Of the n elements from element `start` of a tensor of `numel` elements (a segment of
+    a parameter, or of a rank's share that torch's optimizer steps as one tensor), how many
+    at the end are in torch's fused kernel's scalar loop: its last numel %
+    torch_tail_width() elements. (Those are always the segment's last ones.)"""
+    width = torch_tail_width()
+    if width <= 0 or start + n > numel:
+        return 0
+    return max(0, start + n - max(start, numel - numel % width))
+
+
+def _checked_tail(tail: int, n: int) -> int:
+    if not isinstance(tail, int) or isinstance(tail, bool) or not 0 <= tail <= n:
+        raise ValueError(f"torch tail: expected 0..{n} elements, got {tail!r}")
+    return tail
 
 
 def _next_to(a: Tensor, b: Tensor) -> bool:
@@ -257,7 +320,8 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                 weight_decay: float, amsgrad: bool, maximize: bool,
                 decoupled_weight_decay: bool,
                 weights_out: Sequence[Tensor | None] | None = None,
-                num_threads: int | None = None) -> None:
+                num_threads: int | None = None,
+                torch_tails: Sequence[int] | None = None) -> None:
     """tiermem's native kernel (native/adam.c): one pass per contiguous run, SIMD, threaded
     (num_threads, else torch's count).
 
@@ -266,7 +330,9 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     params[i] rounded to nearest even (a bf16 model's weights beside its fp32 masters).
     Segments that lie end to end in every list (and share a step count, a grad dtype and
     a weight-out dtype) make one run, and every run goes to the C kernel in one call
-    (tm_adam_step_runs when there are several): the same bits as one call per segment."""
+    (tm_adam_step_runs when there are several): the same bits as one call per segment.
+    torch_tails: per segment, its last elements that take torch's fused kernel's
+    scalar-loop arithmetic (tail_len; None: none)."""
     _apply_env()
     k = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
@@ -278,10 +344,14 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     outs = list(weights_out) if weights_out is not None else [None] * k
     if len(outs) != k:
         raise ValueError(f"weights_out: {len(outs)} tensors for {k} params")
+    tails = list(torch_tails) if torch_tails is not None else [0] * k
+    if len(tails) != k:
+        raise ValueError(f"torch_tails: {len(tails)} entries for {k} params")
     lr = float(lr)
     for i in range(k):
         n = _check_segment(i, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, outs, amsgrad)
         check_tensor(grads[i], f"grads[{i}]", tuple(GRAD_DTYPES), n)
+        tails[i] = _checked_tail(tails[i], n)
     step_values = _step_counts(steps)
     # the moments first: segments of two records (host records updated together) are
     # never end to end there, so the check stops at the first array
@@ -290,12 +360,12 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     i = 0
     while i < k:
         j = i + 1  # extend the run [i, j) while every list continues end to end
-        while (j < k and step_values[j] == step_values[i]
+        while (j < k and step_values[j] == step_values[i] and not tails[j - 1]
                and grads[j].dtype == grads[i].dtype
                and all(_next_to(lst[j - 1], lst[j]) for lst in arrays)
                and _outs_continue(outs[j - 1], outs[j])):
             j += 1
-        runs.append((i, sum(params[t].numel() for t in range(i, j))))
+        runs.append((i, sum(params[t].numel() for t in range(i, j)), tails[j - 1]))
         i = j
     _run_all(runs, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None,
              outs, step_values, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
@@ -328,30 +398,31 @@ def _step_counts(steps: Sequence[float | Tensor]) -> list[float]:
     return counts
 
 
-def _run_all(runs: list[tuple[int, int]], params: list[Tensor], grads: list[Tensor],
+def _run_all(runs: list[tuple[int, int, int]], params: list[Tensor], grads: list[Tensor],
              exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
              max_exp_avg_sqs: list[Tensor] | None, outs: list[Tensor | None],
              step_values: list[float], lr: float, beta1: float, beta2: float, eps: float,
              weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool,
              num_threads: int | None = None) -> None:
-    """One C call for `runs` ((first segment, elements) each; the arrays continue end to
-    end from that segment's tensors), checked by adam_native."""
+    """One C call for `runs` ((first segment, elements, torch tail) each; the arrays
+    continue end to end from that segment's tensors), checked by adam_native."""
     if not runs:
         return
     if len(runs) == 1:
-        (i, n), = runs
+        (i, n, tail), = runs
         _run(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
              max_exp_avg_sqs[i] if amsgrad else None, outs[i], n, step_values[i], lr, beta1,
-             beta2, eps, weight_decay, amsgrad, maximize, decoupled, num_threads)
+             beta2, eps, weight_decay, amsgrad, maximize, decoupled, num_threads,
+             tail_len=tail)
         return
     # Several runs go to the kernel in one call, whose threads take chunks across them:
     # one call per run would wait for its slowest thread each time and pay the Python
     # and the argument checks of a call in between.
     spec = ffi.new("tm_adam_run[]", len(runs))
-    for r, (i, n) in zip(spec, runs):
+    for r, (i, n, tail) in zip(spec, runs):
         _fill_run(r, i, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, outs, amsgrad)
         r.grad, r.grad_dtype = _ptr(grads[i], "void *"), GRAD_DTYPES[grads[i].dtype]
-        r.n, r.step = n, step_values[i]
+        r.n, r.step, r.tail_len = n, step_values[i], tail
     _step_runs(spec, len(runs), lr, beta1, beta2, eps, weight_decay, amsgrad, maximize,
                decoupled, num_threads)
 
@@ -421,6 +492,7 @@ class AdamRunTable:
             _fill_run(r, i, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, weights_out,
                       amsgrad)
             r.n = n
+            r.tail_len = tail_len(self._grad_numels[slot], start, n)
         self._n = k
         self._addr: list[tuple[int, int, int]] = []  # the gradients step() last pointed at
         # the memory the table points into stays allocated as long as the table lives

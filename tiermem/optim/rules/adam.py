@@ -27,7 +27,7 @@ import torch
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update
 from tiermem.kernels.lowbit import CRC_ARRAYS, lowbit_update
-from tiermem.kernels.native_adam import AdamRunTable, state_seed
+from tiermem.kernels.native_adam import AdamRunTable, state_seed, tail_len
 from tiermem.optim.rules.base import (Batch, PreparedUpdate, UpdateRule, Views,
                                       check_group_tensors)
 from tiermem.partition import QUANT_BLOCK, Partition, state_kinds
@@ -135,7 +135,11 @@ class AdamRule(UpdateRule):
         group = batch.group
         if self.lowbit(batch.params):
             return self._update_lowbit(batch)
-        rounding = {}
+        rounding: dict[str, Any] = {}
+        if self.state_dtype == "fp32":
+            # where the plain fused optimizer's scalar loop runs: the native kernel matches it
+            rounding["torch_tails"] = [tail_len(s.param.numel(), s.start, s.length)
+                                       for s in batch.segments]
         if self.state_dtype == "bf16":
             # Stochastic rounding draws the bits of stream (step, partition) at each
             # element's position in the record, so a rerun, or another cut of the same
