@@ -1095,10 +1095,10 @@ class OffloadedOptimizer:
             self.steps[i] = 0.0
             self.scalars[i] = {}
         self._next_scalars.clear()
-        if self.weights is not None and any("master" in part.kinds or "weight" in part.kinds
-                                            for part in self.parts):
-            # a master missing from the checkpoint (and a record's copy of the weights) is
-            # taken from the model's weights
+        if self.weights is not None and any(k in part.kinds for part in self.parts
+                                            for k in ("master", "weight", "kahan")):
+            # a master missing from the checkpoint, a record's copy of the weights and a
+            # Kahan term (the master less the weight) are taken from the model's weights
             with self.weights.materialised(self.params):
                 self._import(state)
         else:
