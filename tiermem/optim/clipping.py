@@ -35,8 +35,7 @@ import torch.nn.utils.clip_grad as _clip_grad_module
 
 from tiermem.errors import TierMemError
 
-NAMES = ("clip_grad_norm_", "clip_grad_value_")
-MODULES = (torch.nn.utils, _clip_grad_module)
+MODULES = (torch.nn.utils, _clip_grad_module)  # torch.nn.utils re-exports clip_grad's
 
 
 class Clipper(Protocol):
