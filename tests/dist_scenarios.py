@@ -680,6 +680,9 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "fp32-kahan": lambda r, d: int8_parity(r, world, d, "kahan", moments="fp32"),
         "bf16-none-stochastic": lambda r, d: int8_parity(r, world, d, "none", "stochastic",
                                                          "bf16"),
+        # bf16 moments beside an fp32 model (native/adam.c's pass): the same streams
+        "bf16-fp32-stochastic": lambda r, d: int8_parity(r, world, d, "fp32", "stochastic",
+                                                         "bf16"),
         "resume-one-step-apart": lambda r, d: resume_one_step_apart(r, world, d),
         "placeholders": lambda r, d: placeholders(r, world, d),
         "kept-guard": lambda r, d: kept_guard(r, world, d),

@@ -460,13 +460,11 @@ class ReferenceBf16Adam:
                                                    else ()))} for p in self.params]
         parts = build_partitions([{"params": self.params, "amsgrad": hp["amsgrad"]}], {},
                                  partition_size, state_dtype="bf16")
-        # per param: (start, length, partition id, offset in the record)
+        # per param: (start, length) of each segment (the bits do not depend on the cut)
         self.segments = [[] for _ in self.params]
         for part in parts:
-            off = 0
             for s in part.segments:
-                self.segments[s.index].append((s.start, s.length, part.id, off))
-                off += s.length
+                self.segments[s.index].append((s.start, s.length))
 
     def step(self):
         for i, p in enumerate(self.params):
@@ -475,14 +473,14 @@ class ReferenceBf16Adam:
             self.steps[i] += 1
             grad = p.grad.reshape(-1)
             st = self.state[i]
-            for start, length, pid, off in self.segments[i]:
+            for start, length in self.segments[i]:
                 sl = slice(start, start + length)
                 reference_step(p=self.master[i][sl], grad=grad[sl], m=st["exp_avg"][sl],
                                v=st["exp_avg_sq"][sl],
                                vmax=st["max_exp_avg_sq"][sl] if self.hp["amsgrad"] else None,
                                step=self.steps[i], rounding=self.rounding,
-                               seed=na.state_seed(step=self.steps[i], partition=pid),
-                               offset=off, **self.hp)
+                               seed=na.state_seed(step=self.steps[i], partition=i),
+                               offset=start, **self.hp)
             with torch.no_grad():
                 p.copy_(self.master[i].view_as(p))
 
@@ -545,6 +543,33 @@ def test_offload_matches_reference(tmp_path, backend, case, rounding):
             assert_bitwise(st[k].reshape(-1), t.float(), f"param {i} {k}")
         if dtype != torch.float32:
             assert_bitwise(st["master_param"].reshape(-1), ref.master[i], f"param {i} master")
+
+
+@pytest.mark.parametrize("layout", [dict(partition_size="256KiB"),
+                                    dict(partition_size="64KiB", durability="crash_consistent"),
+                                    dict(partition_size="128KiB", host="128KiB")],
+                         ids=["256KiB", "crash-consistent", "128KiB-mixed"])
+def test_stochastic_bits_do_not_depend_on_the_layout(tmp_path, layout):
+    """bf16 moments draw the stream of (step, parameter) at the element's place in its
+    parameter: another partition_size, a crash-consistent record (which also keeps a
+    master, so it holds fewer elements) or another placement round every element the
+    way the reference does, whose segments are cut another way again."""
+    layout = dict(layout)
+    durability = layout.pop("durability", "scratch")
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    ref = ReferenceBf16Adam(ref_model.parameters(), hyper(lr=1e-2, weight_decay=0.05),
+                            rounding="stochastic", partition_size=64 << 10)
+    cfg = config(tmp_path, kernel="fused", **{"host": 0, **layout})
+    cfg["optimizer"].update(state_dtype="bf16", state_rounding="stochastic")
+    cfg["swap"]["durability"] = durability
+    batches = make_batches(model, 4)
+    with tiermem.offload(opt, cfg):
+        train(model, opt, batches)
+    train(ref_model, ref, batches)
+    for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+        assert_bitwise(p.detach(), q.detach(), f"param {i}")
 
 
 # -- 3. near fp32 AdamW after 100 steps ----------------------------------------------------------

@@ -699,7 +699,7 @@ class OffloadedOptimizer:
                                      host_grads=self.lanes.grads_on_host(part, stats)
                                      if route == "offload" else None)
 
-    def _origin(self, s: Segment) -> tuple[int, int]:
+    def origin(self, s: Segment) -> tuple[int, int]:
         """The user's parameter `s` is part of, and the element of it `s` starts at."""
         index, start = (self.origins[s.index] if s.index < len(self.origins)
                         else (s.index, 0))
@@ -763,7 +763,7 @@ class OffloadedOptimizer:
                 batch.grads.append(g)
                 batch.segments.append(s)
                 batch.offsets.append(sl.start)
-                batch.origins.append(self._origin(s))
+                batch.origins.append(self.origin(s))
                 self._gather_counts(batch, s)
                 updated.append(s.index)
                 for k, lst in batch.state.items():
@@ -874,7 +874,7 @@ class OffloadedOptimizer:
             batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
             batch.offsets.append(sl.start)
             batch.segments.append(s)
-            batch.origins.append(self._origin(s))
+            batch.origins.append(self.origin(s))
             for k, lst in batch.state.items():
                 lst.append(views[k][slices[k][n]])
             if fp32_model:

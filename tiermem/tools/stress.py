@@ -469,9 +469,9 @@ class Verifier:
                               params: list, steps: list, group: dict,
                               grads: dict[int, torch.Tensor]) -> None:
         """bf16 moments: the native kernel per segment, rounded and seeded as the pipeline
-        does (optimizer.state_rounding; the stream of (step, partition) at the element's
-        record position). params: per stepped segment, the record's master or a copy of
-        the fp32 weights, updated here."""
+        does (optimizer.state_rounding; the stream of (step, parameter) at the element's
+        position in its parameter). params: per stepped segment, the record's master or a
+        copy of the fp32 weights, updated here."""
         from tiermem.kernels.native_adam import adam_fused_mixed, state_seed
 
         opt = self.tm.offloaded.settings.optimizer
@@ -482,6 +482,7 @@ class Verifier:
             if n not in grads:
                 continue
             master, step, k = params[k], steps[k], k + 1
+            index, start = self.tm.offloaded.origin(s)
             adam_fused_mixed(
                 master=master,
                 grad=grads[n],
@@ -492,8 +493,8 @@ class Verifier:
                 weight_decay=group["weight_decay"], amsgrad=bool(group["amsgrad"]),
                 maximize=bool(group["maximize"]),
                 decoupled_weight_decay=bool(group.get("decoupled_weight_decay")),
-                rounding=opt.state_rounding, seed=state_seed(step=step, partition=part.id),
-                offset=sl.start)
+                rounding=opt.state_rounding, seed=state_seed(step=step, partition=index),
+                offset=start)
 
     def after(self, step: int) -> None:
         """Compare each sampled partition with its reference."""

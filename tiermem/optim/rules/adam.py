@@ -141,12 +141,14 @@ class AdamRule(UpdateRule):
             rounding["torch_tails"] = [tail_len(s.param.numel(), s.start, s.length)
                                        for s in batch.segments]
         if self.state_dtype == "bf16":
-            # Stochastic rounding draws the bits of stream (step, partition) at each
-            # element's position in the record, so a rerun, or another cut of the same
-            # partition into segments, rounds the same way.
-            rounding = dict(rounding=self.state_rounding, offsets=batch.offsets,
-                            seeds=[state_seed(step=s, partition=batch.part.id)
-                                   for s in batch.steps])
+            # Stochastic rounding draws the bits of stream (step, parameter) at each
+            # element's position in its parameter, as int8 moments do: the bits do not
+            # depend on the layout (partition_size, durability's master in the record, a
+            # rank's share), and a rerun rounds the same way.
+            rounding = dict(rounding=self.state_rounding,
+                            offsets=[start for _, start in batch.origins],
+                            seeds=[state_seed(step=s, partition=index)
+                                   for s, (index, _) in zip(batch.steps, batch.origins)])
         return adam_update(
             kernel=kernel, params=batch.params, grads=batch.grads,
             exp_avgs=batch.state["exp_avg"], exp_avg_sqs=batch.state["exp_avg_sq"],
