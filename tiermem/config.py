@@ -168,8 +168,8 @@ class OptimizerSettings:
         "docs/guide/numerics.md).", default="fp32")
     state_rounding: Literal["stochastic", "nearest"] = doc(
         "How bf16 or int8 state is rounded when stored: stochastic (unbiased, seeded by step "
-        "and partition for bf16, by step and parameter for int8) or nearest (even); ignored "
-        "with fp32 state.", default="stochastic")
+        "and parameter, at the element's place in it) or nearest (even); ignored with fp32 "
+        "state.", default="stochastic")
     master_weights: Literal["fp32", "kahan", "none"] = doc(
         "What a bf16 or fp16 parameter's record keeps of its weight: fp32 (a master copy), "
         "kahan (a compensation term in the parameter's dtype: the update runs on weight + "

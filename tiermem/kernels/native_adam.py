@@ -152,9 +152,11 @@ def _ptr(t: Tensor | None, ctype: str):
 
 
 def state_seed(*, step: int | float | Tensor, partition: int) -> int:
-    """The stochastic-rounding seed of one partition's update at one step count: every
-    step and partition draws a different stream, and a rerun draws the same one. The
-    kernel hashes it (splitmix64), so plain packing loses nothing."""
+    """The stochastic-rounding seed of one parameter's update at one step count (the
+    callers pass the user's parameter index as `partition`; the offset is the element's
+    place in that parameter): every step and parameter draws a different stream, and a
+    rerun draws the same one. The kernel hashes it (splitmix64), so plain packing loses
+    nothing."""
     step = int(step.item() if isinstance(step, Tensor) else step)
     return ((step << 32) ^ int(partition)) & U64
 
