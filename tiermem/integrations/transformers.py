@@ -66,10 +66,10 @@ class TiermemCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
                               **kwargs: Any) -> None:
         # With parameters.offload the gradients live in the parameter tier, not in p.grad.
-        # The Trainer clips through Accelerate, whose clip reads p.grad: it found none and
-        # scaled nothing (an Accelerate that calls torch.nn.utils.clip_grad_norm_ reaches
-        # the tier's clip instead: tiermem/optim/clipping.py). Clip once here, as the
-        # Trainer meant to; its logged grad_norm still reads what Accelerate found.
+        # The Trainer clips through Accelerator.clip_grad_norm_, which tiermem routes to
+        # the tier's clip (tiermem/optim/clipping.py). Should an Accelerate clip some other
+        # way, reading p.grad and finding none, nothing was clipped: clip once here, as
+        # the Trainer meant to (its logged grad_norm then reads what Accelerate found).
         tm = self.tm
         if (tm is not None and args.max_grad_norm and args.max_grad_norm > 0
                 and tm.offloaded.weights is not None and not tm.clipped()):

@@ -88,9 +88,9 @@ def adam_native(*, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                 num_threads: int | None = None,
                 torch_tails: list[int] | None = None) -> list[dict[str, int]] | None:
     """tiermem's own C kernel (tiermem.kernels.native_adam): torch fused's update (bit for
-    bit where torch_tails says where torch's scalar loop runs and its vector loop is 8
-    wide, else within 1e-6 relative) in one SIMD pass per contiguous run, on CPU tensors;
-    grads may also be bf16 or fp16.
+    bit, given torch_tails where torch_tail_width knows torch's scalar loop; else within
+    1e-6 relative) in one SIMD pass per contiguous run, on CPU tensors; grads may also be
+    bf16 or fp16.
 
     In the same pass it can also (the in-pass options, which only this kernel has) write
     each segment's low-precision model weights (weights_out[i], rounded to nearest even
