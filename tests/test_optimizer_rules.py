@@ -693,6 +693,48 @@ def test_values_kept_on_the_optimizer_carried_across_partitions(tmp_path, backen
     params_equal(model, ref, "SelfCounted")
 
 
+class GroupCounted(Stepped):
+    """Bias-corrected momentum counting its steps in each group, every step, whether or not
+    any parameter of the group has a gradient (as pytorch-optimizer's Lamb and Adan do)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p)
+                st["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                p.sub_(st["m"] / (1 - 0.9 ** group["step"]), alpha=group["lr"])
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap"])
+def test_a_group_without_gradients_still_counts_its_step(tmp_path, backend, overlap):
+    """The side branch, in a group of its own, has gradients only on steps 1 and 4 (and
+    an empty group none ever): the plain step counts in every group every step, and so
+    must the tiered one, though no partition of such a group is updated."""
+    def groups(m):
+        side = [m.side.weight, m.side.bias]
+        return [{"params": [p for p in m.parameters() if all(p is not q for q in side)]},
+                {"params": side, "lr": 2e-3}, {"params": []}]
+    model = small()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = GroupCounted(groups(model)), GroupCounted(groups(ref))
+    batches = make_batches(model, 6)
+    c = cfg(tmp_path, backend, "nvme")
+    c["pipeline"]["overlap_backward"] = overlap
+    with tiermem.offload(opt, c, model=model):
+        train(model, opt, batches)
+    train(ref, ref_opt, batches)
+    assert [g["step"] for g in opt.param_groups] == [g["step"] for g in ref_opt.param_groups]
+    params_equal(model, ref, "GroupCounted")
+    state_equal(opt.state_dict(), ref_opt.state_dict(), "GroupCounted")
+
+
 @pytest.mark.parametrize("cls, count", [(SelfCounted, lambda o: o.t),
                                         (GlobalStep, lambda o: o.state.get("global_step"))],
                          ids=["on-the-optimizer", "in-its-state"])

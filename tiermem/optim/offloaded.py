@@ -468,6 +468,7 @@ class OffloadedOptimizer:
                     self.weights.expect_step_order(s.param for part in order
                                                    for s in part.segments)
                 self.update(order, stats)
+                self.rule.end_step(self.opt.param_groups)
                 if self.weights is not None:
                     self.weights.step_done()
                 self.tiers.end_step(stats)

@@ -262,6 +262,7 @@ class BackwardOverlap:
                 nvme = [p for p in rest if p.tier == "nvme"]
                 for part in rest:
                     self._process(part, nvme[nvme.index(part):] if part in nvme else nvme)
+                off.rule.end_step(off.opt.param_groups)
                 if off.weights is not None:
                     off.weights.step_done()
                 self._close_round(stats)

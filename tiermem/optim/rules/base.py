@@ -152,6 +152,11 @@ class UpdateRule(ABC):
         """A step starts (before any partition of it is updated). closure: the user passed
         step() one, which tiermem has evaluated: this one returns its loss."""
 
+    def end_step(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Every partition of the step is updated: move what the plain step moves even for a
+        group none of whose parameters has a gradient (no partition of it was updated), as
+        a count kept in the group."""
+
     def check_closure(self) -> None:
         """The user passes step() a closure, which tiermem evaluates once, before any
         partition: raise UnsupportedOptimizer if that is not what the optimizer's own step

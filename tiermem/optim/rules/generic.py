@@ -628,6 +628,22 @@ class ShadowRule(UpdateRule):
         self._own_before = own_values(self.opt)
         self._own_after = None
 
+    def end_step(self, groups) -> None:
+        # The plain step goes through every group, and some optimizers count steps in the
+        # group whether or not any parameter has a gradient (pytorch-optimizer's Lamb and
+        # Adan: group['step'] += 1). A group no partition of this step updated (none of its
+        # parameters has a gradient, or it has none) steps as a shadow with no parameters:
+        # its values move as the plain step would move them.
+        for g, group in enumerate(groups):
+            if g in self._after:
+                continue
+            before = self._before[g] if g < len(self._before) else {
+                k: v for k, v in group.items() if k != "params"}
+            sh = self._shadow({k: _copy(v) for k, v in before.items()}, [], self._own_before)
+            self._run(sh, f"param_groups[{g}], none of whose parameters has a gradient",
+                      self._closure)
+            self._settle(g, group, before, sh)
+
     def undo_step_values(self) -> None:
         for g, before in enumerate(self._before):
             if g < len(self.opt.param_groups):
@@ -788,16 +804,22 @@ class ShadowRule(UpdateRule):
             kept = [[k, list(o)] for k, o in orders.items() if o is not None]
             if kept:  # (a manifest keeps it as it keeps the scalars)
                 batch.scalars[j][ORDER_KEY] = kept
+        self._settle(part.group, group, before, sh)
+
+    def _settle(self, g: int, group: dict[str, Any], before: dict[str, Any],
+                sh: torch.optim.Optimizer) -> None:
+        """Group `g`'s values (and the optimizer's own) as shadow `sh` left them, set on the
+        group by the first shadow of the step; every other must leave the same."""
         self._carry_own_values(sh)
         after = {k: v for k, v in sh.param_groups[0].items() if k != "params"}
-        if part.group not in self._after:
-            self._after[part.group] = after
+        if g not in self._after:
+            self._after[g] = after
             for k, v in after.items():
                 if not _same(v, before.get(k)):
                     group[k] = v
-        elif not _same(after, self._after[part.group]):
+        elif not _same(after, self._after[g]):
             raise TierMemError(
-                f"param_groups[{part.group}]: {_name(type(self.opt))} changed the group's "
+                f"param_groups[{g}]: {_name(type(self.opt))} changed the group's "
                 "values differently for two partitions of one step: its step couples the "
                 "parameters of a group, so tiermem cannot run it")
 
