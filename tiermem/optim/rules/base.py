@@ -100,7 +100,7 @@ class UpdateRule(ABC):
     #: step (Adagrad): exported state includes parameters never stepped
     eager_state: ClassVar[bool] = False
     #: the kernel optimizer.kernel auto runs where the native one does not: Adam's torch
-    #: fused kernel (faster, bitwise fused on x86, else within 1e-6), the torch family's match (bitwise with plain)
+    #: fused kernel (faster, within 1e-6), the torch family's match (bitwise with plain)
     auto_kernel: ClassVar[str] = "fused"
 
     def scalar_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
