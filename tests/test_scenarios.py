@@ -5,7 +5,8 @@ Each test elsewhere holds one feature to the plain optimizer; this one draws the
 combinations, the way a user's run mixes them: torch's optimizers, third-party ones on
 the generic path and the default native Adam kernel; state on the host, on NVMe or both,
 one or two swap directories, both I/O backends, the pipeline's knobs, crash-consistent
-commits, updates during backward, the weights in the tiers; gradient accumulation,
+commits, updates during backward, the weights in the tiers, a device model's lanes (their
+CPU emulation) with either step_device; gradient accumulation,
 clipping, an lr scheduler, a changed learning rate, a param group added mid-run, and the
 run cut in two by a state_dict() handed to a new optimizer or by a resume from the state
 kept on disk. A scenario tiermem refuses with its error is fine; one it runs must end
@@ -18,14 +19,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import warnings
 import zlib
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiermem
+from tiermem.device.lanes import DeferredBackend
 from tiermem.errors import TierMemError
 from tiermem.optim.rules import UnsupportedOptimizer
 
@@ -77,7 +79,9 @@ def scenarios(draw):
         steps=steps, micro=draw(st.sampled_from([1, 2])), clip=draw(st.booleans()),
         sched=draw(st.booleans()), lr_change=draw(st.sampled_from([None, 1])),
         add_group=draw(st.sampled_from([None, 0, 1])),
-        cut=draw(st.sampled_from([None, 1, 2])), resume=draw(st.booleans()))
+        cut=draw(st.sampled_from([None, 1, 2])), resume=draw(st.booleans()),
+        # the model counts as a device one, its lanes emulated on the CPU (step_device)
+        lanes=draw(st.sampled_from([None, "cpu", "device"])))
     if sc["add_group"] is not None:
         sc["weights"] = "none"  # refused with the weights in the tiers (tested apart)
     return sc
@@ -140,7 +144,13 @@ def _config(tmp_path, sc) -> dict:
     c["swap"]["durability"] = "crash_consistent" if sc["crash"] else "scratch"
     c["pipeline"]["overlap_backward"] = sc["overlap"]
     c["parameters"] = {"offload": sc["weights"]}
+    if sc["lanes"]:
+        c["optimizer"]["step_device"] = sc["lanes"]
     return c
+
+
+def _streams(sc) -> dict:
+    return {"streams": DeferredBackend()} if sc["lanes"] else {}
 
 
 def _tiered(monkeypatch, sc, model, batches, optimizers, c):
@@ -150,21 +160,24 @@ def _tiered(monkeypatch, sc, model, batches, optimizers, c):
     if cut < sc["steps"] and sc["resume"]:  # the state kept on disk, then resumed
         c["swap"]["durability"] = "crash_consistent"
         monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
-        with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
-            with tiermem.offload(opt, c, model=model) as tm:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tiermem.offload(opt, c, model=model, **_streams(sc)) as tm:
                 _loop(model, opt, sched, batches, 0, cut, sc, tm)
+        assert any("stays on disk" in str(w.message) for w in caught)
         monkeypatch.undo()
         opt2, sched2 = _fresh(model, sc, cut, optimizers, opt, sched)
-        with tiermem.offload(opt2, c, model=model, resume=True) as tm:
+        with tiermem.offload(opt2, c, model=model, resume=True,
+                             **_streams(sc)) as tm:
             _loop(model, opt2, sched2, batches, cut, sc["steps"], sc, tm)
             return opt2.state_dict()
-    with tiermem.offload(opt, c, model=model) as tm:
+    with tiermem.offload(opt, c, model=model, **_streams(sc)) as tm:
         _loop(model, opt, sched, batches, 0, cut, sc, tm)
         sd = opt.state_dict()
     if cut == sc["steps"]:
         return sd
     opt2, sched2 = _fresh(model, sc, cut, optimizers, None, sched)  # load_state_dict sets lr
-    with tiermem.offload(opt2, c, model=model) as tm:
+    with tiermem.offload(opt2, c, model=model, **_streams(sc)) as tm:
         opt2.load_state_dict(sd)
         _loop(model, opt2, sched2, batches, cut, sc["steps"], sc, tm)
         return opt2.state_dict()
