@@ -119,7 +119,8 @@ class FsdpLayout:
         per-parameter scalars are agreed on (a rank whose shard of a parameter is empty has
         no state of its own for it). Arguments as ZeroLayout.gather_state's."""
         steps = self.coll.agreed_steps(len(self.params), shadow, "agreeing on step counts")
-        scalars = self.coll.agreed_scalars(scalars_of, shadow, "agreeing on step counts")
+        scalars = self.coll.agreed_scalars(scalars_of, shadow,
+                                           "agreeing on per-parameter scalars")
         out: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
             if steps[i] < 0 or (steps[i] == 0 and not eager):

@@ -341,7 +341,8 @@ class DistributedOffload(Offload):
         for v, st in shadow_state.items():
             # every rank holding a piece knows the parameter's step count, kept or not
             # (SGD keeps none in its state)
-            mine[by_view[id(v)]] = {**st, "step": st.get("step", self.offloaded.steps[at[id(v)]].clone())}
+            step = st.get("step", self.offloaded.steps[at[id(v)]].clone())
+            mine[by_view[id(v)]] = {**st, "step": step}
         scalar_keys = [list(self.rule.scalar_keys(g)) for g in self.opt.param_groups
                        for _ in g["params"]]
         whole = self.layout.gather_state(mine, self._kinds(model_dtype=model_dtype),

@@ -763,7 +763,6 @@ class OffloadedOptimizer:
                 batch.params.append(target)
                 batch.grads.append(g)
                 batch.segments.append(s)
-                batch.offsets.append(sl.start)
                 batch.origins.append(self.origin(s))
                 self._gather_counts(batch, s)
                 updated.append(s.index)
@@ -873,7 +872,6 @@ class OffloadedOptimizer:
             batch.grads.append(s.param.grad.reshape(-1)[s.start: s.start + s.length])
             batch.steps.append(self.steps[s.index])
             batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
-            batch.offsets.append(sl.start)
             batch.segments.append(s)
             batch.origins.append(self.origin(s))
             for k, lst in batch.state.items():

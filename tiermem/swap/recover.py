@@ -234,7 +234,8 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
 def _groups(m: Manifest) -> list[dict]:
     """The manifest's param groups as torch's state_dict holds them (betas a tuple: JSON
     kept it as a list)."""
-    return [{**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g) for g in m.groups]
+    return [{**g, "betas": tuple(g["betas"])} if isinstance(g.get("betas"), list) else dict(g)
+            for g in m.groups]
 
 
 def _refuse_unkept(run_dir: str, what: str, value: Any) -> Any:

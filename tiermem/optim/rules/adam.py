@@ -135,27 +135,27 @@ class AdamRule(UpdateRule):
         group = batch.group
         if self.lowbit(batch.params):
             return self._update_lowbit(batch)
-        rounding: dict[str, Any] = {}
-        if self.state_dtype == "fp32":
+        native: dict[str, Any] = {}  # what only the native kernel takes
+        if kernel == "native" and self.state_dtype == "fp32":
             # where the plain fused optimizer's scalar loop runs: the native kernel matches it
-            rounding["torch_tails"] = [tail_len(s.param.numel(), s.start, s.length)
-                                       for s in batch.segments]
+            native["torch_tails"] = [tail_len(s.param.numel(), s.start, s.length)
+                                     for s in batch.segments]
         if self.state_dtype == "bf16":
             # Stochastic rounding draws the bits of stream (step, parameter) at each
             # element's position in its parameter, as int8 moments do: the bits do not
             # depend on the layout (partition_size, durability's master in the record, a
             # rank's share), and a rerun rounds the same way.
-            rounding = dict(rounding=self.state_rounding,
-                            offsets=[start for _, start in batch.origins],
-                            seeds=[state_seed(step=s, partition=index)
-                                   for s, (index, _) in zip(batch.steps, batch.origins)])
+            native = dict(rounding=self.state_rounding,
+                          offsets=[start for _, start in batch.origins],
+                          seeds=[state_seed(step=s, partition=index)
+                                 for s, (index, _) in zip(batch.steps, batch.origins)])
         return adam_update(
             kernel=kernel, params=batch.params, grads=batch.grads,
             exp_avgs=batch.state["exp_avg"], exp_avg_sqs=batch.state["exp_avg_sq"],
             max_exp_avg_sqs=batch.state.get("max_exp_avg_sq", []), steps=batch.steps,
             amsgrad=bool(group["amsgrad"]), weights_out=batch.weights_out,
             checksums=batch.checksums, num_threads=batch.threads, **_hyperparameters(group),
-            **rounding)
+            **native)
 
     def prepare_together(self, batches: Sequence[Batch], *, kernel: str
                          ) -> PreparedUpdate | None:

@@ -36,7 +36,6 @@ class Batch:
     # In-pass work only the native kernel does (see kernels.adam.adam_native):
     weights_out: list[torch.Tensor | None] | None = None  # low-precision model weights
     checksums: Sequence[str] = ()  # arrays whose CRC32C the pass returns per segment
-    offsets: list[int] = field(default_factory=list)  # each segment's element offset in the record
     # Per segment: whether its parameter had no state before this step (torch builds
     # state lazily at a parameter's first step), and private copies of the parameter's
     # host scalars (UpdateRule.scalar_keys) as the last step left them; the rule updates
