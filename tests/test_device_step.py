@@ -151,6 +151,12 @@ def int8_run(tmp_path, backend, *, dtype, master, step_device=None, mix="mixed",
         tm.discard()
     if emulate:
         assert all(s["h2d_bytes"] > 0 for s in stats)  # the records really crossed the lanes
+    if step_device == "cpu":  # every gradient crossed the lanes, none was read in place
+        side = {id(model.side.weight), id(model.side.bias)}
+        for i, s in enumerate(stats):
+            want = sum(p.numel() * p.element_size() for p in model.parameters()
+                       if side_used(i) or id(p) not in side)
+            assert s["d2h_bytes"] == want, (i, s["d2h_bytes"], want)
     return weights, sd
 
 
@@ -160,7 +166,9 @@ def int8_run(tmp_path, backend, *, dtype, master, step_device=None, mix="mixed",
     (torch.bfloat16, "kahan", "device"), (torch.bfloat16, "none", "device"),
     # kahan/none with fp32 moments: kernels.lowbit too (bf16 moments run on the CPU only)
     (torch.bfloat16, "kahan", "device", "fp32"), (torch.bfloat16, "none", "device", "fp32"),
-    (torch.float16, "kahan", "device", "fp32"), (torch.float16, "none", "device")]])
+    (torch.float16, "kahan", "device", "fp32"), (torch.float16, "none", "device"),
+    # bf16 moments run on the host only: step_device cpu brings the grads over the lanes
+    (torch.float32, "fp32", "cpu", "bf16"), (torch.bfloat16, "fp32", "cpu", "bf16")]])
 @pytest.mark.parametrize("backend", backend_params())
 def test_int8_state_through_the_lanes(tmp_path, backend, dtype, master, step_device,
                                       moments):

@@ -134,6 +134,8 @@ class NativeBatch:
     batch: Batch
     updated: list[int] = field(default_factory=list)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # step_device cpu on a device model: (segment, master) whose weights the lanes copy over
+    to_device: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
     def copy_out(self) -> None:
         for to, src in self.copies:
@@ -569,7 +571,8 @@ class OffloadedOptimizer:
         n = 0
         for part in parts:
             if (part.tier != "host" or part.group != parts[0].group
-                    or self._wants_digest(part) or not self.runs_native(part)):
+                    or self._wants_digest(part) or not self.runs_native(part)
+                    or self._route(part) is not None):  # its grads come over the lanes
                 break
             n += 1
         return n
@@ -835,24 +838,36 @@ class OffloadedOptimizer:
         is its own master (no weight output), and the moments are stored rounded as
         optimizer.state_rounding says."""
         hashed = part.kinds if self._wants_digest(part) else ()
-        built = self._native_batch(part, views, hashed)
+        # bf16 moments run here whatever the step device: a device model's partition
+        # (step_device cpu) takes its grads from the lanes and sends its weights back by them
+        host_grads = (self.lanes.grads_on_host(part, stats) if self._route(part) == "offload"
+                      else None)
+        built = self._native_batch(part, views, hashed, host_grads)
         batch = built.batch
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \
                 update_range(part.id):
             got = self.rule.update(batch, kernel="native") if batch.params else []
             built.copy_out()
-            if not hashed:
-                return None
-            crcs: list[dict[str, int] | None] = [None] * len(part.segments)
-            for n, c in zip(built.updated, got, strict=True):
-                crcs[n] = c if all(k in c for k in hashed) else None  # else hashed here
-            return record_digest(part, views, crcs)
+            digest = None
+            if hashed:
+                crcs: list[dict[str, int] | None] = [None] * len(part.segments)
+                for n, c in zip(built.updated, got, strict=True):
+                    crcs[n] = c if all(k in c for k in hashed) else None  # else hashed here
+                digest = record_digest(part, views, crcs)
+        if host_grads is not None:
+            self.lanes.weights_to_device(part, built.to_device, stats)
+        return digest
 
-    def _native_batch(self, part: Partition, views: Views, hashed: Sequence[str] = ()
-                      ) -> NativeBatch:
+    def _native_batch(self, part: Partition, views: Views, hashed: Sequence[str] = (),
+                      host_grads: list[torch.Tensor | None] | None = None) -> NativeBatch:
         """What the native kernel's update of `part` takes (see _update_native), and the
-        copies to make after it."""
+        copies to make after it. host_grads: the grads the lanes brought to the host
+        (step_device cpu); the weights then go back by the lanes (`to_device`), from the
+        master every such record keeps."""
         master = views.get("master")
+        if host_grads is not None and master is None:
+            raise TierMemError(f"partition {part.id} is updated on the host for a model off "
+                               "the CPU but its record keeps no master weights")
         batch = Batch(part, self.opt.param_groups[part.group],
                       state={k: [] for k in part.kinds if k != "master"}, weights_out=[],
                       checksums=hashed, threads=self._update_threads())
@@ -866,18 +881,23 @@ class OffloadedOptimizer:
                 continue
             built.updated.append(n)
             weights = s.param.detach().view(-1)[s.start: s.start + s.length]
-            fp32_model = master is not None and weights.dtype == torch.float32
             batch.params.append(weights if master is None else master[sl])
-            batch.weights_out.append(None if master is None or fp32_model else weights)
-            batch.grads.append(s.param.grad.reshape(-1)[s.start: s.start + s.length])
+            if host_grads is not None:
+                batch.weights_out.append(None)
+                batch.grads.append(host_grads[n])
+                built.to_device.append((s, master[sl]))
+            else:
+                fp32_model = master is not None and weights.dtype == torch.float32
+                batch.weights_out.append(None if master is None or fp32_model else weights)
+                batch.grads.append(s.param.grad.reshape(-1)[s.start: s.start + s.length])
+                if fp32_model:
+                    built.copies.append((weights, master[sl]))
             batch.steps.append(self.steps[s.index])
             batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
             batch.segments.append(s)
             batch.origins.append(self.origin(s))
             for k, lst in batch.state.items():
                 lst.append(views[k][slices[k][n]])
-            if fp32_model:
-                built.copies.append((weights, master[sl]))
             if "weight" in views:
                 built.copies.append((views["weight"][slices["weight"][n]], weights))
         return built
