@@ -618,6 +618,52 @@ def test_cuda_crash_consistent_refuses_gpu_tier(tmp_path):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mix", ["host", "nvme"])
+def test_cuda_bf16_moments_on_the_host(tmp_path, mix, dtype):
+    """bf16 moments of a CUDA model (step_device cpu): the native pass on the host, on
+    the grads the lanes bring over, its weights sent back by them: bit for bit the same
+    model trained on the CPU (the same seeded gradients on both)."""
+    def run(device, swap):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]
+                                    ).to(device=device, dtype=dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        cfg = lane_config(swap, "cpu", kernel="auto", partition_size="64KiB",
+                          buffer_count=4, **MIXES[mix])
+        cfg["optimizer"].update(state_dtype="bf16")
+        gen = torch.Generator().manual_seed(1)
+        with tiermem.offload(opt, cfg) as tm:
+            for _ in range(3):
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape, generator=gen).to(device=device,
+                                                                    dtype=p.dtype)
+                opt.step()
+                opt.zero_grad()
+            out = [p.detach().cpu() for p in model.parameters()], opt.state_dict()
+            tm.discard()
+        return out
+
+    got, want = run("cuda", tmp_path / "cuda"), run("cpu", tmp_path / "cpu")
+    for i, (w, r) in enumerate(zip(got[0], want[0])):
+        assert_same_tensor(w, r, f"param {i}")
+    compare_state_dicts(torch.utils._pytree.tree_map(
+        lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, got[1]), want[1])
+
+
+@needs_cuda
+def test_cuda_bf16_moments_refuse_the_gpu_tier(tmp_path):
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    cfg = lane_config(tmp_path, "cpu", kernel="auto", host=0)
+    cfg["tiers"]["gpu"]["capacity"] = "1MiB"
+    cfg["optimizer"]["state_dtype"] = "bf16"
+    with pytest.raises(ConfigError, match="optimizer.state_dtype"):
+        with tiermem.offload(opt, cfg):
+            pass
+
+
+@needs_cuda
 @pytest.mark.parametrize("master,moments", [("fp32", "int8"), ("kahan", "int8"),
                                             ("none", "int8"), ("kahan", "fp32"),
                                             ("none", "fp32")])

@@ -240,7 +240,7 @@ class OffloadedOptimizer:
         self.budgets.assign(self.parts)
         # Streams, events and buffers between host memory and the device, made once.
         self.lanes: DeviceLanes | None = None
-        self._refuse_offload_route(self.parts)
+        self._refuse_routes(self.parts)
         self._add_lanes(self.parts)
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
@@ -369,10 +369,19 @@ class OffloadedOptimizer:
                                          for s in part.segments)
         return "offload" if on_device else None
 
-    def _refuse_offload_route(self, parts: list[Partition]) -> None:
-        """master_weights kahan/none update the model's bf16 weights in place: through the
-        "offload" route the update runs on host grads while those weights stay on the
-        device, so it cannot (step_device device and the gpu tier update them there)."""
+    def _refuse_routes(self, parts: list[Partition]) -> None:
+        """What a partition's place cannot run. master_weights kahan/none update the model's
+        bf16 weights in place: through the "offload" route the update runs on host grads
+        while those weights stay on the device, so it cannot (step_device device and the gpu
+        tier update them there). bf16 moments have only the native kernel, which updates
+        host memory: a gpu-tier record cannot have them."""
+        if self.settings.optimizer.state_dtype == "bf16" and any(p.tier == "gpu"
+                                                                 for p in parts):
+            raise ConfigError(
+                "optimizer.state_dtype", "bf16",
+                "fp32 or int8 with optimizer state on the gpu tier (tiers.gpu.capacity, or a "
+                "placement rule naming gpu): bf16 moments are updated by tiermem's native "
+                "kernel in host memory; or set tiers.gpu.capacity: 0")
         mw = self.settings.optimizer.master_weights
         if mw != "fp32" and any(self._route(p) == "offload" for p in parts):
             raise ConfigError(
@@ -1193,7 +1202,7 @@ class OffloadedOptimizer:
             for part in new:
                 part.group = first_group
             self.budgets.assign(new)
-            self._refuse_offload_route(new)
+            self._refuse_routes(new)
             self._add_lanes(new)  # slots grow to the largest record: harmless if refused below
             self.tiers.add(new)
         except BaseException:
