@@ -65,13 +65,17 @@ class AdamRule(UpdateRule):
                     self._check_low_state(g, p)
 
     def _check_low_state(self, g: int, p: torch.Tensor) -> None:
-        """bf16 moments are updated by the native CPU kernel only (int8 ones also by
-        kernels.lowbit's torch reference, on any device): refuse what they cannot run."""
-        if p.device.type != "cpu" and self.state_dtype == "bf16":
+        """The parameter dtypes low-bit state runs with. (bf16 moments are updated by the
+        native CPU kernel only: a model off the CPU has them with step_device cpu, its grads
+        brought to the host by the lanes; config refuses them with step_device device and
+        OffloadedOptimizer on the gpu tier.)"""
+        if p.is_meta and self.state_dtype == "bf16":
+            # nothing to read: the native kernel takes real memory (torch's own kernels
+            # step meta tensors as a no-op)
             raise TierMemError(
-                f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} needs the Adam "
-                f"step on the CPU for now, and a parameter is on {p.device}; use state_dtype "
-                "fp32 or int8 for models off the CPU")
+                f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} runs tiermem's "
+                f"native kernel, which needs the weights' memory, and a parameter is on meta; "
+                "materialise the model first (or give parameters.offload, which builds it)")
         if p.dtype not in (torch.float32, *MIXED_OUT):
             raise TierMemError(
                 f"param_groups[{g}]: optimizer.state_dtype {self.state_dtype} supports fp32, "
