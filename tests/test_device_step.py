@@ -185,6 +185,45 @@ def test_int8_state_through_the_lanes(tmp_path, backend, dtype, master, step_dev
     compare_state_dicts(got[1], want[1])
 
 
+class DotNormed(torch.optim.Optimizer):
+    """A third-party-style step with a reduction over each gradient: torch's dot product
+    adds its terms in an order that depends on where the gradient lies in memory."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.reshape(-1)
+                st = self.state[p]
+                st["sq"] = st.get("sq", torch.zeros(())) * 0.9 + torch.dot(g, g)
+                p.add_(p.grad, alpha=-group["lr"] / float(st["sq"].sqrt() + 1e-8))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_reduction_over_the_lanes_grads_adds_as_over_the_parameters(tmp_path, backend):
+    """step_device cpu hands the generic path the grads the lanes copied to a pinned slot:
+    each lies there at its parameter's own alignment, so a step's dot product over it
+    equals the plain run's bit for bit (packed back to back, one differed by an ulp)."""
+    model, ref_model = twin(Synthetic)
+    batches = make_batches(model, STEPS)
+    opt, ref = DotNormed(model.parameters()), DotNormed(ref_model.parameters())
+    with tiermem.offload(opt, lane_config(tmp_path, "cpu", kernel="auto", backend=backend,
+                                          **MIXES["mixed"]),
+                         streams=DeferredBackend()) as tm:
+        train(model, opt, batches)
+        sd = opt.state_dict()
+        tm.discard()
+    train(ref_model, ref, batches)
+    for i, (w, r) in enumerate(zip(model.parameters(), ref_model.parameters())):
+        assert_same_tensor(w, r, f"param {i}")
+    compare_state_dicts(sd, ref.state_dict())
+
+
 @pytest.mark.parametrize("master", ["kahan", "none"])
 def test_master_less_weights_refuse_the_offload_route(tmp_path, master):
     """kahan/none update the model's bf16 weights where they live: with step_device cpu a

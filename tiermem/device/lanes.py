@@ -42,6 +42,7 @@ from tiermem.partition import Partition
 from tiermem.telemetry.stats import StepStats, timed
 
 SLOTS = 2  # double buffering: one slot is updated while the other is filled
+ALIGN = 64  # bytes: where torch's CPU allocations start
 # -- backends ---------------------------------------------------------------------------
 
 
@@ -276,6 +277,7 @@ class DeviceLanes:
         self._numel = 0
         self._record_bytes = 0
         self._width = 0
+        self._segments = 0  # the most segments of one partition (each may add ALIGN of skew)
         self._reading: _Slot | None = None  # grads slot the host update is reading (cpu step)
         self.add(parts)
 
@@ -288,9 +290,13 @@ class DeviceLanes:
         record = max([self._record_bytes, *(p.record_bytes for p in parts)])
         # Bytes per element that hold any of the parameters' grad or weight dtypes.
         width = max([self._width, *(s.param.element_size() for p in parts for s in p.segments)])
-        if (numel, record, width) == (self._numel, self._record_bytes, self._width):
+        segments = max([self._segments, *(len(p.segments) for p in parts)])
+        if (numel, record, width, segments) == (self._numel, self._record_bytes, self._width,
+                                                self._segments):
             return
         self._numel, self._record_bytes, self._width = numel, record, width
+        self._segments = segments
+        skew = ALIGN * (segments + 1)  # _placed's padding, at most
         self.settle()
         b = self.backend
         if self.step_device == "device":
@@ -305,10 +311,10 @@ class DeviceLanes:
             # once the host update that read it is over (weights_to_device frees it); a
             # weights slot only after the H2D that read it completed (the host synchronizes
             # its last_use event first).
-            self.grads = [_Slot(aligned_empty(numel * width)) for _ in range(SLOTS)]
+            self.grads = [_Slot(aligned_empty(numel * width + skew)) for _ in range(SLOTS)]
             self.weights = [_Slot(aligned_empty(numel * width)) for _ in range(SLOTS)]
             # The fp32 upcast of low-precision grads, read by the host only.
-            self.host_grads = torch.empty(numel, dtype=torch.float32)
+            self.host_grads = aligned_empty(numel * 4 + skew).view(torch.float32)
 
     def _free_slot(self, slots: list[_Slot]) -> _Slot | None:
         for slot in slots:
@@ -364,17 +370,16 @@ class DeviceLanes:
             return
         backward = self.backend.record(self.backend.current_stream())
         self._order(self.d2h, backward, "backward, which writes the grads")
-        grads, pairs, off = [], [], 0
-        for s in part.segments:
+        grads, pairs = [], []
+        for s, at in zip(part.segments, _placed(part, self._width)):
             g = s.param.grad
             if g is None:
                 grads.append(None)
             else:
                 g = g.detach().reshape(-1)[s.start: s.start + s.length]
-                host = _slice(slot.buf, off * self._width, s.length, g.dtype)
+                host = _slice(slot.buf, at, s.length, g.dtype)
                 pairs.append((host, g))
                 grads.append(host)
-            off += s.length
         ready = self._copies(self.d2h, "d2h", pairs)
         slot.holds, slot.last_use = part.id, ready
         self._staged[part.id] = _Staged(slot, ready, grads)
@@ -417,12 +422,11 @@ class DeviceLanes:
                 raise TierMemError(f"no pinned grads slot free for partition {part.id}")
             self._host_waits(staged.ready, "the grads, before the host update reads them")
             self._reading = staged.slot  # held until weights_to_device: the update reads it
-            out, off = [], 0
-            for s, g in zip(part.segments, staged.grads):
+            out = []
+            for s, g, at in zip(part.segments, staged.grads, _placed(part, 4)):
                 if g is not None and g.dtype != torch.float32:
-                    g = self.host_grads[off: off + s.length].copy_(g)
+                    g = self.host_grads[at // 4: at // 4 + s.length].copy_(g)
                 out.append(g)
-                off += s.length
         return out
 
     def weights_to_device(self, part: Partition, masters: list[tuple[Any, torch.Tensor]],
@@ -499,6 +503,19 @@ class DeviceLanes:
         for slots in ("dev", "grads", "weights"):
             for slot in getattr(self, slots, []):
                 slot.holds = None
+
+
+def _placed(part: Partition, width: int) -> list[int]:
+    """The byte offset of each of `part`'s segments in a host slot of `width` bytes per
+    element: where its first element lies in its parameter's own memory, modulo ALIGN. A
+    reduction over the host copy (a third-party step's norm or dot product) then adds its
+    terms in the order it would over the parameter: vectorised sums split by address."""
+    out, end = [], 0
+    for s in part.segments:
+        at = -(-end // ALIGN) * ALIGN + (s.start * s.param.element_size()) % ALIGN
+        out.append(at)
+        end = at + s.length * width
+    return out
 
 
 def _slice(buf: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
