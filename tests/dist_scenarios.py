@@ -577,6 +577,42 @@ def resume_kept_scalars(rank: int, world: int, tmp: str) -> None:
     compare_runs(model, opt, ref_model, ref_opt, exact=world == 2)
 
 
+def resume_other_world(rank: int, world: int, tmp: str) -> None:
+    """Shares kept by a run of world - 1 ranks (a subgroup), resumed on all `world`: each
+    share is another world size's cut of the model, so every rank refuses, those with a
+    directory naming both world sizes (not the config, which did not change), the new rank
+    naming the manifest it lacks."""
+    import warnings
+    from unittest import mock
+
+    fewer = dist.new_group(list(range(world - 1)))  # collective: every rank makes it
+    model, opt, *_ = pair()
+    cfg = small_cfg(tmp)
+    if rank < world - 1:
+        with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with tiermem.offload(opt, cfg, model=model, name="w", process_group=fewer):
+                    for i, micro in enumerate(make_batches(model, 2, seed=10 + rank)):
+                        local_backward(model, micro, i, rank)
+                        opt.step()
+                        opt.zero_grad()
+    barrier()
+    model, opt, *_ = pair()
+    try:
+        with tiermem.offload(opt, cfg, model=model, name="w", resume=True):
+            pass
+    except tiermem.TierMemError as exc:
+        if rank < world - 1:
+            assert f"it holds the share of rank {rank} of {world - 1}, and this is rank " \
+                f"{rank} of {world}; a resume continues on the same world size" in str(exc), exc
+        else:
+            assert "manifest.json does not exist" in str(exc), exc
+    else:
+        raise AssertionError("a resume on another world size was not refused")
+    dist.destroy_process_group(fewer)
+
+
 def whole_parameter_refused(rank: int, world: int, tmp: str) -> None:
     """A rule that steps whole parameters (Adafactor; the generic path's optimizers, Lion
     from PyPI here) cannot step a rank's pieces of them."""
@@ -691,6 +727,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "torch-family": lambda r, d: torch_family(r, world, d),
         "fsdp2-torch-family": lambda r, d: fsdp2_torch_family(r, world, d),
         "whole-parameter-refused": lambda r, d: whole_parameter_refused(r, world, d),
+        "resume-other-world": lambda r, d: resume_other_world(r, world, d),
         "recover-kept": lambda r, d: recover_kept(r, world, d),
         "resume-kept-scalars": lambda r, d: resume_kept_scalars(r, world, d),
         "fsdp2": lambda r, d: fsdp2(r, world, d),

@@ -33,7 +33,7 @@ TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
        "recover-kept", "resume-kept-scalars",
        "rank-raises"]  # rank-raises breaks the group: last
 THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load", "torch-family",
-         "recover-kept",
+         "recover-kept", "resume-other-world",
          "rank-dies"]  # rank-dies kills rank 2: last
 
 
