@@ -350,6 +350,45 @@ def dcp_save(rank: int, world: int, tmp: str, ckpt: str) -> None:
     barrier()
 
 
+def dcp_master_modes(rank: int, world: int, tmp: str) -> None:
+    """A bf16 model's checkpoint of Kahan terms (scratch) loaded by fp32 masters under
+    crash_consistent, and back: each rank makes its pieces' kinds the checkpoint lacks
+    (the master: weight + term; the term from the master; the record's weights from the
+    model) as load_state_dict would from the state_dict."""
+    from offload_helpers import compare_state_dicts
+    from tiermem.dist import dcp
+
+    model = Synthetic().to(torch.bfloat16)
+    batches = make_batches(model, 2, seed=10 + rank)
+
+    def cfg(name, master, durability):
+        c = small_cfg(os.path.join(tmp, name), host="64KiB")
+        c["optimizer"] = {"kernel": "native", "master_weights": master}
+        c["swap"]["durability"] = durability
+        return c
+
+    modes = [("kahan", "scratch"), ("fp32", "crash_consistent"), ("kahan", "crash_consistent")]
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
+    with tiermem.offload(opt, cfg("a", *modes[0]), model=model) as tm:
+        for i, micro in enumerate(batches):
+            local_backward(model, micro, i, rank)
+            opt.step()
+            opt.zero_grad()
+        dcp.save(tm, os.path.join(tmp, "ck0"))
+        sd = opt.state_dict()
+    for n, mode in enumerate(modes[1:], start=1):
+        want = torch.optim.AdamW(groups_of(copy.deepcopy(model)), lr=1e-2, foreach=False)
+        with tiermem.offload(want, cfg(f"w{n}", *mode)):
+            want.load_state_dict(sd)
+            expected = want.state_dict()
+        opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
+        with tiermem.offload(opt, cfg(f"b{n}", *mode), model=model) as tm:
+            dcp.load(tm, os.path.join(tmp, f"ck{n - 1}"))
+            compare_state_dicts(opt.state_dict(), expected, exact=True)
+            dcp.save(tm, os.path.join(tmp, f"ck{n}"))
+            sd = opt.state_dict()
+
+
 def dcp_load(rank: int, world: int, tmp: str, ckpt: str) -> None:
     """Load a checkpoint written with another world size (different partitions too) and get
     exactly the state that was saved."""
@@ -724,6 +763,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "kept-guard": lambda r, d: kept_guard(r, world, d),
         "dcp-save": lambda r, d: dcp_save(r, world, d, extra["ckpt"]),
         "dcp-load": lambda r, d: dcp_load(r, world, d, extra["ckpt"]),
+        "dcp-master-modes": lambda r, d: dcp_master_modes(r, world, d),
         "torch-family": lambda r, d: torch_family(r, world, d),
         "fsdp2-torch-family": lambda r, d: fsdp2_torch_family(r, world, d),
         "whole-parameter-refused": lambda r, d: whole_parameter_refused(r, world, d),

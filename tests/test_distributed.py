@@ -28,7 +28,7 @@ URING = "io_uring" in available_backends()
 TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
        "parity-lanes-device", "ddp-allreduced", "state-dict", "int8-nearest", "int8-kahan",
        "int8-none-stochastic", "fp32-kahan", "bf16-none-stochastic", "bf16-fp32-stochastic",
-       "resume-one-step-apart", "kept-guard", "placeholders", "dcp-save", "fsdp2",
+       "resume-one-step-apart", "kept-guard", "placeholders", "dcp-save", "dcp-master-modes", "fsdp2",
        "fsdp2-repadded", "torch-family", "fsdp2-torch-family", "whole-parameter-refused",
        "recover-kept", "resume-kept-scalars",
        "rank-raises"]  # rank-raises breaks the group: last
