@@ -32,6 +32,8 @@ TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
        "fsdp2-repadded", "torch-family", "fsdp2-torch-family", "whole-parameter-refused",
        "recover-kept", "resume-kept-scalars",
        "rank-raises"]  # rank-raises breaks the group: last
+# resume-other-world runs an offload over ranks 0 and 1 only: rank-dies after it names the
+# dead rank only if each group's offloads are counted apart (the c10d store keys)
 THREE = ["parity-threads", "parity-io_uring-mixed-amsgrad", "dcp-load", "torch-family",
          "recover-kept", "resume-other-world",
          "rank-dies"]  # rank-dies kills rank 2: last
