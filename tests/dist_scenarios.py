@@ -350,6 +350,45 @@ def dcp_save(rank: int, world: int, tmp: str, ckpt: str) -> None:
     barrier()
 
 
+def dcp_master_modes(rank: int, world: int, tmp: str) -> None:
+    """A bf16 model's checkpoint of Kahan terms (scratch) loaded by fp32 masters under
+    crash_consistent, and back: each rank makes its pieces' kinds the checkpoint lacks
+    (the master: weight + term; the term from the master; the record's weights from the
+    model) as load_state_dict would from the state_dict."""
+    from offload_helpers import compare_state_dicts
+    from tiermem.dist import dcp
+
+    model = Synthetic().to(torch.bfloat16)
+    batches = make_batches(model, 2, seed=10 + rank)
+
+    def cfg(name, master, durability):
+        c = small_cfg(os.path.join(tmp, name), host="64KiB")
+        c["optimizer"] = {"kernel": "native", "master_weights": master}
+        c["swap"]["durability"] = durability
+        return c
+
+    modes = [("kahan", "scratch"), ("fp32", "crash_consistent"), ("kahan", "crash_consistent")]
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
+    with tiermem.offload(opt, cfg("a", *modes[0]), model=model) as tm:
+        for i, micro in enumerate(batches):
+            local_backward(model, micro, i, rank)
+            opt.step()
+            opt.zero_grad()
+        dcp.save(tm, os.path.join(tmp, "ck0"))
+        sd = opt.state_dict()
+    for n, mode in enumerate(modes[1:], start=1):
+        want = torch.optim.AdamW(groups_of(copy.deepcopy(model)), lr=1e-2, foreach=False)
+        with tiermem.offload(want, cfg(f"w{n}", *mode)):
+            want.load_state_dict(sd)
+            expected = want.state_dict()
+        opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
+        with tiermem.offload(opt, cfg(f"b{n}", *mode), model=model) as tm:
+            dcp.load(tm, os.path.join(tmp, f"ck{n - 1}"))
+            compare_state_dicts(opt.state_dict(), expected, exact=True)
+            dcp.save(tm, os.path.join(tmp, f"ck{n}"))
+            sd = opt.state_dict()
+
+
 def dcp_load(rank: int, world: int, tmp: str, ckpt: str) -> None:
     """Load a checkpoint written with another world size (different partitions too) and get
     exactly the state that was saved."""
@@ -577,6 +616,42 @@ def resume_kept_scalars(rank: int, world: int, tmp: str) -> None:
     compare_runs(model, opt, ref_model, ref_opt, exact=world == 2)
 
 
+def resume_other_world(rank: int, world: int, tmp: str) -> None:
+    """Shares kept by a run of world - 1 ranks (a subgroup), resumed on all `world`: each
+    share is another world size's cut of the model, so every rank refuses, those with a
+    directory naming both world sizes (not the config, which did not change), the new rank
+    naming the manifest it lacks."""
+    import warnings
+    from unittest import mock
+
+    fewer = dist.new_group(list(range(world - 1)))  # collective: every rank makes it
+    model, opt, *_ = pair()
+    cfg = small_cfg(tmp)
+    if rank < world - 1:
+        with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with tiermem.offload(opt, cfg, model=model, name="w", process_group=fewer):
+                    for i, micro in enumerate(make_batches(model, 2, seed=10 + rank)):
+                        local_backward(model, micro, i, rank)
+                        opt.step()
+                        opt.zero_grad()
+    barrier()
+    model, opt, *_ = pair()
+    try:
+        with tiermem.offload(opt, cfg, model=model, name="w", resume=True):
+            pass
+    except tiermem.TierMemError as exc:
+        if rank < world - 1:
+            assert f"it holds the share of rank {rank} of {world - 1}, and this is rank " \
+                f"{rank} of {world}; a resume continues on the same world size" in str(exc), exc
+        else:
+            assert "manifest.json does not exist" in str(exc), exc
+    else:
+        raise AssertionError("a resume on another world size was not refused")
+    dist.destroy_process_group(fewer)
+
+
 def whole_parameter_refused(rank: int, world: int, tmp: str) -> None:
     """A rule that steps whole parameters (Adafactor; the generic path's optimizers, Lion
     from PyPI here) cannot step a rank's pieces of them."""
@@ -688,9 +763,11 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "kept-guard": lambda r, d: kept_guard(r, world, d),
         "dcp-save": lambda r, d: dcp_save(r, world, d, extra["ckpt"]),
         "dcp-load": lambda r, d: dcp_load(r, world, d, extra["ckpt"]),
+        "dcp-master-modes": lambda r, d: dcp_master_modes(r, world, d),
         "torch-family": lambda r, d: torch_family(r, world, d),
         "fsdp2-torch-family": lambda r, d: fsdp2_torch_family(r, world, d),
         "whole-parameter-refused": lambda r, d: whole_parameter_refused(r, world, d),
+        "resume-other-world": lambda r, d: resume_other_world(r, world, d),
         "recover-kept": lambda r, d: recover_kept(r, world, d),
         "resume-kept-scalars": lambda r, d: resume_kept_scalars(r, world, d),
         "fsdp2": lambda r, d: fsdp2(r, world, d),

@@ -96,6 +96,41 @@ def test_checkpoint_moves_state_between_dtypes(tmp_path, saved, loaded):
             compare_state_dicts(got, sd, exact=True)
 
 
+@pytest.mark.parametrize("saved, loaded", [
+    (("none", "scratch"), ("none", "crash_consistent")),  # + the record's copy of the weights
+    (("kahan", "scratch"), ("kahan", "crash_consistent")),
+    (("fp32", "scratch"), ("kahan", "scratch")),  # the term, from the master
+    (("kahan", "scratch"), ("fp32", "scratch")),  # the master: the weight plus its term
+    (("none", "crash_consistent"), ("kahan", "scratch"))])  # a term of 0
+def test_checkpoint_of_a_bf16_model_moves_between_master_weights(tmp_path, saved, loaded):
+    """A bf16 model's checkpoint lacks the kinds of another master_weights or durability:
+    a load makes them as load_state_dict does from the state_dict (the master from the
+    weight and its Kahan term, a term from the master, the record's weights from the
+    model), so state_dict() after it is what loading the saving run's state_dict gives."""
+    model = Synthetic(vocab=300, hidden=130, out=9).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def cfg(where, master_durability):
+        c = _cfg(tmp_path / where, "threads", "64KiB", kernel="native",
+                 master_weights=master_durability[0])
+        c["swap"]["durability"] = master_durability[1]
+        return c
+
+    ckpt = str(tmp_path / "ckpt")
+    with tiermem.offload(opt, cfg("a", saved), model=model) as tm:
+        train(model, opt, make_batches(model, 2))
+        dcp.save(tm, ckpt)
+        sd = copy.deepcopy(opt.state_dict())
+    want = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=0.01)
+    with tiermem.offload(want, cfg("w", loaded)):
+        want.load_state_dict(sd)
+        expected = want.state_dict()
+    opt2 = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with tiermem.offload(opt2, cfg("b", loaded), model=model) as tm2:
+        dcp.load(tm2, ckpt)
+        compare_state_dicts(opt2.state_dict(), expected, exact=True)
+
+
 @pytest.mark.parametrize("cls, kw", [(torch.optim.Adafactor, dict(lr=0.01)),
                                      (torch.optim.Muon, dict(lr=0.01))])
 def test_whole_parameter_rules_refused(tmp_path, cls, kw):

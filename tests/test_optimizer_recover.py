@@ -53,6 +53,7 @@ def _kept_run(tmp_path, monkeypatch, cls, kw, steps, dtype=torch.float32):
     (torch.optim.ASGD, dict(lr=0.01, t0=1)),
     (torch.optim.NAdam, dict(lr=0.01)),
     (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
+    (torch.optim.Rprop, dict(lr=0.01)),  # tuples (etas, step_sizes) in its groups
 ])
 def test_recover_equals_the_plain_optimizer(tmp_path, monkeypatch, cls, kw):
     steps = 3
@@ -67,6 +68,8 @@ def test_recover_equals_the_plain_optimizer(tmp_path, monkeypatch, cls, kw):
     plain = cls(fresh.parameters(), **kw)
     plain.load_state_dict(ckpt["optimizer"])
     state_equal(plain.state_dict(), ref_opt.state_dict(), "recovered state")
+    # the groups as torch's state_dict has them, tuples included (== tells a list apart)
+    assert ckpt["optimizer"]["param_groups"] == ref_opt.state_dict()["param_groups"]
     train(fresh, plain, batches[steps:], start=steps)
     train(ref, ref_opt, batches[steps:], start=steps)
     params_equal(fresh, ref, "stepping on from the recovered checkpoint")

@@ -16,7 +16,8 @@ still: dead, or frozen so hard that not even a Python thread runs.
 
 from __future__ import annotations
 
-import itertools
+import collections
+import hashlib
 import math
 import threading
 import time
@@ -34,7 +35,9 @@ from tiermem.errors import TierMemError
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-_instances = itertools.count()  # every rank builds its offloads in the same order
+# how many offloads this process built over each group (its ranks) under each name: every
+# member of a group builds the same ones in the same order, whatever other groups it is in
+_instances: collections.Counter = collections.Counter()
 
 
 class PeerError(TierMemError):
@@ -67,9 +70,16 @@ class Collectives:
         self.world = dist.get_world_size(group)
         self.timeout = timedelta(seconds=timeout)
         self.store = c10d._get_default_store()
-        # Namespaced by run name and by the how-manyth offload of this process: keys of an
-        # earlier block (or job sharing a FileStore) are never read as this one's.
-        self.prefix = f"tiermem/{name}/{next(_instances)}/"
+        # Namespaced by run name, by the group's ranks and by the how-manyth offload over that
+        # group: keys of an earlier block (or job sharing a FileStore) are never read as this
+        # one's, nor those of another group on the same store (pipeline stages' data-parallel
+        # groups all have a rank 0), and a rank that ran offloads over a subgroup the others
+        # were not in still counts this group's as they do.
+        ranks = [self.global_rank(r) for r in range(self.world)]
+        group_id = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
+        instance = _instances[(name, group_id)]
+        _instances[(name, group_id)] += 1
+        self.prefix = f"tiermem/{name}/{group_id}/{instance}/"
         self.where = "set-up"
         # Often enough that a dead rank is named soon after a wait fails, rarely enough that
         # the store (rank 0's TCPStore under torchrun) does not notice.

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
 
 from tiermem.dist.collectives import scalar_table
 from tiermem.errors import TierMemError
-from tiermem.kernels.lowbit import segment_values, store_segment
+from tiermem.kernels.lowbit import kahan_term, segment_values, store_segment
 from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.optim.state_io import jsonable
 from tiermem.partition import SCALE_KINDS
@@ -293,7 +293,10 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.steps: torch.Tensor | None = None
         self.scalars: torch.Tensor | None = None  # read into (SCALARS), when saved
         self.peak_staged = 0  # most partitions assembled at once
-        self.missing_master: set[int] = set()
+        # part id -> {kind the record needs: the kind read for it, or None where the model's
+        # weights give it}: the checkpoint of another master_weights or durability lacks
+        # some of a low-precision parameter's kinds, which its others or the model make
+        self._sources: dict[int, dict[str, str | None]] = {}
 
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata.state_dict_metadata
@@ -308,19 +311,24 @@ class _LoadPlanner(DefaultLoadPlanner):
             self.scalars = torch.zeros(tuple(md[SCALARS].size), dtype=torch.float64)
             items += _create_read_items(SCALARS, md[SCALARS], self.scalars)
         for part in self.src.off.parts:
+            sources = self._sources[part.id] = {}
             for kind in _saved_kinds(part):
+                i = self.src.locate(part.segments[0])[0]
+                read = _source_kind(kind, lambda k: _fqn(i, k) in md)
+                if read is _MISSING:
+                    raise TierMemError(f"the checkpoint has no {kind} for parameter {i} "
+                                       "(saved with amsgrad off, loaded with it on?)")
+                sources[kind] = read
+                if read is None:
+                    continue  # made from the model's weights when staged
                 off = 0
                 for s in part.segments:
                     i, start = self.src.locate(s)
-                    fqn = _fqn(i, kind)
-                    self._dest[(fqn, start)] = (part, kind, off)
+                    fqn = _fqn(i, read)
+                    self._dest[(fqn, start)] = (part, read, off)
                     off += s.length
-                    if fqn not in md:
-                        if kind == "master":
-                            self.missing_master.add(part.id)  # filled from the model
-                            continue
-                        raise TierMemError(f"the checkpoint has no {kind} for parameter {i} "
-                                           "(saved with amsgrad off, loaded with it on?)")
+                    if fqn not in md:  # another parameter of the partition, saved otherwise
+                        raise TierMemError(f"the checkpoint has no {read} for parameter {i}")
                     got = create_read_items_for_chunk_list(
                         fqn, md[fqn], [ChunkStorageMetadata(torch.Size([start]),
                                                             torch.Size([s.length]))])
@@ -331,7 +339,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.plan
 
     def _fill_unread(self) -> None:
-        """Partitions with nothing to read (a master only the model has): write them now."""
+        """Partitions with nothing to read (a master or weight only the model has): write
+        them now."""
         for part in self.src.off.parts:
             if part.id not in self._counts:
                 self._stage(part)
@@ -376,13 +385,13 @@ class _LoadPlanner(DefaultLoadPlanner):
             self._write(part)
 
     def _stage(self, part: Any) -> _Staging:
-        views = {k: torch.zeros(part.numel, dtype=torch.float32) for k in _saved_kinds(part)}
-        if part.id in self.missing_master:
-            o = 0
-            for s in part.segments:
-                views["master"][o: o + s.length].copy_(
-                    s.param.detach().reshape(-1)[s.start: s.start + s.length])
-                o += s.length
+        sources = self._sources[part.id]
+        views = {k: torch.zeros(part.numel, dtype=torch.float32)
+                 for k in {r for r in sources.values() if r is not None}}
+        for kind, read in sources.items():
+            if read is None:
+                views[kind] = (torch.zeros(part.numel, dtype=torch.float32) if kind == "kahan"
+                               else _model_weights(part))
         st = _Staging(views, self._counts.get(part.id, 0))
         self._staging[part.id] = st
         self.peak_staged = max(self.peak_staged, len(self._staging))
@@ -391,13 +400,55 @@ class _LoadPlanner(DefaultLoadPlanner):
     def _write(self, part: Any) -> None:
         st = self._staging.pop(part.id)
 
+        values = {kind: _derived(kind, read, st.views, part)
+                  for kind, read in self._sources.pop(part.id).items()}
         with self.src.off.tiers.record(part, write=True) as (views, _):
             slices = {k: part.slices(k) for k in views}
-            for k, v in st.views.items():
+            for k, v in values.items():
                 # per segment as load_state_dict stores it: bf16 rounded to nearest even,
                 # int8 quantised to nearest with its blocks from the segment's first element
                 for n, sl in enumerate(slices[k]):
                     store_segment(views, slices, k, n, v[sl])
+
+
+_MISSING = object()
+
+
+def _source_kind(kind: str, saved: Callable[[str], bool]) -> Any:
+    """What the checkpoint gives a record's `kind` from, as load_state_dict would: the kind
+    itself; a Kahan term from the fp32 master (and the master from the weight plus its
+    term), as the runs of master_weights fp32 and kahan save them; a master or the
+    record's copy of the weights (crash-consistent kahan/none) not saved, the model's
+    weights, and a Kahan term beside neither (a master-less run's), 0 (None); else
+    _MISSING."""
+    if saved(kind):
+        return kind
+    if kind in ("master", "kahan"):
+        other = "kahan" if kind == "master" else "master"
+        if saved(other):
+            return other
+    if kind in ("master", "weight", "kahan"):
+        return None
+    return _MISSING
+
+
+def _model_weights(part: Any) -> torch.Tensor:
+    """The model's weights of `part`'s segments, one after the other, in fp32 (exact)."""
+    return torch.cat([s.param.detach().reshape(-1)[s.start: s.start + s.length].float()
+                      for s in part.segments])
+
+
+def _derived(kind: str, read: str | None, views: dict[str, torch.Tensor], part: Any
+             ) -> torch.Tensor:
+    """`kind`'s fp32 values for the record, from what was read for it (_source_kind)."""
+    if read is None or read == kind:
+        return views[kind]
+    weights = _model_weights(part)
+    if kind == "master":  # the weight plus its Kahan term, as state_dict's master_param
+        return weights + views["kahan"]
+    low = torch.cat([s.param.detach().reshape(-1)[s.start: s.start + s.length]
+                     for s in part.segments])
+    return kahan_term(views["master"], low).float()
 
 
 def load(tm: Any, path: str) -> dict[str, int]:

@@ -246,7 +246,8 @@ class OffloadedOptimizer:
         manifest = None
         if resume:
             manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts,
-                                     settings.swap.durability, previous=resume_previous)
+                                     settings.swap.durability, previous=resume_previous,
+                                     share=self.share)
             if manifest.rule != type(self.rule).__name__:
                 # Same record layout, other arithmetic (NAdam's moments are not Adam's).
                 raise TierMemError(

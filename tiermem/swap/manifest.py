@@ -187,10 +187,12 @@ def _discard(path: str) -> None:
 
 
 def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
-                  durability: str | None = None, *, previous: bool = False) -> Manifest:
+                  durability: str | None = None, *, previous: bool = False,
+                  share: dict | None = None) -> Manifest:
     """The manifest in `run_dir` (the one before it with `previous`), checked (checksum and
     schema, see the module doc) and checked against the layout this optimizer and config
-    give (`parts`, `durability`; parts None reads it as it is, for `tiermem recover`)."""
+    give (`parts`, `durability`, and under torch.distributed this rank's `share`; parts None
+    reads it as it is, for `tiermem recover`)."""
     path = os.path.join(run_dir, PREVIOUS if previous else MANIFEST)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -204,6 +206,8 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
     m = parse(raw, path, run_dir)
     if parts is None:
         return m
+    if share is not None:
+        _same_share(m, share, run_dir)
     if durability is not None and m.durability != durability:
         # The two modes lay the swap files out differently (one copy or two per record).
         raise TierMemError(
@@ -236,6 +240,26 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
             "config (partition_size, tier capacities, placement, optimizer.state_dtype, "
             f"swap.durability: the kept state was written with {m.durability!r}).")
     return m
+
+
+def _same_share(m: Manifest, share: dict, run_dir: str) -> None:
+    """A rank's share is the world size's cut of the model: kept by a run of another world
+    size (or by another rank) it holds other elements, which a partition layout that
+    happens to match would load into the wrong places; a mismatched one would be blamed on
+    the config."""
+    kept = m.share or {}
+    if not kept and share:
+        return  # an earlier tiermem's manifest, which kept no share: the layout check alone
+    if (kept.get("world"), kept.get("rank"), kept.get("pieces")) == \
+            (share.get("world"), share.get("rank"), share.get("pieces")):
+        return
+    def who(s: dict) -> str:
+        return (f"rank {s['rank']} of {s['world']}" if s else "one process (no process group)")
+    raise TierMemError(
+        f"cannot resume from {run_dir}: it holds the share of {who(kept)}, and this is "
+        f"{who(share)}; a resume continues on the same world size, each rank from its own "
+        "directory. To continue on another world size, write a torch checkpoint with "
+        "`tiermem recover` (or save with tiermem.dist.dcp) and load it there")
 
 
 def parse(raw: bytes, path: str, run_dir: str) -> Manifest:

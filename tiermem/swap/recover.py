@@ -232,10 +232,11 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
 
 
 def _groups(m: Manifest) -> list[dict]:
-    """The manifest's param groups as torch's state_dict holds them (betas a tuple: JSON
-    kept it as a list)."""
-    return [{**g, "betas": tuple(g["betas"])} if isinstance(g.get("betas"), list) else dict(g)
-            for g in m.groups]
+    """The manifest's param groups as torch's state_dict holds them: JSON kept every
+    tuple (Adam's betas, Rprop's etas and step_sizes, Adafactor's eps) as a list, and
+    torch's optimizers hold no list hyperparameter, so each list is a tuple again."""
+    return [{k: tuple(v) if isinstance(v, list) and k != "params" else v
+             for k, v in g.items()} for g in m.groups]
 
 
 def _refuse_unkept(run_dir: str, what: str, value: Any) -> Any:
