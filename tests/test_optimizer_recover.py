@@ -96,6 +96,8 @@ def test_recover_adagrad_never_stepped_parameters(tmp_path, monkeypatch):
     # column-major eigenbases (their memory order) and lists of matrices per side
     (("pytorch_optimizer", "SOAP"), dict(lr=1e-3, precondition_frequency=2)),
     (("bitsandbytes.optim", "AdamW8bit"), dict(lr=1e-3, min_8bit_size=1024)),  # uint8 codes
+    # a cache of [step, N_sma, step_size] lists in its group, rewritten by its step
+    (("torch_optimizer", "RAdam"), dict(lr=1e-3)),
 ], ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
 def test_recover_whole_parameter_and_generic_runs(tmp_path, monkeypatch, cls, kw):
     """The recovered checkpoint is the plain optimizer's state_dict() at the committed step
@@ -135,6 +137,9 @@ def test_recover_whole_parameter_and_generic_runs(tmp_path, monkeypatch, cls, kw
                                      if id(p) not in stepped}
     assert not got.unexpected_keys
     params_equal(fresh, ref, "recovered weights")
+    # the groups as the plain state_dict has them (a tuple where it has one, a list where
+    # it has a list)
+    assert ckpt["optimizer"]["param_groups"] == ref_sd["param_groups"]
     plain = cls(params_for(cls, fresh), **kw)
     plain.load_state_dict(ckpt["optimizer"])
     for k, v in ckpt["optimizer_attributes"].items():

@@ -280,6 +280,8 @@ class PerParameter(GroupNormalised):
     (("pytorch_optimizer", "Ranger21"), dict(lr=1e-3, num_iterations=20,
                                              lookahead_merge_time=2)),
     (("pytorch_optimizer", "SOAP"), dict(lr=1e-3, precondition_frequency=2)),
+    # a cache in the group that its step rewrites: a list of [step, N_sma, step_size]
+    (("torch_optimizer", "RAdam"), dict(lr=1e-3)),
     (PerParameter, {})],
     ids=lambda v: getattr(v, "__name__", None) or (v[1] if isinstance(v, tuple) else None))
 def test_crash_consistent_resume(tmp_path, monkeypatch, cls, kw):

@@ -28,7 +28,7 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -260,6 +260,17 @@ def _same_share(m: Manifest, share: dict, run_dir: str) -> None:
         f"{who(share)}; a resume continues on the same world size, each rank from its own "
         "directory. To continue on another world size, write a torch checkpoint with "
         "`tiermem recover` (or save with tiermem.dist.dcp) and load it there")
+
+
+def _json_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, str)) or _is_num(v)
+
+
+def _json_nest(v: Any, depth: int = 0) -> bool:
+    """JSON scalars, or lists of them nested (no deeper than json.loads itself goes)."""
+    if isinstance(v, list):
+        return depth < 32 and all(_json_nest(x, depth + 1) for x in v)
+    return _json_scalar(v)
 
 
 def parse(raw: bytes, path: str, run_dir: str) -> Manifest:
@@ -554,10 +565,13 @@ def _validate(d: dict, run_dir: str) -> None:
                 _need(isinstance(v, bool), f"{w}.{k}", "true or false", v)
             elif k in _OPTIONAL_BOOL_GROUP_KEYS:
                 _need(v is None or isinstance(v, bool), f"{w}.{k}", "true, false or null", v)
-            else:  # hyperparameters of other optimizers: JSON scalars, or a list of them
-                vs = v if isinstance(v, list) and not adam else [v]
-                _need(all(x is None or isinstance(x, (bool, str)) or _is_num(x) for x in vs),
-                      f"{w}.{k}", "a number, string, boolean or null, or a list of them", v)
+            elif adam:
+                _need(_json_scalar(v), f"{w}.{k}", "a number, string, boolean or null", v)
+            else:  # other optimizers' values, as state_io.jsonable writes them: JSON
+                # scalars in lists of any depth (torch_optimizer's RAdam keeps a cache of
+                # [step, N_sma, step_size] lists in its group, which its step rewrites)
+                _need(_json_nest(v), f"{w}.{k}",
+                      "a number, string, boolean or null, or lists of them", v)
         missing = [k for k in _REQUIRED_GROUP_KEYS if k not in group]
         _need(not missing, w, f"an object with {', '.join(_REQUIRED_GROUP_KEYS)}",
               f"no {', '.join(missing)}")
