@@ -312,3 +312,26 @@ def test_whole_parameter_layout_fields_are_checked(whole_kept, which, field, val
             f.write(data)
     with pytest.raises(TierMemError, match=_re(says)):
         gather(run)
+
+
+JSON_SCALARS = (st.none() | st.booleans() | st.integers(-10**9, 10**9)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(value=st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                          | st.tuples(inner, inner), max_leaves=10))
+def test_a_group_value_the_writer_keeps_the_reader_accepts(whole_kept, value):
+    """Whatever a third-party optimizer keeps in a param group, the manifest writes as
+    state_io.jsonable makes it and its reader must take back: refused there, every commit
+    of the run would be refused at resume (torch_optimizer's RAdam keeps lists of lists)."""
+    from tiermem.optim.state_io import jsonable
+
+    run, files = whole_kept["adafactor"]
+    body = json.loads(files[MANIFEST])
+    body["groups"][0]["cache"] = jsonable(value)
+    os.makedirs(run, mode=0o700, exist_ok=True)
+    for name, data in {**files, MANIFEST: encode(body)}.items():
+        with open(os.path.join(run, name), "wb") as f:
+            f.write(data)
+    assert read_manifest(run, None).groups[0]["cache"] == jsonable(value)
