@@ -72,3 +72,41 @@ def test_distributed_refuses_other_optimizers(tmp_path):
         assert not opt.state
     finally:
         dist.destroy_process_group()
+
+
+class NormalisesGrads(torch.optim.Optimizer):
+    """SGD that divides each gradient in place before using it, as schedule-free's step
+    reuses the gradient's memory."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad.div_(p.grad.abs().max() + 1)
+                    p.sub_(g, alpha=group["lr"])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_that_writes_its_gradients_is_refused_during_backward(tmp_path, overlap):
+    """During backward the updates would rewrite the gradients the user then sees (and
+    clips, or logs): refused at entry, naming the optimizer. Without the overlap it runs as
+    the plain one."""
+    model, ref_model = twin(Synthetic)
+    opt, ref_opt = NormalisesGrads(model.parameters()), NormalisesGrads(ref_model.parameters())
+    batches = make_batches(model, 3)
+    cfg = overlap_config(tmp_path, backend="threads", kernel="match", **PLACEMENTS["mixed"])
+    cfg["pipeline"]["overlap_backward"] = overlap
+    if overlap:
+        with pytest.raises(UnsupportedOptimizer, match="NormalisesGrads.*writes into the gr"):
+            with tiermem.offload(opt, cfg):
+                pass
+        assert listdir(tmp_path) == []
+        return
+    with tiermem.offload(opt, cfg) as tm:
+        run(model, opt, batches, tm)
+    run(ref_model, ref_opt, batches)
+    params_equal(model, ref_model, "without the overlap")

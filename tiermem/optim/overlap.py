@@ -38,6 +38,7 @@ import torch
 
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim.hooks import run_post_hooks, run_pre_hooks, step_called
+from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.partition import Partition
 from tiermem.telemetry.stats import Event, StepStats
 
@@ -65,6 +66,15 @@ class BackwardOverlap:
     """Hooks, the worker thread, and the bookkeeping of the step being run ahead."""
 
     def __init__(self, off: "OffloadedOptimizer", model: torch.nn.Module | None) -> None:
+        if off.rule.writes_grads:
+            # Its updates would run during backward: after backward the user (clipping,
+            # logging a norm) would see gradients the step already rewrote, where the plain
+            # run shows them as backward left them.
+            raise UnsupportedOptimizer(
+                f"pipeline.overlap_backward cannot run {type(off.opt).__module__}."
+                f"{type(off.opt).__qualname__}: its step writes into the gradients (seen on "
+                "tiermem's probe), so updating during backward would leave other gradients "
+                "after backward than the plain run has; set pipeline.overlap_backward: false")
         self.off = off
         self._handles: list[Any] = []
         if model is not None:

@@ -98,6 +98,10 @@ class UpdateRule(ABC):
     #: torch builds every parameter's state when the optimizer is made, not at its first
     #: step (Adagrad): exported state includes parameters never stepped
     eager_state: ClassVar[bool] = False
+    #: its step writes into the gradients it is given (schedule-free divides them in place;
+    #: set by the generic rule's probe): updates during backward would hand the user other
+    #: gradients after backward than the plain run does
+    writes_grads: bool = False
     #: the kernel optimizer.kernel auto runs where the native one does not: Adam's torch
     #: fused kernel (faster, within 1e-6), the torch family's match (bitwise with plain)
     auto_kernel: ClassVar[str] = "fused"

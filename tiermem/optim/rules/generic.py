@@ -448,6 +448,9 @@ class ShadowRule(UpdateRule):
                         p.grad = grads[step][i].clone()
                     for sh in shadows:
                         self._run(sh, "a probe")
+                    self.writes_grads |= any(
+                        p.grad is not None and not torch.equal(p.grad, grads[step][i])
+                        for i, p in enumerate(params))
                     if note_after:
                         after.append(({k: _copy(v) for k, v in shadows[0].param_groups[0]
                                        .items() if k != "params"}, own_values(shadows[0]),
