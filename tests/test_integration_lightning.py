@@ -230,3 +230,29 @@ def test_clipping_with_the_weights_in_the_tiers_equals_plain(tmp_path, offload):
     tiered = Tiny()
     t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[TiermemCallback(c)], **kw)
     compare((tiered, t_tiered), (plain, t_plain))
+
+
+@pytest.mark.parametrize("name", ["EmoNavi", "MADGRAD"])
+def test_overlap_with_a_step_that_reads_the_closures_loss(tmp_path, name):
+    # With overlap the callback runs Lightning's closure first and steps without it: an
+    # optimizer whose step reads the loss (EmoNavi) then stepped without it, different
+    # from the plain fit and no error. It is refused; one that ignores it runs as plain.
+    cls = getattr(pytest.importorskip("pytorch_optimizer"), name)
+
+    class WithIt(Tiny):
+        def configure_optimizers(self):
+            return cls(self.parameters(), lr=1e-2)
+
+    kw = dict(accumulate_grad_batches=2, max_steps=3)
+    cb = TiermemCallback(cfg(tmp_path, overlap_backward=True))
+    if name == "EmoNavi":
+        tiered = WithIt()
+        with pytest.raises(TierMemError, match="uses the loss"):
+            fit(tmp_path / "tiered", tiered, callbacks=[cb], **kw)
+        assert installed(tiered.trainer.optimizers[0]) is None
+        return
+    plain = WithIt()
+    t_plain = fit(tmp_path / "plain", plain, **kw)
+    tiered = WithIt()
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb], **kw)
+    compare((tiered, t_tiered), (plain, t_plain))

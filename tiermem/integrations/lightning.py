@@ -81,6 +81,15 @@ class TiermemCallback(pl.Callback):
                 handles.append(stack.enter_context(
                     tiermem.offload(opt, settings, model=pl_module, name=swap_name, **kwargs)))
                 if self._overlap:
+                    if handles[-1].offloaded.rule.uses_loss():
+                        # Lightning's closure returns the loss only after its backward has
+                        # started the update: the step would never see it, as plain does
+                        raise TierMemError(
+                            f"pipeline.overlap_backward cannot be used with "
+                            f"{type(handles[-1].optimizer).__name__} under Lightning: its "
+                            "step uses the loss of the closure Lightning passes, and the "
+                            "update starts during that closure's backward; set "
+                            "overlap_backward: false")
                     _closure_first(opt)
         except BaseException as exc:
             stack.__exit__(type(exc), exc, exc.__traceback__)
