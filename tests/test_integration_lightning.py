@@ -256,3 +256,44 @@ def test_overlap_with_a_step_that_reads_the_closures_loss(tmp_path, name):
     tiered = WithIt()
     t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb], **kw)
     compare((tiered, t_tiered), (plain, t_plain))
+
+
+class TwoOptimizers(Tiny):
+    """Manual optimization with one optimizer per layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.net(x) - y).square().mean()
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.net[0].parameters(), lr=1e-2),
+                torch.optim.SGD(self.net[2].parameters(), lr=0.05, momentum=0.9)]
+
+
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_two_optimizers(tmp_path, offload):
+    # parameters.offload: the second optimizer's block found the weights already taken
+    # by the first one's tier and failed on an empty parameter: refused up front instead.
+    c = cfg(tmp_path)
+    c["parameters"] = {"offload": offload}
+    cb = TiermemCallback(c)
+    if offload != "none":
+        tiered = TwoOptimizers()
+        with pytest.raises(TierMemError, match="2 optimizers"):
+            fit(tmp_path / "tiered", tiered, callbacks=[cb])
+        assert all(p.numel() > 0 for p in tiered.parameters())
+        return
+    plain = TwoOptimizers()
+    t_plain = fit(tmp_path / "plain", plain)
+    tiered = TwoOptimizers()
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb])
+    compare((tiered, t_tiered), (plain, t_plain))
+    compare_state_dicts(t_tiered.optimizers[1].state_dict(), t_plain.optimizers[1].state_dict())

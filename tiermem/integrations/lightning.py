@@ -71,6 +71,14 @@ class TiermemCallback(pl.Callback):
         optimizers = list(trainer.optimizers)
         if not optimizers:
             raise TierMemError("TiermemCallback: the LightningModule has no optimizer")
+        if len(optimizers) > 1 and settings.parameters.offload != "none":
+            # each optimizer's block would take the whole module's weights into a tier of
+            # its own: the second finds them taken (empty) and fails on that instead
+            raise TierMemError(
+                f"parameters.offload: {settings.parameters.offload} cannot be used with "
+                f"{len(optimizers)} optimizers: the parameter tier holds the weights of the "
+                "whole LightningModule for one optimizer; use one optimizer (param groups) "
+                "or parameters.offload: none")
         name = self.offload_kwargs.get("name", "default")
         kwargs = {k: v for k, v in self.offload_kwargs.items() if k != "name"}
         stack = contextlib.ExitStack()
