@@ -452,7 +452,7 @@ class OffloadedOptimizer:
 
     def _step_tiers(self, closure: Callable[[], Any] | None = None) -> None:
         if self.weights is not None:  # the grads are in the parameter tier, not in p.grad
-            self.weights.refuse_stale(self.params)
+            self.weights.before_step(self.params)
             stepped = {i for i, p in enumerate(self.params) if self.weights.has_gradient(p)}
         else:
             stepped = {i for i, p in enumerate(self.params) if p.grad is not None}

@@ -1119,25 +1119,29 @@ class ParamTier:
                 "used, which parameters.offload does not keep. Call optimizer.zero_grad() "
                 "(or model.zero_grad()) after each step")
 
-    def refuse_stale(self, params: Iterable[torch.Tensor]) -> None:
-        """Refuse a step that torch would take with the last step's gradients of `params`
-        (no zero_grad since, no backward either)."""
+    def before_step(self, params: Iterable[torch.Tensor]) -> None:
+        """A step of the optimizer holding `params` begins (backward is over): refuse one
+        torch would take with the last step's gradients (no zero_grad since, no backward
+        either), and store the zeros zero_grad(set_to_none=False) left where no backward
+        replaced them, for the step to read."""
         with self.lock:
             self._refuse_stale(self.indices(params), "optimizer.step()")
+            self._settle_grads()
+            self._fill_zeroed()
 
     @_locked
     def with_grads(self) -> set[int]:
-        """Indices (in model.parameters() order) of parameters holding a gradient."""
+        """Indices (in model.parameters() order) of parameters holding a gradient (zeros
+        left by zero_grad(set_to_none=False) count, as in torch)."""
         self._settle_grads()
-        self._fill_zeroed()
-        return {i for i, h in enumerate(self.has_grad) if h}
+        return {i for i, h in enumerate(self.has_grad) if h or i in self.zeroed}
 
     @_locked
     def has_gradient(self, p: torch.Tensor) -> bool:
+        # (not stored here: during backward, this would write zeros the hook then adds to)
         self._settle_grads()
-        self._fill_zeroed()
         i = self.index.get(id(p))
-        return i is not None and self.has_grad[i]
+        return i is not None and (self.has_grad[i] or i in self.zeroed)
 
     @_locked
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
