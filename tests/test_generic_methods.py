@@ -186,7 +186,7 @@ def _same(got, want, what: str) -> None:
         compare_state_dicts(_no_empty(got), _no_empty(want))
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(run=runs())
 def test_drawn_calls_equal_the_plain_optimizer_or_are_refused(tmp_path_factory, run):
