@@ -230,3 +230,70 @@ def test_clipping_with_the_weights_in_the_tiers_equals_plain(tmp_path, offload):
     tiered = Tiny()
     t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[TiermemCallback(c)], **kw)
     compare((tiered, t_tiered), (plain, t_plain))
+
+
+@pytest.mark.parametrize("name", ["EmoNavi", "MADGRAD"])
+def test_overlap_with_a_step_that_reads_the_closures_loss(tmp_path, name):
+    # With overlap the callback runs Lightning's closure first and steps without it: an
+    # optimizer whose step reads the loss (EmoNavi) then stepped without it, different
+    # from the plain fit and no error. It is refused; one that ignores it runs as plain.
+    cls = getattr(pytest.importorskip("pytorch_optimizer"), name)
+
+    class WithIt(Tiny):
+        def configure_optimizers(self):
+            return cls(self.parameters(), lr=1e-2)
+
+    kw = dict(accumulate_grad_batches=2, max_steps=3)
+    cb = TiermemCallback(cfg(tmp_path, overlap_backward=True))
+    if name == "EmoNavi":
+        tiered = WithIt()
+        with pytest.raises(TierMemError, match="uses the loss"):
+            fit(tmp_path / "tiered", tiered, callbacks=[cb], **kw)
+        assert installed(tiered.trainer.optimizers[0]) is None
+        return
+    plain = WithIt()
+    t_plain = fit(tmp_path / "plain", plain, **kw)
+    tiered = WithIt()
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb], **kw)
+    compare((tiered, t_tiered), (plain, t_plain))
+
+
+class TwoOptimizers(Tiny):
+    """Manual optimization with one optimizer per layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.net(x) - y).square().mean()
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.net[0].parameters(), lr=1e-2),
+                torch.optim.SGD(self.net[2].parameters(), lr=0.05, momentum=0.9)]
+
+
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_two_optimizers(tmp_path, offload):
+    # parameters.offload: the second optimizer's block found the weights already taken
+    # by the first one's tier and failed on an empty parameter: refused up front instead.
+    c = cfg(tmp_path)
+    c["parameters"] = {"offload": offload}
+    cb = TiermemCallback(c)
+    if offload != "none":
+        tiered = TwoOptimizers()
+        with pytest.raises(TierMemError, match="2 optimizers"):
+            fit(tmp_path / "tiered", tiered, callbacks=[cb])
+        assert all(p.numel() > 0 for p in tiered.parameters())
+        return
+    plain = TwoOptimizers()
+    t_plain = fit(tmp_path / "plain", plain)
+    tiered = TwoOptimizers()
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb])
+    compare((tiered, t_tiered), (plain, t_plain))
+    compare_state_dicts(t_tiered.optimizers[1].state_dict(), t_plain.optimizers[1].state_dict())

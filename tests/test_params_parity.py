@@ -24,6 +24,7 @@ import tiermem
 from tiermem.config import ConfigError
 from tiermem.errors import TierMemError
 
+from conftest import needs_io_uring
 from offload_helpers import backend_params
 
 V, D, STEPS = 50, 64, 4
@@ -629,3 +630,102 @@ def test_a_bf16_models_state_dict_loads_into_a_new_block(tmp_path, master):
         opt.load_state_dict(sd)
         steps(split, opt, data[2:])
     assert_same_model(whole, split)
+
+
+def _side_run(model, opt, batches, zero, *, clip: bool = True) -> list[float]:
+    """Synthetic's side branch is used on step 1 only: on the other steps its parameters
+    have a gradient only as what zero_grad(set_to_none=False) leaves, zeros, which torch
+    steps with (AdamW's decay and moments move them)."""
+    from offload_helpers import loss_of as synthetic_loss, side_used
+
+    losses = []
+    for i, ((tokens, target),) in enumerate(batches):
+        loss = synthetic_loss(model, tokens, target, side_used(i))
+        loss.backward()
+        losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the zeros count in it
+        opt.step()
+        zero(set_to_none=False)
+    return losses
+
+
+# each backend with each tier, each zero_grad with each tier
+@pytest.mark.parametrize("which, offload, backend", [
+    pytest.param("optimizer", "host", "io_uring", marks=needs_io_uring),
+    ("optimizer", "nvme", "threads"),
+    pytest.param("model", "nvme", "io_uring", marks=needs_io_uring),
+    ("model", "host", "threads")])
+def test_zero_grad_to_zeros_steps_every_parameter_as_torch(tmp_path, backend, offload, which):
+    # The tier forgot the gradients on every zero_grad: a parameter no later backward
+    # reached had no gradient, so the step left it alone where torch updates it with zeros.
+    from offload_helpers import Synthetic, compare_state_dicts, make_batches
+
+    model = Synthetic(vocab=300, hidden=130, out=9)
+    ref = copy.deepcopy(model)
+    data = make_batches(model, 4)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.05)
+    want = _side_run(ref, opt_ref, data, ref.zero_grad if which == "model" else opt_ref.zero_grad)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    c = cfg(tmp_path, offload=offload, backend=backend, window="1MiB")
+    with tiermem.offload(opt, c, model=model):
+        got = _side_run(model, opt, data, model.zero_grad if which == "model" else opt.zero_grad)
+    assert got == want
+    assert_same_model(ref, model)
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), n  # the zeros come back with the weights
+    compare_state_dicts(opt.state_dict(), opt_ref.state_dict())
+
+
+@pytest.mark.parametrize("second", ["backward", "step"])
+def test_the_last_steps_gradients_without_zero_grad_are_refused(tmp_path, second):
+    # torch adds the next backward to the gradient the last step used (or steps with it
+    # again); the tier dropped it at the step, and ran the next step on the new backward's
+    # gradient alone, or on none.
+    model = Net()
+    opt = make_opt(model)
+    (t, y), = batches(1)
+    with tiermem.offload(opt, cfg(tmp_path, offload="host"), model=model):
+        loss_of(model, t, y).backward()
+        opt.step()
+        with pytest.raises(TierMemError, match="no zero_grad"):
+            if second == "backward":
+                loss_of(model, t, y).backward()
+            else:
+                opt.step()
+        opt.zero_grad()  # what the message asks for: the loop goes on
+        loss_of(model, t, y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("before, offload, backend", [
+    ("backward", "host", "threads"),
+    pytest.param("backward", "nvme", "io_uring", marks=needs_io_uring),
+    ("zeros", "nvme", "threads"),
+    pytest.param("zeros", "host", "io_uring", marks=needs_io_uring)])
+def test_gradients_held_at_entry_move_into_the_tier(tmp_path, offload, before, backend):
+    # They stayed in p.grad, which neither the step nor the next backward's hook reads:
+    # the backward before the block was lost (zeros: the parameters were not stepped), or
+    # the next backward added into it out of the tier's sight.
+    ref, model = twins()
+    data = batches(3)
+
+    def run(m, opt, inside=contextlib.nullcontext):
+        t, y = data[0]
+        loss_of(m, t, y).backward()
+        if before == "zeros":
+            m.zero_grad(set_to_none=False)
+        with inside():
+            for t, y in data[1:]:
+                opt.step()  # the first uses the gradient from before (zeros: decay alone)
+                opt.zero_grad()
+                m.detour = True  # b1 used twice more: the gradient adds to the old one
+                loss_of(m, t, y).backward()
+                opt.step()
+                opt.zero_grad()
+
+    run(ref, make_opt(ref))
+    opt = make_opt(model)
+    c = cfg(tmp_path, offload=offload, backend=backend)
+    run(model, opt, lambda: tiermem.offload(opt, c, model=model))
+    assert_same_model(ref, model)

@@ -71,6 +71,14 @@ class TiermemCallback(pl.Callback):
         optimizers = list(trainer.optimizers)
         if not optimizers:
             raise TierMemError("TiermemCallback: the LightningModule has no optimizer")
+        if len(optimizers) > 1 and settings.parameters.offload != "none":
+            # each optimizer's block would take the whole module's weights into a tier of
+            # its own: the second finds them taken (empty) and fails on that instead
+            raise TierMemError(
+                f"parameters.offload: {settings.parameters.offload} cannot be used with "
+                f"{len(optimizers)} optimizers: the parameter tier holds the weights of the "
+                "whole LightningModule for one optimizer; use one optimizer (param groups) "
+                "or parameters.offload: none")
         name = self.offload_kwargs.get("name", "default")
         kwargs = {k: v for k, v in self.offload_kwargs.items() if k != "name"}
         stack = contextlib.ExitStack()
@@ -81,6 +89,15 @@ class TiermemCallback(pl.Callback):
                 handles.append(stack.enter_context(
                     tiermem.offload(opt, settings, model=pl_module, name=swap_name, **kwargs)))
                 if self._overlap:
+                    if handles[-1].offloaded.rule.uses_loss():
+                        # Lightning's closure returns the loss only after its backward has
+                        # started the update: the step would never see it, as plain does
+                        raise TierMemError(
+                            f"pipeline.overlap_backward cannot be used with "
+                            f"{type(handles[-1].optimizer).__name__} under Lightning: its "
+                            "step uses the loss of the closure Lightning passes, and the "
+                            "update starts during that closure's backward; set "
+                            "overlap_backward: false")
                     _closure_first(opt)
         except BaseException as exc:
             stack.__exit__(type(exc), exc, exc.__traceback__)

@@ -420,7 +420,7 @@ class OffloadedOptimizer:
 
         def zero_grad(set_to_none: bool = True) -> None:
             if off.weights is not None:
-                off.weights.zero_grad(off.params)
+                off.weights.zero_grad(off.params, set_to_none=set_to_none)
             (had or type(optimizer).zero_grad.__get__(optimizer))(set_to_none)
 
         optimizer.zero_grad = zero_grad
@@ -464,6 +464,7 @@ class OffloadedOptimizer:
 
     def _step_tiers(self, closure: Callable[[], Any] | None = None) -> None:
         if self.weights is not None:  # the grads are in the parameter tier, not in p.grad
+            self.weights.before_step(self.params)
             stepped = {i for i, p in enumerate(self.params) if self.weights.has_gradient(p)}
         else:
             stepped = {i for i, p in enumerate(self.params) if p.grad is not None}

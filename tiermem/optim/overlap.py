@@ -262,6 +262,8 @@ class BackwardOverlap:
                 error = self._error
             if error is not None:
                 raise error
+            if off.weights is not None:
+                off.weights.before_step(off.params)
             self._check_grads_unchanged()
             for p in off.params:
                 if p.grad is not None and p.grad.is_sparse:

@@ -274,6 +274,15 @@ class ParamTier:
         self.step_order: dict[int, int] = {}  # index -> rank in the step's order (no overlap)
         # gradients
         self.has_grad = [False] * len(self.params)
+        # What torch's p.grad would hold where the tier holds no gradient. zeroed: a tensor
+        # of zeros (zero_grad(set_to_none=False) after a gradient): the step updates the
+        # parameter with it and a backward adds into it, so it is stored, as zeros, only
+        # when something reads it (_fill_zeroed), not at every zero_grad. stale: the
+        # gradient the last step consumed, no zero_grad since: torch would add the next
+        # backward into it, or step with it again; the tier has dropped it, so both are
+        # refused (_refuse_stale).
+        self.zeroed: set[int] = set()
+        self.stale: set[int] = set()
         self.norms: dict[int, torch.Tensor] = {}
         self.clip_coef: torch.Tensor | None = None
         self.steps = 0
@@ -292,6 +301,7 @@ class ParamTier:
         self._hooks_ctx: list[Any] = []
         self._closed = False
         self._busy = False  # inside the tier's own work: UseGuard stands aside
+        taken: dict[int, torch.Tensor] = {}  # the gradients p.grad held at entry
         try:
             self._check_window()
             self._install()
@@ -300,6 +310,14 @@ class ParamTier:
                 for i in self.units[u]:
                     if self.unit_of[i] == u:
                         self._take_in(i)
+            # A gradient from a backward before the block (or one zero_grad(set_to_none=
+            # False) left) is one torch's next step would use or add to: it moves into the
+            # tier like any other, rather than staying in p.grad, where neither the step
+            # nor the next backward's hook would see it.
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    taken[i], p.grad = p.grad, None
+                    self.store_gradient(p, taken[i].detach().to("cpu"))
             self.records.drain()
         except BaseException:
             self._accumulators.clear()
@@ -311,6 +329,8 @@ class ParamTier:
                                                                          copy=True)
                     except TierMemError:
                         pass
+                if i in taken and p.grad is None and p.shape == taken[i].shape:
+                    p.grad = taken[i]
             for h in self._handles:
                 h.remove()
             if self.dev is not None:
@@ -379,7 +399,7 @@ class ParamTier:
         had = model.__dict__.get("zero_grad")
 
         def zero_grad(set_to_none: bool = True) -> None:
-            tier.zero_grad()
+            tier.zero_grad(set_to_none=set_to_none)
             (had or type(model).zero_grad.__get__(model))(set_to_none)
 
         model.zero_grad = zero_grad
@@ -935,6 +955,7 @@ class ParamTier:
     def _grad_ready(self, p: torch.Tensor) -> None:
         i = self.index[id(p)]
         self._unpin(i)
+        self._refuse_stale([i], "a backward")
         g, p.grad = p.grad, None
         if g is None:
             return
@@ -986,6 +1007,13 @@ class ParamTier:
         if g.layout != torch.strided:
             raise TierMemError(f"parameters.offload: {self.names[i]} got a {g.layout} "
                                "gradient; only dense gradients are supported")
+        self._refuse_stale([i], "a gradient stored")
+        if i in self.zeroed:
+            # torch adds into the zeros: a -0.0 of the new gradient becomes +0.0 (in place
+            # where it can: the tier owns a gradient handed to it, as `held` shows)
+            self.zeroed.discard(i)
+            if g.is_floating_point():
+                g = g.add_(0.0) if g.is_contiguous() else g + 0.0
         n = self._bytes(i)
         if i in self.held:
             self.held[i].add_(g)
@@ -1027,6 +1055,7 @@ class ParamTier:
     def gradient(self, p: torch.Tensor) -> torch.Tensor | None:
         """A copy of `p`'s stored gradient as the step will read it (clip applied)."""
         self._settle_grads()
+        self._fill_zeroed()
         i = self.index[id(p)]
         if not self.has_grad[i]:
             return None
@@ -1050,11 +1079,20 @@ class ParamTier:
         return self.weight(self.index[id(p)])
 
     @_locked
-    def zero_grad(self, params: Iterable[torch.Tensor] | None = None) -> None:
+    def zero_grad(self, params: Iterable[torch.Tensor] | None = None, *,
+                  set_to_none: bool = True) -> None:
         """Forget the stored gradients of `params` (all when None), as torch's zero_grad
-        drops p.grad: the next backward stores instead of adding."""
+        drops p.grad: the next backward stores instead of adding. set_to_none=False: a
+        parameter that had a gradient (this step's or the last step's) keeps one of zeros,
+        as torch's p.grad, which the next step updates it with."""
         self._settle_grads()  # a landing gradient belongs to a backward before this call
         for i in (range(len(self.params)) if params is None else self.indices(params)):
+            had = self.has_grad[i] or i in self.stale or i in self.zeroed
+            self.stale.discard(i)
+            if had and not set_to_none:
+                self.zeroed.add(i)
+            else:
+                self.zeroed.discard(i)
             self.has_grad[i] = False
             self.norms.pop(i, None)
             self.unwritten.discard(i)
@@ -1064,17 +1102,46 @@ class ParamTier:
         if not any(self.has_grad):
             self.clip_coef = None
 
+    def _fill_zeroed(self) -> None:
+        """The gradients of zeros that zero_grad(set_to_none=False) left, stored now that
+        something reads them (norm, clip, step); a backward since has replaced them."""
+        for i in sorted(self.zeroed):
+            self.zeroed.discard(i)
+            m = self.records.metas[i]
+            self.store_gradient(self.params[i], torch.zeros(m.shape, dtype=m.dtype))
+
+    def _refuse_stale(self, indices: Iterable[int], what: str) -> None:
+        stale = [i for i in indices if i in self.stale]
+        if stale:
+            raise TierMemError(
+                f"{what} for {self.names[stale[0]]} with no zero_grad() since the last "
+                "optimizer.step(): torch would add to (or step with) the gradient that step "
+                "used, which parameters.offload does not keep. Call optimizer.zero_grad() "
+                "(or model.zero_grad()) after each step")
+
+    def before_step(self, params: Iterable[torch.Tensor]) -> None:
+        """A step of the optimizer holding `params` begins (backward is over): refuse one
+        torch would take with the last step's gradients (no zero_grad since, no backward
+        either), and store the zeros zero_grad(set_to_none=False) left where no backward
+        replaced them, for the step to read."""
+        with self.lock:
+            self._refuse_stale(self.indices(params), "optimizer.step()")
+            self._settle_grads()
+            self._fill_zeroed()
+
     @_locked
     def with_grads(self) -> set[int]:
-        """Indices (in model.parameters() order) of parameters holding a gradient."""
+        """Indices (in model.parameters() order) of parameters holding a gradient (zeros
+        left by zero_grad(set_to_none=False) count, as in torch)."""
         self._settle_grads()
-        return {i for i, h in enumerate(self.has_grad) if h}
+        return {i for i, h in enumerate(self.has_grad) if h or i in self.zeroed}
 
     @_locked
     def has_gradient(self, p: torch.Tensor) -> bool:
+        # (not stored here: during backward, this would write zeros the hook then adds to)
         self._settle_grads()
         i = self.index.get(id(p))
-        return i is not None and self.has_grad[i]
+        return i is not None and (self.has_grad[i] or i in self.zeroed)
 
     @_locked
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -1087,6 +1154,7 @@ class ParamTier:
             raise TierMemError(f"clip_grad_norm_ with parameters.offload computes the 2-norm "
                                f"as gradients stream; norm_type={norm_type} is not supported")
         self._settle_grads()
+        self._fill_zeroed()
         self.grad_edits += 1
         norms = [torch.linalg.vector_norm(self.held[i], 2) if i in self.held else self.norms[i]
                  for i in range(len(self.params)) if self.has_grad[i]]
@@ -1266,6 +1334,9 @@ class ParamTier:
             self._drop_grad(i)
         for i in list(self.held):  # stored for a parameter the optimizer does not update
             self._drop_held(i)
+        # the gradients the optimizer's update read (a parameter it does not hold keeps
+        # none in torch's eyes either way: no step reads it)
+        self.stale = {i for i in self.finished if self.has_grad[i]}
         self._forget_round()
         self.unwritten.clear()
         self._drop_grads_inflight()
@@ -1377,6 +1448,7 @@ class ParamTier:
                 value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
                 grad = (given[i] if i in given else self.held.pop(i) if i in self.held
                         else self.records.fetch(GRAD, i).wait().clone() if self.has_grad[i]
+                        else torch.zeros_like(value) if i in self.zeroed
                         else None)
                 if grad is not None:
                     grad = grad.to(self.device)

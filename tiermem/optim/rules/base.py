@@ -160,6 +160,11 @@ class UpdateRule(ABC):
         group none of whose parameters has a gradient (no partition of it was updated), as
         a count kept in the group."""
 
+    def uses_loss(self) -> bool:
+        """Whether the optimizer's step reads the loss its closure returns (so an update
+        started before that loss exists, during backward, would not be the plain one)."""
+        return False
+
     def check_closure(self) -> None:
         """The user passes step() a closure, which tiermem evaluates once, before any
         partition: raise UnsupportedOptimizer if that is not what the optimizer's own step

@@ -298,6 +298,7 @@ class ShadowRule(UpdateRule):
         # this step's: hands each partition's shadow the loss of the user's closure
         self._closure: Callable[[], Any] | None = None
         self._closure_checked = False
+        self._uses_loss: bool | None = None
 
     @property
     def torch_keys(self) -> dict[str, str]:  # type: ignore[override]
@@ -384,6 +385,34 @@ class ShadowRule(UpdateRule):
         self._note_changes(next(i for i, gr in enumerate(self.opt.param_groups)
                                 if gr is group), after)
         self._closure_checked = True
+
+    def uses_loss(self) -> bool:
+        """Two shadows stepped on the same gradients, their closures returning different
+        losses: a step that reads the loss (EmoNavi) ends them apart. Probed once."""
+        if self._uses_loss is not None:
+            return self._uses_loss
+        group = next((g for g in self.opt.param_groups if g["params"]), None)
+        if group is None or self.per_parameter:
+            self._uses_loss = False
+            return False
+        first = group["params"][0]
+        shape = PROBE_SHAPES.get(first.dim(), [(2,) * first.dim()])[0]
+        ends = []
+        for losses in ([1.0, 0.5, 0.25], [4.0, 9.0, 0.125]):
+            p = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(first.dtype)
+            sh = self._shadow({k: _copy(v) for k, v in group.items() if k != "params"}, [p])
+            with _rngs_forked():
+                self._train_mode(sh)
+                for step, loss in enumerate(losses):
+                    p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(
+                        3 + step)).to(first.dtype)
+                    self._run(sh, "a probe with a closure",
+                              lambda loss=loss: torch.tensor(loss))
+            ends.append([p.detach().clone()] + [v for v in sh.state[p].values()
+                                                if isinstance(v, Tensor)])
+        self._uses_loss = len(ends[0]) != len(ends[1]) or not all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(*ends))
+        return self._uses_loss
 
     def _note_changes(self, g: int, after: list[tuple[dict, dict]]) -> None:
         """Note the values outside the state that a probe's steps after its first changed
