@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 
 from tiermem.config import ConfigError, Settings
 from tiermem.device.lanes import CudaBackend, DeferredBackend
-from tiermem.errors import TierMemError
+from tiermem.errors import TierMemError, WeightsLost
 from tiermem.params.device import DeviceSide
 from tiermem.params.records import GRAD, WEIGHT, Fetch, Meta, Records
 from tiermem.sizes import format_size
@@ -1373,11 +1373,28 @@ class ParamTier:
                 self._drop_inflight(i)
             self._drop_grads_inflight()
             self.records.drain()
+            lost: list[tuple[str, TierMemError]] = []
             for i, p in enumerate(self.params):
-                value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
-                grad = (given[i] if i in given else self.held.pop(i) if i in self.held
-                        else self.records.fetch(GRAD, i).wait().clone() if self.has_grad[i]
-                        else None)
+                # One record that cannot be read must not take the others with it: the
+                # records are removed below, so everything that can be read goes back
+                # now, and the caller hears what could not.
+                try:
+                    value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
+                except TierMemError as exc:
+                    if i not in self.live:
+                        self._release_storage(i)
+                        lost.append((self.names[i], exc))
+                        continue
+                    # the window holds this weight as it is now (a dirty one was written
+                    # above from this very tensor)
+                    value = p.detach().to(self.device, copy=True)
+                try:
+                    grad = (given[i] if i in given else self.held.pop(i) if i in self.held
+                            else self.records.fetch(GRAD, i).wait().clone()
+                            if self.has_grad[i] else None)
+                except TierMemError as exc:
+                    lost.append((f"{self.names[i]} (its gradient)", exc))
+                    grad = None
                 if grad is not None:
                     grad = grad.to(self.device)
                 self._release_storage(i)
@@ -1386,6 +1403,8 @@ class ParamTier:
                     p.grad = grad
             self.live.clear()
             self.used = 0
+            if lost:
+                raise WeightsLost([name for name, _ in lost], lost[0][1]) from lost[0][1]
         finally:
             self._closed = True
             self._unhook()
