@@ -518,7 +518,13 @@ class ParamTier:
             # stream passed this point (the device window counts it until then)
             self.dev.release(i, fetch.value)
         else:
-            fetch.wait()
+            try:
+                fetch.wait()
+            except TierMemError:
+                # Its bytes are never used: a fetch of this record reads it again and
+                # raises there, where the caller can say what is lost (close() goes on
+                # giving the other weights back).
+                pass
 
     def _advance(self) -> None:
         """Reads ahead for the device that landed go on to it now, on the h2d stream, ahead
