@@ -87,25 +87,28 @@ def _damage(tm, fault) -> None:
 
 @st.composite
 def faults(draw):
-    kind = draw(st.sampled_from(["transient", "hard", "flip", "truncate"]))
-    return dict(kind=kind, op=draw(st.sampled_from(["read", "write"])),
-                nth=draw(st.integers(0, 8)), engine=draw(st.sampled_from(["opt", "params"])),
+    kind = draw(st.sampled_from(["hard", "transient", "flip", "transient", "truncate", "hard"]))
+    # every run writes each record it updates; a small one may read none back
+    return dict(kind=kind, op=draw(st.sampled_from(["write", "write", "read"])),
+                nth=draw(st.integers(0, 5)), engine=draw(st.sampled_from(["opt", "params"])),
                 err=draw(st.sampled_from([errno.EIO, errno.ENOSPC, errno.EAGAIN])),
-                late=draw(st.booleans()), at=draw(st.integers(0, 2)),
+                late=draw(st.booleans()), at=draw(st.integers(0, 1)),
                 which=draw(st.integers(0, 50)), frac=draw(st.floats(0, 0.999)))
 
 
 @st.composite
 def faulty_runs(draw):
     sc = draw(scenarios())
-    # one block straight through: the fault is the cut
-    sc.update(steps=3, cut=None, resume=False, add_group=None, lanes=None)
+    # one block straight through (the fault is the cut), every record on NVMe (where
+    # the faults are)
+    sc.update(steps=3, cut=None, resume=False, add_group=None, lanes=None, host=0,
+              partition_size="64KiB")
     if sc["overlap"]:
         sc["clip"] = False
     return sc, draw(faults())
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(run=faulty_runs())
 def test_a_drawn_fault_changes_nothing_or_is_tiermems_error(tmp_path_factory, run):
@@ -173,8 +176,11 @@ LOST = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(LOST))
-@pytest.mark.parametrize("crash", [True, False], ids=["crash_consistent", "scratch"])
+# the read ahead is met only where a step fails and rolls back (crash_consistent)
+@pytest.mark.parametrize("case,crash", [("during-step", True), ("during-step", False),
+                                        ("read-ahead", True)],
+                         ids=["during-step-crash_consistent", "during-step-scratch",
+                              "read-ahead-crash_consistent"])
 @pytest.mark.parametrize("backend", backend_params())
 def test_weights_the_tier_cannot_read_back_at_exit_lose_nothing_else(tmp_path, backend,
                                                                      crash, case):
