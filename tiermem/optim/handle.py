@@ -304,6 +304,9 @@ class Offload:
         off.detach()
         off.close_tiers(remove_swap=False, flush=False)
         self._mark_kept()
+        if not isinstance(why, TierMemError):  # an interrupt stays one (signals.py)
+            why.add_note(f"tiermem: {self.where_state_is()}")
+            raise why
         raise TierMemError(f"the model's weights could not all be given back ({why}); "
                            f"{self.where_state_is()} (a resume puts the weights back "
                            "too)") from why
