@@ -31,7 +31,8 @@ from tiermem.optim.rules import UnsupportedOptimizer
 
 from adam_helpers import assert_bitwise
 from faults import FaultyBackend
-from offload_helpers import Synthetic, backend_params, make_batches, same_state_value
+from offload_helpers import (Synthetic, backend_params, loss_of, make_batches,
+                             same_state_value, side_used)
 from test_scenarios import OPTIMIZERS, _config, _fresh, _loop, _streams, scenarios
 
 
@@ -236,3 +237,48 @@ def test_weights_the_tier_cannot_read_back_at_exit_lose_nothing_else(tmp_path, b
         assert tm.resumed_step == committed
         _same(model2, opt2.state_dict(), snaps[committed], "resumed")
         tm.discard()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_step_rolled_back_after_updates_during_backward_asks_for_its_gradients(
+        tmp_path, backend, op):
+    """crash_consistent, pipeline.overlap_backward and parameters.offload: nvme. A step
+    whose I/O fails for good is rolled back, but the updates during backward had taken
+    their gradients from memory, and the tier keeps them nowhere else: step() run again
+    would miss them (a write fault: silently not the plain run) or read gradient records
+    never written. It refuses, naming what to do; after zero_grad() and the backward
+    again, the run is bitwise the plain one."""
+    sc = dict(opt="adamw-amsgrad", two_groups=False, backend=backend, host=0,
+              partition_size="64KiB", buffers=(2, 1), zigzag=True, write_back="immediate",
+              paths=1, overlap=True, crash=True, weights="nvme", steps=3, micro=1,
+              clip=False, sched=False, lr_change=None, add_group=None, cut=None,
+              resume=False, lanes=None)
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=7)
+    batches = make_batches(model, 3, seed=7)
+    snaps = _reference(sc, model, batches)
+    opt, _ = _fresh(model, sc, 0, OPTIMIZERS)
+    refused = 0
+    with tiermem.offload(opt, _config(tmp_path, sc), model=model) as tm:
+        engine = tm.offloaded.tiers.engine
+        for i in range(3):
+            tokens, target = batches[i][0]
+            loss_of(model, tokens, target, side_used(i)).backward()
+            if i == 1:  # io.retries (2) reissues fail too
+                engine._backend = FaultyBackend(engine._backend, op, 0 if op == "read" else 3,
+                                                times=3)
+            try:
+                opt.step()
+            except TierMemError:
+                assert tm.committed_step == 1
+                with pytest.raises(TierMemError, match="run that step's forward and "
+                                                       "backward again"):
+                    opt.step()
+                refused += 1
+                opt.zero_grad()
+                loss_of(model, tokens, target, side_used(i)).backward()
+                opt.step()
+            opt.zero_grad()
+        sd = opt.state_dict()
+    assert refused == 1
+    _same(model, sd, snaps[3], "after the backward again")
