@@ -30,7 +30,7 @@ from tiermem.errors import TierMemError, WeightsLost
 from tiermem.optim.rules import UnsupportedOptimizer
 
 from adam_helpers import assert_bitwise
-from faults import FaultyBackend
+from faults import FailedTransfer, FaultyBackend
 from offload_helpers import (Synthetic, backend_params, loss_of, make_batches,
                              same_state_value, side_used)
 from test_scenarios import OPTIMIZERS, _config, _fresh, _loop, _streams, scenarios
@@ -282,3 +282,38 @@ def test_a_step_rolled_back_after_updates_during_backward_asks_for_its_gradients
         sd = opt.state_dict()
     assert refused == 1
     _same(model, sd, snaps[3], "after the backward again")
+
+
+class _ReadsFail:
+    """Every read of the wrapped backend fails (EIO): a drive gone for reads."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def submit(self, *, op, nbytes, offset, **kw):
+        if op == "read":
+            return FailedTransfer(errno.EIO, offset, nbytes)
+        return self.inner.submit(op=op, nbytes=nbytes, offset=offset, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_device_models_weights_unread_at_exit_are_named_never_guessed(tmp_path, backend):
+    """A device model (its lanes emulated) with parameters.offload: nvme whose weight
+    records cannot be read when the block ends: a weight the window holds is not taken
+    from the device side's copy (which may still be on its way: the emulation fills it
+    with NaN), so every parameter is named lost and none comes back made up."""
+    sc = dict(LOST["read-ahead"][0], backend=backend, crash=False, cut=None, resume=False)
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=5)
+    batches = make_batches(model, sc["steps"], micro=sc["micro"], seed=5)
+    opt, sched = _fresh(model, sc, 0, OPTIMIZERS)
+    with pytest.raises(WeightsLost) as info:
+        with tiermem.offload(opt, _config(tmp_path, sc), model=model, **_streams(sc)) as tm:
+            _loop(model, opt, sched, batches, 0, 2, sc, tm)
+            engine = tm.offloaded.weights.records.engine
+            engine._backend = _ReadsFail(engine._backend)
+    names = [n for n, _ in model.named_parameters()]
+    assert [n for n in info.value.names if "gradient" not in n] == names
+    assert all(p.numel() == 0 for p in model.parameters())

@@ -518,13 +518,7 @@ class ParamTier:
             # stream passed this point (the device window counts it until then)
             self.dev.release(i, fetch.value)
         else:
-            try:
-                fetch.wait()
-            except TierMemError:
-                # Its bytes are never used: a fetch of this record reads it again and
-                # raises there, where the caller can say what is lost (close() goes on
-                # giving the other weights back).
-                pass
+            fetch.wait()
 
     def _advance(self) -> None:
         """Reads ahead for the device that landed go on to it now, on the h2d stream, ahead
@@ -1376,7 +1370,12 @@ class ParamTier:
             for i in list(self.grads_out):
                 self._drop_grad(i)
             for i in list(self.inflight):
-                self._drop_inflight(i)
+                try:
+                    self._drop_inflight(i)
+                except TierMemError:
+                    # a read ahead that failed: every record is fetched anew below, and
+                    # one that cannot be read is named there, without stopping the rest
+                    pass
             self._drop_grads_inflight()
             self.records.drain()
             lost: list[tuple[str, TierMemError]] = []
@@ -1387,12 +1386,13 @@ class ParamTier:
                 try:
                     value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
                 except TierMemError as exc:
-                    if i not in self.live:
+                    if i not in self.live or self.dev is not None:
                         self._release_storage(i)
                         lost.append((self.names[i], exc))
                         continue
-                    # the window holds this weight as it is now (a dirty one was written
-                    # above from this very tensor)
+                    # a host model's window holds this weight as it is now (a dirty one
+                    # was written above from this very tensor); a device side's copy may
+                    # still be on its way, so there the weight counts as lost
                     value = p.detach().to(self.device, copy=True)
                 try:
                     grad = (given[i] if i in given else self.held.pop(i) if i in self.held
