@@ -45,3 +45,15 @@ class TierMemIOError(TierMemError, OSError):
             why = f"{os.strerror(err)} ({_errno.errorcode.get(err, err)})"
         return cls(f"{op} of {length} bytes at offset {offset} in {path} failed: {why}",
                    op=op, path=path, offset=offset, length=length, errno=err)
+
+
+class WeightsLost(TierMemError):
+    """The parameter tier could not give some weights (or gradients) back to the model at
+    the end of a block (a record that cannot be read): those parameters are left empty."""
+
+    def __init__(self, names: list[str], cause: BaseException) -> None:
+        self.names = list(names)
+        shown = ", ".join(self.names[:5]) + (", ..." if len(self.names) > 5 else "")
+        super().__init__(f"the weights of {len(self.names)} parameter(s) ({shown}) could not "
+                         f"be read back from the parameter tier ({cause}); the model holds "
+                         "them as empty tensors (a gradient named: that gradient is None)")

@@ -276,7 +276,15 @@ class Offload:
                     weights.close()
             except BaseException as exc:  # the optimizer state still leaves properly
                 failed = exc
-            self._exit_state()
+            if failed is not None and weights is not None and self.offloaded.crash:
+                self._keep_commit(failed)
+            # The weights that could not be given back left their parameters empty: the
+            # state still has their shapes, which only the closed tier knows now.
+            self.offloaded.weights = weights if failed is not None else None
+            try:
+                self._exit_state()
+            finally:
+                self.offloaded.weights = None
             if failed is not None:
                 raise failed
         except BaseException as exc:
@@ -286,6 +294,22 @@ class Offload:
             raise
         if pending is not None:
             raise pending
+
+    def _keep_commit(self, why: BaseException) -> None:
+        """The model did not get all its weights back: the last commit holds them with the
+        optimizer state, and a resume puts both back. Keep it untouched (the state now in
+        memory would be written against parameters that are empty)."""
+        off = self.offloaded
+        self.kept_on_disk = off.tiers.run_dir()
+        off.detach()
+        off.close_tiers(remove_swap=False, flush=False)
+        self._mark_kept()
+        if not isinstance(why, TierMemError):  # an interrupt stays one (signals.py)
+            why.add_note(f"tiermem: {self.where_state_is()}")
+            raise why
+        raise TierMemError(f"the model's weights could not all be given back ({why}); "
+                           f"{self.where_state_is()} (a resume puts the weights back "
+                           "too)") from why
 
     def _exit_state(self) -> None:
         off = self.offloaded

@@ -198,6 +198,9 @@ class OffloadedOptimizer:
         self.keep_previous = keep_previous
         # Set when a failed step could not be rolled back: why no step may run any more.
         self.broken: str | None = None
+        # Set when a step rolled back had taken gradients that exist nowhere else: why no
+        # step may run before a backward gives them again (cleared by zero_grad()).
+        self.gradients_gone: str | None = None
         self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         if model is None and any(r.match != "*" for r in settings.placement):
             raise TierMemError("placement rules match parameter names: pass model= to "
@@ -421,6 +424,7 @@ class OffloadedOptimizer:
         def zero_grad(set_to_none: bool = True) -> None:
             if off.weights is not None:
                 off.weights.zero_grad(off.params, set_to_none=set_to_none)
+            off.gradients_gone = None
             (had or type(optimizer).zero_grad.__get__(optimizer))(set_to_none)
 
         optimizer.zero_grad = zero_grad
@@ -443,6 +447,8 @@ class OffloadedOptimizer:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if self.broken:
             raise TierMemError(self.broken)
+        if self.gradients_gone:
+            raise TierMemError(self.gradients_gone)
         if self.overlap is not None:
             # Ctrl-C / SIGTERM leave only between partitions (signals.safe_point), never
             # with a record's write half issued.
@@ -989,6 +995,16 @@ class OffloadedOptimizer:
             return
         exc.add_note(f"tiermem: step {step} failed part-way; the optimizer state and the "
                      f"model's weights were rolled back to committed step {manifest.step}")
+        if self.overlap is not None and self.weights is not None:
+            # The updates during backward took their gradients from memory, where nothing
+            # keeps them past the update (their records were never written): a step run
+            # again would miss them, or read records that were never written.
+            self.gradients_gone = (
+                f"step {step} was rolled back after updates during backward had used "
+                "gradients that the parameter tier does not keep (pipeline.overlap_backward "
+                "with parameters.offload); call optimizer.zero_grad() and run that step's "
+                "forward and backward again before optimizer.step()")
+            exc.add_note(f"tiermem: {self.gradients_gone}")
 
     def _adopt_counts(self, manifest: Any) -> None:
         self.steps = StepCounts(manifest.steps)

@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 
 from tiermem.config import ConfigError, Settings
 from tiermem.device.lanes import CudaBackend, DeferredBackend
-from tiermem.errors import TierMemError
+from tiermem.errors import TierMemError, WeightsLost
 from tiermem.params.device import DeviceSide
 from tiermem.params.records import GRAD, WEIGHT, Fetch, Meta, Records
 from tiermem.sizes import format_size
@@ -1441,15 +1441,38 @@ class ParamTier:
             for i in list(self.grads_out):
                 self._drop_grad(i)
             for i in list(self.inflight):
-                self._drop_inflight(i)
+                try:
+                    self._drop_inflight(i)
+                except TierMemError:
+                    # a read ahead that failed: every record is fetched anew below, and
+                    # one that cannot be read is named there, without stopping the rest
+                    pass
             self._drop_grads_inflight()
             self.records.drain()
+            lost: list[tuple[str, TierMemError]] = []
             for i, p in enumerate(self.params):
-                value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
-                grad = (given[i] if i in given else self.held.pop(i) if i in self.held
-                        else self.records.fetch(GRAD, i).wait().clone() if self.has_grad[i]
-                        else torch.zeros_like(value) if i in self.zeroed
-                        else None)
+                # One record that cannot be read must not take the others with it: the
+                # records are removed below, so everything that can be read goes back
+                # now, and the caller hears what could not.
+                try:
+                    value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
+                except TierMemError as exc:
+                    if i not in self.live or self.dev is not None:
+                        self._release_storage(i)
+                        lost.append((self.names[i], exc))
+                        continue
+                    # a host model's window holds this weight as it is now (a dirty one
+                    # was written above from this very tensor); a device side's copy may
+                    # still be on its way, so there the weight counts as lost
+                    value = p.detach().to(self.device, copy=True)
+                try:
+                    grad = (given[i] if i in given else self.held.pop(i) if i in self.held
+                            else self.records.fetch(GRAD, i).wait().clone()
+                            if self.has_grad[i] else torch.zeros_like(value)
+                            if i in self.zeroed else None)
+                except TierMemError as exc:
+                    lost.append((f"{self.names[i]} (its gradient)", exc))
+                    grad = None
                 if grad is not None:
                     grad = grad.to(self.device)
                 self._release_storage(i)
@@ -1458,6 +1481,8 @@ class ParamTier:
                     p.grad = grad
             self.live.clear()
             self.used = 0
+            if lost:
+                raise WeightsLost([name for name, _ in lost], lost[0][1]) from lost[0][1]
         finally:
             self._closed = True
             self._unhook()
