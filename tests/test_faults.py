@@ -273,3 +273,56 @@ def test_reading_back_a_cut_off_write_is_retried_or_names_the_lost_record(
         with pytest.raises(tiermem.TierMemError, match="state of partition .* is lost"):
             _run(tmp_path / "run", backend, fault=("write", 3, 1), late=True)
         assert len(failed) == 3  # the first try and io.retries (2) more
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_scratch_step_that_fails_part_way_counts_only_what_it_updated(tmp_path, backend):
+    """scratch: a read that fails for good mid-step leaves the partitions before it updated
+    and the rest not. Each parameter's state then says which: its step count and moments
+    (and its weights) are the plain optimizer's after the step it has taken, one or two,
+    never a count one ahead of its moments (a parameter cut across the failure is half
+    updated, as the docs say)."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 64, generator=g) for _ in range(2)]
+    refs = []
+    for steps in (1, 2):  # the plain run after one step and after two
+        ref = make()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for x in xs[:steps]:
+            ref(x).square().mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        refs.append((ref, ref_opt.state_dict()))
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = _cfg(tmp_path, backend, 1)
+    cfg["optimizer"] = {"kernel": "match"}
+    with tiermem.offload(opt, cfg) as tm:
+        model(xs[0]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        faulty = inject(tm, "read", 3, times=2)  # both attempts of the 4th read fail
+        model(xs[1]).square().mean().backward()
+        with pytest.raises(tiermem.TierMemIOError):
+            opt.step()
+        assert faulty.injected == 2
+        sd = opt.state_dict()
+        parts_of: dict[int, set[int]] = {}
+        for part in tm.offloaded.parts:
+            for s in part.segments:
+                parts_of.setdefault(s.index, set()).add(part.id)
+    params = list(model.parameters())
+    taken = {1: 0, 2: 0}
+    for i, st in sd["state"].items():
+        if len(parts_of[i]) > 1:
+            continue  # cut across partitions: may be half updated
+        k = int(st["step"])
+        ref, ref_sd = refs[k - 1]
+        taken[k] += 1
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[key], ref_sd["state"][i][key]), (i, k, key)
+        assert torch.equal(params[i].detach(), list(ref.parameters())[i].detach()), (i, k)
+    assert taken[1] and taken[2], taken  # the fault landed mid-step

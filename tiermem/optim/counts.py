@@ -53,6 +53,12 @@ class StepCounts:
             self._counts.index_add_(0, torch.tensor(sorted(indices), dtype=torch.long),
                                     torch.ones(len(indices)))
 
+    def decrement(self, indices: set[int]) -> None:
+        """Parameters `indices` did not take the step they were counted for after all."""
+        if indices:
+            self._counts.index_add_(0, torch.tensor(sorted(indices), dtype=torch.long),
+                                    torch.full((len(indices),), -1.0))
+
     def extend(self, n: int) -> None:
         """n more parameters, never stepped (add_param_group). Views handed out before
         still show the counts as they were, no later step."""

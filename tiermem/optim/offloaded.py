@@ -207,6 +207,8 @@ class OffloadedOptimizer:
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = StepCounts(0.0 for _ in self.params)
+        # parameters a scratch step has updated so far (a failed one uncounts the rest)
+        self.updated_now: set[int] = set()
         self.origins = list(origins)
         self.share = share or {}
         # Each parameter's other scalar state (rule.scalar_keys: ASGD's eta, mu, ...) as
@@ -496,6 +498,11 @@ class OffloadedOptimizer:
                     self.lanes.settle()  # queued copies and kernels done, nothing staged
                 if self.crash:
                     self.roll_back(exc, stats.step)
+                else:
+                    # scratch: the partitions before the failure are updated and the rest
+                    # not; a parameter none of whose partitions was updated keeps the count
+                    # its state has (a parameter cut across the failure is half updated)
+                    self.steps.decrement(stepped - self.updated_now)
                 raise
             self.close_step(stats)
         self.threads.observe(stats)  # (timed: step_seconds is in)
@@ -533,6 +540,7 @@ class OffloadedOptimizer:
         step of every parameter), and the host scalars their last step left (kept aside
         until now so every segment of the step started from the same)."""
         self.steps.increment(indices)
+        self.updated_now = set()  # of those, the ones updated so far
         if self._next_scalars:
             for i in indices:
                 if i in self._next_scalars:
@@ -570,6 +578,7 @@ class OffloadedOptimizer:
                 if rec.fresh:
                     self.rule.init(rec.part, rec.views)
                 digest = self._update(rec.part, rec.views, stats)
+                self.updated_now.update(s.index for s in rec.part.segments)
             finally:
                 # also when the update failed: the window must not keep them pinned (a
                 # crash-consistent roll-back then rewrites their weights)
@@ -611,6 +620,7 @@ class OffloadedOptimizer:
         label = f"update p{parts[0].id}-p{parts[-1].id}"
         with timed(stats, "update_seconds", label), update_range(label):
             run()
+        self.updated_now.update(s.index for rec in held for s in rec.part.segments)
         for rec in held:
             self.tiers.release(rec, stats)
 
