@@ -321,10 +321,11 @@ class BackwardOverlap:
                 raise TierMemError(
                     f"the gradient of {self._name(index)} changed between backward and "
                     "optimizer.step() (gradient clipping, GradScaler.unscale_, zero_grad or "
-                    "another edit): with pipeline.overlap_backward: true updates start during "
-                    "backward with the gradients as backward leaves them, so parts of this step "
-                    "already used the unedited ones. Set pipeline.overlap_backward: false to "
-                    "edit gradients before the step")
+                    "another edit, or an optimizer whose own step writes into its gradients, "
+                    "which tiermem's probe did not see): with pipeline.overlap_backward: true "
+                    "updates start during backward with the gradients as backward leaves them, "
+                    "so parts of this step already used the unedited ones. Set "
+                    "pipeline.overlap_backward: false to edit gradients before the step")
 
     def _close_round(self, stats: StepStats) -> None:
         # The next step is predicted to follow this one's gradient order.
