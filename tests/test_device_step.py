@@ -656,38 +656,48 @@ def test_cuda_crash_consistent_refuses_gpu_tier(tmp_path):
             pass
 
 
+def seeded_stack(device: str, dtype: torch.dtype, cfg: dict) -> tuple[list, dict]:
+    """Four 256 x 256 Linear layers on `device` trained 3 steps under tiermem with `cfg`, on
+    gradients seeded alike on every device: the weights and the state_dict, on the CPU."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]
+                                ).to(device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    with tiermem.offload(opt, cfg) as tm:
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen).to(device=device, dtype=p.dtype)
+            opt.step()
+            opt.zero_grad()
+        out = ([p.detach().cpu() for p in model.parameters()],
+               torch.utils._pytree.tree_map(
+                   lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, opt.state_dict()))
+        tm.discard()
+    return out
+
+
+def assert_same_run(got: tuple[list, dict], want: tuple[list, dict]) -> None:
+    for i, (w, r) in enumerate(zip(got[0], want[0])):
+        assert_same_tensor(w, r, f"param {i}")
+    compare_state_dicts(got[1], want[1])
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mix", ["host", "nvme"])
 def test_cuda_bf16_moments_on_the_host(tmp_path, mix, dtype):
     """bf16 moments of a CUDA model (step_device cpu): the native pass on the host, on
     the grads the lanes bring over, its weights sent back by them: bit for bit the same
-    model trained on the CPU (the same seeded gradients on both)."""
-    def run(device, swap):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]
-                                    ).to(device=device, dtype=dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        cfg = lane_config(swap, "cpu", kernel="auto", partition_size="64KiB",
-                          buffer_count=4, **MIXES[mix])
-        cfg["optimizer"].update(state_dtype="bf16")
-        gen = torch.Generator().manual_seed(1)
-        with tiermem.offload(opt, cfg) as tm:
-            for _ in range(3):
-                for p in model.parameters():
-                    p.grad = torch.randn(p.shape, generator=gen).to(device=device,
-                                                                    dtype=p.dtype)
-                opt.step()
-                opt.zero_grad()
-            out = [p.detach().cpu() for p in model.parameters()], opt.state_dict()
-            tm.discard()
-        return out
+    model trained on the CPU."""
+    def cfg(swap):
+        c = lane_config(swap, "cpu", kernel="auto", partition_size="64KiB", buffer_count=4,
+                        **MIXES[mix])
+        c["optimizer"].update(state_dtype="bf16")
+        return c
 
-    got, want = run("cuda", tmp_path / "cuda"), run("cpu", tmp_path / "cpu")
-    for i, (w, r) in enumerate(zip(got[0], want[0])):
-        assert_same_tensor(w, r, f"param {i}")
-    compare_state_dicts(torch.utils._pytree.tree_map(
-        lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, got[1]), want[1])
+    assert_same_run(seeded_stack("cuda", dtype, cfg(tmp_path / "cuda")),
+                    seeded_stack("cpu", dtype, cfg(tmp_path / "cpu")))
 
 
 @needs_cuda
@@ -712,35 +722,16 @@ def test_cuda_int8_state(tmp_path, mix, master, moments):
     the gpu tier and through the device slots (step_device device): kernels.lowbit's
     reference on the GPU, bit for bit the native pass on the same model on the CPU (the
     same seeded gradients on both)."""
-    def run(device, swap, gpu, host):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]
-                                    ).to(device=device, dtype=torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        cfg = lane_config(swap, "device" if device == "cuda" else "cpu", kernel="auto",
-                          host=host, partition_size="64KiB", buffer_count=4)
-        cfg["tiers"]["gpu"]["capacity"] = gpu
-        cfg["optimizer"].update(state_dtype=moments, master_weights=master)
-        gen = torch.Generator().manual_seed(1)
-        with tiermem.offload(opt, cfg) as tm:
-            for _ in range(3):
-                for p in model.parameters():
-                    p.grad = torch.randn(p.shape, generator=gen).to(device=device,
-                                                                    dtype=p.dtype)
-                opt.step()
-                opt.zero_grad()
-            out = ([p.detach().cpu() for p in model.parameters()],
-                   torch.utils._pytree.tree_map(
-                       lambda t: t.cpu() if isinstance(t, torch.Tensor) else t,
-                       opt.state_dict()))
-            tm.discard()
-        return out
+    def cfg(swap, device, gpu, host):
+        c = lane_config(swap, "device" if device == "cuda" else "cpu", kernel="auto",
+                        host=host, partition_size="64KiB", buffer_count=4)
+        c["tiers"]["gpu"]["capacity"] = gpu
+        c["optimizer"].update(state_dtype=moments, master_weights=master)
+        return c
 
     state = 4 * 256 * 257 * 8
     gpu, host = {"gpu": (2 * state, 0), "nvme": (0, 0),
                  "gpu+host+nvme": (state // 3, state // 3)}[mix]
-    got = run("cuda", tmp_path / "cuda", gpu, host)
-    want = run("cpu", tmp_path / "cpu", 0, "64MiB")
-    for i, (w, r) in enumerate(zip(got[0], want[0])):
-        assert_same_tensor(w, r, f"param {i}")
-    compare_state_dicts(got[1], want[1])
+    assert_same_run(
+        seeded_stack("cuda", torch.bfloat16, cfg(tmp_path / "cuda", "cuda", gpu, host)),
+        seeded_stack("cpu", torch.bfloat16, cfg(tmp_path / "cpu", "cpu", 0, "64MiB")))

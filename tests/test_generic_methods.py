@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
-import importlib.util
 import zlib
 
 import torch
@@ -29,14 +27,9 @@ from tiermem.optim.rules import UnsupportedOptimizer
 from offload_helpers import (Synthetic, available_backends, compare_state_dicts, config,
                              loss_of, make_batches, side_used)
 from adam_helpers import assert_bitwise
+from test_scenarios import _thirdparty
 
 O = torch.optim
-
-
-def _thirdparty(module: str, name: str, **kw):
-    def make(params):
-        return getattr(importlib.import_module(module), name)(params, **kw)
-    return make if importlib.util.find_spec(module) else None
 
 
 OPTIMIZERS = {k: v for k, v in {
