@@ -178,6 +178,19 @@ class SelfCounted(Stepped):
             p.sub_(st["m"] / (1 - 0.9 ** self.t), alpha=self.current_lr)
 
 
+class SavesItsCount(SelfCounted):
+    """SelfCounted whose state_dict() carries its count beside "state" and "param_groups",
+    and whose load_state_dict() takes it back (pytorch_optimizer's StableSPAM does so with
+    its total_step)."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "t": self.t}
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self.t = state_dict.get("t", 0)
+
+
 class GlobalStep(Stepped):
     """Bias-corrected momentum counting its steps in state["global_step"], not under a
     parameter (MADGRAD keeps state["k"])."""
@@ -988,3 +1001,21 @@ def test_closures_and_lr_schedulers(tmp_path, backend, cls, kw):
     params_equal(model, ref, "closure + scheduler")
     state_equal(opt.state_dict(), ref_opt.state_dict(), "closure + scheduler")
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] != kw.get("lr", 0.01)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_load_state_dict_hands_the_optimizer_its_own_keys(tmp_path, backend):
+    """An optimizer whose state_dict() adds its own keys beside state and param_groups gets
+    them back in a load under tiermem, as in a plain load: a fresh optimizer loading a
+    plain one's state_dict steps on as the plain one does."""
+    model, opt, ref, ref_opt = pair(SavesItsCount, {})
+    batches = make_batches(model, 4)
+    train(ref, ref_opt, batches[:2])
+    model.load_state_dict(ref.state_dict())
+    with tiermem.offload(opt, cfg(tmp_path, backend, "mixed"), model=model):
+        opt.load_state_dict(ref_opt.state_dict())
+        train(model, opt, batches[2:], start=2)
+        sd = opt.state_dict()
+    train(ref, ref_opt, batches[2:], start=2)
+    assert (opt.t, sd["t"]) == (ref_opt.t, ref_opt.t) == (4, 4)
+    params_equal(model, ref, "after loading a state_dict with its own keys")

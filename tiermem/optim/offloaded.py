@@ -1140,8 +1140,12 @@ class OffloadedOptimizer:
             return isinstance(k, int) or (isinstance(k, str) and k.isdigit())
 
         # torch's own load takes the groups, and the entries under keys that are no
-        # parameter (MADGRAD's count in state['k']) into opt.state, where they stay
-        groups_only = {"state": {k: v for k, v in state_dict["state"].items()
+        # parameter (MADGRAD's count in state['k']) into opt.state, where they stay; the
+        # optimizer's own load_state_dict also gets whatever else its state_dict() added
+        # beside them (pytorch_optimizer's StableSPAM keeps its total_step there)
+        groups_only = {**{k: v for k, v in state_dict.items()
+                          if k not in ("state", "param_groups")},
+                       "state": {k: v for k, v in state_dict["state"].items()
                                  if not a_param(k)},
                        "param_groups": state_dict["param_groups"]}
         type(self.opt).load_state_dict(self.opt, groups_only)
