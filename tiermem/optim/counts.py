@@ -47,17 +47,18 @@ class StepCounts:
 
     def increment(self, indices: set[int]) -> None:
         """Parameters `indices` take a step."""
-        if len(indices) == len(self._views):
-            self._counts.add_(1)
-        elif indices:
-            self._counts.index_add_(0, torch.tensor(sorted(indices), dtype=torch.long),
-                                    torch.ones(len(indices)))
+        self._add(indices, 1.0)
 
     def decrement(self, indices: set[int]) -> None:
         """Parameters `indices` did not take the step they were counted for after all."""
-        if indices:
+        self._add(indices, -1.0)
+
+    def _add(self, indices: set[int], amount: float) -> None:
+        if len(indices) == len(self._views):
+            self._counts.add_(amount)
+        elif indices:
             self._counts.index_add_(0, torch.tensor(sorted(indices), dtype=torch.long),
-                                    torch.full((len(indices),), -1.0))
+                                    torch.full((len(indices),), amount))
 
     def extend(self, n: int) -> None:
         """n more parameters, never stepped (add_param_group). Views handed out before
