@@ -17,6 +17,8 @@ from torch.optim import optimizer as _optimizer_module
 
 HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
 ATTR = "_tiermem"  # the instance attribute that names the target while installed
+# GradScaler hands an optimizer that sets this its scale and inf flag (tiermem/optim/amp.py)
+AMP = "_step_supports_amp_scaling"
 
 
 class Target(Protocol):
@@ -70,6 +72,15 @@ class Installed:
                 return opt_self.__dict__[ATTR].call_state_method(_name, *args, **kwargs)
             method.__name__ = name
             setattr(opt, name, types.MethodType(method, opt))
+
+    def claim_amp(self) -> None:
+        """Have GradScaler hand every step, skipped ones too, to the target with its scale
+        and inf flag (optimizer.grad_scale / found_inf) instead of unscaling p.grad and
+        deciding on its own whether to call step(): where the target cannot take a scaled
+        step it must be there to refuse it (tiermem/optim/amp.py)."""
+        if self._originals is not None and AMP not in self._originals:
+            self._originals[AMP] = self.opt.__dict__.get(AMP)
+            setattr(self.opt, AMP, True)
 
     def remove(self) -> None:
         if self._originals is None:

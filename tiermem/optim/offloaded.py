@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -22,6 +23,7 @@ from tiermem.errors import TierMemError
 from tiermem.kernels.adam import kernel_matching
 from tiermem.swap.manifest import (read_manifest, scalar_from_json, value_from_json,
                                     write_manifest)
+from tiermem.optim import amp
 from tiermem.optim.counts import StepCounts
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.overlap import BackwardOverlap
@@ -209,6 +211,9 @@ class OffloadedOptimizer:
         self.steps = StepCounts(0.0 for _ in self.params)
         # parameters a scratch step has updated so far (a failed one uncounts the rest)
         self.updated_now: set[int] = set()
+        # After a scratch step failed part-way: the gradients (grad_marks) its updated
+        # parameters took it with; a step() on the same ones would update them twice.
+        self._applied: dict[int, Any] = {}
         self.origins = list(origins)
         self.share = share or {}
         # Each parameter's other scalar state (rule.scalar_keys: ASGD's eta, mu, ...) as
@@ -299,6 +304,8 @@ class OffloadedOptimizer:
             self.close_tiers(remove_swap=not resume)
             raise
         self._hooks = Installed(optimizer, self)
+        if settings.pipeline.overlap_backward or settings.parameters.offload != "none":
+            self._hooks.claim_amp()  # so a GradScaler's step reaches the refusal (optim/amp.py)
         # Updates that start during backward (pipeline.overlap_backward; tiermem/overlap.py).
         self.overlap: BackwardOverlap | None = None
         if settings.pipeline.overlap_backward and settings.parameters.offload == "none":
@@ -451,6 +458,7 @@ class OffloadedOptimizer:
             raise TierMemError(self.broken)
         if self.gradients_gone:
             raise TierMemError(self.gradients_gone)
+        self._refuse_applied()
         if self.overlap is not None:
             # Ctrl-C / SIGTERM leave only between partitions (signals.safe_point), never
             # with a record's write half issued.
@@ -458,6 +466,20 @@ class OffloadedOptimizer:
                 return self.overlap.step(closure)
         args, kwargs = run_pre_hooks(self.opt, (closure,), {})
         closure = args[0] if args else kwargs.get("closure")
+        scaled = amp.handover(self.opt)
+        if scaled is not None:
+            if self.weights is not None:
+                amp.refuse(self.opt, "parameters.offload",
+                           "the gradients are in the parameter tier, where GradScaler "
+                           "cannot check them for inf/NaN")
+            if scaled.found_inf:
+                # torch's fused step leaves the weights and the state as they were
+                run_post_hooks(self.opt, args, kwargs)
+                step_called(self.opt)
+                return None
+            if scaled.grad_scale is not None:  # before the lanes stage any gradient
+                amp.unscale((p.grad for p in self.params if p.grad is not None),
+                            scaled.grad_scale)
         loss = None
         if closure is not None:
             self.rule.check_closure()  # before the closure's forward and backward run
@@ -503,10 +525,53 @@ class OffloadedOptimizer:
                     # not; a parameter none of whose partitions was updated keeps the count
                     # its state has (a parameter cut across the failure is half updated)
                     self.steps.decrement(stepped - self.updated_now)
+                    self.failed_part_way(self.updated_now, stats.step)
                 raise
             self.close_step(stats)
         self.threads.observe(stats)  # (timed: step_seconds is in)
         step_called(self.opt)
+
+    def grad_marks(self, indices: Iterable[int]) -> dict[int, Any]:
+        """What tells each parameter's gradient from the next: a backward, a zero_grad or
+        an edit in place changes its mark."""
+        if self.weights is not None:
+            return {i: self.weights.grad_mark(self.params[i]) for i in indices}
+        marks: dict[int, Any] = {}
+        for i in indices:
+            g = self.params[i].grad
+            # a weak reference: an id() may be reused by the next backward's gradient
+            marks[i] = None if g is None else (weakref.ref(g), g._version)
+        return marks
+
+    def failed_part_way(self, updated: set[int], step: int) -> None:
+        """A scratch step failed after updating `updated` (documented: they keep it)."""
+        if updated:
+            self._applied = self.grad_marks(updated)
+            self._applied_step = step
+
+    def _refuse_applied(self) -> None:
+        if not self._applied:
+            return
+        now = self.grad_marks(self._applied)
+
+        def same(was: Any, is_: Any) -> bool:
+            if was is None or is_ is None:
+                return False
+            if self.weights is not None:
+                return was == is_
+            return was[0]() is not None and was[0]() is is_[0]() and was[1] == is_[1]
+
+        again = [i for i, mark in self._applied.items() if same(mark, now[i])]
+        if again:
+            p = self.params[again[0]]
+            name = self.names.get(id(p)) or f"parameter {again[0]} (shape {tuple(p.shape)})"
+            raise TierMemError(
+                f"step {self._applied_step} failed part-way (swap.durability: scratch) after "
+                f"updating {len(again)} parameter(s), {name} among them, with these "
+                "gradients; an optimizer.step() on the same gradients would update them "
+                "twice. Compute new gradients first (zero_grad, forward, backward), or use "
+                "swap.durability: crash_consistent, which rolls a failed step back")
+        self._applied = {}
 
     def begin_step(self, closure: Callable[[], Any] | None = None) -> StepStats:
         """The figures of the step about to run (the reads run ahead of it counted in).

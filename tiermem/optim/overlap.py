@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 
 from tiermem.errors import TierMemError, TierMemWarning
+from tiermem.optim import amp
 from tiermem.optim.hooks import run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.partition import Partition
@@ -264,6 +265,10 @@ class BackwardOverlap:
                 raise error
             if off.weights is not None:
                 off.weights.before_step(off.params)
+            # before the gradients' check: GradScaler's own inf check rewrites them (times 1)
+            amp.refuse(off.opt, "pipeline.overlap_backward: true",
+                       "backward already updated parts of this step with the gradients "
+                       "still scaled, before GradScaler could unscale them or skip the step")
             self._check_grads_unchanged()
             for p in off.params:
                 if p.grad is not None and p.grad.is_sparse:
@@ -283,6 +288,8 @@ class BackwardOverlap:
                 off.weights.round_over()
             if off.crash:  # the worker is idle: reopening the last commit is safe now
                 off.roll_back(exc, off.steps_taken + 1)
+            else:
+                off.failed_part_way(self._stepped, off.steps_taken + 1)
             raise
         finally:
             self._reset_round()

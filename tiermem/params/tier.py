@@ -251,9 +251,13 @@ class ParamTier:
         # gradients handed to the step from `held`: in no record, so written if evicted
         # before every partition holding a piece of the parameter has been updated
         self.unwritten: set[int] = set()
+        # gradients of `unwritten` whose every piece was updated: gone with the step (no
+        # record was ever written), so a step that failed after them cannot read them again
+        self.spent: set[int] = set()
         self.pieces = [1] * len(self.params)  # optimizer partitions holding a piece of each
         self.updates: dict[int, int] = {}  # pieces updated this step
         self.grad_edits = 0  # zero_grad and clip calls: a gradient edited after its hook
+        self.grad_stores = [0] * len(self.params)  # gradients stored (a backward's, each)
         self.lock = threading.RLock()
         # Partitions queued for an update during backward and not updated yet (set by the
         # optimizer's overlap): while there are some, a gradient with no room waits for
@@ -1028,6 +1032,7 @@ class ParamTier:
             # the norm of the stored (accumulated) gradient: final once backward is
             self.norms[i] = torch.linalg.vector_norm(stored, 2)
         self.has_grad[i] = True
+        self.grad_stores[i] += 1
         self.stats.grads_stored += 1
 
     def _room_to_hold(self, n: int) -> bool:
@@ -1096,6 +1101,7 @@ class ParamTier:
             self.has_grad[i] = False
             self.norms.pop(i, None)
             self.unwritten.discard(i)
+            self.spent.discard(i)
             self._drop_grad(i)
             self._drop_held(i)
         self.grad_edits += 1
@@ -1137,6 +1143,11 @@ class ParamTier:
         return {i for i, h in enumerate(self.has_grad) if h or i in self.zeroed}
 
     @_locked
+    def grad_mark(self, p: torch.Tensor) -> tuple[int, int]:
+        """What changes when `p`'s gradient does: a backward stores one, zero_grad and clip
+        edit them all."""
+        return self.grad_stores[self.index[id(p)]], self.grad_edits
+
     def has_gradient(self, p: torch.Tensor) -> bool:
         # (not stored here: during backward, this would write zeros the hook then adds to)
         self._settle_grads()
@@ -1199,6 +1210,12 @@ class ParamTier:
             self._materialise(i, wait=False)
             self._settle(i)
             if self.has_grad[i] and i not in self.grads_out:
+                if i in self.spent:
+                    raise TierMemError(
+                        f"the gradient of {self.names[i]} was used by an update during "
+                        "backward of a step that failed, and the parameter tier does not "
+                        "keep it (pipeline.overlap_backward): call optimizer.zero_grad() and "
+                        "run the forward and backward again before optimizer.step()")
                 n = self._bytes(i)
                 if i in self.held and self.clip_coef is not None:
                     self._spill(i)  # scaled below: the record keeps the gradient as it was
@@ -1302,6 +1319,8 @@ class ParamTier:
                 self.dirty.add(i)
                 self.updates[i] = self.updates.get(i, 0) + 1
                 if self.updates[i] >= self.pieces[i]:
+                    if i in self.unwritten:
+                        self.spent.add(i)
                     self.unwritten.discard(i)
                     self._drop_grad(i)
                     self.finished.add(i)
@@ -1339,6 +1358,7 @@ class ParamTier:
         self.stale = {i for i in self.finished if self.has_grad[i]}
         self._forget_round()
         self.unwritten.clear()
+        self.spent.clear()
         self._drop_grads_inflight()
         self.has_grad = [False] * len(self.params)
         self.norms.clear()
@@ -1467,6 +1487,7 @@ class ParamTier:
                     value = p.detach().to(self.device, copy=True)
                 try:
                     grad = (given[i] if i in given else self.held.pop(i) if i in self.held
+                            else None if i in self.spent  # a failed step's update took it
                             else self.records.fetch(GRAD, i).wait().clone()
                             if self.has_grad[i] else torch.zeros_like(value)
                             if i in self.zeroed else None)

@@ -1,0 +1,172 @@
+"""torch.amp.GradScaler (fp16 mixed precision) through a tiered optimizer, and a step
+retried on the gradients a failed one already applied.
+
+GradScaler hands an optimizer that declares `_step_supports_amp_scaling` (torch's fused
+Adam, AdamW, SGD, Adagrad) its scale and inf flag instead of unscaling the gradients
+itself (tiermem/optim/amp.py). The reference is the same plain fused optimizer under the
+same GradScaler, fed the same batches: equal bitwise, skipped steps included, with every
+kernel tiermem may run. Where tiermem cannot honour the hand-over (overlap_backward,
+parameters.offload) the step is refused, skipped steps too, at step() itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.errors import WeightsLost
+from faults import inject
+from offload_helpers import (Synthetic, backend_params, compare_runs, config, loss_of,
+                             make_batches)
+
+STEPS = 6
+
+# (name, optimizer factory, kernels tiermem may run for it)
+FUSED = [
+    ("adam", lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True), ("match", "native")),
+    ("adamw_amsgrad", lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, fused=True),
+     ("match", "native")),
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True,
+                                       fused=True), ("match",)),
+    ("adagrad", lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True), ("match",)),
+]
+CASES = [pytest.param(name, make, kernel, id=f"{name}-{kernel}")
+         for name, make, kernels in FUSED for kernel in kernels]
+
+
+def _scaled_run(model, opt, batches, *, infs, unscale, init_scale):
+    """fp16-style steps through a GradScaler (on the CPU); the losses of steps in `infs`
+    are made inf, so GradScaler skips them. unscale: the user unscales first (to clip)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    for i, micro in enumerate(batches):
+        tokens, target = micro[0]
+        loss = loss_of(model, tokens, target, True)  # every parameter gets a gradient
+        if i in infs:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if unscale:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scaler.get_scale()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name, make, kernel", CASES)
+@pytest.mark.parametrize("infs, unscale", [((0, 3), False), ((2,), True)],
+                         ids=["skips-first", "unscaled-by-user"])
+def test_a_fused_optimizer_under_gradscaler_equals_the_plain_one(tmp_path, backend, name,
+                                                                  make, kernel, infs, unscale):
+    """The scale comes in: gradients divided by it (1000 is no power of two, so a product
+    with its reciprocal would differ), steps with inf/NaN gradients skipped, state and
+    weights bitwise the plain fused optimizer's, placements mixed (host and NVMe)."""
+    if name == "sgd" and 0 in infs:
+        # torch's fused SGD skipping its first step keeps a momentum buffer from
+        # torch.empty_like: the reference itself would run on uninitialised memory
+        infs = tuple(i + 1 for i in infs)
+    model = Synthetic()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    batches = make_batches(model, STEPS)
+    ref_scale = _scaled_run(ref, ref_opt, batches, infs=infs, unscale=unscale,
+                            init_scale=1000.0)
+    cfg = config(tmp_path, backend=backend, host="96KiB", kernel=kernel)
+    with tiermem.offload(opt, cfg, model=model):
+        scale = _scaled_run(model, opt, batches, infs=infs, unscale=unscale,
+                            init_scale=1000.0)
+        assert opt._step_supports_amp_scaling is True  # the fused optimizer's own
+    assert scale == ref_scale
+    compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("setting", ["overlap", "params", "overlap+params"])
+@pytest.mark.parametrize("first_inf", [False, True])
+def test_gradscaler_where_tiermem_cannot_honour_it_is_refused_at_step(
+        tmp_path, backend, fused, setting, first_inf):
+    """With overlap_backward the updates ran before GradScaler could unscale or skip; with
+    parameters.offload GradScaler cannot see the gradients. Either way step() itself says
+    so, a step GradScaler skips too (tiermem claims the hand-over for the optimizer), and
+    leaving the block afterwards raises nothing else (no gradient reported lost)."""
+    model = Synthetic()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+    cfg = config(tmp_path, backend=backend)
+    cfg["pipeline"]["overlap_backward"] = "overlap" in setting
+    if "params" in setting:
+        cfg["parameters"] = {"offload": "nvme"}
+    (tokens, target), = make_batches(model, 1)[0]
+    with pytest.raises(tiermem.TierMemError, match="GradScaler") as info:
+        with tiermem.offload(opt, cfg, model=model):
+            assert opt._step_supports_amp_scaling is True
+            scaler = torch.amp.GradScaler("cpu")
+            loss = loss_of(model, tokens, target, True)
+            scaler.scale(loss * float("inf") if first_inf else loss).backward()
+            scaler.step(opt)
+    assert "GradScaler" in str(info.value) and "cannot honour" in str(info.value)
+    assert not isinstance(info.value, WeightsLost)
+    # the hand-over was claimed for the block only
+    assert ("_step_supports_amp_scaling" in opt.__dict__) == fused
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_failed_step_during_backward_leaves_no_gradient_reported_lost(tmp_path, backend):
+    """overlap_backward + parameters.offload: a step that fails after backward's updates
+    took gradients that were never written to a record (they are kept in memory) must not
+    make the block's end look for them on disk and report them lost."""
+    model = Synthetic()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cfg = config(tmp_path, backend=backend)
+    cfg["pipeline"]["overlap_backward"] = True
+    cfg["parameters"] = {"offload": "nvme"}
+    (tokens, target), = make_batches(model, 1)[0]
+
+    def refuse(*_):
+        raise KeyError("a pre-hook refusing the step")
+
+    with pytest.raises(KeyError):
+        with tiermem.offload(opt, cfg, model=model):
+            opt.register_step_pre_hook(refuse)
+            loss_of(model, tokens, target, True).backward()
+            opt.step()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("how", ["io-fault", "overlap-refusal"])
+def test_a_step_on_the_gradients_a_failed_step_applied_is_refused(tmp_path, backend, how):
+    """scratch: a step that failed part-way leaves the parameters before the failure
+    updated (documented). step() again on the same gradients would update them twice:
+    refused, naming why; with new gradients the run goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = {"swap": {"paths": [str(tmp_path / "swap")]},  # as tests/test_faults.py's
+           "io": {"backend": backend, "retries": 1},
+           "tiers": {"host": {"capacity": 0}},
+           "pipeline": {"partition_size": "64KiB", "buffer_count": 3, "prefetch_depth": 1,
+                        "overlap_backward": how == "overlap-refusal"}}
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    with tiermem.offload(opt, cfg) as tm:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if how == "io-fault":
+            inject(tm, "read", 3, times=2)  # both attempts of the 4th read fail
+            with pytest.raises(tiermem.TierMemIOError):
+                opt.step()
+        else:  # an edit after backward's updates began: the step is refused part-way
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            with pytest.raises(tiermem.TierMemError, match="changed between backward"):
+                opt.step()
+            tm.offloaded.wait_idle()
+        with pytest.raises(tiermem.TierMemError, match="update them twice"):
+            opt.step()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()  # new gradients: no refusal
