@@ -737,6 +737,51 @@ def rank_dies(rank: int, world: int, tmp: str) -> None:
     raise AssertionError(f"rank {rank}: no error")
 
 
+def gradscaler(rank: int, world: int, tmp: str) -> None:
+    """torch.amp.GradScaler over ranks. With gradients all-reduced before it (DDP's;
+    distributed.grads: allreduced) a fused AdamW under it equals the plain one, bitwise,
+    its skipped step included (rank 0's inf reaches every rank through the all-reduce).
+    With reduce_scatter each rank's GradScaler sees only its own gradients: every rank
+    refuses the step at step(), also where only rank 0 found an inf (its GradScaler would
+    skip the step while the other's waits in a collective, were the hand-over not taken)."""
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    mk = lambda m: torch.optim.AdamW(groups_of(m), lr=1e-2, weight_decay=0.05,  # noqa: E731
+                                     fused=True)
+    opt, ref_opt = mk(model), mk(ref_model)
+    batches = make_batches(model, STEPS, seed=10 + rank)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2)]
+    with tiermem.offload(opt, small_cfg(tmp, grads="allreduced"), model=model):
+        for i, micro in enumerate(batches):
+            for m, o, scaler in ((model, opt, scalers[0]), (ref_model, ref_opt, scalers[1])):
+                for tokens, target in micro:
+                    loss = loss_of(m, tokens, target, used_side(i, rank))
+                    scaler.scale(loss * float("inf") if i == 1 and rank == 0
+                                 else loss).backward()
+                averaged(m, world)  # DDP's all-reduce
+                scaler.step(o)
+                scaler.update()
+                o.zero_grad()
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 1000.0
+    compare_runs(model, opt, ref_model, ref_opt)
+    for fused in (False, True):
+        model = Synthetic()
+        opt = torch.optim.AdamW(groups_of(model), lr=1e-2, fused=fused)
+        (tokens, target), = make_batches(model, 1, seed=10 + rank)[0]
+        d = os.path.join(tmp, f"reduce-scatter-fused-{fused}")  # a failed exit keeps it
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        try:
+            with tiermem.offload(opt, small_cfg(d), model=model):
+                scaler = torch.amp.GradScaler("cpu")
+                loss = loss_of(model, tokens, target, False)
+                scaler.scale(loss * float("inf") if rank == 0 else loss).backward()
+                scaler.step(opt)
+        except tiermem.TierMemError as exc:
+            assert "GradScaler" in str(exc) and "reduce_scatter" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {rank}: GradScaler with reduce_scatter not refused")
+
+
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
     from dist_harness import scenario_results
 
@@ -772,6 +817,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "resume-kept-scalars": lambda r, d: resume_kept_scalars(r, world, d),
         "fsdp2": lambda r, d: fsdp2(r, world, d),
         "fsdp2-repadded": lambda r, d: fsdp2(r, world, d, repad=True),
+        "gradscaler": lambda r, d: gradscaler(r, world, d),
         "rank-raises": lambda r, d: rank_raises(r, world, d),
         "rank-dies": lambda r, d: rank_dies(r, world, d),
     }

@@ -32,6 +32,7 @@ from tiermem.dist.collectives import Collectives
 from tiermem.config import Settings
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
+from tiermem.optim import amp
 from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
@@ -158,6 +159,8 @@ class DistributedOffload(Offload):
         opt.state.clear()  # each rank's share of it is in the tiers now
         self.rank_plans = self._gather_plans()
         self._hooks = Installed(opt, self)
+        if self._local_grads():
+            self._hooks.claim_amp()  # so every rank's GradScaler step reaches the refusal
         if resume and off.crash:
             # Each rank restored its own pieces' weights from its masters: share them.
             self.layout.weights_out(self._fresh_comm())
@@ -269,10 +272,33 @@ class DistributedOffload(Offload):
         return {"comm_seconds": 0.0, "comm_wait_seconds": 0.0, "comm_bytes": 0,
                 "weights_seconds": 0.0, "weights_wait_seconds": 0.0, "windows_early": 0}
 
+    def _local_grads(self) -> bool:
+        """Each rank's p.grad is its own until the step reduces it (or FSDP's shard of
+        it): a GradScaler there sees only this rank's gradients."""
+        return self.coll.world > 1 and self.layout.grads_mode != "allreduced"
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         opt = self.opt
         args, kwargs = run_pre_hooks(opt, (closure,), {})
         closure = args[0] if args else kwargs.get("closure")
+        # GradScaler's hand-over (optim/amp.py) is the user's optimizer's, not the shadow's;
+        # every rank takes the same branch (GradScaler steps each rank alike)
+        scaled = amp.handover(opt)
+        if scaled is not None:
+            if self._local_grads():
+                amp.refuse(opt, "fully_shard parameters" if self.layout.fsdp else
+                           f"distributed.grads: {self.layout.grads_mode}",
+                           "each rank's GradScaler looks for inf/NaN in its own gradients "
+                           "before tiermem reduces them, so the ranks would disagree on "
+                           "which steps to skip (DDP's all-reduced gradients, "
+                           "distributed.grads: allreduced, work)")
+            if scaled.found_inf:  # as torch's fused step: nothing changes
+                step_called(opt)
+                run_post_hooks(opt, args, kwargs)
+                return None
+            if scaled.grad_scale is not None:
+                amp.unscale((p.grad for g in opt.param_groups for p in g["params"]
+                             if p.grad is not None), scaled.grad_scale)
         loss = None
         if closure is not None:
             with torch.enable_grad():
