@@ -297,3 +297,38 @@ def test_two_optimizers(tmp_path, offload):
     t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[cb])
     compare((tiered, t_tiered), (plain, t_plain))
     compare_state_dicts(t_tiered.optimizers[1].state_dict(), t_plain.optimizers[1].state_dict())
+
+
+class _FusedOrNot(Tiny):
+    """Its loss is inf at step 1: the GradScaler skips that step and halves its scale."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused = fused
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if self.global_step == 1 else loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.05,
+                                 fused=self.fused)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_mixed_precision_equals_plain(tmp_path, fused):
+    """fp16 mixed precision steps through Lightning's GradScaler (its plugin given, since
+    precision='16-mixed' falls back to bf16 on the CPU): a fused AdamW takes the scale and
+    inf flag from it (tiermem/optim/amp.py), an unfused one gets unscaled gradients; either
+    way the tiered fit equals the plain one, the skipped step too."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    fits = []
+    for callbacks in ([], [TiermemCallback(cfg(tmp_path))]):
+        module = _FusedOrNot(fused)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        fits.append((module, fit(tmp_path / str(len(fits)), module, callbacks=callbacks,
+                                 plugins=[plugin]), plugin.scaler))
+    (plain, t_plain, s_plain), (tiered, t_tiered, s_tiered) = fits
+    assert s_plain.get_scale() == s_tiered.get_scale() < 2.0 ** 16  # one step skipped
+    compare((tiered, t_tiered), (plain, t_plain))
