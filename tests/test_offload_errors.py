@@ -60,8 +60,11 @@ def test_adam_subclass_is_accepted(tmp_path):
     assert opt.state[model.fc1.weight]["exp_avg"].any()
 
 
-@pytest.mark.parametrize("case", ["differentiable", "non-contiguous", "complex"])
+@pytest.mark.parametrize("case", ["differentiable", "non-contiguous", "complex", "float64-sgd",
+                                  "float64-adam", "float64-adafactor"])
 def test_unsupported_parameters_and_flags(tmp_path, case):
+    """float64: the records keep fp32 state and masters, and each update of a float64
+    parameter came back rounded to fp32 (every rule; the plain optimizer keeps float64)."""
     if case == "differentiable":
         opt = torch.optim.Adam(Synthetic().parameters(), differentiable=True)
         words = "differentiable"
@@ -70,6 +73,11 @@ def test_unsupported_parameters_and_flags(tmp_path, case):
         assert not p.is_contiguous()
         opt = torch.optim.Adam([p])
         words = "contiguous"
+    elif case.startswith("float64"):
+        make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                "adam": torch.optim.Adam, "adafactor": torch.optim.Adafactor}[case[8:]]
+        opt = make(Synthetic().double().parameters())
+        words = "torch.float64 parameters are not supported"
     else:
         opt = torch.optim.Adam([torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))])
         words = "complex64"

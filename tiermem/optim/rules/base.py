@@ -79,6 +79,13 @@ def check_group_tensors(g: int, group: dict[str, Any]) -> None:
         if not p.is_floating_point() or p.is_complex():
             raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
                                        f"floating point, got {p.dtype}")
+        if p.dtype == torch.float64:
+            # every record keeps its state, and the master of a parameter that is not fp32,
+            # in fp32: each float64 update would come back rounded to fp32
+            raise UnsupportedOptimizer(
+                f"param_groups[{g}]: {p.dtype} parameters are not supported (tiermem keeps "
+                "optimizer state and master weights in fp32, which would round every "
+                "update); train in fp32, or leave this optimizer untiered")
         if not p.is_contiguous():
             raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
                                        f"{tuple(p.shape)} is not contiguous")
