@@ -825,7 +825,9 @@ class OffloadedOptimizer:
                       threads=self._update_threads())
         slices = {k: part.slices(k) for k in part.kinds}
         copies_back = []
-        kept = []  # (record's copy, model weights): master_weights kahan/none, committed
+        # (record's copy, model weights): master_weights kahan/none, or an fp32 CPU model's
+        # master, committed
+        kept = []
         updated = []
         off = 0
         # A host record updated from host grads (a CPU model's, or those the lanes already
@@ -844,7 +846,14 @@ class OffloadedOptimizer:
                     continue
                 g = (host_grads[i] if host_grads is not None
                      else g.reshape(-1)[s.start: s.start + s.length])
-                if master is not None:
+                weights = s.param.detach().view(-1)[s.start: s.start + s.length]
+                if master is not None and host_grads is None and \
+                        weights.dtype == torch.float32 and weights.device == master.device:
+                    # as in _native_batch: the fp32 model's own weights are stepped, and the
+                    # record's master (what a commit keeps) copied from them after
+                    target = weights
+                    kept.append((master[sl], target))
+                elif master is not None:
                     target = master[sl]
                     if g.dtype != torch.float32 or g.device != target.device:
                         if scratch is None:
@@ -852,7 +861,7 @@ class OffloadedOptimizer:
                         g = scratch[sl].copy_(g)
                     copies_back.append((s, target))
                 else:
-                    target = s.param.detach().view(-1)[s.start: s.start + s.length]
+                    target = weights
                     if "weight" in views:
                         kept.append((views["weight"][sl], target))
                 batch.params.append(target)
@@ -973,17 +982,20 @@ class OffloadedOptimizer:
                 continue
             built.updated.append(n)
             weights = s.param.detach().view(-1)[s.start: s.start + s.length]
-            batch.params.append(weights if master is None else master[sl])
+            # an fp32 CPU model's own weights are what the step starts from, as for the plain
+            # optimizer (a clamp or a load_state_dict since the last step counts); the
+            # record's master is only the copy a commit keeps
+            own = master is None or (host_grads is None and weights.dtype == torch.float32)
+            batch.params.append(weights if own else master[sl])
             if host_grads is not None:
                 batch.weights_out.append(None)
                 batch.grads.append(host_grads[n])
                 built.to_device.append((s, master[sl]))
             else:
-                fp32_model = master is not None and weights.dtype == torch.float32
-                batch.weights_out.append(None if master is None or fp32_model else weights)
+                batch.weights_out.append(None if own else weights)
                 batch.grads.append(s.param.grad.reshape(-1)[s.start: s.start + s.length])
-                if fp32_model:
-                    built.copies.append((weights, master[sl]))
+                if master is not None and own:
+                    built.copies.append((master[sl], weights))
             batch.steps.append(self.steps[s.index])
             batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
             batch.segments.append(s)
