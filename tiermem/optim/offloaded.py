@@ -1109,6 +1109,13 @@ class OffloadedOptimizer:
         return {p: self.rule.to_torch_state(self._shaped(p), self.opt.param_groups[
             self._group_of(i)], out[p]) for i, p in enumerate(self.params) if p in out}
 
+    def holds_state(self) -> bool:
+        """Whether a plain optimizer would hold per-parameter state now (some parameter
+        has stepped, or the optimizer makes its state eagerly): what `opt.state` answers
+        to truth testing inside the block (hooks.HeldState)."""
+        return bool(self.params) and (self.rule.eager_state
+                                      or any(v != 0 for v in self.steps.values()))
+
     def _shaped(self, p: torch.Tensor) -> torch.Tensor:
         """`p` with its shape: with the weights in the parameter tier p is empty between
         uses, and its shape and weights come from the tier."""
