@@ -79,3 +79,40 @@ def test_dcp_get_state_dict_of_a_fresh_optimizer(tmp_path, backend):
         _same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd)
         train(model, opt, batches)
     compare_runs(model, opt, ref, ref_opt)
+
+
+def _trained_checkpoint(model, cls, kw, batches):
+    """(model's weights, optimizer state_dict keyed by parameter names) after `batches`
+    on a plain optimizer over a copy of `model`."""
+    m = copy.deepcopy(model)
+    o = cls(m.parameters(), **kw)
+    train(m, o, batches)
+    return copy.deepcopy(m.state_dict()), copy.deepcopy(get_optimizer_state_dict(m, o))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("via", ["set_optimizer_state_dict", "load_state_dict"])
+def test_state_keyed_by_parameter_names_loads(tmp_path, backend, via):
+    # set_optimizer_state_dict hands load_state_dict the state under parameter names, as
+    # the groups list them; torch maps the n-th listed key to the n-th parameter. The
+    # tiered load took only numbered keys for parameters' entries: nothing was loaded and
+    # the run started over from step 1
+    model = Synthetic()
+    batches = make_batches(model, 4)
+    kw = dict(lr=0.01, amsgrad=True)
+    weights, sd = _trained_checkpoint(model, torch.optim.AdamW, kw, batches[:2])
+    model.load_state_dict(weights)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    load = ((lambda m, o, s: set_optimizer_state_dict(m, o, s))
+            if via == "set_optimizer_state_dict" else (lambda m, o, s: o.load_state_dict(s)))
+    load(ref, ref_opt, copy.deepcopy(sd))
+    train(ref, ref_opt, batches[2:], start=2)
+    with tiermem.offload(opt, _cfg(tmp_path, backend), model=model):
+        load(model, opt, copy.deepcopy(sd))
+        # (the side branch, parameters 5 and 6, ran in the second step only)
+        assert {k: float(v["step"]) for k, v in opt.state_dict()["state"].items()} == {
+            k: 2.0 if k < 5 else 1.0 for k in range(7)}
+        train(model, opt, batches[2:], start=2)
+    compare_runs(model, opt, ref, ref_opt)

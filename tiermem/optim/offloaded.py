@@ -1143,8 +1143,20 @@ class OffloadedOptimizer:
             saved = state_dict["param_groups"][part.group] if part.group < len(
                 state_dict["param_groups"]) else {}
             self.rule.check_loaded(part, saved)
-        def a_param(k: Any) -> bool:  # torch numbers the parameters' entries
-            return isinstance(k, int) or (isinstance(k, str) and k.isdigit())
+        # A parameter's entry is one under a key the saved groups list, the n-th of them
+        # the optimizer's n-th parameter, as torch's own load maps them: the keys are the
+        # numbers torch's state_dict() gives, or whatever the checkpoint's writer used
+        # (torch.distributed.checkpoint's set_optimizer_state_dict hands over parameter
+        # names, which were taken for entries of no parameter and dropped: nothing was
+        # loaded). A number written as a string is still its parameter's.
+        position = {k: n for n, k in enumerate(
+            k for g in state_dict["param_groups"] for k in g["params"])}
+
+        def a_param(k: Any) -> bool:
+            return k in position or (isinstance(k, str) and k.isdigit())
+
+        def index_of(k: Any) -> int:
+            return position[k] if k in position else position.get(int(k), int(k))
 
         # torch's own load takes the groups, and the entries under keys that are no
         # parameter (MADGRAD's count in state['k']) into opt.state, where they stay; the
@@ -1157,7 +1169,8 @@ class OffloadedOptimizer:
                        "param_groups": state_dict["param_groups"]}
         type(self.opt).load_state_dict(self.opt, groups_only)
         by_index = dict(enumerate(self.params))
-        state = {by_index[int(k)]: v for k, v in state_dict["state"].items() if a_param(k)}
+        state = {by_index[index_of(k)]: v
+                 for k, v in state_dict["state"].items() if a_param(k)}
         for i in range(len(self.params)):
             self.steps[i] = 0.0
             self.scalars[i] = {}
