@@ -12,10 +12,11 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     get_state_dict, set_optimizer_state_dict)
 
 import tiermem
+from tiermem.errors import TierMemError
 
 from offload_helpers import (Synthetic, backend_params, compare_runs, compare_state_dicts,
                              config, make_batches, train)
@@ -114,5 +115,35 @@ def test_state_keyed_by_parameter_names_loads(tmp_path, backend, via):
         # (the side branch, parameters 5 and 6, ran in the second step only)
         assert {k: float(v["step"]) for k, v in opt.state_dict()["state"].items()} == {
             k: 2.0 if k < 5 else 1.0 for k in range(7)}
+        train(model, opt, batches[2:], start=2)
+    compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_flattened_dcp_state_dict_refused_inside_and_loads_before_the_block(tmp_path, backend):
+    # flatten_optimizer_state_dict=True (torchtitan's choice): set_optimizer_state_dict
+    # takes each parameter's state names from opt.state[p], {} inside the block, and
+    # handed load_state_dict an empty state for every parameter: the run started over
+    # from step 1, silently. Refused, saying why; loaded before the block it is exact.
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = Synthetic()
+    batches = make_batches(model, 4)
+    kw = dict(lr=0.01)
+    m = copy.deepcopy(model)
+    o = torch.optim.AdamW(m.parameters(), **kw)
+    with tiermem.offload(o, _cfg(tmp_path / "saved", backend), model=m):
+        train(m, o, batches[:2])
+        sd = copy.deepcopy(get_optimizer_state_dict(m, o, options=flat))  # saving works
+    model.load_state_dict(m.state_dict())
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    set_optimizer_state_dict(ref, ref_opt, copy.deepcopy(sd), options=flat)
+    train(ref, ref_opt, batches[2:], start=2)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    with tiermem.offload(opt, _cfg(tmp_path / "inside", backend), model=model):
+        with pytest.raises(TierMemError, match="flatten_optimizer_state_dict"):
+            set_optimizer_state_dict(model, opt, copy.deepcopy(sd), options=flat)
+    set_optimizer_state_dict(model, opt, copy.deepcopy(sd), options=flat)
+    with tiermem.offload(opt, _cfg(tmp_path / "before", backend), model=model):
         train(model, opt, batches[2:], start=2)
     compare_runs(model, opt, ref, ref_opt)

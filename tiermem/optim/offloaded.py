@@ -1158,6 +1158,23 @@ class OffloadedOptimizer:
         def index_of(k: Any) -> int:
             return position[k] if k in position else position.get(int(k), int(k))
 
+        entries = [v for k, v in state_dict["state"].items() if a_param(k)]
+        if entries and not any(entries) and any(
+                isinstance(k, str) and not k.isdigit() for k in position):
+            # Every parameter's entry is there and empty, under parameter names: what
+            # set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) makes of a
+            # tiered optimizer, whose keys it reads from opt.state[p] ({} inside the
+            # block). Loaded, it would start every parameter's state over, silently.
+            raise TierMemError(
+                "optimizer.load_state_dict(): the state_dict holds an empty state for every "
+                "parameter, under parameter names: torch.distributed.checkpoint's "
+                "set_optimizer_state_dict with flatten_optimizer_state_dict=True takes the "
+                "names of each parameter's state from opt.state[p], which is {} inside the "
+                "tiermem.offload block (the state is in tiermem's records), so it passed "
+                "none of the checkpoint's state. Call it before entering the block (the "
+                "block takes the optimizer's state in), or save and load with "
+                "flatten_optimizer_state_dict=False")
+
         # torch's own load takes the groups, and the entries under keys that are no
         # parameter (MADGRAD's count in state['k']) into opt.state, where they stay; the
         # optimizer's own load_state_dict also gets whatever else its state_dict() added
