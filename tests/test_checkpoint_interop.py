@@ -147,3 +147,25 @@ def test_flattened_dcp_state_dict_refused_inside_and_loads_before_the_block(tmp_
     with tiermem.offload(opt, _cfg(tmp_path / "before", backend), model=model):
         train(model, opt, batches[2:], start=2)
     compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("cls, kw", [(torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
+                                     (torch.optim.RMSprop, dict(lr=0.01, centered=True))],
+                         ids=["SGD", "RMSprop"])
+def test_checkpoint_of_other_groups_refused_as_torch_refuses_it(tmp_path, backend, cls, kw):
+    # a checkpoint of one group into an optimizer of two: torch's ValueError, not a
+    # KeyError: 'momentum' from the check of the records' layout against a missing group
+    model = Synthetic()
+    params = list(model.parameters())
+    saved = cls(params, **kw)
+    train(model, saved, make_batches(model, 2))
+    sd = saved.state_dict()
+    plain = cls([{"params": params[:3]}, {"params": params[3:]}], **kw)
+    with pytest.raises(ValueError) as torch_said:
+        plain.load_state_dict(copy.deepcopy(sd))
+    opt = cls([{"params": params[:3]}, {"params": params[3:]}], **kw)
+    with tiermem.offload(opt, _cfg(tmp_path, backend), model=model):
+        with pytest.raises(ValueError) as tiered_said:
+            opt.load_state_dict(copy.deepcopy(sd))
+    assert str(tiered_said.value) == str(torch_said.value)

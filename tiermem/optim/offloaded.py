@@ -1139,10 +1139,16 @@ class OffloadedOptimizer:
         """Load torch's format into the tiers without casting moments to the model dtype."""
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.load_state_dict()")
+        # torch's own checks of the groups' shape, first: the layout check below reads
+        # each saved group (SGD's a missing one failed there with KeyError: 'momentum')
+        groups, saved_groups = self.opt.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't "
+                             "match the size of optimizer's group")
         for part in self.parts:
-            saved = state_dict["param_groups"][part.group] if part.group < len(
-                state_dict["param_groups"]) else {}
-            self.rule.check_loaded(part, saved)
+            self.rule.check_loaded(part, saved_groups[part.group])
         # A parameter's entry is one under a key the saved groups list, the n-th of them
         # the optimizer's n-th parameter, as torch's own load maps them: the keys are the
         # numbers torch's state_dict() gives, or whatever the checkpoint's writer used
