@@ -472,6 +472,22 @@ class OffloadedOptimizer:
 
     def _step_tiers(self, closure: Callable[[], Any] | None = None) -> None:
         if self.weights is not None:  # the grads are in the parameter tier, not in p.grad
+            # A gradient set on a parameter while it is empty between uses (shape (0,))
+            # never reaches the tier: the step would pass over it without a word.
+            # torch.distributed.checkpoint's state_dict helpers set zeros_like(p) and step
+            # (lr 0) to make a never-stepped optimizer's state, which then stayed empty.
+            stray = [self.names.get(id(p), "?") for p in self.params
+                     if p.grad is not None and p.grad.shape != self._shaped(p).shape]
+            if stray:
+                raise TierMemError(
+                    f"optimizer.step(): p.grad of {', '.join(stray[:3])}"
+                    f"{' and others' if len(stray) > 3 else ''} was set inside the block to "
+                    "a tensor of the empty stand-in's shape: with parameters.offload the "
+                    "gradients live in the parameter tier, which a p.grad set by hand never "
+                    "reaches. torch.distributed.checkpoint's get_optimizer_state_dict, "
+                    "get_state_dict and set_optimizer_state_dict do that to make a "
+                    "never-stepped optimizer's state: call them after its first step, or "
+                    "before entering the block")
             self.weights.before_step(self.params)
             stepped = {i for i, p in enumerate(self.params) if self.weights.has_gradient(p)}
         else:
