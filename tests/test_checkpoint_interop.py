@@ -55,6 +55,7 @@ def test_dcp_get_state_dict_takes_no_step(tmp_path, backend, cls, kw):
     ref_sd = copy.deepcopy(get_optimizer_state_dict(ref, ref_opt))
     _, ref_both = get_state_dict(ref, ref_opt)
     train(ref, ref_opt, batches[2:], start=2)
+    state = opt.state
     with tiermem.offload(opt, _cfg(tmp_path, backend), model=model):
         train(model, opt, batches[:2])
         sd = get_optimizer_state_dict(model, opt)
@@ -62,6 +63,7 @@ def test_dcp_get_state_dict_takes_no_step(tmp_path, backend, cls, kw):
         _, both = get_state_dict(model, opt)
         _same_fqn_state(both, ref_sd)
         train(model, opt, batches[2:], start=2)
+    assert opt.state is state  # handed back into the object a reference taken before holds
     compare_runs(model, opt, ref, ref_opt)
 
 

@@ -52,10 +52,14 @@ def hold_state(opt: torch.optim.Optimizer, held: Callable[[], bool]) -> None:
     opt.state.held = held
 
 
-def release_state(opt: torch.optim.Optimizer) -> None:
-    """opt.state a plain defaultdict again, with the same entries."""
-    if type(opt.state) is HeldState:
-        opt.state = defaultdict(dict, opt.state)
+def release_state(opt: torch.optim.Optimizer, original: Any) -> None:
+    """opt.state the object it was before hold_state (a reference taken before the block
+    still sees the state handed back into it), holding the entries opt.state holds now."""
+    if opt.state is not original:
+        entries = dict(opt.state)
+        original.clear()
+        original.update(entries)
+        opt.state = original
 
 
 def installed(opt: torch.optim.Optimizer) -> Target | None:
@@ -96,6 +100,7 @@ class Installed:
             return opt_self.__dict__[ATTR].add_param_group(param_group)
 
         held = getattr(target, "holds_state", None)
+        self._state = opt.state
         opt.__dict__[ATTR] = target
         if held is not None:
             hold_state(opt, held)
@@ -116,7 +121,7 @@ class Installed:
             else:
                 setattr(self.opt, name, orig)
         self.opt.__dict__.pop(ATTR, None)
-        release_state(self.opt)
+        release_state(self.opt, self._state)
         self._originals = None
 
 
