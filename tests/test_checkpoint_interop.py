@@ -1,8 +1,9 @@
 """Checkpoints in and out of a tiered optimizer, against what the plain torch optimizer
 does with the same calls: torch.distributed.checkpoint's state_dict helpers in one process
 (get_optimizer_state_dict, set_optimizer_state_dict, get_state_dict, as torchtitan and
-Accelerate's FSDP path call them), and state_dicts keyed otherwise than by torch's
-numbering. The reference is always a plain optimizer on a deep copy of the model, fed the
+Accelerate's FSDP path call them, flattened too, and with parameters.offload),
+state_dicts keyed otherwise than by torch's numbering, and checkpoints of other groups
+(refused as torch refuses them). The reference is always a plain optimizer on a deep copy of the model, fed the
 same batches and the same checkpoint calls; state on NVMe in 64 KiB partitions (every
 parameter but the biases cut across several), both I/O backends."""
 
