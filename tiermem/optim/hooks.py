@@ -10,7 +10,8 @@ lr schedulers and zero_grad keep working on the user's object.
 from __future__ import annotations
 
 import types
-from typing import Any, Protocol
+from collections import defaultdict
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.optim import optimizer as _optimizer_module
@@ -28,6 +29,39 @@ class Target(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
     def add_param_group(self, param_group: dict[str, Any]) -> None: ...
+
+
+class HeldState(defaultdict):
+    """`opt.state` while the tiers hold the per-parameter state: its entries are what
+    opt.state keeps (none, or those under keys that are no parameter), and it is true
+    when a plain optimizer's state would be. torch.distributed.checkpoint's
+    get_optimizer_state_dict / set_optimizer_state_dict / get_state_dict take an empty
+    `opt.state` for a never-stepped optimizer and run a step with zero gradients and lr 0
+    to make its state: on a tiered optimizer that step counted one more step of every
+    parameter and decayed every moment (the checkpoint was a step ahead, silently)."""
+
+    held: Callable[[], bool] | None = None
+
+    def __bool__(self) -> bool:
+        return dict.__len__(self) > 0 or (self.held is not None and self.held())
+
+
+def hold_state(opt: torch.optim.Optimizer, held: Callable[[], bool]) -> None:
+    """opt.state answers truth as a plain optimizer's would (`held`: the tiers hold some
+    parameter's state). Again after torch's load_state_dict, which replaces opt.state."""
+    if type(opt.state) is not HeldState:
+        opt.state = HeldState(dict, opt.state)
+    opt.state.held = held
+
+
+def release_state(opt: torch.optim.Optimizer, original: Any) -> None:
+    """opt.state the object it was before hold_state (a reference taken before the block
+    still sees the state handed back into it), holding the entries opt.state holds now."""
+    if opt.state is not original:
+        entries = dict(opt.state)
+        original.clear()
+        original.update(entries)
+        opt.state = original
 
 
 def installed(opt: torch.optim.Optimizer) -> Target | None:
@@ -59,12 +93,19 @@ class Installed:
             return opt_self.__dict__[ATTR].state_dict()
 
         def load_state_dict(opt_self, state_dict):
-            return opt_self.__dict__[ATTR].load_state_dict(state_dict)
+            out = opt_self.__dict__[ATTR].load_state_dict(state_dict)
+            if held is not None:  # torch's own load, called inside, made a new opt.state
+                hold_state(opt_self, held)
+            return out
 
         def add_param_group(opt_self, param_group):
             return opt_self.__dict__[ATTR].add_param_group(param_group)
 
+        held = getattr(target, "holds_state", None)
+        self._state = opt.state
         opt.__dict__[ATTR] = target
+        if held is not None:
+            hold_state(opt, held)
         for fn in (step, state_dict, load_state_dict, add_param_group):
             setattr(opt, fn.__name__, types.MethodType(fn, opt))
         for name in extra:
@@ -91,6 +132,7 @@ class Installed:
             else:
                 setattr(self.opt, name, orig)
         self.opt.__dict__.pop(ATTR, None)
+        release_state(self.opt, self._state)
         self._originals = None
 
 

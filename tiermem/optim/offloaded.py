@@ -494,6 +494,22 @@ class OffloadedOptimizer:
 
     def _step_tiers(self, closure: Callable[[], Any] | None = None) -> None:
         if self.weights is not None:  # the grads are in the parameter tier, not in p.grad
+            # A gradient set on a parameter while it is empty between uses (shape (0,))
+            # never reaches the tier: the step would pass over it without a word.
+            # torch.distributed.checkpoint's state_dict helpers set zeros_like(p) and step
+            # (lr 0) to make a never-stepped optimizer's state, which then stayed empty.
+            stray = [self.names.get(id(p), "?") for p in self.params
+                     if p.grad is not None and p.grad.shape != self._shaped(p).shape]
+            if stray:
+                raise TierMemError(
+                    f"optimizer.step(): p.grad of {', '.join(stray[:3])}"
+                    f"{' and others' if len(stray) > 3 else ''} was set inside the block to "
+                    "a tensor of the empty stand-in's shape: with parameters.offload the "
+                    "gradients live in the parameter tier, which a p.grad set by hand never "
+                    "reaches. torch.distributed.checkpoint's get_optimizer_state_dict, "
+                    "get_state_dict and set_optimizer_state_dict do that to make a "
+                    "never-stepped optimizer's state: call them after its first step, or "
+                    "before entering the block")
             self.weights.before_step(self.params)
             stepped = {i for i, p in enumerate(self.params) if self.weights.has_gradient(p)}
         else:
@@ -1186,6 +1202,13 @@ class OffloadedOptimizer:
         return {p: self.rule.to_torch_state(self._shaped(p), self.opt.param_groups[
             self._group_of(i)], out[p]) for i, p in enumerate(self.params) if p in out}
 
+    def holds_state(self) -> bool:
+        """Whether a plain optimizer would hold per-parameter state now (some parameter
+        has stepped, or the optimizer makes its state eagerly): what `opt.state` answers
+        to truth testing inside the block (hooks.HeldState)."""
+        return bool(self.params) and (self.rule.eager_state
+                                      or any(v != 0 for v in self.steps.values()))
+
     def _shaped(self, p: torch.Tensor) -> torch.Tensor:
         """`p` with its shape: with the weights in the parameter tier p is empty between
         uses, and its shape and weights come from the tier."""
@@ -1209,12 +1232,47 @@ class OffloadedOptimizer:
         """Load torch's format into the tiers without casting moments to the model dtype."""
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.load_state_dict()")
+        # torch's own checks of the groups' shape, first: the layout check below reads
+        # each saved group (SGD's a missing one failed there with KeyError: 'momentum')
+        groups, saved_groups = self.opt.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't "
+                             "match the size of optimizer's group")
         for part in self.parts:
-            saved = state_dict["param_groups"][part.group] if part.group < len(
-                state_dict["param_groups"]) else {}
-            self.rule.check_loaded(part, saved)
-        def a_param(k: Any) -> bool:  # torch numbers the parameters' entries
-            return isinstance(k, int) or (isinstance(k, str) and k.isdigit())
+            self.rule.check_loaded(part, saved_groups[part.group])
+        # A parameter's entry is one under a key the saved groups list, the n-th of them
+        # the optimizer's n-th parameter, as torch's own load maps them: the keys are the
+        # numbers torch's state_dict() gives, or whatever the checkpoint's writer used
+        # (torch.distributed.checkpoint's set_optimizer_state_dict hands over parameter
+        # names, which were taken for entries of no parameter and dropped: nothing was
+        # loaded). A number written as a string is still its parameter's.
+        position = {k: n for n, k in enumerate(
+            k for g in state_dict["param_groups"] for k in g["params"])}
+
+        def a_param(k: Any) -> bool:
+            return k in position or (isinstance(k, str) and k.isdigit())
+
+        def index_of(k: Any) -> int:
+            return position[k] if k in position else position.get(int(k), int(k))
+
+        entries = [v for k, v in state_dict["state"].items() if a_param(k)]
+        if entries and not any(entries) and any(
+                isinstance(k, str) and not k.isdigit() for k in position):
+            # Every parameter's entry is there and empty, under parameter names: what
+            # set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) makes of a
+            # tiered optimizer, whose keys it reads from opt.state[p] ({} inside the
+            # block). Loaded, it would start every parameter's state over, silently.
+            raise TierMemError(
+                "optimizer.load_state_dict(): the state_dict holds an empty state for every "
+                "parameter, under parameter names: torch.distributed.checkpoint's "
+                "set_optimizer_state_dict with flatten_optimizer_state_dict=True takes the "
+                "names of each parameter's state from opt.state[p], which is {} inside the "
+                "tiermem.offload block (the state is in tiermem's records), so it passed "
+                "none of the checkpoint's state. Call it before entering the block (the "
+                "block takes the optimizer's state in), or save and load with "
+                "flatten_optimizer_state_dict=False")
 
         # torch's own load takes the groups, and the entries under keys that are no
         # parameter (MADGRAD's count in state['k']) into opt.state, where they stay; the
@@ -1227,7 +1285,8 @@ class OffloadedOptimizer:
                        "param_groups": state_dict["param_groups"]}
         type(self.opt).load_state_dict(self.opt, groups_only)
         by_index = dict(enumerate(self.params))
-        state = {by_index[int(k)]: v for k, v in state_dict["state"].items() if a_param(k)}
+        state = {by_index[index_of(k)]: v
+                 for k, v in state_dict["state"].items() if a_param(k)}
         for i in range(len(self.params)):
             self.steps[i] = 0.0
             self.scalars[i] = {}
