@@ -307,3 +307,15 @@ def test_resume_with_the_other_durability_is_refused(tmp_path):
         assert tm.resumed_step == 1
         tm.discard()
 
+
+
+def test_a_resume_refused_for_another_layout_says_what_differs(tmp_path):
+    """A resume whose config lays the records out otherwise is refused, naming the first
+    partition that differs and how (here its tier: the host capacity changed)."""
+    run_killed(tmp_path, "threads", "after-step:1", 2)
+    cfg = crash_config(str(tmp_path), "threads")
+    cfg["tiers"]["host"]["capacity"] = 0
+    model = make_model()
+    with pytest.raises(TierMemError, match=r"partition 0 \(tier: kept 'host', now 'nvme'\)"):
+        with tiermem.offload(make_optimizer(model), cfg, model=model, resume=True):
+            pass

@@ -236,10 +236,26 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
         raise TierMemError(
             f"cannot resume from {run_dir}: the kept state has {len(m.partitions)} partitions "
             f"and this optimizer/config lays out {len(expected)}; they first differ at "
-            f"partition {diff}. Resume with the same model, optimizer param groups and "
+            f"partition {diff}{_difference(m.partitions, expected, diff)}. Resume with the "
+            "same model, optimizer param groups and "
             "config (partition_size, tier capacities, placement, optimizer.state_dtype, "
             f"swap.durability: the kept state was written with {m.durability!r}).")
     return m
+
+
+def _difference(kept: list[dict], expected: list[dict], i: int) -> str:
+    """What differs in partition i's layout (its tier, size, segments...), for the user."""
+    if i >= len(kept) or i >= len(expected):
+        return ""
+
+    def short(v: Any) -> str:
+        text = repr(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    a, b = kept[i], expected[i]
+    fields = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return " (" + "; ".join(f"{k}: kept {short(a.get(k))}, now {short(b.get(k))}"
+                            for k in fields[:3]) + ")"
 
 
 def _same_share(m: Manifest, share: dict, run_dir: str) -> None:
