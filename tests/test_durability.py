@@ -319,3 +319,29 @@ def test_a_resume_refused_for_another_layout_says_what_differs(tmp_path):
     with pytest.raises(TierMemError, match=r"partition 0 \(tier: kept 'host', now 'nvme'\)"):
         with tiermem.offload(make_optimizer(model), cfg, model=model, resume=True):
             pass
+
+
+def test_a_run_directory_moved_whole_resumes_and_recovers_from_its_own_file(tmp_path):
+    """Its manifest names the swap file where it was written: a copy of the directory
+    (off a failing node, to another mount) resumes and recovers from the file beside the
+    manifest, never from that path (here the original, damaged since)."""
+    import tiermem.tools.cli
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    run_killed(src, "threads", "after-step:1", 2)
+    shutil.copytree(src, dst)
+    with open(src / "tiermem-default" / "state.swap", "r+b") as f:
+        f.write(b"\xff" * 8192)
+    out = tmp_path / "ckpt.pt"
+    assert tiermem.tools.cli.main(["recover", str(dst / "tiermem-default"), "-o", str(out)]) == 0
+    ref_model, _ = ref_at(1)
+    ckpt = torch.load(out, weights_only=True)
+    for name, p in ref_model.named_parameters():
+        assert_same_tensor(ckpt["model"][name], p.detach(), name)
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, crash_config(str(dst), "threads"), model=model,
+                         resume=True) as tm:
+        assert tm.resumed_step == 1
+    assert_at(model, opt, 1)

@@ -663,6 +663,12 @@ def _validate(d: dict, run_dir: str) -> None:
     for j, f in enumerate(files):
         _need(isinstance(f, str), f"files[{j}]", "a path", f)
         _check_file(f, j, here)
+    if files:
+        # The run directory's own file is the one beside this manifest, wherever the
+        # directory now is: a run directory moved or copied whole (to another mount, off
+        # a failing node) still resumes and recovers, from its own file, never from the
+        # path it was written at (where another run may live now).
+        d["files"] = [os.path.join(here, STATE_FILE), *files[1:]]
 
     gens = _dict(d["generations"], "generations")
     copies = _dict(d["copies"], "copies")
@@ -700,8 +706,9 @@ def _validate(d: dict, run_dir: str) -> None:
 
 
 def _check_file(f: str, j: int, run_dir: str) -> None:
-    """A swap file must be STATE_FILE in this run directory or in a run directory of the
-    same name under another swap path (absolute, normalised, no links on the way)."""
+    """A swap file must be STATE_FILE in a run directory of this one's name: files[0] this
+    directory's own, where it was written (the reader takes the one beside the manifest),
+    the others under other swap paths (absolute, normalised, no links on the way)."""
     where = f"files[{j}]"
     _need(os.path.isabs(f) and os.path.normpath(f) == f and "\x00" not in f, where,
           "an absolute, normalised path", f)
@@ -709,6 +716,3 @@ def _check_file(f: str, j: int, run_dir: str) -> None:
     _need(os.path.basename(f) == STATE_FILE and
           os.path.basename(parent) == os.path.basename(run_dir), where,
           f"{STATE_FILE} in a run directory named {os.path.basename(run_dir)!r}", f)
-    if j == 0:  # the others live under other swap paths, which only the config names
-        _need(os.path.realpath(parent) == run_dir, where,
-              f"{STATE_FILE} in the run directory {run_dir} itself", f)
