@@ -153,13 +153,18 @@ class AdamRule(UpdateRule):
                           offsets=[start for _, start in batch.origins],
                           seeds=[state_seed(step=s, partition=index)
                                  for s, (index, _) in zip(batch.steps, batch.origins)])
+        hyper = _hyperparameters(group)
+        if kernel in ("single_tensor", "multi_tensor"):
+            # torch's own loops take tensor betas as they are: their lerp weight and bias
+            # corrections are then fp32 tensor arithmetic, which Python floats round
+            # otherwise (the plain optimizer hands them the group's betas unconverted)
+            hyper["beta1"], hyper["beta2"] = group["betas"]
         return adam_update(
             kernel=kernel, params=batch.params, grads=batch.grads,
             exp_avgs=batch.state["exp_avg"], exp_avg_sqs=batch.state["exp_avg_sq"],
             max_exp_avg_sqs=batch.state.get("max_exp_avg_sq", []), steps=batch.steps,
             amsgrad=bool(group["amsgrad"]), weights_out=batch.weights_out,
-            checksums=batch.checksums, num_threads=batch.threads, **_hyperparameters(group),
-            **native)
+            checksums=batch.checksums, num_threads=batch.threads, **hyper, **native)
 
     def prepare_together(self, batches: Sequence[Batch], *, kernel: str
                          ) -> PreparedUpdate | None:

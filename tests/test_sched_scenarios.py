@@ -1,0 +1,133 @@
+"""Hyperparameters changed between steps, tiered against the same run done plainly, bit for
+bit: lr schedulers that edit more than the lr (OneCycleLR's and CyclicLR's momentum and
+betas), an lr or betas given as a tensor, group values set by hand (weight decay, eps,
+momentum, maximize, nesterov, ...), groups that differ, gradients missing on some steps or
+zeroed rather than dropped, and the run cut by a state_dict() (into a plain optimizer and
+back) or by a crash-consistent resume. A configuration tiermem refuses with its error is
+fine; one it runs must end with the plain run's weights and state.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import warnings
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.errors import TierMemError
+from tiermem.optim.rules import UnsupportedOptimizer
+
+from offload_helpers import (Synthetic, backend_params, compare_state_dicts, config,
+                             loss_of, make_batches, side_used)
+from adam_helpers import assert_bitwise
+
+O = torch.optim
+L = O.lr_scheduler
+T = torch.tensor
+
+
+def _side_apart(model, **side) -> list[dict]:
+    """Two groups: the side branch (grad None on most steps) with `side`'s values."""
+    apart = [model.side.weight, model.side.bias]
+    rest = [p for p in model.parameters() if all(p is not q for q in apart)]
+    return [{"params": rest}, {"params": apart, **side}]
+
+
+def _loop(model, opt, sched, batches, start, stop, edit=None, zero_none=True, drop=None):
+    for i in range(start, stop):
+        for tokens, target in batches[i]:
+            loss_of(model, tokens, target, side_used(i)).backward()
+        if drop is not None:
+            drop(model, i)
+        opt.step()
+        opt.zero_grad(set_to_none=zero_none)
+        if isinstance(sched, L.ReduceLROnPlateau):
+            sched.step((3.0, 2.0, 2.0, 2.0)[i % 4])
+        elif sched is not None:
+            sched.step()
+        if edit is not None:
+            edit(opt, model, i)
+
+
+def _fresh(make_opt, make_sched, model, old_sched=None):
+    opt = make_opt(model)
+    sched = make_sched(opt) if make_sched else None
+    if old_sched is not None:
+        sched.load_state_dict(old_sched.state_dict())
+    return opt, sched
+
+
+def run_pair(tmp_path, monkeypatch, backend, make_opt, make_sched=None, *, steps=8,
+             host: int | str = 0, cut=None, how=None, kernel="match", **loop):
+    """The plain run and the tiered one, cut at step `cut` (how: "state_dict", the
+    tiered state loaded into a new tiered optimizer; "plain", through a plain optimizer
+    and back; "resume", a crash-consistent run left on disk and resumed) and the plain one
+    cut by a state_dict the same way; asserts that they end equal."""
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=3)
+    ref = copy.deepcopy(model)
+    batches = make_batches(model, steps, seed=5)
+    c = config(tmp_path / "swap", backend=backend, host=host, kernel=kernel)
+    if how == "resume":
+        c["swap"]["durability"] = "crash_consistent"
+
+    ref_opt, ref_sched = _fresh(make_opt, make_sched, ref)
+    if how in ("state_dict", "plain"):
+        _loop(ref, ref_opt, ref_sched, batches, 0, cut, **loop)
+        sd = copy.deepcopy(ref_opt.state_dict())
+        ref_opt, ref_sched = _fresh(make_opt, make_sched, ref, ref_sched)
+        ref_opt.load_state_dict(sd)
+        _loop(ref, ref_opt, ref_sched, batches, cut, steps, **loop)
+    else:
+        _loop(ref, ref_opt, ref_sched, batches, 0, steps, **loop)
+
+    opt, sched = _fresh(make_opt, make_sched, model)
+    if how is None:
+        with tiermem.offload(opt, c, model=model):
+            _loop(model, opt, sched, batches, 0, steps, **loop)
+            got = opt.state_dict()
+    elif how == "resume":
+        with monkeypatch.context() as m:  # no memory to hand the state back: kept on disk
+            m.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with tiermem.offload(opt, c, model=model):
+                    _loop(model, opt, sched, batches, 0, cut, **loop)
+        opt2, sched2 = _fresh(make_opt, make_sched, model, sched)
+        for g, was in zip(opt2.param_groups, opt.param_groups):  # the user's values now
+            g.update({k: v for k, v in was.items() if k != "params"})
+        with tiermem.offload(opt2, c, model=model, resume=True):
+            _loop(model, opt2, sched2, batches, cut, steps, **loop)
+            got = opt2.state_dict()
+    else:
+        with tiermem.offload(opt, c, model=model):
+            _loop(model, opt, sched, batches, 0, cut, **loop)
+            sd = copy.deepcopy(opt.state_dict())
+        opt2, sched2 = _fresh(make_opt, make_sched, model, sched)
+        if how == "plain":
+            opt2.load_state_dict(sd)
+            sd = copy.deepcopy(opt2.state_dict())
+            opt2, sched2 = _fresh(make_opt, make_sched, model, sched2)
+        with tiermem.offload(opt2, c, model=model):
+            opt2.load_state_dict(sd)
+            _loop(model, opt2, sched2, batches, cut, steps, **loop)
+            got = opt2.state_dict()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_bitwise(p.detach(), q.detach(), name)
+    compare_state_dicts(got, ref_opt.state_dict())
+
+
+# -- bugs this search found -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_adam_with_tensor_betas_steps_as_torch_does(tmp_path, monkeypatch, backend):
+    """torch's for-loop Adam takes tensor betas as they are (its bias corrections are fp32
+    tensor arithmetic); tiermem handed it the betas as Python floats, and the run ended
+    ~1e-5 away (kernel: match, which promises bitwise)."""
+    run_pair(tmp_path, monkeypatch, backend,
+             lambda m: O.AdamW(_side_apart(m, betas=(T(0.8), T(0.95))), lr=T(1e-2),
+                               betas=(T(0.9), T(0.99)), amsgrad=True),
+             lambda o: L.LambdaLR(o, lambda s: 1 / (1 + s)), steps=6)
