@@ -131,3 +131,32 @@ def test_adam_with_tensor_betas_steps_as_torch_does(tmp_path, monkeypatch, backe
              lambda m: O.AdamW(_side_apart(m, betas=(T(0.8), T(0.95))), lr=T(1e-2),
                                betas=(T(0.9), T(0.99)), amsgrad=True),
              lambda o: L.LambdaLR(o, lambda s: 1 / (1 + s)), steps=6)
+
+
+def _added_later(model):
+    """An optimizer without the side branch, which edit_add gives it after step 2."""
+    return O.Adagrad([p for n, p in model.named_parameters() if not n.startswith("side")],
+                     lr=1e-2, lr_decay=0.01, initial_accumulator_value=0.1)
+
+
+def _edit_add(opt, model, i):
+    if i == 2:
+        opt.add_param_group({"params": [model.side.weight, model.side.bias],
+                             "initial_accumulator_value": 0.7})
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("case", ["group", "added"])
+def test_adagrad_accumulator_starts_from_the_optimizers_default(tmp_path, monkeypatch,
+                                                                backend, case):
+    """torch's Adagrad starts every accumulator from its constructor's (its defaults')
+    initial_accumulator_value, whatever a param group says: __init__ fills them all with
+    it, and a group added later starts from defaults at its first step. tiermem filled a
+    parameter's accumulator at its first step from its group's value: a group with its own
+    value, or one added with it, ended different (kernel match and torch's fused)."""
+    if case == "group":
+        run_pair(tmp_path, monkeypatch, backend,
+                 lambda m: O.Adagrad(_side_apart(m, initial_accumulator_value=0.5), lr=1e-2,
+                                     initial_accumulator_value=0.1, fused=True), steps=5)
+    else:
+        run_pair(tmp_path, monkeypatch, backend, _added_later, steps=6, edit=_edit_add)
