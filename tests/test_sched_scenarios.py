@@ -160,3 +160,34 @@ def test_adagrad_accumulator_starts_from_the_optimizers_default(tmp_path, monkey
                                      initial_accumulator_value=0.1, fused=True), steps=5)
     else:
         run_pair(tmp_path, monkeypatch, backend, _added_later, steps=6, edit=_edit_add)
+
+
+def _edit_add_fresh(opt, model, i):
+    if i == 2:  # the side branch's grads of step 1 were never the optimizer's: dropped
+        model.side.weight.grad = model.side.bias.grad = None
+        opt.add_param_group({"params": [model.side.weight, model.side.bias]})
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_adagrad_state_dict_of_a_group_never_stepped_loads_into_a_plain_adagrad(
+        tmp_path, backend):
+    """A group added after entry and not stepped yet (its parameters' grads were None):
+    torch keeps no state for it and starts its accumulators from defaults at their first
+    step. tiermem's state_dict() gave them step 0 and an accumulator of zeros (a record
+    never written), and a plain Adagrad loaded from it stepped them from 0: different."""
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=3)
+    ref = copy.deepcopy(model)
+    batches = make_batches(model, 7, seed=5)
+    ref_opt = _added_later(ref)
+    _loop(ref, ref_opt, None, batches, 0, 7, edit=_edit_add_fresh)
+    opt = _added_later(model)
+    with tiermem.offload(opt, config(tmp_path / "swap", backend=backend), model=model):
+        _loop(model, opt, None, batches, 0, 4, edit=_edit_add_fresh)
+        sd = copy.deepcopy(opt.state_dict())
+    plain = _added_later(model)
+    plain.add_param_group({"params": [model.side.weight, model.side.bias]})
+    plain.load_state_dict(sd)
+    _loop(model, plain, None, batches, 4, 7)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_bitwise(p.detach(), q.detach(), name)
+    compare_state_dicts(plain.state_dict(), ref_opt.state_dict())
