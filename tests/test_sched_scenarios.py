@@ -10,6 +10,8 @@ fine; one it runs must end with the plain run's weights and state.
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
 import random
 import warnings
 
@@ -27,6 +29,15 @@ from adam_helpers import assert_bitwise
 O = torch.optim
 L = O.lr_scheduler
 T = torch.tensor
+
+
+def _thirdparty(module: str, name: str, **kw):
+    if importlib.util.find_spec(module) is None:
+        return None
+    return lambda ps: getattr(importlib.import_module(module), name)(ps, **kw)
+
+
+_lion = _thirdparty("lion_pytorch", "Lion", lr=1e-3, weight_decay=0.01)
 
 
 def _side_apart(model, **side) -> list[dict]:
@@ -191,3 +202,51 @@ def test_adagrad_state_dict_of_a_group_never_stepped_loads_into_a_plain_adagrad(
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_bitwise(p.detach(), q.detach(), name)
     compare_state_dicts(plain.state_dict(), ref_opt.state_dict())
+
+
+def _warm_up_before_step(model, opt, batches, start, stop, tm):
+    """A loop that sets the step's lr between backward and step(), as many warm-up loops
+    do; tm.stats() first (a loop logging them) lets backward's updates finish: no race with
+    the worker that a test could lose."""
+    for i in range(start, stop):
+        for tokens, target in batches[i]:
+            loss_of(model, tokens, target, side_used(i)).backward()
+        tm.stats()
+        for g in opt.param_groups:
+            g["lr"] = 1e-2 * (i + 1) / stop
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
+def test_overlap_refuses_a_group_changed_between_backward_and_step(tmp_path, backend, name):
+    """pipeline.overlap_backward updates partitions during backward with the group's values
+    as they are then: an lr set between backward and step() reached only the partitions
+    step() updated (the generic path's shadows even kept the old one for all), and the run
+    ended different. step() refuses it now, as it refuses a gradient edited there."""
+    make = {"adamw": lambda ps: O.AdamW(ps, lr=1e-2),
+            "sgd": lambda ps: O.SGD(ps, lr=1e-2, momentum=0.9),
+            "lion": _lion}[name]
+    if make is None:
+        pytest.skip("lion_pytorch is not installed")
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=3)
+    batches = make_batches(model, 3, seed=5)
+    opt = make(list(model.parameters()))
+    c = config(tmp_path / "swap", backend=backend, host="100KiB")
+    c["pipeline"]["overlap_backward"] = True
+    with pytest.raises(TierMemError, match=r"param_groups\[0\]\['lr'\] changed between "
+                                           r"backward and optimizer.step\(\)"):
+        with tiermem.offload(opt, c, model=model) as tm:
+            _warm_up_before_step(model, opt, batches, 0, 3, tm)
+    # set before backward (or by a scheduler after step()) it runs, equal to the plain run
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=3)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make(list(model.parameters())), make(list(ref.parameters()))
+    sched = L.LambdaLR(opt, lambda s: 1 / (1 + s))
+    ref_sched = L.LambdaLR(ref_opt, lambda s: 1 / (1 + s))
+    _loop(ref, ref_opt, ref_sched, batches, 0, 3)
+    with tiermem.offload(opt, c, model=model):
+        _loop(model, opt, sched, batches, 0, 3)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_bitwise(p.detach(), q.detach(), n)
