@@ -250,3 +250,112 @@ def test_overlap_refuses_a_group_changed_between_backward_and_step(tmp_path, bac
         _loop(model, opt, sched, batches, 0, 3)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_bitwise(p.detach(), q.detach(), n)
+
+
+# -- drawn runs: an optimizer, a scheduler, edits between steps, a cut ------------------------
+
+OPTIMIZERS = {
+    "adam": lambda m: O.Adam(_side_apart(m, lr=3e-3, betas=(0.8, 0.95)), lr=1e-2),
+    "adamw-amsgrad-max": lambda m: O.AdamW(m.parameters(), lr=1e-2, amsgrad=True,
+                                           maximize=True, weight_decay=0.05),
+    "adam-fused-tensor-lr": lambda m: O.Adam(m.parameters(), lr=T(1e-2), fused=True),
+    "adam-foreach": lambda m: O.Adam(_side_apart(m, weight_decay=0.1), lr=1e-2,
+                                     foreach=True),
+    "sgd-nesterov": lambda m: O.SGD(_side_apart(m, momentum=0.5, nesterov=False), lr=1e-2,
+                                    momentum=0.9, nesterov=True, weight_decay=0.01),
+    "sgd-dampening-tensor-lr": lambda m: O.SGD(m.parameters(), lr=T(1e-2), momentum=0.9,
+                                               dampening=0.2),
+    "adagrad": lambda m: O.Adagrad(_side_apart(m, lr_decay=0.1), lr=1e-2, lr_decay=0.01,
+                                   initial_accumulator_value=0.1),
+    "rmsprop": lambda m: O.RMSprop(m.parameters(), lr=1e-3, momentum=0.9, centered=True,
+                                   foreach=True),
+    "nadam": lambda m: O.NAdam(_side_apart(m, momentum_decay=3e-3), lr=1e-2),
+    "radam-decoupled": lambda m: O.RAdam(m.parameters(), lr=1e-2, weight_decay=0.1,
+                                         decoupled_weight_decay=True),
+    "adamax": lambda m: O.Adamax(m.parameters(), lr=1e-2, foreach=True),
+    "adadelta": lambda m: O.Adadelta(_side_apart(m, rho=0.5), lr=1.0),
+    "asgd": lambda m: O.ASGD(m.parameters(), lr=1e-2, t0=3),
+    "rprop": lambda m: O.Rprop(_side_apart(m, etas=(0.4, 1.3)), lr=1e-2),
+}
+MOMENTUM = {"adam", "adamw-amsgrad-max", "adam-fused-tensor-lr", "adam-foreach",
+            "sgd-nesterov", "sgd-dampening-tensor-lr", "rmsprop", "nadam", "radam-decoupled",
+            "adamax"}  # what OneCycleLR / CyclicLR may cycle (momentum or beta1)
+SCHEDULERS = {
+    "one-cycle": lambda o: L.OneCycleLR(o, max_lr=0.05, total_steps=12),
+    "cyclic": lambda o: L.CyclicLR(o, 1e-3, 1e-2, step_size_up=3, base_momentum=0.8,
+                                   max_momentum=0.95),
+    "warm-restarts": lambda o: L.CosineAnnealingWarmRestarts(o, 3, 2),
+    "sequential": lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, 3),
+                                               L.ExponentialLR(o, 0.9)], [3]),
+    "chained": lambda o: L.ChainedScheduler([L.ConstantLR(o, 0.5, 4),
+                                             L.ExponentialLR(o, 0.9)]),
+    "plateau": lambda o: L.ReduceLROnPlateau(o, patience=1, factor=0.5),
+    "lambda": lambda o: L.LambdaLR(o, lambda s: 1 / (1 + s)),
+    "multiplicative": lambda o: L.MultiplicativeLR(o, lambda s: 0.9),
+    "polynomial": lambda o: L.PolynomialLR(o, 12, 2.0),
+}
+
+
+def _edit(key: str, change, at=(2, 5)):
+    def edit(opt, model, i):
+        if i in at:
+            for g in opt.param_groups:
+                if key in g:
+                    g[key] = change(g[key])
+    return edit
+
+
+EDITS = {
+    None: None,
+    "weight_decay": _edit("weight_decay", lambda v: v + 0.05),
+    "betas": _edit("betas", lambda v: (v[0] * 0.9, v[1] * 0.999)),
+    "momentum": _edit("momentum", lambda v: v * 0.5),
+    "eps": _edit("eps", lambda v: v * 100),
+    "maximize": _edit("maximize", lambda v: not v, at=(3,)),
+    "nesterov": _edit("nesterov", lambda v: not v, at=(3,)),
+    "foreach": _edit("foreach", lambda v: not v, at=(3,)),
+}
+
+
+def _drop_some(model, i):
+    """Grads of whole parameters missing on some steps (beyond the side branch's)."""
+    if i % 4 == 2:
+        model.fc1.weight.grad = None
+    if i % 3 == 0:
+        model.emb.weight.grad = None
+
+
+def _frozen_for_a_while(opt, model, i):
+    model.fc2.bias.requires_grad_(i < 2 or i >= 4)
+    _edit("weight_decay", lambda v: v + 0.01, at=(3,))(opt, model, i)
+
+
+def draw(rng: random.Random) -> dict:
+    opt = rng.choice(sorted(OPTIMIZERS))
+    scheds = [s for s in sorted(SCHEDULERS)
+              if opt in MOMENTUM or s not in ("one-cycle", "cyclic")]
+    return dict(opt=opt, sched=rng.choice(scheds + [None]),
+                edit=rng.choice(sorted(EDITS, key=str) + ["frozen"]),
+                host=rng.choice([0, "100KiB"]), zero_none=rng.random() < 0.7,
+                drop=rng.random() < 0.4,
+                cut=rng.choice([(None, None), (4, "state_dict"), (5, "plain"), (3, "resume")]))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("seed", range(6))
+def test_a_drawn_run_with_changing_hyperparameters_equals_the_plain_run(
+        tmp_path, monkeypatch, backend, seed):
+    rng = random.Random(seed * 7919 + len(backend))
+    sc = draw(rng)
+    edit = _frozen_for_a_while if sc["edit"] == "frozen" else EDITS[sc["edit"]]
+    cut, how = sc["cut"]
+    try:
+        run_pair(tmp_path, monkeypatch, backend, OPTIMIZERS[sc["opt"]],
+                 SCHEDULERS[sc["sched"]] if sc["sched"] else None, steps=8, host=sc["host"],
+                 cut=cut, how=how, edit=edit, zero_none=sc["zero_none"],
+                 drop=_drop_some if sc["drop"] else None)
+    except (TierMemError, UnsupportedOptimizer):
+        return  # refused with tiermem's error: never wrong
+    except AssertionError as exc:
+        raise AssertionError(f"{sc}: {exc}") from None
+
