@@ -359,3 +359,39 @@ def test_a_drawn_run_with_changing_hyperparameters_equals_the_plain_run(
     except AssertionError as exc:
         raise AssertionError(f"{sc}: {exc}") from None
 
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_checkpoint_with_amsgrad_off_is_refused_saying_which_side_has_it(
+        tmp_path, backend):
+    """torch steps on after amsgrad is turned off; tiermem's layout cannot drop
+    max_exp_avg_sq inside the block and refuses. The refusal said "the checkpoint has
+    amsgrad=False, the state laid out by tiermem.offload has not": now both values, and
+    the advice works (loaded before entering, the run steps on as the plain one)."""
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=3)
+    batches = make_batches(model, 4, seed=5)
+    opt = O.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    c = config(tmp_path / "swap", backend=backend)
+    with tiermem.offload(opt, c, model=model):
+        _loop(model, opt, None, batches, 0, 2)
+        sd = copy.deepcopy(opt.state_dict())
+        sd["param_groups"][0]["amsgrad"] = False
+        with pytest.raises(TierMemError, match=r"checkpoint has amsgrad=False and "
+                                               r"tiermem.offload laid the state out for "
+                                               r"amsgrad=True; load the checkpoint"):
+            opt.load_state_dict(sd)
+    ref = copy.deepcopy(model)
+    ref_opt = O.AdamW(ref.parameters(), lr=1e-2, amsgrad=True)
+    ref_opt.load_state_dict(copy.deepcopy(sd))  # (torch loads CPU tensors unmade: shared)
+    _loop(ref, ref_opt, None, batches, 2, 4)
+    opt = O.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    opt.load_state_dict(sd)
+    with tiermem.offload(opt, c, model=model):
+        _loop(model, opt, None, batches, 2, 4)
+        got = opt.state_dict()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_bitwise(p.detach(), q.detach(), n)
+    want = ref_opt.state_dict()
+    for st in want["state"].values():
+        # torch keeps the max it no longer uses; the layout without amsgrad has none
+        del st["max_exp_avg_sq"]
+    compare_state_dicts(got, want)

@@ -95,10 +95,14 @@ class AdamRule(UpdateRule):
         return tuple(k for k in MOMENTS if k != "max_exp_avg_sq" or group.get("amsgrad"))
 
     def check_loaded(self, part: Partition, saved: dict[str, Any]) -> None:
-        if bool(saved.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
-            raise TierMemError(f"param_groups[{part.group}]: the checkpoint has amsgrad="
-                               f"{saved.get('amsgrad')}, the state laid out by "
-                               "tiermem.offload has not; load it before entering offload")
+        laid = "max_exp_avg_sq" in part.kinds
+        if bool(saved.get("amsgrad")) != laid:
+            # (say both values: "has not" left which side had amsgrad to guess)
+            raise TierMemError(
+                f"param_groups[{part.group}]: the checkpoint has amsgrad="
+                f"{bool(saved.get('amsgrad'))} and tiermem.offload laid the state out for "
+                f"amsgrad={laid}; load the checkpoint into the optimizer before entering "
+                "tiermem.offload, which then lays the state out for it")
 
     def init(self, part: Partition, views: Views) -> None:
         """Zero moments; the master weights (or the bf16 weights' copy) from the model."""
