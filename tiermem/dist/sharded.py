@@ -174,6 +174,9 @@ class DistributedOffload(Offload):
         self.shadow = self.rule.optimizers[0]([{**_hyper(g), "params": views}
                                                for g, views in zip(opt.param_groups,
                                                                    lay.views)])
+        # and the user's defaults: a group added later and Adagrad's accumulators start
+        # from them, not from the group's values (AdagradRule.first_fill)
+        self.shadow.defaults.update(opt.defaults)
         self._seed(opt.state)
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)

@@ -1199,6 +1199,16 @@ class OffloadedOptimizer:
                 st[self.rule.torch_keys["master"]] = weights.float().clone()
             out[p] = st
         gather(self.tiers, self.parts, self.rule.torch_keys, out)
+        if self.rule.eager_state:
+            # A parameter never stepped starts its first step from what the rule fills in
+            # then (Adagrad: the defaults' accumulator), not from its record, which holds
+            # zeros for a group added after entry: a plain optimizer loading this state
+            # must start where tiermem's next step would.
+            for i, p in enumerate(self.params):
+                if p in out and self.steps[i].item() == 0:
+                    fill = self.rule.first_fill(self.opt.param_groups[self._group_of(i)])
+                    for k, v in fill.items():
+                        out[p][self.rule.torch_keys[k]].fill_(v)
         return {p: self.rule.to_torch_state(self._shaped(p), self.opt.param_groups[
             self._group_of(i)], out[p]) for i, p in enumerate(self.params) if p in out}
 

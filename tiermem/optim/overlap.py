@@ -27,6 +27,7 @@ state_dict, checkpoints, the exit) joins the queue first.
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -61,6 +62,24 @@ def _queued_event(grad: torch.Tensor) -> Any:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(grad.device))
     return event
+
+
+def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Copies of each group's values of the keys the optimizer's defaults name, what users
+    and lr schedulers set (tensors cloned: a scheduler fills a tensor lr in place)."""
+    return [{k: copy.deepcopy(g[k]) for k in opt.defaults if k in g}
+            for g in opt.param_groups]
+
+
+def _unchanged(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_unchanged(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN kept
+    return bool(a == b)
 
 
 class BackwardOverlap:
@@ -185,6 +204,8 @@ class BackwardOverlap:
                 if part is _RUN_AHEAD:
                     self._run_ahead()
                     continue
+                if self._groups_seen is None:  # what the round's first update reads
+                    self._groups_seen = _hyperparameters(self.off.opt)
                 with torch.no_grad():  # grad mode is per thread
                     stats = self._process(part, self._upcoming())
                 stats.early_partitions += 1
@@ -270,6 +291,7 @@ class BackwardOverlap:
                        "backward already updated parts of this step with the gradients "
                        "still scaled, before GradScaler could unscale them or skip the step")
             self._check_grads_unchanged()
+            self._check_groups_unchanged()
             for p in off.params:
                 if p.grad is not None and p.grad.is_sparse:
                     raise TierMemError("Adam does not support sparse gradients")
@@ -334,6 +356,32 @@ class BackwardOverlap:
                     "so parts of this step already used the unedited ones. Set "
                     "pipeline.overlap_backward: false to edit gradients before the step")
 
+    def _check_groups_unchanged(self) -> None:
+        """A group value set after backward began updating (an lr warm-up written just before
+        step(), a scheduler stepped there) would reach only the partitions step() updates
+        (and the generic path's shadows start every partition from the step's first
+        values): refuse it, as an edited gradient is."""
+        seen = self._groups_seen
+        if seen is None:
+            return
+        now = _hyperparameters(self.off.opt)
+        # (values the optimizer's own step sets in its groups, as the generic path's probe
+        # saw, are its to change)
+        own = self.off.rule.step_values().get("groups", {})
+        for g, (was, is_) in enumerate(zip(seen, now)):
+            for k in sorted(was.keys() | is_.keys()):
+                if k in own.get(str(g), {}):
+                    continue
+                if k not in was or k not in is_ or not _unchanged(was[k], is_[k]):
+                    raise TierMemError(
+                        f"param_groups[{g}][{k!r}] changed between backward and "
+                        f"optimizer.step() ({was.get(k, 'absent')!r} -> "
+                        f"{is_.get(k, 'absent')!r}): with pipeline.overlap_backward: true "
+                        "updates start during backward with the group's values as they are "
+                        "then, so parts of this step already used the old one. Set "
+                        "hyperparameters before backward (an lr scheduler stepped after "
+                        "optimizer.step() is right), or set pipeline.overlap_backward: false")
+
     def _close_round(self, stats: StepStats) -> None:
         # The next step is predicted to follow this one's gradient order.
         done = {p.id for p in self._done_nvme}
@@ -363,6 +411,8 @@ class BackwardOverlap:
         self._done_nvme: list[Partition] = []
         self._stepped: set[int] = set()
         self._stats: StepStats | None = None
+        # the groups' hyperparameters as backward's first update read them (None: none yet)
+        self._groups_seen: list[dict[str, Any]] | None = None
 
     # -- the user's thread, between steps ----------------------------------------
 

@@ -95,10 +95,14 @@ class AdamRule(UpdateRule):
         return tuple(k for k in MOMENTS if k != "max_exp_avg_sq" or group.get("amsgrad"))
 
     def check_loaded(self, part: Partition, saved: dict[str, Any]) -> None:
-        if bool(saved.get("amsgrad")) != ("max_exp_avg_sq" in part.kinds):
-            raise TierMemError(f"param_groups[{part.group}]: the checkpoint has amsgrad="
-                               f"{saved.get('amsgrad')}, the state laid out by "
-                               "tiermem.offload has not; load it before entering offload")
+        laid = "max_exp_avg_sq" in part.kinds
+        if bool(saved.get("amsgrad")) != laid:
+            # (say both values: "has not" left which side had amsgrad to guess)
+            raise TierMemError(
+                f"param_groups[{part.group}]: the checkpoint has amsgrad="
+                f"{bool(saved.get('amsgrad'))} and tiermem.offload laid the state out for "
+                f"amsgrad={laid}; load the checkpoint into the optimizer before entering "
+                "tiermem.offload, which then lays the state out for it")
 
     def init(self, part: Partition, views: Views) -> None:
         """Zero moments; the master weights (or the bf16 weights' copy) from the model."""
@@ -153,13 +157,18 @@ class AdamRule(UpdateRule):
                           offsets=[start for _, start in batch.origins],
                           seeds=[state_seed(step=s, partition=index)
                                  for s, (index, _) in zip(batch.steps, batch.origins)])
+        hyper = _hyperparameters(group)
+        if kernel in ("single_tensor", "multi_tensor"):
+            # torch's own loops take tensor betas as they are: their lerp weight and bias
+            # corrections are then fp32 tensor arithmetic, which Python floats round
+            # otherwise (the plain optimizer hands them the group's betas unconverted)
+            hyper["beta1"], hyper["beta2"] = group["betas"]
         return adam_update(
             kernel=kernel, params=batch.params, grads=batch.grads,
             exp_avgs=batch.state["exp_avg"], exp_avg_sqs=batch.state["exp_avg_sq"],
             max_exp_avg_sqs=batch.state.get("max_exp_avg_sq", []), steps=batch.steps,
             amsgrad=bool(group["amsgrad"]), weights_out=batch.weights_out,
-            checksums=batch.checksums, num_threads=batch.threads, **_hyperparameters(group),
-            **native)
+            checksums=batch.checksums, num_threads=batch.threads, **hyper, **native)
 
     def prepare_together(self, batches: Sequence[Batch], *, kernel: str
                          ) -> PreparedUpdate | None:

@@ -219,8 +219,15 @@ class AdagradRule(TorchRule):
     def kinds_for(self, group):
         return ("sum",)
 
+    def check(self, opt):
+        super().check(opt)
+        self._defaults = opt.defaults
+
     def first_fill(self, group):
-        return {"sum": group["initial_accumulator_value"]}
+        # torch fills every accumulator with the constructor's value, which its defaults
+        # keep: __init__ for the groups it was given, its step for a group added later,
+        # whatever initial_accumulator_value a group sets
+        return {"sum": self._defaults["initial_accumulator_value"]}
 
     def run(self, fn, batch, steps, group, impl):
         fn(batch.params, batch.grads, batch.state["sum"], steps, None, None,
