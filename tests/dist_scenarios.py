@@ -782,6 +782,103 @@ def gradscaler(rank: int, world: int, tmp: str) -> None:
             raise AssertionError(f"rank {rank}: GradScaler with reduce_scatter not refused")
 
 
+# -- torch.distributed.checkpoint.state_dict's helpers (torchtitan's, Accelerate's) ----------
+
+
+def same_fqn_state(sd: dict, ref_sd: dict, exact: bool = True) -> None:
+    """Two optimizer state_dicts keyed by parameter names (the helpers' layout) hold the same
+    state, step counts included; DTensors (FSDP2) are compared whole."""
+    check = assert_same_tensor if exact else assert_close_tensor
+    assert set(sd["state"]) == set(ref_sd["state"]), (sorted(sd["state"]),
+                                                       sorted(ref_sd["state"]))
+    for name, ref_st in ref_sd["state"].items():
+        assert set(sd["state"][name]) == set(ref_st), name
+        for k, v in ref_st.items():
+            a = sd["state"][name][k]
+            a = a.full_tensor() if hasattr(a, "full_tensor") else a
+            if k == "step":
+                assert float(a) == float(v), f"{name}: step {float(a)} != {float(v)}"
+            else:
+                check(a, v, f"{name}[{k!r}]")
+    assert [g["params"] for g in sd["param_groups"]] == [
+        g["params"] for g in ref_sd["param_groups"]]
+
+
+def dcp_helpers_take_no_step(rank: int, world: int, tmp: str,
+                             grads: str = "reduce_scatter") -> None:
+    """get_optimizer_state_dict / get_state_dict inside the block, over ZeRO shares: torch
+    takes an empty opt.state for a never-stepped optimizer and steps it with zero gradients
+    and lr 0; the tiered opt.state must be true whenever the plain one is, on every rank
+    alike (that step is a collective), or every count goes one up and every moment decays.
+    Adagrad's state is made at construction: no step before the first real one either.
+    allreduced: the gradients averaged before the step, as DDP does."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
+
+    from tiermem.dist import dcp
+
+    cases = [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05, amsgrad=True)),
+             (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1))]
+    for n, (cls, kw) in enumerate(cases if grads == "reduce_scatter" else cases[:1]):
+        model = Synthetic()
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = cls(groups_of(model), **kw), cls(groups_of(ref_model), **kw)
+        batches = make_batches(model, 3, seed=10 + rank)
+
+        def steps(first, last):
+            for i in range(first, last):
+                local_backward(model, batches[i], i, rank)
+                if grads == "allreduced":
+                    averaged(model, world)
+                opt.step()
+                opt.zero_grad()
+                local_backward(ref_model, batches[i], i, rank)
+                averaged(ref_model, world)
+                ref_opt.step()
+                ref_opt.zero_grad()
+
+        ck = os.path.join(tmp, f"ck{n}")
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n)), grads=grads),
+                             model=model) as tm:
+            # never stepped: torch makes AdamW's state with its lr-0 step, tiered or not;
+            # Adagrad's is there already
+            same_fqn_state(get_optimizer_state_dict(model, opt),
+                           get_optimizer_state_dict(ref_model, ref_opt))
+            steps(0, 2)
+            ref_sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt))
+            same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd)
+            same_fqn_state(get_state_dict(model, opt)[1], ref_sd)
+            dcp.save(tm, ck)
+            steps(2, 3)
+        compare_runs(model, opt, ref_model, ref_opt, exact=True)
+        # tiermem's own checkpoint loaded into a block never stepped: it holds state now
+        opt = cls(groups_of(model), **kw)
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, f"load{n}"), grads=grads),
+                             model=model) as tm:
+            dcp.load(tm, ck)
+            same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd)
+        barrier()
+    if grads != "reduce_scatter":
+        return
+    # 40 elements, under one share cut: rank 0 owns none of them and its own share holds no
+    # state, yet its opt.state must answer as rank 1's (else it alone steps, and waits)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 8)
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref_model))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + rank))
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "tiny"), timeout=30)) as tm:
+        assert (tm.plan()["share_elements"] == 0) == (rank == 0)
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            m(x).square().mean().backward()
+            if o is ref_opt:
+                averaged(m, world)
+            o.step()
+            o.zero_grad()
+        same_fqn_state(get_optimizer_state_dict(model, opt),
+                       get_optimizer_state_dict(ref_model, ref_opt))
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
     from dist_harness import scenario_results
 
@@ -820,6 +917,9 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "gradscaler": lambda r, d: gradscaler(r, world, d),
         "rank-raises": lambda r, d: rank_raises(r, world, d),
         "rank-dies": lambda r, d: rank_dies(r, world, d),
+        "dcp-helpers-no-step": lambda r, d: dcp_helpers_take_no_step(r, world, d),
+        "dcp-helpers-no-step-allreduced": lambda r, d: dcp_helpers_take_no_step(
+            r, world, d, "allreduced"),
     }
 
     def run(name):
