@@ -879,6 +879,107 @@ def dcp_helpers_take_no_step(rank: int, world: int, tmp: str,
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
 
 
+def dcp_helpers_load(rank: int, world: int, tmp: str) -> None:
+    """set_optimizer_state_dict inside the block, over ZeRO shares: it hands load_state_dict
+    the state under parameter names, which each rank must map to its pieces as torch maps
+    them (by place in the groups' params), or nothing is loaded and the run starts over."""
+    from offload_helpers import compare_state_dicts
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    ref_model, ref_opt = pair(amsgrad=True)[2:]
+    for i, micro in enumerate(make_batches(ref_model, 2, seed=10 + rank)):  # the checkpoint's
+        local_backward(ref_model, micro, i, rank)
+        averaged(ref_model, world)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt))
+    want = copy.deepcopy(ref_opt.state_dict())
+    for n, how in enumerate(["names"]):
+        m, ref_m = copy.deepcopy(ref_model), copy.deepcopy(ref_model)
+        opt, ref_o = (torch.optim.AdamW(groups_of(x), lr=1e-2, weight_decay=0.05,
+                                        amsgrad=True, foreach=False) for x in (m, ref_m))
+        ref_o.load_state_dict(copy.deepcopy(want))
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n))), model=m):
+            if how == "names":
+                set_optimizer_state_dict(m, opt, copy.deepcopy(sd))
+            compare_state_dicts(opt.state_dict(), want, exact=True)
+            train_pair(rank, world, m, opt, ref_m, ref_o, 1, first=2)
+        compare_runs(m, opt, ref_m, ref_o, exact=True)
+        barrier()
+
+
+def dcp_helpers_roundtrip(rank: int, world: int, tmp: str) -> None:
+    """torchtitan's checkpoint over ZeRO shares: get_state_dict into dcp.save; a new run
+    makes its template with get_state_dict (never stepped: torch's lr-0 step, tiered or
+    not), fills it with dcp.load and hands it to set_state_dict (parameter names), then
+    goes on equal to the plain run, bitwise."""
+    import torch.distributed.checkpoint as tdcp
+    from offload_helpers import compare_state_dicts
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, ref_model, ref_opt = pair(amsgrad=True)
+    ck = os.path.join(tmp, "ck")
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "a")), model=model):
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tdcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ck)
+    model = Synthetic(seed=1)  # other weights: the checkpoint's must replace them
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.05, amsgrad=True,
+                            foreach=False)
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "b")), model=model):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sd = {"model": model_sd, "optim": optim_sd}
+        tdcp.load(sd, checkpoint_id=ck)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=2)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
+def fsdp2_dcp_helpers(rank: int, world: int, tmp: str) -> None:
+    """The helpers on fully_shard parameters: get_optimizer_state_dict takes no step (and
+    full_state_dict gathers rank 0 the whole state); a new run's template from
+    get_state_dict, filled by dcp.load and handed to set_state_dict under parameter names,
+    loads each rank's shard exactly; both go on equal to the plain AdamW."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict,
+                                                         get_state_dict, set_state_dict)
+
+    mk = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05,  # noqa: E731
+                                     foreach=False)
+    model, ref_model = sharded_pair()
+    opt, ref_opt = mk(model), mk(ref_model)
+    g = torch.Generator().manual_seed(20 + rank)
+    ck = os.path.join(tmp, "ck")
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "a"))):
+        sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 2)
+        ref_sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt))
+        same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd, exact=False)
+        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))  # a collective: every rank calls it
+        if rank == 0:
+            same_fqn_state(full, ref_sd, exact=False)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tdcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ck)
+    model, _ = sharded_pair()  # the first weights: the checkpoint's must replace them
+    opt = mk(model)
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "b"))):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sd = {"model": model_sd, "optim": optim_sd}
+        tdcp.load(sd, checkpoint_id=ck)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd, exact=False)
+        sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 1)
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert_close_tensor(p.full_tensor().detach(), q.detach(), f"rank {rank} {n}")
+        st, sr = opt.state[p], ref_opt.state[q]
+        assert float(st["step"]) == float(sr["step"]) == 3.0, n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_close_tensor(st[k].full_tensor(), sr[k], f"rank {rank} {n} state {k}")
+
+
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
     from dist_harness import scenario_results
 
@@ -920,6 +1021,9 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "dcp-helpers-no-step": lambda r, d: dcp_helpers_take_no_step(r, world, d),
         "dcp-helpers-no-step-allreduced": lambda r, d: dcp_helpers_take_no_step(
             r, world, d, "allreduced"),
+        "dcp-helpers-load": lambda r, d: dcp_helpers_load(r, world, d),
+        "dcp-helpers-roundtrip": lambda r, d: dcp_helpers_roundtrip(r, world, d),
+        "fsdp2-dcp-helpers": lambda r, d: fsdp2_dcp_helpers(r, world, d),
     }
 
     def run(name):

@@ -410,20 +410,30 @@ class DistributedOffload(Offload):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
         rank loads its pieces. Not a collective."""
+        # A parameter's entry is the one under the key the saved groups list in its place,
+        # the n-th of them the optimizer's n-th parameter, as torch's own load maps them:
+        # torch's state_dict() numbers them, torch.distributed.checkpoint's
+        # set_optimizer_state_dict names them (looked up by number, nothing was found and
+        # every rank's run started over from step 1, silently). A number written as a
+        # string is still its parameter's.
+        position = {k: n for n, k in enumerate(
+            k for g in state_dict["param_groups"] for k in g["params"])}
+        entries: dict[int, Any] = {}
+        for k, st in state_dict["state"].items():
+            if k in position:
+                entries[position[k]] = st
+            elif isinstance(k, str) and k.isdigit():
+                entries[position.get(int(k), int(k))] = st
         type(self.opt).load_state_dict(self.opt, {"state": {},
                                                   "param_groups": state_dict["param_groups"]})
         self._sync_groups()
         shadow_state: dict[int, dict[str, Any]] = {}
-
-        def entry(i: int) -> Any:
-            return state_dict["state"].get(i, state_dict["state"].get(str(i)))
-
         # every rank is given the same state: the same answer on each (holds_state)
         self._held = bool(self.layout.params) and (
-            self.rule.eager_state or any(entry(i) for i in range(len(self.layout.params))))
+            self.rule.eager_state or any(entries.get(i) for i in range(len(self.layout.params))))
         order = [i for g, pcs in enumerate(self.layout.pieces) for i in (pc.index for pc in pcs)]
         for j, i in enumerate(order):
-            st = entry(i)
+            st = entries.get(i)
             if not st:
                 continue
             g, k = self._at[i]
