@@ -882,11 +882,15 @@ def dcp_helpers_take_no_step(rank: int, world: int, tmp: str,
 def dcp_helpers_load(rank: int, world: int, tmp: str) -> None:
     """set_optimizer_state_dict inside the block, over ZeRO shares: it hands load_state_dict
     the state under parameter names, which each rank must map to its pieces as torch maps
-    them (by place in the groups' params), or nothing is loaded and the run starts over."""
+    them (by place in the groups' params), or nothing is loaded and the run starts over.
+    flatten_optimizer_state_dict=True reads each parameter's state names from opt.state[p]
+    ({} inside the block): refused on every rank alike; before the block it loads."""
     from offload_helpers import compare_state_dicts
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
     ref_model, ref_opt = pair(amsgrad=True)[2:]
     for i, micro in enumerate(make_batches(ref_model, 2, seed=10 + rank)):  # the checkpoint's
         local_backward(ref_model, micro, i, rank)
@@ -894,15 +898,27 @@ def dcp_helpers_load(rank: int, world: int, tmp: str) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
     sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt))
+    flat_sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt, options=flat))
     want = copy.deepcopy(ref_opt.state_dict())
-    for n, how in enumerate(["names"]):
+    for n, how in enumerate(["names", "flattened inside", "flattened before"]):
         m, ref_m = copy.deepcopy(ref_model), copy.deepcopy(ref_model)
         opt, ref_o = (torch.optim.AdamW(groups_of(x), lr=1e-2, weight_decay=0.05,
                                         amsgrad=True, foreach=False) for x in (m, ref_m))
         ref_o.load_state_dict(copy.deepcopy(want))
+        if how == "flattened before":
+            set_optimizer_state_dict(m, opt, copy.deepcopy(flat_sd), options=flat)
         with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n))), model=m):
             if how == "names":
                 set_optimizer_state_dict(m, opt, copy.deepcopy(sd))
+            elif how == "flattened inside":
+                try:
+                    set_optimizer_state_dict(m, opt, copy.deepcopy(flat_sd), options=flat)
+                except tiermem.TierMemError as exc:
+                    assert "flatten_optimizer_state_dict" in str(exc), exc
+                else:
+                    raise AssertionError(f"rank {rank}: a flattened load inside the block "
+                                         "was not refused")
+                opt.load_state_dict(copy.deepcopy(want))  # refused, it changed nothing
             compare_state_dicts(opt.state_dict(), want, exact=True)
             train_pair(rank, world, m, opt, ref_m, ref_o, 1, first=2)
         compare_runs(m, opt, ref_m, ref_o, exact=True)

@@ -424,6 +424,22 @@ class DistributedOffload(Offload):
                 entries[position[k]] = st
             elif isinstance(k, str) and k.isdigit():
                 entries[position.get(int(k), int(k))] = st
+        if entries and not any(entries.values()) and any(
+                isinstance(k, str) and not k.isdigit() for k in position):
+            # Every parameter's entry is there and empty, under parameter names: what
+            # set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) makes of a
+            # tiered optimizer, whose keys it reads from opt.state[p] ({} inside the
+            # block). Loaded, it would start every parameter's state over, silently. Every
+            # rank is given the same state dict: all refuse, before anything is changed.
+            raise TierMemError(
+                "optimizer.load_state_dict(): the state_dict holds an empty state for every "
+                "parameter, under parameter names: torch.distributed.checkpoint's "
+                "set_optimizer_state_dict with flatten_optimizer_state_dict=True takes the "
+                "names of each parameter's state from opt.state[p], which is {} inside the "
+                "tiermem.offload block (the state is in each rank's share), so it passed "
+                "none of the checkpoint's state. Call it before entering the block (the "
+                "block takes the optimizer's state in), or save and load with "
+                "flatten_optimizer_state_dict=False")
         type(self.opt).load_state_dict(self.opt, {"state": {},
                                                   "param_groups": state_dict["param_groups"]})
         self._sync_groups()
