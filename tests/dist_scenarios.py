@@ -782,6 +782,220 @@ def gradscaler(rank: int, world: int, tmp: str) -> None:
             raise AssertionError(f"rank {rank}: GradScaler with reduce_scatter not refused")
 
 
+# -- torch.distributed.checkpoint.state_dict's helpers (torchtitan's, Accelerate's) ----------
+
+
+def same_fqn_state(sd: dict, ref_sd: dict, exact: bool = True) -> None:
+    """Two optimizer state_dicts keyed by parameter names (the helpers' layout) hold the same
+    state, step counts included; DTensors (FSDP2) are compared whole."""
+    check = assert_same_tensor if exact else assert_close_tensor
+    assert set(sd["state"]) == set(ref_sd["state"]), (sorted(sd["state"]),
+                                                       sorted(ref_sd["state"]))
+    for name, ref_st in ref_sd["state"].items():
+        assert set(sd["state"][name]) == set(ref_st), name
+        for k, v in ref_st.items():
+            a = sd["state"][name][k]
+            a = a.full_tensor() if hasattr(a, "full_tensor") else a
+            if k == "step":
+                assert float(a) == float(v), f"{name}: step {float(a)} != {float(v)}"
+            else:
+                check(a, v, f"{name}[{k!r}]")
+    assert [g["params"] for g in sd["param_groups"]] == [
+        g["params"] for g in ref_sd["param_groups"]]
+
+
+def dcp_helpers_take_no_step(rank: int, world: int, tmp: str,
+                             grads: str = "reduce_scatter") -> None:
+    """get_optimizer_state_dict / get_state_dict inside the block, over ZeRO shares: torch
+    takes an empty opt.state for a never-stepped optimizer and steps it with zero gradients
+    and lr 0; the tiered opt.state must be true whenever the plain one is, on every rank
+    alike (that step is a collective), or every count goes one up and every moment decays.
+    Adagrad's state is made at construction: no step before the first real one either.
+    allreduced: the gradients averaged before the step, as DDP does."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
+
+    from tiermem.dist import dcp
+
+    cases = [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05, amsgrad=True)),
+             (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1))]
+    for n, (cls, kw) in enumerate(cases if grads == "reduce_scatter" else cases[:1]):
+        model = Synthetic()
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = cls(groups_of(model), **kw), cls(groups_of(ref_model), **kw)
+        batches = make_batches(model, 3, seed=10 + rank)
+
+        def steps(first, last):
+            for i in range(first, last):
+                local_backward(model, batches[i], i, rank)
+                if grads == "allreduced":
+                    averaged(model, world)
+                opt.step()
+                opt.zero_grad()
+                local_backward(ref_model, batches[i], i, rank)
+                averaged(ref_model, world)
+                ref_opt.step()
+                ref_opt.zero_grad()
+
+        ck = os.path.join(tmp, f"ck{n}")
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n)), grads=grads),
+                             model=model) as tm:
+            # never stepped: torch makes AdamW's state with its lr-0 step, tiered or not;
+            # Adagrad's is there already
+            same_fqn_state(get_optimizer_state_dict(model, opt),
+                           get_optimizer_state_dict(ref_model, ref_opt))
+            steps(0, 2)
+            ref_sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt))
+            same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd)
+            same_fqn_state(get_state_dict(model, opt)[1], ref_sd)
+            dcp.save(tm, ck)
+            steps(2, 3)
+        compare_runs(model, opt, ref_model, ref_opt, exact=True)
+        # tiermem's own checkpoint loaded into a block never stepped: it holds state now
+        opt = cls(groups_of(model), **kw)
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, f"load{n}"), grads=grads),
+                             model=model) as tm:
+            dcp.load(tm, ck)
+            same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd)
+        barrier()
+    if grads != "reduce_scatter":
+        return
+    # 40 elements, under one share cut: rank 0 owns none of them and its own share holds no
+    # state, yet its opt.state must answer as rank 1's (else it alone steps, and waits)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 8)
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref_model))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + rank))
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "tiny"), timeout=30)) as tm:
+        assert (tm.plan()["share_elements"] == 0) == (rank == 0)
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            m(x).square().mean().backward()
+            if o is ref_opt:
+                averaged(m, world)
+            o.step()
+            o.zero_grad()
+        same_fqn_state(get_optimizer_state_dict(model, opt),
+                       get_optimizer_state_dict(ref_model, ref_opt))
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
+def dcp_helpers_load(rank: int, world: int, tmp: str) -> None:
+    """set_optimizer_state_dict inside the block, over ZeRO shares: it hands load_state_dict
+    the state under parameter names, which each rank must map to its pieces as torch maps
+    them (by place in the groups' params), or nothing is loaded and the run starts over.
+    flatten_optimizer_state_dict=True reads each parameter's state names from opt.state[p]
+    ({} inside the block): refused on every rank alike; before the block it loads."""
+    from offload_helpers import compare_state_dicts
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    ref_model, ref_opt = pair(amsgrad=True)[2:]
+    for i, micro in enumerate(make_batches(ref_model, 2, seed=10 + rank)):  # the checkpoint's
+        local_backward(ref_model, micro, i, rank)
+        averaged(ref_model, world)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt))
+    flat_sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt, options=flat))
+    want = copy.deepcopy(ref_opt.state_dict())
+    for n, how in enumerate(["names", "flattened inside", "flattened before"]):
+        m, ref_m = copy.deepcopy(ref_model), copy.deepcopy(ref_model)
+        opt, ref_o = (torch.optim.AdamW(groups_of(x), lr=1e-2, weight_decay=0.05,
+                                        amsgrad=True, foreach=False) for x in (m, ref_m))
+        ref_o.load_state_dict(copy.deepcopy(want))
+        if how == "flattened before":
+            set_optimizer_state_dict(m, opt, copy.deepcopy(flat_sd), options=flat)
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n))), model=m):
+            if how == "names":
+                set_optimizer_state_dict(m, opt, copy.deepcopy(sd))
+            elif how == "flattened inside":
+                try:
+                    set_optimizer_state_dict(m, opt, copy.deepcopy(flat_sd), options=flat)
+                except tiermem.TierMemError as exc:
+                    assert "flatten_optimizer_state_dict" in str(exc), exc
+                else:
+                    raise AssertionError(f"rank {rank}: a flattened load inside the block "
+                                         "was not refused")
+                opt.load_state_dict(copy.deepcopy(want))  # refused, it changed nothing
+            compare_state_dicts(opt.state_dict(), want, exact=True)
+            train_pair(rank, world, m, opt, ref_m, ref_o, 1, first=2)
+        compare_runs(m, opt, ref_m, ref_o, exact=True)
+        barrier()
+
+
+def dcp_helpers_roundtrip(rank: int, world: int, tmp: str) -> None:
+    """torchtitan's checkpoint over ZeRO shares: get_state_dict into dcp.save; a new run
+    makes its template with get_state_dict (never stepped: torch's lr-0 step, tiered or
+    not), fills it with dcp.load and hands it to set_state_dict (parameter names), then
+    goes on equal to the plain run, bitwise."""
+    import torch.distributed.checkpoint as tdcp
+    from offload_helpers import compare_state_dicts
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, ref_model, ref_opt = pair(amsgrad=True)
+    ck = os.path.join(tmp, "ck")
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "a")), model=model):
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tdcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ck)
+    model = Synthetic(seed=1)  # other weights: the checkpoint's must replace them
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.05, amsgrad=True,
+                            foreach=False)
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "b")), model=model):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sd = {"model": model_sd, "optim": optim_sd}
+        tdcp.load(sd, checkpoint_id=ck)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=2)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
+def fsdp2_dcp_helpers(rank: int, world: int, tmp: str) -> None:
+    """The helpers on fully_shard parameters: get_optimizer_state_dict takes no step (and
+    full_state_dict gathers rank 0 the whole state); a new run's template from
+    get_state_dict, filled by dcp.load and handed to set_state_dict under parameter names,
+    loads each rank's shard exactly; both go on equal to the plain AdamW."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict,
+                                                         get_state_dict, set_state_dict)
+
+    mk = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05,  # noqa: E731
+                                     foreach=False)
+    model, ref_model = sharded_pair()
+    opt, ref_opt = mk(model), mk(ref_model)
+    g = torch.Generator().manual_seed(20 + rank)
+    ck = os.path.join(tmp, "ck")
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "a"))):
+        sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 2)
+        ref_sd = copy.deepcopy(get_optimizer_state_dict(ref_model, ref_opt))
+        same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd, exact=False)
+        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))  # a collective: every rank calls it
+        if rank == 0:
+            same_fqn_state(full, ref_sd, exact=False)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tdcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ck)
+    model, _ = sharded_pair()  # the first weights: the checkpoint's must replace them
+    opt = mk(model)
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "b"))):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sd = {"model": model_sd, "optim": optim_sd}
+        tdcp.load(sd, checkpoint_id=ck)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        same_fqn_state(get_optimizer_state_dict(model, opt), ref_sd, exact=False)
+        sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 1)
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert_close_tensor(p.full_tensor().detach(), q.detach(), f"rank {rank} {n}")
+        st, sr = opt.state[p], ref_opt.state[q]
+        assert float(st["step"]) == float(sr["step"]) == 3.0, n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_close_tensor(st[k].full_tensor(), sr[k], f"rank {rank} {n} state {k}")
+
+
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
     from dist_harness import scenario_results
 
@@ -820,6 +1034,12 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "gradscaler": lambda r, d: gradscaler(r, world, d),
         "rank-raises": lambda r, d: rank_raises(r, world, d),
         "rank-dies": lambda r, d: rank_dies(r, world, d),
+        "dcp-helpers-no-step": lambda r, d: dcp_helpers_take_no_step(r, world, d),
+        "dcp-helpers-no-step-allreduced": lambda r, d: dcp_helpers_take_no_step(
+            r, world, d, "allreduced"),
+        "dcp-helpers-load": lambda r, d: dcp_helpers_load(r, world, d),
+        "dcp-helpers-roundtrip": lambda r, d: dcp_helpers_roundtrip(r, world, d),
+        "fsdp2-dcp-helpers": lambda r, d: fsdp2_dcp_helpers(r, world, d),
     }
 
     def run(name):

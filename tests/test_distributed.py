@@ -30,7 +30,9 @@ TWO = ["parity-threads", "parity-io_uring-mixed-amsgrad", "parity-lanes-cpu",
        "int8-none-stochastic", "fp32-kahan", "bf16-none-stochastic", "bf16-fp32-stochastic",
        "resume-one-step-apart", "kept-guard", "placeholders", "dcp-save", "dcp-master-modes", "fsdp2",
        "fsdp2-repadded", "torch-family", "fsdp2-torch-family", "whole-parameter-refused",
-       "recover-kept", "resume-kept-scalars", "gradscaler",
+       "recover-kept", "resume-kept-scalars", "gradscaler", "dcp-helpers-no-step",
+       "dcp-helpers-no-step-allreduced", "dcp-helpers-load", "dcp-helpers-roundtrip",
+       "fsdp2-dcp-helpers",
        "rank-raises"]  # rank-raises breaks the group: last
 # resume-other-world runs an offload over ranks 0 and 1 only: rank-dies after it names the
 # dead rank only if each group's offloads are counted apart (the c10d store keys)

@@ -480,6 +480,9 @@ def load(tm: Any, path: str) -> dict[str, int]:
             src.off.set_counts(s.index, float(steps[i]), {} if planner.scalars is None else {
                 k: torch.tensor(float(v), dtype=torch.float32)
                 for k, v in zip(keys, planner.scalars[i].tolist()) if not math.isnan(v)})
+    loaded = getattr(tm, "counts_loaded", None)
+    if loaded is not None:  # under a process group: opt.state's truth on every rank alike
+        loaded(steps)
     for group, saved in zip(src.opt.param_groups, planner.meta["groups"]):
         for k, v in saved.items():
             if k in group:

@@ -249,17 +249,38 @@ class DistributedOffload(Offload):
         return value.clone() if isinstance(value, torch.Tensor) else value
 
     def _gather_plans(self) -> list[dict[str, Any]]:
+        """Every rank's memory plan; and whether any rank's share holds state (a checkpoint
+        loaded before the block, a resumed run, Adagrad's eager state): see holds_state."""
         tiers = self.offloaded.tiers
         b = tiers.tier_bytes()
         row = [float(self.layout.share_elements), b["gpu"], b["host"], b["nvme"],
-               tiers.pinned_bytes, tiers.store.total_bytes if tiers.store else 0]
+               tiers.pinned_bytes, tiers.store.total_bytes if tiers.store else 0,
+               float(self.offloaded.holds_state())]
         table = self.coll.table(row, "sharing the memory plans")
+        self._held = any(t[6] for t in table)
         return [{"rank": self.coll.global_rank(r), "share_elements": int(t[0]),
                  "state_bytes": {"gpu": int(t[1]), "host": int(t[2]), "nvme": int(t[3])},
                  "pinned_bytes": int(t[4]), "swap_bytes": int(t[5])}
                 for r, t in enumerate(table)]
 
     # -- hooks on the user's optimizer ---------------------------------------------------
+
+    def holds_state(self) -> bool:
+        """Whether a plain optimizer would hold per-parameter state now: what `opt.state`
+        answers to truth testing inside the block (hooks.HeldState). torch's state_dict
+        helpers step an optimizer whose opt.state is empty, with zero gradients and lr 0;
+        here that step is a collective, so the answer must be the same on every rank
+        without asking the others: a rank's own share may hold no piece of the parameters
+        that stepped (or nothing at all). So it is kept as the ranks learn it together: at
+        set-up (from every rank's share), at each step (a gradient on any rank), at a load
+        (every rank is given the same state dict, or checkpoint)."""
+        return self._held
+
+    def counts_loaded(self, steps: torch.Tensor) -> None:
+        """tiermem.dist.dcp.load gave every parameter its step count (`steps`, the whole
+        model's, the same on every rank)."""
+        self._held = bool(self.layout.params) and (self.rule.eager_state
+                                                   or bool((steps != 0).any()))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise TierMemError("add_param_group inside tiermem.offload under a process group "
@@ -312,11 +333,13 @@ class DistributedOffload(Offload):
         with torch.no_grad():
             self._sync_groups()
             t0 = time.monotonic()
-            self.layout.grads_in(self.layout.present(), comm)
+            present = self.layout.present()  # the same on every rank
+            self.layout.grads_in(present, comm)
             comm["comm_seconds"] += time.monotonic() - t0
             gather = self._start_weights(comm)
             try:
                 self.shadow.step()  # the OffloadedOptimizer's tiered step over this share
+                self._held = self._held or bool(present)
             except BaseException as exc:
                 self.coll.post_failure(exc)  # the others are about to wait for this rank
                 raise
@@ -390,13 +413,46 @@ class DistributedOffload(Offload):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
         rank loads its pieces. Not a collective."""
+        # A parameter's entry is the one under the key the saved groups list in its place,
+        # the n-th of them the optimizer's n-th parameter, as torch's own load maps them:
+        # torch's state_dict() numbers them, torch.distributed.checkpoint's
+        # set_optimizer_state_dict names them (looked up by number, nothing was found and
+        # every rank's run started over from step 1, silently). A number written as a
+        # string is still its parameter's.
+        position = {k: n for n, k in enumerate(
+            k for g in state_dict["param_groups"] for k in g["params"])}
+        entries: dict[int, Any] = {}
+        for k, st in state_dict["state"].items():
+            if k in position:
+                entries[position[k]] = st
+            elif isinstance(k, str) and k.isdigit():
+                entries[position.get(int(k), int(k))] = st
+        if entries and not any(entries.values()) and any(
+                isinstance(k, str) and not k.isdigit() for k in position):
+            # Every parameter's entry is there and empty, under parameter names: what
+            # set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) makes of a
+            # tiered optimizer, whose keys it reads from opt.state[p] ({} inside the
+            # block). Loaded, it would start every parameter's state over, silently. Every
+            # rank is given the same state dict: all refuse, before anything is changed.
+            raise TierMemError(
+                "optimizer.load_state_dict(): the state_dict holds an empty state for every "
+                "parameter, under parameter names: torch.distributed.checkpoint's "
+                "set_optimizer_state_dict with flatten_optimizer_state_dict=True takes the "
+                "names of each parameter's state from opt.state[p], which is {} inside the "
+                "tiermem.offload block (the state is in each rank's share), so it passed "
+                "none of the checkpoint's state. Call it before entering the block (the "
+                "block takes the optimizer's state in), or save and load with "
+                "flatten_optimizer_state_dict=False")
         type(self.opt).load_state_dict(self.opt, {"state": {},
                                                   "param_groups": state_dict["param_groups"]})
         self._sync_groups()
         shadow_state: dict[int, dict[str, Any]] = {}
+        # every rank is given the same state: the same answer on each (holds_state)
+        self._held = bool(self.layout.params) and (
+            self.rule.eager_state or any(entries.get(i) for i in range(len(self.layout.params))))
         order = [i for g, pcs in enumerate(self.layout.pieces) for i in (pc.index for pc in pcs)]
         for j, i in enumerate(order):
-            st = state_dict["state"].get(i, state_dict["state"].get(str(i)))
+            st = entries.get(i)
             if not st:
                 continue
             g, k = self._at[i]
