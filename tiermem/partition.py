@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -267,7 +267,8 @@ class WholeLayout:
 def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
                       partition_size: int, rules: Sequence, first_id: int, first_index: int,
                       moment_dtype: torch.dtype, whole: Sequence[Sequence[WholeLayout]],
-                      by_layout: bool) -> list[Partition]:
+                      by_layout: bool, skip: Callable[[torch.Tensor], bool] | None
+                      ) -> list[Partition]:
     room = partition_size - RECORD_ALIGN  # a page for the swap record's footer, as above
     parts: list[Partition] = []
     index = first_index
@@ -278,10 +279,12 @@ def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
         # apart keeps a step to a few partitions, each one shadow step of the generic path.
         open_for: dict[tuple, Partition] = {}
         for j, p in enumerate(group["params"]):
+            index += 1
+            if skip is not None and skip(p):
+                continue
             lay = whole[g][j]
             forced = rule_tier(names.get(id(p), ""), rules)
-            seg = Segment(p, index, 0, p.numel(), dict(lay.shapes), dict(lay.nested))
-            index += 1
+            seg = Segment(p, index - 1, 0, p.numel(), dict(lay.shapes), dict(lay.nested))
             key = (lay.kinds, tuple(sorted((k, str(d)) for k, d in lay.dtypes.items())), forced)
             current = open_for.get(key)
             if current is not None:
@@ -315,7 +318,8 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
                      state_dtype: str = "fp32", master_weights: str = "fp32",
                      kinds: Sequence[Sequence[tuple[str, ...]]] | None = None,
                      whole: Sequence[Sequence[WholeLayout]] | None = None,
-                     by_layout: bool = False) -> list[Partition]:
+                     by_layout: bool = False,
+                     skip: Callable[[torch.Tensor], bool] | None = None) -> list[Partition]:
     """Partitions of every parameter in `param_groups`, in group and parameter order.
 
     `names` maps id(param) to its name for placement rules; `state_dtype` is
@@ -332,17 +336,22 @@ def build_partitions(param_groups: Sequence[dict], names: dict[int, str],
     partitions where layouts alternate (bitsandbytes' 8-bit matrices and 32-bit biases),
     each holding parameters from further apart (a partition updated during backward
     waits for the last of its gradients: pipeline.overlap_backward keeps the order).
+
+    `skip`: parameters that get no partition (frozen ones); they keep their index.
     """
     moment_dtype = MOMENT_DTYPES[state_dtype]
     if whole is not None:
         return _whole_partitions(param_groups, names, partition_size, rules, first_id,
-                                 first_index, moment_dtype, whole, by_layout)
+                                 first_index, moment_dtype, whole, by_layout, skip)
     parts: list[Partition] = []
     index = first_index
     for g, group in enumerate(param_groups):
         current: Partition | None = None
         cap = 0
         for j, p in enumerate(group["params"]):
+            if skip is not None and skip(p):
+                index += 1
+                continue
             kinds_p = (kinds[g][j] if kinds is not None
                        else state_kinds(p, bool(group.get("amsgrad", False)), keep_master,
                                         state_dtype, master_weights))

@@ -240,12 +240,19 @@ class OffloadedOptimizer:
         self.streams = streams
         self.emulated = streams is not None and streams.host_is_device
         self._keep_master = self.crash or self.emulated
+        # A parameter frozen when the block opens (requires_grad False and no state yet:
+        # a LoRA run's base weights) gets no record: a plain optimizer keeps no state for
+        # it, and a record would take host or NVMe room (Adam's 8-12 B a parameter) for
+        # nothing. A rank's shares are laid out whole (they are views, cut over the ranks).
+        self._skip = None if share else (
+            lambda p: not p.requires_grad and not optimizer.state.get(p))
         self.parts = build_partitions(optimizer.param_groups, self.names,
                                       settings.pipeline.partition_size, settings.placement,
                                       keep_master=self._keep_master,
                                       state_dtype=settings.optimizer.state_dtype,
                                       master_weights=settings.optimizer.master_weights,
-                                      **self._layouts(optimizer.param_groups))
+                                      skip=self._skip, **self._layouts(optimizer.param_groups))
+        self.unlaid = self._unlaid(self.parts, range(len(self.params)))
         self.budgets = Budgets(settings.tiers.gpu.capacity, settings.tiers.host.capacity)
         self.budgets.assign(self.parts)
         # Streams, events and buffers between host memory and the device, made once.
@@ -353,6 +360,25 @@ class OffloadedOptimizer:
                 raise
 
     # -- set-up ----------------------------------------------------------------
+
+    def _unlaid(self, parts: Sequence[Partition], indices: Iterable[int]) -> set[int]:
+        """Of parameters `indices`, those no partition holds (frozen at entry: _skip)."""
+        covered = {s.index for part in parts for s in part.segments}
+        return {i for i in indices if i not in covered and self.params[i].numel() > 0}
+
+    def refuse_unlaid(self, stepped: Iterable[int], what: str = "has a gradient") -> None:
+        """A parameter laid out no record (frozen at entry) cannot take a step: refuse
+        rather than leave it un-updated."""
+        bad = sorted(set(stepped) & self.unlaid)
+        if bad:
+            p = self.params[bad[0]]
+            name = self.names.get(id(p)) or f"parameter {bad[0]} (shape {tuple(p.shape)})"
+            raise TierMemError(
+                f"{name}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''} {what}, but "
+                "had requires_grad=False when the tiermem.offload block was entered, so "
+                "tiermem laid out no optimizer state for it (a frozen parameter takes no "
+                "record); leave the block and enter a new one after unfreezing it (the state "
+                "is handed back and taken in again)")
 
     def _layouts(self, groups: Sequence[dict]) -> dict[str, Any]:
         """build_partitions' layout arguments: what the rule keeps in a record for each
@@ -514,6 +540,7 @@ class OffloadedOptimizer:
             stepped = {i for i, p in enumerate(self.params) if self.weights.has_gradient(p)}
         else:
             stepped = {i for i, p in enumerate(self.params) if p.grad is not None}
+        self.refuse_unlaid(stepped)
         if self.weights is None and any(self.params[i].grad.is_sparse for i in stepped):
             raise TierMemError(f"{type(self.opt).__name__} under tiermem does not support "
                                "sparse gradients")
@@ -1158,6 +1185,8 @@ class OffloadedOptimizer:
 
         copy_ casts: with bf16 state the moments are rounded to nearest even here."""
         index = {id(p): i for i, p in enumerate(self.params)}
+        self.refuse_unlaid((index[id(p)] for p, st in state.items() if st),
+                           "has state in the state_dict loaded")
         state = {p: self.rule.from_torch_state(self._shaped(p), self.opt.param_groups[
             self._group_of(index[id(p)])], st) for p, st in state.items()}
         for p, st in state.items():
@@ -1376,7 +1405,7 @@ class OffloadedOptimizer:
                                    first_index=len(self.params), keep_master=self._keep_master,
                                    state_dtype=self.settings.optimizer.state_dtype,
                                    master_weights=self.settings.optimizer.master_weights,
-                                   **self._layouts([group]))
+                                   skip=self._skip, **self._layouts([group]))
             for part in new:
                 part.group = first_group
             self.budgets.assign(new)
@@ -1389,10 +1418,12 @@ class OffloadedOptimizer:
             self.opt.param_groups.pop()
             self.budgets.left = left
             raise
+        first = len(self.params)
         self.params.extend(group["params"])
         self.steps.extend(len(group["params"]))
         self.scalars.extend({} for _ in group["params"])
         self.parts.extend(new)
+        self.unlaid |= self._unlaid(new, range(first, len(self.params)))
         if self.crash:
             self._initialise(new)
             self.commit()

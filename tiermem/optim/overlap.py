@@ -142,6 +142,11 @@ class BackwardOverlap:
     def _forward_check(self, module: torch.nn.Module, args: Any) -> None:
         """A forward of the model while backward's updates run would read weights being
         written (the next micro-batch's, outside tm.accumulating()): refuse it."""
+        off = self.off
+        # a parameter unfrozen since the block opened (it has no record): refused before
+        # this forward's backward could update anything, which step() would be too late for
+        off.refuse_unlaid((i for i in off.unlaid if off.params[i].requires_grad),
+                          "requires a gradient")
         with self._lock:
             started = bool(self._fired)
         if started:
@@ -286,6 +291,7 @@ class BackwardOverlap:
                 raise error
             if off.weights is not None:
                 off.weights.before_step(off.params)
+            off.refuse_unlaid(i for i, p in enumerate(off.params) if off.has_grad(p))
             # before the gradients' check: GradScaler's own inf check rewrites them (times 1)
             amp.refuse(off.opt, "pipeline.overlap_backward: true",
                        "backward already updated parts of this step with the gradients "

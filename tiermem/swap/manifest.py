@@ -648,9 +648,11 @@ def _validate(d: dict, run_dir: str) -> None:
             _need(part["record_bytes"] == fits and _is_int(part["record_bytes"]),
                   f"{w}.record_bytes", f"{fits}, what its kinds and numel lay out",
                   part["record_bytes"])
-    bad = [i for i, (c, n) in enumerate(zip(covered, sizes)) if c != n]
-    _need(not bad, "partitions", "to cover every element of every parameter once",
-          f"parameters {bad[:8]} are not")
+    # a parameter frozen when the block opened has no partition, and never stepped
+    bad = [i for i, (c, n) in enumerate(zip(covered, sizes))
+           if c != n and (c or d["steps"][i])]
+    _need(not bad, "partitions", "to cover every element of every parameter once (or, "
+          "of a parameter never stepped, none)", f"parameters {bad[:8]} are not")
     ids = {str(p["id"]) for p in parts}
 
     fresh = _list(d["fresh"], "fresh")

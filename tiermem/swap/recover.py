@@ -226,9 +226,18 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
     groups = _groups(m)
     out: dict[str, Any] = {"format": FORMAT, "step": m.step, "durability": m.durability,
                            "optimizer": {"state": state, "param_groups": groups}}
-    if len(weights) == len(m.params):
-        out["model"] = {names[i]: weights[i] for i in range(len(m.params))}
+    _model_weights(out, weights, parts, names)
     return out
+
+
+def _model_weights(out: dict[str, Any], weights: dict[int, torch.Tensor],
+                   parts: list[Partition], names: list[str]) -> None:
+    """out["model"]: the weights the records keep, when they keep every laid-out
+    parameter's. A parameter frozen when the block opened has no record (it never changed:
+    the model has it as it was) and is not in it."""
+    laid = {s.index for part in parts for s in part.segments}
+    if weights and set(weights) == laid:
+        out["model"] = {names[i]: weights[i] for i in sorted(weights)}
 
 
 def _groups(m: Manifest) -> list[dict]:
@@ -340,8 +349,7 @@ def _gather_whole(run_dir: str, m: Manifest) -> dict[str, Any]:
     unkept = sorted(k for k, v in own.items() if isinstance(v, Unkept))
     if unkept:
         out["optimizer_attributes_unkept"] = unkept
-    if len(weights) == len(m.params):
-        out["model"] = {names[i]: weights[i] for i in range(len(m.params))}
+    _model_weights(out, weights, parts, names)
     return out
 
 
