@@ -36,7 +36,7 @@ from tiermem.optim import amp
 from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
-from tiermem.optim.state_io import torch_state_dict
+from tiermem.optim.state_io import param_entries, torch_state_dict
 from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.optim.rules.adam import MASTER_KEY
 from tiermem.sizes import format_size
@@ -413,36 +413,9 @@ class DistributedOffload(Offload):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
         rank loads its pieces. Not a collective."""
-        # A parameter's entry is the one under the key the saved groups list in its place,
-        # the n-th of them the optimizer's n-th parameter, as torch's own load maps them:
-        # torch's state_dict() numbers them, torch.distributed.checkpoint's
-        # set_optimizer_state_dict names them (looked up by number, nothing was found and
-        # every rank's run started over from step 1, silently). A number written as a
-        # string is still its parameter's.
-        position = {k: n for n, k in enumerate(
-            k for g in state_dict["param_groups"] for k in g["params"])}
-        entries: dict[int, Any] = {}
-        for k, st in state_dict["state"].items():
-            if k in position:
-                entries[position[k]] = st
-            elif isinstance(k, str) and k.isdigit():
-                entries[position.get(int(k), int(k))] = st
-        if entries and not any(entries.values()) and any(
-                isinstance(k, str) and not k.isdigit() for k in position):
-            # Every parameter's entry is there and empty, under parameter names: what
-            # set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) makes of a
-            # tiered optimizer, whose keys it reads from opt.state[p] ({} inside the
-            # block). Loaded, it would start every parameter's state over, silently. Every
-            # rank is given the same state dict: all refuse, before anything is changed.
-            raise TierMemError(
-                "optimizer.load_state_dict(): the state_dict holds an empty state for every "
-                "parameter, under parameter names: torch.distributed.checkpoint's "
-                "set_optimizer_state_dict with flatten_optimizer_state_dict=True takes the "
-                "names of each parameter's state from opt.state[p], which is {} inside the "
-                "tiermem.offload block (the state is in each rank's share), so it passed "
-                "none of the checkpoint's state. Call it before entering the block (the "
-                "block takes the optimizer's state in), or save and load with "
-                "flatten_optimizer_state_dict=False")
+        # each parameter's entry by its place in the saved groups (torch's mapping); every
+        # rank is given the same state dict, so all refuse alike, before anything changes
+        entries, _ = param_entries(state_dict, "each rank's share")
         type(self.opt).load_state_dict(self.opt, {"state": {},
                                                   "param_groups": state_dict["param_groups"]})
         self._sync_groups()

@@ -29,8 +29,8 @@ from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_c
 from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import Batch, PreparedUpdate, UpdateRule, rule_for
 from tiermem.optim.rules.nested import json_exact, value_digest
-from tiermem.optim.state_io import (drop_param_state, gather, jsonable, scatter,
-                                    torch_state_dict)
+from tiermem.optim.state_io import (drop_param_state, gather, jsonable, param_entries,
+                                    scatter, torch_state_dict)
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
 from tiermem.kernels.vml import resolve_vml_dispatch
@@ -1282,50 +1282,18 @@ class OffloadedOptimizer:
         for part in self.parts:
             self.rule.check_loaded(part, saved_groups[part.group])
         # A parameter's entry is one under a key the saved groups list, the n-th of them
-        # the optimizer's n-th parameter, as torch's own load maps them: the keys are the
-        # numbers torch's state_dict() gives, or whatever the checkpoint's writer used
-        # (torch.distributed.checkpoint's set_optimizer_state_dict hands over parameter
-        # names, which were taken for entries of no parameter and dropped: nothing was
-        # loaded). A number written as a string is still its parameter's.
-        position = {k: n for n, k in enumerate(
-            k for g in state_dict["param_groups"] for k in g["params"])}
-
-        def a_param(k: Any) -> bool:
-            return k in position or (isinstance(k, str) and k.isdigit())
-
-        def index_of(k: Any) -> int:
-            return position[k] if k in position else position.get(int(k), int(k))
-
-        entries = [v for k, v in state_dict["state"].items() if a_param(k)]
-        if entries and not any(entries) and any(
-                isinstance(k, str) and not k.isdigit() for k in position):
-            # Every parameter's entry is there and empty, under parameter names: what
-            # set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) makes of a
-            # tiered optimizer, whose keys it reads from opt.state[p] ({} inside the
-            # block). Loaded, it would start every parameter's state over, silently.
-            raise TierMemError(
-                "optimizer.load_state_dict(): the state_dict holds an empty state for every "
-                "parameter, under parameter names: torch.distributed.checkpoint's "
-                "set_optimizer_state_dict with flatten_optimizer_state_dict=True takes the "
-                "names of each parameter's state from opt.state[p], which is {} inside the "
-                "tiermem.offload block (the state is in tiermem's records), so it passed "
-                "none of the checkpoint's state. Call it before entering the block (the "
-                "block takes the optimizer's state in), or save and load with "
-                "flatten_optimizer_state_dict=False")
-
+        # each parameter's entry, by its place in the saved groups (torch's mapping)
+        entries, others = param_entries(state_dict, "tiermem's records")
         # torch's own load takes the groups, and the entries under keys that are no
         # parameter (MADGRAD's count in state['k']) into opt.state, where they stay; the
         # optimizer's own load_state_dict also gets whatever else its state_dict() added
         # beside them (pytorch_optimizer's StableSPAM keeps its total_step there)
         groups_only = {**{k: v for k, v in state_dict.items()
                           if k not in ("state", "param_groups")},
-                       "state": {k: v for k, v in state_dict["state"].items()
-                                 if not a_param(k)},
-                       "param_groups": state_dict["param_groups"]}
+                       "state": others, "param_groups": state_dict["param_groups"]}
         type(self.opt).load_state_dict(self.opt, groups_only)
         by_index = dict(enumerate(self.params))
-        state = {by_index[index_of(k)]: v
-                 for k, v in state_dict["state"].items() if a_param(k)}
+        state = {by_index[i]: v for i, v in entries.items()}
         for i in range(len(self.params)):
             self.steps[i] = 0.0
             self.scalars[i] = {}

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
+from tiermem.errors import TierMemError
 from tiermem.kernels.lowbit import kahan_term, segment_values, store_segment
 from tiermem.partition import SCALE_KINDS, SCALE_OF, Partition
 from tiermem.tiers.manager import TierManager
@@ -26,6 +27,45 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
+
+
+def param_entries(state_dict: dict[str, Any], held: str
+                  ) -> tuple[dict[int, Any], dict[Any, Any]]:
+    """A state_dict's per-parameter entries by the optimizer's parameter numbers, and its
+    entries under keys that are no parameter (MADGRAD's count in state['k']).
+
+    A parameter's entry is the one under the key the saved groups list in its place, the
+    n-th of them the optimizer's n-th parameter, as torch's own load maps them: torch's
+    state_dict() numbers them, torch.distributed.checkpoint's set_optimizer_state_dict
+    names them (looked up as numbers, nothing was found and training started over from
+    step 1, silently). A number written as a string is still its parameter's.
+
+    Refused: an empty entry for every parameter under parameter names, what
+    set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) makes of a tiered
+    optimizer, whose state's names it reads from opt.state[p] ({} inside the block;
+    `held`: where the state is instead). Loaded, every parameter's state would start over."""
+    position = {k: n for n, k in enumerate(
+        k for g in state_dict["param_groups"] for k in g["params"])}
+    entries: dict[int, Any] = {}
+    others: dict[Any, Any] = {}
+    for k, st in state_dict["state"].items():
+        if k in position:
+            entries[position[k]] = st
+        elif isinstance(k, str) and k.isdigit():
+            entries[position.get(int(k), int(k))] = st
+        else:
+            others[k] = st
+    if entries and not any(entries.values()) and any(
+            isinstance(k, str) and not k.isdigit() for k in position):
+        raise TierMemError(
+            "optimizer.load_state_dict(): the state_dict holds an empty state for every "
+            "parameter, under parameter names: torch.distributed.checkpoint's "
+            "set_optimizer_state_dict with flatten_optimizer_state_dict=True takes the "
+            "names of each parameter's state from opt.state[p], which is {} inside the "
+            f"tiermem.offload block (the state is in {held}), so it passed none of the "
+            "checkpoint's state. Call it before entering the block (the block takes the "
+            "optimizer's state in), or save and load with flatten_optimizer_state_dict=False")
+    return entries, others
 
 
 def drop_param_state(opt: torch.optim.Optimizer) -> None:
