@@ -279,12 +279,13 @@ def _whole_partitions(param_groups: Sequence[dict], names: dict[int, str],
         # apart keeps a step to a few partitions, each one shadow step of the generic path.
         open_for: dict[tuple, Partition] = {}
         for j, p in enumerate(group["params"]):
-            index += 1
             if skip is not None and skip(p):
+                index += 1
                 continue
             lay = whole[g][j]
             forced = rule_tier(names.get(id(p), ""), rules)
-            seg = Segment(p, index - 1, 0, p.numel(), dict(lay.shapes), dict(lay.nested))
+            seg = Segment(p, index, 0, p.numel(), dict(lay.shapes), dict(lay.nested))
+            index += 1
             key = (lay.kinds, tuple(sorted((k, str(d)) for k, d in lay.dtypes.items())), forced)
             current = open_for.get(key)
             if current is not None:

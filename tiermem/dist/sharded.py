@@ -316,13 +316,10 @@ class DistributedOffload(Offload):
                            "before tiermem reduces them, so the ranks would disagree on "
                            "which steps to skip (DDP's all-reduced gradients, "
                            "distributed.grads: allreduced, work)")
-            if scaled.found_inf:  # as torch's fused step: nothing changes
+            if amp.apply(opt, scaled):
                 step_called(opt)
                 run_post_hooks(opt, args, kwargs)
                 return None
-            if scaled.grad_scale is not None:
-                amp.unscale((p.grad for g in opt.param_groups for p in g["params"]
-                             if p.grad is not None), scaled.grad_scale)
         loss = None
         if closure is not None:
             with torch.enable_grad():

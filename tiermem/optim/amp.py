@@ -25,8 +25,6 @@ instead of unscaling p.grad itself and deciding alone whether step() runs:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
-
 import torch
 
 from tiermem.errors import TierMemError
@@ -60,9 +58,17 @@ def refuse(opt: torch.optim.Optimizer, setting: str, why: str) -> None:
             f"which needs no GradScaler, or without {setting}")
 
 
-def unscale(grads: Iterable[torch.Tensor], scale: torch.Tensor) -> None:
-    """Divide each gradient by `scale` in place: the quotient (not a product with the
-    reciprocal, which rounds differently for a scale that is no power of two) that torch's
-    fused kernels compute and write back into p.grad."""
-    for g in grads:
-        g.div_(scale.to(g.device))
+def apply(opt: torch.optim.Optimizer, scaled: Handover) -> bool:
+    """Honour a hand-over before the step: True when GradScaler found inf/NaN gradients
+    (the step is skipped: torch's fused step leaves the weights and the state as they
+    were); else each gradient is divided by the scale in place, the quotient (not a
+    product with the reciprocal, which rounds differently for a scale that is no power of
+    two) that torch's fused kernels compute and write back into p.grad."""
+    if scaled.found_inf:
+        return True
+    if scaled.grad_scale is not None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(scaled.grad_scale.to(p.grad.device))
+    return False

@@ -498,14 +498,10 @@ class OffloadedOptimizer:
                 amp.refuse(self.opt, "parameters.offload",
                            "the gradients are in the parameter tier, where GradScaler "
                            "cannot check them for inf/NaN")
-            if scaled.found_inf:
-                # torch's fused step leaves the weights and the state as they were
+            if amp.apply(self.opt, scaled):  # (before the lanes stage any gradient)
                 run_post_hooks(self.opt, args, kwargs)
                 step_called(self.opt)
                 return None
-            if scaled.grad_scale is not None:  # before the lanes stage any gradient
-                amp.unscale((p.grad for p in self.params if p.grad is not None),
-                            scaled.grad_scale)
         loss = None
         if closure is not None:
             self.rule.check_closure()  # before the closure's forward and backward run
