@@ -917,7 +917,7 @@ class OffloadedOptimizer:
             return None
         kernel = self.settings.optimizer.kernel
         if kernel == "auto":  # native where it runs (runs_native); here what the rule says
-            kernel = self.rule.auto_kernel
+            kernel = self.rule.auto_for(group)
         if kernel == "match":  # what torch would run where this update runs
             kernel = kernel_matching(group, batch.params[0].device)
         with timed(stats, "update_seconds", f"update p{part.id}", part.id), \

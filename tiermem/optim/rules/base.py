@@ -113,6 +113,11 @@ class UpdateRule(ABC):
     #: fused kernel (faster, within 1e-6), the torch family's match (bitwise with plain)
     auto_kernel: ClassVar[str] = "fused"
 
+    def auto_for(self, group: dict[str, Any]) -> str:
+        """The kernel optimizer.kernel auto runs for this group where the native one does
+        not (auto_kernel, unless the group's flags need the plain optimizer's own)."""
+        return self.auto_kernel
+
     def scalar_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """Per-parameter 0-d state besides step (ASGD's eta, mu), kept on the host and in
         the manifest rather than in the record."""
