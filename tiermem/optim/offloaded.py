@@ -209,6 +209,16 @@ class OffloadedOptimizer:
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = StepCounts(0.0 for _ in self.params)
+        # Of a rule whose optimizer makes its state eagerly (Adagrad: in __init__), the
+        # parameters never stepped that it keeps no state for all the same: a group added
+        # after construction, an entry a loaded state_dict left out. torch's state_dict
+        # has no entry for them until their first step, which fills it (the rule's
+        # first_fill); every other one keeps the state it has (its record), as torch's
+        # does. Set where the state comes from (entry, load, resume). Not known after a
+        # resume from a version-3 manifest, which kept none: every parameter never stepped
+        # then starts from the first fill (what tiermem did before it kept them).
+        self.stateless: set[int] = set()
+        self.stateless_known = True
         # parameters a scratch step has updated so far (a failed one uncounts the rest)
         self.updated_now: set[int] = set()
         # After a scratch step failed part-way: the gradients (grad_marks) its updated
@@ -288,6 +298,9 @@ class OffloadedOptimizer:
         try:
             existing = {p: s for p, s in optimizer.state.items()
                         if isinstance(p, torch.Tensor) and s}
+            if not resume:
+                self.stateless = self._without_state(
+                    i for i, p in enumerate(self.params) if p not in existing)
             if resume_previous:
                 # The commit gone back to is the latest from now on: a crash, or a step
                 # rolled back, must not find the later one (its records get overwritten).
@@ -944,7 +957,7 @@ class OffloadedOptimizer:
         step = self.steps[s.index]
         batch.steps.append(step)
         first = float(step) <= 1
-        batch.first.append(first)
+        batch.first.append(first and self._fills(s.index))
         have = {} if first else self.scalars[s.index]
         mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in have.items()}
         start = self.rule.initial_scalars(batch.group)
@@ -1036,7 +1049,8 @@ class OffloadedOptimizer:
                 if master is not None and own:
                     built.copies.append((master[sl], weights))
             batch.steps.append(self.steps[s.index])
-            batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
+            # SGD's buffer starts there; Adagrad's accumulator, unless it has state
+            batch.first.append(float(self.steps[s.index]) <= 1 and self._fills(s.index))
             batch.segments.append(s)
             batch.origins.append(self.origin(s))
             for k, lst in batch.state.items():
@@ -1072,7 +1086,9 @@ class OffloadedOptimizer:
                   "absent": list(changed.get("absent", []))} if changed else {}
         return {"step": self.steps_taken if step is None else step,
                 "steps": self.steps.values(), "params": params, "groups": groups,
-                "rule": type(self.rule).__name__, "values": values, "share": self.share}
+                "rule": type(self.rule).__name__, "values": values, "share": self.share,
+                "defaults": {k: jsonable(v) for k, v in self.opt.defaults.items()},
+                "stateless": sorted(i for i in self.stateless if self.steps[i].item() == 0)}
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""
@@ -1134,6 +1150,8 @@ class OffloadedOptimizer:
 
     def _adopt_counts(self, manifest: Any) -> None:
         self.steps = StepCounts(manifest.steps)
+        self.stateless = self._without_state(manifest.stateless)
+        self.stateless_known = manifest.version >= 4
         self.scalars = [{k: scalar_from_json(v) for k, v in (entry.get("scalars") or {}).items()}
                         for entry in (manifest.params or [{} for _ in manifest.steps])]
         self._next_scalars = {}
@@ -1207,7 +1225,8 @@ class OffloadedOptimizer:
         """
         out: dict[torch.Tensor, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
-            if self.steps[i].item() == 0 and not self.rule.eager_state:
+            if self.steps[i].item() == 0 and (not self.rule.eager_state
+                                              or i in self.stateless):
                 continue  # never stepped: torch keeps no state for it either
             dtype = p.dtype if model_dtype else torch.float32
             st: dict[str, Any] = {"step": self.steps[i].clone()} if self.rule.has_step else {}
@@ -1224,11 +1243,12 @@ class OffloadedOptimizer:
                 st[self.rule.torch_keys["master"]] = weights.float().clone()
             out[p] = st
         gather(self.tiers, self.parts, self.rule.torch_keys, out)
-        if self.rule.eager_state:
-            # A parameter never stepped starts its first step from what the rule fills in
-            # then (Adagrad: the defaults' accumulator), not from its record, which holds
-            # zeros for a group added after entry: a plain optimizer loading this state
-            # must start where tiermem's next step would.
+        if self.rule.eager_state and not self.stateless_known:
+            # (resumed from a version-3 manifest) A parameter never stepped starts its
+            # first step from what the rule fills in then (Adagrad: the defaults'
+            # accumulator), not from its record, which holds zeros for a group added after
+            # entry: a plain optimizer loading this state must start where tiermem's next
+            # step would.
             for i, p in enumerate(self.params):
                 if p in out and self.steps[i].item() == 0:
                     fill = self.rule.first_fill(self.opt.param_groups[self._group_of(i)])
@@ -1241,8 +1261,20 @@ class OffloadedOptimizer:
         """Whether a plain optimizer would hold per-parameter state now (some parameter
         has stepped, or the optimizer makes its state eagerly): what `opt.state` answers
         to truth testing inside the block (hooks.HeldState)."""
-        return bool(self.params) and (self.rule.eager_state
-                                      or any(v != 0 for v in self.steps.values()))
+        return any(v != 0 or (self.rule.eager_state and i not in self.stateless)
+                   for i, v in enumerate(self.steps.values()))
+
+    def _without_state(self, indices: Iterable[int]) -> set[int]:
+        """`indices` as self.stateless keeps them: only a rule with eager state has any."""
+        return set(indices) if self.rule.eager_state else set()
+
+    def _fills(self, index: int) -> bool:
+        """Whether parameter `index`'s first step starts its state afresh (the rule's
+        first_fill: Adagrad's accumulator) rather than from its record: always, but for
+        a rule with eager state, whose optimizer starts from the state it holds (made in
+        __init__, or loaded) and fills only where it holds none."""
+        return (not self.rule.eager_state or not self.stateless_known
+                or index in self.stateless)
 
     def _shaped(self, p: torch.Tensor) -> torch.Tensor:
         """`p` with its shape: with the weights in the parameter tier p is empty between
@@ -1294,6 +1326,11 @@ class OffloadedOptimizer:
             self.steps[i] = 0.0
             self.scalars[i] = {}
         self._next_scalars.clear()
+        # torch's load replaces the state: a parameter the state_dict has no entry for
+        # holds none (Adagrad's first step fills it then)
+        self.stateless = self._without_state(i for i in range(len(self.params))
+                                             if not entries.get(i))
+        self.stateless_known = True
         if self.weights is not None and any(k in part.kinds for part in self.parts
                                             for k in ("master", "weight", "kahan")):
             # a master missing from the checkpoint, a record's copy of the weights and a
@@ -1385,6 +1422,8 @@ class OffloadedOptimizer:
         first = len(self.params)
         self.params.extend(group["params"])
         self.steps.extend(len(group["params"]))
+        # torch's Adagrad makes state in __init__ only: a group added later has none
+        self.stateless |= self._without_state(range(first, len(self.params)))
         self.scalars.extend({} for _ in group["params"])
         self.parts.extend(new)
         self.unlaid |= self._unlaid(new, range(first, len(self.params)))

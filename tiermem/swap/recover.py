@@ -64,8 +64,9 @@ FORMAT = "tiermem-recover-1"
 ELEMENTWISE_RULES = {"AdamRule", "SGDRule", "AdagradRule", "RMSpropRule", "AdamaxRule",
                      "NAdamRule", "RAdamRule", "AdadeltaRule", "ASGDRule", "RpropRule"}
 NO_STEP_RULES = {"SGDRule"}  # torch keeps no "step" count in their state
-# torch builds these rules' state when the optimizer is made: kind -> the group value it
-# starts at
+# torch builds these rules' state when the optimizer is made: kind -> the value of the
+# optimizer's defaults it starts at (torch's Adagrad fills every accumulator from the
+# constructor's initial_accumulator_value, whatever a group sets; manifest.defaults)
 EAGER_RULES = {"AdagradRule": {"sum": "initial_accumulator_value"}}
 # kinds that hold weights, not torch state: an fp32 master, the bf16 weights a record keeps
 # without one (master_weights kahan/none, crash-consistent) and their Kahan term
@@ -163,13 +164,13 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
         return _gather_whole(run_dir, m)
     has_step, eager = m.rule not in NO_STEP_RULES, m.rule in EAGER_RULES
     names = [p["name"] or f"param.{i}" for i, p in enumerate(m.params)]
-    group_of = {i: g for g, group in enumerate(m.groups) for i in group["params"]}
     state: dict[int, dict[str, Any]] = {}
     weights: dict[int, torch.Tensor] = {}
     parts = [_partition(e, m.params) for e in m.partitions]
     kinds_of = {s.index: part.kinds for part in parts for s in part.segments}
+    stateless = set(m.stateless)
     for i, step in enumerate(m.steps):
-        if step == 0 and not eager:
+        if step == 0 and (not eager or i in stateless):
             continue  # never stepped: torch keeps no state for it either
         shape = m.params[i]["shape"]
         st: dict[str, Any] = {"step": torch.tensor(float(step))} if has_step else {}
@@ -177,9 +178,8 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
         for k in kinds_of.get(i, ()):
             if k not in WEIGHT_KINDS and k not in SCALE_KINDS:
                 # never stepped (Adagrad builds its state when made): torch's starting value
-                fill = m.groups[group_of[i]].get(EAGER_RULES.get(m.rule, {}).get(k), 0.0)
-                st[k] = torch.full(shape, float(fill) if step == 0 else 0.0,
-                                   dtype=torch.float32)
+                fill = _first_fill(run_dir, m, k, i) if step == 0 else 0.0
+                st[k] = torch.full(shape, fill, dtype=torch.float32)
         if m.params[i]["dtype"] != "float32" and (
                 {"master", "weight"} & set(kinds_of.get(i, ()))):
             st["master_param"] = torch.zeros(shape, dtype=torch.float32)
@@ -228,6 +228,29 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
                            "optimizer": {"state": state, "param_groups": groups}}
     _model_weights(out, weights, parts, names)
     return out
+
+
+def _first_fill(run_dir: str, m: Manifest, kind: str, i: int) -> float:
+    """The value torch starts state `kind` of never-stepped parameter i at: its optimizer's
+    defaults' (manifest.defaults), which a version-3 manifest does not keep."""
+    key = EAGER_RULES.get(m.rule, {}).get(kind)
+    if key is None:
+        return 0.0
+    if m.version < 4:
+        raise TierMemError(
+            f"cannot recover {run_dir}: parameter {i} ({m.params[i]['name'] or 'unnamed'}) "
+            f"never stepped, and torch starts its {kind!r} at the optimizer's default "
+            f"{key}, which this manifest (version {m.version}, an earlier tiermem's) does "
+            "not keep (a group's own value is not it); resume the run with "
+            "tiermem.offload(..., resume=True) in its own program and save "
+            "optimizer.state_dict()")
+    value = m.defaults.get(key)
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0):
+        raise TierMemError(f"cannot recover {run_dir}: the manifest's defaults.{key} is "
+                           f"{value!r}, not the number {m.rule}'s never-stepped state starts "
+                           "at")
+    return float(value)
 
 
 def _model_weights(out: dict[str, Any], weights: dict[int, torch.Tensor],

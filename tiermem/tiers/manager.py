@@ -362,7 +362,8 @@ class TierManager:
     def _manifest(self, *, step: int, steps: Sequence[float], params: list[dict],
                   groups: list[dict], rule: str, records: dict[int, tuple[int, int]] | None = None,
                   resident: list[dict] | None = None, values: dict | None = None,
-                  share: dict | None = None) -> Manifest:
+                  share: dict | None = None, defaults: dict | None = None,
+                  stateless: Sequence[int] = ()) -> Manifest:
         store = self.store
         fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
         records = records if records is not None else (store.latest_records() if store else {})
@@ -374,7 +375,8 @@ class TierManager:
             records=store.locations() if store else {},
             files=[f.path for f in store.files] if store else [],
             checksums=self.settings.swap.checksums, params=params, groups=groups, rule=rule,
-            values=values or {}, share=share or {})
+            values=values or {}, share=share or {}, defaults=defaults or {},
+            stateless=list(stateless))
 
     def moving(self) -> bool:
         """Whether a transfer to or from NVMe is under way now."""
