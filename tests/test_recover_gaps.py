@@ -185,3 +185,48 @@ def test_version_3_manifest_still_resumes_and_recover_refuses_what_it_lacks(
         assert tm.resumed_step == 1
         assert float(opt2.state_dict()["state"][5]["sum"][0, 0]) == 0.25
         tm.discard()
+
+
+# -- 3: state keys the optimizer does not use ---------------------------------------------
+
+
+def _with_extra(cls, kw, key):
+    """A state_dict of `cls` after one step, each parameter's entry with `key` added (an
+    amsgrad run's max_exp_avg_sq in an Adam one without amsgrad, ...), its lr changed."""
+    model = small()
+    opt = cls(model.parameters(), **kw)
+    train(model, opt, make_batches(model, 1))
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        st[key] = torch.tensor(7.0) if key == "step" else torch.full((3,), 0.5)
+    sd["param_groups"][0]["lr"] = 0.125
+    return sd
+
+
+EXTRA = [(torch.optim.Adam, dict(lr=1e-2), "max_exp_avg_sq"),
+         (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True), "something_else"),
+         (torch.optim.SGD, dict(lr=1e-2, momentum=0.9), "step"),  # SGD keeps no step
+         (torch.optim.Adagrad, dict(lr=1e-2), "max_exp_avg_sq")]
+
+
+@pytest.mark.parametrize("cls, kw, key", EXTRA)
+def test_a_state_key_torch_keeps_unused_is_refused_not_dropped(tmp_path, cls, kw, key):
+    """torch keeps a loaded key its step does not use and returns it from state_dict();
+    tiermem keeps only what it steps, so it refuses such a state_dict (loaded inside the
+    block: before anything changes; held at entry: the block is not entered and the state
+    stays in the optimizer) rather than drop the key silently."""
+    saved = _with_extra(cls, kw, key)
+    ref = cls(small().parameters(), **kw)
+    ref.load_state_dict(copy.deepcopy(saved))
+    assert key in ref.state_dict()["state"][0]  # what torch does
+    model = small()
+    opt = cls(model.parameters(), **kw)
+    with tiermem.offload(opt, config(tmp_path), model=model):
+        with pytest.raises(TierMemError, match=f"{key}.*parameter 0 \\(emb.weight\\)"):
+            opt.load_state_dict(copy.deepcopy(saved))
+        assert opt.param_groups[0]["lr"] == kw["lr"]  # nothing of it was loaded
+    opt.load_state_dict(copy.deepcopy(saved))  # plain torch, outside the block
+    with pytest.raises(TierMemError, match=key):
+        with tiermem.offload(opt, config(tmp_path), model=model):
+            pass
+    assert key in opt.state_dict()["state"][0]  # still there, not lost

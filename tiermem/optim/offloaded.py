@@ -313,6 +313,10 @@ class OffloadedOptimizer:
                     self._restore_weights()
                 drop_param_state(optimizer)  # the kept state is the one to continue from
             elif existing:
+                index = {id(p): i for i, p in enumerate(self.params)}
+                self._refuse_unkept_keys({index[id(p)]: st for p, st in existing.items()
+                                          if id(p) in index}, optimizer.param_groups,
+                                         "holds")
                 self._import(existing)
                 drop_param_state(optimizer)  # the tiers hold it now; free the RAM
             if self.crash and not resume and not later:
@@ -1264,6 +1268,32 @@ class OffloadedOptimizer:
         return any(v != 0 or (self.rule.eager_state and i not in self.stateless)
                    for i, v in enumerate(self.steps.values()))
 
+    def _refuse_unkept_keys(self, entries: dict[int, Any], groups: Sequence[dict],
+                            where: str) -> None:
+        """Refuse per-parameter state (torch's format, by parameter index) with keys the
+        rule does not keep (UpdateRule.unkept_keys): torch would keep them, unused, and
+        hand them back in its state_dict; dropped here they would be gone from every
+        checkpoint after, silently. Before anything changes: a refused load leaves the
+        optimizer as it was. `groups`: the param groups the state goes with."""
+        for i, st in sorted(entries.items()):
+            if not isinstance(st, dict) or not st:
+                continue
+            extra = self.rule.unkept_keys(groups[self._group_of(i)], st)
+            if not extra:
+                continue
+            name = self.names.get(id(self.params[i])) or f"param {i}"
+            cls = type(self.opt).__name__
+            hint = (" (max_exp_avg_sq: a checkpoint of amsgrad=True, loaded with "
+                    "amsgrad=False)" if "max_exp_avg_sq" in extra
+                    and isinstance(self.opt, torch.optim.Adam) else "")
+            raise TierMemError(
+                f"the optimizer state_dict {where} state {extra} for parameter {i} ({name}) "
+                f"that {cls} with its group's settings does not use{hint}: a plain {cls} "
+                "keeps such keys unused and hands them back in its state_dict(); tiermem "
+                "keeps only the state it steps, and refuses rather than lose them. Remove "
+                "them from the state_dict (or set the setting that uses them) before "
+                "loading it")
+
     def _without_state(self, indices: Iterable[int]) -> set[int]:
         """`indices` as self.stateless keeps them: only a rule with eager state has any."""
         return set(indices) if self.rule.eager_state else set()
@@ -1312,6 +1342,7 @@ class OffloadedOptimizer:
         # A parameter's entry is one under a key the saved groups list, the n-th of them
         # each parameter's entry, by its place in the saved groups (torch's mapping)
         entries, others = param_entries(state_dict, "tiermem's records")
+        self._refuse_unkept_keys(entries, saved_groups, "loaded has")
         # torch's own load takes the groups, and the entries under keys that are no
         # parameter (MADGRAD's count in state['k']) into opt.state, where they stay; the
         # optimizer's own load_state_dict also gets whatever else its state_dict() added

@@ -46,6 +46,7 @@ class AdamRule(UpdateRule):
     optimizers = (torch.optim.Adam,)
     elementwise = True
     torch_keys = {"master": MASTER_KEY, **{k: k for k in MOMENTS}}
+    fixed_keys = True
 
     def __init__(self, *, state_dtype: str = "fp32", state_rounding: str = "nearest",
                  master_weights: str = "fp32") -> None:
