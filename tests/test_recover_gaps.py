@@ -19,6 +19,8 @@ from tiermem.errors import TierMemError
 from tiermem.swap import recover as rec
 from tiermem.swap.manifest import MANIFEST, encode
 
+import tiermem.tools.cli
+from crash_run import crash_config, make_model, make_optimizer, set_grads
 from offload_helpers import Synthetic, backend_params, config, make_batches, swap_dir, train
 from test_optimizer_rules import params_equal, state_equal
 
@@ -230,3 +232,79 @@ def test_a_state_key_torch_keeps_unused_is_refused_not_dropped(tmp_path, cls, kw
         with tiermem.offload(opt, config(tmp_path), model=model):
             pass
     assert key in opt.state_dict()["state"][0]  # still there, not lost
+
+
+# -- 4: a run with several swap paths, moved ---------------------------------------------
+
+
+def _two_path_run(monkeypatch, paths, backend, steps, resume=False):
+    """Crash-consistent AdamW over two swap paths, `steps` more steps, its state kept on
+    disk at exit (as a crash leaves it); returns the state_dict at the last step."""
+    cfg = crash_config(paths[0], backend)
+    cfg["swap"]["paths"] = [str(p) for p in paths]
+    cfg["swap"]["checksums"] = False  # nothing in a record then tells an older copy apart
+    model = make_model()
+    opt = make_optimizer(model)
+    monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+    with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt, cfg, model=model, resume=resume) as tm:
+            start = tm.resumed_step or 0
+            for k in range(start + 1, start + 1 + steps):
+                set_grads(model, k)
+                opt.step()
+            sd = opt.state_dict()
+    monkeypatch.undo()
+    return sd, cfg
+
+
+def _resume(cfg, paths):
+    cfg = {**cfg, "swap": {**cfg["swap"], "paths": [str(p) for p in paths]}}
+    model = make_model()
+    opt = make_optimizer(model)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        sd, step = opt.state_dict(), tm.resumed_step
+        tm.discard()
+    return sd, step
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("old", ["removed", "older"])
+def test_moved_two_path_run_needs_every_path_given(tmp_path, monkeypatch, backend, old):
+    """A run over swap paths a and b, copied to n/a and n/b at step 4; at the old places
+    nothing (removed) or b as it was at step 2 (older). recover and resume read the moved
+    run's b only where they are told it is now, never at its old place: without the new
+    places recover refuses; told n/a and n/b, both give step 4."""
+    src = [tmp_path / "a", tmp_path / "b"]
+    _two_path_run(monkeypatch, src, backend, 2)
+    shutil.copytree(src[1] / "tiermem-default", tmp_path / "b-at-2")
+    want, cfg = _two_path_run(monkeypatch, src, backend, 2, resume=True)
+    new = [tmp_path / "n" / "a", tmp_path / "n" / "b"]
+    for s, n in zip(src, new):
+        n.mkdir(parents=True, mode=0o700)
+        shutil.copytree(s / "tiermem-default", n / "tiermem-default")
+    if old == "removed":
+        for s in src:
+            shutil.rmtree(s)
+    else:
+        shutil.rmtree(src[1] / "tiermem-default")
+        shutil.copytree(tmp_path / "b-at-2", src[1] / "tiermem-default")
+    run_dir = str(new[0] / "tiermem-default")
+    with pytest.raises(TierMemError, match="moved or copied since.*--swap-paths"):
+        rec.gather(run_dir)
+    ckpt = rec.gather(run_dir, swap_paths=[str(p) for p in new])
+    assert ckpt["step"] == 4
+    state_equal(ckpt["optimizer"], want, "recovered from the new places")
+    if old == "older":
+        # b's old place named: refused, for recover and for resume alike
+        with pytest.raises(TierMemError, match="swap path 1 is still where"):
+            rec.gather(run_dir, swap_paths=[str(new[0]), str(src[1])])
+        with pytest.raises(TierMemError, match="swap path 1 is still where"):
+            _resume(cfg, [new[0], src[1]])
+    # the CLI's way to say where the paths are now
+    out = tmp_path / "r.pt"
+    assert tiermem.tools.cli.main(["recover", run_dir, "-o", str(out), "--swap-paths",
+                                   *map(str, new)]) == 0
+    state_equal(torch.load(out)["optimizer"], want, "recovered by the CLI")
+    sd, step = _resume(cfg, new)  # (and discarded)
+    assert step == 4
+    state_equal(sd, want, "resumed from the new places")

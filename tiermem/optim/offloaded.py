@@ -21,8 +21,8 @@ from tiermem.config import ConfigError, Settings
 from tiermem.device.lanes import CudaBackend, DeferredBackend, DeviceLanes
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import kernel_matching
-from tiermem.swap.manifest import (read_manifest, scalar_from_json, value_from_json,
-                                    write_manifest)
+from tiermem.swap.manifest import (read_manifest, refuse_stale_paths, scalar_from_json,
+                                    value_from_json, write_manifest)
 from tiermem.optim import amp
 from tiermem.optim.counts import StepCounts
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
@@ -272,9 +272,10 @@ class OffloadedOptimizer:
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
         if resume:
-            manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts,
-                                     settings.swap.durability, previous=resume_previous,
-                                     share=self.share)
+            dirs = run_dirs(settings.swap.paths, swap_name)
+            manifest = read_manifest(dirs[0], self.parts, settings.swap.durability,
+                                     previous=resume_previous, share=self.share)
+            refuse_stale_paths(dirs, manifest, "resume from")
             if manifest.rule != type(self.rule).__name__:
                 # Same record layout, other arithmetic (NAdam's moments are not Adam's).
                 raise TierMemError(

@@ -330,11 +330,17 @@ def parse(raw: bytes, path: str, run_dir: str) -> Manifest:
     if found != crc:
         raise bad(f"checksum expected {crc:#010x}, found {found:#010x} (CRC32C of its "
                   "canonical JSON: the file changed after it was written)")
+    written = data.get("files")
     try:
         _validate(data, run_dir)
     except _Invalid as exc:
         raise bad(str(exc)) from None
-    return Manifest(**data)
+    m = Manifest(**data)
+    # where the swap files were when the manifest was written (files[0] now reads as the
+    # one beside it): a run directory moved since has its other paths' files elsewhere
+    # too, or they are no longer this run's (swap/recover.py: swap_files)
+    m.written_files = list(written)
+    return m
 
 
 def _no_constant(name: str):
@@ -736,6 +742,34 @@ def _validate(d: dict, run_dir: str) -> None:
         _need(_is_int(e["id"]) and str(e["id"]) in ids, f"{w}.id", "a partition id", e["id"])
         _uint(e["offset"], f"{w}.offset")
         _uint(e["nbytes"], f"{w}.nbytes")
+
+
+def same_dir(a: str, b: str) -> bool:
+    """Whether paths a and b are one directory (False where either is gone)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def refuse_stale_paths(dirs: Sequence[str], m: Manifest, doing: str) -> None:
+    """Refuse to read a moved run's other swap paths where it wrote them. `dirs`: the run
+    directories about to be read, per swap path, the first the manifest's own. When that
+    one is not where the manifest was written (the run was moved or copied), a directory
+    of another swap path still at its written place is stale or another run's as likely
+    as it is this run's: the copy there may be older (with checksums off nothing tells
+    it apart), so every path must be given where the run is now."""
+    written = [os.path.dirname(f) for f in getattr(m, "written_files", m.files)]
+    if len(written) < 2 or same_dir(written[0], dirs[0]):
+        return
+    for j in range(1, min(len(dirs), len(written))):
+        if same_dir(dirs[j], written[j]):
+            raise TierMemError(
+                f"cannot {doing} {dirs[0]}: it was written at {written[0]} (moved or copied "
+                f"since), and swap path {j} is still where that run wrote it ({written[j]}), "
+                "whose files may be an older copy or another run's: tiermem does not read "
+                "them there. Move or copy that path's run directory along with the first, "
+                "and give where each is now")
 
 
 def _check_file(f: str, j: int, run_dir: str) -> None:

@@ -45,13 +45,14 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from tiermem.errors import TierMemError
 from tiermem.swap.integrity import check
-from tiermem.swap.manifest import (RESIDENT_FILE, Manifest, Unkept, read_manifest,
+from tiermem.swap.manifest import (RESIDENT_FILE, STATE_FILE, Manifest, Unkept,
+                                    read_manifest, refuse_stale_paths, same_dir,
                                     scalar_from_json, value_from_json)
 from tiermem.kernels.lowbit import segment_values
 from tiermem.partition import (ORDER_KEY, SCALE_KINDS, Partition, Segment, laid,
@@ -144,20 +145,60 @@ class _Records:
             os.close(fd)
 
 
-def gather(run_dir: str, *others: str) -> dict[str, Any]:
+def gather(run_dir: str, *others: str, swap_paths: Sequence[str] | None = None
+           ) -> dict[str, Any]:
     """The checkpoint dict of the state committed in `run_dir` (see the module doc); of a
     run under torch.distributed, of every rank's directory together (`others`: the other
-    ranks' directories, found beside `run_dir` when not given)."""
+    ranks' directories, found beside `run_dir` when not given). swap_paths: where the
+    run's swap paths are now, in its swap.paths order (see swap_files)."""
     m = read_manifest(run_dir, None)
     if m.share:
-        return _gather_ranks(run_dir, m, others)
+        return _gather_ranks(run_dir, m, others, swap_paths)
     if others:
         raise TierMemError(f"cannot recover: {run_dir} holds one process's run, not a rank's "
                            "share: give its directory alone")
-    return _gather_one(run_dir, m)
+    return _gather_one(run_dir, m, swap_paths)
 
 
-def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
+def swap_files(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None) -> list[str]:
+    """The swap files to read the records of `run_dir`'s manifest from. files[0] is the
+    one beside the manifest, wherever the directory is now; the others (more swap paths)
+    are where they were written, while the directory is too. A run directory moved or
+    copied since (another mount, off a failing node) has had its other paths' files moved
+    with it, or what is left at their old places is no longer its state (an older copy,
+    another run of the name): those are not read (with checksums off nothing would tell
+    them apart) unless `swap_paths` says where the run's swap paths are now, in order,
+    the first being the one `run_dir` is under."""
+    name = os.path.basename(os.path.normpath(run_dir))
+    if swap_paths:
+        dirs = [os.path.join(os.path.abspath(p), name) for p in swap_paths]
+        if len(dirs) != len(m.files):
+            raise TierMemError(
+                f"cannot recover {run_dir}: its run wrote {len(m.files)} swap file(s) (one "
+                f"per swap path) and {len(dirs)} swap path(s) were given; give them all, in "
+                "the run's swap.paths order")
+        if not same_dir(dirs[0], run_dir):
+            raise TierMemError(
+                f"cannot recover {run_dir}: the first swap path given must be the one it is "
+                f"under ({os.path.dirname(os.path.normpath(run_dir))}), not {swap_paths[0]}")
+        refuse_stale_paths(dirs, m, "recover")
+        return [m.files[0], *(os.path.join(d, STATE_FILE) for d in dirs[1:])]
+    written = getattr(m, "written_files", m.files)
+    if len(m.files) > 1 and not same_dir(os.path.dirname(written[0]), run_dir):
+        raise TierMemError(
+            f"cannot recover {run_dir}: it was written at {os.path.dirname(written[0])} "
+            f"(moved or copied since), and its run kept swap files under other swap paths "
+            f"too, written at {', '.join(written[1:])}: tiermem does not read them there "
+            "(what is there now may be an older copy, or another run's). Give where the "
+            "run's swap paths are now, in its swap.paths order: tiermem recover "
+            f"{run_dir} --swap-paths {os.path.dirname(os.path.normpath(run_dir))} "
+            f"{' '.join('<path>' for _ in written[1:])}")
+    return list(m.files)
+
+
+def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = None
+                ) -> dict[str, Any]:
+    m.files = swap_files(run_dir, m, swap_paths)
     if not m.params:
         raise TierMemError(f"cannot recover: the manifest in {run_dir} lists no parameters")
     if m.rule not in ELEMENTWISE_RULES:
@@ -439,7 +480,8 @@ def _rank_manifests(run_dir: str, m: Manifest, others: tuple[str, ...]
     return out
 
 
-def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...]) -> dict[str, Any]:
+def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...],
+                  swap_paths: Sequence[str] | None = None) -> dict[str, Any]:
     """gather() of a run under torch.distributed: each rank's pieces (elementwise state,
     one value per element) put back into the user's parameters."""
     share = m.share
@@ -452,7 +494,7 @@ def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...]) -> dict[st
     groups: list[dict] = []
     step = 0
     for d, md in _rank_manifests(run_dir, m, others):
-        ckpt = _gather_one(d, md)
+        ckpt = _gather_one(d, md, swap_paths)
         step, groups = md.step, ckpt["optimizer"]["param_groups"]
         names = [p["name"] or f"param.{i}" for i, p in enumerate(md.params)]
         for j, (ui, start) in enumerate(md.share["pieces"]):
@@ -494,10 +536,11 @@ def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...]) -> dict[st
     return out
 
 
-def recover(run_dir: str, out_path: str, *others: str) -> dict[str, Any]:
-    """Write the checkpoint of `run_dir` (and `others`: see gather) to `out_path`
-    (atomically); returns a summary."""
-    ckpt = gather(run_dir, *others)
+def recover(run_dir: str, out_path: str, *others: str,
+            swap_paths: Sequence[str] | None = None) -> dict[str, Any]:
+    """Write the checkpoint of `run_dir` (and `others`, `swap_paths`: see gather) to
+    `out_path` (atomically); returns a summary."""
+    ckpt = gather(run_dir, *others, swap_paths=swap_paths)
     tmp = out_path + ".tmp"
     torch.save(ckpt, tmp)
     os.replace(tmp, out_path)
