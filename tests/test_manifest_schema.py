@@ -119,7 +119,7 @@ def free(path, op) -> bool:
         return True
     if path in (("values",), ("share",)) and op == "delete":
         return True  # (a rank's share: absent in one process and in earlier versions)
-    if path[0] == "defaults" and len(path) == 2:
+    if path[0] == "defaults" and len(path) >= 2:
         return True  # whatever the constructor kept; only Adagrad's recover reads one
     return (path[0] == "groups" and len(path) == 3 and path[2] in OPTIONAL_GROUP_KEYS
             and (op == "delete" or (op == "null" and path[2] in ("foreach", "fused"))))
