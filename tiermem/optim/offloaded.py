@@ -82,6 +82,14 @@ def step_value_to_json(value: Any) -> Any:
     return {"unkept": repr(value)[:200], "digest": value_digest(value)}
 
 
+def _default_json(value: Any) -> Any:
+    """An optimizer's default as the manifest keeps it: jsonable's form, or its repr where
+    that is no finite JSON (a default of inf that every group overrides must not stop the
+    commits); recover reads only Adagrad's initial_accumulator_value, a number."""
+    kept = jsonable(value)
+    return kept if _finite_json(kept) else repr(value)
+
+
 def _finite_json(value: Any) -> bool:
     return json_exact(value) and not (isinstance(value, float) and not math.isfinite(value))
 
@@ -1092,7 +1100,7 @@ class OffloadedOptimizer:
         return {"step": self.steps_taken if step is None else step,
                 "steps": self.steps.values(), "params": params, "groups": groups,
                 "rule": type(self.rule).__name__, "values": values, "share": self.share,
-                "defaults": {k: jsonable(v) for k, v in self.opt.defaults.items()},
+                "defaults": {str(k): _default_json(v) for k, v in self.opt.defaults.items()},
                 "stateless": sorted(i for i in self.stateless if self.steps[i].item() == 0)}
 
     def commit(self, step: int | None = None) -> None:
