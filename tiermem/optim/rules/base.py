@@ -106,8 +106,8 @@ class UpdateRule(ABC):
     #: step (Adagrad): exported state includes parameters never stepped
     eager_state: ClassVar[bool] = False
     #: what the rule keeps of a parameter's torch-format state is a fixed set of keys
-    #: (kept_keys): a loaded key outside it is refused (unkept_keys), never dropped.
-    #: Rules laid out from the state itself (the generic path) refuse in from_torch_state.
+    #: (see unkept_keys): a loaded key outside it is refused, never dropped. Rules laid
+    #: out from the state itself (the generic path) refuse in from_torch_state instead.
     fixed_keys: ClassVar[bool] = False
     #: its step writes into the gradients it is given (schedule-free divides them in place;
     #: set by the generic rule's probe): updates during backward would hand the user other
