@@ -30,7 +30,7 @@ from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import Batch, PreparedUpdate, UpdateRule, rule_for
 from tiermem.optim.rules.nested import json_exact, value_digest
 from tiermem.optim.state_io import (drop_param_state, gather, jsonable, param_entries,
-                                    scatter, torch_state_dict)
+                                    refuse_unkept_keys, scatter, torch_state_dict)
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
 from tiermem.kernels.vml import resolve_vml_dispatch
@@ -1279,29 +1279,11 @@ class OffloadedOptimizer:
 
     def _refuse_unkept_keys(self, entries: dict[int, Any], groups: Sequence[dict],
                             where: str) -> None:
-        """Refuse per-parameter state (torch's format, by parameter index) with keys the
-        rule does not keep (UpdateRule.unkept_keys): torch would keep them, unused, and
-        hand them back in its state_dict; dropped here they would be gone from every
-        checkpoint after, silently. Before anything changes: a refused load leaves the
-        optimizer as it was. `groups`: the param groups the state goes with."""
-        for i, st in sorted(entries.items()):
-            if not isinstance(st, dict) or not st:
-                continue
-            extra = self.rule.unkept_keys(groups[self._group_of(i)], st)
-            if not extra:
-                continue
-            name = self.names.get(id(self.params[i])) or f"param {i}"
-            cls = type(self.opt).__name__
-            hint = (" (max_exp_avg_sq: a checkpoint of amsgrad=True, loaded with "
-                    "amsgrad=False)" if "max_exp_avg_sq" in extra
-                    and isinstance(self.opt, torch.optim.Adam) else "")
-            raise TierMemError(
-                f"the optimizer state_dict {where} state {extra} for parameter {i} ({name}) "
-                f"that {cls} with its group's settings does not use{hint}: a plain {cls} "
-                "keeps such keys unused and hands them back in its state_dict(); tiermem "
-                "keeps only the state it steps, and refuses rather than lose them. Remove "
-                "them from the state_dict (or set the setting that uses them) before "
-                "loading it")
+        """state_io.refuse_unkept_keys of this optimizer's parameters (`groups`: the param
+        groups the state goes with, the current ones or a state_dict's)."""
+        refuse_unkept_keys(self.rule, self.opt, entries, lambda i: groups[self._group_of(i)],
+                           lambda i: self.names.get(id(self.params[i])) or f"param {i}",
+                           where)
 
     def _without_state(self, indices: Iterable[int]) -> set[int]:
         """`indices` as self.stateless keeps them: only a rule with eager state has any."""

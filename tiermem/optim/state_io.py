@@ -8,7 +8,7 @@ so no more than one record is ever staged beyond the torch-format tensors.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -27,6 +27,33 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
+
+
+def refuse_unkept_keys(rule: Any, opt: torch.optim.Optimizer, entries: dict[int, Any],
+                       group_of: Callable[[int], dict], name_of: Callable[[int], str],
+                       where: str) -> None:
+    """Refuse per-parameter state (torch's format, by parameter index) with keys the
+    rule does not keep (UpdateRule.unkept_keys): torch would keep them, unused, and hand
+    them back in its state_dict; dropped, they would be gone from every checkpoint after,
+    silently. Called before anything changes, so a refused load leaves the optimizer as
+    it was. group_of(i): the param group parameter i's state goes with; name_of(i): its
+    name for the message; where: "loaded has" / "holds"."""
+    for i, st in sorted(entries.items()):
+        if not isinstance(st, dict) or not st:
+            continue
+        extra = rule.unkept_keys(group_of(i), st)
+        if not extra:
+            continue
+        cls = type(opt).__name__
+        hint = (" (max_exp_avg_sq: a checkpoint of amsgrad=True, loaded with amsgrad=False)"
+                if "max_exp_avg_sq" in extra and isinstance(opt, torch.optim.Adam) else "")
+        raise TierMemError(
+            f"the optimizer state_dict {where} state {extra} for parameter {i} "
+            f"({name_of(i)}) that {cls} with its group's settings does not use{hint}: a "
+            f"plain {cls} keeps such keys unused and hands them back in its state_dict(); "
+            "tiermem keeps only the state it steps, and refuses rather than lose them. "
+            "Remove them from the state_dict (or set the setting that uses them) before "
+            "loading it")
 
 
 def param_entries(state_dict: dict[str, Any], held: str
