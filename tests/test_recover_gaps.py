@@ -183,10 +183,18 @@ def test_version_3_manifest_still_resumes_and_recover_refuses_what_it_lacks(
         rec.gather(run_dir)
     opt2 = torch.optim.Adagrad([{"params": main_params(model)},
                                 side_group(model, initial_accumulator_value=0.7)], **ADAGRAD)
-    with tiermem.offload(opt2, c, model=model, resume=True) as tm:
-        assert tm.resumed_step == 1
-        assert float(opt2.state_dict()["state"][5]["sum"][0, 0]) == 0.25
-        tm.discard()
+    monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+    with pytest.warns(tiermem.errors.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt2, c, model=model, resume=True) as tm:
+            assert tm.resumed_step == 1
+            assert float(opt2.state_dict()["state"][5]["sum"][0, 0]) == 0.25
+            train(model, opt2, batches[1:], start=2)  # the side group still never steps
+    monkeypatch.undo()
+    # which parameters hold state is still not known: its commits stay version 3
+    with open(path, "rb") as f:
+        assert json.loads(f.read())["version"] == 3
+    with pytest.raises(TierMemError, match="initial_accumulator_value.*version 3"):
+        rec.gather(run_dir)
 
 
 # -- 3: state keys the optimizer does not use ---------------------------------------------

@@ -1100,7 +1100,16 @@ class OffloadedOptimizer:
         return {"step": self.steps_taken if step is None else step,
                 "steps": self.steps.values(), "params": params, "groups": groups,
                 "rule": type(self.rule).__name__, "values": values, "share": self.share,
-                "defaults": {str(k): _default_json(v) for k, v in self.opt.defaults.items()},
+                **self._stateless_meta()}
+
+    def _stateless_meta(self) -> dict[str, Any]:
+        """The manifest's version 4 fields, or version 3 while which parameters hold state
+        is not known (resumed from a version-3 manifest, Adagrad): a version 4 would say
+        every never-stepped parameter holds the state its record has, where the first step
+        fills it instead (and a group added then has zeros in its record)."""
+        if not self.stateless_known:
+            return {"version": 3}
+        return {"defaults": {str(k): _default_json(v) for k, v in self.opt.defaults.items()},
                 "stateless": sorted(i for i in self.stateless if self.steps[i].item() == 0)}
 
     def commit(self, step: int | None = None) -> None:
@@ -1164,7 +1173,7 @@ class OffloadedOptimizer:
     def _adopt_counts(self, manifest: Any) -> None:
         self.steps = StepCounts(manifest.steps)
         self.stateless = self._without_state(manifest.stateless)
-        self.stateless_known = manifest.version >= 4
+        self.stateless_known = manifest.version >= 4 or not self.rule.eager_state
         self.scalars = [{k: scalar_from_json(v) for k, v in (entry.get("scalars") or {}).items()}
                         for entry in (manifest.params or [{} for _ in manifest.steps])]
         self._next_scalars = {}
