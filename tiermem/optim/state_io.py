@@ -47,13 +47,16 @@ def refuse_unkept_keys(rule: Any, opt: torch.optim.Optimizer, entries: dict[int,
         cls = type(opt).__name__
         hint = (" (max_exp_avg_sq: a checkpoint of amsgrad=True, loaded with amsgrad=False)"
                 if "max_exp_avg_sq" in extra and isinstance(opt, torch.optim.Adam) else "")
+        keys = ", ".join(repr(k) for k in extra)
+        how = ("from every entry of the state_dict's 'state' before loading it"
+               if where != "holds" else
+               f"first (for st in opt.state.values(): st.pop({keys.split(', ')[0]}, None))")
         raise TierMemError(
-            f"the optimizer state_dict {where} state {extra} for parameter {i} "
-            f"({name_of(i)}) that {cls} with its group's settings does not use{hint}: a "
-            f"plain {cls} keeps such keys unused and hands them back in its state_dict(); "
-            "tiermem keeps only the state it steps, and refuses rather than lose them. "
-            "Remove them from the state_dict (or set the setting that uses them) before "
-            "loading it")
+            f"the optimizer {'state' if where == 'holds' else 'state_dict'} {where} state "
+            f"{extra} for parameter {i} ({name_of(i)}) that {cls} with its group's settings "
+            f"does not use{hint}: a plain {cls} keeps such keys unused and hands them back "
+            "in its state_dict(); tiermem keeps only the state it steps, and refuses rather "
+            f"than lose them. Remove them {how}, or set the setting that uses them")
 
 
 def param_entries(state_dict: dict[str, Any], held: str

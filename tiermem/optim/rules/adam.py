@@ -100,11 +100,15 @@ class AdamRule(UpdateRule):
         laid = "max_exp_avg_sq" in part.kinds
         if bool(saved.get("amsgrad")) != laid:
             # (say both values: "has not" left which side had amsgrad to guess)
+            # amsgrad turned off: the checkpoint's max_exp_avg_sq, which torch keeps unused,
+            # is refused at entry too (OffloadedOptimizer._refuse_unkept_keys)
+            drop = (", without the max_exp_avg_sq it keeps unused (tiermem refuses to "
+                    "drop it silently)") if laid else ""
             raise TierMemError(
                 f"param_groups[{part.group}]: the checkpoint has amsgrad="
                 f"{bool(saved.get('amsgrad'))} and tiermem.offload laid the state out for "
                 f"amsgrad={laid}; load the checkpoint into the optimizer before entering "
-                "tiermem.offload, which then lays the state out for it")
+                f"tiermem.offload, which then lays the state out for it{drop}")
 
     def init(self, part: Partition, views: Views) -> None:
         """Zero moments; the master weights (or the bf16 weights' copy) from the model."""
