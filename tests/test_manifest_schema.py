@@ -113,11 +113,14 @@ def free(path, op) -> bool:
     """Values the schema leaves open: any string names a parameter; torch's optional group
     flags may be missing or null; the values a step changes outside the state, and a
     rank's share, are absent from the manifests of earlier versions (an Adam run keeps
-    none; one process has no share)."""
+    none; one process has no share); the optimizer's defaults are any JSON its
+    constructor kept."""
     if path[0] == "params" and len(path) == 3 and path[2] == "name" and op == "path":
         return True
     if path in (("values",), ("share",)) and op == "delete":
         return True  # (a rank's share: absent in one process and in earlier versions)
+    if path[0] == "defaults" and len(path) >= 2:
+        return True  # whatever the constructor kept; only Adagrad's recover reads one
     return (path[0] == "groups" and len(path) == 3 and path[2] in OPTIONAL_GROUP_KEYS
             and (op == "delete" or (op == "null" and path[2] in ("foreach", "fused"))))
 
@@ -200,7 +203,7 @@ def test_manifest_of_an_older_version_is_refused(kept):
     body = {**kept.body, "version": 2}
     body.pop("crc32c")
     kept.restore(json.dumps(body).encode())
-    with pytest.raises(TierMemError, match="has version 2, this tiermem reads version 3"):
+    with pytest.raises(TierMemError, match="has version 2, this tiermem reads versions 3 to 4"):
         kept.resume()
     kept.restore(encode(kept.body))
 

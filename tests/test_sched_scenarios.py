@@ -400,6 +400,14 @@ def test_a_checkpoint_with_amsgrad_off_is_refused_saying_which_side_has_it(
     _loop(ref, ref_opt, None, batches, 2, 4)
     opt = O.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
     opt.load_state_dict(sd)
+    # torch keeps the max it no longer uses; the layout without amsgrad has no room for
+    # it, and dropping it silently would lose it (amsgrad turned on again would start
+    # over): refused, saying how to drop it
+    with pytest.raises(TierMemError, match=r"\['max_exp_avg_sq'\].*st.pop"):
+        with tiermem.offload(opt, c, model=model):
+            pass
+    for st in opt.state.values():
+        st.pop("max_exp_avg_sq", None)
     with tiermem.offload(opt, c, model=model):
         _loop(model, opt, None, batches, 2, 4)
         got = opt.state_dict()
@@ -407,6 +415,5 @@ def test_a_checkpoint_with_amsgrad_off_is_refused_saying_which_side_has_it(
         assert_bitwise(p.detach(), q.detach(), n)
     want = ref_opt.state_dict()
     for st in want["state"].values():
-        # torch keeps the max it no longer uses; the layout without amsgrad has none
-        del st["max_exp_avg_sq"]
+        del st["max_exp_avg_sq"]  # (dropped above, on purpose)
     compare_state_dicts(got, want)

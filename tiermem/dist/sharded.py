@@ -36,7 +36,7 @@ from tiermem.optim import amp
 from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
-from tiermem.optim.state_io import param_entries, torch_state_dict
+from tiermem.optim.state_io import param_entries, refuse_unkept_keys, torch_state_dict
 from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.optim.rules.adam import MASTER_KEY
 from tiermem.sizes import format_size
@@ -413,6 +413,12 @@ class DistributedOffload(Offload):
         # each parameter's entry by its place in the saved groups (torch's mapping); every
         # rank is given the same state dict, so all refuse alike, before anything changes
         entries, _ = param_entries(state_dict, "each rank's share")
+        # every parameter's, whichever rank holds pieces of it: all refuse alike
+        group_of = [g for g, group in enumerate(state_dict["param_groups"])
+                    for _ in group["params"]]
+        refuse_unkept_keys(self.rule, self.opt, entries,
+                           lambda i: state_dict["param_groups"][group_of[i]],
+                           lambda i: "of the whole model", "loaded has")
         type(self.opt).load_state_dict(self.opt, {"state": {},
                                                   "param_groups": state_dict["param_groups"]})
         self._sync_groups()

@@ -21,8 +21,8 @@ from tiermem.config import ConfigError, Settings
 from tiermem.device.lanes import CudaBackend, DeferredBackend, DeviceLanes
 from tiermem.errors import TierMemError
 from tiermem.kernels.adam import kernel_matching
-from tiermem.swap.manifest import (read_manifest, scalar_from_json, value_from_json,
-                                    write_manifest)
+from tiermem.swap.manifest import (read_manifest, refuse_stale_paths, scalar_from_json,
+                                    value_from_json, write_manifest)
 from tiermem.optim import amp
 from tiermem.optim.counts import StepCounts
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
@@ -30,7 +30,7 @@ from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import Batch, PreparedUpdate, UpdateRule, rule_for
 from tiermem.optim.rules.nested import json_exact, value_digest
 from tiermem.optim.state_io import (drop_param_state, gather, jsonable, param_entries,
-                                    scatter, torch_state_dict)
+                                    refuse_unkept_keys, scatter, torch_state_dict)
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
 from tiermem.kernels.vml import resolve_vml_dispatch
@@ -80,6 +80,14 @@ def step_value_to_json(value: Any) -> Any:
     if _finite_json(value):
         return value
     return {"unkept": repr(value)[:200], "digest": value_digest(value)}
+
+
+def _default_json(value: Any) -> Any:
+    """An optimizer's default as the manifest keeps it: jsonable's form, or its repr where
+    that is no finite JSON (a default of inf that every group overrides must not stop the
+    commits); recover reads only Adagrad's initial_accumulator_value, a number."""
+    kept = jsonable(value)
+    return kept if _finite_json(kept) else repr(value)
 
 
 def _finite_json(value: Any) -> bool:
@@ -209,6 +217,16 @@ class OffloadedOptimizer:
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.steps = StepCounts(0.0 for _ in self.params)
+        # Of a rule whose optimizer makes its state eagerly (Adagrad: in __init__), the
+        # parameters never stepped that it keeps no state for all the same: a group added
+        # after construction, an entry a loaded state_dict left out. torch's state_dict
+        # has no entry for them until their first step, which fills it (the rule's
+        # first_fill); every other one keeps the state it has (its record), as torch's
+        # does. Set where the state comes from (entry, load, resume). Not known after a
+        # resume from a version-3 manifest, which kept none: every parameter never stepped
+        # then starts from the first fill (what tiermem did before it kept them).
+        self.stateless: set[int] = set()
+        self.stateless_known = True
         # parameters a scratch step has updated so far (a failed one uncounts the rest)
         self.updated_now: set[int] = set()
         # After a scratch step failed part-way: the gradients (grad_marks) its updated
@@ -262,9 +280,10 @@ class OffloadedOptimizer:
         self.committed_step: int | None = None  # crash-consistent: the step a crash returns to
         manifest = None
         if resume:
-            manifest = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], self.parts,
-                                     settings.swap.durability, previous=resume_previous,
-                                     share=self.share)
+            dirs = run_dirs(settings.swap.paths, swap_name)
+            manifest = read_manifest(dirs[0], self.parts, settings.swap.durability,
+                                     previous=resume_previous, share=self.share)
+            refuse_stale_paths(dirs, manifest, "resume from")
             if manifest.rule != type(self.rule).__name__:
                 # Same record layout, other arithmetic (NAdam's moments are not Adam's).
                 raise TierMemError(
@@ -288,6 +307,9 @@ class OffloadedOptimizer:
         try:
             existing = {p: s for p, s in optimizer.state.items()
                         if isinstance(p, torch.Tensor) and s}
+            if not resume:
+                self.stateless = self._without_state(
+                    i for i, p in enumerate(self.params) if p not in existing)
             if resume_previous:
                 # The commit gone back to is the latest from now on: a crash, or a step
                 # rolled back, must not find the later one (its records get overwritten).
@@ -300,6 +322,10 @@ class OffloadedOptimizer:
                     self._restore_weights()
                 drop_param_state(optimizer)  # the kept state is the one to continue from
             elif existing:
+                index = {id(p): i for i, p in enumerate(self.params)}
+                self._refuse_unkept_keys({index[id(p)]: st for p, st in existing.items()
+                                          if id(p) in index}, optimizer.param_groups,
+                                         "holds")
                 self._import(existing)
                 drop_param_state(optimizer)  # the tiers hold it now; free the RAM
             if self.crash and not resume and not later:
@@ -944,7 +970,7 @@ class OffloadedOptimizer:
         step = self.steps[s.index]
         batch.steps.append(step)
         first = float(step) <= 1
-        batch.first.append(first)
+        batch.first.append(first and self._fills(s.index))
         have = {} if first else self.scalars[s.index]
         mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in have.items()}
         start = self.rule.initial_scalars(batch.group)
@@ -1036,7 +1062,8 @@ class OffloadedOptimizer:
                 if master is not None and own:
                     built.copies.append((master[sl], weights))
             batch.steps.append(self.steps[s.index])
-            batch.first.append(float(self.steps[s.index]) <= 1)  # SGD's buffer starts there
+            # SGD's buffer starts there; Adagrad's accumulator, unless it has state
+            batch.first.append(float(self.steps[s.index]) <= 1 and self._fills(s.index))
             batch.segments.append(s)
             batch.origins.append(self.origin(s))
             for k, lst in batch.state.items():
@@ -1072,7 +1099,18 @@ class OffloadedOptimizer:
                   "absent": list(changed.get("absent", []))} if changed else {}
         return {"step": self.steps_taken if step is None else step,
                 "steps": self.steps.values(), "params": params, "groups": groups,
-                "rule": type(self.rule).__name__, "values": values, "share": self.share}
+                "rule": type(self.rule).__name__, "values": values, "share": self.share,
+                **self._stateless_meta()}
+
+    def _stateless_meta(self) -> dict[str, Any]:
+        """The manifest's version 4 fields, or version 3 while which parameters hold state
+        is not known (resumed from a version-3 manifest, Adagrad): a version 4 would say
+        every never-stepped parameter holds the state its record has, where the first step
+        fills it instead (and a group added then has zeros in its record)."""
+        if not self.stateless_known:
+            return {"version": 3}
+        return {"defaults": {str(k): _default_json(v) for k, v in self.opt.defaults.items()},
+                "stateless": sorted(i for i in self.stateless if self.steps[i].item() == 0)}
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""
@@ -1134,6 +1172,8 @@ class OffloadedOptimizer:
 
     def _adopt_counts(self, manifest: Any) -> None:
         self.steps = StepCounts(manifest.steps)
+        self.stateless = self._without_state(manifest.stateless)
+        self.stateless_known = manifest.version >= 4 or not self.rule.eager_state
         self.scalars = [{k: scalar_from_json(v) for k, v in (entry.get("scalars") or {}).items()}
                         for entry in (manifest.params or [{} for _ in manifest.steps])]
         self._next_scalars = {}
@@ -1207,7 +1247,8 @@ class OffloadedOptimizer:
         """
         out: dict[torch.Tensor, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
-            if self.steps[i].item() == 0 and not self.rule.eager_state:
+            if self.steps[i].item() == 0 and (not self.rule.eager_state
+                                              or i in self.stateless):
                 continue  # never stepped: torch keeps no state for it either
             dtype = p.dtype if model_dtype else torch.float32
             st: dict[str, Any] = {"step": self.steps[i].clone()} if self.rule.has_step else {}
@@ -1224,11 +1265,12 @@ class OffloadedOptimizer:
                 st[self.rule.torch_keys["master"]] = weights.float().clone()
             out[p] = st
         gather(self.tiers, self.parts, self.rule.torch_keys, out)
-        if self.rule.eager_state:
-            # A parameter never stepped starts its first step from what the rule fills in
-            # then (Adagrad: the defaults' accumulator), not from its record, which holds
-            # zeros for a group added after entry: a plain optimizer loading this state
-            # must start where tiermem's next step would.
+        if self.rule.eager_state and not self.stateless_known:
+            # (resumed from a version-3 manifest) A parameter never stepped starts its
+            # first step from what the rule fills in then (Adagrad: the defaults'
+            # accumulator), not from its record, which holds zeros for a group added after
+            # entry: a plain optimizer loading this state must start where tiermem's next
+            # step would.
             for i, p in enumerate(self.params):
                 if p in out and self.steps[i].item() == 0:
                     fill = self.rule.first_fill(self.opt.param_groups[self._group_of(i)])
@@ -1241,8 +1283,28 @@ class OffloadedOptimizer:
         """Whether a plain optimizer would hold per-parameter state now (some parameter
         has stepped, or the optimizer makes its state eagerly): what `opt.state` answers
         to truth testing inside the block (hooks.HeldState)."""
-        return bool(self.params) and (self.rule.eager_state
-                                      or any(v != 0 for v in self.steps.values()))
+        return any(v != 0 or (self.rule.eager_state and i not in self.stateless)
+                   for i, v in enumerate(self.steps.values()))
+
+    def _refuse_unkept_keys(self, entries: dict[int, Any], groups: Sequence[dict],
+                            where: str) -> None:
+        """state_io.refuse_unkept_keys of this optimizer's parameters (`groups`: the param
+        groups the state goes with, the current ones or a state_dict's)."""
+        refuse_unkept_keys(self.rule, self.opt, entries, lambda i: groups[self._group_of(i)],
+                           lambda i: self.names.get(id(self.params[i])) or f"param {i}",
+                           where)
+
+    def _without_state(self, indices: Iterable[int]) -> set[int]:
+        """`indices` as self.stateless keeps them: only a rule with eager state has any."""
+        return set(indices) if self.rule.eager_state else set()
+
+    def _fills(self, index: int) -> bool:
+        """Whether parameter `index`'s first step starts its state afresh (the rule's
+        first_fill: Adagrad's accumulator) rather than from its record: always, but for
+        a rule with eager state, whose optimizer starts from the state it holds (made in
+        __init__, or loaded) and fills only where it holds none."""
+        return (not self.rule.eager_state or not self.stateless_known
+                or index in self.stateless)
 
     def _shaped(self, p: torch.Tensor) -> torch.Tensor:
         """`p` with its shape: with the weights in the parameter tier p is empty between
@@ -1280,6 +1342,7 @@ class OffloadedOptimizer:
         # A parameter's entry is one under a key the saved groups list, the n-th of them
         # each parameter's entry, by its place in the saved groups (torch's mapping)
         entries, others = param_entries(state_dict, "tiermem's records")
+        self._refuse_unkept_keys(entries, saved_groups, "loaded has")
         # torch's own load takes the groups, and the entries under keys that are no
         # parameter (MADGRAD's count in state['k']) into opt.state, where they stay; the
         # optimizer's own load_state_dict also gets whatever else its state_dict() added
@@ -1294,6 +1357,11 @@ class OffloadedOptimizer:
             self.steps[i] = 0.0
             self.scalars[i] = {}
         self._next_scalars.clear()
+        # torch's load replaces the state: a parameter the state_dict has no entry for
+        # holds none (Adagrad's first step fills it then)
+        self.stateless = self._without_state(i for i in range(len(self.params))
+                                             if not entries.get(i))
+        self.stateless_known = True
         if self.weights is not None and any(k in part.kinds for part in self.parts
                                             for k in ("master", "weight", "kahan")):
             # a master missing from the checkpoint, a record's copy of the weights and a
@@ -1385,6 +1453,8 @@ class OffloadedOptimizer:
         first = len(self.params)
         self.params.extend(group["params"])
         self.steps.extend(len(group["params"]))
+        # torch's Adagrad makes state in __init__ only: a group added later has none
+        self.stateless |= self._without_state(range(first, len(self.params)))
         self.scalars.extend({} for _ in group["params"])
         self.parts.extend(new)
         self.unlaid |= self._unlaid(new, range(first, len(self.params)))

@@ -8,7 +8,7 @@ so no more than one record is ever staged beyond the torch-format tensors.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -27,6 +27,36 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
+
+
+def refuse_unkept_keys(rule: Any, opt: torch.optim.Optimizer, entries: dict[int, Any],
+                       group_of: Callable[[int], dict], name_of: Callable[[int], str],
+                       where: str) -> None:
+    """Refuse per-parameter state (torch's format, by parameter index) with keys the
+    rule does not keep (UpdateRule.unkept_keys): torch would keep them, unused, and hand
+    them back in its state_dict; dropped, they would be gone from every checkpoint after,
+    silently. Called before anything changes, so a refused load leaves the optimizer as
+    it was. group_of(i): the param group parameter i's state goes with; name_of(i): its
+    name for the message; where: "loaded has" / "holds"."""
+    for i, st in sorted(entries.items()):
+        if not isinstance(st, dict) or not st:
+            continue
+        extra = rule.unkept_keys(group_of(i), st)
+        if not extra:
+            continue
+        cls = type(opt).__name__
+        hint = (" (max_exp_avg_sq: a checkpoint of amsgrad=True, loaded with amsgrad=False)"
+                if "max_exp_avg_sq" in extra and isinstance(opt, torch.optim.Adam) else "")
+        keys = ", ".join(repr(k) for k in extra)
+        how = ("from every entry of the state_dict's 'state' before loading it"
+               if where != "holds" else
+               f"first (for st in opt.state.values(): st.pop({keys.split(', ')[0]}, None))")
+        raise TierMemError(
+            f"the optimizer {'state' if where == 'holds' else 'state_dict'} {where} state "
+            f"{extra} for parameter {i} ({name_of(i)}) that {cls} with its group's settings "
+            f"does not use{hint}: a plain {cls} keeps such keys unused and hands them back "
+            "in its state_dict(); tiermem keeps only the state it steps, and refuses rather "
+            f"than lose them. Remove them {how}, or set the setting that uses them")
 
 
 def param_entries(state_dict: dict[str, Any], held: str

@@ -46,7 +46,13 @@ MANIFEST = "manifest.json"
 # committed).
 PREVIOUS = "manifest.previous.json"
 RESIDENT_FILE = "resident.swap"
-VERSION = 3  # 3: the manifest's own CRC32C and a checked schema
+# 3: the manifest's own CRC32C and a checked schema; 4: the optimizer's defaults and the
+# parameters it keeps no state for (`defaults`, `stateless`), which recover needs to give
+# Adagrad's never-stepped parameters the state torch gives them. Version 3 is still read
+# (resumed as before; recover refuses what only version 4 says, see swap/recover.py).
+VERSION = 4
+READS = (3, 4)
+V4_FIELDS = ("defaults", "stateless")
 CRC_KEY = "crc32c"
 STATE_FILE = "state.swap"  # each run directory's swap file (the store creates it)
 
@@ -116,6 +122,13 @@ class Manifest:
     # dtype per user parameter], "group_params": [the user's parameter indices per group]},
     # so that `tiermem recover` puts the ranks' pieces back together (absent in one process)
     share: dict = field(default_factory=dict)
+    # the optimizer's defaults (state_io.jsonable): torch's Adagrad fills every accumulator
+    # from its defaults' initial_accumulator_value, not from the group's (version 4)
+    defaults: dict = field(default_factory=dict)
+    # parameters never stepped that the optimizer keeps no state for although its rule
+    # makes state eagerly (an Adagrad group added after construction, an entry a loaded
+    # state_dict left out): torch's state_dict has no entry for them (version 4)
+    stateless: list[int] = field(default_factory=list)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -151,7 +164,13 @@ def write_manifest(run_dir: str, manifest: Manifest, name: str = MANIFEST) -> st
     until the rename, and the rename is on disk before this returns."""
     path = os.path.join(run_dir, name)
     tmp = path + ".tmp"
-    data = encode(asdict(manifest))
+    body = asdict(manifest)
+    if manifest.version < 4:
+        # a version-3 manifest read back and written again (resume_previous): it stays
+        # what it was, and a reader does not take its empty defaults for the optimizer's
+        for k in V4_FIELDS:
+            body.pop(k, None)
+    data = encode(body)
     fs = fsops.ops()
     try:
         # The bytes are durable before the rename publishes them: a rename that reaches
@@ -301,9 +320,9 @@ def parse(raw: bytes, path: str, run_dir: str) -> Manifest:
     if not isinstance(data, dict):
         raise bad(f"a JSON {type(data).__name__}, not an object")
     version = data.get("version")
-    if _is_int(version) and version != VERSION:  # anything else is damage, checked below
+    if _is_int(version) and version not in READS:  # anything else is damage, checked below
         raise ManifestError(f"cannot resume: {path} has version {version!r}, this tiermem "
-                            f"reads version {VERSION}")
+                            f"reads versions {READS[0]} to {READS[-1]}")
     crc = data.pop(CRC_KEY, None)
     if not _is_int(crc):
         raise bad(f"no valid {CRC_KEY!r} field (found {crc!r})")
@@ -311,11 +330,17 @@ def parse(raw: bytes, path: str, run_dir: str) -> Manifest:
     if found != crc:
         raise bad(f"checksum expected {crc:#010x}, found {found:#010x} (CRC32C of its "
                   "canonical JSON: the file changed after it was written)")
+    written = data.get("files")
     try:
         _validate(data, run_dir)
     except _Invalid as exc:
         raise bad(str(exc)) from None
-    return Manifest(**data)
+    m = Manifest(**data)
+    # where the swap files were when the manifest was written (files[0] now reads as the
+    # one beside it): a run directory moved since has its other paths' files elsewhere
+    # too, or they are no longer this run's (swap/recover.py: swap_files)
+    m.written_files = list(written)
+    return m
 
 
 def _no_constant(name: str):
@@ -496,9 +521,10 @@ def _whole_layout(part: dict, w: str, kinds: list) -> None:
 def _validate(d: dict, run_dir: str) -> None:
     """Raise _Invalid naming the first field that a tiermem manifest cannot hold."""
     fields = {f for f in Manifest.__dataclass_fields__}
-    _dict(d, "the manifest", fields - {k for k in ("values", "share") if k not in d})
-    _need(d["version"] == VERSION and _is_int(d["version"]), "version", str(VERSION),
-          d["version"])
+    _need(d.get("version") in READS and _is_int(d.get("version")), "version",
+          f"one of {READS}", d.get("version"))
+    old = set(V4_FIELDS) if d["version"] < 4 else set()
+    _dict(d, "the manifest", fields - old - {k for k in ("values", "share") if k not in d})
     _need(d["durability"] in _DURABILITY, "durability", f"one of {_DURABILITY}", d["durability"])
     _need(isinstance(d["checksums"], bool), "checksums", "true or false", d["checksums"])
     _uint(d["step"], "step")
@@ -597,6 +623,17 @@ def _validate(d: dict, run_dir: str) -> None:
                   f"no {', '.join(missing)}")
     _need(len(owner) == len(params), "groups", f"to list each of the {len(params)} parameters",
           sorted(set(range(len(params))) - set(owner))[:8])
+    # The defaults are whatever the optimizer's constructor kept (a third-party one's may
+    # be any value state_io.jsonable writes): JSON, checked for what it is where it is
+    # used (swap/recover.py: the value an eager rule's state starts from).
+    for k, v in _dict(d.get("defaults", {}), "defaults").items():
+        _need(_json_nest(v), f"defaults.{k}", "a number, string, boolean or null, or lists "
+              "of them", v)
+    stateless = _list(d.get("stateless", []), "stateless")
+    for j, i in enumerate(stateless):
+        _need(_is_int(i) and 0 <= i < len(params) and steps[i] == 0, f"stateless[{j}]",
+              f"the index of a parameter never stepped (below {len(params)})", i)
+    _need(len(set(stateless)) == len(stateless), "stateless", "without repeats", stateless)
 
     parts = _list(d["partitions"], "partitions")
     covered = [0] * len(params)
@@ -705,6 +742,34 @@ def _validate(d: dict, run_dir: str) -> None:
         _need(_is_int(e["id"]) and str(e["id"]) in ids, f"{w}.id", "a partition id", e["id"])
         _uint(e["offset"], f"{w}.offset")
         _uint(e["nbytes"], f"{w}.nbytes")
+
+
+def same_dir(a: str, b: str) -> bool:
+    """Whether paths a and b are one directory (False where either is gone)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def refuse_stale_paths(dirs: Sequence[str], m: Manifest, doing: str) -> None:
+    """Refuse to read a moved run's other swap paths where it wrote them. `dirs`: the run
+    directories about to be read, per swap path, the first the manifest's own. When that
+    one is not where the manifest was written (the run was moved or copied), a directory
+    of another swap path still at its written place is stale or another run's as likely
+    as it is this run's: the copy there may be older (with checksums off nothing tells
+    it apart), so every path must be given where the run is now."""
+    written = [os.path.dirname(f) for f in getattr(m, "written_files", m.files)]
+    if len(written) < 2 or same_dir(written[0], dirs[0]):
+        return
+    for j in range(1, min(len(dirs), len(written))):
+        if same_dir(dirs[j], written[j]):
+            raise TierMemError(
+                f"cannot {doing} {dirs[0]}: it was written at {written[0]} (moved or copied "
+                f"since), and swap path {j} is still where that run wrote it ({written[j]}), "
+                "whose files may be an older copy or another run's: tiermem does not read "
+                "them there. Move or copy that path's run directory along with the first, "
+                "and give where each is now")
 
 
 def _check_file(f: str, j: int, run_dir: str) -> None:

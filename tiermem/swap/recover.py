@@ -45,13 +45,14 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from tiermem.errors import TierMemError
 from tiermem.swap.integrity import check
-from tiermem.swap.manifest import (RESIDENT_FILE, Manifest, Unkept, read_manifest,
+from tiermem.swap.manifest import (RESIDENT_FILE, STATE_FILE, Manifest, Unkept,
+                                    read_manifest, refuse_stale_paths, same_dir,
                                     scalar_from_json, value_from_json)
 from tiermem.kernels.lowbit import segment_values
 from tiermem.partition import (ORDER_KEY, SCALE_KINDS, Partition, Segment, laid,
@@ -64,8 +65,9 @@ FORMAT = "tiermem-recover-1"
 ELEMENTWISE_RULES = {"AdamRule", "SGDRule", "AdagradRule", "RMSpropRule", "AdamaxRule",
                      "NAdamRule", "RAdamRule", "AdadeltaRule", "ASGDRule", "RpropRule"}
 NO_STEP_RULES = {"SGDRule"}  # torch keeps no "step" count in their state
-# torch builds these rules' state when the optimizer is made: kind -> the group value it
-# starts at
+# torch builds these rules' state when the optimizer is made: kind -> the value of the
+# optimizer's defaults it starts at (torch's Adagrad fills every accumulator from the
+# constructor's initial_accumulator_value, whatever a group sets; manifest.defaults)
 EAGER_RULES = {"AdagradRule": {"sum": "initial_accumulator_value"}}
 # kinds that hold weights, not torch state: an fp32 master, the bf16 weights a record keeps
 # without one (master_weights kahan/none, crash-consistent) and their Kahan term
@@ -143,33 +145,73 @@ class _Records:
             os.close(fd)
 
 
-def gather(run_dir: str, *others: str) -> dict[str, Any]:
+def gather(run_dir: str, *others: str, swap_paths: Sequence[str] | None = None
+           ) -> dict[str, Any]:
     """The checkpoint dict of the state committed in `run_dir` (see the module doc); of a
     run under torch.distributed, of every rank's directory together (`others`: the other
-    ranks' directories, found beside `run_dir` when not given)."""
+    ranks' directories, found beside `run_dir` when not given). swap_paths: where the
+    run's swap paths are now, in its swap.paths order (see swap_files)."""
     m = read_manifest(run_dir, None)
     if m.share:
-        return _gather_ranks(run_dir, m, others)
+        return _gather_ranks(run_dir, m, others, swap_paths)
     if others:
         raise TierMemError(f"cannot recover: {run_dir} holds one process's run, not a rank's "
                            "share: give its directory alone")
-    return _gather_one(run_dir, m)
+    return _gather_one(run_dir, m, swap_paths)
 
 
-def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
+def swap_files(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None) -> list[str]:
+    """The swap files to read the records of `run_dir`'s manifest from. files[0] is the
+    one beside the manifest, wherever the directory is now; the others (more swap paths)
+    are where they were written, while the directory is too. A run directory moved or
+    copied since (another mount, off a failing node) has had its other paths' files moved
+    with it, or what is left at their old places is no longer its state (an older copy,
+    another run of the name): those are not read (with checksums off nothing would tell
+    them apart) unless `swap_paths` says where the run's swap paths are now, in order,
+    the first being the one `run_dir` is under."""
+    name = os.path.basename(os.path.normpath(run_dir))
+    if swap_paths:
+        dirs = [os.path.join(os.path.abspath(p), name) for p in swap_paths]
+        if len(dirs) != len(m.files):
+            raise TierMemError(
+                f"cannot recover {run_dir}: its run wrote {len(m.files)} swap file(s) (one "
+                f"per swap path) and {len(dirs)} swap path(s) were given; give them all, in "
+                "the run's swap.paths order")
+        if not same_dir(dirs[0], run_dir):
+            raise TierMemError(
+                f"cannot recover {run_dir}: the first swap path given must be the one it is "
+                f"under ({os.path.dirname(os.path.normpath(run_dir))}), not {swap_paths[0]}")
+        refuse_stale_paths(dirs, m, "recover")
+        return [m.files[0], *(os.path.join(d, STATE_FILE) for d in dirs[1:])]
+    written = getattr(m, "written_files", m.files)
+    if len(m.files) > 1 and not same_dir(os.path.dirname(written[0]), run_dir):
+        raise TierMemError(
+            f"cannot recover {run_dir}: it was written at {os.path.dirname(written[0])} "
+            f"(moved or copied since), and its run kept swap files under other swap paths "
+            f"too, written at {', '.join(written[1:])}: tiermem does not read them there "
+            "(what is there now may be an older copy, or another run's). Give where the "
+            "run's swap paths are now, in its swap.paths order: tiermem recover "
+            f"{run_dir} --swap-paths {os.path.dirname(os.path.normpath(run_dir))} "
+            f"{' '.join('<path>' for _ in written[1:])}")
+    return list(m.files)
+
+
+def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = None
+                ) -> dict[str, Any]:
+    m.files = swap_files(run_dir, m, swap_paths)
     if not m.params:
         raise TierMemError(f"cannot recover: the manifest in {run_dir} lists no parameters")
     if m.rule not in ELEMENTWISE_RULES:
         return _gather_whole(run_dir, m)
     has_step, eager = m.rule not in NO_STEP_RULES, m.rule in EAGER_RULES
     names = [p["name"] or f"param.{i}" for i, p in enumerate(m.params)]
-    group_of = {i: g for g, group in enumerate(m.groups) for i in group["params"]}
     state: dict[int, dict[str, Any]] = {}
     weights: dict[int, torch.Tensor] = {}
     parts = [_partition(e, m.params) for e in m.partitions]
     kinds_of = {s.index: part.kinds for part in parts for s in part.segments}
+    stateless = set(m.stateless)
     for i, step in enumerate(m.steps):
-        if step == 0 and not eager:
+        if step == 0 and (not eager or i in stateless):
             continue  # never stepped: torch keeps no state for it either
         shape = m.params[i]["shape"]
         st: dict[str, Any] = {"step": torch.tensor(float(step))} if has_step else {}
@@ -177,9 +219,8 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
         for k in kinds_of.get(i, ()):
             if k not in WEIGHT_KINDS and k not in SCALE_KINDS:
                 # never stepped (Adagrad builds its state when made): torch's starting value
-                fill = m.groups[group_of[i]].get(EAGER_RULES.get(m.rule, {}).get(k), 0.0)
-                st[k] = torch.full(shape, float(fill) if step == 0 else 0.0,
-                                   dtype=torch.float32)
+                fill = _first_fill(run_dir, m, k, i) if step == 0 else 0.0
+                st[k] = torch.full(shape, fill, dtype=torch.float32)
         if m.params[i]["dtype"] != "float32" and (
                 {"master", "weight"} & set(kinds_of.get(i, ()))):
             st["master_param"] = torch.zeros(shape, dtype=torch.float32)
@@ -228,6 +269,29 @@ def _gather_one(run_dir: str, m: Manifest) -> dict[str, Any]:
                            "optimizer": {"state": state, "param_groups": groups}}
     _model_weights(out, weights, parts, names)
     return out
+
+
+def _first_fill(run_dir: str, m: Manifest, kind: str, i: int) -> float:
+    """The value torch starts state `kind` of never-stepped parameter i at: its optimizer's
+    defaults' (manifest.defaults), which a version-3 manifest does not keep."""
+    key = EAGER_RULES.get(m.rule, {}).get(kind)
+    if key is None:
+        return 0.0
+    if m.version < 4:
+        raise TierMemError(
+            f"cannot recover {run_dir}: parameter {i} ({m.params[i]['name'] or 'unnamed'}) "
+            f"never stepped, and torch starts its {kind!r} at the optimizer's default "
+            f"{key}, which this manifest (version {m.version}, an earlier tiermem's) does "
+            "not keep (a group's own value is not it); resume the run with "
+            "tiermem.offload(..., resume=True) in its own program and save "
+            "optimizer.state_dict()")
+    value = m.defaults.get(key)
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0):
+        raise TierMemError(f"cannot recover {run_dir}: the manifest's defaults.{key} is "
+                           f"{value!r}, not the number {m.rule}'s never-stepped state starts "
+                           "at")
+    return float(value)
 
 
 def _model_weights(out: dict[str, Any], weights: dict[int, torch.Tensor],
@@ -416,7 +480,8 @@ def _rank_manifests(run_dir: str, m: Manifest, others: tuple[str, ...]
     return out
 
 
-def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...]) -> dict[str, Any]:
+def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...],
+                  swap_paths: Sequence[str] | None = None) -> dict[str, Any]:
     """gather() of a run under torch.distributed: each rank's pieces (elementwise state,
     one value per element) put back into the user's parameters."""
     share = m.share
@@ -429,7 +494,7 @@ def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...]) -> dict[st
     groups: list[dict] = []
     step = 0
     for d, md in _rank_manifests(run_dir, m, others):
-        ckpt = _gather_one(d, md)
+        ckpt = _gather_one(d, md, swap_paths)
         step, groups = md.step, ckpt["optimizer"]["param_groups"]
         names = [p["name"] or f"param.{i}" for i, p in enumerate(md.params)]
         for j, (ui, start) in enumerate(md.share["pieces"]):
@@ -471,10 +536,11 @@ def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...]) -> dict[st
     return out
 
 
-def recover(run_dir: str, out_path: str, *others: str) -> dict[str, Any]:
-    """Write the checkpoint of `run_dir` (and `others`: see gather) to `out_path`
-    (atomically); returns a summary."""
-    ckpt = gather(run_dir, *others)
+def recover(run_dir: str, out_path: str, *others: str,
+            swap_paths: Sequence[str] | None = None) -> dict[str, Any]:
+    """Write the checkpoint of `run_dir` (and `others`, `swap_paths`: see gather) to
+    `out_path` (atomically); returns a summary."""
+    ckpt = gather(run_dir, *others, swap_paths=swap_paths)
     tmp = out_path + ".tmp"
     torch.save(ckpt, tmp)
     os.replace(tmp, out_path)

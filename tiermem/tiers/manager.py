@@ -29,7 +29,8 @@ from tiermem.partition import Partition
 from tiermem.signals import deferred, safe_point
 from tiermem.tiers.pipeline import StepPipeline, Views
 from tiermem.errors import TierMemError, TierMemIOError
-from tiermem.swap.manifest import PREVIOUS, RESIDENT_FILE, Manifest, layout_of, write_manifest
+from tiermem.swap.manifest import (PREVIOUS, RESIDENT_FILE, VERSION, Manifest, layout_of,
+                                    write_manifest)
 from tiermem.swap import fsops
 from tiermem.swap.store import SwapStore
 from tiermem.swap.rundir import remove_run_dir, run_dirs
@@ -362,7 +363,8 @@ class TierManager:
     def _manifest(self, *, step: int, steps: Sequence[float], params: list[dict],
                   groups: list[dict], rule: str, records: dict[int, tuple[int, int]] | None = None,
                   resident: list[dict] | None = None, values: dict | None = None,
-                  share: dict | None = None) -> Manifest:
+                  share: dict | None = None, defaults: dict | None = None,
+                  stateless: Sequence[int] = (), version: int = VERSION) -> Manifest:
         store = self.store
         fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
         records = records if records is not None else (store.latest_records() if store else {})
@@ -374,7 +376,8 @@ class TierManager:
             records=store.locations() if store else {},
             files=[f.path for f in store.files] if store else [],
             checksums=self.settings.swap.checksums, params=params, groups=groups, rule=rule,
-            values=values or {}, share=share or {})
+            values=values or {}, share=share or {}, defaults=defaults or {},
+            stateless=list(stateless), version=version)
 
     def moving(self) -> bool:
         """Whether a transfer to or from NVMe is under way now."""

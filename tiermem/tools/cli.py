@@ -246,7 +246,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 
     run_dir, *others = [os.path.abspath(d) for d in args.dir]
     out = args.output or os.path.join(os.getcwd(), f"{run_name(run_dir)}-recovered.pt")
-    info = recover(run_dir, out, *others)
+    info = recover(run_dir, out, *others, swap_paths=args.swap_paths)
     weights = "model weights and " if info["has_model"] else ""
     print(f"{run_dir}: step {info['step']} ({info['durability']}), {weights}optimizer state "
           f"of {info['with_state']}/{info['parameters']} parameters, "
@@ -477,6 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a run under torch.distributed, any rank's (tiermem-<name>-rank<r>: "
                         "the others are looked for beside it) or every rank's")
     r.add_argument("-o", "--output", help="checkpoint file (default: ./<dir name>-recovered.pt)")
+    r.add_argument("--swap-paths", nargs="+", metavar="PATH",
+                   help="where the run's swap paths are now, in its swap.paths order (the "
+                        "first the one DIR is under): needed for a run with several swap "
+                        "paths whose directories were moved or copied since it wrote them")
     r.set_defaults(func=_cmd_recover)
     d = sub.add_parser("doctor", help="report what this machine offers tiermem (io_uring, "
                        "O_DIRECT per swap path, memlock, CPU features, torch/CUDA) with fixes")

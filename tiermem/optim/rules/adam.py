@@ -46,6 +46,7 @@ class AdamRule(UpdateRule):
     optimizers = (torch.optim.Adam,)
     elementwise = True
     torch_keys = {"master": MASTER_KEY, **{k: k for k in MOMENTS}}
+    fixed_keys = True
 
     def __init__(self, *, state_dtype: str = "fp32", state_rounding: str = "nearest",
                  master_weights: str = "fp32") -> None:
@@ -99,11 +100,15 @@ class AdamRule(UpdateRule):
         laid = "max_exp_avg_sq" in part.kinds
         if bool(saved.get("amsgrad")) != laid:
             # (say both values: "has not" left which side had amsgrad to guess)
+            # amsgrad turned off: the checkpoint's max_exp_avg_sq, which torch keeps unused,
+            # is refused at entry too (OffloadedOptimizer._refuse_unkept_keys)
+            drop = (", without the max_exp_avg_sq it keeps unused (tiermem refuses to "
+                    "drop it silently)") if laid else ""
             raise TierMemError(
                 f"param_groups[{part.group}]: the checkpoint has amsgrad="
                 f"{bool(saved.get('amsgrad'))} and tiermem.offload laid the state out for "
                 f"amsgrad={laid}; load the checkpoint into the optimizer before entering "
-                "tiermem.offload, which then lays the state out for it")
+                f"tiermem.offload, which then lays the state out for it{drop}")
 
     def init(self, part: Partition, views: Views) -> None:
         """Zero moments; the master weights (or the bf16 weights' copy) from the model."""

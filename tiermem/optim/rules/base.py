@@ -105,6 +105,10 @@ class UpdateRule(ABC):
     #: torch builds every parameter's state when the optimizer is made, not at its first
     #: step (Adagrad): exported state includes parameters never stepped
     eager_state: ClassVar[bool] = False
+    #: what the rule keeps of a parameter's torch-format state is a fixed set of keys
+    #: (see unkept_keys): a loaded key outside it is refused, never dropped. Rules laid
+    #: out from the state itself (the generic path) refuse in from_torch_state instead.
+    fixed_keys: ClassVar[bool] = False
     #: its step writes into the gradients it is given (schedule-free divides them in place;
     #: set by the generic rule's probe): updates during backward would hand the user other
     #: gradients after backward than the plain run does
@@ -130,6 +134,19 @@ class UpdateRule(ABC):
     def torch_state_keys(self, group: dict[str, Any]) -> list[str]:
         """The per-parameter state tensors torch keeps for a group with these flags."""
         return [self.torch_keys[k] for k in self.kinds_for(group)]
+
+    def unkept_keys(self, group: dict[str, Any], state: dict[str, Any]) -> list[Any]:
+        """The keys of one parameter's torch-format state (loaded, or held at entry) the
+        rule would not keep: step, scalar_keys, the group's state tensors and an fp32
+        master are all it keeps. torch keeps any other key unused (an amsgrad checkpoint's
+        max_exp_avg_sq loaded with amsgrad=False) and hands it back in state_dict()."""
+        if not self.fixed_keys:
+            return []
+        kept = {*self.torch_state_keys(group), *self.scalar_keys(group),
+                self.torch_keys["master"]}
+        if self.has_step:
+            kept.add("step")
+        return [k for k in state if k not in kept]
 
     def host_scalars(self, state: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
         """The host scalars (scalar_keys) in one parameter's torch-format state."""

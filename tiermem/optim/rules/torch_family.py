@@ -56,6 +56,7 @@ class TorchRule(UpdateRule):
 
     elementwise = True
     auto_kernel = "match"
+    fixed_keys = True
     module: ClassVar[Any]
     name: ClassVar[str]  # the functions' suffix: _single_tensor_<name>, ...
     has_fused: ClassVar[bool] = False
