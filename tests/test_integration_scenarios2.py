@@ -1,0 +1,148 @@
+"""Framework scenarios the per-framework tests leave out, each against the same run
+without tiermem: weights and optimizer state bitwise (kernel: match), or a clear refusal.
+
+Lightning hands a LightningModule its optimizers in LightningOptimizer wrappers
+(`self.optimizers()`), whose class derives from the optimizer's: the methods it does not
+define itself run the optimizer class's code on the wrapper, past the methods tiermem puts
+on the optimizer instance, unless tiermem routes them (tiermem/optim/wrappers.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_helpers import assert_same_tensor, compare_state_dicts, config, listdir
+
+
+def cfg(tmp_path: Path, offload: str = "none") -> dict:
+    c = config(tmp_path / "swap", host=0, kernel="match")
+    c["parameters"] = {"offload": offload}
+    return c
+
+
+# -- Lightning --------------------------------------------------------------------------
+
+
+def _lightning():
+    return pytest.importorskip("lightning.pytorch", reason="lightning is not installed "
+                               "(pip install -e '.[integrations]')")
+
+
+def lightning_both(tmp_path: Path, make, offload: str = "none", **kw):
+    """(plain module, its trainer), (tiered module, its trainer) of the same fit, compared:
+    weights and every optimizer's state bitwise, the swap directory emptied."""
+    from test_integration_lightning import fit
+    from tiermem.integrations.lightning import TiermemCallback
+
+    plain = make()
+    t_plain = fit(tmp_path / "plain", plain, **kw)
+    tiered = make()
+    t_tiered = fit(tmp_path / "tiered", tiered, callbacks=[TiermemCallback(cfg(tmp_path, offload))],
+                   **kw)
+    for (name, p), (_, q) in zip(tiered.named_parameters(), plain.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+    assert len(t_tiered.optimizers) == len(t_plain.optimizers)
+    for a, b in zip(t_tiered.optimizers, t_plain.optimizers):
+        compare_state_dicts(a.state_dict(), b.state_dict())
+    assert listdir(tmp_path / "swap") == []
+    return (plain, t_plain), (tiered, t_tiered)
+
+
+def _manual_module():
+    _lightning()
+    from test_integration_lightning import Tiny
+
+    class Manual(Tiny):
+        """Manual optimization through self.optimizers(): 2 micro-batches a step, clipped,
+        a scheduler, and the optimizer's state_dict read after every step."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.saved: list[dict] = []
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            self.manual_backward((self.net(x) - y).square().mean() / 2)
+            if batch_idx % 2 == 1:
+                self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+                opt.step()
+                opt.zero_grad()
+                self.lr_schedulers().step()
+                # torch's state_dict holds the live tensors: a copy of this step's
+                self.saved.append(copy.deepcopy(opt.state_dict()))
+
+    return Manual
+
+
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_lightning_manual_optimization_through_self_optimizers(tmp_path, offload):
+    # Without the routing, `self.optimizers().state_dict()` was empty (torch's state_dict
+    # on the wrapper reads the optimizer's opt.state, which the tiers hold), and with
+    # parameters.offload `self.optimizers().zero_grad()` left the tier's gradients, so the
+    # next backward raised "no zero_grad() since the last optimizer.step()".
+    make = _manual_module()
+    (plain, _), (tiered, _) = lightning_both(tmp_path, make, offload, max_steps=3)
+    assert len(tiered.saved) == len(plain.saved) == 3
+    for a, b in zip(tiered.saved, plain.saved):
+        assert b["state"]
+        compare_state_dicts(a, b)
+
+
+def test_lightning_schedulefree_train_eval_through_self_optimizers(tmp_path):
+    # schedule-free's docs have a LightningModule call self.optimizers().train() / .eval()
+    # around training and validation. On the wrapper they ran schedulefree's own method over
+    # an empty opt.state: nothing swapped, the weights 3.6e-3 away from the plain fit's.
+    _lightning()
+    schedulefree = pytest.importorskip("schedulefree")
+    from test_integration_lightning import Tiny
+
+    class ScheduleFree(Tiny):
+        def configure_optimizers(self):
+            return schedulefree.AdamWScheduleFree(self.parameters(), lr=1e-2, warmup_steps=2)
+
+        def on_train_epoch_start(self):
+            self.optimizers().train()
+
+        def on_validation_epoch_start(self):
+            self.optimizers().eval()
+
+        def on_validation_epoch_end(self):
+            self.optimizers().train()
+
+        def on_train_end(self):
+            self.optimizers().eval()
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", (self.net(x) - y).square().mean())
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    lightning_both(tmp_path, lambda: ScheduleFree(batches=2), max_steps=6, limit_val_batches=1)
+
+
+def test_offload_of_a_lightning_optimizer_routes_its_methods(tmp_path):
+    # tiermem.offload(self.optimizers(), ...) directly, as manual optimization might
+    _lightning()
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    import tiermem
+
+    from test_integration_lightning import Tiny
+
+    models = [Tiny(), Tiny()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    wrapped = LightningOptimizer(opts[1])
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    with tiermem.offload(wrapped, cfg(tmp_path)):
+        for m, opt in zip(models, opts):
+            (m.net(x) - y).square().mean().backward()
+            opt.step()
+        compare_state_dicts(wrapped.state_dict(), opts[0].state_dict())
+    assert "state_dict" not in vars(wrapped)  # the routing ends with the block
