@@ -146,3 +146,74 @@ def test_offload_of_a_lightning_optimizer_routes_its_methods(tmp_path):
             opt.step()
         compare_state_dicts(wrapped.state_dict(), opts[0].state_dict())
     assert "state_dict" not in vars(wrapped)  # the routing ends with the block
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_lightning_stochastic_weight_averaging_with_the_weights_in_the_tiers(tmp_path, offload):
+    # SWA copies the averaged weights into the module at the end with
+    # p.detach().copy_(): the parameter tier released them unwritten (it wrote back only
+    # what its own updates changed) and the exit gave back the last step's weights, 1.8e-2
+    # from the plain fit's averaged ones, silently.
+    _lightning()
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from test_integration_lightning import Tiny
+
+    def swa():
+        return StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2)
+
+    from test_integration_lightning import fit
+    from tiermem.integrations.lightning import TiermemCallback
+
+    plain = Tiny(batches=2)
+    fit(tmp_path / "plain", plain, max_epochs=4, max_steps=-1, callbacks=[swa()])
+    tiered = Tiny(batches=2)
+    fit(tmp_path / "tiered", tiered, max_epochs=4, max_steps=-1,
+        callbacks=[TiermemCallback(cfg(tmp_path, offload)), swa()])
+    for (name, p), (_, q) in zip(tiered.named_parameters(), plain.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+    assert listdir(tmp_path / "swap") == []
+
+
+class _Renormed(torch.nn.Module):
+    """Embeddings with max_norm, which torch renormalises in place in the forward (the
+    rows it looks up), then linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(64, 128, max_norm=1.0)
+            self.layers = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)])
+
+    def forward(self, tokens):
+        return self.layers(self.emb(tokens).mean(1))
+
+
+def test_weights_changed_in_place_in_the_forward_reach_the_tier(tmp_path):
+    # The same without a framework: nn.Embedding(max_norm=...) renormalises the rows it
+    # looks up in place. The tier released those weights unwritten when the window needed
+    # the room (and at the exit), so the step and the model lost the renormalisation.
+    import tiermem
+
+    models = [_Renormed(), _Renormed()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    c = cfg(tmp_path, "nvme")
+    c["parameters"]["window"] = "320KiB"  # of 840 KiB of weights and gradients
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 64, (8, 5), generator=g), torch.randn(8, 128, generator=g))
+            for _ in range(3)]
+
+    def run(m, opt):
+        for tokens, y in data:
+            (m(tokens) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        m(data[0][0])  # renormalises again after the last step
+
+    run(models[0], opts[0])
+    with tiermem.offload(opts[1], c, model=models[1]) as tm:
+        run(models[1], opts[1])
+        assert tm.param_stats()["evictions"] > 0
+    for (name, p), (_, q) in zip(models[1].named_parameters(), models[0].named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+    compare_state_dicts(opts[1].state_dict(), opts[0].state_dict())
