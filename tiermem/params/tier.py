@@ -1495,7 +1495,15 @@ class ParamTier:
                 # records are removed below, so everything that can be read goes back
                 # now, and the caller hears what could not.
                 try:
-                    value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
+                    if i in self.live and self.dev is None:
+                        # a host model's window holds the weight as it is now: its record
+                        # has every change made through the parameter (written above),
+                        # not one made through p.data (Lightning's EMAWeightAveraging
+                        # copies the averaged weights in that way at the end of the fit)
+                        value = p.detach().to(self.device, copy=True)
+                    else:
+                        value = self.records.fetch(WEIGHT, i).wait().to(self.device,
+                                                                        copy=True)
                 except TierMemError as exc:
                     if i not in self.live or self.dev is not None:
                         self._release_storage(i)
