@@ -252,3 +252,63 @@ def test_weights_changed_in_place_in_the_forward_reach_the_tier(tmp_path):
     for (name, p), (_, q) in zip(models[1].named_parameters(), models[0].named_parameters()):
         assert_same_tensor(p.detach(), q.detach(), f"param {name}")
     compare_state_dicts(opts[1].state_dict(), opts[0].state_dict())
+
+
+def test_param_groups_replaced_inside_the_block_are_refused(tmp_path):
+    # opt.param_groups assigned (or appended to) inside the block: the parameters of the
+    # new group had no record and the step passed over them, silently never updated.
+    import tiermem
+    from tiermem.errors import TierMemError
+
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    with tiermem.offload(opt, cfg(tmp_path)):
+        opt.param_groups = [opt.param_groups[0],
+                            {**opt.param_groups[0], "params": list(b.parameters())}]
+        (a(torch.ones(2, 4)).sum() + b(torch.ones(2, 4)).sum()).backward()
+        for call in (opt.step, opt.state_dict):
+            with pytest.raises(TierMemError, match="param_groups changed .* 2 parameters"):
+                call()
+        opt.param_groups.pop()  # as it was: the block goes on
+        opt.step()
+
+
+def test_lightning_backbone_finetuning_fit_and_a_refused_resume(tmp_path):
+    # BackboneFinetuning adds the backbone's group with add_param_group when it unfreezes
+    # it (tiered like plain); on a resume it assigns the saved groups to
+    # optimizer.param_groups after tiermem laid out the state, and Lightning's load of
+    # the checkpoint failed with KeyError: 2. Refused, naming what changed.
+    _lightning()
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from test_integration_lightning import Tiny, fit
+    from tiermem.errors import TierMemError
+    from tiermem.integrations.lightning import TiermemCallback
+
+    class Backbone(Tiny):
+        def __init__(self) -> None:
+            super().__init__(batches=2)
+            self.backbone = self.net[0]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad],
+                                     lr=1e-2, weight_decay=0.05)
+
+    def callbacks(tiered: bool) -> list:
+        unfreeze = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 1.5)
+        return [TiermemCallback(cfg(tmp_path)), unfreeze] if tiered else [unfreeze]
+
+    fits = []
+    for root in ("plain", "tiered"):
+        module = Backbone()
+        fits.append((module, fit(tmp_path / root, module, callbacks=callbacks(root == "tiered"),
+                                 max_epochs=3, max_steps=-1, ckpt_every=4)))
+    (plain, t_plain), (tiered, t_tiered) = fits
+    for (name, p), (_, q) in zip(tiered.named_parameters(), plain.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+    assert len(t_tiered.optimizers[0].param_groups) == 2
+    compare_state_dicts(t_tiered.optimizers[0].state_dict(), t_plain.optimizers[0].state_dict())
+
+    with pytest.raises(TierMemError, match="param_groups changed"):
+        fit(tmp_path / "resumed", Backbone(), callbacks=callbacks(True), max_epochs=4,
+            max_steps=-1, ckpt_path=str(tmp_path / "tiered/ckpt/step=4.ckpt"))
+    assert listdir(tmp_path / "swap") == []
