@@ -600,8 +600,11 @@ class ParamTier:
     def _note_edit(self, i: int) -> None:
         """Materialised weights changed in place through their parameter since they last
         matched their record (not by the tier: its own changes mark them dirty) are dirty:
-        written back before they are released, as torch would keep the change."""
-        if i in self.live and self.params[i]._version != self.versions.get(i):
+        written back before they are released, as torch would keep the change. Host
+        weights only: a device buffer is written by kernels queued on the model's streams,
+        which a copy from here would not wait for."""
+        if (i in self.live and i not in self.on_device
+                and self.params[i]._version != self.versions.get(i)):
             self.dirty.add(i)
 
     def _evict(self, i: int) -> None:
