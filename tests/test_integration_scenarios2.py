@@ -9,6 +9,7 @@ on the optimizer instance, unless tiermem routes them (tiermem/optim/wrappers.py
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -311,4 +312,49 @@ def test_lightning_backbone_finetuning_fit_and_a_refused_resume(tmp_path):
     with pytest.raises(TierMemError, match="param_groups changed"):
         fit(tmp_path / "resumed", Backbone(), callbacks=callbacks(True), max_epochs=4,
             max_steps=-1, ckpt_path=str(tmp_path / "tiered/ckpt/step=4.ckpt"))
+    assert listdir(tmp_path / "swap") == []
+
+
+@pytest.mark.parametrize("sf, offload", [(True, "none"), (False, "host")],
+                         ids=["schedulefree", "parameters-host"])
+def test_fabric_optimizer_is_unwrapped_and_routed(tmp_path, sf, offload):
+    # Fabric.setup's optimizer wrapper derives from the optimizer's class, as Lightning's:
+    # tiermem refused it as a wrapper it does not know and said to pass its .optimizer,
+    # after which the wrapper's train()/eval() (schedule-free: 2.1e-3 off plain) and
+    # zero_grad() (parameters.offload: "no zero_grad() since the last step") ran past
+    # tiermem's hooks. It is a known wrapper now: unwrapped and routed.
+    pytest.importorskip("lightning.fabric", reason="lightning is not installed")
+    from lightning.fabric import Fabric
+    import tiermem
+
+    def run(tiered: bool):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 1100), torch.nn.Tanh(),
+                                        torch.nn.Linear(1100, 8))
+        if sf:
+            schedulefree = pytest.importorskip("schedulefree")
+            opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-2, warmup_steps=2)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, opt)
+        g = torch.Generator().manual_seed(1)
+        with tiermem.offload(opt, cfg(tmp_path, offload), model=model) if tiered \
+                else contextlib.nullcontext():
+            if sf:
+                opt.train()
+            for _ in range(4):
+                x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+                fabric.backward((model(x) - y).square().mean())
+                opt.step()
+                opt.zero_grad()
+            if sf:
+                opt.eval()
+        return model, opt
+
+    (tm, to), (pm, po) = run(True), run(False)
+    for (name, p), (_, q) in zip(tm.named_parameters(), pm.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+    compare_state_dicts(to.state_dict(), po.state_dict())
     assert listdir(tmp_path / "swap") == []

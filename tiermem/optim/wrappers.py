@@ -1,6 +1,7 @@
 """The optimizer wrappers that frameworks hand their users, unwrapped for `tiermem.offload`.
 
-Accelerate's `AcceleratedOptimizer` and Lightning's `LightningOptimizer` hold the torch
+Accelerate's `AcceleratedOptimizer`, Lightning's `LightningOptimizer` and Fabric's
+`_FabricOptimizer` hold the torch
 optimizer in `.optimizer` and route step / state_dict / load_state_dict to it, so tiering
 the inner instance is what the user meant: tiermem hooks that instance, and the wrapper's
 calls land in the hooks. They are recognised by the module and name of a class in the
@@ -31,6 +32,9 @@ KNOWN = {
     ("accelerate.optimizer", "AcceleratedOptimizer"),
     ("lightning.pytorch.core.optimizer", "LightningOptimizer"),
     ("pytorch_lightning.core.optimizer", "LightningOptimizer"),
+    # what Fabric.setup returns: a class derived from the optimizer's, as Lightning's
+    ("lightning.fabric.wrappers", "_FabricOptimizer"),
+    ("lightning_fabric.wrappers", "_FabricOptimizer"),
 }
 DEPTH = 4  # a wrapper of a wrapper is possible (Lightning over Accelerate); a loop is not
 
