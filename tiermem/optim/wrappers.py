@@ -1,10 +1,10 @@
 """The optimizer wrappers that frameworks hand their users, unwrapped for `tiermem.offload`.
 
 Accelerate's `AcceleratedOptimizer`, Lightning's `LightningOptimizer` and Fabric's
-`_FabricOptimizer` hold the torch
-optimizer in `.optimizer` and route step / state_dict / load_state_dict to it, so tiering
-the inner instance is what the user meant: tiermem hooks that instance, and the wrapper's
-calls land in the hooks. They are recognised by the module and name of a class in the
+`_FabricOptimizer` hold the torch optimizer in `.optimizer` and route step / state_dict /
+load_state_dict to it, so tiering the inner instance is what the user meant: tiermem hooks
+that instance, and the wrapper's calls land in the hooks (those Lightning's and Fabric's
+classes inherit from the optimizer's are routed there: route_wrappers). They are recognised by the module and name of a class in the
 wrapper's MRO (Lightning makes a class per optimizer, `LightningAdamW`, that also derives
 from the optimizer's class), so neither framework is imported here.
 
@@ -93,7 +93,7 @@ def route_wrappers(optimizer: Any, inner: torch.optim.Optimizer,
     is the optimizer class's own, run on the wrapper: it reaches `inner`'s state and
     param_groups, not the methods tiermem installed on `inner`. Measured: the state_dict
     of `self.optimizers()` was empty, schedule-free's train()/eval() swapped nothing (the
-    weights 4e-3 off the plain fit), and zero_grad left the parameter tier's gradients in
+    weights 3.6e-3 off the plain fit), and zero_grad left the parameter tier's gradients in
     place. Accelerate's wrapper defines each of them as a call to its `.optimizer`."""
     undo: list[Callable[[], None]] = []
     obj = optimizer
