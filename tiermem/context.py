@@ -20,11 +20,11 @@ from tiermem.config import Settings, load_config
 from tiermem.dist import sharded
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim.handle import Offload, forget_kept, kept_dir, put_kept
-from tiermem.optim.hooks import installed
+from tiermem.optim.hooks import HOOKED, installed
 from tiermem.optim.lifecycle import (ACTIVE, caller, check_arguments, check_swap_paths,
                                      explain_run_dir)
 from tiermem.optim.offloaded import OffloadedOptimizer
-from tiermem.optim.wrappers import unwrap
+from tiermem.optim.wrappers import route_wrappers, unwrap
 from tiermem.signals import held, terminate_as_exception
 from tiermem.swap.rundir import StaleSwapError
 
@@ -98,6 +98,7 @@ def offload(optimizer: torch.optim.Optimizer,
     """
     if isinstance(optimizer, torch.nn.Module):  # before unwrap(), which would fail obscurely
         check_arguments(optimizer, model, Settings(), name)
+    given = optimizer
     optimizer, unwrapped = unwrap(optimizer)  # AcceleratedOptimizer, LightningOptimizer
     settings = load_config(config)
     check_arguments(optimizer, model, settings, name)
@@ -135,6 +136,9 @@ def offload(optimizer: torch.optim.Optimizer,
             put_kept(optimizer, kept)  # a refused block leaves the guard as it was
         raise
     handle.unwrapped = unwrapped
+    # parameters.offload routes zero_grad too (the tier's gradients); schedule-free has more
+    unroute = route_wrappers(given, optimizer, (*HOOKED, "zero_grad", *getattr(
+        installed(optimizer), "state_methods", ())))
     where = caller()
     ACTIVE[optimizer] = f"name={name!r}, opened at {where}"
     if not _OPEN:  # (again) at each first open block: atexit runs the latest first, so
@@ -159,4 +163,5 @@ def offload(optimizer: torch.optim.Optimizer,
                 with held():
                     handle.leave(None)
         finally:
+            unroute()
             ACTIVE.pop(optimizer, None)

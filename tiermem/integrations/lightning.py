@@ -68,7 +68,7 @@ class TiermemCallback(pl.Callback):
             raise TierMemError(
                 "gradient_clip_val cannot be used with pipeline.overlap_backward: true (the "
                 "update starts during backward, before Lightning clips); drop one of them")
-        optimizers = list(trainer.optimizers)
+        optimizers = _wrapped(trainer, pl_module)
         if not optimizers:
             raise TierMemError("TiermemCallback: the LightningModule has no optimizer")
         if len(optimizers) > 1 and settings.parameters.offload != "none":
@@ -98,7 +98,7 @@ class TiermemCallback(pl.Callback):
                             "step uses the loss of the closure Lightning passes, and the "
                             "update starts during that closure's backward; set "
                             "overlap_backward: false")
-                    _closure_first(opt)
+                    _closure_first(handles[-1].optimizer)
         except BaseException as exc:
             stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -144,6 +144,21 @@ class TiermemCallback(pl.Callback):
         stack, self._stack = self._stack, None
         self.handles = []
         leave(stack, exc)  # an error of the exit itself: Lightning raises that instead
+
+
+def _wrapped(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
+    """The trainer's optimizers as `self.optimizers()` gives them to the module (in their
+    LightningOptimizer), so that tiermem.offload also routes the wrapper's zero_grad,
+    state_dict and train()/eval(), which would otherwise run the optimizer class's own
+    code on the wrapper, past tiermem's hooks (tiermem/optim/wrappers.py); the plain
+    optimizer where Lightning has wrapped none (a wrapper of another one is not used)."""
+    plain = list(trainer.optimizers)
+    wrapped = pl_module.optimizers(use_pl_optimizer=True)
+    wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
+    if len(wrapped) != len(plain):
+        return plain
+    return [w if getattr(w, "optimizer", None) is opt else opt
+            for w, opt in zip(wrapped, plain)]
 
 
 def _closure_first(opt: torch.optim.Optimizer) -> None:

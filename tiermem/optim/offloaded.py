@@ -216,6 +216,7 @@ class OffloadedOptimizer:
             raise TierMemError("placement rules match parameter names: pass model= to "
                                "tiermem.offload so tiermem knows them")
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.group_sizes = [len(g["params"]) for g in optimizer.param_groups]
         self.steps = StepCounts(0.0 for _ in self.params)
         # Of a rule whose optimizer makes its state eagerly (Adagrad: in __init__), the
         # parameters never stepped that it keeps no state for all the same: a group added
@@ -505,7 +506,31 @@ class OffloadedOptimizer:
         overlap, self.overlap = self.overlap, None
         return overlap.close() if overlap is not None else None
 
+    def check_groups(self, what: str) -> None:
+        """The optimizer's param groups hold the parameters tiermem laid out, group by
+        group. Groups changed other than by add_param_group (`opt.param_groups = ...`, as
+        Lightning's BaseFinetuning restores its groups on a resume, or an append) hold
+        parameters no record holds: the step passed over them without a word (never
+        updated) and a load of their state failed with a bare KeyError."""
+        groups = self.opt.param_groups
+        sizes = [len(g["params"]) for g in groups]
+        flat = [p for g in groups for p in g["params"]]
+        if sizes == self.group_sizes and all(a is b for a, b in zip(flat, self.params)):
+            return
+        known = {id(p) for p in self.params}
+        new = [p for p in flat if id(p) not in known]
+        which = (f"{len(new)} parameters tiermem laid out no record for (the first "
+                 f"{self.names.get(id(new[0])) or tuple(new[0].shape)})" if new
+                 else "parameters moved, removed or regrouped")
+        raise TierMemError(
+            f"{what}: the optimizer's param_groups changed inside the tiermem.offload block "
+            f"other than through add_param_group: {len(groups)} groups of {sizes} parameters "
+            f"where tiermem laid out {len(self.group_sizes)} of {self.group_sizes}, with "
+            f"{which}. tiermem would not update them; add a group with "
+            "optimizer.add_param_group(), or set param_groups before entering the block")
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self.check_groups("optimizer.step()")
         if self.broken:
             raise TierMemError(self.broken)
         if self.gradients_gone:
@@ -1323,12 +1348,14 @@ class OffloadedOptimizer:
         """torch's optimizer state_dict, gathered from the tiers (fp32 moments)."""
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.state_dict()")
+        self.check_groups("optimizer.state_dict()")
         return torch_state_dict(self.opt, self.export_state(model_dtype=False))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format into the tiers without casting moments to the model dtype."""
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.load_state_dict()")
+        self.check_groups("optimizer.load_state_dict()")
         # torch's own checks of the groups' shape, first: the layout check below reads
         # each saved group (SGD's a missing one failed there with KeyError: 'momentum')
         groups, saved_groups = self.opt.param_groups, state_dict["param_groups"]
@@ -1386,6 +1413,7 @@ class OffloadedOptimizer:
         record's state); the model's weights are refreshed from the masters after."""
         if args or kwargs:
             raise TierMemError(f"optimizer.{name}() under tiermem takes no arguments")
+        self.check_groups(f"optimizer.{name}()")
         if self.broken:
             raise TierMemError(self.broken)
         if self.overlap is not None:
@@ -1426,6 +1454,7 @@ class OffloadedOptimizer:
                                "tiermem.offload")
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.add_param_group()")
+        self.check_groups("optimizer.add_param_group()")
         first_group = len(self.opt.param_groups)
         type(self.opt).add_param_group(self.opt, param_group)
         group = self.opt.param_groups[-1]
@@ -1452,6 +1481,7 @@ class OffloadedOptimizer:
             raise
         first = len(self.params)
         self.params.extend(group["params"])
+        self.group_sizes.append(len(group["params"]))
         self.steps.extend(len(group["params"]))
         # torch's Adagrad makes state in __init__ only: a group added later has none
         self.stateless |= self._without_state(range(first, len(self.params)))

@@ -1,9 +1,10 @@
 """The optimizer wrappers that frameworks hand their users, unwrapped for `tiermem.offload`.
 
-Accelerate's `AcceleratedOptimizer` and Lightning's `LightningOptimizer` hold the torch
-optimizer in `.optimizer` and route step / state_dict / load_state_dict to it, so tiering
-the inner instance is what the user meant: tiermem hooks that instance, and the wrapper's
-calls land in the hooks. They are recognised by the module and name of a class in the
+Accelerate's `AcceleratedOptimizer`, Lightning's `LightningOptimizer` and Fabric's
+`_FabricOptimizer` hold the torch optimizer in `.optimizer` and route step / state_dict /
+load_state_dict to it, so tiering the inner instance is what the user meant: tiermem hooks
+that instance, and the wrapper's calls land in the hooks (those Lightning's and Fabric's
+classes inherit from the optimizer's are routed there: route_wrappers). They are recognised by the module and name of a class in the
 wrapper's MRO (Lightning makes a class per optimizer, `LightningAdamW`, that also derives
 from the optimizer's class), so neither framework is imported here.
 
@@ -19,7 +20,8 @@ ended 6e-3 away from its plain run, with no error).
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -30,6 +32,9 @@ KNOWN = {
     ("accelerate.optimizer", "AcceleratedOptimizer"),
     ("lightning.pytorch.core.optimizer", "LightningOptimizer"),
     ("pytorch_lightning.core.optimizer", "LightningOptimizer"),
+    # what Fabric.setup returns: a class derived from the optimizer's, as Lightning's
+    ("lightning.fabric.wrappers", "_FabricOptimizer"),
+    ("lightning_fabric.wrappers", "_FabricOptimizer"),
 }
 DEPTH = 4  # a wrapper of a wrapper is possible (Lightning over Accelerate); a loop is not
 
@@ -75,6 +80,45 @@ def unwrap(optimizer: Any) -> tuple[torch.optim.Optimizer, str | None]:
             f"its .{attr}: pass that (tiermem.offload(wrapper.{attr}, ...)) and keep "
             "stepping through the wrapper if its step reaches the inner optimizer's step")
     return obj, " -> ".join(removed) or None
+
+
+def route_wrappers(optimizer: Any, inner: torch.optim.Optimizer,
+                   names: Iterable[str]) -> Callable[[], None]:
+    """Make each known wrapper around `inner` in `optimizer` (as tiermem.offload got it)
+    call `inner`'s own `names` methods, the ones tiermem put on that instance; returns
+    what undoes it.
+
+    Lightning's wrapper class derives from the optimizer's class, so a method it does not
+    define itself (zero_grad, state_dict, load_state_dict, schedule-free's train()/eval())
+    is the optimizer class's own, run on the wrapper: it reaches `inner`'s state and
+    param_groups, not the methods tiermem installed on `inner`. Measured: the state_dict
+    of `self.optimizers()` was empty, schedule-free's train()/eval() swapped nothing (the
+    weights 3.6e-3 off the plain fit), and zero_grad left the parameter tier's gradients in
+    place. Accelerate's wrapper defines each of them as a call to its `.optimizer`."""
+    undo: list[Callable[[], None]] = []
+    obj = optimizer
+    for _ in range(DEPTH):
+        if _known(obj) is None:
+            break
+        for name in names:
+            own = getattr(type(obj), name, None)
+            if own is None or own is not getattr(type(inner), name, None):
+                continue  # the wrapper's own method, or none (its __getattr__ reaches inner)
+            had = obj.__dict__.get(name)
+
+            def call(wrapper_self: Any, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+                return getattr(inner, _name)(*args, **kwargs)
+
+            obj.__dict__[name] = types.MethodType(call, obj)
+            undo.append(lambda o=obj, n=name, h=had: (o.__dict__.pop(n, None) if h is None
+                                                      else o.__dict__.__setitem__(n, h)))
+        obj = obj.optimizer
+
+    def restore() -> None:
+        while undo:
+            undo.pop()()
+
+    return restore
 
 
 def _inner_optimizer(obj: Any) -> tuple[str, torch.optim.Optimizer] | None:

@@ -240,6 +240,12 @@ class ParamTier:
         self.inflight: dict[int, Fetch] = {}
         self.pins: dict[int, int] = {}
         self.dirty: set[int] = set()
+        # p._version of each materialised weight when it last matched its record (or was
+        # marked dirty): an in-place change through the parameter since (Lightning's
+        # StochasticWeightAveraging copies the averaged weights in with
+        # p.detach().copy_()) makes it dirty too, where it was lost at the release or
+        # the exit that gave the model its records back (_note_edit)
+        self.versions: dict[int, int] = {}
         self.grads_out: dict[int, int] = {}  # index -> bytes of a gradient handed to the step
         self.grads_inflight: dict[int, Fetch] = {}  # gradients read ahead for the step
         # Gradients kept in memory as backward left them, never written to their record
@@ -502,6 +508,7 @@ class ParamTier:
     def _install_weight(self, i: int, value: torch.Tensor, buf: torch.Tensor | None) -> None:
         p = self.params[i]
         p.data = value
+        self.versions[i] = p._version
         self._by_storage[value.untyped_storage().data_ptr()] = i
         if buf is not None:
             self.bufs[i] = buf
@@ -511,6 +518,7 @@ class ParamTier:
         """Parameter i's host weights (materialised for the step, a check, a load) to a
         device buffer, without a read: its record written first if they changed, so a
         device copy never holds the only changed weights."""
+        self._note_edit(i)
         if i in self.dirty:
             self._write_back(i)  # reads the buffer only: the upload below may read it too
             self.dirty.discard(i)
@@ -558,6 +566,7 @@ class ParamTier:
     def _write_back(self, i: int) -> None:
         """Parameter `i`'s changed weights to their record: from the buffer they live in
         when the parameter still views it whole (no copy), else copied."""
+        self.versions[i] = self.params[i]._version
         p, buf = self.params[i].detach(), self.bufs.get(i)
         if (buf is not None and p.data_ptr() == buf.data_ptr() and p.is_contiguous()
                 and p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
@@ -588,7 +597,18 @@ class ParamTier:
             # device buffers released but still read by queued kernels count as well
             self.dev.bound(self.window - self.used)
 
+    def _note_edit(self, i: int) -> None:
+        """Materialised weights changed in place through their parameter since they last
+        matched their record (not by the tier: its own changes mark them dirty) are dirty:
+        written back before they are released, as torch would keep the change. Host
+        weights only: a device buffer is written by kernels queued on the model's streams,
+        which a copy from here would not wait for."""
+        if (i in self.live and i not in self.on_device
+                and self.params[i]._version != self.versions.get(i)):
+            self.dirty.add(i)
+
     def _evict(self, i: int) -> None:
+        self._note_edit(i)
         if i in self.dirty:
             self._write_back(i)
             self.dirty.discard(i)
@@ -1345,7 +1365,9 @@ class ParamTier:
         gradients, and freeze (or follow) the learned order for the next iteration."""
         self._settle_grads()
         for i in list(self.live):
+            self._note_edit(i)
             if i in self.dirty:
+                self.versions[i] = self.params[i]._version
                 self.records.write(WEIGHT, i, self.params[i].detach())
                 self.dirty.discard(i)
             self._drop_grad(i)
@@ -1454,6 +1476,7 @@ class ParamTier:
         try:
             self._settle_grads()
             for i in list(self.live):
+                self._note_edit(i)
                 if i in self.dirty:
                     self.records.write(WEIGHT, i, self.params[i].detach())
             self.dirty.clear()
@@ -1475,7 +1498,15 @@ class ParamTier:
                 # records are removed below, so everything that can be read goes back
                 # now, and the caller hears what could not.
                 try:
-                    value = self.records.fetch(WEIGHT, i).wait().to(self.device, copy=True)
+                    if i in self.live and self.dev is None:
+                        # a host model's window holds the weight as it is now: its record
+                        # has every change made through the parameter (written above),
+                        # not one made through p.data (Lightning's EMAWeightAveraging
+                        # copies the averaged weights in that way at the end of the fit)
+                        value = p.detach().to(self.device, copy=True)
+                    else:
+                        value = self.records.fetch(WEIGHT, i).wait().to(self.device,
+                                                                        copy=True)
                 except TierMemError as exc:
                     if i not in self.live or self.dev is not None:
                         self._release_storage(i)
