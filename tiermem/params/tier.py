@@ -300,6 +300,7 @@ class ParamTier:
         self._stepping = False  # the step's host materialisation began (a device model)
         self._handles: list[Any] = []
         self._accumulators: dict[int, Any] = {}  # index -> its gradient node, hooked
+        self._grad_hooked: set[int] = set()  # parameters whose gradients come to the tier
         # a device model's parameters given host weights since their node was made
         self._rehook: set[int] = set()
         self._hooks_ctx: list[Any] = []
@@ -425,6 +426,7 @@ class ParamTier:
             # held so that the same node (and its hook) serves every backward.
             self._hook_accumulator(i)
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            self._grad_hooked.add(i)
         self._release_storage(i)
 
     def _hook_accumulator(self, i: int) -> None:
@@ -870,11 +872,27 @@ class ParamTier:
         else:
             self.pins.pop(i, None)
 
+    def _refuse_unhooked(self, indices: Iterable[int]) -> None:
+        """A parameter frozen when the block opened has no gradient hook: unfrozen since,
+        its gradient would stay in p.grad, where the step never looks (it would go
+        un-updated without a word). Refused at the forward, before its backward."""
+        if not torch.is_grad_enabled():
+            return
+        bad = [i for i in indices
+               if self.params[i].requires_grad and i not in self._grad_hooked]
+        if bad:
+            raise TierMemError(
+                f"parameters.offload: {self.names[bad[0]]} requires a gradient, but had "
+                "requires_grad=False when the tiermem.offload block was entered, so the "
+                "parameter tier takes no gradient for it; leave the block and enter a new "
+                "one after unfreezing it")
+
     @_locked
     def _use(self, p: torch.Tensor) -> None:
         i = self.index.get(id(p))
         if i is None or (i in self.live and (self.dev is None or i in self.on_device)):
             return
+        self._refuse_unhooked([i])
         self._busy = True
         try:
             self._request(self.unit_of[i])
@@ -887,6 +905,7 @@ class ParamTier:
     @_locked
     def _enter(self, u: int) -> None:
         self._check_open()
+        self._refuse_unhooked(self.units[u])
         self._busy = True  # the tier's own tensor work is not a use of a weight
         try:
             self._request(u)
