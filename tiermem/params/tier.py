@@ -1127,6 +1127,16 @@ class ParamTier:
         if not any(self.has_grad):
             self.clip_coef = None
 
+    def _store_zeroed(self, i: int) -> None:
+        """Parameter i's zeros left by zero_grad(set_to_none=False), into its record."""
+        self.zeroed.discard(i)
+        m = self.records.metas[i]
+        stored = self.records.accumulate(i, torch.zeros(m.shape, dtype=m.dtype), add=False)
+        self.norms[i] = torch.linalg.vector_norm(stored, 2)
+        self.has_grad[i] = True
+        self.grad_stores[i] += 1
+        self.stats.grads_stored += 1
+
     def _fill_zeroed(self) -> None:
         """The gradients of zeros that zero_grad(set_to_none=False) left, stored now that
         something reads them (norm, clip, step); a backward since has replaced them."""
@@ -1226,6 +1236,13 @@ class ParamTier:
         for i in opened:
             self._pin(i)
         for i in opened:
+            if i in self.zeroed:
+                # A frozen parameter's zeros from zero_grad(set_to_none=False) are final from
+                # the forward on: an update during backward (its partition waits for no hook
+                # of it) reads them here, before step()'s before_step would store them. Not
+                # kept in the window: room for a held gradient waits on queued updates,
+                # this one among them.
+                self._store_zeroed(i)
             self._materialise(i, wait=False)
             self._settle(i)
             if self.has_grad[i] and i not in self.grads_out:
