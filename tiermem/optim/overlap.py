@@ -181,6 +181,8 @@ class BackwardOverlap:
             if grad is not None and grad.is_sparse:
                 self._error = TierMemError("Adam does not support sparse gradients")
                 return
+            if not self._fired:
+                self._rewait()
             if index in self._fired:
                 self._error = TierMemError(
                     f"{self._name(index)} received a second gradient before "
@@ -395,21 +397,39 @@ class BackwardOverlap:
                                                      if p.id not in done])
         self.off.tiers.end_step(stats, run_ahead=False)  # the worker runs the reads ahead
 
-    def _reset_round(self) -> None:
-        """Forget the step just closed; count afresh what each partition waits for."""
+    def _waits(self) -> tuple[frozenset[int], dict[int, list[Partition]], dict[int, int]]:
+        """What each partition waits for: the hooks of its parameters that require a
+        gradient now. (One without a hook, unfrozen since add() and laid out, as Adagrad's
+        state makes it, keeps its partition for step(): no hook says its gradient is
+        final.) Returns (those parameters, index -> partitions, partition id -> count)."""
+        wanted = frozenset(i for i, p in enumerate(self.off.params) if p.requires_grad)
         parts_of: dict[int, list[Partition]] = {}
         remaining: dict[int, int] = {}
         for part in self.off.parts:
-            need = {s.index for s in part.segments
-                    if s.index in self._hooked and s.param.requires_grad}
+            need = {s.index for s in part.segments if s.index in wanted}
             if not need:
                 continue  # nothing tells when it is ready: step() updates it
             remaining[part.id] = len(need)
             for index in need:
                 parts_of.setdefault(index, []).append(part)
+        return wanted, parts_of, remaining
+
+    def _rewait(self) -> None:
+        """At a backward's first hook (under the lock): a parameter frozen or unfrozen since
+        the last step changes what its partitions wait for. Counted at the last step's end,
+        a partition would wait for a frozen parameter's hook (updated at step(), late but
+        right) or, worse, not for an unfrozen one's: updated before its gradient came."""
+        if frozenset(i for i, p in enumerate(self.off.params)
+                     if p.requires_grad) != self._wanted:
+            self._wanted, self._parts_of, self._remaining = self._waits()
+
+    def _reset_round(self) -> None:
+        """Forget the step just closed; count afresh what each partition waits for."""
+        wanted, parts_of, remaining = self._waits()
         with self._lock:
             # index -> (grad, its version, the CUDA event after its kernels or None)
             self._fired: dict[int, tuple[torch.Tensor, int, Any]] = {}
+            self._wanted = wanted
             self._remaining = remaining
             self._parts_of = parts_of
             self._error: BaseException | None = None
