@@ -128,3 +128,30 @@ def test_a_parameter_unfrozen_between_steps_is_waited_for_by_the_updates_during_
     with tiermem.offload(opt, cfg, model=model):
         run(model, opt)
     compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_frozen_parameters_gradient_dropped_after_an_update_during_backward_is_refused(
+        tmp_path, backend):
+    """A frozen parameter's p.grad (the zeros zero_grad(set_to_none=False) left) is read by
+    an update during backward that no hook of it waited for; set to None afterwards, the
+    plain step would leave the parameter alone, but backward had already updated it, and
+    step() checked only the gradients whose hooks had fired: wrong without a word (or right,
+    as the worker's timing fell). Refused, as any gradient edited after backward is."""
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=2301)
+    batches = make_batches(model, 2, seed=2301)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cfg = config(tmp_path, backend=backend, host="64MiB")
+    cfg["pipeline"]["overlap_backward"] = True
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        (tokens, target), = batches[0]
+        loss_of(model, tokens, target, False).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        model.fc1.weight.requires_grad_(False)
+        (tokens, target), = batches[1]
+        loss_of(model, tokens, target, False).backward()
+        tm.offloaded.wait_idle()  # the updates during backward are done
+        model.fc1.weight.grad = None
+        with pytest.raises(tiermem.TierMemError, match="fc1.weight' changed between backward"):
+            opt.step()

@@ -248,6 +248,18 @@ class BackwardOverlap:
         off = self.off
         stats = self._round_stats()
         self._after_grad_kernels(part)
+        if off.weights is None:
+            # A parameter whose hook did not say its gradient was final (frozen, its p.grad
+            # the zeros of zero_grad(set_to_none=False)) is updated with the p.grad it has
+            # now: step() checks that nothing changed it since, as it does the hooked ones'.
+            # (The parameter tier's gradients change only by zero_grad and clipping, which
+            # any hooked one's check sees.)
+            with self._lock:
+                fired = set(self._fired)
+            unfired = [s.index for s in part.segments
+                       if s.index not in fired and s.index not in self._unfired]
+            if unfired:
+                self._unfired.update(off.grad_marks(unfired))
         off.count_steps([part], self._stepped)
         off.update([part], stats, done=self._done_nvme,
                    ahead=[p for p in upcoming if p.id != part.id])
@@ -348,6 +360,7 @@ class BackwardOverlap:
         """A gradient edited after its hook fired (clip_grad_norm_, GradScaler.unscale_, a
         pre-hook) would make this step mix edited and unedited gradients: refuse it."""
         weights = self.off.weights
+        changed_ones = []
         for index, (grad, version, _) in self._fired.items():
             p = self.off.params[index]
             if weights is not None:  # the tier holds it: any zero_grad or clip since counts
@@ -355,14 +368,25 @@ class BackwardOverlap:
             else:
                 changed = p.grad is not grad or grad._version != version
             if changed:
-                raise TierMemError(
-                    f"the gradient of {self._name(index)} changed between backward and "
-                    "optimizer.step() (gradient clipping, GradScaler.unscale_, zero_grad or "
-                    "another edit, or an optimizer whose own step writes into its gradients, "
-                    "which tiermem's probe did not see): with pipeline.overlap_backward: true "
-                    "updates start during backward with the gradients as backward leaves them, "
-                    "so parts of this step already used the unedited ones. Set "
-                    "pipeline.overlap_backward: false to edit gradients before the step")
+                changed_ones.append(index)
+        now = self.off.grad_marks(self._unfired)
+        for index, was in self._unfired.items():
+            if was is None or now[index] is None:
+                changed = was is not now[index]
+            else:
+                changed = (was[0]() is None or was[0]() is not now[index][0]()
+                           or was[1] != now[index][1])
+            if changed:
+                changed_ones.append(index)
+        if changed_ones:
+            raise TierMemError(
+                f"the gradient of {self._name(changed_ones[0])} changed between backward and "
+                "optimizer.step() (gradient clipping, GradScaler.unscale_, zero_grad or "
+                "another edit, or an optimizer whose own step writes into its gradients, "
+                "which tiermem's probe did not see): with pipeline.overlap_backward: true "
+                "updates start during backward with the gradients as backward leaves them, "
+                "so parts of this step already used the unedited ones. Set "
+                "pipeline.overlap_backward: false to edit gradients before the step")
 
     def _check_groups_unchanged(self) -> None:
         """A group value set after backward began updating (an lr warm-up written just before
@@ -434,6 +458,9 @@ class BackwardOverlap:
             self._parts_of = parts_of
             self._error: BaseException | None = None
         self._done_ids: set[int] = set()
+        # index -> its gradient's mark (OffloadedOptimizer.grad_marks) when an update during
+        # backward read it without its hook having fired
+        self._unfired: dict[int, Any] = {}
         self._done_nvme: list[Partition] = []
         self._stepped: set[int] = set()
         self._stats: StepStats | None = None
