@@ -155,3 +155,43 @@ def test_a_frozen_parameters_gradient_dropped_after_an_update_during_backward_is
         model.fc1.weight.grad = None
         with pytest.raises(tiermem.TierMemError, match="fc1.weight' changed between backward"):
             opt.step()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_resume_refused_for_a_parameter_frozen_since_says_so_and_unfrozen_resumes(
+        tmp_path, backend, monkeypatch):
+    """A parameter frozen mid-run keeps its state; the state kept on disk at the block's
+    end holds it. A resume with it still frozen lays out no record for it and was refused
+    naming only partitions and segments; the refusal now says which parameters and how to
+    resume, and resuming that way continues as the plain run does."""
+    model = Synthetic(vocab=300, hidden=130, out=9)
+    ref = copy.deepcopy(model)
+    batches = make_batches(model, 3)
+    cfg = config(tmp_path, backend=backend, host="64MiB")
+    cfg["swap"]["durability"] = "crash_consistent"
+
+    def run(m, opt, steps):
+        for i in steps:
+            (tokens, target), = batches[i]
+            loss_of(m, tokens, target, False).backward()
+            opt.step()
+            opt.zero_grad()
+            m.fc2.bias.requires_grad_(False)  # frozen after the first step
+
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    run(ref, ref_opt, range(3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
+    with pytest.warns(tiermem.TierMemWarning, match="stays on disk"):
+        with tiermem.offload(opt, cfg, model=model):
+            run(model, opt, range(2))
+    monkeypatch.undo()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with pytest.raises(tiermem.TierMemError, match=r"Parameters \[4\] .* frozen"):
+        with tiermem.offload(opt, cfg, model=model, resume=True):
+            pass
+    model.fc2.bias.requires_grad_(True)
+    with tiermem.offload(opt, cfg, model=model, resume=True):
+        model.fc2.bias.requires_grad_(False)
+        run(model, opt, range(2, 3))
+    compare_runs(model, opt, ref, ref_opt)
