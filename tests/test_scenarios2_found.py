@@ -195,3 +195,27 @@ def test_a_resume_refused_for_a_parameter_frozen_since_says_so_and_unfrozen_resu
         model.fc2.bias.requires_grad_(False)
         run(model, opt, range(2, 3))
     compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_an_update_during_backward_failed_by_an_edited_gradient_reports_the_edit(
+        tmp_path, backend, monkeypatch):
+    """p.grad set to None after backward while the worker was reading it failed the update
+    with an AttributeError, which step() raised as it came. The edit is the cause, and
+    step() now says so (TierMemError), whatever the failure was (here one of our own)."""
+    model = Synthetic(vocab=300, hidden=130, out=9)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cfg = config(tmp_path, backend=backend, host="64MiB")
+    cfg["pipeline"]["overlap_backward"] = True
+    (tokens, target), = make_batches(model, 1)[0]
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        def fail(*args, **kwargs):
+            raise AttributeError("'NoneType' object has no attribute 'reshape'")
+
+        monkeypatch.setattr(tm.offloaded, "update", fail)
+        loss_of(model, tokens, target, False).backward()
+        tm.offloaded.wait_idle()
+        model.fc2.weight.grad = None
+        with pytest.raises(tiermem.TierMemError, match="fc2.weight' changed between backward"):
+            opt.step()
+        monkeypatch.undo()

@@ -302,6 +302,13 @@ class BackwardOverlap:
             with self._lock:
                 error = self._error
             if error is not None:
+                # An update during backward that read a gradient the user then edited (p.grad
+                # set to None while the worker read it) fails in whatever way it fell: the
+                # edit is what to report.
+                try:
+                    self._check_grads_unchanged()
+                except TierMemError as edited:
+                    raise edited from error
                 raise error
             if off.weights is not None:
                 off.weights.before_step(off.params)
