@@ -219,3 +219,50 @@ def test_an_update_during_backward_failed_by_an_edited_gradient_reports_the_edit
         with pytest.raises(tiermem.TierMemError, match="fc2.weight' changed between backward"):
             opt.step()
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_weight_loaded_before_a_parameters_first_step_counts_whatever_the_layout(
+        tmp_path, backend):
+    """A bf16 model's fp32 master is made from the model's weights when its record is
+    first written: under crash_consistent at the block's entry, under scratch at the first
+    step of any parameter the record holds. side.weight takes its first step at step 1;
+    a model.load_state_dict() after step 0 reached its master with scratch and its own
+    param group (a record written at step 1), and not with crash_consistent or a record
+    shared with parameters stepped at step 0: the numbers depended on the layout
+    (docs/guide/numerics.md says they do not). A parameter's first step now starts from
+    the model's weights wherever its record was written."""
+    def build(seed):
+        return Synthetic(vocab=300, hidden=130, out=9, seed=seed).to(torch.bfloat16)
+
+    loaded = build(1).state_dict()
+    batches = make_batches(build(0), 2)
+
+    def run(crash: bool, own_group: bool, where: str):
+        model = build(0)
+        side = [model.side.weight, model.side.bias]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("side.")]
+        opt = torch.optim.AdamW([{"params": rest}, {"params": side}] if own_group
+                                else list(model.parameters()), lr=0.01)
+        cfg = config(tmp_path / where, backend=backend, host="64MiB", kernel="auto")
+        cfg["swap"]["durability"] = "crash_consistent" if crash else "scratch"
+        with tiermem.offload(opt, cfg, model=model):
+            for i, ((tokens, target),) in enumerate(batches):
+                loss_of(model, tokens, target, i == 1).backward()
+                opt.step()
+                opt.zero_grad()
+                if i == 0:
+                    model.load_state_dict(loaded)
+            sd = opt.state_dict()
+        return model, sd
+
+    want, want_sd = run(False, True, "a")
+    for crash, own_group, where in [(True, True, "b"), (False, False, "c"), (True, False, "d")]:
+        model, sd = run(crash, own_group, where)
+        for (name, p), q in zip(model.named_parameters(), want.parameters()):
+            assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), (
+                f"{name}: crash {crash}, own group {own_group}")
+        for i, st in want_sd["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim():
+                    assert torch.equal(sd["state"][i][k], v), (i, k, crash, own_group)

@@ -681,6 +681,8 @@ class OffloadedOptimizer:
             try:
                 if rec.fresh:
                     self.rule.init(rec.part, rec.views)
+                else:
+                    self._first_step_masters(rec.part, rec.views)
                 digest = self._update(rec.part, rec.views, stats)
                 self.updated_now.update(s.index for s in rec.part.segments)
             finally:
@@ -691,6 +693,19 @@ class OffloadedOptimizer:
             self.tiers.release(rec, stats, digest)  # the disk works while after() runs
             if after is not None:
                 after(rec.part)
+
+    def _first_step_masters(self, part: Partition, views: Views) -> None:
+        """The master of a parameter taking its first step, from the model's weights, as a
+        record written now would have it: a record written earlier (at the block's entry
+        under crash_consistent, or at the first step of another parameter it holds) kept
+        the weights of then, and a change to them since (a model.load_state_dict(), a
+        clamp) counted or not as the layout fell."""
+        master = views.get("master")
+        if master is None or self._route(part) == "device":
+            return  # (streamed to the device: staged before this update; not layout-free)
+        for s, sl in zip(part.segments, part.slices("master")):
+            if float(self.steps[s.index]) == 1.0 and self.has_grad(s.param):
+                master[sl].copy_(s.param.detach().reshape(-1)[s.start: s.start + s.length])
 
     def _together(self, parts: Sequence[Partition]) -> int:
         """How many of `parts`, from the first, one native update may run together:
@@ -720,6 +735,8 @@ class OffloadedOptimizer:
         for rec in held:
             if rec.fresh:
                 self.rule.init(rec.part, rec.views)
+            else:
+                self._first_step_masters(rec.part, rec.views)
         run = self._together_call(held)
         label = f"update p{parts[0].id}-p{parts[-1].id}"
         with timed(stats, "update_seconds", label), update_range(label):
