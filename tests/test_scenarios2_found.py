@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tiermem
+from tiermem.device.lanes import DeferredBackend
 from offload_helpers import (Synthetic, backend_params, compare_runs, config, loss_of,
                              make_batches)
 
@@ -238,7 +239,7 @@ def test_a_weight_loaded_before_a_parameters_first_step_counts_whatever_the_layo
     loaded = build(1).state_dict()
     batches = make_batches(build(0), 2)
 
-    def run(crash: bool, own_group: bool, where: str):
+    def run(crash: bool, own_group: bool, where: str, lanes: bool = False):
         model = build(0)
         side = [model.side.weight, model.side.bias]
         rest = [p for n, p in model.named_parameters() if not n.startswith("side.")]
@@ -246,7 +247,11 @@ def test_a_weight_loaded_before_a_parameters_first_step_counts_whatever_the_layo
                                 else list(model.parameters()), lr=0.01)
         cfg = config(tmp_path / where, backend=backend, host="64MiB", kernel="auto")
         cfg["swap"]["durability"] = "crash_consistent" if crash else "scratch"
-        with tiermem.offload(opt, cfg, model=model):
+        streams = {}
+        if lanes:  # a device model (lanes emulated on the CPU): records staged ahead
+            cfg["optimizer"]["step_device"] = "device"
+            streams = {"streams": DeferredBackend()}
+        with tiermem.offload(opt, cfg, model=model, **streams):
             for i, ((tokens, target),) in enumerate(batches):
                 loss_of(model, tokens, target, i == 1).backward()
                 opt.step()
@@ -257,8 +262,9 @@ def test_a_weight_loaded_before_a_parameters_first_step_counts_whatever_the_layo
         return model, sd
 
     want, want_sd = run(False, True, "a")
-    for crash, own_group, where in [(True, True, "b"), (False, False, "c"), (True, False, "d")]:
-        model, sd = run(crash, own_group, where)
+    for crash, own_group, where, lanes in [(True, True, "b", False), (False, False, "c", False),
+                                           (True, False, "d", False), (False, False, "e", True)]:
+        model, sd = run(crash, own_group, where, lanes)
         for (name, p), q in zip(model.named_parameters(), want.parameters()):
             assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), (
                 f"{name}: crash {crash}, own group {own_group}")

@@ -681,7 +681,7 @@ class OffloadedOptimizer:
             try:
                 if rec.fresh:
                     self.rule.init(rec.part, rec.views)
-                else:
+                elif self._route(rec.part) != "device":  # (that one: on the device, below)
                     self._first_step_masters(rec.part, rec.views)
                 digest = self._update(rec.part, rec.views, stats)
                 self.updated_now.update(s.index for s in rec.part.segments)
@@ -701,8 +701,8 @@ class OffloadedOptimizer:
         the weights of then, and a change to them since (a model.load_state_dict(), a
         clamp) counted or not as the layout fell."""
         master = views.get("master")
-        if master is None or self._route(part) == "device":
-            return  # (streamed to the device: staged before this update; not layout-free)
+        if master is None:
+            return
         for s, sl in zip(part.segments, part.slices("master")):
             if float(self.steps[s.index]) == 1.0 and self.has_grad(s.param):
                 master[sl].copy_(s.param.detach().reshape(-1)[s.start: s.start + s.length])
@@ -843,9 +843,12 @@ class OffloadedOptimizer:
         if self.runs_native(part):
             return self._update_native(part, views, stats)
         if route == "device":
-            self.lanes.update_on_device(
-                part, views, lambda dev_views, scratch: self._gathered_update(
-                    part, dev_views, scratch), stats)
+            def on_device(dev_views: Views, scratch: torch.Tensor | None) -> None:
+                # the record was staged before this update: its master, on the device
+                self._first_step_masters(part, dev_views)
+                self._gathered_update(part, dev_views, scratch)
+
+            self.lanes.update_on_device(part, views, on_device, stats)
             return None
         return self._gathered_update(part, views, None, stats,
                                      host_grads=self.lanes.grads_on_host(part, stats)
