@@ -892,9 +892,9 @@ class ParamTier:
         i = self.index.get(id(p))
         if i is None or (i in self.live and (self.dev is None or i in self.on_device)):
             return
-        self._refuse_unhooked([i])
         self._busy = True
         try:
+            self._refuse_unhooked([i])
             self._request(self.unit_of[i])
             self._materialise(i, device=True)
             self._ready_for_compute([i])
@@ -905,9 +905,10 @@ class ParamTier:
     @_locked
     def _enter(self, u: int) -> None:
         self._check_open()
-        self._refuse_unhooked(self.units[u])
         self._busy = True  # the tier's own tensor work is not a use of a weight
         try:
+            # (p.requires_grad too: read outside, UseGuard would count it a use)
+            self._refuse_unhooked(self.units[u])
             self._request(u)
             for i in self.units[u]:
                 self._pin(i)
