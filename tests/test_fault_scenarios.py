@@ -55,8 +55,8 @@ def _same(model, sd, snap, what: str) -> None:
     if sd is None:
         return
     assert set(sd["state"]) == set(snap["sd"]["state"]), what
-    for i, st in snap["sd"]["state"].items():
-        for k, v in st.items():
+    for i, state in snap["sd"]["state"].items():
+        for k, v in state.items():
             same_state_value(sd["state"][i][k], v, f"{what}: state[{i}][{k!r}]")
 
 
@@ -103,7 +103,7 @@ def faulty_runs(draw):
     # one block straight through (the fault is the cut), every record on NVMe (where
     # the faults are)
     sc.update(steps=3, cut=None, resume=False, add_group=None, lanes=None, host=0,
-              partition_size="64KiB")
+              partition_size="64KiB", freeze=None, zeros=False, edit=False, amp=False)
     if sc["overlap"]:
         sc["clip"] = False
     return sc, draw(faults())
@@ -221,8 +221,8 @@ def test_weights_the_tier_cannot_read_back_at_exit_lose_nothing_else(tmp_path, b
         # (a step that failed part-way leaves a scratch run's state partly applied: only
         # the shapes of its tensors are the plain run's)
         want = snaps[at + 1]["sd"]["state"]
-        for i, st in opt.state_dict()["state"].items():
-            for k, v in st.items():
+        for i, state in opt.state_dict()["state"].items():
+            for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dim():
                     assert v.shape == want[i][k].shape, (i, k)
         assert not (tmp_path / "swap" / "tiermem-default").exists()

@@ -7,11 +7,15 @@ the generic path and the default native Adam kernel; state on the host, on NVMe 
 one or two swap directories, both I/O backends, the pipeline's knobs, crash-consistent
 commits, updates during backward, the weights in the tiers, a device model's lanes (their
 CPU emulation) with either step_device; gradient accumulation,
-clipping, an lr scheduler, a changed learning rate, a param group added mid-run, and the
-run cut in two by a state_dict() handed to a new optimizer or by a resume from the state
-kept on disk. A scenario tiermem refuses with its error is fine; one it runs must end
-with the plain run's weights and state_dict. (A search like this found five bugs that
-each feature's own tests had missed; their own tests now hold them.)
+clipping, an lr scheduler, a changed learning rate, a param group added mid-run, a
+parameter frozen and unfrozen between steps, zero_grad(set_to_none=False), a weight
+clamped between steps, a fused optimizer stepped through a GradScaler that skips a step,
+and the run cut in two by a state_dict() handed to a new optimizer or by a resume from
+the state kept on disk. A scenario tiermem refuses with its error is fine; one it runs
+must end with the plain run's weights and state_dict. (A search like this found five bugs
+that each feature's own tests had missed, and a second one, drawing freezes, GradScaler
+and edits, three more: their own tests now hold them, the second's in
+test_scenarios2_found.py.)
 """
 
 from __future__ import annotations
@@ -81,9 +85,23 @@ def scenarios(draw):
         add_group=draw(st.sampled_from([None, 0, 1])),
         cut=draw(st.sampled_from([None, 1, 2])), resume=draw(st.booleans()),
         # the model counts as a device one, its lanes emulated on the CPU (step_device)
-        lanes=draw(st.sampled_from([None, "cpu", "device"])))
+        lanes=draw(st.sampled_from([None, "cpu", "device"])),
+        # fc1.bias frozen before step `freeze`'s forward, unfrozen two steps later
+        zeros=draw(st.booleans()), freeze=draw(st.sampled_from([None, 0, 1])),
+        # fc2.weight clamped in place after the first step; a fused optimizer through a
+        # GradScaler that skips step 2 (inf loss)
+        edit=draw(st.booleans()), amp=draw(st.booleans()))
     if sc["add_group"] is not None:
         sc["weights"] = "none"  # refused with the weights in the tiers (tested apart)
+    if sc["edit"] and (sc["weights"] != "none" or sc["lanes"] == "cpu"
+                       or (sc["resume"] and sc["cut"] is not None)):
+        # documented: the tier keeps its own copy of the weights, an fp32 master is what
+        # the next step starts from, a resume puts back the committed weights
+        sc["edit"] = False
+    if sc["amp"] and not sc["opt"].endswith("-fused"):
+        sc["amp"] = False  # torch's own unscale_ path: test_amp_scaler.py's
+    if sc["amp"]:  # refused with either (test_amp_scaler.py): the run is drawn, not that
+        sc["weights"], sc["overlap"] = "none", False
     return sc
 
 
@@ -97,17 +115,33 @@ def _groups(model, sc, added: bool):
     return list(model.parameters())
 
 
-def _loop(model, opt, sched, batches, start, stop, sc, tm=None):
+def _loop(model, opt, sched, batches, start, stop, sc, tm=None, scaler=None):
     overlap = tm is not None and sc["overlap"]
+    if sc.get("amp") and scaler is None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1000.0)
     for i in range(start, stop):
+        if sc.get("freeze") is not None and i in (sc["freeze"], sc["freeze"] + 2):
+            model.fc1.bias.requires_grad_(i != sc["freeze"])
         for j, (tokens, target) in enumerate(batches[i]):
             last = j == len(batches[i]) - 1
             with contextlib.nullcontext() if last or not overlap else tm.accumulating():
-                (loss_of(model, tokens, target, side_used(i)) / len(batches[i])).backward()
+                loss = loss_of(model, tokens, target, side_used(i)) / len(batches[i])
+                if scaler is not None:  # step 2 skipped: its grads are inf
+                    loss = scaler.scale(loss * float("inf") if i == 2 else loss)
+                loss.backward()
         if sc["clip"]:
+            if scaler is not None:
+                scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=not sc.get("zeros"))
+        if sc.get("edit") and i == 0:
+            with torch.no_grad():
+                model.fc2.weight.clamp_(-0.05, 0.05)
         if sched is not None:
             sched.step()
         if sc["lr_change"] == i:
@@ -157,29 +191,31 @@ def _tiered(monkeypatch, sc, model, batches, optimizers, c):
     """The drawn run under config `c`, cut as `sc` says; its final state_dict()."""
     cut = sc["cut"] if sc["cut"] is not None else sc["steps"]
     opt, sched = _fresh(model, sc, 0, optimizers)
+    # one GradScaler for the whole run, as the plain run's
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0) if sc.get("amp") else None
     if cut < sc["steps"] and sc["resume"]:  # the state kept on disk, then resumed
         c["swap"]["durability"] = "crash_consistent"
         monkeypatch.setattr("tiermem.optim.handle.available_memory", lambda: 0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with tiermem.offload(opt, c, model=model, **_streams(sc)) as tm:
-                _loop(model, opt, sched, batches, 0, cut, sc, tm)
+                _loop(model, opt, sched, batches, 0, cut, sc, tm, scaler)
         assert any("stays on disk" in str(w.message) for w in caught)
         monkeypatch.undo()
         opt2, sched2 = _fresh(model, sc, cut, optimizers, opt, sched)
         with tiermem.offload(opt2, c, model=model, resume=True,
                              **_streams(sc)) as tm:
-            _loop(model, opt2, sched2, batches, cut, sc["steps"], sc, tm)
+            _loop(model, opt2, sched2, batches, cut, sc["steps"], sc, tm, scaler)
             return opt2.state_dict()
     with tiermem.offload(opt, c, model=model, **_streams(sc)) as tm:
-        _loop(model, opt, sched, batches, 0, cut, sc, tm)
+        _loop(model, opt, sched, batches, 0, cut, sc, tm, scaler)
         sd = opt.state_dict()
     if cut == sc["steps"]:
         return sd
     opt2, sched2 = _fresh(model, sc, cut, optimizers, None, sched)  # load_state_dict sets lr
     with tiermem.offload(opt2, c, model=model, **_streams(sc)) as tm:
         opt2.load_state_dict(sd)
-        _loop(model, opt2, sched2, batches, cut, sc["steps"], sc, tm)
+        _loop(model, opt2, sched2, batches, cut, sc["steps"], sc, tm, scaler)
         return opt2.state_dict()
 
 
@@ -222,7 +258,8 @@ def lowbit_scenarios(draw):
     sc.update(opt=draw(st.sampled_from(sorted(LOWBIT_OPTIMIZERS))),
               numerics=draw(st.sampled_from(range(len(NUMERICS)))),
               rounding=draw(st.sampled_from(["stochastic", "nearest"])),
-              add_group=None, sched=False)
+              add_group=None, sched=False, amp=False,
+              edit=False)  # (a bf16 model's master is what the next step starts from)
     return sc
 
 

@@ -732,6 +732,8 @@ class OffloadedOptimizer:
             try:
                 if rec.fresh:
                     self.rule.init(rec.part, rec.views)
+                elif self._route(rec.part) != "device":  # (that one: on the device, below)
+                    self._first_step_masters(rec.part, rec.views)
                 digest = self._update(rec.part, rec.views, stats)
                 self.updated_now.update(s.index for s in rec.part.segments)
             finally:
@@ -742,6 +744,19 @@ class OffloadedOptimizer:
             self.tiers.release(rec, stats, digest)  # the disk works while after() runs
             if after is not None:
                 after(rec.part)
+
+    def _first_step_masters(self, part: Partition, views: Views) -> None:
+        """The master of a parameter taking its first step, from the model's weights, as a
+        record written now would have it: a record written earlier (at the block's entry
+        under crash_consistent, or at the first step of another parameter it holds) kept
+        the weights of then, and a change to them since (a model.load_state_dict(), a
+        clamp) counted or not as the layout fell."""
+        master = views.get("master")
+        if master is None:
+            return
+        for s, sl in zip(part.segments, part.slices("master")):
+            if float(self.steps[s.index]) == 1.0 and self.has_grad(s.param):
+                master[sl].copy_(s.param.detach().reshape(-1)[s.start: s.start + s.length])
 
     def _together(self, parts: Sequence[Partition]) -> int:
         """How many of `parts`, from the first, one native update may run together:
@@ -771,6 +786,8 @@ class OffloadedOptimizer:
         for rec in held:
             if rec.fresh:
                 self.rule.init(rec.part, rec.views)
+            else:
+                self._first_step_masters(rec.part, rec.views)
         run = self._together_call(held)
         label = f"update p{parts[0].id}-p{parts[-1].id}"
         with timed(stats, "update_seconds", label), update_range(label):
@@ -877,9 +894,12 @@ class OffloadedOptimizer:
         if self.runs_native(part):
             return self._update_native(part, views, stats)
         if route == "device":
-            self.lanes.update_on_device(
-                part, views, lambda dev_views, scratch: self._gathered_update(
-                    part, dev_views, scratch), stats)
+            def on_device(dev_views: Views, scratch: torch.Tensor | None) -> None:
+                # the record was staged before this update: its master, on the device
+                self._first_step_masters(part, dev_views)
+                self._gathered_update(part, dev_views, scratch)
+
+            self.lanes.update_on_device(part, views, on_device, stats)
             return None
         return self._gathered_update(part, views, None, stats,
                                      host_grads=self.lanes.grads_on_host(part, stats)

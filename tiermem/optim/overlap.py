@@ -181,6 +181,8 @@ class BackwardOverlap:
             if grad is not None and grad.is_sparse:
                 self._error = TierMemError("Adam does not support sparse gradients")
                 return
+            if not self._fired:
+                self._rewait()
             if index in self._fired:
                 self._error = TierMemError(
                     f"{self._name(index)} received a second gradient before "
@@ -246,6 +248,18 @@ class BackwardOverlap:
         off = self.off
         stats = self._round_stats()
         self._after_grad_kernels(part)
+        if off.weights is None:
+            # A parameter whose hook did not say its gradient was final (frozen, its p.grad
+            # the zeros of zero_grad(set_to_none=False)) is updated with the p.grad it has
+            # now: step() checks that nothing changed it since, as it does the hooked ones'.
+            # (The parameter tier's gradients change only by zero_grad and clipping, which
+            # any hooked one's check sees.)
+            with self._lock:
+                fired = set(self._fired)
+            unfired = [s.index for s in part.segments
+                       if s.index not in fired and s.index not in self._unfired]
+            if unfired:
+                self._unfired.update(off.grad_marks(unfired))
         off.count_steps([part], self._stepped)
         off.update([part], stats, done=self._done_nvme,
                    ahead=[p for p in upcoming if p.id != part.id])
@@ -288,6 +302,13 @@ class BackwardOverlap:
             with self._lock:
                 error = self._error
             if error is not None:
+                # An update during backward that read a gradient the user then edited (p.grad
+                # set to None while the worker read it) fails in whatever way it fell: the
+                # edit is what to report.
+                try:
+                    self._check_grads_unchanged()
+                except TierMemError as edited:
+                    raise edited from error
                 raise error
             if off.weights is not None:
                 off.weights.before_step(off.params)
@@ -346,6 +367,7 @@ class BackwardOverlap:
         """A gradient edited after its hook fired (clip_grad_norm_, GradScaler.unscale_, a
         pre-hook) would make this step mix edited and unedited gradients: refuse it."""
         weights = self.off.weights
+        changed_ones = []
         for index, (grad, version, _) in self._fired.items():
             p = self.off.params[index]
             if weights is not None:  # the tier holds it: any zero_grad or clip since counts
@@ -353,14 +375,25 @@ class BackwardOverlap:
             else:
                 changed = p.grad is not grad or grad._version != version
             if changed:
-                raise TierMemError(
-                    f"the gradient of {self._name(index)} changed between backward and "
-                    "optimizer.step() (gradient clipping, GradScaler.unscale_, zero_grad or "
-                    "another edit, or an optimizer whose own step writes into its gradients, "
-                    "which tiermem's probe did not see): with pipeline.overlap_backward: true "
-                    "updates start during backward with the gradients as backward leaves them, "
-                    "so parts of this step already used the unedited ones. Set "
-                    "pipeline.overlap_backward: false to edit gradients before the step")
+                changed_ones.append(index)
+        now = self.off.grad_marks(self._unfired)
+        for index, was in self._unfired.items():
+            if was is None or now[index] is None:
+                changed = was is not now[index]
+            else:
+                changed = (was[0]() is None or was[0]() is not now[index][0]()
+                           or was[1] != now[index][1])
+            if changed:
+                changed_ones.append(index)
+        if changed_ones:
+            raise TierMemError(
+                f"the gradient of {self._name(changed_ones[0])} changed between backward and "
+                "optimizer.step() (gradient clipping, GradScaler.unscale_, zero_grad or "
+                "another edit, or an optimizer whose own step writes into its gradients, "
+                "which tiermem's probe did not see): with pipeline.overlap_backward: true "
+                "updates start during backward with the gradients as backward leaves them, "
+                "so parts of this step already used the unedited ones. Set "
+                "pipeline.overlap_backward: false to edit gradients before the step")
 
     def _check_groups_unchanged(self) -> None:
         """A group value set after backward began updating (an lr warm-up written just before
@@ -395,25 +428,46 @@ class BackwardOverlap:
                                                      if p.id not in done])
         self.off.tiers.end_step(stats, run_ahead=False)  # the worker runs the reads ahead
 
-    def _reset_round(self) -> None:
-        """Forget the step just closed; count afresh what each partition waits for."""
+    def _waits(self) -> tuple[frozenset[int], dict[int, list[Partition]], dict[int, int]]:
+        """What each partition waits for: the hooks of its parameters that require a
+        gradient now. (One without a hook, unfrozen since add() and laid out, as Adagrad's
+        state makes it, keeps its partition for step(): no hook says its gradient is
+        final.) Returns (those parameters, index -> partitions, partition id -> count)."""
+        wanted = frozenset(i for i, p in enumerate(self.off.params) if p.requires_grad)
         parts_of: dict[int, list[Partition]] = {}
         remaining: dict[int, int] = {}
         for part in self.off.parts:
-            need = {s.index for s in part.segments
-                    if s.index in self._hooked and s.param.requires_grad}
+            need = {s.index for s in part.segments if s.index in wanted}
             if not need:
                 continue  # nothing tells when it is ready: step() updates it
             remaining[part.id] = len(need)
             for index in need:
                 parts_of.setdefault(index, []).append(part)
+        return wanted, parts_of, remaining
+
+    def _rewait(self) -> None:
+        """At a backward's first hook (under the lock): a parameter frozen or unfrozen since
+        the last step changes what its partitions wait for. Counted at the last step's end,
+        a partition would wait for a frozen parameter's hook (updated at step(), late but
+        right) or, worse, not for an unfrozen one's: updated before its gradient came."""
+        if frozenset(i for i, p in enumerate(self.off.params)
+                     if p.requires_grad) != self._wanted:
+            self._wanted, self._parts_of, self._remaining = self._waits()
+
+    def _reset_round(self) -> None:
+        """Forget the step just closed; count afresh what each partition waits for."""
+        wanted, parts_of, remaining = self._waits()
         with self._lock:
             # index -> (grad, its version, the CUDA event after its kernels or None)
             self._fired: dict[int, tuple[torch.Tensor, int, Any]] = {}
+            self._wanted = wanted
             self._remaining = remaining
             self._parts_of = parts_of
             self._error: BaseException | None = None
         self._done_ids: set[int] = set()
+        # index -> its gradient's mark (OffloadedOptimizer.grad_marks) when an update during
+        # backward read it without its hook having fired
+        self._unfired: dict[int, Any] = {}
         self._done_nvme: list[Partition] = []
         self._stepped: set[int] = set()
         self._stats: StepStats | None = None

@@ -306,6 +306,7 @@ class ParamTier:
         self._stepping = False  # the step's host materialisation began (a device model)
         self._handles: list[Any] = []
         self._accumulators: dict[int, Any] = {}  # index -> its gradient node, hooked
+        self._grad_hooked: set[int] = set()  # parameters whose gradients come to the tier
         # a device model's parameters given host weights since their node was made
         self._rehook: set[int] = set()
         self._hooks_ctx: list[Any] = []
@@ -431,6 +432,7 @@ class ParamTier:
             # held so that the same node (and its hook) serves every backward.
             self._hook_accumulator(i)
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            self._grad_hooked.add(i)
         self._release_storage(i)
 
     def _hook_accumulator(self, i: int) -> None:
@@ -890,6 +892,21 @@ class ParamTier:
         else:
             self.pins.pop(i, None)
 
+    def _refuse_unhooked(self, indices: Iterable[int]) -> None:
+        """A parameter frozen when the block opened has no gradient hook: unfrozen since,
+        its gradient would stay in p.grad, where the step never looks (it would go
+        un-updated without a word). Refused at the forward, before its backward."""
+        if not torch.is_grad_enabled():
+            return
+        bad = [i for i in indices
+               if self.params[i].requires_grad and i not in self._grad_hooked]
+        if bad:
+            raise TierMemError(
+                f"parameters.offload: {self.names[bad[0]]} requires a gradient, but had "
+                "requires_grad=False when the tiermem.offload block was entered, so the "
+                "parameter tier takes no gradient for it; leave the block and enter a new "
+                "one after unfreezing it")
+
     @_locked
     def _use(self, p: torch.Tensor) -> None:
         i = self.index.get(id(p))
@@ -897,6 +914,7 @@ class ParamTier:
             return
         self._busy = True
         try:
+            self._refuse_unhooked([i])
             self._request(self.unit_of[i])
             self._materialise(i, device=True)
             self._ready_for_compute([i])
@@ -909,6 +927,8 @@ class ParamTier:
         self._check_open()
         self._busy = True  # the tier's own tensor work is not a use of a weight
         try:
+            # (p.requires_grad too: read outside, UseGuard would count it a use)
+            self._refuse_unhooked(self.units[u])
             self._request(u)
             for i in self.units[u]:
                 self._pin(i)
@@ -1128,6 +1148,16 @@ class ParamTier:
         if not any(self.has_grad):
             self.clip_coef = None
 
+    def _store_zeroed(self, i: int) -> None:
+        """Parameter i's zeros left by zero_grad(set_to_none=False), into its record."""
+        self.zeroed.discard(i)
+        m = self.records.metas[i]
+        stored = self.records.accumulate(i, torch.zeros(m.shape, dtype=m.dtype), add=False)
+        self.norms[i] = torch.linalg.vector_norm(stored, 2)
+        self.has_grad[i] = True
+        self.grad_stores[i] += 1
+        self.stats.grads_stored += 1
+
     def _fill_zeroed(self) -> None:
         """The gradients of zeros that zero_grad(set_to_none=False) left, stored now that
         something reads them (norm, clip, step); a backward since has replaced them."""
@@ -1227,6 +1257,13 @@ class ParamTier:
         for i in opened:
             self._pin(i)
         for i in opened:
+            if i in self.zeroed:
+                # A frozen parameter's zeros from zero_grad(set_to_none=False) are final from
+                # the forward on: an update during backward (its partition waits for no hook
+                # of it) reads them here, before step()'s before_step would store them. Not
+                # kept in the window: room for a held gradient waits on queued updates,
+                # this one among them.
+                self._store_zeroed(i)
             self._materialise(i, wait=False)
             self._settle(i)
             if self.has_grad[i] and i not in self.grads_out:

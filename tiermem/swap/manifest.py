@@ -258,8 +258,26 @@ def read_manifest(run_dir: str, parts: Sequence[Partition] | None,
             f"partition {diff}{_difference(m.partitions, expected, diff)}. Resume with the "
             "same model, optimizer param groups and "
             "config (partition_size, tier capacities, placement, optimizer.state_dtype, "
-            f"swap.durability: the kept state was written with {m.durability!r}).")
+            f"swap.durability: the kept state was written with {m.durability!r})."
+            f"{_unlaid(m.partitions, expected)}")
     return m
+
+
+def _unlaid(kept: list[dict], expected: list[dict]) -> str:
+    """The likeliest cause when the kept state covers parameters this layout leaves out:
+    they are frozen now (a parameter frozen mid-run keeps its state, but one with
+    requires_grad=False and no state when a block opens takes no record)."""
+    def covered(parts: list[dict]) -> set[int]:
+        return {seg[0] for part in parts for seg in part["segments"]}
+
+    left_out = sorted(covered(kept) - covered(expected))
+    if not left_out:
+        return ""
+    return (f" Parameters {left_out[:5]}{' and more' if len(left_out) > 5 else ''} (by "
+            "place in the param groups) have kept state but take no record now: frozen "
+            "(requires_grad=False) when this block opened, with no state yet. Set "
+            "requires_grad=True on them for the resume, and freeze them again inside the "
+            "block.")
 
 
 def _difference(kept: list[dict], expected: list[dict], i: int) -> str:
