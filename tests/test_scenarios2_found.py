@@ -67,9 +67,16 @@ def test_a_frozen_parameters_zeroed_gradient_updated_during_backward_equals_torc
             opt.step()
             opt.zero_grad(set_to_none=False)
 
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    _overlapped_against_plain(tmp_path, backend, weights, model, ref,
+                              lambda m: torch.optim.Adam(m.parameters(), lr=0.01), run)
+
+
+def _overlapped_against_plain(tmp_path, backend, weights, model, ref, make, run):
+    """run(ref, make(ref)) plainly and run(model, make(model)) tiered with updates during
+    backward (and the weights where `weights` says); both must end equal."""
+    ref_opt = make(ref)
     run(ref, ref_opt)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = make(model)
     cfg = config(tmp_path, backend=backend, host="64MiB")
     cfg["parameters"] = {"offload": weights}
     cfg["pipeline"]["overlap_backward"] = True
@@ -120,15 +127,8 @@ def test_a_parameter_unfrozen_between_steps_is_waited_for_by_the_updates_during_
             opt.step()
             opt.zero_grad()
 
-    ref_opt = make(_three_groups(ref))
-    run(ref, ref_opt)
-    opt = make(_three_groups(model))
-    cfg = config(tmp_path, backend=backend, host="64MiB")
-    cfg["parameters"] = {"offload": weights}
-    cfg["pipeline"]["overlap_backward"] = True
-    with tiermem.offload(opt, cfg, model=model):
-        run(model, opt)
-    compare_runs(model, opt, ref, ref_opt)
+    _overlapped_against_plain(tmp_path, backend, weights, model, ref,
+                              lambda m: make(_three_groups(m)), run)
 
 
 @pytest.mark.parametrize("backend", backend_params())
