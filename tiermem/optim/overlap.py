@@ -220,6 +220,7 @@ class BackwardOverlap:
                 with self._lock:
                     if self._error is None:
                         self._error = exc
+                        self._error_in_update = True
             finally:
                 if isinstance(part, Partition) and self.off.weights is not None:
                     self.off.weights.unqueue_update()  # a backward waiting for room goes on
@@ -300,13 +301,15 @@ class BackwardOverlap:
                 "pipeline.overlap_backward: false")
         try:
             with self._lock:
-                error = self._error
+                error, in_update = self._error, self._error_in_update
             if error is not None:
                 # An update during backward that read a gradient the user then edited (p.grad
                 # set to None while the worker read it) fails in whatever way it fell: the
-                # edit is what to report.
+                # edit is what to report. (Not instead of a hook's own refusal: a second
+                # gradient changes the first one too, and the refusal says what to do.)
                 try:
-                    self._check_grads_unchanged()
+                    if in_update:
+                        self._check_grads_unchanged()
                 except TierMemError as edited:
                     raise edited from error
                 raise error
@@ -464,6 +467,7 @@ class BackwardOverlap:
             self._remaining = remaining
             self._parts_of = parts_of
             self._error: BaseException | None = None
+            self._error_in_update = False  # _error is the worker's (not a hook's refusal)
         self._done_ids: set[int] = set()
         # index -> its gradient's mark (OffloadedOptimizer.grad_marks) when an update during
         # backward read it without its hook having fired
