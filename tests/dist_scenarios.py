@@ -1040,6 +1040,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "dcp-helpers-load": lambda r, d: dcp_helpers_load(r, world, d),
         "dcp-helpers-roundtrip": lambda r, d: dcp_helpers_roundtrip(r, world, d),
         "fsdp2-dcp-helpers": lambda r, d: fsdp2_dcp_helpers(r, world, d),
+        "adagrad-added-group": lambda r, d: adagrad_added_group(r, world, d),
     }
 
     def run(name):
@@ -1051,3 +1052,35 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         return go
 
     return scenario_results(rank, {n: run(n) for n in names})
+
+
+# -- found by a 2-rank search over the dimensions a single-process search found buggy ---------
+
+
+def adagrad_added_group(rank: int, world: int, tmp: str) -> None:
+    """An Adagrad group added with add_param_group before the block: torch makes Adagrad's
+    state in __init__ only, so the added group holds none until its first step, which fills
+    its accumulators from the defaults' initial_accumulator_value. The shadow optimizer's
+    own __init__ made zeros for it (its defaults' value): state_dict() listed state torch
+    has not made, the first step started from 0 (side.bias 5e-3 off), and the exit left
+    state for parameters torch never stepped."""
+    from offload_helpers import compare_state_dicts
+
+    kw = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)
+
+    def make(m):
+        groups = groups_of(m)
+        o = torch.optim.Adagrad(groups[:1], **kw)
+        o.add_param_group(groups[1])
+        return o
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = make(model), make(ref_model)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=60), model=model):
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+        # step 0 leaves the side branch unused: side.bias still has no state after it
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=1)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)

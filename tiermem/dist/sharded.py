@@ -169,14 +169,19 @@ class DistributedOffload(Offload):
                resume: bool, previous: bool = False) -> OffloadedOptimizer:
         opt, lay = self.opt, self.layout
         # torch's own class of the rule (AdamW is Adam with its groups' flags), built
-        # from the user's groups: it makes what its __init__ makes (Adagrad's eager
-        # accumulators), which _seed then overwrites with the user's own state
+        # from the user's groups
         self.shadow = self.rule.optimizers[0]([{**_hyper(g), "params": views}
                                                for g, views in zip(opt.param_groups,
                                                                    lay.views)])
         # and the user's defaults: a group added later and Adagrad's accumulators start
         # from them, not from the group's values (AdagradRule.first_fill)
         self.shadow.defaults.update(opt.defaults)
+        # What the shadow's __init__ made (Adagrad's eager accumulators, filled from its
+        # own defaults: 0) is not the user's state: a group the user added before the
+        # block has none until its first step, which fills it from the user's defaults
+        # (OffloadedOptimizer.stateless); kept, it started from zeros and state_dict()
+        # listed it before torch's does. The state is exactly the user's, seeded next.
+        self.shadow.state.clear()
         self._seed(opt.state)
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
