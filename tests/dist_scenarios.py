@@ -1041,6 +1041,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "dcp-helpers-roundtrip": lambda r, d: dcp_helpers_roundtrip(r, world, d),
         "fsdp2-dcp-helpers": lambda r, d: fsdp2_dcp_helpers(r, world, d),
         "adagrad-added-group": lambda r, d: adagrad_added_group(r, world, d),
+        "fsdp2-adagrad-added-group": lambda r, d: fsdp2_adagrad_added_group(r, world, d),
     }
 
     def run(name):
@@ -1084,3 +1085,28 @@ def adagrad_added_group(rank: int, world: int, tmp: str) -> None:
         compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
         train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=1)
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
+def fsdp2_adagrad_added_group(rank: int, world: int, tmp: str) -> None:
+    """adagrad_added_group on fully_shard parameters (the shadow is built alike): the
+    second layer's group, added before the block, starts from initial_accumulator_value
+    at its first step (it was 2.weight 4e-3 off at step 0)."""
+    kw = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)
+
+    def make(m):
+        ps = list(m.parameters())
+        o = torch.optim.Adagrad(ps[:2], **kw)
+        o.add_param_group({"params": ps[2:]})
+        return o
+
+    model, ref_model = sharded_pair()
+    opt, ref_opt = make(model), make(ref_model)
+    g = torch.Generator().manual_seed(20 + rank)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=60)):
+        sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 2)
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert_close_tensor(p.full_tensor().detach(), q.detach(), f"rank {rank} {n}")
+        st, sr = opt.state[p], ref_opt.state[q]
+        assert set(st) == set(sr), (n, sorted(st), sorted(sr))
+        assert float(st["step"]) == float(sr["step"]) == 2.0, n
+        assert_close_tensor(st["sum"].full_tensor(), sr["sum"], f"rank {rank} {n} sum")
