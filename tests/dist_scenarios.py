@@ -1042,6 +1042,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "fsdp2-dcp-helpers": lambda r, d: fsdp2_dcp_helpers(r, world, d),
         "adagrad-added-group": lambda r, d: adagrad_added_group(r, world, d),
         "fsdp2-adagrad-added-group": lambda r, d: fsdp2_adagrad_added_group(r, world, d),
+        "dcp-adagrad-stateless": lambda r, d: dcp_adagrad_stateless(r, world, d),
     }
 
     def run(name):
@@ -1110,3 +1111,46 @@ def fsdp2_adagrad_added_group(rank: int, world: int, tmp: str) -> None:
         assert set(st) == set(sr), (n, sorted(st), sorted(sr))
         assert float(st["step"]) == float(sr["step"]) == 2.0, n
         assert_close_tensor(st["sum"].full_tensor(), sr["sum"], f"rank {rank} {n} sum")
+
+
+def dcp_adagrad_stateless(rank: int, world: int, tmp: str) -> None:
+    """tiermem.dist.dcp between Adagrads built two ways: one given every group at
+    construction (its __init__ makes every parameter's state: step 0, sum at
+    initial_accumulator_value), one given the last group with add_param_group (no state
+    for it until its first step). A load must leave the parameters holding state or not
+    as the checkpoint says, as torch's load_state_dict of the state_dict does; it kept the
+    loading optimizer's own: side.bias's first step started from the saved zeros (5e-3
+    off), or state_dict() left out the saved state."""
+    from offload_helpers import compare_state_dicts
+    from tiermem.dist import dcp
+
+    kw = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)
+
+    def make(m, added):
+        groups = groups_of(m)
+        if not added:
+            return torch.optim.Adagrad(groups, **kw)
+        o = torch.optim.Adagrad(groups[:1], **kw)
+        o.add_param_group(groups[1])
+        return o
+
+    for n, added in enumerate((True, False)):
+        model = Synthetic()
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = make(model, added), make(ref_model, added)
+        ck = os.path.join(tmp, f"ck{n}")
+        # step 0 leaves the side branch unused: side.bias is never stepped when saved
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, f"a{n}"), timeout=60),
+                             model=model) as tm:
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
+            dcp.save(tm, ck)
+        opt, saved = make(model, not added), copy.deepcopy(ref_opt.state_dict())
+        ref_opt = make(ref_model, not added)
+        ref_opt.load_state_dict(saved)
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, f"b{n}"), timeout=60),
+                             model=model) as tm:
+            dcp.load(tm, ck)
+            compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=1)
+        compare_runs(model, opt, ref_model, ref_opt, exact=True)
+        barrier()

@@ -11,7 +11,7 @@ import pytest
 
 from dist_harness import launch
 
-FOUND = ["adagrad-added-group", "fsdp2-adagrad-added-group"]
+FOUND = ["adagrad-added-group", "fsdp2-adagrad-added-group", "dcp-adagrad-stateless"]
 
 
 @pytest.fixture(scope="module")

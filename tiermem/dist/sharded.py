@@ -281,11 +281,13 @@ class DistributedOffload(Offload):
         (every rank is given the same state dict, or checkpoint)."""
         return self._held
 
-    def counts_loaded(self, steps: torch.Tensor) -> None:
+    def counts_loaded(self, steps: torch.Tensor, stateless: list[int] | None = None) -> None:
         """tiermem.dist.dcp.load gave every parameter its step count (`steps`, the whole
-        model's, the same on every rank)."""
-        self._held = bool(self.layout.params) and (self.rule.eager_state
-                                                   or bool((steps != 0).any()))
+        model's, the same on every rank) and named those holding no state (`stateless`;
+        None from an earlier tiermem's checkpoint)."""
+        eager = self.rule.eager_state and (stateless is None
+                                           or len(set(stateless)) < len(self.layout.params))
+        self._held = bool(self.layout.params) and (eager or bool((steps != 0).any()))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise TierMemError("add_param_group inside tiermem.offload under a process group "

@@ -1015,7 +1015,7 @@ class OffloadedOptimizer:
         step = self.steps[s.index]
         batch.steps.append(step)
         first = float(step) <= 1
-        batch.first.append(first and self._fills(s.index))
+        batch.first.append(first and self.fills(s.index))
         have = {} if first else self.scalars[s.index]
         mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in have.items()}
         start = self.rule.initial_scalars(batch.group)
@@ -1108,7 +1108,7 @@ class OffloadedOptimizer:
                     built.copies.append((master[sl], weights))
             batch.steps.append(self.steps[s.index])
             # SGD's buffer starts there; Adagrad's accumulator, unless it has state
-            batch.first.append(float(self.steps[s.index]) <= 1 and self._fills(s.index))
+            batch.first.append(float(self.steps[s.index]) <= 1 and self.fills(s.index))
             batch.segments.append(s)
             batch.origins.append(self.origin(s))
             for k, lst in batch.state.items():
@@ -1343,7 +1343,13 @@ class OffloadedOptimizer:
         """`indices` as self.stateless keeps them: only a rule with eager state has any."""
         return set(indices) if self.rule.eager_state else set()
 
-    def _fills(self, index: int) -> bool:
+    def set_stateless(self, indices: Iterable[int]) -> None:
+        """Parameters `indices` hold no state, every other one does (unless never stepped by
+        a rule without eager state): what a checkpoint loaded says (tiermem.dist.dcp)."""
+        self.stateless = self._without_state(indices)
+        self.stateless_known = True
+
+    def fills(self, index: int) -> bool:
         """Whether parameter `index`'s first step starts its state afresh (the rule's
         first_fill: Adagrad's accumulator) rather than from its record: always, but for
         a rule with eager state, whose optimizer starts from the state it holds (made in
