@@ -12,19 +12,34 @@ import pytest
 from dist_harness import launch
 
 FOUND = ["adagrad-added-group", "fsdp2-adagrad-added-group", "dcp-adagrad-stateless"]
+# Found and not fixed yet (one process has it too): strict, so a fix turns it red here
+KNOWN = ["crash-edit-unstepped"]
 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
     d = tmp_path_factory.mktemp("found")
     os.chmod(d, 0o700)  # tiermem refuses swap paths others can write
-    return launch(2, "dist_scenarios", "run_named", str(d), FOUND, {}, deadline=300)
+    return launch(2, "dist_scenarios", "run_named", str(d), FOUND + KNOWN, {}, deadline=300)
 
 
-@pytest.mark.parametrize("name", FOUND)
-def test_found(found, name):
+def _outcome(found, name):
     for rank, (status, value) in sorted(found.items()):
         if status != "ok":
             pytest.fail(f"rank {rank} {status}: {value}")
         if value[name] != "ok":
             pytest.fail(f"rank {rank}:\n{value[name]}")
+
+
+@pytest.mark.parametrize("name", FOUND)
+def test_found(found, name):
+    _outcome(found, name)
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
+                   reason="a crash-consistent commit keeps the stale master of a parameter "
+                   "not stepped since its weights were edited (dist_scenarios."
+                   "crash_edit_unstepped)")
+@pytest.mark.parametrize("name", KNOWN)
+def test_known_bug(found, name):
+    _outcome(found, name)
