@@ -1158,13 +1158,12 @@ def dcp_adagrad_stateless(rank: int, world: int, tmp: str) -> None:
 
 
 def crash_edit_unstepped(rank: int, world: int, tmp: str) -> None:
-    """KNOWN BUG (test_distributed_found xfails it; one process too): a crash-consistent
-    fp32 run whose weights are replaced (model.load_state_dict) before a step in which some
-    parameters take no step (the side branch, unused at step 3): the commit of that step
-    keeps their masters of before the edit, so a resume puts back side.weight as it was
-    before the load (0.26 off the uninterrupted run) where the model held the loaded
-    weights when the step was committed. A parameter's master is refreshed from the
-    model's weights only by its own update."""
+    """A crash-consistent fp32 run whose weights are replaced (model.load_state_dict)
+    before a step in which some parameters take no step (the side branch, unused at step
+    3): the commit of that step kept their masters of before the load (a master was
+    refreshed from the model's weights only by its parameter's update), so a resume put
+    side.weight back as it was before it (0.27 off the uninterrupted run). One process
+    had it too."""
     model, opt, ref_model, ref_opt = pair()
     cfg = small_cfg(tmp, timeout=60)
     cfg["swap"]["durability"] = "crash_consistent"

@@ -11,16 +11,15 @@ import pytest
 
 from dist_harness import launch
 
-FOUND = ["adagrad-added-group", "fsdp2-adagrad-added-group", "dcp-adagrad-stateless"]
-# Found and not fixed yet (one process has it too): strict, so a fix turns it red here
-KNOWN = ["crash-edit-unstepped"]
+FOUND = ["adagrad-added-group", "fsdp2-adagrad-added-group", "dcp-adagrad-stateless",
+         "crash-edit-unstepped"]
 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
     d = tmp_path_factory.mktemp("found")
     os.chmod(d, 0o700)  # tiermem refuses swap paths others can write
-    return launch(2, "dist_scenarios", "run_named", str(d), FOUND + KNOWN, {}, deadline=300)
+    return launch(2, "dist_scenarios", "run_named", str(d), FOUND, {}, deadline=300)
 
 
 def _outcome(found, name):
@@ -35,11 +34,3 @@ def _outcome(found, name):
 def test_found(found, name):
     _outcome(found, name)
 
-
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="a crash-consistent commit keeps the stale master of a parameter "
-                   "not stepped since its weights were edited (dist_scenarios."
-                   "crash_edit_unstepped)")
-@pytest.mark.parametrize("name", KNOWN)
-def test_known_bug(found, name):
-    _outcome(found, name)
