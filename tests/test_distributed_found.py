@@ -1,7 +1,8 @@
-"""2-rank scenarios (and one single-process check) found by a search over what a single-process search had found buggy
+"""Scenarios found by a 2-rank search over what a single-process search had found buggy
 (frozen parameters, set_to_none=False, grads None on some ranks, weight edits, Adagrad
-groups added or never stepped, crash-consistent resumes after them): one gloo group runs
-them all (tests/dist_scenarios.py), each test reports one, as test_distributed.py does."""
+groups added or never stepped, crash-consistent resumes after them): one gloo group of 2
+runs them all (tests/dist_scenarios.py), each test reports one, as test_distributed.py
+does; one bug, in the crash-consistent commit, is checked in one process too."""
 
 from __future__ import annotations
 
