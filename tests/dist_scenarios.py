@@ -1040,6 +1040,10 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "dcp-helpers-load": lambda r, d: dcp_helpers_load(r, world, d),
         "dcp-helpers-roundtrip": lambda r, d: dcp_helpers_roundtrip(r, world, d),
         "fsdp2-dcp-helpers": lambda r, d: fsdp2_dcp_helpers(r, world, d),
+        "adagrad-added-group": lambda r, d: adagrad_added_group(r, world, d),
+        "fsdp2-adagrad-added-group": lambda r, d: fsdp2_adagrad_added_group(r, world, d),
+        "dcp-adagrad-stateless": lambda r, d: dcp_adagrad_stateless(r, world, d),
+        "crash-edit-unstepped": lambda r, d: crash_edit_unstepped(r, world, d),
     }
 
     def run(name):
@@ -1051,3 +1055,133 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         return go
 
     return scenario_results(rank, {n: run(n) for n in names})
+
+
+# -- found by a 2-rank search over the dimensions a single-process search found buggy ---------
+
+
+def adagrad_added_group(rank: int, world: int, tmp: str) -> None:
+    """An Adagrad group added with add_param_group before the block: torch makes Adagrad's
+    state in __init__ only, so the added group holds none until its first step, which fills
+    its accumulators from the defaults' initial_accumulator_value. The shadow optimizer's
+    own __init__ made zeros for it (its defaults' value): state_dict() listed state torch
+    has not made, the first step started from 0 (side.bias 5e-3 off), and the exit left
+    state for parameters torch never stepped."""
+    from offload_helpers import compare_state_dicts
+
+    kw = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)
+
+    def make(m):
+        groups = groups_of(m)
+        o = torch.optim.Adagrad(groups[:1], **kw)
+        o.add_param_group(groups[1])
+        return o
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = make(model), make(ref_model)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=60), model=model):
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+        # step 0 leaves the side branch unused: side.bias still has no state after it
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=1)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
+def fsdp2_adagrad_added_group(rank: int, world: int, tmp: str) -> None:
+    """adagrad_added_group on fully_shard parameters (the shadow is built alike): the
+    second layer's group, added before the block, starts from initial_accumulator_value
+    at its first step (it was 2.weight 4e-3 off at step 0)."""
+    kw = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)
+
+    def make(m):
+        ps = list(m.parameters())
+        o = torch.optim.Adagrad(ps[:2], **kw)
+        o.add_param_group({"params": ps[2:]})
+        return o
+
+    model, ref_model = sharded_pair()
+    opt, ref_opt = make(model), make(ref_model)
+    g = torch.Generator().manual_seed(20 + rank)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=60)):
+        sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 2)
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert_close_tensor(p.full_tensor().detach(), q.detach(), f"rank {rank} {n}")
+        st, sr = opt.state[p], ref_opt.state[q]
+        assert set(st) == set(sr), (n, sorted(st), sorted(sr))
+        assert float(st["step"]) == float(sr["step"]) == 2.0, n
+        assert_close_tensor(st["sum"].full_tensor(), sr["sum"], f"rank {rank} {n} sum")
+
+
+def dcp_adagrad_stateless(rank: int, world: int, tmp: str) -> None:
+    """tiermem.dist.dcp between Adagrads built two ways: one given every group at
+    construction (its __init__ makes every parameter's state: step 0, sum at
+    initial_accumulator_value), one given the last group with add_param_group (no state
+    for it until its first step). A load must leave the parameters holding state or not
+    as the checkpoint says, as torch's load_state_dict of the state_dict does; it kept the
+    loading optimizer's own: side.bias's first step started from the saved zeros (5e-3
+    off), or state_dict() left out the saved state."""
+    from offload_helpers import compare_state_dicts
+    from tiermem.dist import dcp
+
+    kw = dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)
+
+    def make(m, added):
+        groups = groups_of(m)
+        if not added:
+            return torch.optim.Adagrad(groups, **kw)
+        o = torch.optim.Adagrad(groups[:1], **kw)
+        o.add_param_group(groups[1])
+        return o
+
+    for n, added in enumerate((True, False)):
+        model = Synthetic()
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = make(model, added), make(ref_model, added)
+        ck = os.path.join(tmp, f"ck{n}")
+        # step 0 leaves the side branch unused: side.bias is never stepped when saved
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, f"a{n}"), timeout=60),
+                             model=model) as tm:
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
+            dcp.save(tm, ck)
+        opt, saved = make(model, not added), copy.deepcopy(ref_opt.state_dict())
+        ref_opt = make(ref_model, not added)
+        ref_opt.load_state_dict(saved)
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, f"b{n}"), timeout=60),
+                             model=model) as tm:
+            dcp.load(tm, ck)
+            compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=1)
+        compare_runs(model, opt, ref_model, ref_opt, exact=True)
+        barrier()
+
+
+def crash_edit_unstepped(rank: int, world: int, tmp: str) -> None:
+    """A crash-consistent fp32 run whose weights are replaced (model.load_state_dict)
+    before a step in which some parameters take no step (the side branch, unused at step
+    3): the commit of that step kept their masters of before the load (a master was
+    refreshed from the model's weights only by its parameter's update), so a resume put
+    side.weight back as it was before it (0.27 off the uninterrupted run). One process
+    had it too."""
+    model, opt, ref_model, ref_opt = pair()
+    cfg = small_cfg(tmp, timeout=60)
+    cfg["swap"]["durability"] = "crash_consistent"
+    other = Synthetic(seed=3).state_dict()
+    try:
+        with tiermem.offload(opt, cfg, model=model, name="edit"):
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 3)
+            for m in (model, ref_model):
+                with torch.no_grad():
+                    m.load_state_dict(other)
+            assert not side_used(3) and not used_side(3, rank)
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=3)
+            raise _Stop()  # every rank keeps its share on disk, as a crash would
+    except _Stop:
+        pass
+    barrier()
+    model, opt = pair()[:2]
+    with tiermem.offload(opt, cfg, model=model, name="edit", resume=True) as tm:
+        assert tm.resumed_step == 4, tm.resumed_step
+        for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert_same_tensor(p.detach(), q.detach(), f"rank {rank} resumed {n}")

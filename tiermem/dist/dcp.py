@@ -90,6 +90,20 @@ class _Source:
                            "agreeing on step counts for a checkpoint")
         return out.clamp_(min=0)
 
+    def stateless(self) -> list[int]:
+        """The parameters that hold no state (collective under a process group): those never
+        stepped, and of a rule with eager state (Adagrad), only those its optimizer made
+        none for (a group added after construction, an entry a loaded state_dict lacked)."""
+        held = torch.zeros(len(self.params))
+        for part in self.off.parts:
+            for s in part.segments:
+                if self.off.steps[s.index] != 0 or not self.off.fills(s.index):
+                    held[self.locate(s)[0]] = 1.0
+        if self.coll is not None and len(held):
+            self.coll.wait(self.coll.all_reduce(held, torch.distributed.ReduceOp.MAX),
+                           "agreeing on which parameters hold state for a checkpoint")
+        return [i for i, h in enumerate(held.tolist()) if not h]
+
     def scalar_keys(self) -> list[str]:
         """The per-parameter scalar names of every group, in a fixed order."""
         keys = {k for g in self.opt.param_groups for k in self.off.rule.scalar_keys(g)}
@@ -138,10 +152,11 @@ def _saved_kinds(part: Any) -> list[str]:
     return [k for k in part.kinds if k not in SCALE_KINDS]
 
 
-def _meta(src: _Source) -> dict:
+def _meta(src: _Source, stateless: list[int]) -> dict:
     groups = [{k: jsonable(v) for k, v in g.items() if k != "params"}
               for g in src.opt.param_groups]
     return {"format": FORMAT, "groups": groups, "scalar_keys": src.scalar_keys(),
+            "stateless": stateless,
             "params": [{"numel": p.numel(), "shape": list(p.shape),
                         "dtype": str(p.dtype).removeprefix("torch.")} for p in src.params]}
 
@@ -175,6 +190,7 @@ class _SavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         self._steps = self.src.steps()
         self._scalars = self.src.scalars()
+        self._stateless = self.src.stateless()
         n = len(self.src.params)
         # Replicated on every rank: DCP keeps one copy of each.
         items = [WriteItem(index=MetadataIndex(META), type=WriteItemType.BYTE_IO),
@@ -207,7 +223,7 @@ class _SavePlanner(DefaultSavePlanner):
             self._last = None
         fqn = write_item.index.fqn
         if fqn == META:
-            return io.BytesIO(json.dumps(_meta(self.src)).encode())
+            return io.BytesIO(json.dumps(_meta(self.src, self._stateless)).encode())
         if fqn == STEPS:
             return self._steps.clone()
         if fqn == SCALARS:
@@ -480,9 +496,19 @@ def load(tm: Any, path: str) -> dict[str, int]:
             src.off.set_counts(s.index, float(steps[i]), {} if planner.scalars is None else {
                 k: torch.tensor(float(v), dtype=torch.float32)
                 for k, v in zip(keys, planner.scalars[i].tolist()) if not math.isnan(v)})
+    # Which never-stepped parameters hold state (Adagrad's made in __init__) and which
+    # have none until their first step fills it: the checkpoint's, as torch's
+    # load_state_dict takes it, not the loading optimizer's (whose first step started
+    # from the saved zeros, or whose state_dict() left the saved state out). Checkpoints
+    # of an earlier tiermem do not say: what the loading run holds stays.
+    stateless = planner.meta.get("stateless")
+    if stateless is not None:
+        gone = set(stateless)
+        src.off.set_stateless(s.index for part in src.off.parts for s in part.segments
+                              if src.locate(s)[0] in gone)
     loaded = getattr(tm, "counts_loaded", None)
     if loaded is not None:  # under a process group: opt.state's truth on every rank alike
-        loaded(steps)
+        loaded(steps, stateless)
     for group, saved in zip(src.opt.param_groups, planner.meta["groups"]):
         for k, v in saved.items():
             if k in group:

@@ -169,14 +169,19 @@ class DistributedOffload(Offload):
                resume: bool, previous: bool = False) -> OffloadedOptimizer:
         opt, lay = self.opt, self.layout
         # torch's own class of the rule (AdamW is Adam with its groups' flags), built
-        # from the user's groups: it makes what its __init__ makes (Adagrad's eager
-        # accumulators), which _seed then overwrites with the user's own state
+        # from the user's groups
         self.shadow = self.rule.optimizers[0]([{**_hyper(g), "params": views}
                                                for g, views in zip(opt.param_groups,
                                                                    lay.views)])
         # and the user's defaults: a group added later and Adagrad's accumulators start
         # from them, not from the group's values (AdagradRule.first_fill)
         self.shadow.defaults.update(opt.defaults)
+        # What the shadow's __init__ made (Adagrad's eager accumulators, filled from its
+        # own defaults: 0) is not the user's state: a group the user added before the
+        # block has none until its first step, which fills it from the user's defaults
+        # (OffloadedOptimizer.stateless); kept, it started from zeros and state_dict()
+        # listed it before torch's does. The state is exactly the user's, seeded next.
+        self.shadow.state.clear()
         self._seed(opt.state)
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
@@ -276,11 +281,13 @@ class DistributedOffload(Offload):
         (every rank is given the same state dict, or checkpoint)."""
         return self._held
 
-    def counts_loaded(self, steps: torch.Tensor) -> None:
+    def counts_loaded(self, steps: torch.Tensor, stateless: list[int] | None = None) -> None:
         """tiermem.dist.dcp.load gave every parameter its step count (`steps`, the whole
-        model's, the same on every rank)."""
-        self._held = bool(self.layout.params) and (self.rule.eager_state
-                                                   or bool((steps != 0).any()))
+        model's, the same on every rank) and named those holding no state (`stateless`;
+        None from an earlier tiermem's checkpoint)."""
+        eager = self.rule.eager_state and (stateless is None
+                                           or len(set(stateless)) < len(self.layout.params))
+        self._held = bool(self.layout.params) and (eager or bool((steps != 0).any()))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise TierMemError("add_param_group inside tiermem.offload under a process group "

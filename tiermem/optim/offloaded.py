@@ -1015,7 +1015,7 @@ class OffloadedOptimizer:
         step = self.steps[s.index]
         batch.steps.append(step)
         first = float(step) <= 1
-        batch.first.append(first and self._fills(s.index))
+        batch.first.append(first and self.fills(s.index))
         have = {} if first else self.scalars[s.index]
         mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in have.items()}
         start = self.rule.initial_scalars(batch.group)
@@ -1108,7 +1108,7 @@ class OffloadedOptimizer:
                     built.copies.append((master[sl], weights))
             batch.steps.append(self.steps[s.index])
             # SGD's buffer starts there; Adagrad's accumulator, unless it has state
-            batch.first.append(float(self.steps[s.index]) <= 1 and self._fills(s.index))
+            batch.first.append(float(self.steps[s.index]) <= 1 and self.fills(s.index))
             batch.segments.append(s)
             batch.origins.append(self.origin(s))
             for k, lst in batch.state.items():
@@ -1159,9 +1159,35 @@ class OffloadedOptimizer:
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""
+        self._refresh_edited_masters()
         meta = self._meta(step)
         self.tiers.commit(**meta)
         self.committed_step = meta["step"]
+        self._versions = {i: p._version for i, p in enumerate(self.params)}
+
+    def _refresh_edited_masters(self) -> None:
+        """An fp32 CPU model's records keep a master only as the copy a commit keeps: its
+        own weights are what a step starts from (a clamp or a load_state_dict between steps
+        counts), and an update copies them into the master. A parameter that took no step
+        since its weights were changed kept the master of before, so a resume put back its
+        weights of before the change: copy them in before the commit (the version counter
+        says which changed; a rank's all-gather of the weights counts too)."""
+        seen = getattr(self, "_versions", None)
+        if seen is None or self.weights is not None:
+            return
+        for part in self.parts:
+            if "master" not in part.kinds or self._route(part) is not None \
+                    or self.tiers.is_fresh(part):
+                continue
+            stale = [(s, sl) for s, sl in zip(part.segments, part.slices("master"))
+                     if s.param.grad is None and s.param.dtype == torch.float32
+                     and s.param._version != seen.get(s.index)]
+            if not stale:
+                continue
+            with self.tiers.record(part, write=True) as (views, _):
+                for s, sl in stale:
+                    views["master"][sl].copy_(
+                        s.param.detach().reshape(-1)[s.start: s.start + s.length])
 
     def close_step(self, stats: StepStats) -> None:
         """The step happened, whether or not its commit (crash-consistent) then succeeds:
@@ -1343,7 +1369,13 @@ class OffloadedOptimizer:
         """`indices` as self.stateless keeps them: only a rule with eager state has any."""
         return set(indices) if self.rule.eager_state else set()
 
-    def _fills(self, index: int) -> bool:
+    def set_stateless(self, indices: Iterable[int]) -> None:
+        """Parameters `indices` hold no state, every other one does (unless never stepped by
+        a rule without eager state): what a checkpoint loaded says (tiermem.dist.dcp)."""
+        self.stateless = self._without_state(indices)
+        self.stateless_known = True
+
+    def fills(self, index: int) -> bool:
         """Whether parameter `index`'s first step starts its state afresh (the rule's
         first_fill: Adagrad's accumulator) rather than from its record: always, but for
         a rule with eager state, whose optimizer starts from the state it holds (made in
