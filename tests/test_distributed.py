@@ -64,7 +64,8 @@ def three(base, two):
                   {"ckpt": str(base / "ckpt")}, deadline=600)
 
 
-def _outcome(results: dict, name: str) -> None:
+def outcome(results: dict, name: str) -> None:
+    """Fail (or skip) the test of scenario `name` from every rank's run_named results."""
     if "io_uring" in name and not URING:
         pytest.skip("io_uring is unavailable here")
     for rank, (status, value) in sorted(results.items()):
@@ -78,12 +79,12 @@ def _outcome(results: dict, name: str) -> None:
 
 @pytest.mark.parametrize("name", TWO)
 def test_two_ranks(two, name):
-    _outcome(two, name)
+    outcome(two, name)
 
 
 @pytest.mark.parametrize("name", THREE[:-1])
 def test_three_ranks(three, name):
-    _outcome(three, name)
+    outcome(three, name)
 
 
 def test_killed_rank_is_named_by_the_others(three):
@@ -105,7 +106,7 @@ def test_dcp_checkpoint_of_two_ranks_loads_in_one_process(two, base, tmp_path):
     from dist_scenarios import pair
     from tiermem.dist import dcp
 
-    _outcome(two, "dcp-save")
+    outcome(two, "dcp-save")
     model, opt, *_ = pair(amsgrad=True)
     with tiermem.offload(opt, config(tmp_path, host="96KiB")) as tm:
         figures = dcp.load(tm, str(base / "ckpt"))
@@ -125,7 +126,7 @@ def test_recover_puts_the_ranks_shares_back_together(request, base, tmp_path, ca
     from tiermem.swap import recover as rec
 
     world = {"two": 2, "three": 3}[group]
-    _outcome(request.getfixturevalue(group), "recover-kept")
+    outcome(request.getfixturevalue(group), "recover-kept")
     tmp = base / f"w{world}" / "recover-kept"
     for n, _ in enumerate(RECOVERED):
         want = torch.load(tmp / f"kept{n}.expected.pt")

@@ -16,6 +16,7 @@ import torch
 
 import tiermem
 from dist_harness import launch
+from test_distributed import outcome
 from offload_helpers import (Synthetic, assert_same_tensor, config, loss_of, make_batches,
                              side_used)
 
@@ -30,17 +31,9 @@ def found(tmp_path_factory):
     return launch(2, "dist_scenarios", "run_named", str(d), FOUND, {}, deadline=300)
 
 
-def _outcome(found, name):
-    for rank, (status, value) in sorted(found.items()):
-        if status != "ok":
-            pytest.fail(f"rank {rank} {status}: {value}")
-        if value[name] != "ok":
-            pytest.fail(f"rank {rank}:\n{value[name]}")
-
-
 @pytest.mark.parametrize("name", FOUND)
 def test_found(found, name):
-    _outcome(found, name)
+    outcome(found, name)
 
 
 
