@@ -4,9 +4,10 @@ Accelerate's `AcceleratedOptimizer`, Lightning's `LightningOptimizer` and Fabric
 `_FabricOptimizer` hold the torch optimizer in `.optimizer` and route step / state_dict /
 load_state_dict to it, so tiering the inner instance is what the user meant: tiermem hooks
 that instance, and the wrapper's calls land in the hooks (those Lightning's and Fabric's
-classes inherit from the optimizer's are routed there: route_wrappers). They are recognised by the module and name of a class in the
-wrapper's MRO (Lightning makes a class per optimizer, `LightningAdamW`, that also derives
-from the optimizer's class), so neither framework is imported here.
+classes inherit from the optimizer's are routed there: route_wrappers). They are
+recognised by the module and name of a class in the wrapper's MRO (Lightning makes a
+class per optimizer, `LightningAdamW`, that also derives from the optimizer's class), so
+neither framework is imported here.
 
 Any other object that carries a torch optimizer in `.optimizer`, or in any other
 attribute (timm's Lookahead and pytorch-optimizer's SAM family keep theirs in
