@@ -228,6 +228,9 @@ class OffloadedOptimizer:
         # then starts from the first fill (what tiermem did before it kept them).
         self.stateless: set[int] = set()
         self.stateless_known = True
+        # p._version of each parameter at the last commit (crash_consistent): which weights
+        # changed since, for _refresh_edited_masters; None before the first commit
+        self._versions: dict[int, int] | None = None
         # parameters a scratch step has updated so far (a failed one uncounts the rest)
         self.updated_now: set[int] = set()
         # After a scratch step failed part-way: the gradients (grad_marks) its updated
@@ -1172,7 +1175,7 @@ class OffloadedOptimizer:
         since its weights were changed kept the master of before, so a resume put back its
         weights of before the change: copy them in before the commit (the version counter
         says which changed; a rank's all-gather of the weights counts too)."""
-        seen = getattr(self, "_versions", None)
+        seen = self._versions
         if seen is None or self.weights is not None:
             return
         for part in self.parts:

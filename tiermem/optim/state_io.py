@@ -47,10 +47,9 @@ def refuse_unkept_keys(rule: Any, opt: torch.optim.Optimizer, entries: dict[int,
         cls = type(opt).__name__
         hint = (" (max_exp_avg_sq: a checkpoint of amsgrad=True, loaded with amsgrad=False)"
                 if "max_exp_avg_sq" in extra and isinstance(opt, torch.optim.Adam) else "")
-        keys = ", ".join(repr(k) for k in extra)
         how = ("from every entry of the state_dict's 'state' before loading it"
                if where != "holds" else
-               f"first (for st in opt.state.values(): st.pop({keys.split(', ')[0]}, None))")
+               f"first (for st in opt.state.values(): st.pop({extra[0]!r}, None))")
         raise TierMemError(
             f"the optimizer {'state' if where == 'holds' else 'state_dict'} {where} state "
             f"{extra} for parameter {i} ({name_of(i)}) that {cls} with its group's settings "
