@@ -27,7 +27,7 @@ from tiermem.optim import amp
 from tiermem.optim.counts import StepCounts
 from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
 from tiermem.optim.overlap import BackwardOverlap
-from tiermem.optim.rules import Batch, PreparedUpdate, UpdateRule, rule_for
+from tiermem.optim.rules import AdamRule, Batch, PreparedUpdate, UpdateRule, rule_class, rule_for
 from tiermem.optim.rules.nested import json_exact, value_digest
 from tiermem.optim.state_io import (drop_param_state, gather, jsonable, param_entries,
                                     refuse_unkept_keys, scatter, torch_state_dict)
@@ -192,10 +192,10 @@ class OffloadedOptimizer:
         o = settings.optimizer
         options = dict(state_dtype=o.state_dtype, state_rounding=o.state_rounding)
         if o.master_weights != "fp32":
-            if not isinstance(optimizer, torch.optim.Adam):
+            if rule_class(optimizer) is not AdamRule:  # a subclass with its own step too
                 raise TierMemError(
-                    f"optimizer.master_weights {o.master_weights} runs Adam/AdamW only, not "
-                    f"{type(optimizer).__name__}; use master_weights fp32")
+                    f"optimizer.master_weights {o.master_weights} runs Adam/AdamW only (torch's "
+                    f"own step), not {type(optimizer).__name__}; use master_weights fp32")
             options["master_weights"] = o.master_weights
         self.rule = rule_for(optimizer, **options)
         self.opt = optimizer

@@ -23,7 +23,7 @@ import torch
 
 from tiermem.config import Settings
 from tiermem.errors import TierMemError
-from tiermem.optim.rules import AdamRule, UpdateRule, rule_for, shadow_optimizer
+from tiermem.optim.rules import AdamRule, UpdateRule, rule_class, rule_for, shadow_optimizer
 from tiermem.partition import (MOMENT_DTYPES, QUANT_BLOCK, SCALE_KINDS, Partition,
                                kind_dtype)
 
@@ -177,7 +177,7 @@ def _probe_rule(name: str, dtype: torch.dtype, settings: Settings
     opt = optimizer_class(c)(probe, **{"lr": 1e-3, **c.kwargs})
     o = settings.optimizer
     options = dict(state_dtype=o.state_dtype, state_rounding=o.state_rounding)
-    if o.master_weights != "fp32" and isinstance(opt, torch.optim.Adam):
+    if o.master_weights != "fp32" and rule_class(opt) is AdamRule:
         options["master_weights"] = o.master_weights  # what only the Adam rule takes
     return rule_for(opt, **options), opt
 
