@@ -34,7 +34,8 @@ from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
 from tiermem.optim import amp
 from tiermem.optim.handle import Offload, mark_kept, resume_call
-from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
+from tiermem.optim.hooks import (Installed, load_with_hooks, run_post_hooks, run_pre_hooks,
+                                 step_called)
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
 from tiermem.optim.state_io import param_entries, refuse_unkept_keys, torch_state_dict
 from tiermem.optim.rules import UnsupportedOptimizer
@@ -416,7 +417,11 @@ class DistributedOffload(Offload):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
-        rank loads its pieces. Not a collective."""
+        rank loads its pieces, between the optimizer's load_state_dict hooks. Not a
+        collective."""
+        load_with_hooks(self.opt, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # each parameter's entry by its place in the saved groups (torch's mapping); every
         # rank is given the same state dict, so all refuse alike, before anything changes
         entries, _ = param_entries(state_dict, "each rank's share")

@@ -158,3 +158,30 @@ def run_post_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Non
 def step_called(opt: torch.optim.Optimizer) -> None:
     """What torch's lr schedulers check to know the optimizer stepped before them."""
     opt._opt_called = True
+
+
+def load_with_hooks(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
+                    load: Callable[[dict[str, Any]], Any]) -> Any:
+    """`load(state_dict)` between `opt`'s load_state_dict hooks, as torch's own
+    load_state_dict runs them: each pre-hook may return the state dict to load instead
+    (a target reads the per-parameter entries itself, so it must be given that one), and
+    the post-hooks run once the tiers hold the loaded state. torch's own load, which a
+    target calls inside for the groups, runs neither again."""
+    for hook in list(opt._optimizer_load_state_dict_pre_hooks.values()):
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    pre, post = (opt._optimizer_load_state_dict_pre_hooks,
+                 opt._optimizer_load_state_dict_post_hooks)
+    # Empty stand-ins while the target loads; the user's hooks dicts come back as they were
+    # (a hook that removed itself meanwhile is gone from them as from torch's).
+    opt._optimizer_load_state_dict_pre_hooks = type(pre)()
+    opt._optimizer_load_state_dict_post_hooks = type(post)()
+    try:
+        out = load(state_dict)
+    finally:
+        opt._optimizer_load_state_dict_pre_hooks = pre
+        opt._optimizer_load_state_dict_post_hooks = post
+    for hook in list(post.values()):
+        hook(opt)
+    return out

@@ -25,7 +25,8 @@ from tiermem.swap.manifest import (read_manifest, refuse_stale_paths, scalar_fro
                                     value_from_json, write_manifest)
 from tiermem.optim import amp
 from tiermem.optim.counts import StepCounts
-from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
+from tiermem.optim.hooks import (Installed, load_with_hooks, run_post_hooks, run_pre_hooks,
+                                 step_called)
 from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import AdamRule, Batch, PreparedUpdate, UpdateRule, rule_class, rule_for
 from tiermem.optim.rules.nested import json_exact, value_digest
@@ -1407,7 +1408,11 @@ class OffloadedOptimizer:
         return torch_state_dict(self.opt, self.export_state(model_dtype=False))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's format into the tiers without casting moments to the model dtype."""
+        """Load torch's format into the tiers without casting moments to the model dtype,
+        between the optimizer's load_state_dict hooks."""
+        load_with_hooks(self.opt, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.load_state_dict()")
         self.check_groups("optimizer.load_state_dict()")

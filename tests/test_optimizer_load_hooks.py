@@ -1,0 +1,68 @@
+"""The optimizer's load_state_dict hooks under tiermem, as torch runs them.
+
+torch's load_state_dict runs each pre-hook on the state dict (a hook may return the one
+to load instead: a migration that renames or rescales state) and the post-hooks once the
+state is loaded. tiermem reads the per-parameter entries into its records itself, so it
+must read them from what the pre-hooks return, and run each hook once. Table-driven over
+optimizers, state on NVMe, both I/O backends; the reference is the plain optimizer with
+the same hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import tiermem
+
+from offload_helpers import (Synthetic, available_backends, compare_runs, config,
+                             make_batches, train)
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.01), "exp_avg"),
+    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9), "momentum_buffer"),
+    "adafactor": (torch.optim.Adafactor, dict(lr=0.01), "row_var"),
+}
+
+
+def _run(cls, kw, key, swap, backend):
+    model = Synthetic()
+    opt = cls(model.parameters(), **kw)
+    calls = []
+
+    def pre(o, sd):
+        calls.append("pre")
+        sd = copy.deepcopy(sd)
+        for st in sd["state"].values():
+            if key in st:
+                st[key] = st[key] * 0.5  # what a migration of old checkpoints might do
+        return sd
+
+    def post(o):
+        calls.append("post")
+        # the post-hook sees the loaded state, as after torch's load
+        calls.append(sorted(len(st) for st in o.state_dict()["state"].values())[:1])
+
+    opt.register_load_state_dict_pre_hook(pre)
+    opt.register_load_state_dict_post_hook(post)
+    batches = make_batches(model, 4, seed=5)
+    ctx = (tiermem.offload(opt, config(swap, backend=backend)) if swap is not None
+           else contextlib.nullcontext())
+    with ctx:
+        train(model, opt, batches[:2])
+        opt.load_state_dict(opt.state_dict())
+        train(model, opt, batches[2:], start=2)
+    return model, opt, calls
+
+
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_load_state_dict_hooks_run_as_torch_runs_them(tmp_path, backend, name):
+    cls, kw, key = OPTIMIZERS[name]
+    model, opt, calls = _run(cls, kw, key, tmp_path, backend)
+    ref_model, ref_opt, ref_calls = _run(cls, kw, key, None, backend)
+    assert calls == ref_calls  # each hook once, the post-hook after the state is loaded
+    compare_runs(model, opt, ref_model, ref_opt)
