@@ -122,6 +122,10 @@ class Collectives:
         """Every rank's `inp` back to back in `out` (equal sizes)."""
         return _all_gather(out, inp, group=self.group, async_op=True)
 
+    def broadcast(self, t: torch.Tensor, src: int) -> Any:
+        """Rank `src`'s `t` (rank in this group) into every rank's `t` (equal sizes)."""
+        return dist.broadcast(t, src=self.global_rank(src), group=self.group, async_op=True)
+
     def table(self, row: list[float], what: str) -> list[list[float]]:
         """Every rank's `row` (numbers; exact up to 2**53), in rank order."""
         t = torch.zeros(self.world, len(row), dtype=torch.float64)

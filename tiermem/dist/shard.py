@@ -8,6 +8,11 @@ body/tail split on a piece as on the whole tensor (the bitwise parity that
 partitions rely on). Shares are therefore uneven: by up to CUT_ALIGN - 1
 elements at each cut, and a rank may own nothing of a small group.
 
+Rules whose math spans a whole parameter (Adafactor's row and column statistics,
+Muon's orthogonalisation) cut only between parameters (`whole=True`): each cut goes
+to the parameter boundary nearest its even split, so a rank owns whole parameters
+and shares are as uneven as the parameters are large.
+
 A share is a list of Pieces: one contiguous slice of one flattened parameter,
 at most one per parameter. A rank tiers its pieces exactly as a single process
 tiers whole parameters (each piece is a 1-D view of its parameter), so
@@ -34,8 +39,9 @@ class Piece:
     offset: int  # where the piece begins in its rank's share of the group (elements)
 
 
-def share_cuts(numels: Sequence[int], world: int) -> list[int]:
-    """world + 1 cut points in a group's flattened range: share r is [cuts[r], cuts[r+1])."""
+def share_cuts(numels: Sequence[int], world: int, whole: bool = False) -> list[int]:
+    """world + 1 cut points in a group's flattened range: share r is [cuts[r], cuts[r+1]).
+    whole: every cut falls between two parameters."""
     starts = list(accumulate([0, *numels]))
     total = starts[-1]
     cuts = [0]
@@ -45,7 +51,10 @@ def share_cuts(numels: Sequence[int], world: int) -> list[int]:
         if i >= len(numels):
             cuts.append(total)
             continue
-        cut = starts[i] + (ideal - starts[i]) // CUT_ALIGN * CUT_ALIGN
+        if whole:  # the nearer of the parameter's two ends
+            cut = starts[i] if ideal - starts[i] <= starts[i + 1] - ideal else starts[i + 1]
+        else:
+            cut = starts[i] + (ideal - starts[i]) // CUT_ALIGN * CUT_ALIGN
         cuts.append(max(cut, cuts[-1]))
     cuts.append(total)
     return cuts
@@ -87,12 +96,14 @@ class GroupShares:
         return pieces_in(self.numels, self.first_index, self.cuts[rank], self.cuts[rank + 1])
 
 
-def plan_shares(param_groups: Sequence[dict], world: int) -> list[GroupShares]:
-    """The split of every param group, in the optimizer's order."""
+def plan_shares(param_groups: Sequence[dict], world: int,
+                whole: bool = False) -> list[GroupShares]:
+    """The split of every param group, in the optimizer's order (whole: never inside a
+    parameter)."""
     out, first = [], 0
     for g, group in enumerate(param_groups):
         numels = [p.numel() for p in group["params"]]
-        out.append(GroupShares(g, first, numels, share_cuts(numels, world)))
+        out.append(GroupShares(g, first, numels, share_cuts(numels, world, whole)))
         first += len(numels)
     return out
 

@@ -106,17 +106,26 @@ class DistributedOffload(Offload):
             raise TierMemError("tiermem shards the optimizer state over a process group, but "
                                "torch.distributed is not initialised (init_process_group)")
         self.rule = check_optimizer(opt)
-        if not self.rule.elementwise:
-            # A share is a piece of a parameter (ZeRO) or a shard of it (FSDP2): a rule
-            # whose math spans the whole parameter would step each piece as a parameter.
+        fsdp = any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
+        # A rule whose math spans a whole parameter steps whole parameters: ZeRO shares cut
+        # between parameters give each rank whole ones. Not FSDP2's shards (a piece of every
+        # parameter), nor the generic path under a process group: its shadow is the user's
+        # own class, whose constructor tiermem cannot call with a share.
+        self.whole = not self.rule.elementwise
+        if self.whole and (fsdp or self.rule.optimizers[0] is torch.optim.Optimizer):
             raise UnsupportedOptimizer(
                 f"tiermem under torch.distributed (process_group= or DTensor parameters) "
                 f"runs elementwise optimizers (Adam, AdamW, torch's SGD, Adagrad, RMSprop, "
-                f"Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop), not {type(opt).__module__}."
-                f"{type(opt).__qualname__}, which tiermem steps a whole parameter at a time "
-                "(its math may span one: Adafactor's factored statistics, Muon's "
-                "orthogonalisation, or any optimizer's own step()) while a rank holds pieces "
-                "of them; in one process it works")
+                f"Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop), and torch's Adafactor and "
+                f"Muon over replicated parameters, not {type(opt).__module__}."
+                f"{type(opt).__qualname__}"
+                + (" over fully_shard parameters, which tiermem steps a whole parameter at a "
+                   "time (Adafactor's factored statistics, Muon's orthogonalisation) while a "
+                   "rank holds a shard of each" if fsdp else
+                   ", which tiermem steps a whole parameter at a time with its own step() (a "
+                   "third-party optimizer, or a subclass with a step of its own), on a "
+                   "shadow of its class it cannot build for a rank's share")
+                + "; in one process it works")
         self.opt = opt
         self.block_name = name  # the user's name=; each rank's directory adds -rank<r>
         d = settings.distributed
@@ -132,7 +141,7 @@ class DistributedOffload(Offload):
         d = settings.distributed
         fsdp = any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
         self.layout = (FsdpLayout(opt, self.coll) if fsdp
-                       else ZeroLayout(opt, self.coll, d.grads, d.bucket_size))
+                       else ZeroLayout(opt, self.coll, d.grads, d.bucket_size, self.whole))
         self.rank = self.coll.global_rank(self.coll.rank)
         self.local_rank = _local_rank(self.coll)
         self._at = {pc.index: (g, k) for g, pcs in enumerate(self.layout.pieces)
@@ -393,6 +402,10 @@ class DistributedOffload(Offload):
         """The user's per-parameter state from every rank's shares (collective)."""
         by_view = {id(v): i for i, (g, k) in self._at.items()
                    for v in [self.layout.views[g][k]]}
+        if self.whole:  # each parameter's entry is whole, on its one owner
+            whole = self.layout.gather_whole({by_view[id(v)]: st
+                                              for v, st in shadow_state.items()})
+            return {self.layout.params[i]: st for i, st in whole.items()}
         at = {id(v): j for j, v in enumerate(self.offloaded.params)}
         mine = {}
         for v, st in shadow_state.items():

@@ -14,10 +14,16 @@ group. One step:
    covering it are updated, while the update goes on (gather.py).
 Collectives need equal sizes on every rank, so every window is padded to the widest
 share; the padding is never read.
+
+Rules whose math spans a whole parameter (Adafactor, Muon) get shares cut between
+parameters (`whole`): a rank's pieces are whole parameters, which the shadow optimizer
+steps in their own shapes, and their state (in the rule's own shapes: Adafactor's row and
+column statistics) moves whole, from its one owner (gather_whole).
 """
 
 from __future__ import annotations
 
+import io
 import time
 from collections import deque
 from typing import Any, Sequence
@@ -37,11 +43,12 @@ class ZeroLayout:
     fsdp = False
 
     def __init__(self, opt: torch.optim.Optimizer, coll: Collectives, grads: str,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, whole: bool = False) -> None:
         self.coll = coll
         self.grads_mode = grads
+        self.whole = whole
         self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.shares: list[GroupShares] = plan_shares(opt.param_groups, coll.world)
+        self.shares: list[GroupShares] = plan_shares(opt.param_groups, coll.world, whole)
         self.dtypes = []
         for g, group in enumerate(opt.param_groups):
             kinds = {p.dtype for p in group["params"]}
@@ -53,9 +60,11 @@ class ZeroLayout:
             self.dtypes.append(next(iter(kinds), torch.float32))
         me = coll.rank
         self.pieces: list[list[Piece]] = [s.pieces(me) for s in self.shares]
-        # The views the shadow optimizer updates: slices of the model's own storage.
+        # The views the shadow optimizer updates: slices of the model's own storage (whole
+        # parameters in their own shapes, for a rule whose math needs the shape).
         self.views: list[list[torch.Tensor]] = [
-            [self.params[pc.index].detach().view(-1)[pc.start: pc.start + pc.length]
+            [self.params[pc.index].detach() if whole else
+             self.params[pc.index].detach().view(-1)[pc.start: pc.start + pc.length]
              for pc in pcs] for pcs in self.pieces]
         self.share_elements = sum(s.size(me) for s in self.shares)
         # This rank's averaged gradient share per group, padded to the widest share (the
@@ -107,7 +116,8 @@ class ZeroLayout:
             for pcs, views in zip(self.pieces, self.views):
                 for pc, v in zip(pcs, views):
                     g = self.params[pc.index].grad
-                    v.grad = None if g is None else g.reshape(-1)[pc.start: pc.start + pc.length]
+                    v.grad = (None if g is None else
+                              g.reshape(-1)[pc.start: pc.start + pc.length].view(v.shape))
             return
         world, me = self.coll.world, self.coll.rank
         inflight: deque = deque()
@@ -138,8 +148,8 @@ class ZeroLayout:
             share = self._share_grad[g][: self.shares[g].size(me)]
             share.div_(world)  # the sum -> the mean over ranks, as DDP averages
             for pc, v in zip(pcs, views):
-                v.grad = (share[pc.offset: pc.offset + pc.length] if pc.index in present
-                          else None)
+                v.grad = (share[pc.offset: pc.offset + pc.length].view(v.shape)
+                          if pc.index in present else None)
 
     def release_grads(self) -> None:
         for views in self.views:
@@ -184,8 +194,34 @@ class ZeroLayout:
     # -- state between the shares and torch's per-parameter layout ------------------------
 
     def piece_of(self, t: torch.Tensor, pc: Piece) -> torch.Tensor:
-        """The elements of piece `pc` in a whole-parameter tensor `t`."""
-        return t.reshape(-1)[pc.start: pc.start + pc.length]
+        """The elements of piece `pc` in a whole-parameter tensor `t` (all of it, in its own
+        shape, when pieces are whole parameters)."""
+        return t if self.whole else t.reshape(-1)[pc.start: pc.start + pc.length]
+
+    def gather_whole(self, shadow: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Whole-parameter state when pieces are whole parameters (collective: every rank
+        calls it with the state of the parameters it owns, `shadow`: param index -> torch's
+        entry). Each parameter has one owner, which holds its whole entry in the rule's own
+        shapes; every rank gets every entry. One parameter's entry in flight at a time."""
+        what = "gathering the optimizer state"
+        blobs = {}
+        for i, st in shadow.items():
+            buf = io.BytesIO()
+            torch.save(st, buf)
+            blobs[i] = buf.getvalue()
+        sizes = self.coll.table([float(len(blobs.get(i, b""))) for i in range(len(self.params))],
+                                what)
+        out: dict[int, dict[str, Any]] = {}
+        for i in range(len(self.params)):
+            owner = max(range(self.coll.world), key=lambda r: sizes[r][i])
+            n = int(sizes[owner][i])
+            if n == 0:
+                continue  # no state on its owner: never stepped, as torch keeps none
+            data = (torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8)
+                    if owner == self.coll.rank else torch.empty(n, dtype=torch.uint8))
+            self.coll.wait(self.coll.broadcast(data, owner), what)
+            out[i] = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        return out
 
     def gather_state(self, shadow: dict[int, dict[str, Any]], kinds_of: Sequence[Sequence[str]],
                      scalars_of: Sequence[Sequence[str]], *, model_dtype: bool,

@@ -483,7 +483,8 @@ def _rank_manifests(run_dir: str, m: Manifest, others: tuple[str, ...]
 def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...],
                   swap_paths: Sequence[str] | None = None) -> dict[str, Any]:
     """gather() of a run under torch.distributed: each rank's pieces (elementwise state,
-    one value per element) put back into the user's parameters."""
+    one value per element) put back into the user's parameters; or, where a rank held a
+    whole parameter in its own shape (a rule that steps whole parameters), its entry."""
     share = m.share
     users = share["params"]
     numels = [math.prod(p["shape"]) for p in users]
@@ -491,6 +492,7 @@ def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...],
     weights: dict[int, torch.Tensor] = {}
     with_state = [0] * len(users)
     with_weights = [0] * len(users)
+    as_is: set[int] = set()  # parameters whose entry came whole from one rank
     groups: list[dict] = []
     step = 0
     for d, md in _rank_manifests(run_dir, m, others):
@@ -506,6 +508,14 @@ def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...],
                 with_weights[ui] += n
             st = ckpt["optimizer"]["state"].get(j)
             if st is None:
+                continue
+            if md.params[j]["shape"] == users[ui]["shape"]:
+                # the whole parameter in its own shape (a rule that steps whole parameters
+                # under a process group): its entry as it is, in the rule's own shapes
+                # (Adafactor's row and column statistics)
+                state[ui] = dict(st)
+                as_is.add(ui)
+                with_state[ui] += n
                 continue
             whole = state.setdefault(ui, {})
             for k, v in st.items():
@@ -525,7 +535,7 @@ def _gather_ranks(run_dir: str, m: Manifest, others: tuple[str, ...],
                            "not cover them (some ranks' state of them is missing)")
     for i, st in state.items():
         for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and i not in as_is:
                 st[k] = v.view(users[i]["shape"])
     groups = [{**g, "params": list(ids)} for g, ids in zip(groups, share["group_params"])]
     out: dict[str, Any] = {"format": FORMAT, "step": step, "durability": m.durability,
