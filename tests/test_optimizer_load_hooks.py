@@ -66,3 +66,31 @@ def test_load_state_dict_hooks_run_as_torch_runs_them(tmp_path, backend, name):
     ref_model, ref_opt, ref_calls = _run(cls, kw, key, None, backend)
     assert calls == ref_calls  # each hook once, the post-hook after the state is loaded
     compare_runs(model, opt, ref_model, ref_opt)
+
+
+def test_copying_the_optimizer_object_inside_the_block(tmp_path):
+    """copy.deepcopy / torch.save of the optimizer object take torch's __getstate__
+    (defaults, state, param_groups): inside the block the state is in the tiers, so such a
+    copy would start it over; refused while the tiers hold state, and after the block the
+    copy holds it all, as a plain optimizer's."""
+    import io
+
+    from tiermem.errors import TierMemError
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.01)
+    batches = make_batches(model, 2, seed=5)
+    with tiermem.offload(opt, config(tmp_path)):
+        assert len(copy.deepcopy(opt).state) == 0  # nothing held yet: as a plain one
+        train(model, opt, batches)
+        with pytest.raises(TierMemError, match="copy.deepcopy / pickle / torch.save"):
+            copy.deepcopy(opt)
+        with pytest.raises(TierMemError, match="copy.deepcopy / pickle / torch.save"):
+            torch.save(opt, io.BytesIO())
+    train(ref_model, ref_opt, batches)
+    twin = copy.deepcopy(opt)
+    ref_twin = copy.deepcopy(ref_opt)
+    assert len(twin.state) == len(ref_twin.state) > 0
+    compare_runs(model, opt, ref_model, ref_opt)

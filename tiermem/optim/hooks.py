@@ -16,6 +16,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch.optim import optimizer as _optimizer_module
 
+from tiermem.errors import TierMemError
+
 HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
 ATTR = "_tiermem"  # the instance attribute that names the target while installed
 # GradScaler hands an optimizer that sets this its scale and inf flag (tiermem/optim/amp.py)
@@ -44,6 +46,18 @@ class HeldState(defaultdict):
 
     def __bool__(self) -> bool:
         return dict.__len__(self) > 0 or (self.held is not None and self.held())
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # What copy.deepcopy(opt), pickle and torch.save(opt) take of opt.state (torch's
+        # Optimizer.__getstate__ hands them defaults, state and param_groups): the
+        # per-parameter state is in the tiers, so the copy would start it over, silently.
+        if self.held is not None and self.held():
+            raise TierMemError(
+                "the optimizer's per-parameter state is in tiermem's tiers, so a "
+                "copy.deepcopy / pickle / torch.save of the optimizer object inside "
+                "tiermem.offload would hold none of it: save optimizer.state_dict() (torch's "
+                "format, gathered from the tiers), or copy the optimizer after the block")
+        return (defaultdict, (dict,), None, None, iter(dict.items(self)))
 
 
 def hold_state(opt: torch.optim.Optimizer, held: Callable[[], bool]) -> None:
