@@ -18,7 +18,8 @@ import torch
 
 import tiermem
 
-from offload_helpers import (Synthetic, available_backends, compare_runs, config,
+from offload_helpers import (Synthetic, available_backends, compare_runs, compare_state_dicts,
+                             config,
                              make_batches, train)
 
 OPTIMIZERS = {
@@ -93,4 +94,45 @@ def test_copying_the_optimizer_object_inside_the_block(tmp_path):
     twin = copy.deepcopy(opt)
     ref_twin = copy.deepcopy(ref_opt)
     assert len(twin.state) == len(ref_twin.state) > 0
+    compare_runs(model, opt, ref_model, ref_opt)
+
+
+STATE_EDITS = {
+    "assign": lambda opt, p: opt.state.__setitem__(p, {"momentum_buffer": torch.zeros_like(p)}),
+    "assign-key": lambda opt, p: opt.state[p].__setitem__("momentum_buffer",
+                                                          torch.zeros_like(p)),
+    "in-place": lambda opt, p: opt.state[p]["momentum_buffer"].zero_(),
+    "del": lambda opt, p: opt.state.__delitem__(p),
+    "pop": lambda opt, p: opt.state.pop(p),
+    "update": lambda opt, p: opt.state.update({p: {}}),
+    "setdefault": lambda opt, p: opt.state.setdefault(p, {}),
+    "clear": lambda opt, p: opt.state.clear(),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(STATE_EDITS))
+def test_edits_of_opt_state_inside_the_block_are_refused(tmp_path, edit):
+    """opt.state holds none of the per-parameter state inside the block: a write there
+    would be lost (measured: a momentum reset by assignment, or opt.state.clear(), left the
+    tiered run different from its plain twin, no error), a read finds nothing. Refused,
+    nothing changed; the reset the message names equals the plain opt.state.clear()."""
+    from tiermem.errors import TierMemError
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    batches = make_batches(model, 4, seed=5)
+    with tiermem.offload(opt, config(tmp_path)):
+        train(model, opt, batches[:2])
+        before = opt.state_dict()
+        with pytest.raises(TierMemError, match="the per-parameter optimizer state is in"):
+            STATE_EDITS[edit](opt, model.fc1.weight)
+        compare_state_dicts(opt.state_dict(), before)
+        assert "k" not in opt.state and opt.state.get(model.fc1.weight) is None
+        opt.load_state_dict({"state": {}, "param_groups": opt.state_dict()["param_groups"]})
+        train(model, opt, batches[2:], start=2)
+    train(ref_model, ref_opt, batches[:2])
+    ref_opt.state.clear()
+    train(ref_model, ref_opt, batches[2:], start=2)
     compare_runs(model, opt, ref_model, ref_opt)

@@ -47,6 +47,57 @@ class HeldState(defaultdict):
     def __bool__(self) -> bool:
         return dict.__len__(self) > 0 or (self.held is not None and self.held())
 
+    # Writes keyed by a parameter would go to a dict the tiers never read (a momentum reset
+    # by `opt.state[p]["momentum_buffer"] = ...`, or `opt.state.clear()`), and reads of a
+    # parameter's entry would find none: both refused, naming the way that works. Entries
+    # under keys that are no parameter (MADGRAD's state['k']) are opt.state's own.
+    def _refuse(self, what: str) -> None:
+        raise TierMemError(
+            f"{what} inside tiermem.offload: the per-parameter optimizer state is in "
+            "tiermem's tiers, not in opt.state; read it with opt.state_dict(), change it by "
+            "loading a changed one with opt.load_state_dict(), and reset it with "
+            "opt.load_state_dict({'state': {}, 'param_groups': opt.state_dict()"
+            "['param_groups']})")
+
+    def __missing__(self, key: Any) -> Any:
+        if isinstance(key, torch.Tensor):
+            self._refuse("opt.state[param]")
+        return super().__missing__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(key, torch.Tensor):
+            self._refuse("opt.state[param] = ...")
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        if isinstance(key, torch.Tensor):
+            self._refuse("del opt.state[param]")
+        super().__delitem__(key)
+
+    def clear(self) -> None:
+        if self.held is not None and self.held():
+            self._refuse("opt.state.clear()")
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        new = dict(*args, **kwargs)
+        if any(isinstance(k, torch.Tensor) for k in new):
+            self._refuse("opt.state.update({param: ...})")
+        super().update(new)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if isinstance(key, torch.Tensor):
+            self._refuse("opt.state.setdefault(param, ...)")
+        return super().setdefault(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if isinstance(key, torch.Tensor):
+            self._refuse("opt.state.pop(param)")
+        return super().pop(key, *default)
+
+    def popitem(self) -> Any:
+        self._refuse("opt.state.popitem()")
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # What copy.deepcopy(opt), pickle and torch.save(opt) take of opt.state (torch's
         # Optimizer.__getstate__ hands them defaults, state and param_groups): the

@@ -245,6 +245,8 @@ def shadow_optimizer(opt: torch.optim.Optimizer, group: dict[str, Any],
     for k, v in opt.__dict__.items():
         if (isinstance(v, types.MethodType) and v.__self__ is opt) or k.startswith("_tiermem"):
             continue
+        if k == "state":  # made below from `own`; opt.state is the tiers' stand-in here
+            continue
         if own is not None and (ATTR, k) in own:
             attrs[k] = _copy(own[ATTR, k])
         elif _simple(v):
