@@ -44,6 +44,15 @@ class PeerError(TierMemError):
     """Another rank failed, hung or fell behind while this one waited in a collective."""
 
 
+class RankMismatch(TierMemError):
+    """The ranks entered different operations (Collectives.agree); `doing`: what each rank
+    said it was doing, in rank order."""
+
+    def __init__(self, message: str, doing: list[str]) -> None:
+        super().__init__(message)
+        self.doing = doing
+
+
 def scalar_table(coll: Collectives | None, cols: Sequence[str],
                  held: Iterable[tuple[int, dict[str, Any]]], n: int, what: str
                  ) -> torch.Tensor:
@@ -153,6 +162,36 @@ class Collectives:
         return [{k: torch.tensor(table[i, cols.index(k)].item(), dtype=torch.float32)
                  for k in keys if table[i, cols.index(k)] != -math.inf}
                 for i, keys in enumerate(keys_of)]
+
+    def agree(self, op: str, step: int) -> None:
+        """Check that every rank is entering the same operation (`op`; `step`: the calls of
+        opt.step() in this block so far, the one entered included) before its collectives:
+        the first collectives of two operations can have the same shape (a step's and a
+        state_dict's agreement on the parameters are both one float per parameter), so
+        ranks in different operations would pair them silently and go on with each other's
+        data, or wait for the timeout at the first collective that differs. One small
+        all-reduce; on a mismatch every rank raises, naming what each rank is doing, and
+        the group is left in step."""
+        if self.world == 1:
+            return
+        self._set(f"op/{self.rank}", f"{op} (opt.step() calls in this block so far: "
+                                     f"{step})")
+        code = float(int.from_bytes(hashlib.sha1(op.encode()).digest()[:6], "big"))
+        # MAX of (x, -x) gives the largest and the smallest x: equal only if all agree
+        t = torch.tensor([code, -code, float(step), -float(step)], dtype=torch.float64)
+        self.wait(self.all_reduce(t, dist.ReduceOp.MAX), f"starting {op}")
+        if t[0] == -t[1] and t[2] == -t[3]:
+            return
+        doing = []
+        for r in range(self.world):
+            try:
+                doing.append(f"rank {self.global_rank(r)} is in {self._get(f'op/{r}')}")
+            except Exception:  # the store only explains; the mismatch itself is certain
+                doing.append(f"rank {self.global_rank(r)} could not say")
+        raise RankMismatch(f"rank {self.global_rank(self.rank)}: the ranks are not in the same "
+                           f"operation ({'; '.join(doing)}); every rank must call opt.step(), "
+                           "opt.state_dict(), tiermem.dist.dcp's save and load, and leave "
+                           "tiermem.offload, together and in the same order", doing)
 
     def wait(self, work: Any, what: str) -> None:
         try:

@@ -28,13 +28,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from tiermem.dist.collectives import Collectives
+from tiermem.dist.collectives import Collectives, RankMismatch
 from tiermem.config import Settings
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
 from tiermem.optim import amp
 from tiermem.optim.handle import Offload, mark_kept, resume_call
-from tiermem.optim.hooks import Installed, run_post_hooks, run_pre_hooks, step_called
+from tiermem.optim.hooks import (Installed, in_torch_state_init, run_post_hooks,
+                                 run_pre_hooks, step_called)
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
 from tiermem.optim.state_io import param_entries, refuse_unkept_keys, torch_state_dict
 from tiermem.optim.rules import UnsupportedOptimizer
@@ -42,6 +43,18 @@ from tiermem.optim.rules.adam import MASTER_KEY
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.dist.zero import ZeroLayout
+
+
+# What a rank in torch's state-making step says it is doing (Collectives.agree), and why
+# the ranks then disagree
+INIT_STEP = ("the step torch.distributed.checkpoint.state_dict's helpers take on an optimizer "
+             "whose state is empty (zero gradients, lr 0)")
+INIT_WHY = ("get_optimizer_state_dict, set_optimizer_state_dict, get_state_dict and "
+            "set_state_dict take that step only on a rank where no parameter has a gradient, "
+            "and here some ranks had gradients and others none; under a process group it is a "
+            "collective. Call them when no rank holds gradients (before backward, or after "
+            "opt.zero_grad()) or after the first opt.step(). On the ranks that took it, torch "
+            "left every param group's lr at 0 and every gradient at zeros")
 
 
 def wanted(optimizer: torch.optim.Optimizer, process_group: Any) -> bool:
@@ -331,8 +344,11 @@ class DistributedOffload(Offload):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.steps_called += 1
-        self.coll.arrive(self.steps_called)
+        called = self.steps_called + 1
+        self.coll.arrive(called)
+        if not self.layout.fsdp:  # an FSDP2 step communicates nothing: it pairs with nothing
+            self.agree(INIT_STEP if in_torch_state_init() else "opt.step()", called)
+        self.steps_called = called  # not before: a refused step is no step
         comm = self._fresh_comm()
         with torch.no_grad():
             self._sync_groups()
@@ -357,6 +373,16 @@ class DistributedOffload(Offload):
         step_called(opt)
         run_post_hooks(opt, args, kwargs)
         return loss
+
+    def agree(self, op: str, step: int | None = None) -> None:
+        """Before an operation's collectives (a step, a state_dict, a DCP checkpoint, the
+        exit): every rank must be entering the same one (Collectives.agree), or all raise."""
+        try:
+            self.coll.agree(op, self.steps_called if step is None else step)
+        except RankMismatch as exc:
+            if any(INIT_STEP in d for d in exc.doing):
+                raise RankMismatch(f"{exc}. {INIT_WHY}", exc.doing) from None
+            raise
 
     def _start_weights(self, comm: dict[str, float]) -> Any:
         """The weight all-gather of this step, launched window by window from the step loop
@@ -411,6 +437,7 @@ class DistributedOffload(Offload):
         """torch's optimizer state_dict of the whole model (fp32 moments), gathered from every
         rank's share: a collective every rank must call; each gets the whole state (DTensors
         under FSDP2). For states larger than RAM use tiermem.dist.dcp.save."""
+        self.agree("opt.state_dict()")
         return torch_state_dict(self.opt, self._whole_state(
             self.offloaded.export_state(model_dtype=False), model_dtype=False))
 
@@ -538,6 +565,12 @@ class DistributedOffload(Offload):
         except TierMemError as exc:
             failed = exc
             self.coll.post_failure(exc)
+        try:
+            self.agree("leaving tiermem.offload")
+        except RankMismatch as exc:
+            # The others are elsewhere: no collective may follow, as on an exception.
+            self._exit_on_error(exc)
+            raise
         flags = self.coll.table([float(failed is None), float(fits)], "leaving tiermem.offload")
         off.detach()
         if all(row[0] for row in flags) and all(row[1] for row in flags):
