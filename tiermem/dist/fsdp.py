@@ -102,7 +102,7 @@ class FsdpLayout:
             for v in views:
                 v.grad = None
 
-    def weights_out(self, stats: dict) -> None:
+    def weights_out(self, stats: dict, synced: Any = None) -> None:
         """Nothing to do: fully_shard all-gathers the updated shards before the next forward."""
 
     # -- state between the shards and torch's layout ---------------------------------------

@@ -176,7 +176,7 @@ class DistributedOffload(Offload):
             self._hooks.claim_amp()  # so every rank's GradScaler step reaches the refusal
         if resume and off.crash:
             # Each rank restored its own pieces' weights from its masters: share them.
-            self.layout.weights_out(self._fresh_comm())
+            self.layout.weights_out(self._fresh_comm(), off.weights_synced)
 
     def _build(self, settings: Settings, model: Any, name: str,
                resume: bool, previous: bool = False) -> OffloadedOptimizer:
@@ -396,7 +396,8 @@ class DistributedOffload(Offload):
         # The pipeline walks its partitions backwards on odd steps (zig-zag); every rank
         # takes the direction from the step number, so all launch windows in one order.
         backwards = off.settings.pipeline.zigzag and self.steps_called % 2 == 0
-        gather = self.layout.start_weights(self._covers, active, backwards, comm)
+        gather = self.layout.start_weights(self._covers, active, backwards, comm,
+                                           off.weights_synced)
         off.after_update = gather.updated
         return gather
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -58,6 +58,9 @@ class ZeroLayout:
             [self.params[pc.index].detach().view(-1)[pc.start: pc.start + pc.length]
              for pc in pcs] for pcs in self.pieces]
         self.share_elements = sum(s.size(me) for s in self.shares)
+        # parameter index -> its piece's place among the shadow optimizer's parameters
+        self.shadow_index = {pc.index: j for j, pc in
+                             enumerate(pc for pcs in self.pieces for pc in pcs)}
         # This rank's averaged gradient share per group, padded to the widest share (the
         # reduce-scatter writes whole windows); allocated at the first reduce-scatter.
         self._share_grad: list[torch.Tensor | None] = [None] * len(self.shares)
@@ -165,16 +168,18 @@ class ZeroLayout:
         return out
 
     def start_weights(self, covers: dict[int, list[int]], active: Sequence[Partition],
-                      backwards: bool, stats: dict) -> WeightGather:
+                      backwards: bool, stats: dict,
+                      synced: Callable[[int, int, int], None] | None = None) -> WeightGather:
         """The weight all-gather of a step whose `active` partitions are about to be updated:
-        call its updated(part) after each, then finish()."""
-        return WeightGather(self, covers, active, backwards, stats)
+        call its updated(part) after each, then finish(). `synced`: WeightGather's."""
+        return WeightGather(self, covers, active, backwards, stats, synced)
 
-    def weights_out(self, stats: dict) -> None:
+    def weights_out(self, stats: dict,
+                    synced: Callable[[int, int, int], None] | None = None) -> None:
         """Every rank's current pieces into every rank's parameters, all at once."""
         if self.coll.world == 1:
             return  # the only share was updated in place
-        self.start_weights({}, [], False, stats).finish()
+        self.start_weights({}, [], False, stats, synced).finish()
 
     def _wait_timed(self, work: Any, what: str, stats: dict) -> None:
         t0 = time.monotonic()
