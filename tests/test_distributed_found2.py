@@ -18,11 +18,12 @@ import tiermem
 from dist_harness import launch
 from dist_scenarios import (averaged, barrier, groups_of, local_backward, pair, same_fqn_state,
                             small_cfg, train_pair)
-from offload_helpers import (assert_same_tensor, compare_runs, compare_state_dicts, config,
-                             make_batches)
+from offload_helpers import (Synthetic, assert_same_tensor, compare_runs, compare_state_dicts,
+                             config, make_batches)
 from test_distributed import outcome
 
-FOUND = ["helpers-uneven-grads", "dcp-uneven-grads", "commit-writes-split"]
+FOUND = ["helpers-uneven-grads", "dcp-uneven-grads", "commit-writes-split", "added-groups",
+         "added-groups-crash", "added-group-one-rank", "fsdp2-added-group"]
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +293,185 @@ def commit_writes_split(rank: int, world: int, tmp: str) -> None:
     compare_runs(model, opt, ref, ref_opt, exact=True)
 
 
+# -- add_param_group under a process group ------------------------------------------------
+
+
+def _grown(rank: int, world: int, model, opt, ref_model, ref_opt, steps, adds: dict, *,
+           allreduced: bool = False) -> None:
+    """Steps of the Synthetic model on every rank's batches, the reference on the mean
+    gradient; before step i, the groups adds[i] (parameter names) are added to both
+    optimizers. The gradients are cleared whole (model.zero_grad()): a parameter in no
+    group yet keeps no gradient from one step to the next, so the mean the reference
+    takes of it is the one tiermem's reduce-scatter takes. allreduced: the model's
+    gradients averaged before the step, as DDP's are."""
+    batches = make_batches(model, max(steps) + 1, seed=10 + rank)
+    for i in steps:
+        for g in adds.get(i, ()):
+            for m, o in ((model, opt), (ref_model, ref_opt)):
+                named = dict(m.named_parameters())
+                o.add_param_group({**g, "params": [named[n] for n in g["params"]]})
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            local_backward(m, batches[i], i, rank)
+            if allreduced or m is ref_model:
+                averaged(m, world)
+            o.step()
+            m.zero_grad()
+
+
+FIRST = ["emb.weight", "fc1.weight", "fc1.bias"]
+# Added before step 1: fc2 and side.weight (36k elements: the cut falls in fc2.weight, each
+# rank owns pieces); before step 3: side.bias alone (33 elements: rank 0 owns none of it).
+ADDS = {1: [{"params": ["fc2.weight", "fc2.bias", "side.weight"], "lr": 5e-3}],
+        3: [{"params": ["side.bias"], "weight_decay": 0.0}]}
+
+
+def _adamw(model, names, **kw) -> torch.optim.Optimizer:
+    named = dict(model.named_parameters())
+    return torch.optim.AdamW([named[n] for n in names], lr=1e-2, weight_decay=0.05,
+                             foreach=False, **kw)
+
+
+def _refused_adds(tm, opt) -> None:
+    """Groups refused by the layout (mixed dtypes) or by the shadow optimizer's rule
+    (differentiable=True) leave the optimizer, the shares and the tiers as they were (the
+    run then goes on bitwise)."""
+    lay, off = tm.layout, tm.offloaded
+
+    def shape():
+        return (len(opt.param_groups), len(lay.params), lay.share_elements, len(lay.windows),
+                len(off.origins), len(off.share["pieces"]), len(off.parts),
+                len(tm.shadow.param_groups), dict(lay.shadow_index))
+
+    before = shape()
+    for group, why in (({"params": [torch.nn.Parameter(torch.zeros(3)),
+                                    torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]},
+                        "mixes dtypes"),
+                       ({"params": [torch.nn.Parameter(torch.zeros(2048))],
+                         "differentiable": True}, "differentiable=True is not supported")):
+        try:
+            opt.add_param_group(group)
+        except tiermem.TierMemError as exc:
+            assert why in str(exc), exc
+        else:
+            raise AssertionError(f"not refused: {why}")
+        assert shape() == before, (shape(), before)
+
+
+def added_groups(rank: int, world: int, tmp: str) -> None:
+    """add_param_group inside the block under a process group (it was refused): every rank
+    adds the same group, which is cut into shares as at set-up; weights, state_dict() and
+    the state at exit equal the plain AdamW's that added the same groups, bitwise, for
+    both gradient modes."""
+    for n, grads in enumerate(("reduce_scatter", "allreduced")):
+        model = Synthetic()
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = _adamw(model, FIRST, amsgrad=True), _adamw(ref_model, FIRST, amsgrad=True)
+        cfg = small_cfg(os.path.join(tmp, str(n)), timeout=30, grads=grads)
+        with tiermem.offload(opt, cfg, model=model) as tm:
+            set_up = tm.plan()["share_elements"]
+            if n == 0:
+                _refused_adds(tm, opt)
+            run = (rank, world, model, opt, ref_model, ref_opt)
+            _grown(*run, range(3), ADDS, allreduced=grads == "allreduced")
+            compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+            _grown(*run, range(3, 5), ADDS, allreduced=grads == "allreduced")
+            shares = tm.layout.shares
+            assert sum(s.size(r) for s in shares for r in range(world)) == sum(
+                p.numel() for p in model.parameters())
+            assert tm.layout.share_elements > set_up
+        compare_runs(model, opt, ref_model, ref_opt, exact=True)
+        barrier()
+
+
+def added_groups_crash(rank: int, world: int, tmp: str) -> None:
+    """Groups added under crash_consistent are committed with the step they are added at;
+    a run kept on disk after them resumes with the optimizer built with every group (each
+    rank's manifest says where its pieces of the added groups lie) and goes on bitwise; a
+    dcp.save of it loads into a fresh run alike."""
+    from tiermem.dist import dcp
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = _adamw(model, FIRST), _adamw(ref_model, FIRST)
+    cfg = small_cfg(tmp, timeout=30)
+    cfg["swap"]["durability"] = "crash_consistent"
+    try:
+        with tiermem.offload(opt, cfg, model=model, name="grow") as tm:
+            _grown(rank, world, model, opt, ref_model, ref_opt, range(4), ADDS)
+            dcp.save(tm, os.path.join(tmp, "ck"))
+            raise _Keep()
+    except _Keep:
+        pass
+    for how in ("resume", "dcp"):
+        m = Synthetic(seed=1)  # the resume must put the committed weights back
+        if how == "dcp":
+            m.load_state_dict(model.state_dict())
+        opt = _adamw(m, FIRST)
+        named = dict(m.named_parameters())
+        for i in (1, 3):
+            for g in ADDS[i]:
+                opt.add_param_group({**g, "params": [named[n] for n in g["params"]]})
+        r_model, r_opt = copy.deepcopy((ref_model, ref_opt))
+        with tiermem.offload(opt, cfg, model=m, name="grow" if how == "resume" else "fresh",
+                             resume=how == "resume") as tm:
+            if how == "dcp":
+                dcp.load(tm, os.path.join(tmp, "ck"))
+            else:
+                assert tm.resumed_step == 4, tm.resumed_step
+            compare_state_dicts(opt.state_dict(), r_opt.state_dict(), exact=True)
+            _grown(rank, world, m, opt, r_model, r_opt, range(4, 6), {})
+        compare_runs(m, opt, r_model, r_opt, exact=True)
+        barrier()
+
+
+def added_group_one_rank(rank: int, world: int, tmp: str) -> None:
+    """A group added on one rank only: the next step would communicate other shapes on each
+    rank; every rank refuses it at once instead, naming each rank's parameter count."""
+    model = Synthetic()
+    opt = _adamw(model, FIRST)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=20), model=model) as tm:
+        if rank == 1:
+            opt.add_param_group({"params": [model.side.bias]})
+        local_backward(model, make_batches(model, 1, seed=10 + rank)[0], 0, rank)
+        _refused_fast(opt.step, expect=True, why="over 3 parameters in 1 param groups",
+                      timeout=20)
+        tm.discard()
+    barrier()
+
+
+def fsdp2_added_group(rank: int, world: int, tmp: str) -> None:
+    """add_param_group on fully_shard parameters: the added group's local shards are tiered
+    from then on; weights and state equal the plain AdamW's that added the same group."""
+    from dist_scenarios import sharded_pair
+
+    from offload_helpers import assert_close_tensor
+
+    model, ref_model = sharded_pair()
+    opt = torch.optim.AdamW(model[0].parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
+    ref_opt = torch.optim.AdamW(ref_model[0].parameters(), lr=1e-2, weight_decay=0.05,
+                                foreach=False)
+    g = torch.Generator().manual_seed(20 + rank)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=30)):
+        for i in range(3):
+            if i == 1:
+                opt.add_param_group({"params": list(model[2].parameters()), "lr": 5e-3})
+                ref_opt.add_param_group({"params": list(ref_model[2].parameters()),
+                                         "lr": 5e-3})
+            x, y = torch.randn(8, 61, generator=g), torch.randn(8, 33, generator=g)
+            for m, o in ((model, opt), (ref_model, ref_opt)):
+                (m(x) - y).square().mean().backward()
+                if m is ref_model:
+                    averaged(m, world)
+                o.step()
+                m.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert_close_tensor(p.full_tensor().detach(), q.detach(), f"rank {rank} {n}")
+        st, sr = opt.state[p], ref_opt.state[q]
+        assert float(st["step"]) == float(sr["step"]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_close_tensor(st[k].full_tensor(), sr[k], f"rank {rank} {n} {k}")
+
+
 def run_named(rank: int, world: int, base: str, names: list[str]) -> dict:
     from dist_harness import scenario_results
 
@@ -299,6 +479,10 @@ def run_named(rank: int, world: int, base: str, names: list[str]) -> dict:
         "helpers-uneven-grads": helpers_uneven_grads,
         "dcp-uneven-grads": dcp_uneven_grads,
         "commit-writes-split": commit_writes_split,
+        "added-groups": added_groups,
+        "added-groups-crash": added_groups_crash,
+        "added-group-one-rank": added_group_one_rank,
+        "fsdp2-added-group": fsdp2_added_group,
     }
 
     def run(name):

@@ -197,6 +197,7 @@ class DistributedOffload(Offload):
         self.shadow.state.clear()
         self._seed(opt.state)
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._names = names  # for the pieces of a group added later
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
                         for pcs, vs in zip(lay.pieces, lay.views) for pc, v in zip(pcs, vs)])
         origins = [(pc.index, pc.start) for pcs in lay.pieces for pc in pcs]
@@ -303,8 +304,45 @@ class DistributedOffload(Offload):
         self._held = bool(self.layout.params) and (eager or bool((steps != 0).any()))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise TierMemError("add_param_group inside tiermem.offload under a process group "
-                           "is not supported: add the group before entering the block")
+        """Every rank adds the same group (not a collective; the next operation's agreement
+        refuses ranks that did not): torch's add_param_group on the user's optimizer, the
+        group cut into shares as at set-up (a group's cut depends on its own parameters
+        only, so the groups before keep their shares), and this rank's pieces added to the
+        shadow optimizer, whose OffloadedOptimizer partitions and tiers them (and commits,
+        under crash_consistent) as in one process."""
+        opt, lay, off = self.opt, self.layout, self.offloaded
+        type(opt).add_param_group(opt, param_group)
+        group = opt.param_groups[-1]
+        first = len(lay.params)
+        try:
+            lay.add_group(group)
+        except BaseException:
+            opt.param_groups.pop()  # refused means not added at all
+            raise
+        pieces, views = lay.pieces[-1], lay.views[-1]
+        shadow = len(off.origins)
+        # Before the shadow's add, which may commit: the manifest's share and the pieces'
+        # origins (stochastic rounding's streams) must cover the new pieces.
+        off.origins.extend((pc.index, pc.start) for pc in pieces)
+        off.names.update({id(v): self._names.get(id(lay.params[pc.index]), "")
+                          for pc, v in zip(pieces, views)})
+        share = off.share
+        saved = {k: list(share[k]) for k in ("pieces", "params", "group_params")}
+        share["pieces"] += [[pc.index, pc.start] for pc in pieces]
+        share["params"] += [{"name": self._names.get(id(p), ""), "shape": list(p.shape),
+                             "dtype": str(p.dtype).removeprefix("torch.")}
+                            for p in group["params"]]
+        share["group_params"].append(list(range(first, len(lay.params))))
+        try:
+            self.shadow.add_param_group({**_hyper(group), "params": views})
+        except BaseException:
+            share.update(saved)
+            del off.origins[shadow:]
+            lay.pop_group()
+            opt.param_groups.pop()
+            raise
+        self._at.update({pc.index: (len(lay.pieces) - 1, k) for k, pc in enumerate(pieces)})
+        self._covers = None  # new partitions, new windows
 
     def _sync_groups(self) -> None:
         """Hyperparameters (an lr scheduler's lr, ...) from the user's groups to the shadow's."""
@@ -377,6 +415,10 @@ class DistributedOffload(Offload):
     def agree(self, op: str, step: int | None = None) -> None:
         """Before an operation's collectives (a step, a state_dict, a DCP checkpoint, the
         exit): every rank must be entering the same one (Collectives.agree), or all raise."""
+        # the layout too: a rank that did not add a param group the others did would
+        # communicate other shapes
+        op += (f" over {len(self.layout.params)} parameters in {len(self.opt.param_groups)} "
+               "param groups")
         try:
             self.coll.agree(op, self.steps_called if step is None else step)
         except RankMismatch as exc:

@@ -28,7 +28,7 @@ from tiermem.dist.collectives import Collectives
 from tiermem.errors import TierMemError
 from tiermem.dist.gather import WeightGather
 from tiermem.partition import Partition
-from tiermem.dist.shard import GroupShares, Piece, plan_shares, spans
+from tiermem.dist.shard import GroupShares, Piece, share_cuts, spans
 
 
 class ZeroLayout:
@@ -40,36 +40,66 @@ class ZeroLayout:
                  bucket_bytes: int) -> None:
         self.coll = coll
         self.grads_mode = grads
-        self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.shares: list[GroupShares] = plan_shares(opt.param_groups, coll.world)
-        self.dtypes = []
-        for g, group in enumerate(opt.param_groups):
-            kinds = {p.dtype for p in group["params"]}
-            if len(kinds) > 1:
-                raise TierMemError(
-                    f"param_groups[{g}] mixes dtypes ({sorted(map(str, kinds))}); under a "
-                    "process group tiermem communicates a group's gradients in one dtype: put "
-                    "parameters of different dtypes in different param groups")
-            self.dtypes.append(next(iter(kinds), torch.float32))
-        me = coll.rank
-        self.pieces: list[list[Piece]] = [s.pieces(me) for s in self.shares]
+        self.bucket_bytes = bucket_bytes
+        self.params: list[torch.Tensor] = []
+        self.shares: list[GroupShares] = []
+        self.dtypes: list[torch.dtype] = []
+        self.pieces: list[list[Piece]] = []
         # The views the shadow optimizer updates: slices of the model's own storage.
-        self.views: list[list[torch.Tensor]] = [
-            [self.params[pc.index].detach().view(-1)[pc.start: pc.start + pc.length]
-             for pc in pcs] for pcs in self.pieces]
-        self.share_elements = sum(s.size(me) for s in self.shares)
+        self.views: list[list[torch.Tensor]] = []
+        self.share_elements = 0
         # parameter index -> its piece's place among the shadow optimizer's parameters
-        self.shadow_index = {pc.index: j for j, pc in
-                             enumerate(pc for pcs in self.pieces for pc in pcs)}
+        self.shadow_index: dict[int, int] = {}
         # This rank's averaged gradient share per group, padded to the widest share (the
         # reduce-scatter writes whole windows); allocated at the first reduce-scatter.
-        self._share_grad: list[torch.Tensor | None] = [None] * len(self.shares)
+        self._share_grad: list[torch.Tensor | None] = []
         self.windows: list[tuple[int, int, int]] = []  # (group, a, b) share offsets
-        for s, dtype in zip(self.shares, self.dtypes):
-            width = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
-            self.windows += [(s.group, a, min(a + width, s.widest))
-                             for a in range(0, s.widest, width)]
         self._staging: dict[tuple[torch.dtype, int, str], torch.Tensor] = {}
+        for group in opt.param_groups:
+            self.add_group(group)
+
+    def add_group(self, group: dict) -> None:
+        """Cut one more param group (the optimizer's next) into the ranks' shares. A group's
+        cut depends on its own parameters only (plan_shares), so the groups before keep
+        theirs: every rank adding the same group gets the split all the others do."""
+        g, params = len(self.shares), list(group["params"])
+        kinds = {p.dtype for p in params}
+        if len(kinds) > 1:
+            raise TierMemError(
+                f"param_groups[{g}] mixes dtypes ({sorted(map(str, kinds))}); under a "
+                "process group tiermem communicates a group's gradients in one dtype: put "
+                "parameters of different dtypes in different param groups")
+        dtype = next(iter(kinds), torch.float32)
+        numels = [p.numel() for p in params]
+        share = GroupShares(g, len(self.params), numels, share_cuts(numels, self.coll.world))
+        me = self.coll.rank
+        self.params += params
+        self.shares.append(share)
+        self.dtypes.append(dtype)
+        pieces = share.pieces(me)
+        self.shadow_index.update({pc.index: len(self.shadow_index) + k
+                                  for k, pc in enumerate(pieces)})
+        self.pieces.append(pieces)
+        self.views.append([self.params[pc.index].detach().view(-1)[pc.start: pc.start +
+                                                                   pc.length]
+                           for pc in pieces])
+        self.share_elements += share.size(me)
+        self._share_grad.append(None)
+        width = max(1, self.bucket_bytes // torch.empty((), dtype=dtype).element_size())
+        self.windows += [(g, a, min(a + width, share.widest))
+                         for a in range(0, share.widest, width)]
+
+    def pop_group(self) -> None:
+        """Undo the last add_group (a group the shadow optimizer refused)."""
+        share = self.shares.pop()
+        for pc in self.pieces.pop():
+            del self.shadow_index[pc.index]
+        del self.params[share.first_index:]
+        self.dtypes.pop()
+        self.views.pop()
+        self.share_elements -= share.size(self.coll.rank)
+        self._share_grad.pop()
+        self.windows = [w for w in self.windows if w[0] != share.group]
 
     # -- helpers ---------------------------------------------------------------------
 
