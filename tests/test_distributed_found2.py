@@ -23,7 +23,8 @@ from offload_helpers import (Synthetic, assert_same_tensor, compare_runs, compar
 from test_distributed import outcome
 
 FOUND = ["helpers-uneven-grads", "dcp-uneven-grads", "commit-writes-split", "added-groups",
-         "added-groups-crash", "added-group-one-rank", "fsdp2-added-group"]
+         "added-groups-crash", "added-group-one-rank", "fsdp2-added-group",
+         "appended-group-refused"]
 
 
 @pytest.fixture(scope="module")
@@ -439,6 +440,35 @@ def added_group_one_rank(rank: int, world: int, tmp: str) -> None:
     barrier()
 
 
+def appended_group_refused(rank: int, world: int, tmp: str) -> None:
+    """A group appended to opt.param_groups by hand (not add_param_group) mid-run: one
+    process refuses it at the next step; under a process group the step zipped the user's
+    groups with the shadow's and passed over it, so side.bias was never updated (2e-2
+    off plain AdamW after 2 steps), silently. Every rank refuses it now, as one process
+    does; groups replaced by equal ones (Lightning's BaseFinetuning) still step."""
+    model = Synthetic()
+    opt = _adamw(model, FIRST)
+    batches = make_batches(model, 3, seed=10 + rank)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=20), model=model) as tm:
+        for i in range(2):
+            local_backward(model, batches[i], i, rank)
+            opt.step()
+            model.zero_grad()
+        opt.param_groups = [dict(g) for g in opt.param_groups]  # the same parameters
+        opt.param_groups.append({**opt.param_groups[0], "params": [model.side.bias]})
+        local_backward(model, batches[2], 2, rank)
+        try:
+            opt.step()
+        except tiermem.TierMemError as exc:
+            assert "changed inside the tiermem.offload block other than through " \
+                "add_param_group" in str(exc), exc
+        else:
+            raise AssertionError("a group appended to param_groups was not refused")
+        opt.param_groups.pop()
+        opt.step()
+        tm.discard()
+
+
 def fsdp2_added_group(rank: int, world: int, tmp: str) -> None:
     """add_param_group on fully_shard parameters: the added group's local shards are tiered
     from then on; weights and state equal the plain AdamW's that added the same group."""
@@ -483,6 +513,7 @@ def run_named(rank: int, world: int, base: str, names: list[str]) -> dict:
         "added-groups-crash": added_groups_crash,
         "added-group-one-rank": added_group_one_rank,
         "fsdp2-added-group": fsdp2_added_group,
+        "appended-group-refused": appended_group_refused,
     }
 
     def run(name):

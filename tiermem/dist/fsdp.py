@@ -38,7 +38,7 @@ class FsdpLayout:
         self.pieces: list[list[Piece]] = []
         self.views: list[list[torch.Tensor]] = []
         self.share_elements = 0
-        self._group_sizes: list[int] = []
+        self.group_sizes: list[int] = []  # parameters per param group
         for group in opt.param_groups:
             self.add_group(group)
 
@@ -55,7 +55,7 @@ class FsdpLayout:
             self.params.append(p)
         self.pieces.append(pcs)
         self.views.append(views)
-        self._group_sizes.append(len(params))
+        self.group_sizes.append(len(params))
         self.share_elements += sum(pc.length for pc in pcs)
 
     @staticmethod
@@ -77,7 +77,7 @@ class FsdpLayout:
         pcs = self.pieces.pop()
         self.views.pop()
         self.share_elements -= sum(pc.length for pc in pcs)
-        del self.params[len(self.params) - self._group_sizes.pop():]
+        del self.params[len(self.params) - self.group_sizes.pop():]
 
     # -- a step: FSDP moved the gradients and moves the weights ----------------------------
 

@@ -311,6 +311,7 @@ class DistributedOffload(Offload):
         shadow optimizer, whose OffloadedOptimizer partitions and tiers them (and commits,
         under crash_consistent) as in one process."""
         opt, lay, off = self.opt, self.layout, self.offloaded
+        self._check_groups("optimizer.add_param_group()")
         type(opt).add_param_group(opt, param_group)
         group = opt.param_groups[-1]
         first = len(lay.params)
@@ -343,6 +344,29 @@ class DistributedOffload(Offload):
             raise
         self._at.update({pc.index: (len(lay.pieces) - 1, k) for k, pc in enumerate(pieces)})
         self._covers = None  # new partitions, new windows
+
+    def _check_groups(self, what: str) -> None:
+        """The user's param groups hold the parameters the shares were cut from, group by
+        group, as in one process (OffloadedOptimizer.check_groups, which sees only the
+        shadow's): a group appended to param_groups, or groups replaced (Lightning's
+        BaseFinetuning on a resume), hold parameters no rank tiers, which every step passed
+        over without a word. Every rank runs the same code, so all refuse alike."""
+        groups, lay = self.opt.param_groups, self.layout
+        sizes = [len(g["params"]) for g in groups]
+        flat = [p for g in groups for p in g["params"]]
+        if sizes == lay.group_sizes and all(a is b for a, b in zip(flat, lay.params)):
+            return
+        known = {id(p) for p in lay.params}
+        new = [p for p in flat if id(p) not in known]
+        which = (f"{len(new)} parameters no rank's share holds (the first of shape "
+                 f"{tuple(new[0].shape)})" if new else "parameters moved, removed or regrouped")
+        raise TierMemError(
+            f"{what}: the optimizer's param_groups changed inside the tiermem.offload block "
+            f"other than through add_param_group: {len(groups)} groups of {sizes} parameters "
+            f"where the shares were cut from {len(lay.group_sizes)} of {lay.group_sizes}, "
+            f"with {which}. tiermem would not update them; add a group with "
+            "optimizer.add_param_group() on every rank, or set param_groups before entering "
+            "the block")
 
     def _sync_groups(self) -> None:
         """Hyperparameters (an lr scheduler's lr, ...) from the user's groups to the shadow's."""
@@ -386,6 +410,7 @@ class DistributedOffload(Offload):
         self.coll.arrive(called)
         if not self.layout.fsdp:  # an FSDP2 step communicates nothing: it pairs with nothing
             self.agree(INIT_STEP if in_torch_state_init() else "opt.step()", called)
+        self._check_groups("optimizer.step()")
         self.steps_called = called  # not before: a refused step is no step
         comm = self._fresh_comm()
         with torch.no_grad():
@@ -417,7 +442,8 @@ class DistributedOffload(Offload):
         exit): every rank must be entering the same one (Collectives.agree), or all raise."""
         # the layout too: a rank that did not add a param group the others did would
         # communicate other shapes
-        op += (f" over {len(self.layout.params)} parameters in {len(self.opt.param_groups)} "
+        groups = self.opt.param_groups
+        op += (f" over {sum(len(g['params']) for g in groups)} parameters in {len(groups)} "
                "param groups")
         try:
             self.coll.agree(op, self.steps_called if step is None else step)
@@ -481,12 +507,14 @@ class DistributedOffload(Offload):
         rank's share: a collective every rank must call; each gets the whole state (DTensors
         under FSDP2). For states larger than RAM use tiermem.dist.dcp.save."""
         self.agree("opt.state_dict()")
+        self._check_groups("optimizer.state_dict()")
         return torch_state_dict(self.opt, self._whole_state(
             self.offloaded.export_state(model_dtype=False), model_dtype=False))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
         rank loads its pieces. Not a collective."""
+        self._check_groups("optimizer.load_state_dict()")
         # each parameter's entry by its place in the saved groups (torch's mapping); every
         # rank is given the same state dict, so all refuse alike, before anything changes
         entries, _ = param_entries(state_dict, "each rank's share")

@@ -42,6 +42,7 @@ class ZeroLayout:
         self.grads_mode = grads
         self.bucket_bytes = bucket_bytes
         self.params: list[torch.Tensor] = []
+        self.group_sizes: list[int] = []  # parameters per param group
         self.shares: list[GroupShares] = []
         self.dtypes: list[torch.dtype] = []
         self.pieces: list[list[Piece]] = []
@@ -74,6 +75,7 @@ class ZeroLayout:
         share = GroupShares(g, len(self.params), numels, share_cuts(numels, self.coll.world))
         me = self.coll.rank
         self.params += params
+        self.group_sizes.append(len(params))
         self.shares.append(share)
         self.dtypes.append(dtype)
         pieces = share.pieces(me)
@@ -95,6 +97,7 @@ class ZeroLayout:
         for pc in self.pieces.pop():
             del self.shadow_index[pc.index]
         del self.params[share.first_index:]
+        self.group_sizes.pop()
         self.dtypes.pop()
         self.views.pop()
         self.share_elements -= share.size(self.coll.rank)
