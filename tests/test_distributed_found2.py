@@ -387,9 +387,11 @@ def added_groups(rank: int, world: int, tmp: str) -> None:
 def added_groups_crash(rank: int, world: int, tmp: str) -> None:
     """Groups added under crash_consistent are committed with the step they are added at;
     a run kept on disk after them resumes with the optimizer built with every group (each
-    rank's manifest says where its pieces of the added groups lie) and goes on bitwise; a
-    dcp.save of it loads into a fresh run alike."""
+    rank's manifest says where its pieces of the added groups lie) and goes on bitwise, as
+    a dcp.save of it loaded into a fresh run does; `tiermem recover` of the kept shares
+    gives the plain optimizer's state_dict and weights."""
     from tiermem.dist import dcp
+    from tiermem.swap.recover import gather
 
     model = Synthetic()
     ref_model = copy.deepcopy(model)
@@ -403,6 +405,11 @@ def added_groups_crash(rank: int, world: int, tmp: str) -> None:
             raise _Keep()
     except _Keep:
         pass
+    barrier()  # every rank's share kept: `tiermem recover` puts them back together
+    got = gather(os.path.join(tmp, f"tiermem-grow-rank{rank}"))
+    compare_state_dicts(got["optimizer"], ref_opt.state_dict(), exact=True)
+    for k, v in ref_model.state_dict().items():
+        assert_same_tensor(got["model"][k], v, f"recovered {k}")
     for how in ("resume", "dcp"):
         m = Synthetic(seed=1)  # the resume must put the committed weights back
         if how == "dcp":
