@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tiermem
 from dist_harness import launch
@@ -24,7 +25,7 @@ from test_distributed import outcome
 
 FOUND = ["helpers-uneven-grads", "dcp-uneven-grads", "commit-writes-split", "added-groups",
          "added-groups-crash", "added-group-one-rank", "fsdp2-added-group",
-         "appended-group-refused"]
+         "appended-group-refused", "allreduced-uneven-grads"]
 
 
 @pytest.fixture(scope="module")
@@ -476,6 +477,29 @@ def appended_group_refused(rank: int, world: int, tmp: str) -> None:
         tm.discard()
 
 
+def allreduced_uneven_grads(rank: int, world: int, tmp: str) -> None:
+    """distributed.grads: allreduced with gradients on different parameters per rank (a
+    hand-made average that skips the side branch, used on rank 0 only): no collective
+    agreed on which parameters have gradients, so side.* was stepped by none of its owners
+    (rank 1, with none) while rank 0's gradient went nowhere, silently. Every rank now
+    refuses the step, saying what allreduced needs; with the same set it steps on."""
+    model = Synthetic()
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=20, grads="allreduced"), model=model) as tm:
+        local_backward(model, make_batches(model, 3, seed=10 + rank)[2], 2, rank)
+        assert (model.side.weight.grad is not None) == (rank == 0)  # used_side(2, rank)
+        for n, p in model.named_parameters():
+            if not n.startswith("side"):
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        _refused_fast(opt.step, expect=True, why="every rank must have gradients for the "
+                      "same parameters", timeout=20)
+        for p in model.side.parameters():
+            p.grad = None
+        opt.step()
+        tm.discard()
+
+
 def fsdp2_added_group(rank: int, world: int, tmp: str) -> None:
     """add_param_group on fully_shard parameters: the added group's local shards are tiered
     from then on; weights and state equal the plain AdamW's that added the same group."""
@@ -521,6 +545,7 @@ def run_named(rank: int, world: int, base: str, names: list[str]) -> dict:
         "added-group-one-rank": added_group_one_rank,
         "fsdp2-added-group": fsdp2_added_group,
         "appended-group-refused": appended_group_refused,
+        "allreduced-uneven-grads": allreduced_uneven_grads,
     }
 
     def run(name):

@@ -90,6 +90,7 @@ class Collectives:
         _instances[(name, group_id)] += 1
         self.prefix = f"tiermem/{name}/{group_id}/{instance}/"
         self.where = "set-up"
+        self._agreements = 0  # agree() calls: the same count on every rank
         # Often enough that a dead rank is named soon after a wait fails, rarely enough that
         # the store (rank 0's TCPStore under torchrun) does not notice.
         self.beat = min(5.0, max(0.1, timeout / 10))
@@ -174,8 +175,13 @@ class Collectives:
         the group is left in step."""
         if self.world == 1:
             return
-        self._set(f"op/{self.rank}", f"{op} (opt.step() calls in this block so far: "
-                                     f"{step})")
+        # Two keys per rank, taken in turn: a rank may write its next operation's before a
+        # slower one read this one's (never the one after: that needs the slower one in the
+        # next agreement, after its reading), and the store does not grow with the steps.
+        key = f"op/{{}}/{self._agreements % 2}"
+        self._agreements += 1
+        self._set(key.format(self.rank), f"{op} (opt.step() calls in this block so far: "
+                                         f"{step})")
         code = float(int.from_bytes(hashlib.sha1(op.encode()).digest()[:6], "big"))
         # MAX of (x, -x) gives the largest and the smallest x: equal only if all agree
         t = torch.tensor([code, -code, float(step), -float(step)], dtype=torch.float64)
@@ -185,7 +191,7 @@ class Collectives:
         doing = []
         for r in range(self.world):
             try:
-                doing.append(f"rank {self.global_rank(r)} is in {self._get(f'op/{r}')}")
+                doing.append(f"rank {self.global_rank(r)} is in {self._get(key.format(r))}")
             except Exception:  # the store only explains; the mismatch itself is certain
                 doing.append(f"rank {self.global_rank(r)} could not say")
         raise RankMismatch(f"rank {self.global_rank(self.rank)}: the ranks are not in the same "

@@ -56,6 +56,13 @@ INIT_WHY = ("get_optimizer_state_dict, set_optimizer_state_dict, get_state_dict 
             "opt.zero_grad()) or after the first opt.step(). On the ranks that took it, torch "
             "left every param group's lr at 0 and every gradient at zeros")
 
+GRADS_WHY = ("distributed.grads: allreduced takes each rank's gradients as averaged already "
+             "(DDP's), so every rank must have gradients for the same parameters; a "
+             "parameter with one on some ranks only would not be stepped, or by some of its "
+             "owners only. Average every parameter's gradient on every rank (DDP with "
+             "find_unused_parameters=True), or use distributed.grads: reduce_scatter, which "
+             "counts a missing gradient as zero")
+
 
 def wanted(optimizer: torch.optim.Optimizer, process_group: Any) -> bool:
     """Shard when a group is given, torch.distributed is initialised, or the parameters are
@@ -409,7 +416,13 @@ class DistributedOffload(Offload):
         called = self.steps_called + 1
         self.coll.arrive(called)
         if not self.layout.fsdp:  # an FSDP2 step communicates nothing: it pairs with nothing
-            self.agree(INIT_STEP if in_torch_state_init() else "opt.step()", called)
+            op = INIT_STEP if in_torch_state_init() else "opt.step()"
+            if self.layout.grads_mode == "allreduced":
+                # No collective agrees on which parameters have gradients (DDP gives every
+                # rank the same set): a parameter with one on some ranks only would be
+                # stepped by none, or by some of its owners, without a word.
+                op += self.layout.grads_signature()
+            self.agree(op, called)
         self._check_groups("optimizer.step()")
         self.steps_called = called  # not before: a refused step is no step
         comm = self._fresh_comm()
@@ -450,6 +463,8 @@ class DistributedOffload(Offload):
         except RankMismatch as exc:
             if any(INIT_STEP in d for d in exc.doing):
                 raise RankMismatch(f"{exc}. {INIT_WHY}", exc.doing) from None
+            if len({d.split(" with gradients on ")[-1] for d in exc.doing}) > 1:
+                raise RankMismatch(f"{exc}. {GRADS_WHY}", exc.doing) from None
             raise
 
     def _start_weights(self, comm: dict[str, float]) -> Any:

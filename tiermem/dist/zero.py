@@ -18,6 +18,7 @@ share; the padding is never read.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -136,6 +137,12 @@ class ZeroLayout:
             self.coll.wait(self.coll.all_reduce(local, torch.distributed.ReduceOp.MAX),
                            "agreeing on which parameters have gradients")
         return {i for i, v in enumerate(local.tolist()) if v}
+
+    def grads_signature(self) -> str:
+        """Which parameters have a gradient on this rank, as text two ranks can compare."""
+        flags = bytes(p.grad is not None for p in self.params)
+        return (f" with gradients on {sum(flags)} of {len(flags)} parameters (set "
+                f"{hashlib.sha1(flags).hexdigest()[:8]})")
 
     def grads_in(self, present: set[int], stats: dict) -> None:
         """Give every view its averaged gradient (None when no rank has one)."""
