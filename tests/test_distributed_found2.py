@@ -363,11 +363,20 @@ def added_groups(rank: int, world: int, tmp: str) -> None:
     """add_param_group inside the block under a process group (it was refused): every rank
     adds the same group, which is cut into shares as at set-up; weights, state_dict() and
     the state at exit equal the plain AdamW's that added the same groups, bitwise, for
-    both gradient modes."""
-    for n, grads in enumerate(("reduce_scatter", "allreduced")):
+    both gradient modes, and Adagrad's (whose added groups hold no state until stepped)."""
+    def adagrad(m):  # state made by __init__ only: an added group starts with none
+        named = dict(m.named_parameters())
+        return torch.optim.Adagrad([named[n] for n in FIRST], lr=0.05,
+                                   initial_accumulator_value=0.1)
+
+    def adamw(m):
+        return _adamw(m, FIRST, amsgrad=True)
+
+    for n, (grads, make) in enumerate((("reduce_scatter", adamw), ("allreduced", adamw),
+                                       ("reduce_scatter", adagrad))):
         model = Synthetic()
         ref_model = copy.deepcopy(model)
-        opt, ref_opt = _adamw(model, FIRST, amsgrad=True), _adamw(ref_model, FIRST, amsgrad=True)
+        opt, ref_opt = make(model), make(ref_model)
         cfg = small_cfg(os.path.join(tmp, str(n)), timeout=30, grads=grads)
         with tiermem.offload(opt, cfg, model=model) as tm:
             set_up = tm.plan()["share_elements"]
