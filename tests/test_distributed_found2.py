@@ -25,7 +25,7 @@ from test_distributed import outcome
 
 FOUND = ["helpers-uneven-grads", "dcp-uneven-grads", "commit-writes-split", "added-groups",
          "added-groups-crash", "added-group-one-rank", "fsdp2-added-group",
-         "appended-group-refused", "allreduced-uneven-grads"]
+         "appended-group-refused", "allreduced-uneven-grads", "two-blocks"]
 
 
 @pytest.fixture(scope="module")
@@ -509,6 +509,44 @@ def allreduced_uneven_grads(rank: int, world: int, tmp: str) -> None:
         tm.discard()
 
 
+def two_blocks(rank: int, world: int, tmp: str) -> None:
+    """Two offload blocks open at once over one group (a GAN's two optimizers, AdamW and SGD)
+    step bitwise as the plain ones. A rank stepping one while the other steps the other (two
+    models of one shape) paired the two steps' collectives and went on with each other's
+    gradients, silently; every rank refuses it now, naming each rank's block."""
+    a, b = Synthetic(), Synthetic(seed=1)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    opts = [torch.optim.AdamW(groups_of(a), lr=1e-2, foreach=False),
+            torch.optim.SGD(groups_of(b), lr=0.05, momentum=0.9)]
+    refs = [torch.optim.AdamW(groups_of(ref_a), lr=1e-2, foreach=False),
+            torch.optim.SGD(groups_of(ref_b), lr=0.05, momentum=0.9)]
+    batches = make_batches(a, 3, seed=10 + rank)
+    with tiermem.offload(opts[0], small_cfg(os.path.join(tmp, "a"), timeout=20), model=a,
+                         name="a"), \
+            tiermem.offload(opts[1], small_cfg(os.path.join(tmp, "b"), timeout=20), model=b,
+                            name="b"):
+        for i in range(2):
+            for m, o, r, ro in ((a, opts[0], ref_a, refs[0]), (b, opts[1], ref_b, refs[1])):
+                for mm, oo in ((m, o), (r, ro)):
+                    local_backward(mm, batches[i], i, rank)
+                    if mm is r:
+                        averaged(mm, world)
+                    oo.step()
+                    oo.zero_grad()
+    compare_runs(a, opts[0], ref_a, refs[0], exact=True)
+    compare_runs(b, opts[1], ref_b, refs[1], exact=True)
+    opts = [torch.optim.AdamW(groups_of(m), lr=1e-2) for m in (a, b)]
+    with tiermem.offload(opts[0], small_cfg(os.path.join(tmp, "c"), timeout=20), model=a,
+                         name="c") as t1, \
+            tiermem.offload(opts[1], small_cfg(os.path.join(tmp, "d"), timeout=20), model=b,
+                            name="d") as t2:
+        local_backward((a, b)[rank], batches[2], 2, rank)
+        _refused_fast(opts[rank].step, expect=True, why="rank 1 is in opt.step() over 7 "
+                      "parameters in 2 param groups of tiermem.offload(name='d')", timeout=20)
+        t1.discard()
+        t2.discard()
+
+
 def fsdp2_added_group(rank: int, world: int, tmp: str) -> None:
     """add_param_group on fully_shard parameters: the added group's local shards are tiered
     from then on; weights and state equal the plain AdamW's that added the same group."""
@@ -555,6 +593,7 @@ def run_named(rank: int, world: int, base: str, names: list[str]) -> dict:
         "fsdp2-added-group": fsdp2_added_group,
         "appended-group-refused": appended_group_refused,
         "allreduced-uneven-grads": allreduced_uneven_grads,
+        "two-blocks": two_blocks,
     }
 
     def run(name):

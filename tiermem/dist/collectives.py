@@ -38,6 +38,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # how many offloads this process built over each group (its ranks) under each name: every
 # member of a group builds the same ones in the same order, whatever other groups it is in
 _instances: collections.Counter = collections.Counter()
+# Collectives.agree calls over each group (its ranks), whichever block made them: every rank
+# makes them in the same order, each one a collective over the group
+_agreements: collections.Counter = collections.Counter()
 
 
 class PeerError(TierMemError):
@@ -46,9 +49,9 @@ class PeerError(TierMemError):
 
 class RankMismatch(TierMemError):
     """The ranks entered different operations (Collectives.agree); `doing`: what each rank
-    said it was doing, in rank order."""
+    said it was doing, in rank order (None where the store could not say)."""
 
-    def __init__(self, message: str, doing: list[str]) -> None:
+    def __init__(self, message: str, doing: list[str | None]) -> None:
         super().__init__(message)
         self.doing = doing
 
@@ -89,8 +92,9 @@ class Collectives:
         instance = _instances[(name, group_id)]
         _instances[(name, group_id)] += 1
         self.prefix = f"tiermem/{name}/{group_id}/{instance}/"
+        self.group_id = group_id
+        self.block = f"tiermem.offload(name={name!r})" + (f" #{instance + 1}" if instance else "")
         self.where = "set-up"
-        self._agreements = 0  # agree() calls: the same count on every rank
         # Often enough that a dead rank is named soon after a wait fails, rarely enough that
         # the store (rank 0's TCPStore under torchrun) does not notice.
         self.beat = min(5.0, max(0.1, timeout / 10))
@@ -175,27 +179,39 @@ class Collectives:
         the group is left in step."""
         if self.world == 1:
             return
-        # Two keys per rank, taken in turn: a rank may write its next operation's before a
-        # slower one read this one's (never the one after: that needs the slower one in the
-        # next agreement, after its reading), and the store does not grow with the steps.
-        key = f"op/{{}}/{self._agreements % 2}"
-        self._agreements += 1
-        self._set(key.format(self.rank), f"{op} (opt.step() calls in this block so far: "
-                                         f"{step})")
-        code = float(int.from_bytes(hashlib.sha1(op.encode()).digest()[:6], "big"))
+        # What each rank is doing, under keys of the group, not of this block (the ranks may
+        # be in different blocks); two keys per rank, taken in turn: a rank may write its
+        # next agreement's before a slower one read this one's (never the one after: that
+        # needs the slower one in the next agreement, after its reading), and the store
+        # does not grow with the steps.
+        n = _agreements[self.group_id]
+        _agreements[self.group_id] += 1
+        key = f"tiermem/agree/{self.group_id}/{{}}/{n % 2}"
+        mine = f"{op} of {self.block} (opt.step() calls in this block so far: {step})"
+        try:
+            self.store.set(key.format(self.rank), mine)
+        except Exception:
+            pass  # the store only explains a mismatch
+        # the block too: two offloads open at once over one group (a GAN's two optimizers)
+        # issue collectives of the same shapes
+        code = float(int.from_bytes(hashlib.sha1((self.prefix + op).encode()).digest()[:6],
+                                    "big"))
         # MAX of (x, -x) gives the largest and the smallest x: equal only if all agree
         t = torch.tensor([code, -code, float(step), -float(step)], dtype=torch.float64)
         self.wait(self.all_reduce(t, dist.ReduceOp.MAX), f"starting {op}")
         if t[0] == -t[1] and t[2] == -t[3]:
             return
-        doing = []
+        doing: list[str | None] = []
         for r in range(self.world):
             try:
-                doing.append(f"rank {self.global_rank(r)} is in {self._get(key.format(r))}")
+                got = self.store.get(key.format(r)).decode(errors="replace")
             except Exception:  # the store only explains; the mismatch itself is certain
-                doing.append(f"rank {self.global_rank(r)} could not say")
+                got = None
+            doing.append(got)
+        said = "; ".join(f"rank {self.global_rank(r)} is in {d}" if d is not None else
+                         f"rank {self.global_rank(r)} could not say" for r, d in enumerate(doing))
         raise RankMismatch(f"rank {self.global_rank(self.rank)}: the ranks are not in the same "
-                           f"operation ({'; '.join(doing)}); every rank must call opt.step(), "
+                           f"operation ({said}); every rank must call opt.step(), "
                            "opt.state_dict(), tiermem.dist.dcp's save and load, and leave "
                            "tiermem.offload, together and in the same order", doing)
 

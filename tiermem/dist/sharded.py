@@ -461,9 +461,12 @@ class DistributedOffload(Offload):
         try:
             self.coll.agree(op, self.steps_called if step is None else step)
         except RankMismatch as exc:
-            if any(INIT_STEP in d for d in exc.doing):
+            said = [d or "" for d in exc.doing]
+            if any(INIT_STEP in d for d in said):
                 raise RankMismatch(f"{exc}. {INIT_WHY}", exc.doing) from None
-            if len({d.split(" with gradients on ")[-1] for d in exc.doing}) > 1:
+            marker = " with gradients on "
+            if all(marker in d for d in said) and len({d.split(marker)[0] for d in said}) == 1 \
+                    and len({d.split(marker)[1] for d in said}) > 1:
                 raise RankMismatch(f"{exc}. {GRADS_WHY}", exc.doing) from None
             raise
 
