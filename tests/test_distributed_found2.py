@@ -420,6 +420,22 @@ def added_groups_crash(rank: int, world: int, tmp: str) -> None:
     compare_state_dicts(got["optimizer"], ref_opt.state_dict(), exact=True)
     for k, v in ref_model.state_dict().items():
         assert_same_tensor(got["model"][k], v, f"recovered {k}")
+    # Resumed without the group added last (which rank 0 owns none of): every rank refuses,
+    # naming the groups (rank 0, whose pieces are the same, accepted it and blamed rank 1,
+    # which blamed the world size)
+    m = Synthetic()
+    opt = _adamw(m, FIRST)
+    named = dict(m.named_parameters())
+    opt.add_param_group({**ADDS[1][0], "params": [named[n] for n in ADDS[1][0]["params"]]})
+    try:
+        with tiermem.offload(opt, cfg, model=m, name="grow", resume=True):
+            pass
+    except tiermem.TierMemError as exc:
+        assert "over 7 parameters in 3 param groups, and this optimizer has 6 parameters in " \
+            "2 param groups" in str(exc), exc
+    else:
+        raise AssertionError("resumed without the added group")
+    barrier()
     for how in ("resume", "dcp"):
         m = Synthetic(seed=1)  # the resume must put the committed weights back
         if how == "dcp":
