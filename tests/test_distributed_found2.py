@@ -145,9 +145,9 @@ def helpers_uneven_grads(rank: int, world: int, tmp: str) -> None:
                          model=model) as tm:
         if rank == 0:
             local_backward(model, batches[2], 2, rank)
-        # rank 0 loads (not a collective); rank 1's lr-0 step meets rank 0's next step
+        # rank 0 loads (not a collective); the others' lr-0 step meets rank 0's next step
         _refused_fast(lambda: set_optimizer_state_dict(model, opt, copy.deepcopy(sd)),
-                      expect=rank == 1, why=why, timeout=timeout)
+                      expect=rank != 0, why=why, timeout=timeout)
         if rank == 0:
             _refused_fast(opt.step, expect=True, why=why, timeout=timeout)
         tm.discard()
