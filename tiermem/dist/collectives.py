@@ -38,10 +38,22 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # how many offloads this process built over each group (its ranks) under each name: every
 # member of a group builds the same ones in the same order, whatever other groups it is in
 _instances: collections.Counter = collections.Counter()
+# Collectives.agree calls over each group (its ranks), whichever block made them: every rank
+# makes them in the same order, each one a collective over the group
+_agreements: collections.Counter = collections.Counter()
 
 
 class PeerError(TierMemError):
     """Another rank failed, hung or fell behind while this one waited in a collective."""
+
+
+class RankMismatch(TierMemError):
+    """The ranks entered different operations (Collectives.agree); `doing`: what each rank
+    said it was doing, in rank order (None where the store could not say)."""
+
+    def __init__(self, message: str, doing: list[str | None]) -> None:
+        super().__init__(message)
+        self.doing = doing
 
 
 def scalar_table(coll: Collectives | None, cols: Sequence[str],
@@ -80,6 +92,8 @@ class Collectives:
         instance = _instances[(name, group_id)]
         _instances[(name, group_id)] += 1
         self.prefix = f"tiermem/{name}/{group_id}/{instance}/"
+        self.group_id = group_id
+        self.block = f"tiermem.offload(name={name!r})" + (f" #{instance + 1}" if instance else "")
         self.where = "set-up"
         # Often enough that a dead rank is named soon after a wait fails, rarely enough that
         # the store (rank 0's TCPStore under torchrun) does not notice.
@@ -157,6 +171,53 @@ class Collectives:
         return [{k: torch.tensor(table[i, cols.index(k)].item(), dtype=torch.float32)
                  for k in keys if table[i, cols.index(k)] != -math.inf}
                 for i, keys in enumerate(keys_of)]
+
+    def agree(self, op: str, step: int) -> None:
+        """Check that every rank is entering the same operation (`op`; `step`: the calls of
+        opt.step() in this block so far, the one entered included) before its collectives:
+        the first collectives of two operations can have the same shape (a step's and a
+        state_dict's agreement on the parameters are both one float per parameter), so
+        ranks in different operations would pair them silently and go on with each other's
+        data, or wait for the timeout at the first collective that differs. One small
+        all-reduce; on a mismatch every rank raises, naming what each rank is doing, and
+        the group is left in step."""
+        if self.world == 1:
+            return
+        # What each rank is doing, under keys of the group, not of this block (the ranks may
+        # be in different blocks); two keys per rank, taken in turn: a rank may write its
+        # next agreement's before a slower one read this one's (never the one after: that
+        # needs the slower one in the next agreement, after its reading), and the store
+        # does not grow with the steps.
+        n = _agreements[self.group_id]
+        _agreements[self.group_id] += 1
+        key = f"tiermem/agree/{self.group_id}/{{}}/{n % 2}"
+        mine = f"{op} of {self.block} (opt.step() calls in this block so far: {step})"
+        try:
+            self.store.set(key.format(self.rank), mine)
+        except Exception:
+            pass  # the store only explains a mismatch
+        # the block too: two offloads open at once over one group (a GAN's two optimizers)
+        # issue collectives of the same shapes
+        code = float(int.from_bytes(hashlib.sha1((self.prefix + op).encode()).digest()[:6],
+                                    "big"))
+        # MAX of (x, -x) gives the largest and the smallest x: equal only if all agree
+        t = torch.tensor([code, -code, float(step), -float(step)], dtype=torch.float64)
+        self.wait(self.all_reduce(t, dist.ReduceOp.MAX), f"starting {op}")
+        if t[0] == -t[1] and t[2] == -t[3]:
+            return
+        doing: list[str | None] = []
+        for r in range(self.world):
+            try:
+                got = self.store.get(key.format(r)).decode(errors="replace")
+            except Exception:  # the store only explains; the mismatch itself is certain
+                got = None
+            doing.append(got)
+        said = "; ".join(f"rank {self.global_rank(r)} is in {d}" if d is not None else
+                         f"rank {self.global_rank(r)} could not say" for r, d in enumerate(doing))
+        raise RankMismatch(f"rank {self.global_rank(self.rank)}: the ranks are not in the same "
+                           f"operation ({said}); every rank must call opt.step(), "
+                           "opt.state_dict(), tiermem.dist.dcp's save and load, and leave "
+                           "tiermem.offload, together and in the same order", doing)
 
     def wait(self, work: Any, what: str) -> None:
         try:

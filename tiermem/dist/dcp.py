@@ -119,11 +119,12 @@ class _Source:
         return out.masked_fill_(out == -math.inf, math.nan)
 
 
-def _source(tm: Any) -> _Source:
+def _source(tm: Any, op: str) -> _Source:
     from tiermem.dist.sharded import DistributedOffload
 
     if isinstance(tm, DistributedOffload):
         _check_rule(tm.offloaded)
+        tm.agree(op)  # every rank is here, not in a step (the planners' collectives follow)
         flat = [pc for pcs in tm.layout.pieces for pc in pcs]
         return _Source(tm.offloaded, tm.opt, tm.layout.params,
                        lambda s: (flat[s.index].index, flat[s.index].start + s.start),
@@ -272,7 +273,7 @@ def save(tm: Any, path: str) -> dict[str, int]:
     """Write the tiered optimizer state of `tm` (inside its offload block) to a DCP checkpoint
     directory; under a process group every rank calls it. Returns figures of this rank
     (records_read, peak_live_bytes: the most checkpoint bytes this rank held at once)."""
-    src = _source(tm)
+    src = _source(tm, "tiermem.dist.dcp.save()")
     src.off.tiers.flush()
     planner = _SavePlanner(src)
     # One writer thread: items are resolved in plan order, one at a time.
@@ -472,7 +473,7 @@ def load(tm: Any, path: str) -> dict[str, int]:
     its offload block; under a process group every rank calls it. Hyperparameters of the
     param groups are restored too, as torch's load_state_dict does. Returns figures of this
     rank (peak_staged: the most partitions assembled in memory at once)."""
-    src = _source(tm)
+    src = _source(tm, "tiermem.dist.dcp.load()")
     src.off.tiers.flush()
     planner = _LoadPlanner(src)
     with warnings.catch_warnings():

@@ -34,22 +34,29 @@ class FsdpLayout:
 
     def __init__(self, opt: torch.optim.Optimizer, coll: Collectives) -> None:
         self.coll = coll
-        self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.params: list[torch.Tensor] = []
         self.pieces: list[list[Piece]] = []
         self.views: list[list[torch.Tensor]] = []
-        index = 0
-        for g, group in enumerate(opt.param_groups):
-            pcs, views = [], []
-            for p in group["params"]:
-                start = self._start(p, g)
-                local = p._local_tensor  # the shard's own storage: updated in place
-                if local.numel():
-                    pcs.append(Piece(index, start, local.numel(), 0))
-                    views.append(local.detach().view(-1))
-                index += 1
-            self.pieces.append(pcs)
-            self.views.append(views)
-        self.share_elements = sum(pc.length for pcs in self.pieces for pc in pcs)
+        self.share_elements = 0
+        self.group_sizes: list[int] = []  # parameters per param group
+        for group in opt.param_groups:
+            self.add_group(group)
+
+    def add_group(self, group: dict) -> None:
+        """One more param group (the optimizer's next): its parameters' local shards."""
+        g, params = len(self.pieces), list(group["params"])
+        starts = [self._start(p, g) for p in params]  # refused before anything changes
+        pcs, views = [], []
+        for p, start in zip(params, starts):
+            local = p._local_tensor  # the shard's own storage: updated in place
+            if local.numel():
+                pcs.append(Piece(len(self.params), start, local.numel(), 0))
+                views.append(local.detach().view(-1))
+            self.params.append(p)
+        self.pieces.append(pcs)
+        self.views.append(views)
+        self.group_sizes.append(len(params))
+        self.share_elements += sum(pc.length for pc in pcs)
 
     @staticmethod
     def _start(p: Any, g: int) -> int:
@@ -64,6 +71,13 @@ class FsdpLayout:
         _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         row = math.prod(p.shape[1:]) if p.dim() > 1 else 1
         return offset[0] * row if p.dim() else 0
+
+    def pop_group(self) -> None:
+        """Undo the last add_group (a group the shadow optimizer refused)."""
+        pcs = self.pieces.pop()
+        self.views.pop()
+        self.share_elements -= sum(pc.length for pc in pcs)
+        del self.params[len(self.params) - self.group_sizes.pop():]
 
     # -- a step: FSDP moved the gradients and moves the weights ----------------------------
 
@@ -102,7 +116,7 @@ class FsdpLayout:
             for v in views:
                 v.grad = None
 
-    def weights_out(self, stats: dict) -> None:
+    def weights_out(self, stats: dict, synced: Any = None) -> None:
         """Nothing to do: fully_shard all-gathers the updated shards before the next forward."""
 
     # -- state between the shards and torch's layout ---------------------------------------

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tiermem.partition import Partition
 from tiermem.dist.shard import spans
@@ -42,8 +42,12 @@ class WeightGather:
     """One step's all-gather of this rank's updated pieces into every rank's parameters."""
 
     def __init__(self, layout: Any, covers: dict[int, list[int]], active: Sequence[Partition],
-                 backwards: bool, stats: dict) -> None:
+                 backwards: bool, stats: dict,
+                 synced: Callable[[int, int, int], None] | None = None) -> None:
         self.lay = layout
+        # told (shadow parameter, version before, after) of each parameter the unpacking
+        # wrote other ranks' pieces into (OffloadedOptimizer.weights_synced)
+        self.synced = synced
         self.covers = covers  # partition id -> the windows it has elements in
         self.stats = stats
         self.order = list(range(len(layout.windows)))
@@ -137,4 +141,10 @@ class WeightGather:
                 continue
             slot = recv[r * n: (r + 1) * n]
             for index, start, length, o in spans(lay.shares[g].pieces(r), a, b):
-                lay._flat(index)[start: start + length].copy_(slot[o: o + length])
+                flat = lay._flat(index)
+                before = flat._version
+                flat[start: start + length].copy_(slot[o: o + length])
+                mine = lay.shadow_index.get(index)
+                if mine is not None and self.synced is not None:
+                    # this rank's own piece of the parameter shares its version counter
+                    self.synced(mine, before, flat._version)

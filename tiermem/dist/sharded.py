@@ -28,14 +28,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from tiermem.dist.collectives import Collectives
+from tiermem.dist.collectives import Collectives, RankMismatch
 from tiermem.config import Settings
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
 from tiermem.optim import amp
 from tiermem.optim.handle import Offload, mark_kept, resume_call
-from tiermem.optim.hooks import (Installed, load_with_hooks, run_post_hooks, run_pre_hooks,
-                                 step_called)
+from tiermem.optim.hooks import (Installed, in_torch_state_init, load_with_hooks,
+                                 run_post_hooks, run_pre_hooks, step_called)
 from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
 from tiermem.optim.state_io import param_entries, refuse_unkept_keys, torch_state_dict
 from tiermem.optim.rules import UnsupportedOptimizer
@@ -43,6 +43,25 @@ from tiermem.optim.rules.adam import MASTER_KEY
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.dist.zero import ZeroLayout
+
+
+# What a rank in torch's state-making step says it is doing (Collectives.agree), and why
+# the ranks then disagree
+INIT_STEP = ("the step torch.distributed.checkpoint.state_dict's helpers take on an optimizer "
+             "whose state is empty (zero gradients, lr 0)")
+INIT_WHY = ("get_optimizer_state_dict, set_optimizer_state_dict, get_state_dict and "
+            "set_state_dict take that step only on a rank where no parameter has a gradient, "
+            "and here some ranks had gradients and others none; under a process group it is a "
+            "collective. Call them when no rank holds gradients (before backward, or after "
+            "opt.zero_grad()) or after the first opt.step(). On the ranks that took it, torch "
+            "left every param group's lr at 0 and every gradient at zeros")
+
+GRADS_WHY = ("distributed.grads: allreduced takes each rank's gradients as averaged already "
+             "(DDP's), so every rank must have gradients for the same parameters; a "
+             "parameter with one on some ranks only would not be stepped, or by some of its "
+             "owners only. Average every parameter's gradient on every rank (DDP with "
+             "find_unused_parameters=True), or use distributed.grads: reduce_scatter, which "
+             "counts a missing gradient as zero")
 
 
 def wanted(optimizer: torch.optim.Optimizer, process_group: Any) -> bool:
@@ -173,7 +192,7 @@ class DistributedOffload(Offload):
             self._hooks.claim_amp()  # so every rank's GradScaler step reaches the refusal
         if resume and off.crash:
             # Each rank restored its own pieces' weights from its masters: share them.
-            self.layout.weights_out(self._fresh_comm())
+            self.layout.weights_out(self._fresh_comm(), off.weights_synced)
 
     def _build(self, settings: Settings, model: Any, name: str,
                resume: bool, previous: bool = False) -> OffloadedOptimizer:
@@ -194,6 +213,7 @@ class DistributedOffload(Offload):
         self.shadow.state.clear()
         self._seed(opt.state)
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._names = names  # for the pieces of a group added later
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
                         for pcs, vs in zip(lay.pieces, lay.views) for pc, v in zip(pcs, vs)])
         origins = [(pc.index, pc.start) for pcs in lay.pieces for pc in pcs]
@@ -300,8 +320,69 @@ class DistributedOffload(Offload):
         self._held = bool(self.layout.params) and (eager or bool((steps != 0).any()))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise TierMemError("add_param_group inside tiermem.offload under a process group "
-                           "is not supported: add the group before entering the block")
+        """Every rank adds the same group (not a collective; the next operation's agreement
+        refuses ranks that did not): torch's add_param_group on the user's optimizer, the
+        group cut into shares as at set-up (a group's cut depends on its own parameters
+        only, so the groups before keep their shares), and this rank's pieces added to the
+        shadow optimizer, whose OffloadedOptimizer partitions and tiers them (and commits,
+        under crash_consistent) as in one process."""
+        opt, lay, off = self.opt, self.layout, self.offloaded
+        self._check_groups("optimizer.add_param_group()")
+        type(opt).add_param_group(opt, param_group)
+        group = opt.param_groups[-1]
+        first = len(lay.params)
+        try:
+            lay.add_group(group)
+        except BaseException:
+            opt.param_groups.pop()  # refused means not added at all
+            raise
+        pieces, views = lay.pieces[-1], lay.views[-1]
+        shadow = len(off.origins)
+        # Before the shadow's add, which may commit: the manifest's share and the pieces'
+        # origins (stochastic rounding's streams) must cover the new pieces.
+        off.origins.extend((pc.index, pc.start) for pc in pieces)
+        off.names.update({id(v): self._names.get(id(lay.params[pc.index]), "")
+                          for pc, v in zip(pieces, views)})
+        share = off.share
+        saved = {k: list(share[k]) for k in ("pieces", "params", "group_params")}
+        share["pieces"] += [[pc.index, pc.start] for pc in pieces]
+        share["params"] += [{"name": self._names.get(id(p), ""), "shape": list(p.shape),
+                             "dtype": str(p.dtype).removeprefix("torch.")}
+                            for p in group["params"]]
+        share["group_params"].append(list(range(first, len(lay.params))))
+        try:
+            self.shadow.add_param_group({**_hyper(group), "params": views})
+        except BaseException:
+            share.update(saved)
+            del off.origins[shadow:]
+            lay.pop_group()
+            opt.param_groups.pop()
+            raise
+        self._at.update({pc.index: (len(lay.pieces) - 1, k) for k, pc in enumerate(pieces)})
+        self._covers = None  # new partitions, new windows
+
+    def _check_groups(self, what: str) -> None:
+        """The user's param groups hold the parameters the shares were cut from, group by
+        group, as in one process (OffloadedOptimizer.check_groups, which sees only the
+        shadow's): a group appended to param_groups, or groups replaced (Lightning's
+        BaseFinetuning on a resume), hold parameters no rank tiers, which every step passed
+        over without a word. Every rank runs the same code, so all refuse alike."""
+        groups, lay = self.opt.param_groups, self.layout
+        sizes = [len(g["params"]) for g in groups]
+        flat = [p for g in groups for p in g["params"]]
+        if sizes == lay.group_sizes and all(a is b for a, b in zip(flat, lay.params)):
+            return
+        known = {id(p) for p in lay.params}
+        new = [p for p in flat if id(p) not in known]
+        which = (f"{len(new)} parameters no rank's share holds (the first of shape "
+                 f"{tuple(new[0].shape)})" if new else "parameters moved, removed or regrouped")
+        raise TierMemError(
+            f"{what}: the optimizer's param_groups changed inside the tiermem.offload block "
+            f"other than through add_param_group: {len(groups)} groups of {sizes} parameters "
+            f"where the shares were cut from {len(lay.group_sizes)} of {lay.group_sizes}, "
+            f"with {which}. tiermem would not update them; add a group with "
+            "optimizer.add_param_group() on every rank, or set param_groups before entering "
+            "the block")
 
     def _sync_groups(self) -> None:
         """Hyperparameters (an lr scheduler's lr, ...) from the user's groups to the shadow's."""
@@ -341,8 +422,18 @@ class DistributedOffload(Offload):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.steps_called += 1
-        self.coll.arrive(self.steps_called)
+        called = self.steps_called + 1
+        self.coll.arrive(called)
+        if not self.layout.fsdp:  # an FSDP2 step communicates nothing: it pairs with nothing
+            op = INIT_STEP if in_torch_state_init() else "opt.step()"
+            if self.layout.grads_mode == "allreduced":
+                # No collective agrees on which parameters have gradients (DDP gives every
+                # rank the same set): a parameter with one on some ranks only would be
+                # stepped by none, or by some of its owners, without a word.
+                op += self.layout.grads_signature()
+            self.agree(op, called)
+        self._check_groups("optimizer.step()")
+        self.steps_called = called  # not before: a refused step is no step
         comm = self._fresh_comm()
         with torch.no_grad():
             self._sync_groups()
@@ -368,6 +459,26 @@ class DistributedOffload(Offload):
         run_post_hooks(opt, args, kwargs)
         return loss
 
+    def agree(self, op: str, step: int | None = None) -> None:
+        """Before an operation's collectives (a step, a state_dict, a DCP checkpoint, the
+        exit): every rank must be entering the same one (Collectives.agree), or all raise."""
+        # the layout too: a rank that did not add a param group the others did would
+        # communicate other shapes
+        groups = self.opt.param_groups
+        op += (f" over {sum(len(g['params']) for g in groups)} parameters in {len(groups)} "
+               "param groups")
+        try:
+            self.coll.agree(op, self.steps_called if step is None else step)
+        except RankMismatch as exc:
+            said = [d or "" for d in exc.doing]
+            if any(INIT_STEP in d for d in said):
+                raise RankMismatch(f"{exc}. {INIT_WHY}", exc.doing) from None
+            marker = " with gradients on "
+            if all(marker in d for d in said) and len({d.split(marker)[0] for d in said}) == 1 \
+                    and len({d.split(marker)[1] for d in said}) > 1:
+                raise RankMismatch(f"{exc}. {GRADS_WHY}", exc.doing) from None
+            raise
+
     def _start_weights(self, comm: dict[str, float]) -> Any:
         """The weight all-gather of this step, launched window by window from the step loop
         as partitions are updated (None when nothing is gathered: one rank, or FSDP2)."""
@@ -380,7 +491,8 @@ class DistributedOffload(Offload):
         # The pipeline walks its partitions backwards on odd steps (zig-zag); every rank
         # takes the direction from the step number, so all launch windows in one order.
         backwards = off.settings.pipeline.zigzag and self.steps_called % 2 == 0
-        gather = self.layout.start_weights(self._covers, active, backwards, comm)
+        gather = self.layout.start_weights(self._covers, active, backwards, comm,
+                                           off.weights_synced)
         off.after_update = gather.updated
         return gather
 
@@ -425,6 +537,8 @@ class DistributedOffload(Offload):
         """torch's optimizer state_dict of the whole model (fp32 moments), gathered from every
         rank's share: a collective every rank must call; each gets the whole state (DTensors
         under FSDP2). For states larger than RAM use tiermem.dist.dcp.save."""
+        self.agree("opt.state_dict()")
+        self._check_groups("optimizer.state_dict()")
         return torch_state_dict(self.opt, self._whole_state(
             self.offloaded.export_state(model_dtype=False), model_dtype=False))
 
@@ -432,6 +546,7 @@ class DistributedOffload(Offload):
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
         rank loads its pieces, between the optimizer's load_state_dict hooks. Not a
         collective."""
+        self._check_groups("optimizer.load_state_dict()")
         load_with_hooks(self.opt, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -556,6 +671,12 @@ class DistributedOffload(Offload):
         except TierMemError as exc:
             failed = exc
             self.coll.post_failure(exc)
+        try:
+            self.agree("leaving tiermem.offload")
+        except RankMismatch as exc:
+            # The others are elsewhere: no collective may follow, as on an exception.
+            self._exit_on_error(exc)
+            raise
         flags = self.coll.table([float(failed is None), float(fits)], "leaving tiermem.offload")
         off.detach()
         if all(row[0] for row in flags) and all(row[1] for row in flags):

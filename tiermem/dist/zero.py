@@ -23,10 +23,11 @@ column statistics) moves whole, from its one owner (gather_whole).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,7 +35,7 @@ from tiermem.dist.collectives import Collectives
 from tiermem.errors import TierMemError
 from tiermem.dist.gather import WeightGather
 from tiermem.partition import Partition
-from tiermem.dist.shard import GroupShares, Piece, plan_shares, spans
+from tiermem.dist.shard import GroupShares, Piece, share_cuts, spans
 
 
 class ZeroLayout:
@@ -47,35 +48,72 @@ class ZeroLayout:
         self.coll = coll
         self.grads_mode = grads
         self.whole = whole
-        self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.shares: list[GroupShares] = plan_shares(opt.param_groups, coll.world, whole)
-        self.dtypes = []
-        for g, group in enumerate(opt.param_groups):
-            kinds = {p.dtype for p in group["params"]}
-            if len(kinds) > 1:
-                raise TierMemError(
-                    f"param_groups[{g}] mixes dtypes ({sorted(map(str, kinds))}); under a "
-                    "process group tiermem communicates a group's gradients in one dtype: put "
-                    "parameters of different dtypes in different param groups")
-            self.dtypes.append(next(iter(kinds), torch.float32))
-        me = coll.rank
-        self.pieces: list[list[Piece]] = [s.pieces(me) for s in self.shares]
+        self.bucket_bytes = bucket_bytes
+        self.params: list[torch.Tensor] = []
+        self.group_sizes: list[int] = []  # parameters per param group
+        self.shares: list[GroupShares] = []
+        self.dtypes: list[torch.dtype] = []
+        self.pieces: list[list[Piece]] = []
         # The views the shadow optimizer updates: slices of the model's own storage (whole
         # parameters in their own shapes, for a rule whose math needs the shape).
-        self.views: list[list[torch.Tensor]] = [
-            [self.params[pc.index].detach() if whole else
-             self.params[pc.index].detach().view(-1)[pc.start: pc.start + pc.length]
-             for pc in pcs] for pcs in self.pieces]
-        self.share_elements = sum(s.size(me) for s in self.shares)
+        self.views: list[list[torch.Tensor]] = []
+        self.share_elements = 0
+        # parameter index -> its piece's place among the shadow optimizer's parameters
+        self.shadow_index: dict[int, int] = {}
         # This rank's averaged gradient share per group, padded to the widest share (the
         # reduce-scatter writes whole windows); allocated at the first reduce-scatter.
-        self._share_grad: list[torch.Tensor | None] = [None] * len(self.shares)
+        self._share_grad: list[torch.Tensor | None] = []
         self.windows: list[tuple[int, int, int]] = []  # (group, a, b) share offsets
-        for s, dtype in zip(self.shares, self.dtypes):
-            width = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
-            self.windows += [(s.group, a, min(a + width, s.widest))
-                             for a in range(0, s.widest, width)]
         self._staging: dict[tuple[torch.dtype, int, str], torch.Tensor] = {}
+        for group in opt.param_groups:
+            self.add_group(group)
+
+    def add_group(self, group: dict) -> None:
+        """Cut one more param group (the optimizer's next) into the ranks' shares. A group's
+        cut depends on its own parameters only (plan_shares), so the groups before keep
+        theirs: every rank adding the same group gets the split all the others do."""
+        g, params = len(self.shares), list(group["params"])
+        kinds = {p.dtype for p in params}
+        if len(kinds) > 1:
+            raise TierMemError(
+                f"param_groups[{g}] mixes dtypes ({sorted(map(str, kinds))}); under a "
+                "process group tiermem communicates a group's gradients in one dtype: put "
+                "parameters of different dtypes in different param groups")
+        dtype = next(iter(kinds), torch.float32)
+        numels = [p.numel() for p in params]
+        share = GroupShares(g, len(self.params), numels,
+                            share_cuts(numels, self.coll.world, self.whole))
+        me = self.coll.rank
+        self.params += params
+        self.group_sizes.append(len(params))
+        self.shares.append(share)
+        self.dtypes.append(dtype)
+        pieces = share.pieces(me)
+        self.shadow_index.update({pc.index: len(self.shadow_index) + k
+                                  for k, pc in enumerate(pieces)})
+        self.pieces.append(pieces)
+        self.views.append([self.params[pc.index].detach() if self.whole else
+                           self.params[pc.index].detach().view(-1)[pc.start: pc.start +
+                                                                   pc.length]
+                           for pc in pieces])
+        self.share_elements += share.size(me)
+        self._share_grad.append(None)
+        width = max(1, self.bucket_bytes // torch.empty((), dtype=dtype).element_size())
+        self.windows += [(g, a, min(a + width, share.widest))
+                         for a in range(0, share.widest, width)]
+
+    def pop_group(self) -> None:
+        """Undo the last add_group (a group the shadow optimizer refused)."""
+        share = self.shares.pop()
+        for pc in self.pieces.pop():
+            del self.shadow_index[pc.index]
+        del self.params[share.first_index:]
+        self.group_sizes.pop()
+        self.dtypes.pop()
+        self.views.pop()
+        self.share_elements -= share.size(self.coll.rank)
+        self._share_grad.pop()
+        self.windows = [w for w in self.windows if w[0] != share.group]
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -109,6 +147,12 @@ class ZeroLayout:
             self.coll.wait(self.coll.all_reduce(local, torch.distributed.ReduceOp.MAX),
                            "agreeing on which parameters have gradients")
         return {i for i, v in enumerate(local.tolist()) if v}
+
+    def grads_signature(self) -> str:
+        """Which parameters have a gradient on this rank, as text two ranks can compare."""
+        flags = bytes(p.grad is not None for p in self.params)
+        return (f" with gradients on {sum(flags)} of {len(flags)} parameters (set "
+                f"{hashlib.sha1(flags).hexdigest()[:8]})")
 
     def grads_in(self, present: set[int], stats: dict) -> None:
         """Give every view its averaged gradient (None when no rank has one)."""
@@ -175,16 +219,18 @@ class ZeroLayout:
         return out
 
     def start_weights(self, covers: dict[int, list[int]], active: Sequence[Partition],
-                      backwards: bool, stats: dict) -> WeightGather:
+                      backwards: bool, stats: dict,
+                      synced: Callable[[int, int, int], None] | None = None) -> WeightGather:
         """The weight all-gather of a step whose `active` partitions are about to be updated:
-        call its updated(part) after each, then finish()."""
-        return WeightGather(self, covers, active, backwards, stats)
+        call its updated(part) after each, then finish(). `synced`: WeightGather's."""
+        return WeightGather(self, covers, active, backwards, stats, synced)
 
-    def weights_out(self, stats: dict) -> None:
+    def weights_out(self, stats: dict,
+                    synced: Callable[[int, int, int], None] | None = None) -> None:
         """Every rank's current pieces into every rank's parameters, all at once."""
         if self.coll.world == 1:
             return  # the only share was updated in place
-        self.start_weights({}, [], False, stats).finish()
+        self.start_weights({}, [], False, stats, synced).finish()
 
     def _wait_timed(self, work: Any, what: str, stats: dict) -> None:
         t0 = time.monotonic()

@@ -9,6 +9,7 @@ lr schedulers and zero_grad keep working on the user's object.
 
 from __future__ import annotations
 
+import sys
 import types
 from collections import defaultdict
 from typing import Any, Callable, Protocol
@@ -199,6 +200,25 @@ class Installed:
         self.opt.__dict__.pop(ATTR, None)
         release_state(self.opt, self._state)
         self._originals = None
+
+
+def in_torch_state_init(depth: int = 8) -> bool:
+    """Whether the opt.step() running now was called by torch's `_init_optim_state`
+    (torch.distributed.checkpoint.state_dict's, or FSDP's): the step with zero gradients
+    and lr 0 that get_optimizer_state_dict / set_optimizer_state_dict take on an optimizer
+    whose state is empty, only on a rank where no parameter has a gradient. Told by the
+    caller's frame, not by the step's look (a real first step under a warm-up schedule
+    can have lr 0 too); `depth` frames up: an lr scheduler's wrapper and the hooked
+    method sit between."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == "_init_optim_state"
+                and str(frame.f_globals.get("__name__", "")).startswith("torch.")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def run_pre_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple:

@@ -229,8 +229,9 @@ class OffloadedOptimizer:
         # then starts from the first fill (what tiermem did before it kept them).
         self.stateless: set[int] = set()
         self.stateless_known = True
-        # p._version of each parameter at the last commit (crash_consistent): which weights
-        # changed since, for _refresh_edited_masters; None before the first commit
+        # p._version of each parameter at the last commit, or since the weights were
+        # restored from one (crash_consistent): which weights changed since, for
+        # _refresh_edited_masters; None before either
         self._versions: dict[int, int] | None = None
         # parameters a scratch step has updated so far (a failed one uncounts the rest)
         self.updated_now: set[int] = set()
@@ -1167,7 +1168,17 @@ class OffloadedOptimizer:
         meta = self._meta(step)
         self.tiers.commit(**meta)
         self.committed_step = meta["step"]
-        self._versions = {i: p._version for i, p in enumerate(self.params)}
+        self._versions = {i: p._version for i, p in enumerate(self.params)}  # as committed
+
+    def weights_synced(self, index: int, before: int, after: int) -> None:
+        """Parameter `index`'s weights went from version `before` to `after` by writes that
+        changed none of this optimizer's elements of it (a rank's all-gather of its peers'
+        pieces into the parameter its own piece is a view of): no edit, so the next commit
+        need not copy them into the master. An edit before it still counts: the version
+        then no longer is the one the last commit saw."""
+        seen = self._versions
+        if seen is not None and seen.get(index) == before:
+            seen[index] = after
 
     def _refresh_edited_masters(self) -> None:
         """An fp32 CPU model's records keep a master only as the copy a commit keeps: its
@@ -1175,7 +1186,8 @@ class OffloadedOptimizer:
         counts), and an update copies them into the master. A parameter that took no step
         since its weights were changed kept the master of before, so a resume put back its
         weights of before the change: copy them in before the commit (the version counter
-        says which changed; a rank's all-gather of the weights counts too)."""
+        says which changed; a rank's all-gather of its peers' pieces does not:
+        weights_synced)."""
         seen = self._versions
         if seen is None or self.weights is not None:
             return
@@ -1268,6 +1280,10 @@ class OffloadedOptimizer:
                     for s, sl in zip(part.segments, part.slices(kind)):
                         s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
                             views[kind][sl])
+        # The weights are the commit's now, as after a commit: an edit from here on is one
+        # the next commit must see (a resume never commits before its first step, so with no
+        # snapshot an edit made before a step some parameters take no part in was lost)
+        self._versions = {i: p._version for i, p in enumerate(self.params)}
 
     def _model_weights(self, part: Partition, *, changed: bool = False
                        ) -> contextlib.AbstractContextManager:

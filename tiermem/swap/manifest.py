@@ -303,11 +303,24 @@ def _same_share(m: Manifest, share: dict, run_dir: str) -> None:
     kept = m.share or {}
     if not kept and share:
         return  # an earlier tiermem's manifest, which kept no share: the layout check alone
-    if (kept.get("world"), kept.get("rank"), kept.get("pieces")) == \
-            (share.get("world"), share.get("rank"), share.get("pieces")):
+    keys = ("world", "rank", "pieces", "group_params")
+    if all(kept.get(k) == share.get(k) for k in keys):
         return
     def who(s: dict) -> str:
         return (f"rank {s['rank']} of {s['world']}" if s else "one process (no process group)")
+    def groups(s: dict) -> str:
+        return (f"{len(s.get('params', []))} parameters in {len(s.get('group_params', []))} "
+                "param groups")
+    if kept and share and (kept.get("world"), kept.get("rank")) == \
+            (share.get("world"), share.get("rank")):
+        # Same rank of the same world size: the optimizer's groups differ (a group added
+        # inside the kept block, left out now; a rank owning none of it still differs in
+        # group_params, so every rank refuses alike)
+        raise TierMemError(
+            f"cannot resume from {run_dir}: it holds the share of {who(kept)} over "
+            f"{groups(kept)}, and this optimizer has {groups(share)}; resume with the "
+            "optimizer's param groups as the kept run had them (groups it added with "
+            "add_param_group inside the block included)")
     raise TierMemError(
         f"cannot resume from {run_dir}: it holds the share of {who(kept)}, and this is "
         f"{who(share)}; a resume continues on the same world size, each rank from its own "
