@@ -1,0 +1,172 @@
+"""Framework scenarios as users write them, each against the same run without tiermem:
+weights and optimizer state bitwise (kernel: match), or a clear refusal.
+
+Lightning's `LightningOptimizer` and Fabric's `_FabricOptimizer` make a class per wrapper
+that derives from the optimizer's class: the methods they do not define themselves
+(zero_grad, state_dict, load_state_dict, schedule-free's train()/eval()) run the optimizer
+class's code on the wrapper, past the methods tiermem puts on the optimizer instance,
+unless tiermem routes them (tiermem/optim/wrappers.py) - whichever of the two the user
+passed to tiermem.offload, and whenever the wrapper was made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiermem
+from offload_helpers import assert_same_tensor, compare_state_dicts, config, listdir
+
+
+def cfg(tmp_path: Path, offload: str = "none") -> dict:
+    c = config(tmp_path / "swap", host=0, kernel="match")
+    c["parameters"] = {"offload": offload}
+    return c
+
+
+def _fabric():
+    return pytest.importorskip("lightning.fabric", reason="lightning is not installed "
+                               "(pip install -e '.[integrations]')")
+
+
+def _lightning():
+    return pytest.importorskip("lightning.pytorch", reason="lightning is not installed "
+                               "(pip install -e '.[integrations]')")
+
+
+def _net() -> torch.nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 1100), torch.nn.Tanh(),
+                                   torch.nn.Linear(1100, 8))
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert_same_tensor(p.detach(), q.detach(), f"param {name}")
+
+
+# -- 1. the inner optimizer of a Lightning / Fabric wrapper passed to tiermem.offload ----
+
+
+@pytest.mark.parametrize("sf, offload, late", [
+    (False, "host", False), (True, "none", False), (False, "host", True)],
+    ids=["parameters-host", "schedulefree", "setup-inside-the-block"])
+def test_fabric_inner_optimizer_passed_routes_the_wrapper(tmp_path, sf, offload, late):
+    # tiermem.offload(fabric_opt.optimizer, ...): the wrapper's zero_grad() (parameters
+    # offload: "a backward with no zero_grad() since the last optimizer.step()") and
+    # schedule-free's train()/eval() ran the optimizer class's code on the wrapper, past
+    # tiermem. Also with fabric.setup called inside the block (the wrapper made later).
+    _fabric()
+    from lightning.fabric import Fabric
+
+    def run(tiered: bool):
+        model = _net()
+        if sf:
+            schedulefree = pytest.importorskip("schedulefree")
+            opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-2, warmup_steps=2)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fabric = Fabric(accelerator="cpu", devices=1)
+        if not late:
+            model, opt = fabric.setup(model, opt)
+        g = torch.Generator().manual_seed(1)
+        saved = []
+        inner = opt if late else opt.optimizer
+        with tiermem.offload(inner, cfg(tmp_path, offload), model=model) if tiered \
+                else contextlib.nullcontext():
+            if late:
+                model, opt = fabric.setup(model, opt)
+            if sf:
+                opt.train()
+            for _ in range(3):
+                x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+                fabric.backward((model(x) - y).square().mean())
+                opt.step()
+                opt.zero_grad()
+            if sf:
+                opt.eval()
+            saved.append(copy.deepcopy(opt.state_dict()))
+        return model, opt, saved
+
+    (tm, to, ts), (pm, po, ps) = run(True), run(False)
+    _same_weights(tm, pm)
+    compare_state_dicts(to.state_dict(), po.state_dict())
+    compare_state_dicts(ts[0], ps[0])
+    assert listdir(tmp_path / "swap") == []
+
+
+def test_lightning_inner_optimizer_passed_routes_the_wrapper(tmp_path):
+    # tiermem.offload(self.optimizers().optimizer, ...) in the module: the state_dict() of
+    # self.optimizers() was empty and its load_state_dict() loaded into the wrapper (not
+    # the tiers), as torch's methods ran on the wrapper.
+    _lightning()
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    models = [_net(), _net()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    wrappers = [LightningOptimizer(o) for o in opts]
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    with tiermem.offload(opts[1], cfg(tmp_path)):
+        for _ in range(2):
+            for m, w in zip(models, wrappers):
+                (m(x) - y).square().mean().backward()
+                w.optimizer.step()
+                w.zero_grad()
+        saved = copy.deepcopy(wrappers[1].state_dict())
+        compare_state_dicts(saved, wrappers[0].state_dict())
+        (models[1](x) - y).square().mean().backward()
+        wrappers[1].optimizer.step()
+        wrappers[1].load_state_dict(saved)  # back to step 2, into the tiers
+        compare_state_dicts(opts[1].state_dict(), saved)
+    assert "state" not in vars(wrappers[1]) and "param_groups" not in vars(wrappers[1])
+    compare_state_dicts(opts[1].state_dict(), opts[0].state_dict())
+    assert listdir(tmp_path / "swap") == []
+
+
+def test_lightning_wrapper_of_another_optimizer_is_left_alone(tmp_path):
+    # The routing is for the wrappers of the tiered optimizer only: another optimizer's
+    # wrapper runs exactly what it ran before (no train() appears on it either).
+    _lightning()
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    a, b = _net(), _net()
+    tiered = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    other = LightningOptimizer(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9))
+    with tiermem.offload(tiered, cfg(tmp_path)):
+        assert not hasattr(other, "train")
+        assert type(other).zero_grad is torch.optim.Optimizer.zero_grad
+        (b(torch.ones(2, 16))).sum().backward()
+        other.optimizer.step()
+        assert other.state_dict()["state"]  # torch's own, on the plain SGD
+
+
+def test_lightning_fit_inside_a_block_on_the_optimizer_it_returns(tmp_path):
+    # with tiermem.offload(opt, ...): trainer.fit(module), where configure_optimizers
+    # returns that opt: Lightning wraps it during the fit, inside the block, and zeroes the
+    # gradients through its wrapper (optimizer_zero_grad), which ran torch's zero_grad
+    # on the wrapper: with parameters.offload the next backward raised "no zero_grad()".
+    _lightning()
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from test_integration_lightning import Tiny, fit
+
+    class Given(Tiny):
+        def __init__(self) -> None:
+            super().__init__(batches=3)
+            self.opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.05)
+
+        def configure_optimizers(self):
+            return self.opt
+
+    plain, tiered = Given(), Given()
+    fit(tmp_path / "plain", plain, max_steps=3)
+    with tiermem.offload(tiered.opt, cfg(tmp_path, "host"), model=tiered):
+        fit(tmp_path / "tiered", tiered, max_steps=3)
+    _same_weights(tiered, plain)
+    compare_state_dicts(tiered.opt.state_dict(), plain.opt.state_dict())
+    assert not {"zero_grad", "state_dict"} & set(vars(LightningOptimizer))  # routing ended
+    assert listdir(tmp_path / "swap") == []
