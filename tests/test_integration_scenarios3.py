@@ -170,3 +170,50 @@ def test_lightning_fit_inside_a_block_on_the_optimizer_it_returns(tmp_path):
     compare_state_dicts(tiered.opt.state_dict(), plain.opt.state_dict())
     assert not {"zero_grad", "state_dict"} & set(vars(LightningOptimizer))  # routing ended
     assert listdir(tmp_path / "swap") == []
+
+
+def test_inner_optimizer_of_an_accelerate_grad_scaler_wrapper_is_refused(tmp_path):
+    # mixed_precision="fp16" (a GradScaler): tiermem.offload(opt) refuses the
+    # AcceleratedOptimizer, whose step puts the optimizer's original step method back on
+    # it. Given its .optimizer instead, the block opened and every step ran torch's
+    # step past tiermem (nothing tiered; after a load_state_dict into the tiers, a step
+    # on an empty state), silently. Refused the same way.
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    from accelerate.optimizer import AcceleratedOptimizer
+    from tiermem.optim.hooks import installed
+    from tiermem.optim.rules import UnsupportedOptimizer
+
+    from test_integration_accelerate import fresh_accelerator
+
+    fresh_accelerator()
+    opt = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    wrapped = AcceleratedOptimizer(opt, device_placement=False,
+                                   scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(UnsupportedOptimizer, match="GradScaler"):
+        with tiermem.offload(wrapped.optimizer, cfg(tmp_path)):
+            pass
+    assert installed(opt) is None
+    # without a scaler, Accelerate's step calls the inner optimizer's: tiered
+    plain = AcceleratedOptimizer(torch.optim.AdamW(torch.nn.Linear(4, 4).parameters()),
+                                 device_placement=False)
+    with tiermem.offload(plain.optimizer, cfg(tmp_path)):
+        assert installed(plain.optimizer) is not None
+
+
+def test_the_refusal_finds_a_wrapper_whose_dict_was_asked_for(tmp_path):
+    # vars(wrapper) makes its attributes a dict of their own, which the garbage collector
+    # then names as what refers to the optimizer (always so on Python 3.10)
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    from accelerate.optimizer import AcceleratedOptimizer
+    from tiermem.optim.rules import UnsupportedOptimizer
+
+    from test_integration_accelerate import fresh_accelerator
+
+    fresh_accelerator()
+    opt = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    wrapped = AcceleratedOptimizer(opt, device_placement=False,
+                                   scaler=torch.amp.GradScaler("cpu"))
+    assert vars(wrapped)["optimizer"] is opt
+    with pytest.raises(UnsupportedOptimizer, match="GradScaler"):
+        with tiermem.offload(opt, cfg(tmp_path)):
+            pass

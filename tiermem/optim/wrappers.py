@@ -21,6 +21,7 @@ ended 6e-3 away from its plain run, with no error).
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any, Callable, Iterable
 
@@ -80,7 +81,31 @@ def unwrap(optimizer: Any) -> tuple[torch.optim.Optimizer, str | None]:
             f"does not know, around a {type(inner).__module__}.{type(inner).__qualname__} in "
             f"its .{attr}: pass that (tiermem.offload(wrapper.{attr}, ...)) and keep "
             "stepping through the wrapper if its step reaches the inner optimizer's step")
+    _check_accelerate_around(obj)
     return obj, " -> ".join(removed) or None
+
+
+def _check_accelerate_around(inner: torch.optim.Optimizer) -> None:
+    """Refuse `inner` when an AcceleratedOptimizer with a GradScaler holds it: passed its
+    `.optimizer` rather than the wrapper, the block opened and each of the wrapper's steps
+    put torch's own step method on `inner` (_check_accelerate), so every step ran past
+    tiermem, silently. Nothing reaches a wrapper from the optimizer it holds but the
+    garbage collector's list of who refers to it: searched once, as the block opens, and
+    only where Accelerate is loaded."""
+    cls = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
+    if not isinstance(cls, type):
+        return
+    for ref in gc.get_referrers(inner):
+        # the wrapper, or its __dict__ (Python 3.10, or a dict once asked for by vars());
+        # a dict is followed to its owner only if it has the wrapper's two attributes
+        if type(ref) is dict:
+            wrapper_like = ref.get("optimizer") is inner and "scaler" in ref
+            owners = gc.get_referrers(ref) if wrapper_like else ()
+        else:
+            owners = (ref,)
+        for owner in owners:
+            if isinstance(owner, cls) and vars(owner).get("optimizer") is inner:
+                _check_accelerate(owner)
 
 
 # (wrapper class, method name) -> [its _Routed, how many open blocks route it]
