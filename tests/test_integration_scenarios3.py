@@ -217,3 +217,58 @@ def test_the_refusal_finds_a_wrapper_whose_dict_was_asked_for(tmp_path):
     with pytest.raises(UnsupportedOptimizer, match="GradScaler"):
         with tiermem.offload(opt, cfg(tmp_path)):
             pass
+
+
+def test_accelerate_grad_scaler_wrapper_made_inside_the_block_steps_on_after_it(tmp_path):
+    # accelerator.prepare inside the block with mixed_precision="fp16": the wrapper keeps
+    # the step method the optimizer has then (tiermem's) and puts it back after each of
+    # its steps, also after the block. That method then failed with KeyError: '_tiermem';
+    # the block is over and the state handed back, so it steps as the plain optimizer.
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from test_integration_accelerate import fresh_accelerator
+
+    def run(tiered: bool):
+        fresh_accelerator()
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+
+        def steps(wrapper, n):
+            for _ in range(n):
+                x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+                wrapper.scaler.scale((model(x) - y).square().mean()).backward()
+                wrapper.step()
+                wrapper.zero_grad()
+
+        with tiermem.offload(opt, cfg(tmp_path)) if tiered else contextlib.nullcontext():
+            wrapper = AcceleratedOptimizer(opt, device_placement=False,
+                                           scaler=torch.amp.GradScaler("cpu"))
+            steps(wrapper, 2)
+        steps(wrapper, 2)
+        return model, opt
+
+    (tm, to), (pm, po) = run(True), run(False)
+    _same_weights(tm, pm)
+    compare_state_dicts(to.state_dict(), po.state_dict())
+
+
+def test_a_step_method_kept_past_a_block_that_kept_the_state_on_disk_refuses(tmp_path):
+    # The same kept method after a block that left the state on disk (it did not fit in
+    # host memory): the optimizer's state is not in it, so the step raises what the
+    # block's guard says, as opt.step() does, instead of a plain step on an empty state.
+    from unittest import mock
+
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with mock.patch("tiermem.optim.handle.available_memory", return_value=0):
+        with pytest.warns(tiermem.TierMemWarning, match="stays on disk"):
+            with tiermem.offload(opt, cfg(tmp_path)):
+                kept_step = opt.step  # as Accelerate's GradScaler path keeps it
+                model(torch.ones(2, 16)).sum().backward()
+                opt.step()
+    for call in (kept_step, opt.step):
+        with pytest.raises(tiermem.TierMemError, match="resume"):
+            call()
+    assert not opt.state
