@@ -272,3 +272,115 @@ def test_a_step_method_kept_past_a_block_that_kept_the_state_on_disk_refuses(tmp
         with pytest.raises(tiermem.TierMemError, match="resume"):
             call()
     assert not opt.state
+
+
+# -- 2. resumes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.Adafactor(ps, lr=1e-2)], ids=["AdamW", "SGD", "Adafactor"])
+@pytest.mark.parametrize("when", ["inside", "before"])
+def test_a_checkpoint_of_a_resized_model_is_refused(tmp_path, make, when):
+    # A resume from an optimizer checkpoint taken before the model was resized
+    # (resize_token_embeddings, a changed head): each state tensor went into the records
+    # as a flat run of elements, a larger one cut to fit, and training went on from a
+    # state that was never this parameter's, silently. The plain optimizer's next step
+    # raises on the mismatch. Loaded inside the block (Lightning's ckpt_path=,
+    # accelerator.load_state) or into the plain optimizer before it (the Trainer's
+    # resume_from_checkpoint, which loads before on_train_begin): refused either way.
+    from tiermem.errors import TierMemError
+
+    old, new = torch.nn.Linear(40, 40), torch.nn.Linear(40, 30)
+    opt_old = make(old.parameters())
+    old(torch.ones(2, 40)).sum().backward()
+    opt_old.step()
+    saved = opt_old.state_dict()
+
+    plain = make(new.parameters())
+    plain.load_state_dict(saved)
+    new(torch.ones(2, 40)).sum().backward()
+    with pytest.raises(RuntimeError):
+        plain.step()
+
+    opt = make(new.parameters())
+    if when == "before":
+        opt.load_state_dict(saved)
+    with pytest.raises(TierMemError, match=r"\(shape \(30, 40\)\) has .* of shape \(40, "):
+        with tiermem.offload(opt, cfg(tmp_path)):
+            if when == "inside":
+                opt.load_state_dict(saved)
+    assert listdir(tmp_path / "swap") == []
+
+
+def test_a_refused_load_inside_the_block_changes_nothing(tmp_path):
+    # The refusal comes before the load replaces anything: the block goes on from the
+    # state it had, as the plain optimizer, whose load succeeded, would not
+    from tiermem.errors import TierMemError
+
+    models = [_net(), _net()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    other = torch.nn.Sequential(torch.nn.Linear(16, 1000), torch.nn.Tanh(),
+                                torch.nn.Linear(1000, 8))
+    opt_other = torch.optim.AdamW(other.parameters(), lr=0.5)
+    other(torch.ones(2, 16)).sum().backward()
+    opt_other.step()
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    with tiermem.offload(opts[1], cfg(tmp_path)):
+        for step in range(3):
+            for m, opt in zip(models, opts):
+                (m(x) - y).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            if step == 0:
+                with pytest.raises(TierMemError, match="resized"):
+                    opts[1].load_state_dict(opt_other.state_dict())
+    _same_weights(models[1], models[0])
+    compare_state_dicts(opts[1].state_dict(), opts[0].state_dict())
+
+
+def test_fabric_save_and_load_mid_run_equal_plain(tmp_path):
+    # Fabric as its docs write a resumable loop: fabric.save / fabric.load of a state dict
+    # holding the wrapped model and optimizer, a scheduler, accumulation under
+    # no_backward_sync, fabric.clip_gradients, zero_grad(set_to_none=False); the inner
+    # optimizer passed to tiermem.offload, the weights in the parameter tier.
+    _fabric()
+    from lightning.fabric import Fabric
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g))
+            for _ in range(8)]
+
+    def run(tiered: bool, save: Path | None = None, load: Path | None = None):
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, 1, 0.8)
+        state = {"model": model, "optimizer": opt, "sched": sched, "it": 0}
+        with tiermem.offload(opt.optimizer, cfg(tmp_path, "host"), model=model) if tiered \
+                else contextlib.nullcontext():
+            if load is not None:
+                fabric.load(load, state)
+            for i in range(state["it"], len(data)):
+                x, y = data[i]
+                with fabric.no_backward_sync(model, enabled=i % 2 == 0):
+                    fabric.backward((model(x) - y).square().mean())
+                if i % 2:
+                    fabric.clip_gradients(model, opt, max_norm=0.05)
+                    opt.step()
+                    opt.zero_grad(set_to_none=False)
+                    sched.step()
+                state["it"] = i + 1
+                if save is not None and i == 3:
+                    fabric.save(save, state)
+        return model, opt
+
+    plain = run(False, save=tmp_path / "plain.ckpt")
+    tiered = run(True, save=tmp_path / "tiered.ckpt")
+    resumed = run(True, load=tmp_path / "tiered.ckpt")
+    for model, opt in (tiered, resumed):
+        _same_weights(model, plain[0])
+        compare_state_dicts(opt.state_dict(), plain[1].state_dict())
+    assert listdir(tmp_path / "swap") == []
