@@ -384,3 +384,39 @@ def test_fabric_save_and_load_mid_run_equal_plain(tmp_path):
         _same_weights(model, plain[0])
         compare_state_dicts(opt.state_dict(), plain[1].state_dict())
     assert listdir(tmp_path / "swap") == []
+
+
+def test_a_checkpoint_of_a_resized_model_is_refused_on_the_sharded_path(tmp_path):
+    # torch.distributed (each rank tiers its share, as under Lightning's or Accelerate's
+    # DDP): the pieces were cut from the loaded tensors as from the parameter, silently.
+    # Every parameter's entry is checked, not only this rank's pieces', so all ranks
+    # refuse alike; one rank's group stands in for them. The block goes on after a
+    # refused load.
+    import torch.distributed as dist
+
+    from tiermem.errors import TierMemError
+
+    old, new = torch.nn.Linear(40, 40), torch.nn.Linear(40, 30)
+    opt_old = torch.optim.AdamW(old.parameters(), lr=1e-2)
+    old(torch.ones(2, 40)).sum().backward()
+    opt_old.step()
+    saved = opt_old.state_dict()
+    tmp_path.chmod(0o700)  # tiermem refuses swap paths others can write
+    c = cfg(tmp_path)
+    c["distributed"] = {"grads": "allreduced"}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
+                            world_size=1)
+    try:
+        opt = torch.optim.AdamW(new.parameters(), lr=1e-2)
+        with tiermem.offload(opt, c, name="inside", process_group=dist.group.WORLD):
+            with pytest.raises(TierMemError, match=r"parameter 0 \(shape \(30, 40\)\) has"):
+                opt.load_state_dict(saved)
+            new(torch.ones(2, 40)).sum().backward()
+            opt.step()
+        opt = torch.optim.AdamW(new.parameters(), lr=1e-2)
+        opt.load_state_dict(saved)
+        with pytest.raises(TierMemError, match=r"parameter 0 \(shape \(30, 40\)\) has"):
+            with tiermem.offload(opt, c, name="before", process_group=dist.group.WORLD):
+                pass
+    finally:
+        dist.destroy_process_group()
