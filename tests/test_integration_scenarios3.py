@@ -420,3 +420,36 @@ def test_a_checkpoint_of_a_resized_model_is_refused_on_the_sharded_path(tmp_path
                 pass
     finally:
         dist.destroy_process_group()
+
+
+def test_lightning_module_tiering_its_own_inner_optimizer(tmp_path):
+    # A LightningModule that tiers its optimizer itself, in on_train_start, passing
+    # self.optimizers().optimizer (manual optimization, weights in the parameter tier):
+    # self.optimizers().zero_grad() left the tier's gradients ("no zero_grad() since the
+    # last optimizer.step()") and its state_dict() was empty.
+    _lightning()
+    from test_integration_scenarios2 import _manual_module
+    from test_integration_lightning import fit
+
+    manual = _manual_module()
+
+    class TiersItself(manual):
+        def on_train_start(self):
+            self.block = contextlib.ExitStack()
+            self.block.enter_context(tiermem.offload(
+                self.optimizers().optimizer, cfg(tmp_path, "host"), model=self))
+
+        def on_train_end(self):
+            self.block.close()
+
+    plain, tiered = manual(), TiersItself()
+    fit(tmp_path / "plain", plain, max_steps=3)
+    fit(tmp_path / "tiered", tiered, max_steps=3)
+    _same_weights(tiered, plain)
+    assert len(tiered.saved) == len(plain.saved) == 3
+    for a, b in zip(tiered.saved, plain.saved):
+        assert b["state"]
+        compare_state_dicts(a, b)
+    compare_state_dicts(tiered.trainer.optimizers[0].state_dict(),
+                        plain.trainer.optimizers[0].state_dict())
+    assert listdir(tmp_path / "swap") == []
