@@ -453,3 +453,27 @@ def test_lightning_module_tiering_its_own_inner_optimizer(tmp_path):
     compare_state_dicts(tiered.trainer.optimizers[0].state_dict(),
                         plain.trainer.optimizers[0].state_dict())
     assert listdir(tmp_path / "swap") == []
+
+
+def test_an_accelerate_grad_scaler_wrapper_no_longer_used_is_no_refusal(tmp_path):
+    # The wrapper's patched step refers to the wrapper: one dropped (the optimizer
+    # prepared again, by another Accelerator without fp16) lives on until a collection,
+    # and was found among the optimizer's referrers: a refusal of an optimizer that no
+    # GradScaler steps any more.
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    import gc
+
+    from accelerate.optimizer import AcceleratedOptimizer
+    from tiermem.optim.hooks import installed
+
+    from test_integration_accelerate import fresh_accelerator
+
+    fresh_accelerator()
+    opt = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    gc.disable()  # no collection of its own between the drop and the block
+    try:
+        AcceleratedOptimizer(opt, device_placement=False, scaler=torch.amp.GradScaler("cpu"))
+        with tiermem.offload(opt, cfg(tmp_path)):
+            assert installed(opt) is not None
+    finally:
+        gc.enable()

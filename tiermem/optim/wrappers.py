@@ -91,10 +91,20 @@ def _check_accelerate_around(inner: torch.optim.Optimizer) -> None:
     put torch's own step method on `inner` (_check_accelerate), so every step ran past
     tiermem, silently. Nothing reaches a wrapper from the optimizer it holds but the
     garbage collector's list of who refers to it: searched once, as the block opens, and
-    only where Accelerate is loaded."""
+    only where Accelerate is loaded. Such a wrapper is in a reference cycle (its patched
+    step refers to it), so one no longer used lives on until a collection: one runs
+    before a wrapper found is refused."""
     cls = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
-    if not isinstance(cls, type):
+    if not isinstance(cls, type) or not _scaled_wrappers(inner, cls):
         return
+    gc.collect()
+    for wrapper in _scaled_wrappers(inner, cls):
+        _check_accelerate(wrapper)
+
+
+def _scaled_wrappers(inner: torch.optim.Optimizer, cls: type) -> list[Any]:
+    """The instances of `cls` (AcceleratedOptimizer) holding `inner` with a GradScaler."""
+    found = []
     for ref in gc.get_referrers(inner):
         # the wrapper, or its __dict__ (Python 3.10, or a dict once asked for by vars());
         # a dict is followed to its owner only if it has the wrapper's two attributes
@@ -103,9 +113,10 @@ def _check_accelerate_around(inner: torch.optim.Optimizer) -> None:
             owners = gc.get_referrers(ref) if wrapper_like else ()
         else:
             owners = (ref,)
-        for owner in owners:
-            if isinstance(owner, cls) and vars(owner).get("optimizer") is inner:
-                _check_accelerate(owner)
+        found += [owner for owner in owners
+                  if isinstance(owner, cls) and vars(owner).get("optimizer") is inner
+                  and getattr(owner, "scaler", None) is not None]
+    return found
 
 
 # (wrapper class, method name) -> [its _Routed, how many open blocks route it]
