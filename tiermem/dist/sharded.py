@@ -263,10 +263,31 @@ class DistributedOffload(Offload):
                            "crash-consistent step apart go back to the lower one, but not "
                            "these")
 
+    def _refuse_misshapen(self, entries: dict[int, Any]) -> None:
+        """Refuse a parameter's per-element state whose size is not the parameter's (a
+        checkpoint of the model before it was resized): its pieces were cut from it as
+        from the parameter, silently, where the plain optimizer's next step raises. Every
+        parameter's entry is checked, not only this rank's pieces', so that every rank,
+        given the same state, refuses alike."""
+        for i, st in entries.items():
+            if not (0 <= i < len(self.layout.params)) or not isinstance(st, dict):
+                continue
+            whole = self.layout.params[i]
+            for key, v in st.items():
+                if (isinstance(v, torch.Tensor) and key != "step" and v.dim() > 0
+                        and v.numel() != whole.numel()):
+                    raise TierMemError(
+                        f"the state loaded for parameter {i} (shape {tuple(whole.shape)}) "
+                        f"has {key!r} of shape {tuple(v.shape)}: a state_dict of another "
+                        "model (or of this one before it was resized) cannot be loaded; the "
+                        "plain optimizer's next step would fail on it")
+
     def _seed(self, state: dict) -> None:
         """State already in the user's optimizer (a checkpoint loaded before offload): its
         pieces become the shadow's, which OffloadedOptimizer imports into the tiers."""
         index = {id(p): i for i, p in enumerate(self.layout.params)}
+        self._refuse_misshapen({index[id(p)]: st for p, st in state.items()
+                                if id(p) in index})
         for p, st in state.items():
             i = index.get(id(p))
             if not st or i is None or i not in self._at:
@@ -559,6 +580,7 @@ class DistributedOffload(Offload):
         refuse_unkept_keys(self.rule, self.opt, entries,
                            lambda i: state_dict["param_groups"][group_of[i]],
                            lambda i: "of the whole model", "loaded has")
+        self._refuse_misshapen(entries)
         type(self.opt).load_state_dict(self.opt, {"state": {},
                                                   "param_groups": state_dict["param_groups"]})
         self._sync_groups()

@@ -148,10 +148,11 @@ class TiermemCallback(pl.Callback):
 
 def _wrapped(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
     """The trainer's optimizers as `self.optimizers()` gives them to the module (in their
-    LightningOptimizer), so that tiermem.offload also routes the wrapper's zero_grad,
-    state_dict and train()/eval(), which would otherwise run the optimizer class's own
-    code on the wrapper, past tiermem's hooks (tiermem/optim/wrappers.py); the plain
-    optimizer where Lightning has wrapped none (a wrapper of another one is not used)."""
+    LightningOptimizer), which tiermem.offload unwraps (tm.plan() says so); the plain
+    optimizer where Lightning has wrapped none (a wrapper of another one is not used).
+    Either way the wrapper's zero_grad, state_dict and train()/eval() reach the tiers:
+    tiermem.offload routes them for every wrapper of the optimizer it tiers
+    (tiermem/optim/wrappers.py)."""
     plain = list(trainer.optimizers)
     wrapped = pl_module.optimizers(use_pl_optimizer=True)
     wrapped = wrapped if isinstance(wrapped, list) else [wrapped]

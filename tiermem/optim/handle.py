@@ -19,14 +19,12 @@ import torch
 
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim import clipping
+from tiermem.optim.hooks import KEPT
 from tiermem.optim.offloaded import OffloadedOptimizer
 from tiermem.optim.state_io import drop_param_state
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
 from tiermem.telemetry.stats import StepStats
-
-
-KEPT = "_tiermem_kept"  # instance attribute of an optimizer whose state a block kept on disk
 
 
 def resume_call(name: str) -> str:

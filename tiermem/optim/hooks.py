@@ -21,6 +21,7 @@ from tiermem.errors import TierMemError
 
 HOOKED = ("step", "state_dict", "load_state_dict", "add_param_group")
 ATTR = "_tiermem"  # the instance attribute that names the target while installed
+KEPT = "_tiermem_kept"  # instance attribute of an optimizer whose state a block kept on disk
 # GradScaler hands an optimizer that sets this its scale and inf flag (tiermem/optim/amp.py)
 AMP = "_step_supports_amp_scaling"
 
@@ -149,23 +150,35 @@ class Installed:
         # Plain functions bound to the optimizer, so an lr scheduler that wraps opt.step
         # (it re-binds step.__func__ to opt) still lands here.
         def step(opt_self, closure=None):
-            return opt_self.__dict__[ATTR].step(closure)
+            target = opt_self.__dict__.get(ATTR)
+            if target is None:
+                return after_the_block(opt_self, step, closure)
+            return target.step(closure)
 
         # torch's lr schedulers look for this mark to know opt.step reports its calls
         # (the targets set opt._opt_called, as their wrapper would).
         step._wrapped_by_lr_sched = True
 
         def state_dict(opt_self):
-            return opt_self.__dict__[ATTR].state_dict()
+            target = opt_self.__dict__.get(ATTR)
+            if target is None:
+                return after_the_block(opt_self, state_dict)
+            return target.state_dict()
 
         def load_state_dict(opt_self, state_dict):
-            out = opt_self.__dict__[ATTR].load_state_dict(state_dict)
+            target = opt_self.__dict__.get(ATTR)
+            if target is None:
+                return after_the_block(opt_self, load_state_dict, state_dict)
+            out = target.load_state_dict(state_dict)
             if held is not None:  # torch's own load, called inside, made a new opt.state
                 hold_state(opt_self, held)
             return out
 
         def add_param_group(opt_self, param_group):
-            return opt_self.__dict__[ATTR].add_param_group(param_group)
+            target = opt_self.__dict__.get(ATTR)
+            if target is None:
+                return after_the_block(opt_self, add_param_group, param_group)
+            return target.add_param_group(param_group)
 
         held = getattr(target, "holds_state", None)
         self._state = opt.state
@@ -176,7 +189,10 @@ class Installed:
             setattr(opt, fn.__name__, types.MethodType(fn, opt))
         for name in extra:
             def method(opt_self, *args, _name=name, **kwargs):
-                return opt_self.__dict__[ATTR].call_state_method(_name, *args, **kwargs)
+                target = opt_self.__dict__.get(ATTR)
+                if target is None:
+                    return after_the_block(opt_self, method, *args, **kwargs)
+                return target.call_state_method(_name, *args, **kwargs)
             method.__name__ = name
             setattr(opt, name, types.MethodType(method, opt))
 
@@ -219,6 +235,19 @@ def in_torch_state_init(depth: int = 8) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def after_the_block(opt: torch.optim.Optimizer, hook: Callable, *args: Any,
+                    **kwargs: Any) -> Any:
+    """Run the optimizer class's method in place of `hook`, one of the methods a block put
+    on `opt`, called after the block was left: something kept the bound method
+    (Accelerate's GradScaler path keeps `opt.step` as it was when accelerator.prepare ran,
+    and puts it back after each of its steps). The state is back in `opt`, unless the
+    block kept it on disk, where step() raises what the block's guard says."""
+    kept = opt.__dict__.get(KEPT)
+    if kept is not None and hook.__name__ == "step":
+        raise TierMemError(kept[1])
+    return getattr(type(opt), hook.__name__)(opt, *args, **kwargs)
 
 
 def run_pre_hooks(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple:

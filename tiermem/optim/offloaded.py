@@ -1317,6 +1317,8 @@ class OffloadedOptimizer:
         state = {p: self.rule.from_torch_state(self._shaped(p), self.opt.param_groups[
             self._group_of(index[id(p)])], st) for p, st in state.items()}
         for p, st in state.items():
+            self._refuse_misshapen(index[id(p)], st)
+        for p, st in state.items():
             i = index[id(p)]
             if "step" in st:
                 self.steps[i] = float(st["step"])
@@ -1327,6 +1329,27 @@ class OffloadedOptimizer:
             self.scalars[i] = self.rule.host_scalars(st, group)
             self._next_scalars.pop(i, None)
         scatter(self.tiers, self.parts, self.rule.torch_keys, state)
+
+    def _refuse_misshapen(self, i: int, st: dict[str, Any]) -> None:
+        """Refuse state of parameter `i` that is not the size of what its record holds
+        (a checkpoint of a model since resized, as by resize_token_embeddings): the
+        records take a flat run of each tensor's elements, so a larger one was cut to fit,
+        silently, where the plain optimizer's next step raises on the mismatch."""
+        shaped = self._shaped(self.params[i])
+        group = self.opt.param_groups[self._group_of(i)]
+        expected = [(k, shape) for k, shape, _ in self.rule.torch_state_tensors(
+            shaped, group, shaped.dtype)]
+        if "master" in self.rule.torch_keys:  # an fp32 master of a low-precision weight
+            expected.append((self.rule.torch_keys["master"], tuple(shaped.shape)))
+        for key, shape in expected:
+            value = st.get(key)
+            if isinstance(value, torch.Tensor) and value.numel() != math.prod(shape):
+                name = self.names.get(id(self.params[i])) or f"parameter {i}"
+                raise TierMemError(
+                    f"the state loaded for {name} (shape {tuple(shaped.shape)}) has "
+                    f"{key!r} of shape {tuple(value.shape)}, where {shape} is expected: a "
+                    "state_dict of another model (or of this one before it was resized) "
+                    "cannot be loaded; the plain optimizer's next step would fail on it")
 
     def export_state(self, *, model_dtype: bool) -> dict[torch.Tensor, dict[str, Any]]:
         """Gather every record into per-parameter tensors (torch's layout), partition by partition.
@@ -1446,6 +1469,9 @@ class OffloadedOptimizer:
         # each parameter's entry, by its place in the saved groups (torch's mapping)
         entries, others = param_entries(state_dict, "tiermem's records")
         self._refuse_unkept_keys(entries, saved_groups, "loaded has")
+        for i, st in entries.items():  # before anything is replaced: a refusal changes nothing
+            if 0 <= i < len(self.params) and isinstance(st, dict):
+                self._refuse_misshapen(i, st)
         # torch's own load takes the groups, and the entries under keys that are no
         # parameter (MADGRAD's count in state['k']) into opt.state, where they stay; the
         # optimizer's own load_state_dict also gets whatever else its state_dict() added

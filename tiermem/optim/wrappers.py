@@ -21,7 +21,8 @@ ended 6e-3 away from its plain run, with no error).
 
 from __future__ import annotations
 
-import types
+import gc
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
@@ -80,44 +81,136 @@ def unwrap(optimizer: Any) -> tuple[torch.optim.Optimizer, str | None]:
             f"does not know, around a {type(inner).__module__}.{type(inner).__qualname__} in "
             f"its .{attr}: pass that (tiermem.offload(wrapper.{attr}, ...)) and keep "
             "stepping through the wrapper if its step reaches the inner optimizer's step")
+    _check_accelerate_around(obj)
     return obj, " -> ".join(removed) or None
 
 
-def route_wrappers(optimizer: Any, inner: torch.optim.Optimizer,
-                   names: Iterable[str]) -> Callable[[], None]:
-    """Make each known wrapper around `inner` in `optimizer` (as tiermem.offload got it)
-    call `inner`'s own `names` methods, the ones tiermem put on that instance; returns
-    what undoes it.
+def _check_accelerate_around(inner: torch.optim.Optimizer) -> None:
+    """Refuse `inner` when an AcceleratedOptimizer with a GradScaler holds it: passed its
+    `.optimizer` rather than the wrapper, the block opened and each of the wrapper's steps
+    put torch's own step method on `inner` (_check_accelerate), so every step ran past
+    tiermem, silently. Nothing reaches a wrapper from the optimizer it holds but the
+    garbage collector's list of who refers to it: searched once, as the block opens, and
+    only where Accelerate is loaded. Such a wrapper is in a reference cycle (its patched
+    step refers to it), so one no longer used lives on until a collection: one runs
+    before a wrapper found is refused."""
+    cls = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
+    if not isinstance(cls, type) or not _scaled_wrappers(inner, cls):
+        return
+    gc.collect()
+    for wrapper in _scaled_wrappers(inner, cls):
+        _check_accelerate(wrapper)
 
-    Lightning's wrapper class derives from the optimizer's class, so a method it does not
-    define itself (zero_grad, state_dict, load_state_dict, schedule-free's train()/eval())
-    is the optimizer class's own, run on the wrapper: it reaches `inner`'s state and
-    param_groups, not the methods tiermem installed on `inner`. Measured: the state_dict
-    of `self.optimizers()` was empty, schedule-free's train()/eval() swapped nothing (the
-    weights 3.6e-3 off the plain fit), and zero_grad left the parameter tier's gradients in
-    place. Accelerate's wrapper defines each of them as a call to its `.optimizer`."""
-    undo: list[Callable[[], None]] = []
+
+def _scaled_wrappers(inner: torch.optim.Optimizer, cls: type) -> list[Any]:
+    """The instances of `cls` (AcceleratedOptimizer) holding `inner` with a GradScaler."""
+    found = []
+    for ref in gc.get_referrers(inner):
+        # the wrapper, or its __dict__ (Python 3.10, or a dict once asked for by vars());
+        # a dict is followed to its owner only if it has the wrapper's two attributes
+        if type(ref) is dict:
+            wrapper_like = ref.get("optimizer") is inner and "scaler" in ref
+            owners = gc.get_referrers(ref) if wrapper_like else ()
+        else:
+            owners = (ref,)
+        found += [owner for owner in owners
+                  if isinstance(owner, cls) and vars(owner).get("optimizer") is inner
+                  and getattr(owner, "scaler", None) is not None]
+    return found
+
+
+# (wrapper class, method name) -> [its _Routed, how many open blocks route it]
+_PATCHED: dict[tuple[type, str], list] = {}
+# id(optimizer) -> (optimizer, the names routed) for each optimizer whose block is open
+_ROUTED: dict[int, tuple[torch.optim.Optimizer, frozenset[str]]] = {}
+
+
+class _Routed:
+    """A method of a known wrapper class, while a block is open, that calls the tiered
+    optimizer's own method when the wrapper's `.optimizer` is one, and is otherwise what
+    the class would have without it (the next class in the MRO, else AttributeError, so
+    the wrapper's __getattr__ answers as before and hasattr() says what it said)."""
+
+    def __init__(self, owner: type, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is not None:
+            inner = vars(obj).get("_optimizer")  # what `.optimizer` returns, read safely
+            entry = _ROUTED.get(id(inner))
+            if entry is not None and entry[0] is inner and self.name in entry[1]:
+                return getattr(inner, self.name)
+        mro = (objtype or type(obj)).__mro__
+        for cls in mro[mro.index(self.owner) + 1:]:
+            if self.name in vars(cls):
+                found = vars(cls)[self.name]
+                get = getattr(type(found), "__get__", None)
+                return found if get is None else get(found, obj, objtype)
+        raise AttributeError(self.name)
+
+
+def _wrapper_classes(optimizer: Any) -> list[type]:
+    """The known wrapper classes loaded now, and those in `optimizer`'s chain of wrappers
+    (as tiermem.offload got it)."""
+    found: list[type] = []
+    for module, qualname in sorted(KNOWN):
+        cls = getattr(sys.modules.get(module), qualname, None)
+        if isinstance(cls, type):
+            found.append(cls)
     obj = optimizer
     for _ in range(DEPTH):
         if _known(obj) is None:
             break
-        for name in names:
-            own = getattr(type(obj), name, None)
-            if own is None or own is not getattr(type(inner), name, None):
-                continue  # the wrapper's own method, or none (its __getattr__ reaches inner)
-            had = obj.__dict__.get(name)
-
-            def call(wrapper_self: Any, *args: Any, _name: str = name, **kwargs: Any) -> Any:
-                return getattr(inner, _name)(*args, **kwargs)
-
-            obj.__dict__[name] = types.MethodType(call, obj)
-            undo.append(lambda o=obj, n=name, h=had: (o.__dict__.pop(n, None) if h is None
-                                                      else o.__dict__.__setitem__(n, h)))
+        found += [c for c in type(obj).__mro__
+                  if (c.__module__, c.__qualname__) in KNOWN and c not in found]
         obj = obj.optimizer
+    return found
+
+
+def route_wrappers(optimizer: Any, inner: torch.optim.Optimizer,
+                   names: Iterable[str]) -> Callable[[], None]:
+    """Until the returned function is called, make every Lightning or Fabric wrapper around
+    `inner` call `inner`'s own `names` methods, the ones tiermem put on that instance:
+    the wrapper tiermem.offload was given (`optimizer`), one around the inner optimizer the
+    user passed instead (`tiermem.offload(self.optimizers().optimizer, ...)`), and one
+    made inside the block (`fabric.setup` or `trainer.fit` after it was entered).
+
+    Lightning's and Fabric's wrapper class derives from the optimizer's class, so a method
+    it does not define itself (zero_grad, state_dict, load_state_dict, schedule-free's
+    train()/eval()) is the optimizer class's own, run on the wrapper: it reaches `inner`'s
+    state and param_groups, not the methods tiermem installed on `inner`. Measured: the
+    state_dict of `self.optimizers()` was empty, schedule-free's train()/eval() swapped
+    nothing (the weights 3.6e-3 off the plain fit), and zero_grad left the parameter
+    tier's gradients in place. Each wrapper's class is made for that one wrapper, so the
+    method goes on the wrapper's base class (LightningOptimizer, _FabricOptimizer), where
+    it reaches wrappers made later too, and routes only the wrappers of a tiered optimizer.
+    Accelerate's wrapper defines each of them as a call to its `.optimizer`."""
+    wanted = frozenset(n for n in names if hasattr(inner, n))
+    classes = _wrapper_classes(optimizer)
+    _ROUTED[id(inner)] = (inner, wanted)
+    added: list[tuple[type, str]] = []
+    for cls in classes:
+        for name in sorted(wanted):
+            key = (cls, name)
+            if key in _PATCHED:
+                _PATCHED[key][1] += 1
+            elif name in vars(cls):
+                continue  # the wrapper's own method: it calls its .optimizer's itself
+            else:
+                _PATCHED[key] = [_Routed(cls, name), 1]
+                setattr(cls, name, _PATCHED[key][0])
+            added.append(key)
 
     def restore() -> None:
-        while undo:
-            undo.pop()()
+        if _ROUTED.get(id(inner), (None,))[0] is inner:
+            del _ROUTED[id(inner)]
+        while added:
+            key = added.pop()
+            _PATCHED[key][1] -= 1
+            if _PATCHED[key][1] == 0:
+                routed = _PATCHED.pop(key)[0]
+                if vars(key[0]).get(key[1]) is routed:
+                    delattr(*key)
 
     return restore
 
