@@ -268,7 +268,11 @@ class DistributedOffload(Offload):
         checkpoint of the model before it was resized): its pieces were cut from it as
         from the parameter, silently, where the plain optimizer's next step raises. Every
         parameter's entry is checked, not only this rank's pieces', so that every rank,
-        given the same state, refuses alike."""
+        given the same state, refuses alike. Whole parameters (Adafactor, Muon) keep state
+        in the rule's own shapes: their owner's OffloadedOptimizer checks those as in one
+        process, and a refusal there reaches the other ranks as a PeerError naming it."""
+        if self.whole:
+            return
         for i, st in entries.items():
             if not (0 <= i < len(self.layout.params)) or not isinstance(st, dict):
                 continue
