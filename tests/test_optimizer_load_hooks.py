@@ -107,6 +107,9 @@ STATE_EDITS = {
     "update": lambda opt, p: opt.state.update({p: {}}),
     "setdefault": lambda opt, p: opt.state.setdefault(p, {}),
     "clear": lambda opt, p: opt.state.clear(),
+    # refused at the next step, before it changes anything
+    "replace": lambda opt, p: (setattr(opt, "state", __import__("collections").defaultdict(
+        dict)), opt.step()),
 }
 
 

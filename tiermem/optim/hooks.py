@@ -53,7 +53,7 @@ class HeldState(defaultdict):
     # by `opt.state[p]["momentum_buffer"] = ...`, or `opt.state.clear()`), and reads of a
     # parameter's entry would find none: both refused, naming the way that works. Entries
     # under keys that are no parameter (MADGRAD's state['k']) are opt.state's own.
-    def _refuse(self, what: str) -> None:
+    def _refuse(self, what: str) -> None:  # self unused: the step's check calls it too
         raise TierMemError(
             f"{what} inside tiermem.offload: the per-parameter optimizer state is in "
             "tiermem's tiers, not in opt.state; read it with opt.state_dict(), change it by "
@@ -153,6 +153,10 @@ class Installed:
             target = opt_self.__dict__.get(ATTR)
             if target is None:
                 return after_the_block(opt_self, step, closure)
+            if held is not None and type(opt_self.state) is not HeldState:
+                # `opt.state = defaultdict(dict)` (a reset of the moments) replaced the
+                # stand-in: the tiers would step on as if nothing happened
+                HeldState._refuse(None, "replacing opt.state")
             return target.step(closure)
 
         # torch's lr schedulers look for this mark to know opt.step reports its calls
