@@ -246,6 +246,9 @@ class ParamTier:
         # p.detach().copy_()) makes it dirty too, where it was lost at the release or
         # the exit that gave the model its records back (_note_edit)
         self.versions: dict[int, int] = {}
+        # (p._version, device) of each released parameter as the release left it: a change
+        # since went to its empty placeholder, not to the weights (_check_param)
+        self.released: dict[int, tuple[int, torch.device]] = {}
         self.grads_out: dict[int, int] = {}  # index -> bytes of a gradient handed to the step
         self.grads_inflight: dict[int, Fetch] = {}  # gradients read ahead for the step
         # Gradients kept in memory as backward left them, never written to their record
@@ -416,6 +419,7 @@ class ParamTier:
         model.zero_grad = zero_grad
         self._handles.append(_Restore(model, "zero_grad", had))
 
+
     def _take_in(self, i: int) -> None:
         """Parameter `i`'s weights (on the CPU now) into their record; its gradient hooks;
         then its storage released."""
@@ -504,8 +508,97 @@ class ParamTier:
             self.on_device.discard(i)
             self.dev.release(i, p.data)  # freed once the kernels queued to read it ran
         # a device model's parameters stay on its device when empty (p.device is right)
-        p.data = torch.empty(0, dtype=p.dtype,
+        p.data = torch.empty(0, dtype=self.records.metas[i].dtype,
                              device=self.device if self.dev is not None else p.device)
+        self.released[i] = (p._version, p.device)
+
+    def _check_param(self, i: int) -> bool:
+        """Parameter `i` as the tier left it, or changed only in ways that can be kept.
+        Code outside the model's forward (an init, a weight average, a conversion) sees a
+        released parameter as the empty tensor the tier left in p.data: an in-place change
+        of it changes nothing, and a dtype or device it is given would be silently undone
+        by the next materialisation. Both are refused (_refuse_changes). New weights of the
+        parameter's shape, dtype and device assigned to p.data (not counted by p._version)
+        are kept: a live parameter's become its window copy, written back before they are
+        released; True for a released one's, which the caller installs (_adopt)."""
+        kind = self._change(i)
+        if kind is None:
+            return False
+        if kind == "assigned":
+            if i not in self.live:
+                return True
+            p = self.params[i]
+            self.bufs.pop(i, None)
+            self._by_storage[p.untyped_storage().data_ptr()] = i
+            self.dirty.add(i)
+            self.versions[i] = p._version
+            return False
+        self._refuse_changes()
+        return False  # (not reached)
+
+    def _change(self, i: int) -> str | None:
+        """How parameter `i` was changed behind the tier: None (it was not, or only
+        through a live parameter's own in-place ops, which _note_edit keeps), "assigned"
+        (new weights of its shape, dtype and device in p.data: kept on a host model; a
+        device buffer is written by kernels queued on the model's streams), "in place"
+        (a released one's placeholder changed in place: lost) or "converted" (another
+        dtype, shape or device, or new data on a device model)."""
+        p, m = self.params[i], self.records.metas[i]
+        if i in self.live:
+            if self._by_storage.get(p.untyped_storage().data_ptr()) == i:
+                return None
+            same = p.shape == m.shape and p.device == self.device
+        else:
+            version, device = self.released.get(i, (p._version, p.device))
+            if p.numel() == 0 and p.dtype == m.dtype and p.device == device:
+                return None if p._version == version else "in place"
+            same = p.shape == m.shape and p.device == device
+        return "assigned" if same and p.dtype == m.dtype and self.dev is None else "converted"
+
+    def _refuse_changes(self) -> None:
+        """Every parameter changed in a way _check_param cannot keep goes back to its
+        record's weights (released; a live one in use now stays), and one error names them: the
+        block can go on, or be left, with the weights it had."""
+        lost, converted = [], []
+        for i, p in enumerate(self.params):
+            kind = self._change(i)
+            if kind not in ("in place", "converted"):
+                continue
+            (lost if kind == "in place" else converted).append(i)
+            if kind == "converted" and not converted[1:]:
+                what = f"{p.dtype}, shape {tuple(p.shape)}, on {p.device}"
+            if i in self.live:
+                if self.pins.get(i):
+                    continue
+                self.dirty.discard(i)
+                self.on_device.discard(i)
+                self.used -= self.live.pop(i)
+            self.bufs.pop(i, None)
+            p.data = torch.empty(0, dtype=self.records.metas[i].dtype, device=self.device)
+            self.released[i] = (p._version, p.device)
+
+        def named(idx: list[int]) -> str:
+            return (", ".join(self.names[i] for i in idx[:4])
+                    + (f" and {len(idx) - 4} more" if len(idx) > 4 else ""))
+
+        if converted:
+            m = self.records.metas[converted[0]]
+            raise TierMemError(
+                f"parameters.offload: {named(converted)} were given new data inside the block "
+                f"({what}: p.data assigned, or module.to(), .half(), .cuda()); the parameter "
+                f"tier holds {self.names[converted[0]]} as {m.dtype}, shape {tuple(m.shape)}"
+                f"{'' if self.dev is None else f', on {self.device}'}, and keeps new weights "
+                "assigned to p.data only in those (on a model on the CPU). Convert or move "
+                "the model before tiermem.offload, or load new weights with "
+                "model.load_state_dict(); the parameters have their weights from before")
+        raise TierMemError(
+            f"parameters.offload: {named(lost)} were changed in place while their weights "
+            "were out of memory: between uses the parameter tier leaves an empty tensor in "
+            "p.data, so an in-place change outside the model's forward (torch.nn.init, "
+            "p.mul_() or p.copy_() under torch.no_grad(), a weight average written into "
+            "the model) reached no weights and is lost; they keep their weights from before. "
+            "Change weights inside the block with model.load_state_dict() (written to the "
+            "tier), or before tiermem.offload")
 
     def _install_weight(self, i: int, value: torch.Tensor, buf: torch.Tensor | None) -> None:
         p = self.params[i]
@@ -605,6 +698,8 @@ class ParamTier:
         written back before they are released, as torch would keep the change. Host
         weights only: a device buffer is written by kernels queued on the model's streams,
         which a copy from here would not wait for."""
+        if i in self.live:
+            self._check_param(i)
         if (i in self.live and i not in self.on_device
                 and self.params[i]._version != self.versions.get(i)):
             self.dirty.add(i)
@@ -745,6 +840,8 @@ class ParamTier:
         room (backward's reads; not the update's own). device: a device model's weights
         on its device (a forward's, a backward's), else in host memory (the step's)."""
         device = device and self.dev is not None
+        if self._check_param(i):
+            self._adopt(i)
         if i in self.live and self.dev is not None and (i in self.on_device) != device:
             if device:
                 self._to_device(i)
@@ -795,6 +892,19 @@ class ParamTier:
                 self._rehook.add(i)
         if self.keep_grads:
             self.room.notify_all()
+
+    def _adopt(self, i: int) -> None:
+        """New weights assigned to released parameter `i`'s p.data (_check_param): its
+        window copy from now on, written back like any change (a read of the record in
+        flight is stale)."""
+        if i in self.inflight:
+            self._drop_inflight(i)
+            self.used -= self._bytes(i)
+        value = self.params[i].data
+        self._make_room(self._bytes(i), set(self.pins) | {i}, must=True)
+        self._take(self._bytes(i))
+        self._install_weight(i, value, None)
+        self.dirty.add(i)
 
     def _await(self, fetch: Fetch) -> torch.Tensor:
         """fetch.wait(); while updates run during backward, the read is waited for outside
@@ -1461,6 +1571,8 @@ class ParamTier:
     @_locked
     def weight(self, i: int) -> torch.Tensor:
         """Parameter `i`'s current weights as a tensor of their own (on the model's device)."""
+        if self._check_param(i):
+            self._adopt(i)
         if i in self.live:
             if i in self.on_device:
                 self._ready_for_compute([i])  # the clone reads it on this stream
@@ -1511,8 +1623,17 @@ class ParamTier:
                 "back at the end of the block; they were thrown away. Save what you need "
                 "inside the block and call tm.discard() to leave without gathering them")
         try:
+            # refused: given back from their records (the weights before the change), and
+            # the error raised once every other weight is back
+            refused: dict[int, TierMemError] = {}
+            for i in range(len(self.params)):
+                try:
+                    if self._check_param(i):
+                        self._adopt(i)
+                except TierMemError as exc:
+                    refused[i] = exc
             self._settle_grads()
-            for i in list(self.live):
+            for i in [i for i in self.live if i not in refused]:
                 self._note_edit(i)
                 if i in self.dirty:
                     self.records.write(WEIGHT, i, self.params[i].detach())
@@ -1535,7 +1656,7 @@ class ParamTier:
                 # records are removed below, so everything that can be read goes back
                 # now, and the caller hears what could not.
                 try:
-                    if i in self.live and self.dev is None:
+                    if i in self.live and self.dev is None and i not in refused:
                         # a host model's window holds the weight as it is now: its record
                         # has every change made through the parameter (written above),
                         # not one made through p.data (Lightning's EMAWeightAveraging
@@ -1545,7 +1666,7 @@ class ParamTier:
                         value = self.records.fetch(WEIGHT, i).wait().to(self.device,
                                                                         copy=True)
                 except TierMemError as exc:
-                    if i not in self.live or self.dev is not None:
+                    if i not in self.live or self.dev is not None or i in refused:
                         self._release_storage(i)
                         lost.append((self.names[i], exc))
                         continue
@@ -1572,6 +1693,8 @@ class ParamTier:
             self.used = 0
             if lost:
                 raise WeightsLost([name for name, _ in lost], lost[0][1]) from lost[0][1]
+            if refused:
+                raise next(iter(refused.values()))
         finally:
             self._closed = True
             self._unhook()
