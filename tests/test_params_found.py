@@ -134,3 +134,105 @@ def test_a_dtype_conversion_inside_the_block_is_refused(tmp_path, convert):
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert all(p.numel() > 0 for p in model.parameters())
 
+
+# -- torch.optim.swa_utils.AveragedModel ------------------------------------------------
+
+
+class Normed(Net):
+    """Net with a BatchNorm, whose running statistics are buffers AveragedModel averages
+    (use_buffers=True) or copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(Net().emb.embedding_dim)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        x = self.bn(self.emb(t).transpose(1, 2)).transpose(1, 2)
+        return self.head(self.ln(self.b2(self.b1(x))))
+
+
+def _averaging(kind: str) -> dict:
+    from torch.optim import swa_utils
+
+    return {"swa": {}, "ema": {"avg_fn": swa_utils.get_ema_avg_fn(0.9)},
+            "ema-multi": {"multi_avg_fn": swa_utils.get_ema_multi_avg_fn(0.9)},
+            "swa-buffers": {"use_buffers": True},
+            "own-multi": {"multi_avg_fn": _own_multi}}[kind]
+
+
+def _own_multi(averaged: list[torch.Tensor], current: list[torch.Tensor], n) -> None:
+    # a multi_avg_fn of the user's own: it may combine the tensors of the list
+    with torch.no_grad():
+        total = sum(c.sum() for c in current)
+        for a, c in zip(averaged, current):
+            a.lerp_(c, 0.5).add_(total * 1e-6)
+
+
+def _averaged_runs(tmp_path, kind: str, window: str):
+    """(plain averaged model, tiered averaged model, the tiered block's param stats)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    ref = Normed()
+    model = Normed()
+    model.load_state_dict(ref.state_dict())
+    data = batches(4)
+    averaged = []
+    for m in (ref, model):
+        averaged.append(AveragedModel(m, **_averaging(kind)))
+
+    def run(m, avg, opt):
+        for t, y in data:
+            _step(m, opt, t, y)
+            avg.update_parameters(m)
+
+    run(ref, averaged[0], make_opt(ref))
+    opt = make_opt(model)
+    with tiermem.offload(opt, cfg(tmp_path, offload="nvme", window=window), model=model) as tm:
+        run(model, averaged[1], opt)
+        assert _released(model) or window == "4MiB"
+        stats = tm.param_stats()
+    assert_same_model(ref, model)
+    return averaged[0], averaged[1], stats
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema", "ema-multi", "swa-buffers"])
+def test_averaged_model_with_a_window_smaller_than_the_model(tmp_path, kind):
+    # update_parameters read the released weights' empty placeholders: "The size of
+    # tensor a (64) must match the size of tensor b (0)", naming nothing.
+    want, got, stats = _averaged_runs(tmp_path, kind, "176KiB")
+    assert stats["evictions"] > 0
+    assert int(got.n_averaged) == int(want.n_averaged) == 4
+    for (n, a), b in zip(want.state_dict().items(), got.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_averaged_model_with_its_own_multi_avg_fn(tmp_path):
+    # it sees the whole model's lists: exact with a window for the whole model, refused
+    # (naming the window it needs) below that
+    want, got, _ = _averaged_runs(tmp_path / "a", "own-multi", "4MiB")
+    for (n, a), b in zip(want.state_dict().items(), got.state_dict().values()):
+        assert torch.equal(a, b), n
+    with pytest.raises(TierMemError, match="multi_avg_fn of its own.*parameters.window"):
+        _averaged_runs(tmp_path / "b", "own-multi", "176KiB")
+
+
+def test_a_deep_copy_inside_the_block_is_refused(tmp_path):
+    # AveragedModel(model) made inside the block failed in deepcopy on the tier's own
+    # objects ("cannot pickle '_cffi_backend._CDataBase' object"), and a copy of a
+    # submodule had empty weights, with hooks that fetched the original's.
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model = Net()
+    opt = make_opt(model)
+    (t, y), = batches(1)
+    with tiermem.offload(opt, cfg(tmp_path, offload="nvme"), model=model):
+        _step(model, opt, t, y)
+        with pytest.raises(TierMemError, match="deepcopy reached the model inside the tiermem"):
+            AveragedModel(model)
+        with pytest.raises(TierMemError, match="deepcopy reached b1.ln inside"):
+            copy.deepcopy(model.b1)
+    twin = copy.deepcopy(model)  # after the block, the model is an ordinary one again
+    assert_same_model(model, twin)

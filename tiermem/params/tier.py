@@ -419,6 +419,23 @@ class ParamTier:
         model.zero_grad = zero_grad
         self._handles.append(_Restore(model, "zero_grad", had))
 
+        def no_copy(memo: dict, name: str) -> None:
+            raise TierMemError(
+                f"copy.deepcopy reached {name} inside the tiermem.offload block: its weights "
+                "are in the parameter tier (parameters.offload), so the copy would hold the "
+                "empty tensors left in p.data between uses, and the tier's hooks. Copy the "
+                "model before the block (AveragedModel(model) too), or load a copy made "
+                "outside it with model.state_dict()")
+
+        # A deep copy reaching the root or any unit (a parent's copies its children) is
+        # refused: it failed on the tier's own objects in the root's hooks, and a unit's
+        # copy had empty weights and hooks that fetched the original's
+        for m, name in [(model, "the model"), *((m, self.unit_names[u]) for u, m in
+                                               enumerate(self._unit_modules))]:
+            if "__deepcopy__" in m.__dict__:
+                continue
+            m.__deepcopy__ = functools.partial(no_copy, name=name)
+            self._handles.append(_Restore(m, "__deepcopy__", None))
 
     def _take_in(self, i: int) -> None:
         """Parameter `i`'s weights (on the CPU now) into their record; its gradient hooks;
@@ -1228,6 +1245,10 @@ class ParamTier:
         uses): for code that needs only its shape."""
         m = self.records.metas[self.index[id(p)]]
         return torch.empty((), dtype=m.dtype, device=p.device).expand(m.shape)
+
+    def weight_nbytes(self, p: torch.Tensor) -> int:
+        """Bytes `p`'s weights take in the window when materialised."""
+        return self._bytes(self.index[id(p)])
 
     def current_weight(self, p: torch.Tensor) -> torch.Tensor:
         """A copy of `p`'s weights as they are now (window or record)."""
