@@ -236,3 +236,52 @@ def test_a_deep_copy_inside_the_block_is_refused(tmp_path):
             copy.deepcopy(model.b1)
     twin = copy.deepcopy(model)  # after the block, the model is an ordinary one again
     assert_same_model(model, twin)
+
+
+def test_lightning_ema_weight_averaging_with_a_window_smaller_than_the_model(tmp_path):
+    # EMAWeightAveraging averages after every step (AveragedModel.update_parameters),
+    # swaps the averaged weights in for validation and copies them in at the end of
+    # training, both through p.data of every parameter: the released ones were empty
+    # there ("The size of tensor a (0) must match the size of tensor b (128)").
+    pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from offload_helpers import listdir
+    from test_integration_lightning import Tiny, fit
+    from test_integration_scenarios2 import cfg as lightning_cfg
+    from tiermem.integrations.lightning import TiermemCallback
+
+    class Deep(Tiny):
+        def __init__(self) -> None:
+            super().__init__(batches=2)
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                self.net = nn.Sequential(nn.Linear(16, 128),
+                                         *[nn.Linear(128, 128) for _ in range(9)],
+                                         nn.Linear(128, 8))
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", (self.net(x) - y).square().mean())
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    c = lightning_cfg(tmp_path, "nvme")
+    c["parameters"]["window"] = "320KiB"  # of 660 KiB of weights
+    kw = dict(max_steps=2, limit_val_batches=1)
+    plain = Deep()
+    fit(tmp_path / "plain", plain, callbacks=[EMAWeightAveraging(decay=0.5)], **kw)
+    tiered = Deep()
+    callback = TiermemCallback(c)
+    seen = {}
+
+    class Released(EMAWeightAveraging):
+        def on_validation_epoch_start(self, trainer, pl_module):
+            seen["released"] = len(_released(pl_module))
+            super().on_validation_epoch_start(trainer, pl_module)
+
+    fit(tmp_path / "tiered", tiered, callbacks=[callback, Released(decay=0.5)], **kw)
+    assert seen["released"] > 0
+    assert_same_model(plain, tiered)
+    assert listdir(tmp_path / "swap") == []
+

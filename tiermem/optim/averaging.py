@@ -40,7 +40,8 @@ class Averager(Protocol):
     """An open block's parameter tier, as the wrapper sees it."""
 
     def held(self, p: torch.Tensor) -> bool: ...
-    def weights_in_memory(self, params: Iterable[torch.Tensor]) -> ContextManager[None]: ...
+    def weights_in_memory(self, params: Iterable[torch.Tensor], *,
+                          changed: bool = False) -> ContextManager[None]: ...
     def weight_shape(self, p: torch.Tensor) -> torch.Size: ...
     def weight_bytes(self, p: torch.Tensor) -> int: ...
     def window_bytes(self) -> int: ...
@@ -70,6 +71,27 @@ class _Side:
 
     def buffers(self) -> Iterable[torch.Tensor]:
         return iter(self._buffers)
+
+
+def window_chunks(tier: Averager, pairs: list[tuple[Any, torch.Tensor]]
+                  ) -> list[list[tuple[Any, torch.Tensor]]]:
+    """`pairs` (anything, a model's tensor) cut in runs whose tier weights take half the
+    window at most (the weights the tier keeps pinned, none between steps, and a read
+    ahead in flight keep their room), in order; one pair at least each."""
+    window = tier.window_bytes()
+    chunks: list[list[tuple[Any, torch.Tensor]]] = []
+    chunk: list[tuple[Any, torch.Tensor]] = []
+    held = 0
+    for a, p in pairs:
+        n = tier.weight_bytes(p) if tier.held(p) else 0
+        if chunk and held + n > window // 2:
+            chunks.append(chunk)
+            chunk, held = [], 0
+        chunk.append((a, p))
+        held += n
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def _torchs_own(fn: Any) -> bool:
@@ -115,17 +137,7 @@ def _update_parameters(original: Callable[..., Any], averaged: Any, model: Any) 
                 "or torch.optim.swa_utils.get_ema_multi_avg_fn()")
         chunks = [pairs]
     else:
-        # half the window: the weights the tier keeps pinned (none between steps) and a
-        # read ahead in flight keep their room
-        chunks, chunk, held = [], [], 0
-        for a, p in pairs:
-            n = tier.weight_bytes(p) if tier.held(p) else 0
-            if chunk and held + n > window // 2:
-                chunks.append(chunk)
-                chunk, held = [], 0
-            chunk.append((a, p))
-            held += n
-        chunks.append(chunk)
+        chunks = window_chunks(tier, pairs)
     buffers = ([] if averaged.use_buffers else
                (list(averaged.module.buffers()), list(model.buffers())))
     for k, chunk in enumerate(chunks):

@@ -153,9 +153,11 @@ class Offload:
 
     # -- what optim/averaging.py asks of it (averaging.Averager)
 
-    def weights_in_memory(self, params: Iterable[torch.Tensor]) -> ContextManager[None]:
-        """The parameter tier's `params` materialised (in host memory) for the duration."""
-        return self.offloaded.weights.materialised(params)
+    def weights_in_memory(self, params: Iterable[torch.Tensor], *,
+                          changed: bool = False) -> ContextManager[None]:
+        """The parameter tier's `params` materialised (in host memory) for the duration;
+        `changed`: written back to the tier after it, as weights the step updated."""
+        return self.offloaded.weights.materialised(params, changed=changed)
 
     def weight_shape(self, p: torch.Tensor) -> torch.Size:
         return self.offloaded.weights.stand_in(p).shape
