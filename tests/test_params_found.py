@@ -285,3 +285,19 @@ def test_lightning_ema_weight_averaging_with_a_window_smaller_than_the_model(tmp
     assert_same_model(plain, tiered)
     assert listdir(tmp_path / "swap") == []
 
+
+def test_new_weights_not_contiguous_are_refused(tmp_path):
+    # A transposed tensor assigned to p.data was taken as the window copy: a view of it
+    # autograd saved was rebuilt, after an eviction, with the transposed strides on the
+    # record's contiguous copy (a wrong gradient, silently).
+    model = Net()
+    opt = make_opt(model)
+    (t, y), = batches(1)
+    w = model.b1.fc1.weight.detach().clone()  # (128, 64)
+    with tiermem.offload(opt, cfg(tmp_path, offload="nvme"), model=model):
+        _step(model, opt, t, y)
+        model.b1.fc1.weight.data = w.clone()  # kept
+        model.b2.fc1.weight.data = torch.zeros(64, 128).t()  # same shape, transposed
+        with pytest.raises(TierMemError, match="not contiguous"):
+            loss_of(model, t, y)
+        assert torch.equal(model.state_dict()["b1.fc1.weight"], w)

@@ -570,7 +570,10 @@ class ParamTier:
             if p.numel() == 0 and p.dtype == m.dtype and p.device == device:
                 return None if p._version == version else "in place"
             same = p.shape == m.shape and p.device == device
-        return "assigned" if same and p.dtype == m.dtype and self.dev is None else "converted"
+        # (contiguous: autograd's saved views of it are rebuilt with their strides on the
+        # record's contiguous copy once it is evicted)
+        return ("assigned" if same and p.dtype == m.dtype and p.is_contiguous()
+                and self.dev is None else "converted")
 
     def _refuse_changes(self) -> None:
         """Every parameter changed in a way _check_param cannot keep goes back to its
@@ -583,7 +586,8 @@ class ParamTier:
                 continue
             (lost if kind == "in place" else converted).append(i)
             if kind == "converted" and not converted[1:]:
-                what = f"{p.dtype}, shape {tuple(p.shape)}, on {p.device}"
+                what = (f"{p.dtype}, shape {tuple(p.shape)}, on {p.device}"
+                        f"{'' if p.is_contiguous() else ', not contiguous'}")
             if i in self.live:
                 if self.pins.get(i):
                     continue
@@ -605,8 +609,8 @@ class ParamTier:
                 f"({what}: p.data assigned, or module.to(), .half(), .cuda()); the parameter "
                 f"tier holds {self.names[converted[0]]} as {m.dtype}, shape {tuple(m.shape)}"
                 f"{'' if self.dev is None else f', on {self.device}'}, and keeps new weights "
-                "assigned to p.data only in those (on a model on the CPU). Convert or move "
-                "the model before tiermem.offload, or load new weights with "
+                "assigned to p.data only in those, contiguous (on a model on the CPU). Convert "
+                "or move the model before tiermem.offload, or load new weights with "
                 "model.load_state_dict(); the parameters have their weights from before")
         raise TierMemError(
             f"parameters.offload: {named(lost)} were changed in place while their weights "
