@@ -301,3 +301,30 @@ def test_new_weights_not_contiguous_are_refused(tmp_path):
         with pytest.raises(TierMemError, match="not contiguous"):
             loss_of(model, t, y)
         assert torch.equal(model.state_dict()["b1.fc1.weight"], w)
+
+
+@pytest.mark.parametrize("offload", ["host", "nvme"])
+def test_an_evaluation_under_inference_mode_between_steps(tmp_path, offload):
+    # The weights the evaluation brought in were inference tensors (their buffers made in
+    # inference mode): the next training forward failed with "Inference tensors cannot be
+    # saved for backward".
+    ref, model = twins()
+    data = batches(3)
+
+    def run(m, opt):
+        out = []
+        for t, y in data:
+            out.append(_step(m, opt, t, y))
+            with torch.inference_mode():
+                out.append(loss_of(m, t, y).item())
+        return out
+
+    want = run(ref, make_opt(ref))
+    opt = make_opt(model)
+    # no reads ahead (started outside inference mode): the evaluation reads its own
+    with tiermem.offload(opt, cfg(tmp_path, offload=offload, prefetch=0), model=model) as tm:
+        got = run(model, opt)
+        assert tm.param_stats()["evictions"] > 0
+    assert got == want
+    assert_same_model(ref, model)
+

@@ -72,10 +72,18 @@ def _locked(fn: F) -> F:
     """Run under the tier's lock: with pipeline.overlap_backward the optimizer's worker
     opens partitions for their update while backward (autograd's thread) fetches weights
     and stores gradients; the window, the records and their I/O engine are one thread's
-    at a time."""
+    at a time.
+
+    Outside inference mode too: a forward under torch.inference_mode() (an evaluation
+    between steps) would otherwise make the window's buffers, the weights installed in
+    p.data and the placeholders of released ones inference tensors, which the next
+    training forward cannot save for backward and the step cannot update in place."""
     @functools.wraps(fn)
     def run(self: "ParamTier", *args: Any, **kwargs: Any) -> Any:
         with self.lock:
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    return fn(self, *args, **kwargs)
             return fn(self, *args, **kwargs)
     return run  # type: ignore[return-value]
 
@@ -1461,11 +1469,7 @@ class ParamTier:
             for i in idx:
                 self._pin(i)
         try:
-            with self.lock:
-                for i in idx:
-                    self._materialise(i)
-                    if changed:
-                        self._settle(i)
+            self._materialise_for(idx, changed)
             yield
             if changed:
                 with self.lock:
@@ -1474,6 +1478,13 @@ class ParamTier:
             with self.lock:
                 for i in idx:
                     self._unpin(i)
+
+    @_locked
+    def _materialise_for(self, idx: list[int], changed: bool) -> None:
+        for i in idx:
+            self._materialise(i)
+            if changed:
+                self._settle(i)
 
     @_locked
     def expect_step_order(self, params: Iterable[torch.Tensor]) -> None:
