@@ -328,3 +328,65 @@ def test_an_evaluation_under_inference_mode_between_steps(tmp_path, offload):
     assert got == want
     assert_same_model(ref, model)
 
+
+class Reentrant(Net):
+    """Blocks under torch.utils.checkpoint with use_reentrant=True: the recomputation in
+    backward calls the blocks outside the model's forward."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(t)
+        x = checkpoint(self.b1, x, use_reentrant=True)
+        x = checkpoint(self.b2, x, use_reentrant=True)
+        x = self.b1(x)
+        return self.head(self.ln(x))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap"])
+def test_reentrant_activation_checkpointing(tmp_path, overlap):
+    # The recomputed forward saved the LayerNorm's weight as the parameter itself, not
+    # through the tier's saved-tensor hooks (pushed by the model's forward only): evicted
+    # before the inner backward read it, "Expected weight to be of same shape as
+    # normalized_shape, but got weight of shape [0]".
+    import copy
+
+    from test_params_parity import plain_run, tiered_run
+
+    torch.manual_seed(0)
+    ref = Reentrant()
+    model = copy.deepcopy(ref)
+    data = batches(3)
+    want, _ = plain_run(ref, data)
+    c = cfg(tmp_path, offload="nvme", window="256KiB" if overlap else "176KiB")
+    c["pipeline"]["overlap_backward"] = overlap
+    got, _, stats = tiered_run(model, data, c)
+    assert got == want
+    assert_same_model(ref, model)
+    assert stats["evictions"] > 0
+
+
+def test_a_submodule_called_outside_the_models_forward(tmp_path):
+    # An auxiliary loss through one block, called on its own: its saved weights bypassed
+    # the tier's hooks, and the model's forward after it evicted them before backward.
+    ref, model = twins()
+    data = batches(3)
+
+    def run(m, opt):
+        losses = []
+        for t, y in data:
+            aux = m.b2(m.emb(t)).square().mean()  # outside m's forward
+            loss = loss_of(m, t, y) + aux
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    want = run(ref, make_opt(ref))
+    opt = make_opt(model)
+    with tiermem.offload(opt, cfg(tmp_path, offload="nvme"), model=model) as tm:
+        got = run(model, opt)
+        assert tm.param_stats()["evictions"] > 0
+    assert got == want
+    assert_same_model(ref, model)

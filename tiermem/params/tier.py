@@ -88,6 +88,16 @@ def _locked(fn: F) -> F:
     return run  # type: ignore[return-value]
 
 
+def _no_saved_hooks() -> bool:
+    """No saved-tensor hooks are active on this thread (and they may be pushed). torch
+    has no public query for it; without this one, never push."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    if top is None or enabled is None:
+        return False
+    return enabled() and top(False) is None
+
+
 @dataclass(frozen=True)
 class Saved:
     """A tensor autograd saved that views a managed weight, by geometry instead of storage."""
@@ -321,6 +331,10 @@ class ParamTier:
         # a device model's parameters given host weights since their node was made
         self._rehook: set[int] = set()
         self._hooks_ctx: list[Any] = []
+        # per entry of _hooks_ctx, the unit whose forward pushed it, with how many of its
+        # forwards were running then (a unit may run inside itself); None: the model's
+        self._hooks_unit: list[tuple[int, int] | None] = []
+        self._running = [0] * len(self.units)  # forwards of each unit under way
         self._closed = False
         self._busy = False  # inside the tier's own work: UseGuard stands aside
         taken: dict[int, torch.Tensor] = {}  # the gradients p.grad held at entry
@@ -511,15 +525,18 @@ class ParamTier:
         with torch.no_grad():
             reset()
 
-    def _push_saved_hooks(self, mod: Any, args: Any) -> None:
+    def _push_saved_hooks(self, mod: Any, args: Any, *,
+                          unit: tuple[int, int] | None = None) -> None:
         ctxs = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
                 UseGuard(self))
         for c in ctxs:
             c.__enter__()
         self._hooks_ctx.append(ctxs)
+        self._hooks_unit.append(unit)
 
     def _pop_saved_hooks(self) -> None:
         if self._hooks_ctx:
+            self._hooks_unit.pop()
             for c in reversed(self._hooks_ctx.pop()):
                 c.__exit__(None, None, None)
 
@@ -1065,6 +1082,7 @@ class ParamTier:
     def _enter(self, u: int) -> None:
         self._check_open()
         self._busy = True  # the tier's own tensor work is not a use of a weight
+        self._running[u] += 1
         try:
             # (p.requires_grad too: read outside, UseGuard would count it a use)
             self._refuse_unhooked(self.units[u])
@@ -1074,6 +1092,15 @@ class ParamTier:
             for i in self.units[u]:
                 self._materialise(i, device=True)
             self._ready_for_compute(self.units[u])
+            if not self._hooks_ctx and torch.is_grad_enabled() and _no_saved_hooks():
+                # A unit run outside the model's forward: a reentrant checkpoint's
+                # recomputation during backward, a submodule called on its own. What its
+                # forward saves of its weights is kept by geometry too; saved as the
+                # parameter itself, the weights were gone (p.data empty) once evicted
+                # before the backward that read them. (Not under saved-tensor hooks of
+                # someone else's, which ours would hide: a non-reentrant checkpoint's
+                # recomputation keeps what it saves itself.)
+                self._push_saved_hooks(None, None, unit=(u, self._running[u]))
         finally:
             self._busy = False
 
@@ -1081,6 +1108,9 @@ class ParamTier:
     def _leave(self, u: int) -> None:
         for i in self.units[u]:
             self._unpin(i)
+        if self._hooks_unit and self._hooks_unit[-1] == (u, self._running[u]):
+            self._pop_saved_hooks()
+        self._running[u] = max(0, self._running[u] - 1)
 
     def _check_open(self) -> None:
         if self._closed:
