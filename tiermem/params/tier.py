@@ -629,8 +629,9 @@ class ParamTier:
 
         if converted:
             m = self.records.metas[converted[0]]
+            verb = "was" if len(converted) == 1 else "were"
             raise TierMemError(
-                f"parameters.offload: {named(converted)} were given new data inside the block "
+                f"parameters.offload: {named(converted)} {verb} given new data inside the block "
                 f"({what}: p.data assigned, or module.to(), .half(), .cuda()); the parameter "
                 f"tier holds {self.names[converted[0]]} as {m.dtype}, shape {tuple(m.shape)}"
                 f"{'' if self.dev is None else f', on {self.device}'}, and keeps new weights "
@@ -638,13 +639,13 @@ class ParamTier:
                 "or move the model before tiermem.offload, or load new weights with "
                 "model.load_state_dict(); the parameters have their weights from before")
         raise TierMemError(
-            f"parameters.offload: {named(lost)} were changed in place while their weights "
-            "were out of memory: between uses the parameter tier leaves an empty tensor in "
-            "p.data, so an in-place change outside the model's forward (torch.nn.init, "
-            "p.mul_() or p.copy_() under torch.no_grad(), a weight average written into "
-            "the model) reached no weights and is lost; they keep their weights from before. "
-            "Change weights inside the block with model.load_state_dict() (written to the "
-            "tier), or before tiermem.offload")
+            f"parameters.offload: {named(lost)} {'was' if len(lost) == 1 else 'were'} changed "
+            "in place while the weights were out of memory: between uses the parameter tier "
+            "leaves an empty tensor in p.data, so an in-place change outside the model's "
+            "forward (torch.nn.init, p.mul_() or p.copy_() under torch.no_grad(), a weight "
+            "average written into the model) reached no weights and is lost; the weights "
+            "from before are kept. Change weights inside the block with "
+            "model.load_state_dict() (written to the tier), or before tiermem.offload")
 
     def _install_weight(self, i: int, value: torch.Tensor, buf: torch.Tensor | None) -> None:
         p = self.params[i]
