@@ -390,3 +390,21 @@ def test_a_submodule_called_outside_the_models_forward(tmp_path):
         assert tm.param_stats()["evictions"] > 0
     assert got == want
     assert_same_model(ref, model)
+
+
+def test_an_inference_mode_forward_keeps_its_grad_mode_inside_the_tier(tmp_path):
+    # Leaving inference mode for the tier's own work turned grad mode on with it: a
+    # parameter unfrozen inside the block was refused during an evaluation that computes
+    # no gradient, which runs as in torch (the training forward still refuses it).
+    model = Net()
+    model.b2.ln.weight.requires_grad_(False)
+    opt = make_opt(model)
+    (t, y), = batches(1)
+    with tiermem.offload(opt, cfg(tmp_path, offload="nvme"), model=model):
+        _step(model, opt, t, y)
+        model.b2.ln.weight.requires_grad_(True)
+        with torch.inference_mode():
+            loss_of(model, t, y)
+        with pytest.raises(TierMemError, match="had requires_grad=False when the tiermem"):
+            loss_of(model, t, y)
+        model.b2.ln.weight.requires_grad_(False)

@@ -82,7 +82,9 @@ def _locked(fn: F) -> F:
     def run(self: "ParamTier", *args: Any, **kwargs: Any) -> Any:
         with self.lock:
             if torch.is_inference_mode_enabled():
-                with torch.inference_mode(False):
+                # (leaving inference mode turns grad mode on: kept as the caller had it)
+                grad = torch.is_grad_enabled()
+                with torch.inference_mode(False), torch.set_grad_enabled(grad):
                     return fn(self, *args, **kwargs)
             return fn(self, *args, **kwargs)
     return run  # type: ignore[return-value]
