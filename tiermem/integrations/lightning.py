@@ -21,6 +21,8 @@ gradients after backward started the update: refused up front with overlap.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import types
 from typing import Any
 
@@ -31,6 +33,7 @@ import tiermem
 from tiermem.config import load_config
 from tiermem.errors import TierMemError
 from tiermem.integrations import leave
+from tiermem.optim import averaging
 from tiermem.optim.hooks import installed
 
 
@@ -99,6 +102,8 @@ class TiermemCallback(pl.Callback):
                             "update starts during that closure's backward; set "
                             "overlap_backward: false")
                     _closure_first(handles[-1].optimizer)
+            if settings.parameters.offload != "none":
+                _route_weight_averaging(trainer, handles[0], stack)
         except BaseException as exc:
             stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -181,3 +186,57 @@ def _closure_first(opt: torch.optim.Optimizer) -> None:
 
     step._wrapped_by_lr_sched = True  # as tiermem's hook: lr schedulers see it stepped
     opt.step = types.MethodType(step, opt)
+
+
+class _Tensors:
+    """A module as Lightning's WeightAveraging reads one (and the AveragedModel it keeps, as
+    `_average_model`, whose `.module` is itself): some of the tensors as its parameters, no
+    buffers."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = tensors
+        self.module = self
+        self._average_model = self
+
+    def parameters(self) -> Any:
+        return iter(self._tensors)
+
+    def buffers(self) -> Any:
+        return iter(())
+
+
+def _in_window(original: Any, callback: Any, tm: Any, pl_module: pl.LightningModule) -> None:
+    """Lightning's WeightAveraging._swap_models / _copy_average_to_current over a module in
+    the parameter tier: its own method, on a few (averaged, current) pairs at a time, the
+    current weights of those brought into the window and written back after (the methods
+    write through p.data, which no version counter sees)."""
+    average = callback._average_model
+    if average is None:
+        return original(callback, pl_module)
+    pairs = list(zip(itertools.chain(average.module.parameters(), average.module.buffers()),
+                     itertools.chain(pl_module.parameters(), pl_module.buffers())))
+    for chunk in averaging.window_chunks(tm, pairs):
+        with tm.weights_in_memory([p for _, p in chunk if tm.held(p)], changed=True):
+            original(_Tensors([a for a, _ in chunk]), _Tensors([p for _, p in chunk]))
+
+
+def _route_weight_averaging(trainer: pl.Trainer, tm: Any, stack: contextlib.ExitStack) -> None:
+    """Lightning's WeightAveraging callbacks (EMAWeightAveraging) swap the averaged weights
+    in for validation and copy them in at the end of training through p.data of every
+    parameter: with the weights in the parameter tier the released ones are empty there
+    (a size mismatch naming nothing), and a change to a live one was lost at its release.
+    Routed through the window for the fit (AveragedModel.update_parameters, which they
+    call after each step, is routed by tiermem.optim.averaging)."""
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # a Lightning without weight averaging callbacks
+        return
+    for callback in trainer.callbacks:
+        if not isinstance(callback, WeightAveraging):
+            continue
+        for name in ("_swap_models", "_copy_average_to_current"):
+            original = getattr(type(callback), name, None)
+            if original is None or name in vars(callback):
+                continue
+            setattr(callback, name, functools.partial(_in_window, original, callback, tm))
+            stack.callback(vars(callback).pop, name, None)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
-from typing import Any
+from typing import Any, ContextManager, Iterable
 
 import torch
 
 from tiermem.errors import TierMemError, TierMemWarning
-from tiermem.optim import clipping
+from tiermem.optim import averaging, clipping
 from tiermem.optim.hooks import KEPT
 from tiermem.optim.offloaded import OffloadedOptimizer
 from tiermem.optim.state_io import drop_param_state
@@ -93,6 +93,8 @@ class Offload:
         self._discard = False
         if off.weights is not None:  # torch's clipping would see no gradient: route it
             clipping.open_tier(self)
+            # AveragedModel would read the released weights' empty placeholders
+            averaging.open_tier(self)
 
     def record_events(self, on: bool = True) -> None:
         """Keep a timeline of every step (`tm.events()`): NVMe reads and writes, updates,
@@ -146,6 +148,23 @@ class Offload:
         weights = self.offloaded.weights
         return [] if weights is None else [p for p in weights.params
                                            if weights.has_gradient(p)]
+
+    # -- what optim/averaging.py asks of it (averaging.Averager)
+
+    def weights_in_memory(self, params: Iterable[torch.Tensor], *,
+                          changed: bool = False) -> ContextManager[None]:
+        """The parameter tier's `params` materialised (in host memory) for the duration;
+        `changed`: written back to the tier after it, as weights the step updated."""
+        return self.offloaded.weights.materialised(params, changed=changed)
+
+    def weight_shape(self, p: torch.Tensor) -> torch.Size:
+        return self.offloaded.weights.stand_in(p).shape
+
+    def weight_bytes(self, p: torch.Tensor) -> int:
+        return self.offloaded.weights.weight_nbytes(p)
+
+    def window_bytes(self) -> int:
+        return self.offloaded.weights.window
 
     def param_stats(self) -> dict[str, int]:
         """The parameter tier's counters (fetches, prefetched, on_demand, out_of_order,
@@ -264,6 +283,7 @@ class Offload:
         no step() raised is raised once the state is safe (or noted on the exit's own)."""
         pending = self.offloaded.end_overlap()
         clipping.close_tier(self)
+        averaging.close_tier(self)
         try:
             weights, self.offloaded.weights = self.offloaded.weights, None
             failed = None

@@ -72,12 +72,32 @@ def _locked(fn: F) -> F:
     """Run under the tier's lock: with pipeline.overlap_backward the optimizer's worker
     opens partitions for their update while backward (autograd's thread) fetches weights
     and stores gradients; the window, the records and their I/O engine are one thread's
-    at a time."""
+    at a time.
+
+    Outside inference mode too: a forward under torch.inference_mode() (an evaluation
+    between steps) would otherwise make the window's buffers, the weights installed in
+    p.data and the placeholders of released ones inference tensors, which the next
+    training forward cannot save for backward and the step cannot update in place."""
     @functools.wraps(fn)
     def run(self: "ParamTier", *args: Any, **kwargs: Any) -> Any:
         with self.lock:
+            if torch.is_inference_mode_enabled():
+                # (leaving inference mode turns grad mode on: kept as the caller had it)
+                grad = torch.is_grad_enabled()
+                with torch.inference_mode(False), torch.set_grad_enabled(grad):
+                    return fn(self, *args, **kwargs)
             return fn(self, *args, **kwargs)
     return run  # type: ignore[return-value]
+
+
+def _no_saved_hooks() -> bool:
+    """No saved-tensor hooks are active on this thread (and they may be pushed). torch
+    has no public query for it; without this one, never push."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    if top is None or enabled is None:
+        return False
+    return enabled() and top(False) is None
 
 
 @dataclass(frozen=True)
@@ -246,6 +266,9 @@ class ParamTier:
         # p.detach().copy_()) makes it dirty too, where it was lost at the release or
         # the exit that gave the model its records back (_note_edit)
         self.versions: dict[int, int] = {}
+        # (p._version, device) of each released parameter as the release left it: a change
+        # since went to its empty placeholder, not to the weights (_check_param)
+        self.released: dict[int, tuple[int, torch.device]] = {}
         self.grads_out: dict[int, int] = {}  # index -> bytes of a gradient handed to the step
         self.grads_inflight: dict[int, Fetch] = {}  # gradients read ahead for the step
         # Gradients kept in memory as backward left them, never written to their record
@@ -310,6 +333,10 @@ class ParamTier:
         # a device model's parameters given host weights since their node was made
         self._rehook: set[int] = set()
         self._hooks_ctx: list[Any] = []
+        # per entry of _hooks_ctx, the unit whose forward pushed it, with how many of its
+        # forwards were running then (a unit may run inside itself); None: the model's
+        self._hooks_unit: list[tuple[int, int] | None] = []
+        self._running = [0] * len(self.units)  # forwards of each unit under way
         self._closed = False
         self._busy = False  # inside the tier's own work: UseGuard stands aside
         taken: dict[int, torch.Tensor] = {}  # the gradients p.grad held at entry
@@ -416,6 +443,24 @@ class ParamTier:
         model.zero_grad = zero_grad
         self._handles.append(_Restore(model, "zero_grad", had))
 
+        def no_copy(memo: dict, name: str) -> None:
+            raise TierMemError(
+                f"copy.deepcopy reached {name} inside the tiermem.offload block: its weights "
+                "are in the parameter tier (parameters.offload), so the copy would hold the "
+                "empty tensors left in p.data between uses, and the tier's hooks. Copy the "
+                "model before the block (AveragedModel(model) too), or load a copy made "
+                "outside it with model.state_dict()")
+
+        # A deep copy reaching the root or any unit (a parent's copies its children) is
+        # refused: it failed on the tier's own objects in the root's hooks, and a unit's
+        # copy had empty weights and hooks that fetched the original's
+        for m, name in [(model, "the model"), *((m, self.unit_names[u]) for u, m in
+                                               enumerate(self._unit_modules))]:
+            if "__deepcopy__" in m.__dict__:
+                continue
+            m.__deepcopy__ = functools.partial(no_copy, name=name)
+            self._handles.append(_Restore(m, "__deepcopy__", None))
+
     def _take_in(self, i: int) -> None:
         """Parameter `i`'s weights (on the CPU now) into their record; its gradient hooks;
         then its storage released."""
@@ -482,15 +527,18 @@ class ParamTier:
         with torch.no_grad():
             reset()
 
-    def _push_saved_hooks(self, mod: Any, args: Any) -> None:
+    def _push_saved_hooks(self, mod: Any, args: Any, *,
+                          unit: tuple[int, int] | None = None) -> None:
         ctxs = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
                 UseGuard(self))
         for c in ctxs:
             c.__enter__()
         self._hooks_ctx.append(ctxs)
+        self._hooks_unit.append(unit)
 
     def _pop_saved_hooks(self) -> None:
         if self._hooks_ctx:
+            self._hooks_unit.pop()
             for c in reversed(self._hooks_ctx.pop()):
                 c.__exit__(None, None, None)
 
@@ -504,8 +552,102 @@ class ParamTier:
             self.on_device.discard(i)
             self.dev.release(i, p.data)  # freed once the kernels queued to read it ran
         # a device model's parameters stay on its device when empty (p.device is right)
-        p.data = torch.empty(0, dtype=p.dtype,
+        p.data = torch.empty(0, dtype=self.records.metas[i].dtype,
                              device=self.device if self.dev is not None else p.device)
+        self.released[i] = (p._version, p.device)
+
+    def _check_param(self, i: int) -> bool:
+        """Parameter `i` as the tier left it, or changed only in ways that can be kept.
+        Code outside the model's forward (an init, a weight average, a conversion) sees a
+        released parameter as the empty tensor the tier left in p.data: an in-place change
+        of it changes nothing, and a dtype or device it is given would be silently undone
+        by the next materialisation. Both are refused (_refuse_changes). New weights of the
+        parameter's shape, dtype and device assigned to p.data (not counted by p._version)
+        are kept: a live parameter's become its window copy, written back before they are
+        released; True for a released one's, which the caller installs (_adopt)."""
+        kind = self._change(i)
+        if kind is None:
+            return False
+        if kind == "assigned":
+            if i not in self.live:
+                return True
+            p = self.params[i]
+            self.bufs.pop(i, None)
+            self._by_storage[p.untyped_storage().data_ptr()] = i
+            self.dirty.add(i)
+            self.versions[i] = p._version
+            return False
+        self._refuse_changes()
+        return False  # (not reached)
+
+    def _change(self, i: int) -> str | None:
+        """How parameter `i` was changed behind the tier: None (it was not, or only
+        through a live parameter's own in-place ops, which _note_edit keeps), "assigned"
+        (new weights of its shape, dtype and device in p.data: kept on a host model; a
+        device buffer is written by kernels queued on the model's streams), "in place"
+        (a released one's placeholder changed in place: lost) or "converted" (another
+        dtype, shape or device, or new data on a device model)."""
+        p, m = self.params[i], self.records.metas[i]
+        if i in self.live:
+            if self._by_storage.get(p.untyped_storage().data_ptr()) == i:
+                return None
+            same = p.shape == m.shape and p.device == self.device
+        else:
+            version, device = self.released.get(i, (p._version, p.device))
+            if p.numel() == 0 and p.dtype == m.dtype and p.device == device:
+                return None if p._version == version else "in place"
+            same = p.shape == m.shape and p.device == device
+        # (contiguous: autograd's saved views of it are rebuilt with their strides on the
+        # record's contiguous copy once it is evicted)
+        return ("assigned" if same and p.dtype == m.dtype and p.is_contiguous()
+                and self.dev is None else "converted")
+
+    def _refuse_changes(self) -> None:
+        """Every parameter changed in a way _check_param cannot keep goes back to its
+        record's weights (released; a live one in use now stays), and one error names them: the
+        block can go on, or be left, with the weights it had."""
+        lost, converted = [], []
+        for i, p in enumerate(self.params):
+            kind = self._change(i)
+            if kind not in ("in place", "converted"):
+                continue
+            (lost if kind == "in place" else converted).append(i)
+            if kind == "converted" and not converted[1:]:
+                what = (f"{p.dtype}, shape {tuple(p.shape)}, on {p.device}"
+                        f"{'' if p.is_contiguous() else ', not contiguous'}")
+            if i in self.live:
+                if self.pins.get(i):
+                    continue
+                self.dirty.discard(i)
+                self.on_device.discard(i)
+                self.used -= self.live.pop(i)
+            self.bufs.pop(i, None)
+            p.data = torch.empty(0, dtype=self.records.metas[i].dtype, device=self.device)
+            self.released[i] = (p._version, p.device)
+
+        def named(idx: list[int]) -> str:
+            return (", ".join(self.names[i] for i in idx[:4])
+                    + (f" and {len(idx) - 4} more" if len(idx) > 4 else ""))
+
+        if converted:
+            m = self.records.metas[converted[0]]
+            verb = "was" if len(converted) == 1 else "were"
+            raise TierMemError(
+                f"parameters.offload: {named(converted)} {verb} given new data inside the block "
+                f"({what}: p.data assigned, or module.to(), .half(), .cuda()); the parameter "
+                f"tier holds {self.names[converted[0]]} as {m.dtype}, shape {tuple(m.shape)}"
+                f"{'' if self.dev is None else f', on {self.device}'}, and keeps new weights "
+                "assigned to p.data only in those, contiguous (on a model on the CPU). Convert "
+                "or move the model before tiermem.offload, or load new weights with "
+                "model.load_state_dict(); the parameters have their weights from before")
+        raise TierMemError(
+            f"parameters.offload: {named(lost)} {'was' if len(lost) == 1 else 'were'} changed "
+            "in place while the weights were out of memory: between uses the parameter tier "
+            "leaves an empty tensor in p.data, so an in-place change outside the model's "
+            "forward (torch.nn.init, p.mul_() or p.copy_() under torch.no_grad(), a weight "
+            "average written into the model) reached no weights and is lost; the weights "
+            "from before are kept. Change weights inside the block with "
+            "model.load_state_dict() (written to the tier), or before tiermem.offload")
 
     def _install_weight(self, i: int, value: torch.Tensor, buf: torch.Tensor | None) -> None:
         p = self.params[i]
@@ -605,6 +747,8 @@ class ParamTier:
         written back before they are released, as torch would keep the change. Host
         weights only: a device buffer is written by kernels queued on the model's streams,
         which a copy from here would not wait for."""
+        if i in self.live:
+            self._check_param(i)
         if (i in self.live and i not in self.on_device
                 and self.params[i]._version != self.versions.get(i)):
             self.dirty.add(i)
@@ -745,6 +889,8 @@ class ParamTier:
         room (backward's reads; not the update's own). device: a device model's weights
         on its device (a forward's, a backward's), else in host memory (the step's)."""
         device = device and self.dev is not None
+        if self._check_param(i):
+            self._adopt(i)
         if i in self.live and self.dev is not None and (i in self.on_device) != device:
             if device:
                 self._to_device(i)
@@ -795,6 +941,19 @@ class ParamTier:
                 self._rehook.add(i)
         if self.keep_grads:
             self.room.notify_all()
+
+    def _adopt(self, i: int) -> None:
+        """New weights assigned to released parameter `i`'s p.data (_check_param): its
+        window copy from now on, written back like any change (a read of the record in
+        flight is stale)."""
+        if i in self.inflight:
+            self._drop_inflight(i)
+            self.used -= self._bytes(i)
+        value = self.params[i].data
+        self._make_room(self._bytes(i), set(self.pins) | {i}, must=True)
+        self._take(self._bytes(i))
+        self._install_weight(i, value, None)
+        self.dirty.add(i)
 
     def _await(self, fetch: Fetch) -> torch.Tensor:
         """fetch.wait(); while updates run during backward, the read is waited for outside
@@ -926,6 +1085,7 @@ class ParamTier:
     def _enter(self, u: int) -> None:
         self._check_open()
         self._busy = True  # the tier's own tensor work is not a use of a weight
+        self._running[u] += 1
         try:
             # (p.requires_grad too: read outside, UseGuard would count it a use)
             self._refuse_unhooked(self.units[u])
@@ -935,6 +1095,15 @@ class ParamTier:
             for i in self.units[u]:
                 self._materialise(i, device=True)
             self._ready_for_compute(self.units[u])
+            if not self._hooks_ctx and torch.is_grad_enabled() and _no_saved_hooks():
+                # A unit run outside the model's forward: a reentrant checkpoint's
+                # recomputation during backward, a submodule called on its own. What its
+                # forward saves of its weights is kept by geometry too; saved as the
+                # parameter itself, the weights were gone (p.data empty) once evicted
+                # before the backward that read them. (Not under saved-tensor hooks of
+                # someone else's, which ours would hide: a non-reentrant checkpoint's
+                # recomputation keeps what it saves itself.)
+                self._push_saved_hooks(None, None, unit=(u, self._running[u]))
         finally:
             self._busy = False
 
@@ -942,6 +1111,9 @@ class ParamTier:
     def _leave(self, u: int) -> None:
         for i in self.units[u]:
             self._unpin(i)
+        if self._hooks_unit and self._hooks_unit[-1] == (u, self._running[u]):
+            self._pop_saved_hooks()
+        self._running[u] = max(0, self._running[u] - 1)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1118,6 +1290,10 @@ class ParamTier:
         uses): for code that needs only its shape."""
         m = self.records.metas[self.index[id(p)]]
         return torch.empty((), dtype=m.dtype, device=p.device).expand(m.shape)
+
+    def weight_nbytes(self, p: torch.Tensor) -> int:
+        """Bytes `p`'s weights take in the window when materialised."""
+        return self._bytes(self.index[id(p)])
 
     def current_weight(self, p: torch.Tensor) -> torch.Tensor:
         """A copy of `p`'s weights as they are now (window or record)."""
@@ -1326,11 +1502,7 @@ class ParamTier:
             for i in idx:
                 self._pin(i)
         try:
-            with self.lock:
-                for i in idx:
-                    self._materialise(i)
-                    if changed:
-                        self._settle(i)
+            self._materialise_for(idx, changed)
             yield
             if changed:
                 with self.lock:
@@ -1339,6 +1511,13 @@ class ParamTier:
             with self.lock:
                 for i in idx:
                     self._unpin(i)
+
+    @_locked
+    def _materialise_for(self, idx: list[int], changed: bool) -> None:
+        for i in idx:
+            self._materialise(i)
+            if changed:
+                self._settle(i)
 
     @_locked
     def expect_step_order(self, params: Iterable[torch.Tensor]) -> None:
@@ -1461,6 +1640,8 @@ class ParamTier:
     @_locked
     def weight(self, i: int) -> torch.Tensor:
         """Parameter `i`'s current weights as a tensor of their own (on the model's device)."""
+        if self._check_param(i):
+            self._adopt(i)
         if i in self.live:
             if i in self.on_device:
                 self._ready_for_compute([i])  # the clone reads it on this stream
@@ -1511,8 +1692,17 @@ class ParamTier:
                 "back at the end of the block; they were thrown away. Save what you need "
                 "inside the block and call tm.discard() to leave without gathering them")
         try:
+            # refused: given back from their records (the weights before the change), and
+            # the error raised once every other weight is back
+            refused: dict[int, TierMemError] = {}
+            for i in range(len(self.params)):
+                try:
+                    if self._check_param(i):
+                        self._adopt(i)
+                except TierMemError as exc:
+                    refused[i] = exc
             self._settle_grads()
-            for i in list(self.live):
+            for i in [i for i in self.live if i not in refused]:
                 self._note_edit(i)
                 if i in self.dirty:
                     self.records.write(WEIGHT, i, self.params[i].detach())
@@ -1535,7 +1725,7 @@ class ParamTier:
                 # records are removed below, so everything that can be read goes back
                 # now, and the caller hears what could not.
                 try:
-                    if i in self.live and self.dev is None:
+                    if i in self.live and self.dev is None and i not in refused:
                         # a host model's window holds the weight as it is now: its record
                         # has every change made through the parameter (written above),
                         # not one made through p.data (Lightning's EMAWeightAveraging
@@ -1545,7 +1735,7 @@ class ParamTier:
                         value = self.records.fetch(WEIGHT, i).wait().to(self.device,
                                                                         copy=True)
                 except TierMemError as exc:
-                    if i not in self.live or self.dev is not None:
+                    if i not in self.live or self.dev is not None or i in refused:
                         self._release_storage(i)
                         lost.append((self.names[i], exc))
                         continue
@@ -1572,6 +1762,8 @@ class ParamTier:
             self.used = 0
             if lost:
                 raise WeightsLost([name for name, _ in lost], lost[0][1]) from lost[0][1]
+            if refused:
+                raise next(iter(refused.values()))
         finally:
             self._closed = True
             self._unhook()
