@@ -95,6 +95,17 @@ class BackwardOverlap:
                 f"{type(off.opt).__qualname__}: its step writes into the gradients (seen on "
                 "tiermem's probe), so updating during backward would leave other gradients "
                 "after backward than the plain run has; set pipeline.overlap_backward: false")
+        kernel = off.settings.optimizer.kernel
+        for g, group in enumerate(off.opt.param_groups):
+            # (with parameters.offload the gradients are the tier's, which no one sees)
+            if off.weights is None and off.rule.writes_group_grads(group, kernel):
+                raise UnsupportedOptimizer(
+                    f"pipeline.overlap_backward cannot run param_groups[{g}] of "
+                    f"{type(off.opt).__qualname__}: with these settings (foreach=True, "
+                    "nesterov=True, no weight decay, no maximize) its step adds the momentum "
+                    "into p.grad, so updating during backward would leave other gradients "
+                    "after backward than the plain run has; set foreach=False (the same "
+                    "weights) or pipeline.overlap_backward: false")
         self.off = off
         self._handles: list[Any] = []
         if model is not None:

@@ -113,6 +113,11 @@ class UpdateRule(ABC):
     #: set by the generic rule's probe): updates during backward would hand the user other
     #: gradients after backward than the plain run does
     writes_grads: bool = False
+
+    def writes_group_grads(self, group: dict[str, Any], kernel: str) -> bool:
+        """The plain optimizer's step, with `group`'s flags and the implementation
+        optimizer.kernel `kernel` matches, writes into the gradients it is given."""
+        return False
     #: the kernel optimizer.kernel auto runs where the native one does not: Adam's torch
     #: fused kernel (faster, within 1e-6), the torch family's match (bitwise with plain)
     auto_kernel: ClassVar[str] = "fused"

@@ -1,0 +1,74 @@
+"""What a third random scenario search found (optimizer options per group, lr schedulers
+that move momentum, state_dict() round trips mid-run, zero_grad variants, steps without a
+backward, the I/O and pipeline knobs), each held here by the smallest run that showed it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.optim.rules import UnsupportedOptimizer
+from offload_helpers import (Synthetic, backend_params, compare_runs, config, loss_of,
+                             make_batches)
+from adam_helpers import assert_bitwise
+
+
+def _nesterov_sgd(ps):
+    return torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, foreach=True)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("host", ["64MiB", 0], ids=["host", "nvme"])
+def test_foreach_nesterov_sgd_leaves_the_plain_runs_gradients(tmp_path, backend, host):
+    """torch's foreach SGD with nesterov (no weight decay, no maximize) adds the momentum
+    into p.grad itself; tiermem's native SGD pass, which runs it, only read p.grad. The
+    weights were equal, but a loop that leaves out a zero_grad (accumulating into the last
+    step's gradient, as torch does) went elsewhere, and p.grad read after a step differed."""
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=1)
+    ref = copy.deepcopy(model)
+    batches = make_batches(model, 3)
+    grads = []
+
+    def run(m, opt):
+        for i, ((tokens, target),) in enumerate(batches):
+            loss_of(m, tokens, target, False).backward()
+            opt.step()
+            grads.append([p.grad.clone() for p in m.parameters() if p.grad is not None])
+            if i != 1:  # step 2 adds its gradient to step 1's, as left by the step
+                opt.zero_grad()
+
+    ref_opt = _nesterov_sgd(ref.parameters())
+    run(ref, ref_opt)
+    opt = _nesterov_sgd(model.parameters())
+    with tiermem.offload(opt, config(tmp_path, backend=backend, host=host), model=model):
+        run(model, opt)
+    compare_runs(model, opt, ref, ref_opt)
+    half = len(grads) // 2
+    for n, (got, want) in enumerate(zip(grads[half:], grads[:half])):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_bitwise(g, w, f"p.grad after step {n}")
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_foreach_nesterov_sgd_with_updates_during_backward_is_refused(tmp_path, backend):
+    """Updated during backward, its step would leave p.grad rewritten before the user's
+    code between backward and step() sees it: refused at entry, naming the group and
+    what runs instead (foreach=False: the same weights)."""
+    model = Synthetic(vocab=300, hidden=130, out=9)
+    side = [model.side.weight, model.side.bias]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("side.")]
+    opt = torch.optim.SGD([{"params": rest, "maximize": True}, {"params": side}], lr=0.05,
+                          momentum=0.9, nesterov=True, foreach=True)
+    cfg = config(tmp_path, backend=backend, host="64MiB")
+    cfg["pipeline"]["overlap_backward"] = True
+    with pytest.raises(UnsupportedOptimizer, match=r"param_groups\[1\] .*foreach=False"):
+        with tiermem.offload(opt, cfg, model=model):
+            pass
+    for group in opt.param_groups:
+        group["foreach"] = False
+    with tiermem.offload(opt, cfg, model=model):
+        pass
