@@ -5,6 +5,7 @@ backward, the I/O and pipeline knobs), each held here by the smallest run that s
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -72,3 +73,73 @@ def test_foreach_nesterov_sgd_with_updates_during_backward_is_refused(tmp_path, 
         group["foreach"] = False
     with tiermem.offload(opt, cfg, model=model):
         pass
+
+
+class _WithEmpty(torch.nn.Module):
+    """A layer with no outputs (a head configured to size 0): parameters of no elements,
+    which the plain optimizer steps and keeps state for like any other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.random.fork_rng()
+        with g:
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(8, 16)
+            with warnings.catch_warnings():  # "Initializing zero-element tensors is a no-op"
+                warnings.simplefilter("ignore", UserWarning)
+                self.head = torch.nn.Linear(16, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y + self.head(y).sum()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.Adam(ps, lr=0.01),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                                  lambda ps: torch.optim.Adagrad(ps, lr=0.05)],
+                         ids=["adam", "sgd", "adagrad"])
+def test_an_empty_parameter_is_counted_by_a_step_with_updates_during_backward(
+        tmp_path, backend, make):
+    """A parameter of no elements is in no partition. step() counts every parameter with
+    a gradient, but with overlap_backward the counts came only from the partitions: the
+    empty parameter was never counted, and state_dict() held no state (Adagrad: step 0)
+    where the plain optimizer's holds its count and empty moments."""
+    model = _WithEmpty()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 16, generator=g))
+            for _ in range(3)]
+
+    def run(m, opt):
+        for x, t in data:
+            (m(x) - t).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref_opt = make(ref.parameters())
+    run(ref, ref_opt)
+    opt = make(model.parameters())
+    cfg = config(tmp_path, backend=backend, host=0)
+    cfg["pipeline"]["overlap_backward"] = True
+    with tiermem.offload(opt, cfg, model=model):
+        run(model, opt)
+    compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_sparse_gradient_with_updates_during_backward_names_the_optimizer(
+        tmp_path, backend):
+    """Refused, as it should be, but the error said "Adam does not support sparse
+    gradients" whatever the optimizer (SGD and Adagrad take sparse gradients in torch):
+    it now names the optimizer and the parameter."""
+    emb = torch.nn.Embedding(50, 16, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.05)
+    cfg = config(tmp_path, backend=backend, host="64MiB")
+    cfg["pipeline"]["overlap_backward"] = True
+    with pytest.raises(tiermem.TierMemError,
+                       match=r"SGD under tiermem does not support sparse gradients "
+                             r"\(parameter 'weight'\)"):
+        with tiermem.offload(opt, cfg, model=emb):
+            emb(torch.tensor([[1, 2, 3]])).sum().backward()
+            opt.step()

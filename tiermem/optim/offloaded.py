@@ -688,6 +688,17 @@ class OffloadedOptimizer:
         done |= counted
         return counted
 
+    def count_empty(self, done: set[int]) -> None:
+        """Count this step for the parameters with no elements that have a gradient: no
+        partition holds them, so no partition's count_steps reaches them, and the plain
+        optimizer keeps a count (and empty state) for them too. `done`: as count_steps."""
+        held = {s.index for part in self.parts for s in part.segments}
+        empty = {i for i, p in enumerate(self.params)
+                 if i not in held and i not in done and p.numel() == 0 and self.has_grad(p)}
+        if empty:
+            self._count_all(empty)
+            done |= empty
+
     def has_grad(self, p: torch.Tensor) -> bool:
         """p has a gradient for this step (in p.grad, or with parameters.offload in the
         parameter tier)."""

@@ -190,7 +190,9 @@ class BackwardOverlap:
             if self._error is not None or self._stopping:
                 return  # step() raises the error; nothing more starts
             if grad is not None and grad.is_sparse:
-                self._error = TierMemError("Adam does not support sparse gradients")
+                self._error = TierMemError(
+                    f"{type(self.off.opt).__name__} under tiermem does not support sparse "
+                    f"gradients ({self._name(index)})")
                 return
             if not self._fired:
                 self._rewait()
@@ -333,15 +335,17 @@ class BackwardOverlap:
                        "still scaled, before GradScaler could unscale them or skip the step")
             self._check_grads_unchanged()
             self._check_groups_unchanged()
-            for p in off.params:
+            for i, p in enumerate(off.params):
                 if p.grad is not None and p.grad.is_sparse:
-                    raise TierMemError("Adam does not support sparse gradients")
+                    raise TierMemError(f"{type(off.opt).__name__} under tiermem does not "
+                                       f"support sparse gradients ({self._name(i)})")
             with torch.no_grad():
                 stats = self._round_stats()
                 rest = self._rest()
                 nvme = [p for p in rest if p.tier == "nvme"]
                 for part in rest:
                     self._process(part, nvme[nvme.index(part):] if part in nvme else nvme)
+                off.count_empty(self._stepped)
                 off.rule.end_step(off.opt.param_groups)
                 if off.weights is not None:
                     off.weights.step_done()
