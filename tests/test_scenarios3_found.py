@@ -12,8 +12,8 @@ import torch
 
 import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
-from offload_helpers import (Synthetic, backend_params, compare_runs, config, loss_of,
-                             make_batches)
+from offload_helpers import (Synthetic, backend_params, compare_runs, compare_state_dicts,
+                             config, loss_of, make_batches)
 from adam_helpers import assert_bitwise
 
 
@@ -168,3 +168,43 @@ def test_a_parameter_listed_twice_in_a_group_is_refused(tmp_path, make):
         with pytest.raises(UnsupportedOptimizer, match=r"param_groups\[1\]: params\[1\]"):
             with pytest.warns(UserWarning, match="duplicate parameters"):
                 opt.add_param_group({"params": [ps[5], ps[5]]})
+
+
+_TURNED = {  # (optimizer, the setting turned after the first step, its new value)
+    "sgd-momentum-on": (lambda ps: torch.optim.SGD(ps, lr=0.05), "momentum", 0.6),
+    "sgd-momentum-off": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), "momentum", 0.0),
+    "adam-amsgrad-off": (lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True), "amsgrad", False),
+    "rmsprop-centered-off": (lambda ps: torch.optim.RMSprop(ps, lr=0.01, centered=True),
+                             "centered", False)}
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("case", sorted(_TURNED))
+def test_a_setting_turned_inside_the_block_leaves_the_state_dict_as_torchs(
+        tmp_path, backend, case):
+    """A setting that decides which state a group keeps, changed after a step (a momentum
+    warm-up from 0): the next step is refused (the records are laid out), but state_dict()
+    and the state handed back at the block's end were made from the group's settings now.
+    SGD turning momentum on got a momentum_buffer of zeros that torch does not have (a
+    plain optimizer loading it, or a block entered again, then steps from the zeros: other
+    numbers with dampening); turning it (or amsgrad, centered) off dropped the buffer torch
+    keeps and hands back."""
+    make, key, value = _TURNED[case]
+    model = Synthetic(vocab=300, hidden=130, out=9, seed=1)
+    ref = copy.deepcopy(model)
+    (tokens, target), = make_batches(model, 1)[0]
+
+    def run(m, opt):
+        loss_of(m, tokens, target, False).backward()
+        opt.step()
+        opt.zero_grad()
+        for group in opt.param_groups:
+            group[key] = value
+
+    ref_opt = make(ref.parameters())
+    run(ref, ref_opt)
+    opt = make(model.parameters())
+    with tiermem.offload(opt, config(tmp_path, backend=backend), model=model):
+        run(model, opt)
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict())
+    compare_runs(model, opt, ref, ref_opt)

@@ -1331,6 +1331,18 @@ class OffloadedOptimizer:
         widened exactly to those dtypes.
         """
         out: dict[torch.Tensor, dict[str, Any]] = {}
+        # A rule with fixed keys exports what its records hold, not what the group's
+        # settings ask for now: torch keeps (and hands back) a buffer made before its
+        # setting was turned off, and makes none for one turned on until the next step
+        # (SGD's momentum from 0, amsgrad), which tiermem refuses, records laid out as
+        # they are.
+        laid: dict[int, list[str]] = {}
+        if self.rule.fixed_keys:
+            for part in self.parts:
+                keys = [self.rule.torch_keys[k] for k in part.kinds
+                        if k != "master" and k in self.rule.torch_keys]
+                for s in part.segments:
+                    laid.setdefault(s.index, keys)
         for i, p in enumerate(self.params):
             if self.steps[i].item() == 0 and (not self.rule.eager_state
                                               or i in self.stateless):
@@ -1341,7 +1353,10 @@ class OffloadedOptimizer:
                        for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
             shaped = self._shaped(p)
-            for k, shape, kdtype in self.rule.torch_state_tensors(shaped, group, dtype):
+            tensors = (self.rule.torch_state_tensors(shaped, group, dtype)
+                       if not self.rule.fixed_keys else
+                       [(k, tuple(shaped.shape), dtype) for k in laid.get(i, ())])
+            for k, shape, kdtype in tensors:
                 st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
             if not st:
                 continue  # torch keeps nothing for it (SGD without momentum)
