@@ -1353,9 +1353,9 @@ class OffloadedOptimizer:
                        for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
             shaped = self._shaped(p)
-            tensors = (self.rule.torch_state_tensors(shaped, group, dtype)
-                       if not self.rule.fixed_keys else
-                       [(k, tuple(shaped.shape), dtype) for k in laid.get(i, ())])
+            # (a parameter of no elements is in no record: what its group keeps, empty)
+            tensors = ([(k, tuple(shaped.shape), dtype) for k in laid[i]] if i in laid
+                       else self.rule.torch_state_tensors(shaped, group, dtype))
             for k, shape, kdtype in tensors:
                 st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
             if not st:
