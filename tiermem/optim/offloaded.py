@@ -690,6 +690,17 @@ class OffloadedOptimizer:
         done |= counted
         return counted
 
+    def count_empty(self, done: set[int]) -> None:
+        """Count this step for the parameters with no elements that have a gradient: no
+        partition holds them, so no partition's count_steps reaches them, and the plain
+        optimizer keeps a count (and empty state) for them too. `done`: as count_steps."""
+        held = {s.index for part in self.parts for s in part.segments}
+        empty = {i for i, p in enumerate(self.params)
+                 if i not in held and i not in done and p.numel() == 0 and self.has_grad(p)}
+        if empty:
+            self._count_all(empty)
+            done |= empty
+
     def has_grad(self, p: torch.Tensor) -> bool:
         """p has a gradient for this step (in p.grad, or with parameters.offload in the
         parameter tier)."""
@@ -1360,6 +1371,18 @@ class OffloadedOptimizer:
         widened exactly to those dtypes.
         """
         out: dict[torch.Tensor, dict[str, Any]] = {}
+        # A rule with fixed keys exports what its records hold, not what the group's
+        # settings ask for now: torch keeps (and hands back) a buffer made before its
+        # setting was turned off, and makes none for one turned on until the next step
+        # (SGD's momentum from 0, amsgrad), which tiermem refuses, records laid out as
+        # they are.
+        laid: dict[int, list[str]] = {}
+        if self.rule.fixed_keys:
+            for part in self.parts:
+                keys = [self.rule.torch_keys[k] for k in part.kinds
+                        if k != "master" and k in self.rule.torch_keys]
+                for s in part.segments:
+                    laid.setdefault(s.index, keys)
         for i, p in enumerate(self.params):
             if self.steps[i].item() == 0 and (not self.rule.eager_state
                                               or i in self.stateless):
@@ -1370,7 +1393,10 @@ class OffloadedOptimizer:
                        for k, v in self.latest_scalars(i).items()})
             group = self.opt.param_groups[self._group_of(i)]
             shaped = self._shaped(p)
-            for k, shape, kdtype in self.rule.torch_state_tensors(shaped, group, dtype):
+            # (a parameter of no elements is in no record: what its group keeps, empty)
+            tensors = ([(k, tuple(shaped.shape), dtype) for k in laid[i]] if i in laid
+                       else self.rule.torch_state_tensors(shaped, group, dtype))
+            for k, shape, kdtype in tensors:
                 st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
             if not st:
                 continue  # torch keeps nothing for it (SGD without momentum)

@@ -95,6 +95,17 @@ class BackwardOverlap:
                 f"{type(off.opt).__qualname__}: its step writes into the gradients (seen on "
                 "tiermem's probe), so updating during backward would leave other gradients "
                 "after backward than the plain run has; set pipeline.overlap_backward: false")
+        kernel = off.settings.optimizer.kernel
+        for g, group in enumerate(off.opt.param_groups):
+            # (with parameters.offload the gradients are the tier's, which no one sees)
+            if off.weights is None and off.rule.writes_group_grads(group, kernel):
+                raise UnsupportedOptimizer(
+                    f"pipeline.overlap_backward cannot run param_groups[{g}] of "
+                    f"{type(off.opt).__qualname__}: with these settings (foreach=True, "
+                    "nesterov=True, no weight decay, no maximize) its step adds the momentum "
+                    "into p.grad, so updating during backward would leave other gradients "
+                    "after backward than the plain run has; set foreach=False (the same "
+                    "weights) or pipeline.overlap_backward: false")
         self.off = off
         self._handles: list[Any] = []
         if model is not None:
@@ -179,7 +190,9 @@ class BackwardOverlap:
             if self._error is not None or self._stopping:
                 return  # step() raises the error; nothing more starts
             if grad is not None and grad.is_sparse:
-                self._error = TierMemError("Adam does not support sparse gradients")
+                self._error = TierMemError(
+                    f"{type(self.off.opt).__name__} under tiermem does not support sparse "
+                    f"gradients ({self._name(index)})")
                 return
             if not self._fired:
                 self._rewait()
@@ -322,15 +335,17 @@ class BackwardOverlap:
                        "still scaled, before GradScaler could unscale them or skip the step")
             self._check_grads_unchanged()
             self._check_groups_unchanged()
-            for p in off.params:
+            for i, p in enumerate(off.params):
                 if p.grad is not None and p.grad.is_sparse:
-                    raise TierMemError("Adam does not support sparse gradients")
+                    raise TierMemError(f"{type(off.opt).__name__} under tiermem does not "
+                                       f"support sparse gradients ({self._name(i)})")
             with torch.no_grad():
                 stats = self._round_stats()
                 rest = self._rest()
                 nvme = [p for p in rest if p.tier == "nvme"]
                 for part in rest:
                     self._process(part, nvme[nvme.index(part):] if part in nvme else nvme)
+                off.count_empty(self._stepped)
                 off.rule.end_step(off.opt.param_groups)
                 if off.weights is not None:
                     off.weights.step_done()

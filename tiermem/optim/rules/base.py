@@ -71,11 +71,21 @@ class UnsupportedOptimizer(TierMemError, TypeError):
 
 
 def check_group_tensors(g: int, group: dict[str, Any]) -> None:
-    """What no rule runs: differentiable steps, and parameters that are not real, contiguous
-    floating-point tensors (a record holds them flat)."""
+    """What no rule runs: differentiable steps, a parameter listed twice in a group, and
+    parameters that are not real, contiguous floating-point tensors (a record holds them
+    flat)."""
     if group.get("differentiable"):
         raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not supported")
-    for p in group["params"]:
+    seen: set[int] = set()
+    for n, p in enumerate(group["params"]):
+        if id(p) in seen:
+            # torch only warns, and steps such a parameter once per listing (twice its
+            # update, on one state); its records would hold it once per listing instead
+            raise UnsupportedOptimizer(
+                f"param_groups[{g}]: params[{n}] (shape {tuple(p.shape)}) is listed twice in "
+                "the group (tied weights gathered from two modules?): list each parameter "
+                "once, as torch will require")
+        seen.add(id(p))
         if not p.is_floating_point() or p.is_complex():
             raise UnsupportedOptimizer(f"param_groups[{g}]: parameters must be real "
                                        f"floating point, got {p.dtype}")
@@ -113,6 +123,11 @@ class UpdateRule(ABC):
     #: set by the generic rule's probe): updates during backward would hand the user other
     #: gradients after backward than the plain run does
     writes_grads: bool = False
+
+    def writes_group_grads(self, group: dict[str, Any], kernel: str) -> bool:
+        """The plain optimizer's step, with `group`'s flags and the implementation
+        optimizer.kernel `kernel` matches, writes into the gradients it is given."""
+        return False
     #: the kernel optimizer.kernel auto runs where the native one does not: Adam's torch
     #: fused kernel (faster, within 1e-6), the torch family's match (bitwise with plain)
     auto_kernel: ClassVar[str] = "fused"

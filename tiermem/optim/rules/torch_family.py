@@ -156,6 +156,14 @@ def _flags(group: dict[str, Any], *names: str) -> dict[str, Any]:
 _PLAIN = dict(differentiable=False, capturable=False, has_complex=False)
 
 
+def _nesterov_into_grads(group: dict[str, Any]) -> bool:
+    """torch's foreach SGD adds the nesterov term into the gradient tensors themselves
+    when nothing made a copy of them first (maximize negates, weight decay adds into a
+    new list)."""
+    return bool(group["momentum"] != 0 and group["nesterov"] and not group["maximize"]
+                and group["weight_decay"] == 0)
+
+
 class SGDRule(TorchRule):
     optimizers = (torch.optim.SGD,)
     module, name, has_fused = sgd, "sgd", True
@@ -164,12 +172,21 @@ class SGDRule(TorchRule):
     native_matches = ("fused", "single_tensor", "multi_tensor")
 
     def run_native(self, batch, group, checksums):
-        return sgd_update(kernel="native", params=batch.params, grads=batch.grads,
-                          momentum_buffers=batch.state.get("momentum_buffer", []),
-                          first=batch.first, checksums=checksums, match=self._native_impl,
-                          num_threads=batch.threads,
+        bufs = batch.state.get("momentum_buffer", [])
+        crcs = sgd_update(kernel="native", params=batch.params, grads=batch.grads,
+                          momentum_buffers=bufs, first=batch.first, checksums=checksums,
+                          match=self._native_impl, num_threads=batch.threads,
                           **_flags(group, "lr", "momentum", "dampening", "weight_decay",
                                    "nesterov", "maximize"))
+        if self._native_impl == "multi_tensor" and _nesterov_into_grads(group):
+            # what torch's foreach SGD leaves in p.grad (the native pass reads it only): a
+            # loop that reads or accumulates into p.grad after the step sees the same
+            torch._foreach_add_(batch.grads, bufs, alpha=group["momentum"])
+        return crcs
+
+    def writes_group_grads(self, group, kernel):
+        return (implementation(group, kernel, self.has_fused) == "multi_tensor"
+                and _nesterov_into_grads(group))
 
     def kinds_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
