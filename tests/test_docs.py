@@ -79,11 +79,13 @@ def test_readme_lists_every_guide_page():
 
 
 def test_docs_say_what_opt_state_holds_inside_the_block():
-    """opt.state[p] is {} inside the block (the state is in tiermem's records): logging
-    hooks reading moments get nothing, so the README and the quick start say so."""
+    """opt.state holds none of the per-parameter state inside the block (it is in
+    tiermem's records), and reading or writing a parameter's entry there is refused: the
+    README and the quick start say so, and what to use instead."""
     for page in (ROOT / "README.md", ROOT / "docs" / "guide" / "quick-start.md"):
         text = page.read_text()
-        assert "`opt.state[p]` is `{}`" in text and "opt.state_dict()" in text, page.name
+        assert "opt.state[p]" in text and "refused" in text and "opt.state_dict()" in text, \
+            page.name
 
 
 def _slug(heading: str) -> str:

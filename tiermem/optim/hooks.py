@@ -63,6 +63,11 @@ class HeldState(defaultdict):
 
     def __missing__(self, key: Any) -> Any:
         if isinstance(key, torch.Tensor):
+            if called_by_torch("_unflatten_optim_state_dict", 4, skip=2):
+                # set_optimizer_state_dict(flatten_optimizer_state_dict=True) reads the
+                # names of each parameter's state here: it finds none, and the load it then
+                # makes is refused naming that option (state_io.param_entries)
+                return {}
             self._refuse("opt.state[param]")
         return super().__missing__(key)
 
@@ -230,11 +235,17 @@ def in_torch_state_init(depth: int = 8) -> bool:
     caller's frame, not by the step's look (a real first step under a warm-up schedule
     can have lr 0 too); `depth` frames up: an lr scheduler's wrapper and the hooked
     method sit between."""
-    frame = sys._getframe(1)
+    return called_by_torch("_init_optim_state", depth, skip=2)
+
+
+def called_by_torch(name: str, depth: int = 8, skip: int = 1) -> bool:
+    """Whether a function of torch's named `name` is among the `depth` frames above the
+    caller's (`skip`: frames of our own to pass over first)."""
+    frame = sys._getframe(skip)
     for _ in range(depth):
         if frame is None:
             return False
-        if (frame.f_code.co_name == "_init_optim_state"
+        if (frame.f_code.co_name == name
                 and str(frame.f_globals.get("__name__", "")).startswith("torch.")):
             return True
         frame = frame.f_back
