@@ -103,3 +103,20 @@ def scenario_results(rank: int, scenarios: dict[str, Any], *args: Any) -> dict[s
                 json.dump(out, f)
             os.replace(_partial + ".tmp", _partial)
     return out
+
+
+def run_in_dirs(rank: int, base: str, table: dict[str, Any], names: list[str]
+                ) -> dict[str, str]:
+    """scenario_results over `names` of `table` (name -> fn(rank, dir)), each scenario in
+    its own directory under `base`, every rank starting each one together."""
+    import torch.distributed as dist
+
+    def run(name):
+        def go(r):
+            d = os.path.join(base, name)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            dist.barrier()
+            table[name](r, d)
+        return go
+
+    return scenario_results(rank, {n: run(n) for n in names})

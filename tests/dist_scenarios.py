@@ -998,7 +998,7 @@ def fsdp2_dcp_helpers(rank: int, world: int, tmp: str) -> None:
 
 
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
-    from dist_harness import scenario_results
+    from dist_harness import run_in_dirs
 
     table = {
         "parity-threads": lambda r, d: parity(r, world, d, "threads"),
@@ -1047,15 +1047,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "crash-edit-unstepped": lambda r, d: crash_edit_unstepped(r, world, d),
     }
 
-    def run(name):
-        def go(r):
-            d = os.path.join(base, name)
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            barrier()  # every rank starts each scenario together
-            table[name](r, d)
-        return go
-
-    return scenario_results(rank, {n: run(n) for n in names})
+    return run_in_dirs(rank, base, table, names)
 
 
 # -- found by a 2-rank search over the dimensions a single-process search found buggy ---------

@@ -137,7 +137,7 @@ def kept(rank: int, world: int, tmp: str) -> None:
 
 
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
-    from dist_harness import scenario_results
+    from dist_harness import run_in_dirs
 
     table = {
         "adafactor": lambda r, d: whole_parity(r, world, d, "adafactor"),
@@ -151,12 +151,4 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "kept": lambda r, d: kept(r, world, d),
     }
 
-    def run(name):
-        def go(r):
-            d = os.path.join(base, name)
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            barrier()  # every rank starts each scenario together
-            table[name](r, d)
-        return go
-
-    return scenario_results(rank, {n: run(n) for n in names})
+    return run_in_dirs(rank, base, table, names)

@@ -36,7 +36,8 @@ from tiermem.optim import amp
 from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import (Installed, in_torch_state_init, load_with_hooks,
                                  run_post_hooks, run_pre_hooks, step_called)
-from tiermem.optim.offloaded import HISTORY, OffloadedOptimizer, check_optimizer
+from tiermem.optim.offloaded import (HISTORY, OffloadedOptimizer, check_optimizer,
+                                     groups_changed)
 from tiermem.optim.state_io import param_entries, refuse_unkept_keys, torch_state_dict
 from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.optim.rules.adam import MASTER_KEY
@@ -393,12 +394,10 @@ class DistributedOffload(Offload):
         BaseFinetuning on a resume), hold parameters no rank tiers, which every step passed
         over without a word. Every rank runs the same code, so all refuse alike."""
         groups, lay = self.opt.param_groups, self.layout
-        sizes = [len(g["params"]) for g in groups]
-        flat = [p for g in groups for p in g["params"]]
-        if sizes == lay.group_sizes and all(a is b for a, b in zip(flat, lay.params)):
+        changed = groups_changed(groups, lay.group_sizes, lay.params)
+        if changed is None:
             return
-        known = {id(p) for p in lay.params}
-        new = [p for p in flat if id(p) not in known]
+        sizes, new = changed
         which = (f"{len(new)} parameters no rank's share holds (the first of shape "
                  f"{tuple(new[0].shape)})" if new else "parameters moved, removed or regrouped")
         raise TierMemError(

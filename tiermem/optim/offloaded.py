@@ -128,6 +128,20 @@ def check_weights_supported(settings: Settings, model: torch.nn.Module | None, s
                           "host, so optimizer state kept on the device would cross for nothing")
 
 
+def groups_changed(groups: Sequence[dict], sizes: Sequence[int],
+                   params: Sequence[torch.Tensor]
+                   ) -> tuple[list[int], list[torch.Tensor]] | None:
+    """None if `groups` hold exactly `params`, `sizes[g]` of them in group g, in order;
+    else the groups' sizes now and the parameters among them not in `params`."""
+    now = [len(g["params"]) for g in groups]
+    flat = [p for g in groups for p in g["params"]]
+    if now == list(sizes) and len(flat) == len(params) and all(
+            a is b for a, b in zip(flat, params)):
+        return None
+    known = {id(p) for p in params}
+    return now, [p for p in flat if id(p) not in known]
+
+
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
     """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
     return rule_for(opt)
@@ -518,12 +532,10 @@ class OffloadedOptimizer:
         parameters no record holds: the step passed over them without a word (never
         updated) and a load of their state failed with a bare KeyError."""
         groups = self.opt.param_groups
-        sizes = [len(g["params"]) for g in groups]
-        flat = [p for g in groups for p in g["params"]]
-        if sizes == self.group_sizes and all(a is b for a, b in zip(flat, self.params)):
+        changed = groups_changed(groups, self.group_sizes, self.params)
+        if changed is None:
             return
-        known = {id(p) for p in self.params}
-        new = [p for p in flat if id(p) not in known]
+        sizes, new = changed
         which = (f"{len(new)} parameters tiermem laid out no record for (the first "
                  f"{self.names.get(id(new[0])) or tuple(new[0].shape)})" if new
                  else "parameters moved, removed or regrouped")
