@@ -19,22 +19,12 @@ import pytest
 import torch
 
 import tiermem
-from offload_helpers import assert_same_tensor, compare_state_dicts, config, listdir
-
-
-def cfg(tmp_path: Path, offload: str = "none") -> dict:
-    c = config(tmp_path / "swap", host=0, kernel="match")
-    c["parameters"] = {"offload": offload}
-    return c
+from offload_helpers import assert_same_tensor, compare_state_dicts, listdir
+from test_integration_scenarios2 import _lightning, cfg
 
 
 def _fabric():
     return pytest.importorskip("lightning.fabric", reason="lightning is not installed "
-                               "(pip install -e '.[integrations]')")
-
-
-def _lightning():
-    return pytest.importorskip("lightning.pytorch", reason="lightning is not installed "
                                "(pip install -e '.[integrations]')")
 
 
