@@ -56,16 +56,25 @@ def test_overlap_parity(tmp_path, backend, placement, optimizer):
     assert listdir(tmp_path) == []
 
 
+class OwnStepAdafactor(torch.optim.Adafactor):
+    """A step of its own: the generic path, whose shadow tiermem cannot build for a share."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return super().step(closure)
+
+
 def test_distributed_refuses_other_optimizers(tmp_path):
-    """The sharded path steps each rank's pieces of its parameters: an optimizer whose step
-    spans whole parameters is refused before anything is set up, naming it."""
+    """The sharded path steps each rank's pieces of its parameters, or whole parameters for
+    torch's Adafactor and Muon: an optimizer on the generic path is refused before anything
+    is set up, naming it."""
     os.chmod(tmp_path, 0o700)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
                             world_size=1)
     try:
         model = Synthetic()
-        opt = torch.optim.Adafactor(model.parameters(), lr=0.1)
-        with pytest.raises(UnsupportedOptimizer, match="torch.distributed.*Adafactor"):
+        opt = OwnStepAdafactor(model.parameters(), lr=0.1)
+        with pytest.raises(UnsupportedOptimizer, match="torch.distributed.*OwnStepAdafactor"):
             with tiermem.offload(opt, config(tmp_path / "swap"),
                                  process_group=dist.group.WORLD):
                 pass
