@@ -21,8 +21,10 @@ ended 6e-3 away from its plain run, with no error).
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -89,11 +91,11 @@ def _check_accelerate_around(inner: torch.optim.Optimizer) -> None:
     """Refuse `inner` when an AcceleratedOptimizer with a GradScaler holds it: passed its
     `.optimizer` rather than the wrapper, the block opened and each of the wrapper's steps
     put torch's own step method on `inner` (_check_accelerate), so every step ran past
-    tiermem, silently. Nothing reaches a wrapper from the optimizer it holds but the
-    garbage collector's list of who refers to it: searched once, as the block opens, and
-    only where Accelerate is loaded. Such a wrapper is in a reference cycle (its patched
-    step refers to it), so one no longer used lives on until a collection: one runs
-    before a wrapper found is refused."""
+    tiermem, silently. Nothing reaches a wrapper from the optimizer it holds, so tiermem
+    keeps the wrappers with a GradScaler itself (_scaled_registry), once Accelerate is
+    loaded. Such a wrapper is in a reference cycle (its patched step refers to it), so one
+    no longer used lives on until a collection: one runs before a wrapper found is
+    refused."""
     cls = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
     if not isinstance(cls, type) or not _scaled_wrappers(inner, cls):
         return
@@ -102,21 +104,36 @@ def _check_accelerate_around(inner: torch.optim.Optimizer) -> None:
         _check_accelerate(wrapper)
 
 
+_SCALED: dict[type, weakref.WeakSet] = {}  # AcceleratedOptimizer -> its instances with a scaler
+
+
+def _scaled_registry(cls: type) -> weakref.WeakSet:
+    """The live instances of `cls` (AcceleratedOptimizer) made with a GradScaler. The first
+    call finds those made so far in the garbage collector's list of objects (once per
+    process: a search of every object costs tens of milliseconds in a large process, too
+    much for every block) and wraps cls.__init__ to add the ones made from then on."""
+    found = _SCALED.get(cls)
+    if found is not None:
+        return found
+    found = _SCALED[cls] = weakref.WeakSet()
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if getattr(self, "scaler", None) is not None:
+            found.add(self)
+
+    cls.__init__ = __init__
+    found.update(obj for obj in gc.get_objects()
+                 if isinstance(obj, cls) and getattr(obj, "scaler", None) is not None)
+    return found
+
+
 def _scaled_wrappers(inner: torch.optim.Optimizer, cls: type) -> list[Any]:
     """The instances of `cls` (AcceleratedOptimizer) holding `inner` with a GradScaler."""
-    found = []
-    for ref in gc.get_referrers(inner):
-        # the wrapper, or its __dict__ (Python 3.10, or a dict once asked for by vars());
-        # a dict is followed to its owner only if it has the wrapper's two attributes
-        if type(ref) is dict:
-            wrapper_like = ref.get("optimizer") is inner and "scaler" in ref
-            owners = gc.get_referrers(ref) if wrapper_like else ()
-        else:
-            owners = (ref,)
-        found += [owner for owner in owners
-                  if isinstance(owner, cls) and vars(owner).get("optimizer") is inner
-                  and getattr(owner, "scaler", None) is not None]
-    return found
+    return [w for w in list(_scaled_registry(cls))
+            if vars(w).get("optimizer") is inner and getattr(w, "scaler", None) is not None]
 
 
 # (wrapper class, method name) -> [its _Routed, how many open blocks route it]
