@@ -96,18 +96,6 @@ class GroupShares:
         return pieces_in(self.numels, self.first_index, self.cuts[rank], self.cuts[rank + 1])
 
 
-def plan_shares(param_groups: Sequence[dict], world: int,
-                whole: bool = False) -> list[GroupShares]:
-    """The split of every param group, in the optimizer's order (whole: never inside a
-    parameter)."""
-    out, first = [], 0
-    for g, group in enumerate(param_groups):
-        numels = [p.numel() for p in group["params"]]
-        out.append(GroupShares(g, first, numels, share_cuts(numels, world, whole)))
-        first += len(numels)
-    return out
-
-
 def spans(pieces: Sequence[Piece], a: int, b: int) -> Iterator[tuple[int, int, int, int]]:
     """(param index, first element in the param, length, offset from a) of every piece's
     part inside share offsets [a, b): how a window of a share maps onto parameters."""

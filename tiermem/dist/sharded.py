@@ -151,15 +151,14 @@ class DistributedOffload(Offload):
         d = settings.distributed
         self.coll = Collectives(process_group, d.timeout, name)
         try:
-            self._set_up(opt, settings, model, name, resume)
+            self._set_up(opt, settings, model, name, resume, fsdp)
         except BaseException:
             self.coll.close()  # this offload is over: stop its heartbeat
             raise
 
     def _set_up(self, opt: torch.optim.Optimizer, settings: Settings, model: Any, name: str,
-                resume: bool) -> None:
+                resume: bool, fsdp: bool) -> None:
         d = settings.distributed
-        fsdp = any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
         self.layout = (FsdpLayout(opt, self.coll) if fsdp
                        else ZeroLayout(opt, self.coll, d.grads, d.bucket_size, self.whole))
         self.rank = self.coll.global_rank(self.coll.rank)

@@ -70,7 +70,7 @@ class ZeroLayout:
 
     def add_group(self, group: dict) -> None:
         """Cut one more param group (the optimizer's next) into the ranks' shares. A group's
-        cut depends on its own parameters only (plan_shares), so the groups before keep
+        cut depends on its own parameters only (share_cuts), so the groups before keep
         theirs: every rank adding the same group gets the split all the others do."""
         g, params = len(self.shares), list(group["params"])
         kinds = {p.dtype for p in params}

@@ -47,19 +47,17 @@ class HeldState(defaultdict):
     held: Callable[[], bool] | None = None
 
     def __bool__(self) -> bool:
-        return dict.__len__(self) > 0 or (self.held is not None and self.held())
+        return dict.__len__(self) > 0 or self._tiers_hold()
+
+    def _tiers_hold(self) -> bool:
+        return self.held is not None and self.held()
 
     # Writes keyed by a parameter would go to a dict the tiers never read (a momentum reset
     # by `opt.state[p]["momentum_buffer"] = ...`, or `opt.state.clear()`), and reads of a
     # parameter's entry would find none: both refused, naming the way that works. Entries
     # under keys that are no parameter (MADGRAD's state['k']) are opt.state's own.
-    def _refuse(self, what: str) -> None:  # self unused: the step's check calls it too
-        raise TierMemError(
-            f"{what} inside tiermem.offload: the per-parameter optimizer state is in "
-            "tiermem's tiers, not in opt.state; read it with opt.state_dict(), change it by "
-            "loading a changed one with opt.load_state_dict(), and reset it with "
-            "opt.load_state_dict({'state': {}, 'param_groups': opt.state_dict()"
-            "['param_groups']})")
+    def _refuse(self, what: str) -> None:
+        refuse_state_edit(what)
 
     def __missing__(self, key: Any) -> Any:
         if isinstance(key, torch.Tensor):
@@ -82,7 +80,7 @@ class HeldState(defaultdict):
         super().__delitem__(key)
 
     def clear(self) -> None:
-        if self.held is not None and self.held():
+        if self._tiers_hold():
             self._refuse("opt.state.clear()")
         super().clear()
 
@@ -109,13 +107,24 @@ class HeldState(defaultdict):
         # What copy.deepcopy(opt), pickle and torch.save(opt) take of opt.state (torch's
         # Optimizer.__getstate__ hands them defaults, state and param_groups): the
         # per-parameter state is in the tiers, so the copy would start it over, silently.
-        if self.held is not None and self.held():
+        if self._tiers_hold():
             raise TierMemError(
                 "the optimizer's per-parameter state is in tiermem's tiers, so a "
                 "copy.deepcopy / pickle / torch.save of the optimizer object inside "
                 "tiermem.offload would hold none of it: save optimizer.state_dict() (torch's "
                 "format, gathered from the tiers), or copy the optimizer after the block")
         return (defaultdict, (dict,), None, None, iter(dict.items(self)))
+
+
+def refuse_state_edit(what: str) -> None:
+    """Raise the refusal of `what`, an access to opt.state's per-parameter entries inside
+    the block, naming the ways that work."""
+    raise TierMemError(
+        f"{what} inside tiermem.offload: the per-parameter optimizer state is in "
+        "tiermem's tiers, not in opt.state; read it with opt.state_dict(), change it by "
+        "loading a changed one with opt.load_state_dict(), and reset it with "
+        "opt.load_state_dict({'state': {}, 'param_groups': opt.state_dict()"
+        "['param_groups']})")
 
 
 def hold_state(opt: torch.optim.Optimizer, held: Callable[[], bool]) -> None:
@@ -161,7 +170,7 @@ class Installed:
             if held is not None and type(opt_self.state) is not HeldState:
                 # `opt.state = defaultdict(dict)` (a reset of the moments) replaced the
                 # stand-in: the tiers would step on as if nothing happened
-                HeldState._refuse(None, "replacing opt.state")
+                refuse_state_edit("replacing opt.state")
             return target.step(closure)
 
         # torch's lr schedulers look for this mark to know opt.step reports its calls

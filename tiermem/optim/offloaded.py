@@ -706,9 +706,11 @@ class OffloadedOptimizer:
         """Count this step for the parameters with no elements that have a gradient: no
         partition holds them, so no partition's count_steps reaches them, and the plain
         optimizer keeps a count (and empty state) for them too. `done`: as count_steps."""
-        held = {s.index for part in self.parts for s in part.segments}
         empty = {i for i, p in enumerate(self.params)
-                 if i not in held and i not in done and p.numel() == 0 and self.has_grad(p)}
+                 if p.numel() == 0 and i not in done and self.has_grad(p)}
+        if empty:
+            # (one a partition holds was counted by its count_steps, in `done`)
+            empty -= {s.index for part in self.parts for s in part.segments}
         if empty:
             self._count_all(empty)
             done |= empty
