@@ -9,10 +9,12 @@ the order; within assert_close_tensor with 3).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -179,6 +181,19 @@ def small_cfg(tmp: str, backend: str = "threads", **kw) -> dict:
     cfg = config(tmp, backend=backend, host=kw.pop("host", "0"), partition_size="64KiB")
     cfg["distributed"] = {"bucket_size": "32KiB", "timeout": kw.pop("timeout", 120), **kw}
     return cfg
+
+
+@contextlib.contextmanager
+def kept_at_exit() -> Iterator[None]:
+    """No host memory for the whole state at the block's exit: each rank keeps its share on
+    disk, with the warning that says so (expected here, not shown)."""
+    import warnings
+    from unittest import mock
+
+    with mock.patch("tiermem.dist.sharded.available_memory", return_value=0), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def train_pair(rank, world, model, opt, ref_model, ref_opt, steps, first=0):
@@ -555,8 +570,6 @@ def recover_kept(rank: int, world: int, tmp: str) -> None:
     """Crash-consistent runs whose shares stay on disk at exit (no host memory for them), to
     be put back together by `tiermem recover` in the test process: rank 0 saves what the
     plain optimizer and model hold after the same steps beside them. FSDP2's shards too."""
-    import warnings
-    from unittest import mock
 
     for n, (cls, kw) in enumerate(RECOVERED):
         model = Synthetic()
@@ -564,11 +577,8 @@ def recover_kept(rank: int, world: int, tmp: str) -> None:
         opt, ref_opt = cls(groups_of(model), **kw), cls(groups_of(ref_model), **kw)
         cfg = small_cfg(tmp)
         cfg["swap"]["durability"] = "crash_consistent"
-        with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with tiermem.offload(opt, cfg, model=model, name=f"kept{n}"):
-                    train_pair(rank, world, model, opt, ref_model, ref_opt, 3)
+        with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name=f"kept{n}"):
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 3)
         if rank == 0:
             torch.save({"model": ref_model.state_dict(), "optimizer": ref_opt.state_dict()},
                        os.path.join(tmp, f"kept{n}.expected.pt"))
@@ -577,15 +587,12 @@ def recover_kept(rank: int, world: int, tmp: str) -> None:
     cfg = small_cfg(tmp)
     cfg["swap"]["durability"] = "crash_consistent"
     g = torch.Generator().manual_seed(20 + rank)
-    with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with tiermem.offload(opt, cfg, model=model, name="fsdp"):
-                sharded_steps(rank, world, model, opt, None, None, g, 2)
-                # the shards' whole values, as every rank sees them
-                want = {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
-                        "optimizer": {i: opt.state_dict()["state"][i]["momentum_buffer"]
-                                      .full_tensor() for i in range(4)}}
+    with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="fsdp"):
+        sharded_steps(rank, world, model, opt, None, None, g, 2)
+        # the shards' whole values, as every rank sees them
+        want = {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
+                "optimizer": {i: opt.state_dict()["state"][i]["momentum_buffer"]
+                              .full_tensor() for i in range(4)}}
     if rank == 0:
         torch.save(want, os.path.join(tmp, "fsdp.expected.pt"))
     barrier()
@@ -594,8 +601,6 @@ def recover_kept(rank: int, world: int, tmp: str) -> None:
 def resume_kept_scalars(rank: int, world: int, tmp: str) -> None:
     """A crash-consistent ASGD run kept on disk resumes on every rank with its shares'
     per-parameter scalars (eta, mu) and continues as the uninterrupted reference."""
-    import warnings
-    from unittest import mock
 
     kw = dict(lr=0.01, t0=1)
     model = Synthetic()
@@ -604,11 +609,8 @@ def resume_kept_scalars(rank: int, world: int, tmp: str) -> None:
     ref_opt = torch.optim.ASGD(groups_of(ref_model), **kw)
     cfg = small_cfg(tmp)
     cfg["swap"]["durability"] = "crash_consistent"
-    with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with tiermem.offload(opt, cfg, model=model, name="asgd"):
-                train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+    with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="asgd"):
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
     assert not opt.state
     with tiermem.offload(opt, cfg, model=model, name="asgd", resume=True) as tm:
         assert tm.resumed_step == 2, tm.resumed_step
@@ -621,21 +623,17 @@ def resume_other_world(rank: int, world: int, tmp: str) -> None:
     share is another world size's cut of the model, so every rank refuses, those with a
     directory naming both world sizes (not the config, which did not change), the new rank
     naming the manifest it lacks."""
-    import warnings
-    from unittest import mock
 
     fewer = dist.new_group(list(range(world - 1)))  # collective: every rank makes it
     model, opt, *_ = pair()
     cfg = small_cfg(tmp)
     if rank < world - 1:
-        with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with tiermem.offload(opt, cfg, model=model, name="w", process_group=fewer):
-                    for i, micro in enumerate(make_batches(model, 2, seed=10 + rank)):
-                        local_backward(model, micro, i, rank)
-                        opt.step()
-                        opt.zero_grad()
+        with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="w",
+                                             process_group=fewer):
+            for i, micro in enumerate(make_batches(model, 2, seed=10 + rank)):
+                local_backward(model, micro, i, rank)
+                opt.step()
+                opt.zero_grad()
     barrier()
     model, opt, *_ = pair()
     try:

@@ -16,8 +16,8 @@ import torch
 import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
 
-from dist_scenarios import (averaged, barrier, groups_of, local_backward, small_cfg,
-                             train_pair)
+from dist_scenarios import (averaged, barrier, groups_of, kept_at_exit, local_backward,
+                             small_cfg, train_pair)
 from offload_helpers import Synthetic, compare_runs, compare_state_dicts, make_batches
 
 
@@ -117,19 +117,14 @@ def kept(rank: int, world: int, tmp: str) -> None:
     """Crash-consistent Adafactor whose shares stay on disk at exit (no host memory for the
     whole state), for `tiermem recover` in the test process: rank 0 saves what the plain
     optimizer and model hold after the same steps."""
-    import warnings
-    from unittest import mock
 
     model = Synthetic()
     ref_model = copy.deepcopy(model)
     opt, ref_opt = OPTIMIZERS["adafactor"](model), OPTIMIZERS["adafactor"](ref_model)
     cfg = small_cfg(tmp)
     cfg["swap"]["durability"] = "crash_consistent"
-    with mock.patch("tiermem.dist.sharded.available_memory", return_value=0):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with tiermem.offload(opt, cfg, model=model, name="kept"):
-                train_pair(rank, world, model, opt, ref_model, ref_opt, 3)
+    with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="kept"):
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 3)
     if rank == 0:
         torch.save({"model": ref_model.state_dict(), "optimizer": ref_opt.state_dict()},
                    os.path.join(tmp, "kept.expected.pt"))
