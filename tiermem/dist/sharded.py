@@ -28,11 +28,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from tiermem.dist.clip import AveragedClip
 from tiermem.dist.collectives import Collectives, RankMismatch
 from tiermem.config import Settings
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
-from tiermem.optim import amp
+from tiermem.optim import amp, clipping
 from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import (Installed, in_torch_state_init, load_with_hooks,
                                  run_post_hooks, run_pre_hooks, step_called)
@@ -187,12 +188,19 @@ class DistributedOffload(Offload):
         super().__init__(off)
         opt.state.clear()  # each rank's share of it is in the tiers now
         self.rank_plans = self._gather_plans()
+        self._plans_stale = False  # a group added since: refreshed at the next step
+        # Each rank's p.grad is its own until the step reduces it: torch's clipping would
+        # clip it by its own norm before the average (dist/clip.py)
+        self.clip = (AveragedClip(self.layout) if self._local_grads() and not self.layout.fsdp
+                     else None)
         self._hooks = Installed(opt, self)
         if self._local_grads():
             self._hooks.claim_amp()  # so every rank's GradScaler step reaches the refusal
         if resume and off.crash:
             # Each rank restored its own pieces' weights from its masters: share them.
             self.layout.weights_out(self._fresh_comm(), off.weights_synced)
+        if self.clip is not None:  # last: a set-up that failed leaves nothing routed here
+            clipping.open_tier(self)
 
     def _build(self, settings: Settings, model: Any, name: str,
                resume: bool, previous: bool = False) -> OffloadedOptimizer:
@@ -353,6 +361,12 @@ class DistributedOffload(Offload):
         under crash_consistent) as in one process."""
         opt, lay, off = self.opt, self.layout, self.offloaded
         self._check_groups("optimizer.add_param_group()")
+        if self.clip is not None and self.clip.early is not None:
+            # the clip reduced the gradients of the groups before it only: the new group's
+            # would never be reduced for the coming step
+            raise TierMemError("optimizer.add_param_group() between a gradient clip and "
+                               "opt.step() under distributed.grads: reduce_scatter: add the "
+                               "group before clipping, or after the step")
         type(opt).add_param_group(opt, param_group)
         group = opt.param_groups[-1]
         first = len(lay.params)
@@ -385,6 +399,9 @@ class DistributedOffload(Offload):
             raise
         self._at.update({pc.index: (len(lay.pieces) - 1, k) for k, pc in enumerate(pieces)})
         self._covers = None  # new partitions, new windows
+        self._plans_stale = True
+        if self.clip is not None:
+            self.clip.reindex()
 
     def _check_groups(self, what: str) -> None:
         """The user's param groups hold the parameters the shares were cut from, group by
@@ -454,15 +471,25 @@ class DistributedOffload(Offload):
                 # rank the same set): a parameter with one on some ranks only would be
                 # stepped by none, or by some of its owners, without a word.
                 op += self.layout.grads_signature()
+            if self.clip is not None:
+                op += self.clip.state()
             self.agree(op, called)
+        if self.clip is not None:
+            self.clip.refuse_edited("opt.step()")  # every rank agreed on what it found
         self._check_groups("optimizer.step()")
         self.steps_called = called  # not before: a refused step is no step
+        if self._plans_stale:  # a collective every rank reaches here, after the same adds
+            self.rank_plans = self._gather_plans()
+            self._plans_stale = False
         comm = self._fresh_comm()
         with torch.no_grad():
             self._sync_groups()
             t0 = time.monotonic()
-            present = self.layout.present()  # the same on every rank
-            self.layout.grads_in(present, comm)
+            # the same on every rank; a clip since the last step reduced them already
+            present = self.clip.take(comm) if self.clip is not None else None
+            if present is None:
+                present = self.layout.present()
+                self.layout.grads_in(present, comm)
             comm["comm_seconds"] += time.monotonic() - t0
             gather = self._start_weights(comm)
             try:
@@ -481,6 +508,56 @@ class DistributedOffload(Offload):
         step_called(opt)
         run_post_hooks(opt, args, kwargs)
         return loss
+
+    # -- clipping the averaged gradient (grads: reduce_scatter; optim/clipping.py routes
+    # torch's clip_grad_norm_ / clip_grad_value_ here: clipping.Clipper) ----------------
+
+    def held(self, p: torch.Tensor) -> bool:
+        return self.clip is not None and self.clip.held(p)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, of the gradients the
+        step takes (under distributed.grads: reduce_scatter the averaged ones: dist/clip.py).
+        A collective: every rank calls it. Returns the total norm."""
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        if self.clip is None:  # p.grad is what the step takes (DDP's mean, FSDP2's shard)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                  error_if_nonfinite)
+        return self.clip_norm(params, max_norm, float(norm_type), error_if_nonfinite,
+                              "tm.clip_grad_norm_")
+
+    def _clip_start(self, params: list[torch.Tensor], what: str) -> tuple[list[int], set[int]]:
+        clip = self.clip
+        order, which = clip.subset(params, what)
+        self.agree(f"{what} {which}{clip.state()}")
+        clip.refuse_edited(f"another {what}")
+        self._check_groups(what)
+        comm = self._fresh_comm()
+        t0 = time.monotonic()
+        present = clip.reduce(comm)
+        comm["comm_seconds"] += time.monotonic() - t0
+        return order, present
+
+    def clip_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                  error_if_nonfinite: bool, what: str) -> torch.Tensor:
+        if not self.whole and (norm_type <= 0 or norm_type != norm_type):
+            # ||x||_p of a vector is the p-norm of its parts' p-norms only for p > 0 (and
+            # inf); torch's 0-"norm" of norms counts tensors, which a piece is not
+            raise TierMemError(
+                f"{what} with norm_type {norm_type} under distributed.grads: reduce_scatter: "
+                "the shares cut parameters into pieces, and that norm of the pieces' norms "
+                "is not the norm of the parameters'. Use a positive norm_type (2.0, inf)")
+        with torch.no_grad():
+            order, present = self._clip_start(params, what)
+            total = self.clip.norm(order, present, norm_type, error_if_nonfinite)
+            self.clip.scale(order, present, max_norm, total)
+        return total
+
+    def clip_value(self, params: list[torch.Tensor], clip_value: float, what: str) -> None:
+        with torch.no_grad():
+            order, present = self._clip_start(params, what)
+            self.clip.clamp(order, present, clip_value)
 
     def agree(self, op: str, step: int | None = None) -> None:
         """Before an operation's collectives (a step, a state_dict, a DCP checkpoint, the
@@ -611,7 +688,8 @@ class DistributedOffload(Offload):
         return self.opt
 
     def plan(self) -> dict[str, Any]:
-        """This rank's figures (as in one process), plus every rank's in `ranks`."""
+        """This rank's figures (as in one process), plus every rank's in `ranks` (gathered at
+        set-up, and again at the first step after an add_param_group: a collective)."""
         out = super().plan()
         out.update(rank=self.rank, local_rank=self.local_rank, world=self.coll.world,
                    mode="fsdp2" if self.layout.fsdp else "zero",
@@ -647,6 +725,7 @@ class DistributedOffload(Offload):
     def leave(self, exc: BaseException | None) -> None:
         """The block's way out for this rank: with an error no collective runs (the other
         ranks may be gone) and this rank's share stays on disk."""
+        clipping.close_tier(self)  # torch's clipping is its own again for these parameters
         try:
             if exc is None:
                 self._exit()

@@ -1,4 +1,5 @@
-"""torch's gradient clipping over parameters whose gradients the parameter tier holds.
+"""torch's gradient clipping over gradients it cannot see in p.grad: the parameter tier's,
+and the averaged ones of distributed.grads: reduce_scatter (tiermem/dist/clip.py).
 
 With parameters.offload a parameter's gradient lives in the tier, not in p.grad, so
 `torch.nn.utils.clip_grad_norm_` (what Lightning, Accelerate and the Hugging Face
@@ -8,13 +9,14 @@ which the Trainer calls, reads p.grad itself). While a block with a parameter ti
 open, torch.nn.utils' clip_grad_norm_ and clip_grad_value_ are wrapped, and
 Accelerator.clip_grad_norm_ where Accelerate is loaded:
 
-- clip_grad_norm_ over every parameter of the tier that has a gradient (and no other
-  parameter with one) is the tier's own clip (`tm.clip_grad_norm_`: the global 2-norm
-  of the stored gradients, the coefficient applied as the step reads each one), the
-  same bits as torch's over those gradients in memory;
-- any other call that names a parameter of the tier (part of them, beside parameters
-  with gradients of their own, another norm, clip_grad_value_) is a TierMemError that
-  says what to do;
+- a call that names a parameter an open block holds goes to that block (the Clipper),
+  which clips what it holds or raises a TierMemError that says what to do. The
+  parameter tier: clip_grad_norm_ over every parameter of the tier that has a gradient
+  (and no other parameter with one) is the tier's own clip (`tm.clip_grad_norm_`: the
+  global 2-norm of the stored gradients, the coefficient applied as the step reads
+  each one), the same bits as torch's over those gradients in memory; any other call
+  (part of them, beside parameters with gradients of their own, clip_grad_value_) is
+  refused;
 - a call that names none of them is torch's own, unchanged.
 
 The wrappers replace the module (and class) attributes, so code that calls
@@ -33,18 +35,18 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 import torch.nn.utils.clip_grad as _clip_grad_module
 
-from tiermem.errors import TierMemError
 
 MODULES = (torch.nn.utils, _clip_grad_module)  # torch.nn.utils re-exports clip_grad's
 
 
 class Clipper(Protocol):
-    """An open block's parameter tier, as the wrappers see it."""
+    """An open block that holds gradients torch's clipping cannot see (a parameter tier's,
+    or the averaged ones of distributed.grads: reduce_scatter), as the wrappers see it."""
 
     def held(self, p: torch.Tensor) -> bool: ...
-    def with_grads(self) -> list[torch.Tensor]: ...
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
-                        error_if_nonfinite: bool = False) -> torch.Tensor: ...
+    def clip_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                  error_if_nonfinite: bool, what: str) -> torch.Tensor: ...
+    def clip_value(self, params: list[torch.Tensor], clip_value: float, what: str) -> None: ...
 
 
 # The open blocks' tiers, innermost last.
@@ -64,26 +66,11 @@ def _owner(params: list[torch.Tensor]) -> Clipper | None:
 
 def _tier_clip(params: list[torch.Tensor], max_norm: float, norm_type: float,
                error_if_nonfinite: bool, what: str) -> torch.Tensor | None:
-    """The clip of the tier holding `params`' gradients, or None where no tier holds any."""
+    """The clip of the block holding `params`' gradients, or None where no block holds any."""
     clipper = _owner(params)
     if clipper is None:
         return None
-    given = {id(p) for p in params}
-    missing = [p for p in clipper.with_grads() if id(p) not in given]
-    if missing:
-        raise TierMemError(
-            f"{what} over {len(params)} parameters, {len(missing)} of the "
-            f"{len(clipper.with_grads())} parameters with gradients in tiermem's parameter "
-            "tier (parameters.offload) not among them: the tier clips all its gradients by "
-            "one global norm. Pass model.parameters(), or call tm.clip_grad_norm_(max_norm)")
-    outside = [p for p in params if not clipper.held(p) and p.grad is not None]
-    if outside:
-        raise TierMemError(
-            f"{what} over parameters tiermem's parameter tier holds and {len(outside)} it "
-            "does not, with gradients in p.grad: one global norm over both is not "
-            "supported; clip the model's parameters only")
-    return clipper.clip_grad_norm_(max_norm, float(norm_type),
-                                   error_if_nonfinite=error_if_nonfinite)
+    return clipper.clip_norm(params, max_norm, float(norm_type), error_if_nonfinite, what)
 
 
 def _clip_grad_norm_(original: Callable[..., Any], parameters: Any, max_norm: float,
@@ -112,12 +99,9 @@ def _accelerator_clip_grad_norm_(original: Callable[..., Any], accelerator: Any,
 def _clip_grad_value_(original: Callable[..., Any], parameters: Any, clip_value: float,
                       foreach: bool | None = None) -> None:
     params = _as_list(parameters)
-    if _owner(params) is not None:
-        raise TierMemError(
-            "torch.nn.utils.clip_grad_value_ over parameters whose gradients are in "
-            "tiermem's parameter tier (parameters.offload), not in p.grad: it would clip "
-            "nothing. Clip by norm with tm.clip_grad_norm_(max_norm), or set "
-            "parameters.offload: none")
+    clipper = _owner(params)
+    if clipper is not None:
+        return clipper.clip_value(params, clip_value, "torch.nn.utils.clip_grad_value_")
     return original(params, clip_value, foreach)
 
 

@@ -143,11 +143,34 @@ class Offload:
         weights = self.offloaded.weights
         return weights is not None and id(p) in weights.index
 
-    def with_grads(self) -> list[torch.Tensor]:
-        """The parameter tier's parameters that have a gradient for the coming step."""
+    def clip_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                  error_if_nonfinite: bool, what: str) -> torch.Tensor:
+        """torch's clip_grad_norm_ over `params`, some of which the parameter tier holds: the
+        tier's clip where they are every parameter of it with a gradient, and only those."""
         weights = self.offloaded.weights
-        return [] if weights is None else [p for p in weights.params
-                                           if weights.has_gradient(p)]
+        with_grads = [p for p in weights.params if weights.has_gradient(p)]
+        given = {id(p) for p in params}
+        missing = [p for p in with_grads if id(p) not in given]
+        if missing:
+            raise TierMemError(
+                f"{what} over {len(params)} parameters, {len(missing)} of the "
+                f"{len(with_grads)} parameters with gradients in tiermem's parameter "
+                "tier (parameters.offload) not among them: the tier clips all its gradients "
+                "by one global norm. Pass model.parameters(), or call "
+                "tm.clip_grad_norm_(max_norm)")
+        outside = [p for p in params if not self.held(p) and p.grad is not None]
+        if outside:
+            raise TierMemError(
+                f"{what} over parameters tiermem's parameter tier holds and {len(outside)} "
+                "it does not, with gradients in p.grad: one global norm over both is not "
+                "supported; clip the model's parameters only")
+        return self.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    def clip_value(self, params: list[torch.Tensor], clip_value: float, what: str) -> None:
+        raise TierMemError(
+            f"{what} over parameters whose gradients are in tiermem's parameter tier "
+            "(parameters.offload), not in p.grad: it would clip nothing. Clip by norm with "
+            "tm.clip_grad_norm_(max_norm), or set parameters.offload: none")
 
     # -- what optim/averaging.py asks of it (averaging.Averager)
 
