@@ -11,6 +11,7 @@ assert_close_tensor.
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
 
-from dist_scenarios import averaged, kept_at_exit, small_cfg
+from dist_scenarios import averaged, barrier, kept_at_exit, small_cfg
 from offload_helpers import assert_close_tensor
 
 
@@ -94,7 +95,7 @@ def parity(rank: int, world: int, tmp: str, name: str, backend: str = "threads")
     """Weights after every step and state_dict() inside the block equal the plain
     optimizer's; loading that state_dict back steps on equal; at exit opt.state holds
     DTensors like FSDP2's; a second block seeded from them (a collective gather of each
-    DTensor entry to its owner) goes on equal. Muon is paired with AdamW for the
+    DTensor entry to its owner) goes on equal; weights edited between steps are taken. Muon is paired with AdamW for the
     non-matrices, as users do: two blocks, one per optimizer."""
     model, ref_model = model_pair()
     params = matrices if name == "muon" else (lambda m: list(m.parameters()))
@@ -126,6 +127,9 @@ def parity(rank: int, world: int, tmp: str, name: str, backend: str = "threads")
                     assert_close_tensor(full(sd["state"][k][key]).float(), v.float(),
                                         f"state_dict {k} {key}")
             opt.load_state_dict(sd)
+            with torch.no_grad():  # an edit between steps is taken, as in one process
+                model[2].weight.to_local().mul_(0.5)
+                ref_model[2].weight.mul_(0.5)
             steps(rank, world, model, opts, ref_model, ref_opts, g, 2)
             same_weights(model, ref_model, f"rank {rank} after load")
         finally:
@@ -154,8 +158,12 @@ def owns_nothing(rank: int, world: int, tmp: str) -> None:
 
 
 def crash_resume(rank: int, world: int, tmp: str) -> None:
-    """crash_consistent Adafactor kept on disk at exit resumes on every rank (each owner's
-    whole parameters from its masters, scattered into the shards) and goes on equal."""
+    """crash_consistent Adafactor kept on disk at exit: `tiermem recover` of one rank's
+    directory gives the plain optimizer's state_dict and weights; the run resumes on every
+    rank (each owner's whole parameters from its masters, scattered into the shards) and
+    goes on equal."""
+    from tiermem.swap.recover import gather
+
     model, ref_model = model_pair()
     opt = OPTS["adafactor"](list(model.parameters()))
     ref_opt = OPTS["adafactor"](list(ref_model.parameters()))
@@ -165,6 +173,17 @@ def crash_resume(rank: int, world: int, tmp: str) -> None:
     with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="crash"):
         steps(rank, world, model, [opt], ref_model, [ref_opt], g, 2)
     assert not opt.state
+    barrier()  # every rank's share kept: `tiermem recover` puts the whole parameters together
+    got = gather(os.path.join(tmp, f"tiermem-crash-rank{rank}"))
+    assert got["step"] == 2
+    want = ref_opt.state_dict()
+    assert set(got["optimizer"]["state"]) == set(want["state"])
+    for k, st in want["state"].items():
+        for key, v in st.items():
+            assert_close_tensor(got["optimizer"]["state"][k][key].float(), v.float(),
+                                f"recovered {k} {key}")
+    for k, v in ref_model.state_dict().items():
+        assert_close_tensor(got["model"][k], v, f"recovered {k}")
     with torch.no_grad():  # the resume must put the committed weights back
         for p in model.parameters():
             p.to_local().zero_()
