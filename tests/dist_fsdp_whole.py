@@ -3,9 +3,9 @@ over fully_shard (FSDP2) parameters, each parameter stepped whole by one owner r
 
 torch's own Adafactor and Muon do not run on DTensors (in-place ops on partial norms), so
 the reference on every rank is the plain optimizer on a plain copy of the model fed the
-mean gradient (dist_scenarios.averaged). FSDP2 divides its reduce-scattered sum by the
-world size before or after summing, so the gradients agree to an ulp, not bitwise:
-assert_close_tensor.
+mean gradient (dist_scenarios.averaged). With 2 ranks FSDP2's mean is that one bitwise
+(a sum of two; halving is exact), and the owner runs torch's own kernel on the same whole
+tensors: weights and state are compared bitwise.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
 
 from dist_scenarios import averaged, barrier, kept_at_exit, small_cfg
-from offload_helpers import assert_close_tensor
+from offload_helpers import assert_same_tensor
 
 
 def model_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -69,12 +69,12 @@ def same_state(model, opt, ref_model, ref_opt, what: str) -> None:
                 # a reduction over its rows: replicated
                 want = Replicate() if k == "col_var" and p.dim() == 2 else Shard(0)
                 assert tuple(got.placements) == (want,), (what, k, got.placements)
-            assert_close_tensor(full(got).float(), v.float(), f"{what} state {k}")
+            assert_same_tensor(full(got).float(), v.float(), f"{what} state {k}")
 
 
 def same_weights(model, ref_model, what: str) -> None:
     for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert_close_tensor(p.full_tensor().detach(), q.detach(), f"{what} {n}")
+        assert_same_tensor(p.full_tensor().detach(), q.detach(), f"{what} {n}")
 
 
 def steps(rank, world, model, opts, ref_model, ref_opts, g, n) -> None:
@@ -124,7 +124,7 @@ def parity(rank: int, world: int, tmp: str, name: str, backend: str = "threads")
             assert set(sd["state"]) == set(ref_sd["state"])
             for k, st in ref_sd["state"].items():
                 for key, v in st.items():
-                    assert_close_tensor(full(sd["state"][k][key]).float(), v.float(),
+                    assert_same_tensor(full(sd["state"][k][key]).float(), v.float(),
                                         f"state_dict {k} {key}")
             opt.load_state_dict(sd)
             with torch.no_grad():  # an edit between steps is taken, as in one process
@@ -180,10 +180,10 @@ def crash_resume(rank: int, world: int, tmp: str) -> None:
     assert set(got["optimizer"]["state"]) == set(want["state"])
     for k, st in want["state"].items():
         for key, v in st.items():
-            assert_close_tensor(got["optimizer"]["state"][k][key].float(), v.float(),
+            assert_same_tensor(got["optimizer"]["state"][k][key].float(), v.float(),
                                 f"recovered {k} {key}")
     for k, v in ref_model.state_dict().items():
-        assert_close_tensor(got["model"][k], v, f"recovered {k}")
+        assert_same_tensor(got["model"][k], v, f"recovered {k}")
     with torch.no_grad():  # the resume must put the committed weights back
         for p in model.parameters():
             p.to_local().zero_()
