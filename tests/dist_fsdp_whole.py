@@ -195,9 +195,41 @@ def crash_resume(rank: int, world: int, tmp: str) -> None:
     same_state(model, opt, ref_model, ref_opt, f"rank {rank}")
 
 
+def dcp_helpers(rank: int, world: int, tmp: str) -> None:
+    """torchtitan's checkpoint of an FSDP2 model: get_state_dict into torch's dcp.save (the
+    state as DTensors, Adafactor's column statistics replicated); a new run's template from
+    get_state_dict (torch's lr-0 step on a never-stepped optimizer: a collective here),
+    filled by dcp.load and handed to set_state_dict, goes on equal."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, ref_model = model_pair()
+    mk = OPTS["adafactor"]
+    opt, ref_opt = mk(list(model.parameters())), mk(list(ref_model.parameters()))
+    g = torch.Generator().manual_seed(50 + rank)
+    ck = os.path.join(tmp, "ck")
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "a"))):
+        steps(rank, world, model, [opt], ref_model, [ref_opt], g, 2)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tdcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ck)
+    model, _ = model_pair()  # the first weights: the checkpoint's must replace them
+    opt = mk(list(model.parameters()))
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "b"))):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sd = {"model": model_sd, "optim": optim_sd}
+        tdcp.load(sd, checkpoint_id=ck)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        same_weights(model, ref_model, f"rank {rank} loaded")
+        steps(rank, world, model, [opt], ref_model, [ref_opt], g, 1)
+    same_weights(model, ref_model, f"rank {rank}")
+    same_state(model, opt, ref_model, ref_opt, f"rank {rank}")
+
+
 def refusals(rank: int, world: int, tmp: str) -> None:
     """DCP checkpoints of whole-parameter state and add_param_group inside the block are
-    refused, naming what to do instead; the block goes on."""
+    refused, naming what to do instead; the block goes on. A step without gradients moves
+    nothing; a load of DTensor state that is not the same on every rank is refused on every
+    rank (its owner gathers each entry from every rank's shards)."""
     import tiermem.dist.dcp as tdcp
     from tiermem.errors import TierMemError
 
@@ -217,6 +249,22 @@ def refusals(rank: int, world: int, tmp: str) -> None:
         else:
             raise AssertionError("add_param_group was taken")
         assert len(opt.param_groups) == 1
+        before = model[0].weight.full_tensor()
+        opt.step()  # no gradient on any rank: nothing moves, as in the plain optimizer
+        assert torch.equal(model[0].weight.full_tensor(), before)
+        x = torch.randn(8, 61, generator=torch.Generator().manual_seed(rank))
+        model(x).square().mean().backward()
+        opt.step()
+        sd = opt.state_dict()
+        if rank == 1:  # another state on one rank: its owner could not gather the entry
+            del sd["state"][0]["row_var"]
+        try:
+            opt.load_state_dict(sd)
+        except TierMemError as exc:
+            assert "DTensor entries for other parameters or keys on different ranks" in \
+                str(exc), exc
+        else:
+            raise AssertionError("a state_dict that differs between ranks was loaded")
 
 
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
@@ -229,6 +277,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "muon": lambda r, d: parity(r, world, d, "muon"),
         "owns-nothing": lambda r, d: owns_nothing(r, world, d),
         "crash-resume": lambda r, d: crash_resume(r, world, d),
+        "dcp-helpers": lambda r, d: dcp_helpers(r, world, d),
         "refusals": lambda r, d: refusals(r, world, d),
     }
     return run_in_dirs(rank, base, table, names)

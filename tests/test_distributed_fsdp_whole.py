@@ -12,7 +12,7 @@ from dist_harness import launch
 from test_distributed import outcome
 
 NAMES = ["adafactor", "adafactor-io_uring", "muon", "owns-nothing", "crash-resume",
-         "refusals"]
+         "dcp-helpers", "refusals"]
 
 
 @pytest.fixture(scope="module")
