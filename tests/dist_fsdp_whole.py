@@ -95,8 +95,9 @@ def parity(rank: int, world: int, tmp: str, name: str, backend: str = "threads")
     """Weights after every step and state_dict() inside the block equal the plain
     optimizer's; loading that state_dict back steps on equal; at exit opt.state holds
     DTensors like FSDP2's; a second block seeded from them (a collective gather of each
-    DTensor entry to its owner) goes on equal; weights edited between steps are taken. Muon is paired with AdamW for the
-    non-matrices, as users do: two blocks, one per optimizer."""
+    DTensor entry to its owner) goes on equal; weights edited between steps are taken.
+    Muon is paired with AdamW for the non-matrices, as users do: two blocks, one per
+    optimizer."""
     model, ref_model = model_pair()
     params = matrices if name == "muon" else (lambda m: list(m.parameters()))
     opt, ref_opt = OPTS[name](params(model)), OPTS[name](params(ref_model))

@@ -107,7 +107,7 @@ class FsdpWholeLayout:
             self.owner.append(owners[k])
             self.spans.append([(int(row[k]), int(row[n + k])) for row in table])
             if owners[k] == self.coll.rank:
-                buf = torch.empty(p.shape, dtype=p.dtype)
+                buf = torch.empty(p.shape, **self._on(i))
                 self.buffer[i] = buf
                 pieces.append(Piece(i, 0, p.numel(), offset))
                 views.append(buf)
@@ -129,6 +129,11 @@ class FsdpWholeLayout:
     def _local(self, i: int) -> torch.Tensor:
         return self.params[i]._local_tensor.detach().reshape(-1)
 
+    def _on(self, i: int) -> dict[str, Any]:
+        """Where parameter i's buffers and messages live: its shard's dtype and device."""
+        local = self.params[i]._local_tensor
+        return {"dtype": local.dtype, "device": local.device}
+
     def _width(self, i: int) -> int:
         return max(n for _, n in self.spans[i])
 
@@ -139,11 +144,11 @@ class FsdpWholeLayout:
         p, owner, me = self.params[i], self.owner[i], self.coll.rank
         width = self._width(i)
         if width == 0:
-            return torch.empty(0, dtype=p.dtype) if owner == me else None
-        send = torch.zeros(width, dtype=p.dtype)
+            return torch.empty(0, **self._on(i)) if owner == me else None
+        send = torch.zeros(width, **self._on(i))
         if local is not None:
             send[: local.numel()].copy_(local)
-        outs = ([torch.empty(width, dtype=p.dtype) for _ in range(self.coll.world)]
+        outs = ([torch.empty(width, **self._on(i)) for _ in range(self.coll.world)]
                 if owner == me else None)
         self.coll.wait(self.coll.gather(send, outs, owner), "gathering a parameter to its owner")
         if stats is not None:
@@ -151,14 +156,14 @@ class FsdpWholeLayout:
                 self.coll.world if owner == me else 1)
         if outs is None:
             return None
-        whole = torch.empty(p.numel(), dtype=p.dtype)
+        whole = torch.empty(p.numel(), **self._on(i))
         for r, (start, n) in enumerate(self.spans[i]):
             whole[start: start + n].copy_(outs[r][:n])
         return whole
 
     def _scatter(self, i: int, stats: dict | None = None) -> None:
         """Parameter i's whole buffer from its owner into every rank's local shard."""
-        p, owner, me = self.params[i], self.owner[i], self.coll.rank
+        owner, me = self.owner[i], self.coll.rank
         width = self._width(i)
         if width == 0:
             return
@@ -167,10 +172,10 @@ class FsdpWholeLayout:
             flat = self.buffer[i].view(-1)
             ins = []
             for start, n in self.spans[i]:
-                t = torch.zeros(width, dtype=p.dtype)
+                t = torch.zeros(width, **self._on(i))
                 t[:n].copy_(flat[start: start + n])
                 ins.append(t)
-        out = torch.empty(width, dtype=p.dtype)
+        out = torch.empty(width, **self._on(i))
         self.coll.wait(self.coll.scatter(out, ins, owner), "scattering a parameter's weights")
         if stats is not None:
             stats["comm_bytes"] += width * out.element_size() * (
@@ -227,11 +232,11 @@ class FsdpWholeLayout:
         p, owner, me = self.params[i], self.owner[i], self.coll.rank
         width, n_me = self._width(i), self.spans[i][me][1]
         if width == 0:
-            return (torch.empty(0, dtype=p.dtype),) * 2 if owner == me else None
-        send = torch.zeros(2 * width, dtype=p.dtype)
+            return (torch.empty(0, **self._on(i)),) * 2 if owner == me else None
+        send = torch.zeros(2 * width, **self._on(i))
         send[:n_me].copy_(local[:n_me])
         send[width: width + n_me].copy_(local[n_me:])
-        outs = ([torch.empty(2 * width, dtype=p.dtype) for _ in range(self.coll.world)]
+        outs = ([torch.empty(2 * width, **self._on(i)) for _ in range(self.coll.world)]
                 if owner == me else None)
         self.coll.wait(self.coll.gather(send, outs, owner),
                        "gathering a parameter and its gradient to its owner")
@@ -239,7 +244,7 @@ class FsdpWholeLayout:
             self.coll.world if owner == me else 1)
         if outs is None:
             return None
-        w, gw = (torch.empty(p.numel(), dtype=p.dtype) for _ in range(2))
+        w, gw = (torch.empty(p.numel(), **self._on(i)) for _ in range(2))
         for r, (start, n) in enumerate(self.spans[i]):
             w[start: start + n].copy_(outs[r][:n])
             gw[start: start + n].copy_(outs[r][width: width + n])
