@@ -145,7 +145,7 @@ def parity(rank: int, world: int, tmp: str, name: str, backend: str = "threads")
 
 def owns_nothing(rank: int, world: int, tmp: str) -> None:
     """Muon over one parameter of one row: rank 0 owns it, rank 1 owns nothing and holds an
-    empty shard of it."""
+    empty shard of it; a state_dict of whole tensors (one process's) loads."""
     model, ref_model = model_pair()
     opt = OPTS["muon"]([model[4].weight])
     ref_opt = OPTS["muon"]([ref_model[4].weight])
@@ -153,7 +153,12 @@ def owns_nothing(rank: int, world: int, tmp: str) -> None:
     with tiermem.offload(opt, small_cfg(tmp)) as tm:
         assert tm.plan()["share_elements"] == (33 if rank == 0 else 0)
         assert model[4].weight.to_local().numel() == (33 if rank == 0 else 0)
-        steps(rank, world, model, [opt], ref_model, [ref_opt], g, 3)
+        steps(rank, world, model, [opt], ref_model, [ref_opt], g, 1)
+        earlier = copy.deepcopy(ref_opt.state_dict())  # whole tensors, as one process saves
+        steps(rank, world, model, [opt], ref_model, [ref_opt], g, 2)
+        opt.load_state_dict(earlier)  # the owner takes the whole entry as it is
+        ref_opt.load_state_dict(earlier)
+        steps(rank, world, model, [opt], ref_model, [ref_opt], g, 1)
     same_weights(model, ref_model, f"rank {rank}")
     same_state(model, opt, ref_model, ref_opt, f"rank {rank}")
 
