@@ -235,8 +235,10 @@ def refusals(rank: int, world: int, tmp: str) -> None:
     """DCP checkpoints of whole-parameter state and add_param_group inside the block are
     refused, naming what to do instead; the block goes on. A step without gradients moves
     nothing; a load of DTensor state that is not the same on every rank is refused on every
-    rank (its owner gathers each entry from every rank's shards)."""
+    rank (its owner gathers each entry from every rank's shards), and so is a load on one
+    rank while another steps."""
     import tiermem.dist.dcp as tdcp
+    from tiermem.dist.collectives import RankMismatch
     from tiermem.errors import TierMemError
 
     model, _ = model_pair()
@@ -262,6 +264,8 @@ def refusals(rank: int, world: int, tmp: str) -> None:
         model(x).square().mean().backward()
         opt.step()
         sd = opt.state_dict()
+        good = copy.copy(sd)
+        sd = {**sd, "state": {k: dict(v) for k, v in sd["state"].items()}}
         if rank == 1:  # another state on one rank: its owner could not gather the entry
             del sd["state"][0]["row_var"]
         try:
@@ -271,6 +275,13 @@ def refusals(rank: int, world: int, tmp: str) -> None:
                 str(exc), exc
         else:
             raise AssertionError("a state_dict that differs between ranks was loaded")
+        # a load is a collective here: a rank stepping meanwhile is named, not paired with
+        try:
+            opt.load_state_dict(good) if rank == 0 else opt.step()
+        except RankMismatch as exc:
+            assert "opt.load_state_dict()" in str(exc) and "opt.step()" in str(exc), exc
+        else:
+            raise AssertionError("a load on one rank and a step on another went ahead")
 
 
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:

@@ -583,6 +583,7 @@ class DistributedOffload(Offload):
         # rank is given the same state dict, so all refuse alike, before anything changes
         entries, _ = param_entries(state_dict, "each rank's share")
         if self.whole and self.layout.fsdp:  # a collective: the owners need whole entries
+            self.agree("opt.load_state_dict()")
             entries = self.layout.full_entries(entries)
         # every parameter's, whichever rank holds pieces of it: all refuse alike
         group_of = [g for g, group in enumerate(state_dict["param_groups"])
