@@ -204,14 +204,19 @@ class FsdpWholeLayout:
     def grads_in(self, present: set[int], stats: dict) -> None:
         self._stepped = sorted(present)
         for i, p in enumerate(self.params):
-            # weights and gradient in one gather: [weights | gradient] per rank
             local = self._local(i)
+            if local.numel() != self.spans[i][self.coll.rank][1]:
+                raise TierMemError(
+                    f"the FSDP2 shard of parameter {i} changed from "
+                    f"{self.spans[i][self.coll.rank][1]} to {local.numel()} elements after "
+                    "tiermem.offload started; re-shard the model before entering "
+                    "tiermem.offload")
+            grad = None
             if i in present:
                 g = p.grad
-                grad = (g._local_tensor.detach().reshape(-1) if g is not None
+                grad = (g._local_tensor.detach().reshape(-1).to(local.dtype) if g is not None
                         else torch.zeros_like(local))
-                local = torch.cat([local, grad.to(local.dtype)])
-            whole = self._gather_pair(i, local, i in present, stats)
+            whole = self._gather_pair(i, local, grad, stats)
             if whole is None:
                 continue
             w, gw = whole
@@ -222,32 +227,32 @@ class FsdpWholeLayout:
             if gw is not None:
                 buf.grad = gw.view(buf.shape)
 
-    def _gather_pair(self, i: int, local: torch.Tensor, with_grad: bool, stats: dict
-                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """_gather of weights, or of weights and gradient back to back (each rank's shard
-        of both in one message)."""
-        if not with_grad:
-            w = self._gather(i, local, stats)
+    def _gather_pair(self, i: int, weights: torch.Tensor, grad: torch.Tensor | None,
+                     stats: dict) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """_gather of the weights, and of the gradient with them when given (each rank's
+        shard of both in one message: one collective per parameter)."""
+        if grad is None:
+            w = self._gather(i, weights, stats)
             return None if w is None else (w, None)
-        p, owner, me = self.params[i], self.owner[i], self.coll.rank
-        width, n_me = self._width(i), self.spans[i][me][1]
+        p, owner = self.params[i], self.owner[i]
+        width, n = self._width(i), weights.numel()
         if width == 0:
-            return (torch.empty(0, **self._on(i)),) * 2 if owner == me else None
+            return (torch.empty(0, **self._on(i)),) * 2 if owner == self.coll.rank else None
         send = torch.zeros(2 * width, **self._on(i))
-        send[:n_me].copy_(local[:n_me])
-        send[width: width + n_me].copy_(local[n_me:])
+        send[:n].copy_(weights)
+        send[width: width + n].copy_(grad)
         outs = ([torch.empty(2 * width, **self._on(i)) for _ in range(self.coll.world)]
-                if owner == me else None)
+                if owner == self.coll.rank else None)
         self.coll.wait(self.coll.gather(send, outs, owner),
                        "gathering a parameter and its gradient to its owner")
-        stats["comm_bytes"] += 2 * width * send.element_size() * (
-            self.coll.world if owner == me else 1)
+        stats["comm_bytes"] += send.numel() * send.element_size() * (
+            self.coll.world if outs is not None else 1)
         if outs is None:
             return None
         w, gw = (torch.empty(p.numel(), **self._on(i)) for _ in range(2))
-        for r, (start, n) in enumerate(self.spans[i]):
-            w[start: start + n].copy_(outs[r][:n])
-            gw[start: start + n].copy_(outs[r][width: width + n])
+        for r, (start, k) in enumerate(self.spans[i]):
+            w[start: start + k].copy_(outs[r][:k])
+            gw[start: start + k].copy_(outs[r][width: width + k])
         return w, gw
 
     def release_grads(self) -> None:
