@@ -284,6 +284,26 @@ def refusals(rank: int, world: int, tmp: str) -> None:
             raise AssertionError("a load on one rank and a step on another went ahead")
 
 
+def other_group(rank: int, world: int, tmp: str) -> None:
+    """process_group= other than the FSDP2 mesh's: the owners' gathers would run over ranks
+    that do not hold the shards; refused, naming the ranks."""
+    import torch.distributed as dist
+    from tiermem.errors import TierMemError
+
+    model, _ = model_pair()
+    group = dist.new_group([0])  # every rank creates it; rank 0 alone is in it
+    if rank != 0:
+        return
+    opt = OPTS["adafactor"](list(model.parameters()))
+    try:
+        with tiermem.offload(opt, small_cfg(tmp), process_group=group):
+            pass
+    except TierMemError as exc:
+        assert "pass the FSDP2 mesh's group as process_group=" in str(exc), exc
+    else:
+        raise AssertionError("a process group other than the mesh's was taken")
+
+
 def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -> dict:
     from dist_harness import run_in_dirs
 
@@ -296,5 +316,6 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "crash-resume": lambda r, d: crash_resume(r, world, d),
         "dcp-helpers": lambda r, d: dcp_helpers(r, world, d),
         "refusals": lambda r, d: refusals(r, world, d),
+        "other-group": lambda r, d: other_group(r, world, d),
     }
     return run_in_dirs(rank, base, table, names)

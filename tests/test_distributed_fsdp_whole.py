@@ -12,7 +12,7 @@ from dist_harness import launch
 from test_distributed import outcome
 
 NAMES = ["adafactor", "adafactor-io_uring", "muon", "owns-nothing", "crash-resume",
-         "dcp-helpers", "refusals"]
+         "dcp-helpers", "refusals", "other-group"]
 
 
 @pytest.fixture(scope="module")
