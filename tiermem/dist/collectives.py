@@ -140,6 +140,17 @@ class Collectives:
         """Rank `src`'s `t` (rank in this group) into every rank's `t` (equal sizes)."""
         return dist.broadcast(t, src=self.global_rank(src), group=self.group, async_op=True)
 
+    def gather(self, inp: torch.Tensor, outs: list[torch.Tensor] | None, dst: int) -> Any:
+        """Every rank's `inp` into rank `dst`'s `outs` (one per rank, equal sizes; None on
+        the other ranks)."""
+        return dist.gather(inp, gather_list=outs, dst=self.global_rank(dst), group=self.group,
+                           async_op=True)
+
+    def scatter(self, out: torch.Tensor, ins: list[torch.Tensor] | None, src: int) -> Any:
+        """Rank `src`'s `ins[r]` into rank r's `out` (equal sizes; None off rank `src`)."""
+        return dist.scatter(out, scatter_list=ins, src=self.global_rank(src),
+                            group=self.group, async_op=True)
+
     def table(self, row: list[float], what: str) -> list[list[float]]:
         """Every rank's `row` (numbers; exact up to 2**53), in rank order."""
         t = torch.zeros(self.world, len(row), dtype=torch.float64)

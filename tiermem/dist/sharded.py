@@ -33,6 +33,7 @@ from tiermem.dist.collectives import Collectives, RankMismatch
 from tiermem.config import Settings
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
+from tiermem.dist.fsdp_whole import FsdpWholeLayout
 from tiermem.optim import amp, clipping
 from tiermem.optim.handle import Offload, mark_kept, resume_call
 from tiermem.optim.hooks import (Installed, in_torch_state_init, load_with_hooks,
@@ -129,24 +130,20 @@ class DistributedOffload(Offload):
         self.rule = check_optimizer(opt)
         fsdp = any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
         # A rule whose math spans a whole parameter steps whole parameters: ZeRO shares cut
-        # between parameters give each rank whole ones. Not FSDP2's shards (a piece of every
-        # parameter), nor the generic path under a process group: its shadow is the user's
-        # own class, whose constructor tiermem cannot call with a share.
+        # between parameters give each rank whole ones; under FSDP2 each parameter is
+        # gathered to one owner rank (fsdp_whole.py). Not the generic path under a process
+        # group: its shadow is the user's own class, whose constructor tiermem cannot call
+        # with a share.
         self.whole = not self.rule.elementwise
-        if self.whole and (fsdp or self.rule.optimizers[0] is torch.optim.Optimizer):
+        if self.whole and self.rule.optimizers[0] is torch.optim.Optimizer:
             raise UnsupportedOptimizer(
                 f"tiermem under torch.distributed (process_group= or DTensor parameters) "
                 f"runs elementwise optimizers (Adam, AdamW, torch's SGD, Adagrad, RMSprop, "
                 f"Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop), and torch's Adafactor and "
-                f"Muon over replicated parameters, not {type(opt).__module__}."
-                f"{type(opt).__qualname__}"
-                + (" over fully_shard parameters, which tiermem steps a whole parameter at a "
-                   "time (Adafactor's factored statistics, Muon's orthogonalisation) while a "
-                   "rank holds a shard of each" if fsdp else
-                   ", which tiermem steps a whole parameter at a time with its own step() (a "
-                   "third-party optimizer, or a subclass with a step of its own), on a "
-                   "shadow of its class it cannot build for a rank's share")
-                + "; in one process it works")
+                f"Muon, not {type(opt).__module__}.{type(opt).__qualname__}, which tiermem "
+                "steps a whole parameter at a time with its own step() (a third-party "
+                "optimizer, or a subclass with a step of its own), on a shadow of its class "
+                "it cannot build for a rank's share; in one process it works")
         self.opt = opt
         self.block_name = name  # the user's name=; each rank's directory adds -rank<r>
         d = settings.distributed
@@ -160,7 +157,8 @@ class DistributedOffload(Offload):
     def _set_up(self, opt: torch.optim.Optimizer, settings: Settings, model: Any, name: str,
                 resume: bool, fsdp: bool) -> None:
         d = settings.distributed
-        self.layout = (FsdpLayout(opt, self.coll) if fsdp
+        self.layout = ((FsdpWholeLayout(opt, self.coll) if self.whole else
+                        FsdpLayout(opt, self.coll)) if fsdp
                        else ZeroLayout(opt, self.coll, d.grads, d.bucket_size, self.whole))
         self.rank = self.coll.global_rank(self.coll.rank)
         self.local_rank = _local_rank(self.coll)
@@ -298,6 +296,10 @@ class DistributedOffload(Offload):
         """State already in the user's optimizer (a checkpoint loaded before offload): its
         pieces become the shadow's, which OffloadedOptimizer imports into the tiers."""
         index = {id(p): i for i, p in enumerate(self.layout.params)}
+        if self.whole and self.layout.fsdp:  # a collective: the owners need whole entries
+            full = self.layout.full_entries({index[id(p)]: st for p, st in state.items()
+                                             if id(p) in index})
+            state = {self.layout.params[i]: st for i, st in full.items()}
         self._refuse_misshapen({index[id(p)]: st for p, st in state.items()
                                 if id(p) in index})
         for p, st in state.items():
@@ -464,7 +466,8 @@ class DistributedOffload(Offload):
                 loss = closure()
         called = self.steps_called + 1
         self.coll.arrive(called)
-        if not self.layout.fsdp:  # an FSDP2 step communicates nothing: it pairs with nothing
+        # an FSDP2 step of an elementwise rule communicates nothing: it pairs with nothing
+        if not self.layout.fsdp or self.whole:
             op = INIT_STEP if in_torch_state_init() else "opt.step()"
             if self.layout.grads_mode == "allreduced":
                 # No collective agrees on which parameters have gradients (DDP gives every
@@ -582,7 +585,9 @@ class DistributedOffload(Offload):
     def _start_weights(self, comm: dict[str, float]) -> Any:
         """The weight all-gather of this step, launched window by window from the step loop
         as partitions are updated (None when nothing is gathered: one rank, or FSDP2)."""
-        if self.layout.fsdp or self.coll.world == 1:
+        if self.layout.fsdp and not self.whole:
+            return None
+        if self.coll.world == 1 and not self.layout.fsdp:  # FSDP2 whole: buffers -> shards
             return None
         off = self.offloaded
         if self._covers is None:  # the partitions never change under a process group
@@ -645,7 +650,8 @@ class DistributedOffload(Offload):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
         rank loads its pieces, between the optimizer's load_state_dict hooks. Not a
-        collective."""
+        collective, except for torch's Adafactor and Muon over fully_shard parameters, whose
+        DTensor entries are gathered to each parameter's owner."""
         self._check_groups("optimizer.load_state_dict()")
         load_with_hooks(self.opt, state_dict, self._load_state_dict)
 
@@ -653,6 +659,9 @@ class DistributedOffload(Offload):
         # each parameter's entry by its place in the saved groups (torch's mapping); every
         # rank is given the same state dict, so all refuse alike, before anything changes
         entries, _ = param_entries(state_dict, "each rank's share")
+        if self.whole and self.layout.fsdp:  # a collective: the owners need whole entries
+            self.agree("opt.load_state_dict()")
+            entries = self.layout.full_entries(entries)
         # every parameter's, whichever rank holds pieces of it: all refuse alike
         group_of = [g for g, group in enumerate(state_dict["param_groups"])
                     for _ in group["params"]]
