@@ -19,16 +19,15 @@ NAMES = ["lion-like", "lion-like-allreduced-io_uring", "counting-sgd",
          "schedulefree-allreduced-crash-consistent", "closure", "coupling-refused",
          "loose-state-refused", "fsdp2-refused", "resume-counting-sgd", "resume-schedulefree",
          "kept"]
-NEEDS = {"lion": "lion_pytorch", "schedulefree": "schedulefree"}
 
 
 def _missing(name: str) -> str | None:
+    """The PyPI package scenario `name` needs, if it is not installed."""
     import importlib.util
 
-    for key, module in NEEDS.items():
-        if key in name and importlib.util.find_spec(module) is None:
-            return module
-    return None
+    module = ("lion_pytorch" if name == "lion" else
+              "schedulefree" if "schedulefree" in name else None)
+    return module if module and importlib.util.find_spec(module) is None else None
 
 
 @pytest.fixture(scope="module")
