@@ -53,17 +53,19 @@ class LionLike(torch.optim.Optimizer):
 class CountingSGD(torch.optim.SGD):
     """A subclass of SGD with a step of its own: momentum SGD whose lr decays with a count
     kept in the group of the steps that updated one of its parameters (a rank owning none
-    of a group's parameters never counts it itself), and a count kept on the optimizer."""
+    of a group's parameters never counts it itself), a count kept on the optimizer, and a
+    scale the user sets on it."""
 
     def __init__(self, params, **kw):
         super().__init__(params, **kw)
         self.calls = 0
+        self.scale = 1.0  # a setting the user may change between steps
 
     @torch.no_grad()
     def step(self, closure=None):
         self.calls += 1
         for group in self.param_groups:
-            lr = group["lr"] / (1 + 0.5 * group.get("updates", 0))
+            lr = group["lr"] * self.scale / (1 + 0.5 * group.get("updates", 0))
             stepped = False
             for p in group["params"]:
                 if p.grad is None:
@@ -186,6 +188,8 @@ def generic_parity(rank: int, world: int, tmp: str, name: str, grads: str = "red
             ref_opt.train()
             _equal(rank, model, ref_model, "train()")
         opt.load_state_dict(sd)
+        if name == "counting-sgd":
+            opt.scale = ref_opt.scale = 0.5
         steps(3, 2)
         compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
         plan = tm.plan()
@@ -284,6 +288,21 @@ def loose_state_refused(rank: int, world: int, tmp: str) -> None:
         assert "it keeps state under 'k', a key that is no parameter" in str(exc), exc
     else:
         raise AssertionError("state under a key that is no parameter was tiered")
+
+    class CountsInState(LionLike):
+        @torch.no_grad()
+        def step(self, closure=None):
+            self.state["k"] = self.state.get("k", 0) + 1
+            return super().step(closure)
+
+    opt = CountsInState(groups_of(model))
+    try:
+        with tiermem.offload(opt, small_cfg(tmp), name="made"):
+            pass
+    except UnsupportedOptimizer as exc:
+        assert "it keeps state under 'k', a key that is no parameter" in str(exc), exc
+    else:
+        raise AssertionError("state a step makes under a key that is no parameter was tiered")
 
 
 def fsdp2_refused(rank: int, world: int, tmp: str) -> None:

@@ -34,14 +34,15 @@ from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
 from tiermem.optim import amp
 from tiermem.optim.handle import Offload, mark_kept, resume_call
-from tiermem.optim.hooks import (Installed, in_torch_state_init, load_with_hooks,
+from tiermem.optim.hooks import (AMP, Installed, in_torch_state_init, load_with_hooks,
                                  run_post_hooks, run_pre_hooks, step_called)
 from tiermem.optim.offloaded import (HISTORY, OffloadedOptimizer, check_optimizer,
                                      groups_changed)
 from tiermem.optim.state_io import param_entries, refuse_unkept_keys, torch_state_dict
 from tiermem.optim.rules import (UnsupportedOptimizer, group_values, loose_state_keys,
-                                 own_values, shadow_of_groups)
+                                 own_attributes, own_values, shadow_of_groups)
 from tiermem.optim.rules.generic import ATTR, value_put
+from tiermem.optim.rules.nested import value_digest
 from tiermem.optim.rules.adam import MASTER_KEY
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
@@ -183,7 +184,7 @@ class DistributedOffload(Offload):
                 "shares) and in one process it works")
         self.closure_refusal = None
         if self.generic:
-            loose = loose_state_keys(opt)
+            loose = loose_state_keys(opt) or rule.state_keys_made()
             if loose:
                 raise UnsupportedOptimizer(
                     f"tiermem under torch.distributed cannot run {type(opt).__module__}."
@@ -508,7 +509,7 @@ class DistributedOffload(Offload):
         self.steps_called = called  # not before: a refused step is no step
         comm = self._fresh_comm()
         with torch.no_grad():
-            self._sync_groups()
+            before = self._values_from_user()
             t0 = time.monotonic()
             present = self.layout.present()  # the same on every rank
             self.layout.grads_in(present, comm)
@@ -526,7 +527,7 @@ class DistributedOffload(Offload):
             if gather is not None:
                 gather.finish()  # the windows left, and a peer's failure during the update
             if self.generic:
-                self._share_values()
+                self._share_values(before)
         self.comm[self.offloaded.steps_taken] = comm
         self.comm.pop(self.offloaded.steps_taken - HISTORY, None)
         step_called(opt)
@@ -535,7 +536,7 @@ class DistributedOffload(Offload):
 
     # -- the generic path's values besides the per-parameter state ----------------------
 
-    def _share_values(self) -> None:
+    def _share_values(self, before: dict) -> None:
         """Every rank's optimizer ends a step (or a state method) with the values a rank that
         stepped each group left there (a count kept in the group, schedule-free's `k`,
         `weight_sum`, `train_mode`), and with the values the optimizer keeps on itself, as
@@ -554,16 +555,35 @@ class DistributedOffload(Offload):
                 sh.param_groups[g].update(got[g])
         for key, v in got.get(n, {}).items():
             value_put(sh, key, v)
-        self._values_to_user()
+        self._values_to_user(before)
 
-    def _values_to_user(self) -> None:
-        """The rank's optimizer's group values and own attributes onto the user's, which
-        state_dict() reads and the next step's _sync_groups hands back."""
+    def _values_to_user(self, before: dict | None = None) -> None:
+        """The rank's optimizer's group values and the attributes it keeps on itself onto
+        the user's optimizer, which state_dict() reads and the next step hands back
+        (_values_from_user). Of the attributes, those that changed since `before` (its
+        own_values() as the step began; None: every one, as a resume set them), never the
+        one GradScaler reads (tiermem's machinery sets it on the rank's optimizer)."""
         for ug, sg in zip(self.opt.param_groups, self.shadow.param_groups):
             ug.update(group_values(sg))
         for key, v in own_values(self.shadow).items():
-            if key[0] == ATTR:
-                value_put(self.opt, key, v)
+            if key[0] != ATTR or key[1] == AMP:
+                continue
+            if before is not None and key in before \
+                    and value_digest(before[key]) == value_digest(v):
+                continue
+            value_put(self.opt, key, v)
+
+    def _values_from_user(self) -> dict:
+        """The user's group values (an lr scheduler's lr, ...) and public attributes (a flag
+        set between steps) onto the rank's optimizer, before its step; returns that one's
+        own_values() then, for _values_to_user."""
+        self._sync_groups()
+        if not self.generic:
+            return {}
+        for k, v in own_attributes(self.opt).items():
+            if not k.startswith("_"):
+                value_put(self.shadow, (ATTR, k), v)
+        return own_values(self.shadow)
 
     @property
     def state_methods(self) -> tuple[str, ...]:
@@ -578,13 +598,13 @@ class DistributedOffload(Offload):
         self.agree(f"opt.{name}()")
         self._check_groups(f"optimizer.{name}()")
         with torch.no_grad():
-            self._sync_groups()
+            before = self._values_from_user()
             try:
                 self.offloaded.call_state_method(name, *args, **kwargs)
             except BaseException as exc:
                 self.coll.post_failure(exc)  # the others are about to wait for this rank
                 raise
-            self._share_values()
+            self._share_values(before)
             self.layout.weights_out(self._fresh_comm(), self.offloaded.weights_synced)
 
     def agree(self, op: str, step: int | None = None) -> None:

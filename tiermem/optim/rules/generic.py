@@ -285,6 +285,13 @@ def group_values(group: dict[str, Any]) -> dict[str, Any]:
     return {k: _copy(v) for k, v in group.items() if k != "params" and _simple(v)}
 
 
+def own_attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Copies of the simple values `opt` keeps as attributes (own_keys()' ATTR ones), its
+    state not read (inside a block, the user's is tiermem's stand-in)."""
+    return {k: _copy(v) for k, v in opt.__dict__.items()
+            if k not in SHADOW_OWN and not k.startswith("_tiermem") and _simple(v)}
+
+
 def loose_state_keys(opt: torch.optim.Optimizer) -> list[Any]:
     """The keys of `opt.state` that are no parameter (MADGRAD's state['k'])."""
     return [k for k in opt.state if not isinstance(k, Tensor)]
@@ -798,6 +805,12 @@ class ShadowRule(UpdateRule):
         it then steps a rank's own optimizer of the same class (shadow_of_groups), whose
         groups are the user's, in the same order, holding that rank's share."""
         self.opt = opt
+
+    def state_keys_made(self) -> list[Any]:
+        """The keys that are no parameter under which the probe's steps made or changed an
+        entry of the optimizer's state (an optimizer-wide count kept in `opt.state`)."""
+        return sorted({k for where, k in [*self._changed_own, *self._set_once]
+                       if where == STATE}, key=str)
 
     def settled_groups(self) -> set[int]:
         """The groups a partition of the current step (or state method) stepped: where the
