@@ -241,6 +241,52 @@ def closure(rank: int, world: int, tmp: str) -> None:
         opt.zero_grad()
 
 
+def added_group(rank: int, world: int, tmp: str) -> None:
+    """A group added inside the block (a subclass of SGD with its own step, counting in its
+    groups) is cut into shares as at set-up and steps as the plain optimizer's; one whose
+    settings make the step couple its parameters is refused on every rank, not added."""
+    def make(m):
+        return CountingSGD(groups_of(m)[:1], lr=1e-2, momentum=0.9)
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = make(model), make(ref_model)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=60), model=model):
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+        for o, m in ((opt, model), (ref_opt, ref_model)):
+            # zero_grad() never cleared it: the gradients it piled up are not the mean's
+            m.side.bias.grad = None
+            o.add_param_group({"params": [m.side.bias], "lr": 5e-3})
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 3, first=2)
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+    class Couples(CountingSGD):
+        """Couples the parameters of a group whose settings say so."""
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                if group.get("normed"):
+                    grads = [p.grad for p in group["params"] if p.grad is not None]
+                    norm = torch.sqrt(sum((g ** 2).sum() for g in grads)) if grads else 1.0
+                    for g in grads:
+                        g.div_(norm)
+            return super().step(closure)
+
+    model = Synthetic()
+    groups = groups_of(model)
+    opt = Couples(groups[:1], lr=1e-2, momentum=0.9)
+    with tiermem.offload(opt, small_cfg(tmp, timeout=60), model=model, name="couples"):
+        try:
+            opt.add_param_group({**groups[1], "normed": True})
+        except UnsupportedOptimizer as exc:
+            assert "couples its parameters" in str(exc), exc
+        else:
+            raise AssertionError("a coupling group was added")
+        assert len(opt.param_groups) == 1
+
+
 def coupling_refused(rank: int, world: int, tmp: str) -> None:
     """An optimizer coupling its parameters is refused on every rank by the probe, which
     runs on synthetic parameters: the same answer everywhere, nothing changed, no hang. One
@@ -378,6 +424,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
             r, world, d, "schedulefree", "allreduced", durability="crash_consistent"),
         "closure": lambda r, d: closure(r, world, d),
         "coupling-refused": lambda r, d: coupling_refused(r, world, d),
+        "added-group": lambda r, d: added_group(r, world, d),
         "loose-state-refused": lambda r, d: loose_state_refused(r, world, d),
         "fsdp2-refused": lambda r, d: fsdp2_refused(r, world, d),
         "resume-counting-sgd": lambda r, d: resume(r, world, d, "counting-sgd"),
@@ -386,3 +433,4 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
     }
 
     return run_in_dirs(rank, base, table, names)
+

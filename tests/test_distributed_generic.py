@@ -17,7 +17,7 @@ from test_distributed import outcome
 NAMES = ["lion-like", "lion-like-allreduced-io_uring", "counting-sgd",
          "counting-sgd-allreduced", "lion", "schedulefree",
          "schedulefree-allreduced-crash-consistent", "closure", "coupling-refused",
-         "loose-state-refused", "fsdp2-refused", "resume-counting-sgd", "resume-schedulefree",
+         "added-group", "loose-state-refused", "fsdp2-refused", "resume-counting-sgd", "resume-schedulefree",
          "kept"]
 
 

@@ -404,6 +404,11 @@ class DistributedOffload(Offload):
         group = opt.param_groups[-1]
         first = len(lay.params)
         try:
+            if self.generic:
+                # the new group probed on the user's optimizer, as at set-up: every rank
+                # holds all of it, so all come to one answer (a rank's optimizer, which
+                # its OffloadedOptimizer checks again, may hold none of the group)
+                check_optimizer(opt)
             lay.add_group(group)
         except BaseException:
             opt.param_groups.pop()  # refused means not added at all
