@@ -3,8 +3,11 @@
 The user's optimizer is left holding the whole model's parameters; tiermem builds
 a *shadow* optimizer of the same torch class (Adam for Adam/AdamW, or one of torch's
 elementwise optimizers: their math is per element, so a share of a parameter steps as
-that part of the whole does) over this rank's pieces (zero.py: 1-D views of each rank's
-share of replicated parameters; fsdp.py: the local shards of FSDP2 DTensors) and
+that part of the whole does; torch's Adafactor and Muon over whole parameters; for the
+generic path, an instance of the user's own class made as its shadows are, with the
+values its step keeps outside the per-parameter state shared after each step) over this
+rank's pieces (zero.py: 1-D views of each rank's share of replicated parameters, or
+whole parameters; fsdp.py: the local shards of FSDP2 DTensors) and
 wraps it in an ordinary OffloadedOptimizer, so partitions, tiers, the pipeline,
 durability and resume work on a share exactly as they do on a whole model. The
 user's optimizer is hooked to run, per step: the gradients in (reduce-scatter or
