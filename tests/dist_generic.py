@@ -387,8 +387,50 @@ def resume(rank: int, world: int, tmp: str, name: str) -> None:
     fresh = make(model)  # a new process's optimizer: the counts come from the disk
     with tiermem.offload(fresh, cfg, model=model, name="r", resume=True) as tm:
         assert tm.resumed_step == 2, tm.resumed_step
+        # the group values of a group's owner on every rank (updates of param_groups[1],
+        # whose one parameter one rank owns)
+        compare_state_dicts(fresh.state_dict(), ref_opt.state_dict(), exact=True)
         train_pair(rank, world, model, fresh, ref_model, ref_opt, 2, first=2)
         compare_state_dicts(fresh.state_dict(), ref_opt.state_dict(), exact=True)
+    compare_runs(model, fresh, ref_model, ref_opt, exact=True)
+
+
+class _Crash(Exception):
+    pass
+
+
+def resume_after_crash(rank: int, world: int, tmp: str) -> None:
+    """A crash right after a step's commit: each rank's manifest holds the group values its
+    own step left, written before the ranks shared them (a rank owning no parameter of
+    param_groups[1] has no count there). The resume takes them from each group's owner,
+    so every rank holds the plain optimizer's."""
+    from unittest import mock
+
+    from tiermem.optim.offloaded import OffloadedOptimizer
+
+    def crashed(off):  # what a crash leaves: the last commit, nothing written after it
+        d = off.tiers.run_dir()
+        off.close_tiers(remove_swap=False, flush=False)
+        return d
+
+    make = OPTIMIZERS["counting-sgd"]
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = make(model), make(ref_model)
+    cfg = small_cfg(tmp)
+    cfg["swap"]["durability"] = "crash_consistent"
+    try:
+        with mock.patch.object(OffloadedOptimizer, "keep_on_disk", crashed), \
+                tiermem.offload(opt, cfg, model=model, name="c"):
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 3)
+            raise _Crash
+    except _Crash:
+        pass
+    fresh = make(model)
+    with tiermem.offload(fresh, cfg, model=model, name="c", resume=True) as tm:
+        assert tm.resumed_step == 3, tm.resumed_step
+        compare_state_dicts(fresh.state_dict(), ref_opt.state_dict(), exact=True)
+        train_pair(rank, world, model, fresh, ref_model, ref_opt, 1, first=3)
     compare_runs(model, fresh, ref_model, ref_opt, exact=True)
 
 
@@ -429,6 +471,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "fsdp2-refused": lambda r, d: fsdp2_refused(r, world, d),
         "resume-counting-sgd": lambda r, d: resume(r, world, d, "counting-sgd"),
         "resume-schedulefree": lambda r, d: resume(r, world, d, "schedulefree"),
+        "resume-after-crash": lambda r, d: resume_after_crash(r, world, d),
         "kept": lambda r, d: kept(r, world, d),
     }
 

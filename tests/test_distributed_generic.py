@@ -18,6 +18,7 @@ NAMES = ["lion-like", "lion-like-allreduced-io_uring", "counting-sgd",
          "counting-sgd-allreduced", "lion", "schedulefree",
          "schedulefree-allreduced-crash-consistent", "closure", "coupling-refused",
          "added-group", "loose-state-refused", "fsdp2-refused", "resume-counting-sgd", "resume-schedulefree",
+         "resume-after-crash",
          "kept"]
 
 

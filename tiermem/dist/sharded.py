@@ -225,7 +225,12 @@ class DistributedOffload(Offload):
         if resume and len({row[1] for row in flags}) > 1:
             off = self._one_step_back(off, flags, settings, model, name)
         super().__init__(off)
-        if self.generic:  # a resume set the values its step keeps on the rank's optimizer
+        if self.generic and resume:
+            # Each rank's manifest holds the values its own step left, before they were
+            # shared: a rank owning no parameter of a group has those of a step with none.
+            # A group's owners stepped it for real: the lowest one's go to every rank.
+            self._share_values(None, {g for g, pcs in enumerate(self.layout.pieces) if pcs})
+        elif self.generic:
             self._values_to_user()
         opt.state.clear()  # each rank's share of it is in the tiers now
         self.rank_plans = self._gather_plans()
@@ -544,7 +549,7 @@ class DistributedOffload(Offload):
 
     # -- the generic path's values besides the per-parameter state ----------------------
 
-    def _share_values(self, before: dict) -> None:
+    def _share_values(self, before: dict | None, settled: set[int] | None = None) -> None:
         """Every rank's optimizer ends a step (or a state method) with the values a rank that
         stepped each group left there (a count kept in the group, schedule-free's `k`,
         `weight_sum`, `train_mode`), and with the values the optimizer keeps on itself, as
@@ -553,7 +558,8 @@ class DistributedOffload(Offload):
         with no parameters (ShadowRule.end_step), which an optimizer that counts only
         parameters it updates leaves behind. Collective."""
         sh, n = self.shadow, len(self.shadow.param_groups)
-        settled = self.rule.settled_groups()
+        if settled is None:
+            settled = self.rule.settled_groups()
         offers: dict[int, Any] = {g: group_values(sh.param_groups[g]) for g in settled}
         if settled:
             offers[n] = own_values(sh)
