@@ -230,7 +230,7 @@ def closure(rank: int, world: int, tmp: str) -> None:
     model = Synthetic()
     opt = LossScaled(groups_of(model), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
-    with tiermem.offload(opt, small_cfg(tmp, ), name="loss"):
+    with tiermem.offload(opt, small_cfg(tmp), name="loss"):
         try:
             opt.step(lambda: (local_backward(model, batches[0], 0, rank), torch.tensor(1.0))[1])
         except UnsupportedOptimizer as exc:
@@ -469,7 +469,6 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "added-group": lambda r, d: added_group(r, world, d),
         "loose-state-refused": lambda r, d: loose_state_refused(r, world, d),
         "fsdp2-refused": lambda r, d: fsdp2_refused(r, world, d),
-        "resume-counting-sgd": lambda r, d: resume(r, world, d, "counting-sgd"),
         "resume-schedulefree": lambda r, d: resume(r, world, d, "schedulefree"),
         "resume-after-crash": lambda r, d: resume_after_crash(r, world, d),
         "kept": lambda r, d: kept(r, world, d),
