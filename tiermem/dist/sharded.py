@@ -230,8 +230,6 @@ class DistributedOffload(Offload):
             # shared: a rank owning no parameter of a group has those of a step with none.
             # A group's owners stepped it for real: the lowest one's go to every rank.
             self._share_values(None, {g for g, pcs in enumerate(self.layout.pieces) if pcs})
-        elif self.generic:
-            self._values_to_user()
         opt.state.clear()  # each rank's share of it is in the tiers now
         self.rank_plans = self._gather_plans()
         self._hooks = Installed(opt, self)
