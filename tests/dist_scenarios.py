@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 import tiermem
 from tiermem.dist.collectives import PeerError
-from tiermem.optim.rules import UnsupportedOptimizer
 from tiermem.swap.manifest import read_manifest
 
 from offload_helpers import (Synthetic, assert_close_tensor, assert_same_tensor,
@@ -650,29 +649,6 @@ def resume_other_world(rank: int, world: int, tmp: str) -> None:
     dist.destroy_process_group(fewer)
 
 
-def whole_parameter_refused(rank: int, world: int, tmp: str) -> None:
-    """The generic path's optimizers (Lion from PyPI here) step whole parameters with their
-    own step() on a shadow of their class, which tiermem cannot build for a rank's share
-    (torch's Adafactor and Muon run: tests/dist_whole.py)."""
-    makers = []
-    try:
-        from lion_pytorch import Lion
-        makers.append(lambda ps: Lion(ps, lr=1e-4))
-    except ImportError:  # the thirdparty test extra
-        pass
-    for make in makers:
-        model = Synthetic()
-        opt = make(model.parameters())
-        try:
-            with tiermem.offload(opt, small_cfg(tmp)):
-                pass
-        except UnsupportedOptimizer as exc:
-            assert f"{type(opt).__qualname__}, which tiermem steps a whole parameter at a " \
-                "time" in str(exc), exc
-        else:
-            raise AssertionError(f"{type(opt).__name__} under a process group was not refused")
-
-
 def rank_raises(rank: int, world: int, tmp: str) -> None:
     """The last rank raises before its second step: the others get, within
     distributed.timeout, an error naming it and its exception."""
@@ -1024,7 +1000,6 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "dcp-master-modes": lambda r, d: dcp_master_modes(r, world, d),
         "torch-family": lambda r, d: torch_family(r, world, d),
         "fsdp2-torch-family": lambda r, d: fsdp2_torch_family(r, world, d),
-        "whole-parameter-refused": lambda r, d: whole_parameter_refused(r, world, d),
         "resume-other-world": lambda r, d: resume_other_world(r, world, d),
         "recover-kept": lambda r, d: recover_kept(r, world, d),
         "resume-kept-scalars": lambda r, d: resume_kept_scalars(r, world, d),

@@ -76,28 +76,6 @@ def whole_parity(rank: int, world: int, tmp: str, name: str, grads: str = "reduc
     assert sum(r["share_elements"] for r in plan["ranks"]) == sum(p.numel() for p in held)
 
 
-def refused(rank: int, world: int, tmp: str) -> None:
-    """A subclass of Adafactor with a step of its own takes the generic path, whose shadow
-    tiermem cannot build for a share: refused on every rank, nothing changed."""
-
-    class Own(torch.optim.Adafactor):
-        @torch.no_grad()
-        def step(self, closure=None):
-            return super().step(closure)
-
-    model = Synthetic()
-    before = [p.detach().clone() for p in model.parameters()]
-    opt = Own(model.parameters(), lr=1e-2)
-    try:
-        with tiermem.offload(opt, small_cfg(tmp)):
-            pass
-    except UnsupportedOptimizer as exc:
-        assert "with its own step()" in str(exc), exc
-    else:
-        raise AssertionError("a subclass with its own step under a process group was tiered")
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-
-
 def fsdp2_refused(rank: int, world: int, tmp: str) -> None:
     """fully_shard parameters: torch's Adafactor runs (tests/dist_fsdp_whole.py), a subclass
     with a step of its own (the generic path) is refused as over replicated ones."""
@@ -148,7 +126,6 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "adafactor-crash-consistent": lambda r, d: whole_parity(
             r, world, d, "adafactor", durability="crash_consistent"),
         "muon": lambda r, d: whole_parity(r, world, d, "muon"),
-        "own-step-refused": lambda r, d: refused(r, world, d),
         "fsdp2-refused": lambda r, d: fsdp2_refused(r, world, d),
         "kept": lambda r, d: kept(r, world, d),
     }

@@ -16,7 +16,7 @@ from offload_helpers import assert_same_tensor, compare_state_dicts
 from test_distributed import outcome
 
 NAMES = ["adafactor", "adafactor-allreduced", "adafactor-crash-consistent", "muon",
-         "own-step-refused", "fsdp2-refused", "kept"]
+         "fsdp2-refused", "kept"]
 
 
 @pytest.fixture(scope="module")

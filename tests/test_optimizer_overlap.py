@@ -1,6 +1,6 @@
 """Optimizers other than Adam under pipeline.overlap_backward (partitions updated during
 backward, as their gradients become final) equal their plain runs; under
-torch.distributed they are refused with a clear error instead of being run as Adam."""
+torch.distributed a subclass with a step of its own runs that step, not its base's rule."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch.distributed as dist
 import tiermem
 from tiermem.optim.rules import UnsupportedOptimizer
 
-from offload_helpers import Synthetic, backend_params, config, listdir, make_batches, twin
+from offload_helpers import (Synthetic, backend_params, config, listdir, loss_of, make_batches,
+                             twin)
 from test_optimizer_rules import params_equal, state_equal
 from test_overlap import PLACEMENTS, overlap_config, run, expected_early
 
@@ -57,28 +58,37 @@ def test_overlap_parity(tmp_path, backend, placement, optimizer):
 
 
 class OwnStepAdafactor(torch.optim.Adafactor):
-    """A step of its own: the generic path, whose shadow tiermem cannot build for a share."""
+    """A step of its own: the generic path, not Adafactor's rule."""
 
     @torch.no_grad()
     def step(self, closure=None):
+        for group in self.param_groups:
+            group["lr"] *= 0.5  # what Adafactor's rule would never do
         return super().step(closure)
 
 
-def test_distributed_refuses_other_optimizers(tmp_path):
-    """The sharded path steps each rank's pieces of its parameters, or whole parameters for
-    torch's Adafactor and Muon: an optimizer on the generic path is refused before anything
-    is set up, naming it."""
+def test_distributed_runs_a_subclass_with_its_own_step(tmp_path):
+    """Under torch.distributed (one rank here; two: tests/test_distributed_generic.py) a
+    subclass with a step of its own runs that step on its share, as in one process: the
+    weights and the group values its step changes equal the plain run's."""
     os.chmod(tmp_path, 0o700)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
                             world_size=1)
     try:
-        model = Synthetic()
+        model, ref = twin(Synthetic)
         opt = OwnStepAdafactor(model.parameters(), lr=0.1)
-        with pytest.raises(UnsupportedOptimizer, match="torch.distributed.*OwnStepAdafactor"):
-            with tiermem.offload(opt, config(tmp_path / "swap"),
-                                 process_group=dist.group.WORLD):
-                pass
-        assert not opt.state
+        ref_opt = OwnStepAdafactor(ref.parameters(), lr=0.1)
+        batches = make_batches(model, 3)
+        with tiermem.offload(opt, config(tmp_path / "swap"), process_group=dist.group.WORLD):
+            for micro in batches:
+                for m, o in ((model, opt), (ref, ref_opt)):
+                    for tokens, target in micro:
+                        loss_of(m, tokens, target, True).backward()
+                    o.step()
+                    o.zero_grad()
+        params_equal(model, ref, "own step under a process group")
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1 / 8
+        state_equal(opt.state_dict(), ref_opt.state_dict(), "own step under a process group")
     finally:
         dist.destroy_process_group()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import math
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -151,6 +152,28 @@ class Collectives:
         return dist.scatter(out, scatter_list=ins, src=self.global_rank(src),
                             group=self.group, async_op=True)
 
+    def from_lowest(self, offers: dict[int, Any], n: int, what: str) -> dict[int, Any]:
+        """Items 0..n-1, each from the lowest rank that offers it (`offers`: this rank's,
+        item -> a picklable value), on every rank; an item no rank offers is absent. For
+        the few small values a rank's step may know and another's not (a param group's
+        count on a rank that owns none of its parameters)."""
+        if self.world == 1:
+            return {i: v for i, v in offers.items() if i < n}
+        blobs = {i: pickle.dumps(v) for i, v in offers.items()}
+        sizes = self.table([float(len(blobs[i])) if i in blobs else 0.0 for i in range(n)],
+                           what)
+        out: dict[int, Any] = {}
+        for i in range(n):
+            src = next((r for r in range(self.world) if sizes[r][i]), None)
+            if src is None:
+                continue
+            data = (torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8)
+                    if src == self.rank else torch.empty(int(sizes[src][i]), dtype=torch.uint8))
+            self.wait(self.broadcast(data, src), what)
+            # (pickled by this group's own ranks, running this same code)
+            out[i] = pickle.loads(data.numpy().tobytes())
+        return out
+
     def table(self, row: list[float], what: str) -> list[list[float]]:
         """Every rank's `row` (numbers; exact up to 2**53), in rank order."""
         t = torch.zeros(self.world, len(row), dtype=torch.float64)
@@ -247,6 +270,13 @@ class Collectives:
     def post_failure(self, exc: BaseException) -> None:
         """Tell the other ranks why this one left (they name it when their wait fails)."""
         self._set(f"failed/{self.rank}", f"{type(exc).__name__}: {exc}"[:2000])
+
+    def failed_why(self, r: int) -> str | None:
+        """What rank `r` (in this group) posted on failing (post_failure), if it did."""
+        try:
+            return self._get(f"failed/{r}")
+        except Exception:
+            return None
 
     def _set(self, key: str, value: str) -> None:
         try:

@@ -3,8 +3,11 @@
 The user's optimizer is left holding the whole model's parameters; tiermem builds
 a *shadow* optimizer of the same torch class (Adam for Adam/AdamW, or one of torch's
 elementwise optimizers: their math is per element, so a share of a parameter steps as
-that part of the whole does) over this rank's pieces (zero.py: 1-D views of each rank's
-share of replicated parameters; fsdp.py: the local shards of FSDP2 DTensors) and
+that part of the whole does; torch's Adafactor and Muon over whole parameters; for the
+generic path, an instance of the user's own class made as its shadows are, with the
+values its step keeps outside the per-parameter state shared after each step) over this
+rank's pieces (zero.py: 1-D views of each rank's share of replicated parameters, or
+whole parameters; fsdp.py: the local shards of FSDP2 DTensors) and
 wraps it in an ordinary OffloadedOptimizer, so partitions, tiers, the pipeline,
 durability and resume work on a share exactly as they do on a whole model. The
 user's optimizer is hooked to run, per step: the gradients in (reduce-scatter or
@@ -36,12 +39,15 @@ from tiermem.dist.fsdp import FsdpLayout, is_dtensor
 from tiermem.dist.fsdp_whole import FsdpWholeLayout
 from tiermem.optim import amp, clipping
 from tiermem.optim.handle import Offload, mark_kept, resume_call
-from tiermem.optim.hooks import (Installed, in_torch_state_init, load_with_hooks,
+from tiermem.optim.hooks import (AMP, Installed, in_torch_state_init, load_with_hooks,
                                  run_post_hooks, run_pre_hooks, step_called)
 from tiermem.optim.offloaded import (HISTORY, OffloadedOptimizer, check_optimizer,
                                      groups_changed)
 from tiermem.optim.state_io import param_entries, refuse_unkept_keys, torch_state_dict
-from tiermem.optim.rules import UnsupportedOptimizer
+from tiermem.optim.rules import (UnsupportedOptimizer, group_values, loose_state_keys,
+                                 own_attributes, own_values, shadow_of_groups)
+from tiermem.optim.rules.generic import ATTR, value_put
+from tiermem.optim.rules.nested import value_digest
 from tiermem.optim.rules.adam import MASTER_KEY
 from tiermem.sizes import format_size
 from tiermem.sysinfo import available_memory
@@ -127,32 +133,68 @@ class DistributedOffload(Offload):
         if not (dist.is_available() and dist.is_initialized()):
             raise TierMemError("tiermem shards the optimizer state over a process group, but "
                                "torch.distributed is not initialised (init_process_group)")
-        self.rule = check_optimizer(opt)
         fsdp = any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
-        # A rule whose math spans a whole parameter steps whole parameters: ZeRO shares cut
-        # between parameters give each rank whole ones; under FSDP2 each parameter is
-        # gathered to one owner rank (fsdp_whole.py). Not the generic path under a process
-        # group: its shadow is the user's own class, whose constructor tiermem cannot call
-        # with a share.
-        self.whole = not self.rule.elementwise
-        if self.whole and self.rule.optimizers[0] is torch.optim.Optimizer:
-            raise UnsupportedOptimizer(
-                f"tiermem under torch.distributed (process_group= or DTensor parameters) "
-                f"runs elementwise optimizers (Adam, AdamW, torch's SGD, Adagrad, RMSprop, "
-                f"Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop), and torch's Adafactor and "
-                f"Muon, not {type(opt).__module__}.{type(opt).__qualname__}, which tiermem "
-                "steps a whole parameter at a time with its own step() (a third-party "
-                "optimizer, or a subclass with a step of its own), on a shadow of its class "
-                "it cannot build for a rank's share; in one process it works")
         self.opt = opt
         self.block_name = name  # the user's name=; each rank's directory adds -rank<r>
         d = settings.distributed
         self.coll = Collectives(process_group, d.timeout, name)
         try:
+            # The check (the generic path's probes included) runs on synthetic parameters and
+            # the user's groups, which every rank holds alike, so every rank should come to
+            # the same answer; a rank that does not must not leave the others waiting in
+            # set-up's collectives: every rank hears of every refusal, and all raise.
+            error = None
+            try:
+                self.rule = self._check(opt, fsdp)
+            except BaseException as exc:
+                error = exc
+                self.coll.post_failure(exc)
+            flags = self.coll.table([float(error is None)], "checking the optimizer")
+            if error is not None:
+                raise error
+            bad = [r for r, row in enumerate(flags) if not row[0]]
+            if bad:
+                why = "; ".join(f"rank {self.coll.global_rank(r)}: {self.coll.failed_why(r)}"
+                                for r in bad)
+                raise UnsupportedOptimizer(
+                    f"rank {self.coll.global_rank(self.coll.rank)} accepted "
+                    f"{type(opt).__module__}.{type(opt).__qualname__} but other ranks refused "
+                    f"it ({why}); every rank must run the same optimizer with the same "
+                    "settings")
             self._set_up(opt, settings, model, name, resume, fsdp)
         except BaseException:
             self.coll.close()  # this offload is over: stop its heartbeat
             raise
+
+    def _check(self, opt: torch.optim.Optimizer, fsdp: bool) -> Any:
+        """The rule that runs `opt` under a process group (refusing what none runs)."""
+        rule = check_optimizer(opt)
+        # A rule whose math spans a whole parameter steps whole parameters: ZeRO shares cut
+        # between parameters give each rank whole ones; under FSDP2 each parameter is
+        # gathered to one owner rank (fsdp_whole.py), for torch's Adafactor and Muon.
+        self.whole = not rule.elementwise
+        # The generic path (a third-party optimizer, or a subclass with a step of its own):
+        # a rank steps an optimizer of the user's class over its share (shadow_of_groups).
+        self.generic = rule.optimizers[0] is torch.optim.Optimizer
+        if self.generic and fsdp:
+            raise UnsupportedOptimizer(
+                f"tiermem under torch.distributed runs elementwise optimizers (Adam, AdamW, "
+                f"torch's SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop) "
+                f"and torch's Adafactor and Muon over fully_shard parameters, not "
+                f"{type(opt).__module__}.{type(opt).__qualname__} over fully_shard "
+                "parameters, which tiermem steps a whole parameter at a time with its own "
+                "step() (a third-party optimizer, or a subclass with a step of its own); over "
+                "replicated parameters (ZeRO shares) and in one process it works")
+        self.closure_refusal = None
+        if self.generic:
+            loose = loose_state_keys(opt) or rule.state_keys_made()
+            if loose:
+                raise UnsupportedOptimizer(
+                    f"tiermem under torch.distributed cannot run {type(opt).__module__}."
+                    f"{type(opt).__qualname__}: it keeps state under {loose[0]!r}, a key that "
+                    "is no parameter, which no rank's share holds; in one process it works")
+            self.closure_refusal = rule.closure_refusal()
+        return rule
 
     def _set_up(self, opt: torch.optim.Optimizer, settings: Settings, model: Any, name: str,
                 resume: bool, fsdp: bool) -> None:
@@ -184,6 +226,11 @@ class DistributedOffload(Offload):
         if resume and len({row[1] for row in flags}) > 1:
             off = self._one_step_back(off, flags, settings, model, name)
         super().__init__(off)
+        if self.generic and resume:
+            # Each rank's manifest holds the values its own step left, before they were
+            # shared: a rank owning no parameter of a group has those of a step with none.
+            # A group's owners stepped it for real: the lowest one's go to every rank.
+            self._share_values(None, {g for g, pcs in enumerate(self.layout.pieces) if pcs})
         opt.state.clear()  # each rank's share of it is in the tiers now
         self.rank_plans = self._gather_plans()
         self._plans_stale = False  # a group added since: refreshed at the next step
@@ -203,11 +250,18 @@ class DistributedOffload(Offload):
     def _build(self, settings: Settings, model: Any, name: str,
                resume: bool, previous: bool = False) -> OffloadedOptimizer:
         opt, lay = self.opt, self.layout
-        # torch's own class of the rule (AdamW is Adam with its groups' flags), built
-        # from the user's groups
-        self.shadow = self.rule.optimizers[0]([{**_hyper(g), "params": views}
-                                               for g, views in zip(opt.param_groups,
-                                                                   lay.views)])
+        groups = [{**_hyper(g), "params": views} for g, views in zip(opt.param_groups,
+                                                                     lay.views)]
+        if self.generic:
+            # the user's own class and attributes, its constructor not called (what it
+            # takes is its own); the rule checked on the user's optimizer makes its
+            # partitions' shadows from this one from now on
+            self.shadow = shadow_of_groups(opt, groups)
+            self.rule.bind(self.shadow)
+        else:
+            # torch's own class of the rule (AdamW is Adam with its groups' flags), built
+            # from the user's groups
+            self.shadow = self.rule.optimizers[0](groups)
         # and the user's defaults: a group added later and Adagrad's accumulators start
         # from them, not from the group's values (AdagradRule.first_fill)
         self.shadow.defaults.update(opt.defaults)
@@ -236,7 +290,8 @@ class DistributedOffload(Offload):
                                   model=named if model is not None else None,
                                   swap_name=f"{name}-rank{self.rank}", resume=resume,
                                   resume_previous=previous, keep_previous=True,
-                                  streams=self.streams, origins=origins, share=share)
+                                  streams=self.streams, origins=origins, share=share,
+                                  rule=self.rule if self.generic else None)
 
     def _one_step_back(self, off: OffloadedOptimizer, flags: list[list[float]],
                        settings: Settings, model: Any, name: str) -> OffloadedOptimizer:
@@ -373,6 +428,11 @@ class DistributedOffload(Offload):
         group = opt.param_groups[-1]
         first = len(lay.params)
         try:
+            if self.generic:
+                # the new group probed on the user's optimizer, as at set-up: every rank
+                # holds all of it, so all come to one answer (a rank's optimizer, which
+                # its OffloadedOptimizer checks again, may hold none of the group)
+                check_optimizer(opt)
             lay.add_group(group)
         except BaseException:
             opt.param_groups.pop()  # refused means not added at all
@@ -445,6 +505,9 @@ class DistributedOffload(Offload):
         opt = self.opt
         args, kwargs = run_pre_hooks(opt, (closure,), {})
         closure = args[0] if args else kwargs.get("closure")
+        if closure is not None and self.closure_refusal:  # the same on every rank
+            raise UnsupportedOptimizer(f"optimizer.step(closure) under torch.distributed: "
+                                       f"{self.closure_refusal}")
         # GradScaler's hand-over (optim/amp.py) is the user's optimizer's, not the shadow's;
         # every rank takes the same branch (GradScaler steps each rank alike)
         scaled = amp.handover(opt)
@@ -486,7 +549,7 @@ class DistributedOffload(Offload):
             self._plans_stale = False
         comm = self._fresh_comm()
         with torch.no_grad():
-            self._sync_groups()
+            before = self._values_from_user()
             t0 = time.monotonic()
             # the same on every rank; a clip since the last step reduced them already
             present = self.clip.take(comm) if self.clip is not None else None
@@ -506,6 +569,8 @@ class DistributedOffload(Offload):
                 self.layout.release_grads()
             if gather is not None:
                 gather.finish()  # the windows left, and a peer's failure during the update
+            if self.generic:
+                self._share_values(before)
         self.comm[self.offloaded.steps_taken] = comm
         self.comm.pop(self.offloaded.steps_taken - HISTORY, None)
         step_called(opt)
@@ -561,6 +626,80 @@ class DistributedOffload(Offload):
         with torch.no_grad():
             order, present = self._clip_start(params, what)
             self.clip.clamp(order, present, clip_value)
+
+    # -- the generic path's values besides the per-parameter state ----------------------
+
+    def _share_values(self, before: dict | None, settled: set[int] | None = None) -> None:
+        """Every rank's optimizer ends a step (or a state method) with the values a rank that
+        stepped each group left there (a count kept in the group, schedule-free's `k`,
+        `weight_sum`, `train_mode`), and with the values the optimizer keeps on itself, as
+        one that stepped any group left them; the user's optimizer gets them too. A rank
+        that owns no parameter of a group (or none with a gradient) stepped it as a shadow
+        with no parameters (ShadowRule.end_step), which an optimizer that counts only
+        parameters it updates leaves behind. Collective."""
+        sh, n = self.shadow, len(self.shadow.param_groups)
+        if settled is None:
+            settled = self.rule.settled_groups()
+        offers: dict[int, Any] = {g: group_values(sh.param_groups[g]) for g in settled}
+        if settled:
+            offers[n] = own_values(sh)
+        got = self.coll.from_lowest(offers, n + 1, "sharing the optimizer's group values")
+        for g in range(n):
+            if g in got:
+                sh.param_groups[g].update(got[g])
+        for key, v in got.get(n, {}).items():
+            value_put(sh, key, v)
+        self._values_to_user(before)
+
+    def _values_to_user(self, before: dict | None = None) -> None:
+        """The rank's optimizer's group values and the attributes it keeps on itself onto
+        the user's optimizer, which state_dict() reads and the next step hands back
+        (_values_from_user). Of the attributes, those that changed since `before` (its
+        own_values() as the step began; None: every one, as a resume set them), never the
+        one GradScaler reads (tiermem's machinery sets it on the rank's optimizer)."""
+        for ug, sg in zip(self.opt.param_groups, self.shadow.param_groups):
+            ug.update(group_values(sg))
+        for key, v in own_values(self.shadow).items():
+            if key[0] != ATTR or key[1] == AMP:
+                continue
+            if before is not None and key in before \
+                    and value_digest(before[key]) == value_digest(v):
+                continue
+            value_put(self.opt, key, v)
+
+    def _values_from_user(self) -> dict:
+        """The user's group values (an lr scheduler's lr, ...) and public attributes (a flag
+        set between steps) onto the rank's optimizer, before its step; returns that one's
+        own_values() then, for _values_to_user."""
+        self._sync_groups()
+        if not self.generic:
+            return {}
+        for k, v in own_attributes(self.opt).items():
+            if not k.startswith("_"):
+                value_put(self.shadow, (ATTR, k), v)
+        return own_values(self.shadow)
+
+    @property
+    def state_methods(self) -> tuple[str, ...]:
+        """The optimizer's methods besides step() that use the per-parameter state
+        (schedule-free's train()/eval()): the hooks route them to call_state_method."""
+        return self.offloaded.state_methods if self.generic else ()
+
+    def call_state_method(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """The optimizer's own `name`() (schedule-free's train()/eval(), which set the
+        weights from the state) over every rank's share, as in one process, then the
+        weights every rank set shared with every rank (a collective: every rank calls it)."""
+        self.agree(f"opt.{name}()")
+        self._check_groups(f"optimizer.{name}()")
+        with torch.no_grad():
+            before = self._values_from_user()
+            try:
+                self.offloaded.call_state_method(name, *args, **kwargs)
+            except BaseException as exc:
+                self.coll.post_failure(exc)  # the others are about to wait for this rank
+                raise
+            self._share_values(before)
+            self.layout.weights_out(self._fresh_comm(), self.offloaded.weights_synced)
 
     def agree(self, op: str, step: int | None = None) -> None:
         """Before an operation's collectives (a step, a state_dict, a DCP checkpoint, the

@@ -191,14 +191,17 @@ class OffloadedOptimizer:
                  resume: bool = False, resume_previous: bool = False,
                  keep_previous: bool = False,
                  streams: CudaBackend | DeferredBackend | None = None,
-                 origins: Sequence[tuple[int, int]] = (), share: dict | None = None) -> None:
+                 origins: Sequence[tuple[int, int]] = (), share: dict | None = None,
+                 rule: UpdateRule | None = None) -> None:
         """resume_previous: resume from the commit before the last (manifest.PREVIOUS);
         keep_previous: every commit keeps the one before it (both: torch.distributed);
         streams: the device lanes' stream backend (None: CUDA streams for CUDA parameters);
         origins: per parameter, the user's parameter it is a piece of and the piece's first
         element there (a rank's shares; default: itself, from element 0), which keys the
         random streams of stochastic rounding (UpdateRule: Batch.origins);
-        share: what a rank's manifests say of its share (swap/manifest.py: Manifest.share).
+        share: what a rank's manifests say of its share (swap/manifest.py: Manifest.share);
+        rule: the rule to run `optimizer` with, already checked (a rank's optimizer under a
+        process group, whose rule was checked on the user's: ShadowRule.bind).
         With parameters.offload the model's weights and grads move to a ParamTier once the
         state is laid out (each partition's parameters are opened from it for its update)."""
         # Before any update: torch's first multithreaded sqrt may otherwise run a
@@ -212,7 +215,11 @@ class OffloadedOptimizer:
                     f"optimizer.master_weights {o.master_weights} runs Adam/AdamW only (torch's "
                     f"own step), not {type(optimizer).__name__}; use master_weights fp32")
             options["master_weights"] = o.master_weights
-        self.rule = rule_for(optimizer, **options)
+        if rule is None:
+            rule = rule_for(optimizer, **options)
+        else:
+            type(rule)(**options)  # the settings it refuses, refused as rule_for would
+        self.rule = rule
         self.opt = optimizer
         self.settings = settings
         self.weights: ParamTier | None = None

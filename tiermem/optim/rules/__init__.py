@@ -8,7 +8,9 @@ import torch
 
 from tiermem.optim.rules.adam import AdamRule
 from tiermem.optim.rules.base import Batch, PreparedUpdate, UnsupportedOptimizer, UpdateRule
-from tiermem.optim.rules.generic import (AdafactorRule, MuonRule, ShadowRule, own_values,
+from tiermem.optim.rules.generic import (AdafactorRule, MuonRule, ShadowRule, group_values,
+                                         loose_state_keys, own_attributes, own_values,
+                                         shadow_of_groups,
                                          shadow_optimizer)
 from tiermem.optim.rules.torch_family import TORCH_RULES
 
@@ -55,4 +57,5 @@ def rule_for(opt: torch.optim.Optimizer, **options) -> UpdateRule:
 
 
 __all__ = ["AdafactorRule", "AdamRule", "Batch", "MuonRule", "PreparedUpdate", "ShadowRule", "RULES", "UnsupportedOptimizer", "UpdateRule", "rule_class", "rule_for",
-           "own_values", "shadow_optimizer"]
+           "group_values", "loose_state_keys", "own_attributes", "own_values", "shadow_of_groups",
+           "shadow_optimizer"]

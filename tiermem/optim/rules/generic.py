@@ -268,6 +268,35 @@ def shadow_optimizer(opt: torch.optim.Optimizer, group: dict[str, Any],
     return sh
 
 
+def shadow_of_groups(opt: torch.optim.Optimizer, groups: list[dict[str, Any]]
+                     ) -> torch.optim.Optimizer:
+    """An optimizer of `opt`'s class and attributes over `groups` (each a dict with its own
+    params), made as shadow_optimizer() makes one: what a rank of a process group steps of
+    the user's optimizer (its own share of whole parameters, group by group). Its class's
+    constructor is not called: tiermem cannot know what a third-party one takes."""
+    sh = shadow_optimizer(opt, {}, [])
+    sh.param_groups = [dict(g) for g in groups]
+    return sh
+
+
+def group_values(group: dict[str, Any]) -> dict[str, Any]:
+    """Copies of a group's simple values (its settings and what a step keeps there: a
+    count, schedule-free's `k`), the values two optimizers of one class can trade."""
+    return {k: _copy(v) for k, v in group.items() if k != "params" and _simple(v)}
+
+
+def own_attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Copies of the simple values `opt` keeps as attributes (own_keys()' ATTR ones), its
+    state not read (inside a block, the user's is tiermem's stand-in)."""
+    return {k: _copy(v) for k, v in opt.__dict__.items()
+            if k not in SHADOW_OWN and not k.startswith("_tiermem") and _simple(v)}
+
+
+def loose_state_keys(opt: torch.optim.Optimizer) -> list[Any]:
+    """The keys of `opt.state` that are no parameter (MADGRAD's state['k'])."""
+    return [k for k in opt.state if not isinstance(k, Tensor)]
+
+
 class ShadowRule(UpdateRule):
     """A torch.optim.Optimizer subclass stepped by its own step() on whole parameters."""
 
@@ -288,6 +317,7 @@ class ShadowRule(UpdateRule):
         self._kinds: set[str] = set()
         self._before: list[dict[str, Any]] = []  # each group's values as the step began
         self._after: dict[int, dict[str, Any]] = {}  # ... as its first partition left them
+        self._stepped: set[int] = set()  # the groups a partition stepped (not end_step)
         # the optimizer's own values (own_values()), ditto
         self._own_before: dict[tuple[str, Any], Any] | None = None
         self._own_after: dict[tuple[str, Any], Any] | None = None
@@ -656,6 +686,7 @@ class ShadowRule(UpdateRule):
         self._closure = closure
         self._before = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
         self._after = {}
+        self._stepped = set()
         # The values the optimizer keeps on itself as the step began: every partition's
         # shadow starts from them, the first one's result is set back on the optimizer,
         # and every other partition must end with the same (as for group values).
@@ -767,6 +798,42 @@ class ShadowRule(UpdateRule):
     def state_methods(self) -> tuple[str, ...]:
         return tuple(m for m in STATE_METHODS if callable(getattr(type(self.opt), m, None)))
 
+    def bind(self, opt: torch.optim.Optimizer) -> None:
+        """Make the partitions' shadows from `opt` from now on: under a process group the
+        rule is checked (and its coupling probed) on the user's optimizer, whose groups
+        hold every parameter on every rank, so that every rank comes to the same answer;
+        it then steps a rank's own optimizer of the same class (shadow_of_groups), whose
+        groups are the user's, in the same order, holding that rank's share."""
+        self.opt = opt
+
+    def state_keys_made(self) -> list[Any]:
+        """The keys that are no parameter under which the probe's steps made or changed an
+        entry of the optimizer's state (an optimizer-wide count kept in `opt.state`)."""
+        return sorted({k for where, k in [*self._changed_own, *self._set_once]
+                       if where == STATE}, key=str)
+
+    def settled_groups(self) -> set[int]:
+        """The groups a partition of the current step (or state method) stepped: where the
+        group's values are a real step's, not a shadow's with no parameters."""
+        return set(self._stepped)
+
+    def closure_refusal(self) -> str | None:
+        """Why a closure cannot be handed to this optimizer's step under a process group, if
+        it cannot: each rank evaluates the closure on its own batch, so a step that reads
+        the loss (uses_loss) would use a different loss on each rank's share; and one that
+        calls it other than once would step on other gradients (check_closure)."""
+        try:
+            self.check_closure()
+        except UnsupportedOptimizer as exc:
+            return str(exc)
+        if self.uses_loss():
+            return (f"{_name(type(self.opt))}'s step uses the loss its closure returns, and "
+                    "under a process group each rank's closure returns its own batch's loss, "
+                    "so the ranks' shares would be stepped with different losses where the "
+                    "plain optimizer on the mean gradient sees one. Call backward yourself "
+                    "and step() without a closure")
+        return None
+
     def run_method(self, name: str, batch: Batch) -> None:
         """The optimizer's own `name`() on one partition's shadow, as update() steps it
         (batch.grads empty; a parameter never stepped has no state)."""
@@ -839,6 +906,7 @@ class ShadowRule(UpdateRule):
             if kept:  # (a manifest keeps it as it keeps the scalars)
                 batch.scalars[j][ORDER_KEY] = kept
         self._settle(part.group, group, before, sh)
+        self._stepped.add(part.group)
 
     def _settle(self, g: int, group: dict[str, Any], before: dict[str, Any],
                 sh: torch.optim.Optimizer) -> None:
