@@ -18,6 +18,7 @@ import tiermem
 from tiermem.dist.collectives import RankMismatch
 from tiermem.errors import TierMemError
 
+from dist_generic import LionLike
 from dist_scenarios import averaged, groups_of, local_backward, small_cfg
 from offload_helpers import (Synthetic, assert_close_tensor, assert_same_tensor,
                              compare_runs, make_batches)
@@ -26,6 +27,8 @@ MAKE = {
     "adamw": lambda m: torch.optim.AdamW(groups_of(m), lr=1e-2, weight_decay=0.05,
                                          foreach=False),
     "adafactor": lambda m: torch.optim.Adafactor(groups_of(m), lr=1e-2),
+    # the generic path: shares of whole parameters too
+    "lion": lambda m: LionLike(groups_of(m), lr=1e-3, weight_decay=0.01),
 }
 
 
@@ -34,7 +37,7 @@ def clip_parity(rank: int, world: int, tmp: str, name: str, how: str) -> None:
     gradient clipped by torch. `how`: norm (every parameter; the clip bites), value,
     subset (fc1's parameters by norm, then everything by value), tm (tm.clip_grad_norm_),
     inf (the max norm)."""
-    exact = name == "adafactor" or how == "value"
+    exact = name in ("adafactor", "lion") or how == "value"
     check = assert_same_tensor if exact else assert_close_tensor
     model = Synthetic()
     ref_model = copy.deepcopy(model)
@@ -185,7 +188,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
                                clip_parity(r, world, d, name, how))
              for name, how in [("adamw", "norm"), ("adamw", "value"), ("adamw", "subset"),
                                ("adamw", "inf"), ("adafactor", "norm"),
-                               ("adafactor", "tm")]}
+                               ("adafactor", "tm"), ("lion", "norm")]}
     table.update({
         "edited-refused": lambda r, d: edited_refused(r, world, d),
         "refusals": lambda r, d: refusals(r, world, d),

@@ -12,7 +12,7 @@ from dist_harness import launch
 from test_distributed import outcome
 
 NAMES = ["adamw-norm", "adamw-value", "adamw-subset", "adamw-inf", "adafactor-norm",
-         "adafactor-tm", "edited-refused", "refusals", "plans-after-add"]
+         "adafactor-tm", "lion-norm", "edited-refused", "refusals", "plans-after-add"]
 
 
 @pytest.fixture(scope="module")
