@@ -35,16 +35,19 @@ zero bytes) once DCP has serialised it, so those references hold no memory.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import warnings
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties)
@@ -56,7 +59,7 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
 from tiermem.dist.collectives import scalar_table
 from tiermem.errors import TierMemError
 from tiermem.kernels.lowbit import kahan_term, segment_values, store_segment
-from tiermem.optim.rules import UnsupportedOptimizer
+from tiermem.optim.rules import UnsupportedOptimizer, group_values
 from tiermem.optim.state_io import jsonable
 from tiermem.partition import SCALE_KINDS
 
@@ -123,28 +126,30 @@ def _source(tm: Any, op: str) -> _Source:
     from tiermem.dist.sharded import DistributedOffload
 
     if isinstance(tm, DistributedOffload):
-        _check_rule(tm.offloaded)
+        _check_rule(tm.offloaded, fsdp=tm.layout.fsdp)
         tm.agree(op)  # every rank is here, not in a step (the planners' collectives follow)
         flat = [pc for pcs in tm.layout.pieces for pc in pcs]
         return _Source(tm.offloaded, tm.opt, tm.layout.params,
                        lambda s: (flat[s.index].index, flat[s.index].start + s.start),
                        tm.coll.group, tm.coll)
     off = tm.offloaded
-    _check_rule(off)
+    _check_rule(off, fsdp=False)
     if off.overlap is not None:
         # Its worker may still be reading the next step ahead, or be half-way through a step.
         off.overlap.require_idle("a tiermem.dist.dcp checkpoint")
     return _Source(off, off.opt, off.params, lambda s: (s.index, s.start))
 
 
-def _check_rule(off: Any) -> None:
-    if not off.rule.elementwise:
+def _check_rule(off: Any, *, fsdp: bool) -> None:
+    if not off.rule.elementwise and fsdp:
         name = f"{type(off.opt).__module__}.{type(off.opt).__qualname__}"
         raise UnsupportedOptimizer(
-            f"tiermem.dist.dcp checkpoints the state of elementwise optimizers (Adam, AdamW, "
-            f"torch's elementwise family), and {name} keeps whole-parameter state in its own "
-            "shapes and dtypes, which a resharded load cannot cut: save "
-            "optimizer.state_dict() instead (or resume a crash-consistent run)")
+            f"tiermem.dist.dcp does not checkpoint {name} over fully_shard (FSDP2) "
+            "parameters yet: each parameter's whole state is on the rank that owns it, which "
+            "a checkpoint could write as it is, but loading it would have to hand every "
+            "owner the DTensor layout of its parameters' state. Use "
+            "torch.distributed.checkpoint.state_dict's get_state_dict/set_state_dict "
+            "(DTensor state), or ZeRO shares (replicated parameters and process_group=)")
 
 
 def _saved_kinds(part: Any) -> list[str]:
@@ -275,6 +280,8 @@ def save(tm: Any, path: str) -> dict[str, int]:
     (records_read, peak_live_bytes: the most checkpoint bytes this rank held at once)."""
     src = _source(tm, "tiermem.dist.dcp.save()")
     src.off.tiers.flush()
+    if not src.off.rule.elementwise:
+        return _save_whole(src, path)
     planner = _SavePlanner(src)
     # One writer thread: items are resolved in plan order, one at a time.
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
@@ -320,6 +327,12 @@ class _LoadPlanner(DefaultLoadPlanner):
         if META not in md:
             raise TierMemError("this DCP checkpoint was not written by tiermem.dist.dcp.save "
                                f"(it has no {META!r})")
+        if VALUES in md:
+            raise TierMemError(
+                "this DCP checkpoint holds a whole-parameter optimizer's state (torch's "
+                "Adafactor or Muon, or a third-party optimizer's), and "
+                f"{_optimizer_name(self.src)} runs elementwise: load it into the optimizer "
+                "class that saved it")
         n = len(self.src.params)
         self._steps_buf = torch.zeros(n)
         items: list[ReadItem] = [*_create_read_items(META, md[META], None),
@@ -475,12 +488,10 @@ def load(tm: Any, path: str) -> dict[str, int]:
     rank (peak_staged: the most partitions assembled in memory at once)."""
     src = _source(tm, "tiermem.dist.dcp.load()")
     src.off.tiers.flush()
+    if not src.off.rule.elementwise:
+        return _load_whole(tm, src, path)
     planner = _LoadPlanner(src)
-    with warnings.catch_warnings():
-        # One process: DCP warns that it assumes so, which no_dist=True already says.
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner,
-                 process_group=src.group, no_dist=src.coll is None)
+    _dcp_load(src, path, planner)
     if planner._staging:
         raise TierMemError(f"checkpoint {path} lacks pieces of partitions "
                            f"{sorted(planner._staging)}")
@@ -514,6 +525,425 @@ def load(tm: Any, path: str) -> dict[str, int]:
         for k, v in saved.items():
             if k in group:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    if src.off.crash:
+        src.off.commit()
+    return {"peak_staged": planner.peak_staged}
+
+
+# -- whole-parameter rules -----------------------------------------------------------------
+#
+# torch's Adafactor and Muon and the generic path (tiermem/optim/rules/generic.py) step a
+# whole parameter at a time, so one rank (or the one process) holds each parameter's whole
+# state: each record kind of parameter i is one whole DCP tensor, `tiermem.whole.<i>/<kind>`,
+# in the record's own shape (flat: the rule's tensor in the memory order the manifest's
+# ORDER_KEY scalar names) and dtype, written by its owner and read whole by whichever rank
+# owns the parameter at load. Beside it, `tiermem.whole.<i>/scalars` (torch.save bytes): the
+# parameter's host scalars (its step count and numbers in its state, the generic path's
+# memory orders) and a CRC32 of each kind's bytes; `tiermem.values`: every group's values
+# and what the step keeps on the optimizer itself (ShadowRule.step_values), replicated.
+
+WHOLE_FORMAT = "tiermem-dcp-whole-1"
+VALUES = "tiermem.values"
+
+
+def _whole_fqn(index: int, kind: str) -> str:
+    return f"tiermem.whole.{index}/{kind}"
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+
+
+def _bytes_of(obj: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def _unpickled(value: io.BytesIO, what: str, path: str) -> Any:
+    try:
+        return torch.load(value, weights_only=True)
+    except Exception as exc:
+        raise TierMemError(f"checkpoint {path}: {what} cannot be read ({type(exc).__name__}: "
+                           f"{exc}); the checkpoint is damaged") from exc
+
+
+def _optimizer_name(src: _Source) -> str:
+    return f"{type(src.opt).__module__}.{type(src.opt).__qualname__}"
+
+
+def _whole_segments(src: _Source) -> list[tuple[Any, int, Any, int]]:
+    """(partition, segment number, segment, parameter index) of every record segment,
+    each a whole parameter (a whole-parameter rule never cuts one)."""
+    out = []
+    for part in src.off.parts:
+        for n, s in enumerate(part.segments):
+            i, start = src.locate(s)
+            if start != 0 or s.length != src.params[i].numel():
+                raise TierMemError(f"parameter {i} is cut into pieces, which a whole-"
+                                   "parameter rule never is")  # (a layout tiermem never makes)
+            out.append((part, n, s, i))
+    return out
+
+
+def _whole_meta(src: _Source) -> dict:
+    return {"format": WHOLE_FORMAT, "rule": type(src.off.rule).__name__,
+            "optimizer": _optimizer_name(src), "groups": len(src.opt.param_groups),
+            "params": [{"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+                       for p in src.params]}
+
+
+def _values(src: _Source) -> dict:
+    """What the step keeps outside the per-parameter state: every group's simple values
+    (hyperparameters and counts: schedule-free's k, weight_sum) and what the rule's
+    step_values() names (values on the optimizer itself, and group values it may lack
+    yet: `absent`), as a resume keeps them."""
+    return {"groups": [group_values(g) for g in src.opt.param_groups],
+            "step": src.off.rule.step_values()}
+
+
+class _WholeSavePlanner(DefaultSavePlanner):
+    """Write items for this rank's whole parameters, resolved lazily from the tiers, one
+    partition record copy at a time."""
+
+    def __init__(self, src: _Source) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.src = src
+        self._where: dict[str, tuple[Any, int, int, str | None]] = {}
+        self._cache: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._last: torch.Tensor | None = None
+        self.records_read = 0
+        self.peak_live_bytes = 0
+
+    def create_local_plan(self) -> SavePlan:
+        self._steps = self.src.steps()
+        n = len(self.src.params)
+        items = [WriteItem(index=MetadataIndex(META), type=WriteItemType.BYTE_IO),
+                 WriteItem(index=MetadataIndex(VALUES), type=WriteItemType.BYTE_IO),
+                 WriteItem(index=MetadataIndex(STEPS, torch.Size([0])),
+                           type=WriteItemType.TENSOR, tensor_data=_chunk(STEPS, 0, n, n).tensor_data)]
+        for part, k, s, i in _whole_segments(self.src):  # partition order
+            fqn = _whole_fqn(i, "scalars")
+            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+            self._where[fqn] = (part, k, i, None)
+            for kind in part.kinds:
+                fqn = _whole_fqn(i, kind)
+                item = _chunk(fqn, 0, s.size(kind), s.size(kind))
+                item.tensor_data.properties.dtype = part.dtype(kind)
+                items.append(item)
+                self._where[fqn] = (part, k, i, kind)
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if self._last is not None:  # as _SavePlanner: DCP has serialised it
+            self._last.untyped_storage().resize_(0)
+            self._last = None
+        fqn = write_item.index.fqn
+        if fqn == META:
+            return io.BytesIO(json.dumps(_whole_meta(self.src)).encode())
+        if fqn == VALUES:
+            return _bytes_of(_values(self.src))
+        if fqn == STEPS:
+            return self._steps.clone()
+        part, k, i, kind = self._where[fqn]
+        views = self._record(part)
+        slices = {kd: part.slices(kd)[k] for kd in part.kinds}
+        if kind is None:
+            s = part.segments[k]
+            return _bytes_of({"scalars": self.src.off.latest_scalars(s.index),
+                              "crc": {kd: _crc(views[kd][sl]) for kd, sl in slices.items()}})
+        out = views[kind][slices[kind]].clone()
+        self._last = out
+        self.peak_live_bytes = max(self.peak_live_bytes, out.nbytes + sum(
+            v.nbytes for v in views.values()))
+        return out
+
+    def _record(self, part: Any) -> dict[str, torch.Tensor]:
+        """A copy of `part`'s record (one at a time): its kinds in their own dtypes; a
+        record never written (no parameter of it stepped) holds zeros and, as a master,
+        the model's weights (what its first step starts from)."""
+        if self._cache is not None and self._cache[0] == part.id:
+            return self._cache[1]
+        self._cache = None
+        with self.src.off.tiers.record(part, write=False) as (views, fresh):
+            got = {k: v.clone() for k, v in views.items()}
+            if fresh:
+                for k, v in got.items():
+                    v.zero_()
+                if "master" in got:
+                    got["master"].copy_(_model_weights(part))
+        self._cache = (part.id, got)
+        self.records_read += 1
+        return got
+
+
+class _WholeHeader(DefaultLoadPlanner):
+    """A checkpoint's META and VALUES only: read and checked before any record changes."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.got: dict[str, io.BytesIO] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata
+        if META not in md:
+            raise TierMemError("this DCP checkpoint was not written by tiermem.dist.dcp.save "
+                               f"(it has no {META!r})")
+        keys = [k for k in (META, VALUES) if k in md]
+        self.plan = LoadPlan([r for k in keys for r in _create_read_items(k, md[k], None)])
+        return self.plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.got[read_item.dest_index.fqn] = io.BytesIO(value.read())
+
+
+def _check_whole_meta(src: _Source, meta: dict, path: str) -> None:
+    """Refuse a checkpoint of another format, rule, optimizer or model."""
+    if meta.get("format") == FORMAT:
+        raise TierMemError(
+            f"checkpoint {path} holds an elementwise optimizer's state ({FORMAT}), and "
+            f"{_optimizer_name(src)} ({type(src.off.rule).__name__}) keeps whole-parameter "
+            "state: load it into the optimizer class that saved it")
+    if meta.get("format") != WHOLE_FORMAT:
+        raise TierMemError(f"checkpoint format {meta.get('format')!r}, this tiermem reads "
+                           f"{FORMAT!r} and {WHOLE_FORMAT!r}")
+    ours = (type(src.off.rule).__name__, _optimizer_name(src))
+    theirs = (meta.get("rule"), meta.get("optimizer"))
+    if ours != theirs:
+        raise TierMemError(
+            f"checkpoint {path} holds the state of {theirs[1]} (tiermem's {theirs[0]}), and "
+            f"this optimizer is {ours[1]} ({ours[0]}): its state is another optimizer's; "
+            "load it into the optimizer class that saved it")
+    shapes = [list(p.shape) for p in src.params]
+    saved = [p["shape"] for p in meta["params"]]
+    if shapes != saved:
+        first = next((i for i, (a, b) in enumerate(zip(shapes, saved)) if a != b),
+                     min(len(shapes), len(saved)))
+        raise TierMemError(
+            f"the checkpoint has {len(saved)} parameters and this optimizer {len(shapes)}; "
+            f"they first differ at parameter {first} (shape "
+            f"{saved[first] if first < len(saved) else None} saved, "
+            f"{shapes[first] if first < len(shapes) else None} here)")
+    if meta["groups"] != len(src.opt.param_groups):
+        raise TierMemError(f"the checkpoint has {meta['groups']} param groups and this "
+                           f"optimizer {len(src.opt.param_groups)}")
+
+
+class _WholeLoadPlanner(DefaultLoadPlanner):
+    """Read items for this rank's whole parameters; each partition checked (its CRC32s) and
+    written to its tier once all its tensors and its parameters' scalars arrived."""
+
+    def __init__(self, src: _Source, path: str, *, write: bool) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.src, self.path = src, path
+        self.write = write  # False: read and check only (load's first pass)
+        self._dest: dict[str, tuple[Any, int, str | None]] = {}
+        self._staging: dict[int, _Staging] = {}
+        self._waiting: dict[int, int] = {}  # part id -> tensors and scalars still to come
+        self._counts: dict[int, int] = {}
+        self._read: dict[int, dict[str, str | None]] = {}  # part id -> kind -> read or None
+        self.scalars: dict[int, dict] = {}  # segment index -> the saved scalars bytes
+        self.peak_staged = 0
+        self.written = 0
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata
+        n = len(self.src.params)
+        self._steps_buf = torch.zeros(n)
+        self.steps = None
+        items: list[ReadItem] = [*_create_read_items(STEPS, md[STEPS], self._steps_buf)]
+        for part, k, s, i in _whole_segments(self.src):
+            read = self._read.setdefault(part.id, {})
+            fqn = _whole_fqn(i, "scalars")
+            if fqn not in md:
+                raise TierMemError(f"checkpoint {self.path} has no state of parameter {i} "
+                                   f"(no {fqn!r}): it is incomplete")
+            self._dest[fqn] = (part, k, None)
+            items += _create_read_items(fqn, md[fqn], None)
+            self._counts[part.id] = self._counts.get(part.id, 0) + 1
+            saved = {key.split("/", 1)[1] for key in self._keys_of(i, md)}
+            extra = saved - set(part.kinds) - {"master", "scalars"}
+            for kind in part.kinds:
+                fqn = _whole_fqn(i, kind)
+                if fqn not in md:
+                    if kind != "master":
+                        raise TierMemError(
+                            f"checkpoint {self.path} has no state {kind!r} of parameter {i}, "
+                            f"which this optimizer keeps (it keeps {sorted(saved - {'scalars'})}"
+                            "): saved with other settings of the optimizer?")
+                    read[kind] = None  # the model's weights, as the first step takes them
+                    continue
+                t = md[fqn]
+                if not hasattr(t, "properties") or tuple(t.size) != (s.size(kind),) or t.properties.dtype != part.dtype(kind):
+                    raise TierMemError(
+                        f"checkpoint {self.path}: parameter {i}'s state {kind!r} is "
+                        f"{t.properties.dtype} of {math.prod(t.size)} elements, where this "
+                        f"optimizer keeps {part.dtype(kind)} of {s.size(kind)}: saved with "
+                        "other settings of the optimizer (or another state dtype, which "
+                        "this optimizer's state cannot move to)?")
+                read[kind] = kind
+                self._dest[fqn] = (part, k, kind)
+                got = create_read_items_for_chunk_list(
+                    fqn, t, [ChunkStorageMetadata(torch.Size([0]), torch.Size([s.size(kind)]))])
+                self._counts[part.id] += len(got)
+                items += got
+            if extra:
+                raise TierMemError(
+                    f"checkpoint {self.path} has state {sorted(extra)} of parameter {i}, "
+                    f"which this optimizer does not keep with its settings: loaded, it "
+                    "would be dropped")
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def _keys_of(self, i: int, md: dict) -> list[str]:
+        if not hasattr(self, "_by_param"):
+            self._by_param: dict[int, list[str]] = {}
+            for key in md:
+                if key.startswith("tiermem.whole."):
+                    head = key[len("tiermem.whole."):].split("/", 1)[0]
+                    self._by_param.setdefault(int(head), []).append(key)
+        return self._by_param.get(i, [])
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        part, k, _ = self._dest[fqn]
+        self.scalars[part.segments[k].index] = _unpickled(value, f"{fqn!r}", self.path)
+        self._stage(part)
+        self._arrived(part)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        fqn = read_item.dest_index.fqn
+        if fqn == STEPS:
+            return self._steps_buf
+        part, k, kind = self._dest[fqn]
+        st = self._stage(part)
+        sl = part.slices(kind)[k]
+        a = sl.start + read_item.dest_offsets[0]
+        return st.views[kind][a: a + read_item.lengths[0]]
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        fqn = read_item.dest_index.fqn
+        if fqn == STEPS:
+            self.steps = self._steps_buf
+            return
+        self._arrived(self._dest[fqn][0])
+
+    def _stage(self, part: Any) -> _Staging:
+        st = self._staging.get(part.id)
+        if st is None:
+            views = {k: torch.zeros(part.sizes[k], dtype=part.dtype(k))
+                     for k, r in self._read[part.id].items() if r is not None}
+            st = self._staging[part.id] = _Staging(views, self._counts[part.id])
+            self.peak_staged = max(self.peak_staged, len(self._staging))
+        return st
+
+    def _arrived(self, part: Any) -> None:
+        st = self._staging[part.id]
+        st.pending -= 1
+        if st.pending == 0:
+            self._write(part)
+
+    def _write(self, part: Any) -> None:
+        st = self._staging.pop(part.id)
+        read = self._read[part.id]
+        for k, s in enumerate(part.segments):
+            crcs = self.scalars[s.index].get("crc", {})
+            for kind, r in read.items():
+                if r is None:
+                    continue
+                got = _crc(st.views[kind][part.slices(kind)[k]])
+                if crcs.get(kind) != got:
+                    raise TierMemError(
+                        f"checkpoint {self.path}: the state {kind!r} of parameter "
+                        f"{self.src.locate(s)[0]} does not match its CRC32 (saved "
+                        f"{crcs.get(kind)}, read {got}): the checkpoint is damaged")
+        if not self.write:
+            return
+        if "master" in read and read["master"] is None:
+            st.views["master"] = _model_weights(part)
+        with self.src.off.tiers.record(part, write=True) as (views, _):
+            for k, v in st.views.items():
+                views[k].copy_(v)
+        self.written += 1
+
+
+def _save_whole(src: _Source, path: str) -> dict[str, int]:
+    planner = _WholeSavePlanner(src)
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=src.group,
+                 no_dist=src.coll is None)
+    return {"records_read": planner.records_read, "peak_live_bytes": planner.peak_live_bytes}
+
+
+def _dcp_load(src: _Source, path: str, planner: Any) -> None:
+    with warnings.catch_warnings(), _refusals():
+        # One process: DCP warns that it assumes so, which no_dist=True already says.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner,
+                 process_group=src.group, no_dist=src.coll is None)
+
+
+@contextlib.contextmanager
+def _refusals() -> Any:
+    """A planner's refusal as itself: DCP wraps what its planners raise (on any rank) in a
+    CheckpointException, whose message is every rank's traceback."""
+    try:
+        yield
+    except CheckpointException as exc:
+        ours = [f[0] for f in exc.failures.values() if isinstance(f[0], TierMemError)]
+        if ours:
+            raise ours[0] from exc
+        raise
+
+
+def _load_whole(tm: Any, src: _Source, path: str) -> dict[str, int]:
+    header = _WholeHeader()
+    _dcp_load(src, path, header)
+    meta = json.loads(header.got[META].read().decode())
+    _check_whole_meta(src, meta, path)
+    if VALUES not in header.got:
+        raise TierMemError(f"checkpoint {path} has no {VALUES!r}: it is incomplete")
+    values = _unpickled(header.got[VALUES], repr(VALUES), path)
+    # Read twice: a damaged or truncated checkpoint found half-way would leave some records
+    # holding its state and the rest the run's. The first pass checks every piece this rank
+    # reads (its CRC32, that it is there) and writes nothing.
+    for write in (False, True):
+        planner = _WholeLoadPlanner(src, path, write=write)
+        try:
+            _dcp_load(src, path, planner)
+            if planner._staging:
+                raise TierMemError(f"checkpoint {path} lacks pieces of partitions "
+                                   f"{sorted(planner._staging)}")
+        except BaseException as exc:
+            if planner.written:  # the checkpoint changed between the passes
+                src.off.broken = (
+                    f"tiermem.dist.dcp.load({path!r}) failed after writing {planner.written} "
+                    f"of this rank's partitions ({exc}), having read all of them once: this "
+                    "state is neither the checkpoint's nor the run's")
+            if isinstance(exc, TierMemError):
+                raise
+            raise TierMemError(f"checkpoint {path} cannot be read ({type(exc).__name__}: "
+                               f"{exc}): is it complete?") from exc
+    steps = planner.steps
+    for part in src.off.parts:
+        for s in part.segments:
+            saved = planner.scalars[s.index]["scalars"]
+            src.off.set_counts(s.index, float(steps[src.locate(s)[0]]), saved)
+    src.off.set_stateless(())
+    # the groups' values (hyperparameters, as torch's load_state_dict takes them, and what
+    # the step counts there), then what the step keeps on the optimizer itself
+    for group, saved in zip(src.opt.param_groups, values["groups"]):
+        group.update(saved)
+    loaded = getattr(tm, "values_loaded", None)
+    if loaded is not None:  # under a process group: onto each rank's optimizer, and back
+        loaded(lambda: src.off.rule.restore_step_values(values["step"]))
+        tm.counts_loaded(steps, [])
+    else:
+        src.off.rule.restore_step_values(values["step"])
     if src.off.crash:
         src.off.commit()
     return {"peak_staged": planner.peak_staged}

@@ -409,6 +409,16 @@ class DistributedOffload(Offload):
                                            or len(set(stateless)) < len(self.layout.params))
         self._held = bool(self.layout.params) and (eager or bool((steps != 0).any()))
 
+    def values_loaded(self, restore: Callable[[], None]) -> None:
+        """tiermem.dist.dcp.load set the user's groups' values from a checkpoint: they go to
+        this rank's optimizer, `restore` sets what the step keeps on that one (its rule's
+        restore_step_values), and of the generic path those come back to the user's
+        optimizer, as after a step. The same on every rank (replicated in the checkpoint)."""
+        self._sync_groups()
+        restore()
+        if self.generic:
+            self._values_to_user()
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Every rank adds the same group (not a collective; the next operation's agreement
         refuses ranks that did not): torch's add_param_group on the user's optimizer, the
