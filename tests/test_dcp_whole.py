@@ -19,105 +19,35 @@ from torch.distributed.checkpoint import FileSystemReader
 import tiermem
 from tiermem.dist import dcp
 
+from dist_dcp_whole import (OPTIMIZERS, missing, modes, one_process_load,
+                            one_process_save)
 from dist_harness import launch
 from offload_helpers import Synthetic, compare_state_dicts, make_batches, train
 from test_dcp import _cfg
 from test_distributed import outcome
 from test_optimizer_rules import params_equal
 
-
-class LionLike(torch.optim.Optimizer):
-    """Lion, written here: the sign of an interpolated momentum, one state tensor."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["exp_avg"] = torch.zeros_like(p)
-                m = st["exp_avg"]
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-group["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
-        return None
+NAMES = list(OPTIMIZERS)
 
 
-class Nested(torch.optim.Optimizer):
-    """State a checkpoint must carry whole: a list of two buffers (one a row statistic of
-    another shape), a per-parameter count and number; a count kept in each group and one
-    on the optimizer itself, both of which scale the step."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
-        self.calls = 0
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.calls += 1
-        for group in self.param_groups:
-            group["k"] = group.get("k", 0) + 1
-            lr = group["lr"] / (1 + 0.1 * group["k"]) * (1 + 0.01 * self.calls)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    rows = p.shape[:1] if p.dim() else ()
-                    st["bufs"] = [torch.zeros_like(p), torch.zeros(rows)]
-                    st["n"] = 0
-                    st["scale"] = 1.0
-                m, r = st["bufs"]
-                st["n"] += 1
-                st["scale"] = st["scale"] * 0.9 + 0.1
-                m.mul_(0.9).add_(p.grad)
-                sq = p.grad.square()
-                r.mul_(0.5).add_(sq.reshape(sq.shape[0], -1).mean(1) if p.dim() else sq)
-                p.add_(m, alpha=-lr * st["scale"] / st["n"])
-        return None
-
-
-def _schedulefree(params):
-    sf = pytest.importorskip("schedulefree")
-    return sf.AdamWScheduleFree(params, lr=1e-2, warmup_steps=2, weight_decay=0.01)
-
-
-def _matrices(model):
-    return [p for p in model.parameters() if p.dim() == 2]
-
-
-OPTIMIZERS = {
-    "adafactor": lambda m: torch.optim.Adafactor(m.parameters(), lr=0.01),
-    "muon": lambda m: torch.optim.Muon(_matrices(m), lr=0.01),
-    "lion-like": lambda m: LionLike(m.parameters(), lr=1e-3, weight_decay=0.01),
-    "nested": lambda m: Nested(m.parameters()),
-    "schedulefree": lambda m: _schedulefree(m.parameters()),
-}
-
-
-def _modes(opt) -> None:
-    if callable(getattr(type(opt), "train", None)):
-        opt.train()
+def _skip_missing(name: str) -> None:
+    if missing(name):
+        pytest.skip(f"{missing(name)} is not installed (the thirdparty test extra)")
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_round_trip_steps_on_as_the_plain_optimizer(tmp_path, name):
+    _skip_missing(name)
     make = OPTIMIZERS[name]
     model = Synthetic()
     start = copy.deepcopy(model)
     ref = copy.deepcopy(model)
     opt, ref_opt = make(model), make(ref)
-    _modes(ref_opt)
+    modes(ref_opt)
     batches = make_batches(model, 5)
     ckpt = str(tmp_path / "ckpt")
     with tiermem.offload(opt, _cfg(tmp_path / "a", "threads", "64KiB"), model=model) as tm:
-        _modes(opt)
+        modes(opt)
         train(model, opt, batches[:2])
         dcp.save(tm, ckpt)
         train(model, opt, batches[2:], start=2)
@@ -126,7 +56,7 @@ def test_round_trip_steps_on_as_the_plain_optimizer(tmp_path, name):
     model2.load_state_dict(ref.state_dict())
     opt2 = make(model2)
     with tiermem.offload(opt2, _cfg(tmp_path / "b", "threads", "256KiB"), model=model2) as tm2:
-        _modes(opt2)
+        modes(opt2)
         dcp.load(tm2, ckpt)
         train(model2, opt2, batches[2:], start=2)
     train(ref, ref_opt, batches[2:], start=2)
@@ -140,7 +70,7 @@ def _saved(tmp_path, name, steps=2):
     ckpt = str(tmp_path / f"ckpt-{name}")
     with tiermem.offload(opt, _cfg(tmp_path / f"s-{name}", "threads", "64KiB"),
                          model=model) as tm:
-        _modes(opt)
+        modes(opt)
         train(model, opt, make_batches(model, steps))
         dcp.save(tm, ckpt)
     return ckpt
@@ -167,7 +97,7 @@ def test_checkpoint_of_another_optimizer_refused(tmp_path, saved, loaded):
         what = {"adamw": "whole-parameter optimizer's state",
                 "lion-like": "elementwise optimizer's state" if saved == "adamw"
                 else "holds the state of torch.optim.Adafactor",
-                "nested": "holds the state of test_dcp_whole.LionLike"}[loaded]
+                "nested": "holds the state of dist_dcp_whole.LionLike"}[loaded]
         with pytest.raises(tiermem.TierMemError, match=what):
             dcp.load(tm, ckpt)
         compare_state_dicts(opt.state_dict(), before)  # refused before any record changed
@@ -198,3 +128,40 @@ def test_damaged_checkpoint_refused(tmp_path):
         train(model, opt, batches[1:], start=1)
     train(ref, ref_opt, batches)
     params_equal(model, ref, "after the refused loads")
+
+
+# -- another world size ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One-process checkpoints (one-<name>) for the 2 ranks to load; theirs land here too."""
+    d = tmp_path_factory.mktemp("dcp-whole")
+    os.chmod(d, 0o700)  # tiermem refuses swap paths others can write
+    for name in NAMES:
+        if not missing(name):
+            one_process_save(name, str(d / f"s-{name}"), str(d / f"one-{name}"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def two(shared):
+    names = [f"two-ranks-{n}" for n in NAMES if not missing(n)] + ["other-refused"]
+    base = shared / "ranks"
+    base.mkdir(mode=0o700)
+    return launch(2, "dist_dcp_whole", "run_named", str(base), names, str(shared),
+                  deadline=600)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_two_ranks_save_and_load_any_world_size(two, shared, tmp_path, name):
+    """2 ranks save (each the parameters it owns) and step on; the checkpoint loads on 2
+    ranks with other partitions and in one process (2 -> 1), and one process's loads on 2
+    ranks (1 -> 2): every run steps on as the plain optimizer on the mean gradient."""
+    _skip_missing(name)
+    outcome(two, f"two-ranks-{name}")
+    one_process_load(name, str(tmp_path), str(shared / f"two-{name}"))
+
+
+def test_another_optimizers_checkpoint_refused_on_two_ranks(two):
+    outcome(two, "other-refused")
