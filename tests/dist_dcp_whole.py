@@ -17,7 +17,7 @@ import torch
 import tiermem
 from tiermem.dist import dcp
 
-from dist_scenarios import averaged, groups_of, local_backward, small_cfg, used_side
+from dist_scenarios import groups_of, local_backward, small_cfg, used_side
 from offload_helpers import Synthetic, assert_same_tensor, loss_of, make_batches
 
 STEPS, SAVED_AT = 5, 2

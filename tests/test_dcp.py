@@ -2,8 +2,7 @@
 two steps and loaded into another partitioning (a resharded load) gives back exactly the
 saved state, per-parameter scalars included (ASGD's eta and mu, NAdam's mu_product), in
 the loading run's own state dtype; both runs then step on as the plain optimizer does.
-Whole-parameter rules are refused, naming the optimizer. (Several ranks:
-test_distributed.py.)"""
+(Several ranks: test_distributed.py; whole-parameter rules: test_dcp_whole.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import torch
 
 import tiermem
 from tiermem.dist import dcp
-from tiermem.optim.rules import UnsupportedOptimizer
 
 from offload_helpers import (Synthetic, backend_params, compare_state_dicts, config,
                              make_batches, train)
@@ -129,21 +127,6 @@ def test_checkpoint_of_a_bf16_model_moves_between_master_weights(tmp_path, saved
     with tiermem.offload(opt2, cfg("b", loaded), model=model) as tm2:
         dcp.load(tm2, ckpt)
         compare_state_dicts(opt2.state_dict(), expected, exact=True)
-
-
-@pytest.mark.parametrize("cls, kw", [(torch.optim.Adafactor, dict(lr=0.01)),
-                                     (torch.optim.Muon, dict(lr=0.01))])
-def test_whole_parameter_rules_refused(tmp_path, cls, kw):
-    model = Synthetic()
-    params = [p for p in model.parameters() if p.dim() == 2]
-    opt = cls(params, **kw)
-    with tiermem.offload(opt, _cfg(tmp_path, "threads", "64KiB"), model=model) as tm:
-        train(model, opt, make_batches(model, 1))
-        for call in (dcp.save, dcp.load):
-            with pytest.raises(UnsupportedOptimizer,
-                               match=f"torch.optim.{cls.__name__} keeps whole-parameter"):
-                call(tm, str(tmp_path / "ckpt"))
-    assert not (tmp_path / "ckpt").exists()
 
 
 def test_checkpoint_without_the_scalars_refused(tmp_path, monkeypatch):

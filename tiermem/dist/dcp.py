@@ -50,7 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan,
                                                   TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
@@ -147,9 +147,10 @@ def _check_rule(off: Any, *, fsdp: bool) -> None:
             f"tiermem.dist.dcp does not checkpoint {name} over fully_shard (FSDP2) "
             "parameters yet: each parameter's whole state is on the rank that owns it, which "
             "a checkpoint could write as it is, but loading it would have to hand every "
-            "owner the DTensor layout of its parameters' state. Use "
-            "torch.distributed.checkpoint.state_dict's get_state_dict/set_state_dict "
-            "(DTensor state), or ZeRO shares (replicated parameters and process_group=)")
+            "owner the DTensor layout of its parameters' state. save optimizer.state_dict() "
+            "instead (DTensor state: torch.distributed.checkpoint.state_dict's "
+            "get_state_dict/set_state_dict), or run on ZeRO shares (replicated parameters "
+            "and process_group=), which tiermem.dist.dcp checkpoints")
 
 
 def _saved_kinds(part: Any) -> list[str]:
@@ -622,7 +623,8 @@ class _WholeSavePlanner(DefaultSavePlanner):
         items = [WriteItem(index=MetadataIndex(META), type=WriteItemType.BYTE_IO),
                  WriteItem(index=MetadataIndex(VALUES), type=WriteItemType.BYTE_IO),
                  WriteItem(index=MetadataIndex(STEPS, torch.Size([0])),
-                           type=WriteItemType.TENSOR, tensor_data=_chunk(STEPS, 0, n, n).tensor_data)]
+                           type=WriteItemType.TENSOR,
+                           tensor_data=_chunk(STEPS, 0, n, n).tensor_data)]
         for part, k, s, i in _whole_segments(self.src):  # partition order
             fqn = _whole_fqn(i, "scalars")
             items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
@@ -776,7 +778,9 @@ class _WholeLoadPlanner(DefaultLoadPlanner):
                     read[kind] = None  # the model's weights, as the first step takes them
                     continue
                 t = md[fqn]
-                if not hasattr(t, "properties") or tuple(t.size) != (s.size(kind),) or t.properties.dtype != part.dtype(kind):
+                if not isinstance(t, TensorStorageMetadata):
+                    raise TierMemError(f"checkpoint {self.path}: {fqn!r} is not a tensor")
+                if tuple(t.size) != (s.size(kind),) or t.properties.dtype != part.dtype(kind):
                     raise TierMemError(
                         f"checkpoint {self.path}: parameter {i}'s state {kind!r} is "
                         f"{t.properties.dtype} of {math.prod(t.size)} elements, where this "
