@@ -238,4 +238,125 @@ def run_named(rank: int, world: int, base: str, names: list[str], shared: str) -
     table = {f"two-ranks-{n}": (lambda n: lambda r, d: two_ranks(r, world, d, n, shared))(n)
              for n in OPTIMIZERS}
     table["other-refused"] = lambda r, d: other_refused(r, world, d, shared)
+    table["fsdp2"] = lambda r, d: fsdp2(r, world, d, shared)
     return run_in_dirs(rank, base, table, names)
+
+
+# -- FSDP2: each parameter whole on its owner rank --------------------------------------
+
+
+def fsdp2_model(weights: dict | None = None, shard: bool = True) -> torch.nn.Module:
+    """dist_fsdp_whole.model_pair's model (1031 rows over 2 ranks: uneven shards; a last
+    layer of one row), fully_shard'ed, with `weights`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(61, 1031), torch.nn.Tanh(),
+                                torch.nn.Linear(1031, 33), torch.nn.Tanh(),
+                                torch.nn.Linear(33, 1))
+    if weights is not None:
+        model.load_state_dict(weights)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model[0], model[2], model[4], model):
+            fully_shard(layer)
+    return model
+
+
+def fsdp2_data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(20 + rank)
+    return [(torch.randn(8, 61, generator=g), torch.randn(8, 1, generator=g))
+            for _ in range(STEPS)]
+
+
+def fsdp2_adafactor(params):
+    return torch.optim.Adafactor(params, lr=1e-2, weight_decay=0.01)
+
+
+def fsdp2_mean_step(model, opt, i: int) -> None:
+    """Step i in one process on the mean of the two ranks' gradients."""
+    for r in range(WORLD):
+        x, y = fsdp2_data(r)[i]
+        (model(x) - y).square().mean().backward()
+    for p in model.parameters():
+        p.grad.div_(WORLD)
+    opt.step()
+    opt.zero_grad()
+
+
+def fsdp2_plain() -> list[dict]:
+    """The plain optimizer on the mean gradient: the weights after each step."""
+    model = fsdp2_model(shard=False)
+    opt = fsdp2_adafactor(model.parameters())
+    out = []
+    for i in range(STEPS):
+        fsdp2_mean_step(model, opt, i)
+        out.append(copy.deepcopy(model.state_dict()))
+    return out
+
+
+def fsdp2_one_save(tmp: str, shared: str) -> None:
+    """One process's checkpoint of the FSDP2 model's Adafactor (plain parameters), for the
+    owners to load (1 -> 2)."""
+    model = fsdp2_model(shard=False)
+    opt = fsdp2_adafactor(model.parameters())
+    ckpt = os.path.join(shared, "one-fsdp2-adafactor")
+    with tiermem.offload(opt, small_cfg(tmp)) as tm:
+        for i in range(SAVED_AT):
+            fsdp2_mean_step(model, opt, i)
+        dcp.save(tm, ckpt)
+    torch.save(model.state_dict(), ckpt + ".weights.pt")
+
+
+def fsdp2(rank: int, world: int, tmp: str, shared: str) -> None:
+    """Adafactor over fully_shard parameters: each owner writes its parameters' whole state;
+    the checkpoint loads on 2 ranks (other partitions, other owners' records) and, in the
+    test, in one process; every run steps on as the plain optimizer."""
+    plain = fsdp2_plain()
+    data = fsdp2_data(rank)
+    ckpt = os.path.join(shared, "fsdp2-adafactor")
+
+    def steps(model, opt, first: int, what: str) -> None:
+        for i in range(first, STEPS):
+            x, y = data[i]
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            for n, p in model.named_parameters():
+                assert_same_tensor(p.full_tensor().detach(), plain[i][n],
+                                   f"rank {rank} {what} step {i}: {n}")
+            if i + 1 == SAVED_AT and what == "saving run":
+                return
+
+    model = fsdp2_model()
+    opt = fsdp2_adafactor(model.parameters())
+    with tiermem.offload(opt, small_cfg(os.path.join(tmp, "a"))) as tm:
+        assert tm.plan()["mode"] == "fsdp2"
+        steps(model, opt, 0, "saving run")
+        dcp.save(tm, ckpt)
+        weights = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(weights, ckpt + ".weights.pt")
+        steps(model, opt, SAVED_AT, "saving run, on")
+    for source, size in ((ckpt, "128KiB"), (os.path.join(shared, "one-fsdp2-adafactor"),
+                                            "64KiB")):
+        torch.distributed.barrier()  # rank 0 wrote the weights
+        model = fsdp2_model(torch.load(source + ".weights.pt"))
+        opt = fsdp2_adafactor(model.parameters())
+        cfg = small_cfg(os.path.join(tmp, f"load-{size}"))
+        cfg["pipeline"]["partition_size"] = size
+        with tiermem.offload(opt, cfg) as tm:
+            dcp.load(tm, source)
+            steps(model, opt, SAVED_AT, f"loading {os.path.basename(source)}")
+
+
+def fsdp2_one_process(tmp: str, shared: str) -> None:
+    """The FSDP2 ranks' checkpoint in one process (plain parameters)."""
+    plain = fsdp2_plain()
+    ckpt = os.path.join(shared, "fsdp2-adafactor")
+    model = fsdp2_model(torch.load(ckpt + ".weights.pt"), shard=False)
+    opt = fsdp2_adafactor(model.parameters())
+    with tiermem.offload(opt, small_cfg(tmp)) as tm:
+        dcp.load(tm, ckpt)
+        for i in range(SAVED_AT, STEPS):
+            fsdp2_mean_step(model, opt, i)
+            weights_equal(model, plain[i], f"FSDP2's checkpoint in one process, step {i}")

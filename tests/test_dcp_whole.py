@@ -19,8 +19,8 @@ from torch.distributed.checkpoint import FileSystemReader
 import tiermem
 from tiermem.dist import dcp
 
-from dist_dcp_whole import (OPTIMIZERS, missing, modes, one_process_load,
-                            one_process_save)
+from dist_dcp_whole import (OPTIMIZERS, fsdp2_one_process, fsdp2_one_save, missing, modes,
+                            one_process_load, one_process_save)
 from dist_harness import launch
 from offload_helpers import Synthetic, compare_state_dicts, make_batches, train
 from test_dcp import _cfg
@@ -141,12 +141,14 @@ def shared(tmp_path_factory):
     for name in NAMES:
         if not missing(name):
             one_process_save(name, str(d / f"s-{name}"), str(d / f"one-{name}"))
+    fsdp2_one_save(str(d / "s-fsdp2"), str(d))
     return d
 
 
 @pytest.fixture(scope="module")
 def two(shared):
-    names = [f"two-ranks-{n}" for n in NAMES if not missing(n)] + ["other-refused"]
+    names = [f"two-ranks-{n}" for n in NAMES if not missing(n)] + ["other-refused",
+                                                                     "fsdp2"]
     base = shared / "ranks"
     base.mkdir(mode=0o700)
     return launch(2, "dist_dcp_whole", "run_named", str(base), names, str(shared),
@@ -165,3 +167,12 @@ def test_two_ranks_save_and_load_any_world_size(two, shared, tmp_path, name):
 
 def test_another_optimizers_checkpoint_refused_on_two_ranks(two):
     outcome(two, "other-refused")
+
+
+def test_fsdp2_owners_save_and_load_any_world_size(two, shared, tmp_path):
+    """Adafactor over fully_shard parameters: each owner writes the whole state of the
+    parameters it steps; the checkpoint loads on 2 ranks with other partitions and in one
+    process (plain parameters), and one process's on the owners: every run steps on as
+    the plain optimizer on the mean gradient."""
+    outcome(two, "fsdp2")
+    fsdp2_one_process(str(tmp_path), str(shared))

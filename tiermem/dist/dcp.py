@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
 from tiermem.dist.collectives import scalar_table
 from tiermem.errors import TierMemError
 from tiermem.kernels.lowbit import kahan_term, segment_values, store_segment
-from tiermem.optim.rules import UnsupportedOptimizer, group_values
+from tiermem.optim.rules import group_values
 from tiermem.optim.state_io import jsonable
 from tiermem.partition import SCALE_KINDS
 
@@ -81,6 +81,7 @@ class _Source:
     locate: Callable[[Any], tuple[int, int]]  # segment -> (param index, first element)
     group: Any = None  # the process group; None in one process
     coll: Any = None
+    fsdp: bool = False  # FSDP2 parameters (whole-parameter rules: an owner's buffers)
 
     def steps(self) -> torch.Tensor:
         """Every parameter's step count (collective under a process group)."""
@@ -126,31 +127,16 @@ def _source(tm: Any, op: str) -> _Source:
     from tiermem.dist.sharded import DistributedOffload
 
     if isinstance(tm, DistributedOffload):
-        _check_rule(tm.offloaded, fsdp=tm.layout.fsdp)
         tm.agree(op)  # every rank is here, not in a step (the planners' collectives follow)
         flat = [pc for pcs in tm.layout.pieces for pc in pcs]
         return _Source(tm.offloaded, tm.opt, tm.layout.params,
                        lambda s: (flat[s.index].index, flat[s.index].start + s.start),
-                       tm.coll.group, tm.coll)
+                       tm.coll.group, tm.coll, tm.layout.fsdp)
     off = tm.offloaded
-    _check_rule(off, fsdp=False)
     if off.overlap is not None:
         # Its worker may still be reading the next step ahead, or be half-way through a step.
         off.overlap.require_idle("a tiermem.dist.dcp checkpoint")
     return _Source(off, off.opt, off.params, lambda s: (s.index, s.start))
-
-
-def _check_rule(off: Any, *, fsdp: bool) -> None:
-    if not off.rule.elementwise and fsdp:
-        name = f"{type(off.opt).__module__}.{type(off.opt).__qualname__}"
-        raise UnsupportedOptimizer(
-            f"tiermem.dist.dcp does not checkpoint {name} over fully_shard (FSDP2) "
-            "parameters yet: each parameter's whole state is on the rank that owns it, which "
-            "a checkpoint could write as it is, but loading it would have to hand every "
-            "owner the DTensor layout of its parameters' state. save optimizer.state_dict() "
-            "instead (DTensor state: torch.distributed.checkpoint.state_dict's "
-            "get_state_dict/set_state_dict), or run on ZeRO shares (replicated parameters "
-            "and process_group=), which tiermem.dist.dcp checkpoints")
 
 
 def _saved_kinds(part: Any) -> list[str]:
@@ -775,6 +761,15 @@ class _WholeLoadPlanner(DefaultLoadPlanner):
                             f"checkpoint {self.path} has no state {kind!r} of parameter {i}, "
                             f"which this optimizer keeps (it keeps {sorted(saved - {'scalars'})}"
                             "): saved with other settings of the optimizer?")
+                    if self.src.fsdp:
+                        # an owner's buffer holds the weights its last step left, not an
+                        # edit made since (the next step's gather takes that)
+                        raise TierMemError(
+                            f"checkpoint {self.path} has no fp32 master of parameter {i}, "
+                            "which this run keeps (crash_consistent, or low-precision "
+                            "weights): over fully_shard parameters tiermem cannot take it "
+                            "from the model's weights at a load; load it with the "
+                            "durability and weights dtype it was saved with")
                     read[kind] = None  # the model's weights, as the first step takes them
                     continue
                 t = md[fqn]
