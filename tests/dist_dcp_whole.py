@@ -201,7 +201,13 @@ def two_ranks(rank: int, world: int, tmp: str, name: str, shared: str) -> None:
     with tiermem.offload(opt, small_cfg(os.path.join(tmp, "a"))) as tm:
         modes(opt)
         _rank_steps(rank, model, opt, batches, range(SAVED_AT), plain, "saving run")
-        dcp.save(tm, ckpt)
+        figures = dcp.save(tm, ckpt)
+        # streamed: each record read once, in partition order, and at most one record copy
+        # and one item of it held at once
+        parts = tm.offloaded.parts
+        assert figures["records_read"] == len(parts), (figures, len(parts))
+        biggest = max((p.record_bytes for p in parts), default=0)
+        assert figures["peak_live_bytes"] <= 2 * biggest, (figures, biggest)
         if rank == 0:
             torch.save(model.state_dict(), ckpt + ".weights.pt")
         _rank_steps(rank, model, opt, batches, range(SAVED_AT, STEPS), plain, "saving run")

@@ -20,9 +20,26 @@ What the checkpoint holds (DCP keys):
   per name META lists, NaN for a parameter without them; `tiermem.meta`: JSON with each
   parameter's shape and dtype and the param groups' hyperparameters.
 
-Runs of elementwise rules only (Adam, AdamW, torch's elementwise family): a whole-
-parameter rule's state has the optimizer's own shapes and dtypes, which a resharded load
-cannot cut; those are refused, naming the optimizer (save optimizer.state_dict()).
+Rules that step whole parameters (torch's Adafactor and Muon, the generic path for
+third-party optimizers) keep state in the optimizer's own shapes and dtypes (Adafactor's
+row and column statistics, containers of tensors, numbers), which no resharded load could
+cut; but such a rule never cuts a parameter: the one process, the rank whose ZeRO share
+holds it, or its FSDP2 owner holds each parameter's whole state. So their checkpoint
+(format tiermem-dcp-whole-1) holds each record kind of parameter i whole, as
+`tiermem.whole.<i>/<kind>`, in the record's dtype (its elements in the memory order the
+optimizer left, which `tiermem.whole.<i>/scalars` names), written by its owner and read
+whole by whichever rank owns it at load, so it too loads into any world size. Beside it:
+`tiermem.whole.<i>/scalars` (torch.save, read weights_only), the parameter's host
+scalars (numbers and 0-d tensors of its state: Adafactor's step, a count) and a CRC32 of
+each kind's bytes; `tiermem.values`, every group's values (hyperparameters, and counts a
+step keeps there: schedule-free's k, weight_sum) and what the step keeps on the optimizer
+itself (the rule's step_values(), as a resume restores them); `tiermem.steps`; and
+`tiermem.meta` (JSON: the rule, the optimizer's class, each parameter's shape). A load
+refuses another format, rule, optimizer class or model, and state the loading run lays
+out otherwise (another kind, shape or dtype), before any record changes; it reads the
+checkpoint twice, checking every piece it reads (that it is there, its CRC32) first and
+writing only then, so a damaged or truncated checkpoint leaves the run's state as it was.
+The state dtype does not move: these rules keep the dtypes the optimizer makes.
 
 Never the whole state in RAM: save resolves DCP's write items lazily, in partition
 order (a single writer thread keeps that order), reading one partition record at a
