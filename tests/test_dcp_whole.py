@@ -130,6 +130,22 @@ def test_damaged_checkpoint_refused(tmp_path):
     params_equal(model, ref, "after the refused loads")
 
 
+def test_parameters_offload_refused(tmp_path):
+    """With the weights in their own tier (empty parameters between uses) the path is not
+    built: refused by name, the block goes on."""
+    model = Synthetic()
+    opt = OPTIMIZERS["lion-like"](model)
+    cfg = _cfg(tmp_path / "a", "threads", "64KiB")
+    cfg["parameters"] = {"offload": "host"}
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        train(model, opt, make_batches(model, 1))
+        for call in (dcp.save, dcp.load):
+            with pytest.raises(tiermem.TierMemError, match="with parameters.offload is not"):
+                call(tm, str(tmp_path / "ckpt"))
+        train(model, opt, make_batches(model, 1), start=1)
+    assert not (tmp_path / "ckpt").exists()
+
+
 # -- another world size ------------------------------------------------------------------
 
 

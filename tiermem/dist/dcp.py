@@ -885,7 +885,18 @@ class _WholeLoadPlanner(DefaultLoadPlanner):
         self.written += 1
 
 
+def _refuse_weight_tier(src: _Source, op: str) -> None:
+    if src.off.weights is not None:
+        # the parameters are empty between uses there: their shapes, and the weights a
+        # master is made from, are the tier's, which this path does not read
+        raise TierMemError(
+            f"tiermem.dist.dcp.{op}() of {_optimizer_name(src)}'s whole-parameter state "
+            "with parameters.offload is not supported: save optimizer.state_dict() "
+            "instead, or checkpoint with parameters.offload none")
+
+
 def _save_whole(src: _Source, path: str) -> dict[str, int]:
+    _refuse_weight_tier(src, "save")
     planner = _WholeSavePlanner(src)
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
     with warnings.catch_warnings():
@@ -917,6 +928,7 @@ def _refusals() -> Any:
 
 
 def _load_whole(tm: Any, src: _Source, path: str) -> dict[str, int]:
+    _refuse_weight_tier(src, "load")
     header = _WholeHeader()
     _dcp_load(src, path, header)
     meta = json.loads(header.got[META].read().decode())
