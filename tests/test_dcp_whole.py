@@ -121,10 +121,14 @@ def test_damaged_checkpoint_refused(tmp_path):
     with tiermem.offload(opt, _cfg(tmp_path / "l", "threads", "64KiB"), model=model) as tm:
         train(model, opt, batches[:1])
         for damaged, why in ((flipped, "does not match its CRC32"),
-                             (raw[: len(raw) * 3 // 4], f"checkpoint {ckpt}")):
+                             (raw[: len(raw) * 3 // 4], f"checkpoint {ckpt} cannot be read")):
             open(data, "wb").write(damaged)
             with pytest.raises(tiermem.TierMemError, match=why):
                 dcp.load(tm, ckpt)
+        open(data, "wb").write(raw)
+        os.rename(os.path.join(ckpt, ".metadata"), os.path.join(ckpt, "gone"))
+        with pytest.raises(tiermem.TierMemError, match=f"checkpoint {ckpt} cannot be read"):
+            dcp.load(tm, ckpt)
         train(model, opt, batches[1:], start=1)
     train(ref, ref_opt, batches)
     params_equal(model, ref, "after the refused loads")

@@ -930,8 +930,14 @@ def _refusals() -> Any:
 def _load_whole(tm: Any, src: _Source, path: str) -> dict[str, int]:
     _refuse_weight_tier(src, "load")
     header = _WholeHeader()
-    _dcp_load(src, path, header)
-    meta = json.loads(header.got[META].read().decode())
+    try:
+        _dcp_load(src, path, header)
+        meta = json.loads(header.got[META].read().decode())
+    except TierMemError:
+        raise
+    except (Exception, CheckpointException) as exc:  # (DCP's is a BaseException)
+        raise TierMemError(f"checkpoint {path} cannot be read ({type(exc).__name__}: "
+                           f"{exc}): is it a tiermem.dist.dcp checkpoint, complete?") from exc
     _check_whole_meta(src, meta, path)
     if VALUES not in header.got:
         raise TierMemError(f"checkpoint {path} has no {VALUES!r}: it is incomplete")
@@ -952,8 +958,9 @@ def _load_whole(tm: Any, src: _Source, path: str) -> dict[str, int]:
                     f"tiermem.dist.dcp.load({path!r}) failed after writing {planner.written} "
                     f"of this rank's partitions ({exc}), having read all of them once: this "
                     "state is neither the checkpoint's nor the run's")
-            if isinstance(exc, TierMemError):
-                raise
+            if isinstance(exc, TierMemError) or not isinstance(
+                    exc, (Exception, CheckpointException)):
+                raise  # (an interrupt stays one)
             raise TierMemError(f"checkpoint {path} cannot be read ({type(exc).__name__}: "
                                f"{exc}): is it complete?") from exc
     steps = planner.steps
