@@ -27,11 +27,11 @@ cut; but such a rule never cuts a parameter: the one process, the rank whose ZeR
 holds it, or its FSDP2 owner holds each parameter's whole state. So their checkpoint
 (format tiermem-dcp-whole-1) holds each record kind of parameter i whole, as
 `tiermem.whole.<i>/<kind>`, in the record's dtype (its elements in the memory order the
-optimizer left, which `tiermem.whole.<i>/scalars` names), written by its owner and read
+optimizer left, which `tiermem.whole.<i>#scalars` names), written by its owner and read
 whole by whichever rank owns it at load, so it too loads into any world size. Beside it:
-`tiermem.whole.<i>/scalars` (torch.save, read weights_only), the parameter's host
-scalars (numbers and 0-d tensors of its state: Adafactor's step, a count) and a CRC32 of
-each kind's bytes; `tiermem.values`, every group's values (hyperparameters, and counts a
+`tiermem.whole.<i>#scalars` (torch.save, read weights_only), the parameter's host
+scalars (numbers and 0-d tensors of its state: Adafactor's step, a count);
+`tiermem.whole.<i>#crc32`, the CRC32 of each kind's bytes; `tiermem.values`, every group's values (hyperparameters, and counts a
 step keeps there: schedule-free's k, weight_sum) and what the step keeps on the optimizer
 itself (the rule's step_values(), as a resume restores them); `tiermem.steps`; and
 `tiermem.meta` (JSON: the rule, the optimizer's class, each parameter's shape). A load
@@ -548,10 +548,21 @@ def load(tm: Any, path: str) -> dict[str, int]:
 
 WHOLE_FORMAT = "tiermem-dcp-whole-1"
 VALUES = "tiermem.values"
+_CRC: Any = object()  # the planners' marker of a CRC32 item, where a kind's name would be
 
 
 def _whole_fqn(index: int, kind: str) -> str:
     return f"tiermem.whole.{index}/{kind}"
+
+
+# Beside parameter i's kinds (after a "#", which ends the number where a kind's "/" would:
+# no state key can take their names)
+def _scalars_fqn(index: int) -> str:
+    return f"tiermem.whole.{index}#scalars"
+
+
+def _crc_fqn(index: int) -> str:
+    return f"tiermem.whole.{index}#crc32"
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -628,8 +639,11 @@ class _WholeSavePlanner(DefaultSavePlanner):
                  WriteItem(index=MetadataIndex(STEPS, torch.Size([0])),
                            type=WriteItemType.TENSOR,
                            tensor_data=_chunk(STEPS, 0, n, n).tensor_data)]
+        # DCP's writer writes the BYTE_IO items first, then the tensors in plan order: each
+        # parameter's CRC32s (of its record's kinds) come after its kinds, so that one
+        # record copy gives both
         for part, k, s, i in _whole_segments(self.src):  # partition order
-            fqn = _whole_fqn(i, "scalars")
+            fqn = _scalars_fqn(i)
             items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
             self._where[fqn] = (part, k, i, None)
             for kind in part.kinds:
@@ -638,6 +652,11 @@ class _WholeSavePlanner(DefaultSavePlanner):
                 item.tensor_data.properties.dtype = part.dtype(kind)
                 items.append(item)
                 self._where[fqn] = (part, k, i, kind)
+            fqn = _crc_fqn(i)
+            item = _chunk(fqn, 0, len(part.kinds), len(part.kinds))
+            item.tensor_data.properties.dtype = torch.int64
+            items.append(item)
+            self._where[fqn] = (part, k, i, _CRC)
         self.plan = SavePlan(items)
         return self.plan
 
@@ -653,12 +672,14 @@ class _WholeSavePlanner(DefaultSavePlanner):
         if fqn == STEPS:
             return self._steps.clone()
         part, k, i, kind = self._where[fqn]
+        if kind is None:  # no record read: the host values, and the names of the CRC32s
+            return _bytes_of({"scalars": self.src.off.latest_scalars(part.segments[k].index),
+                              "kinds": list(part.kinds)})
         views = self._record(part)
         slices = {kd: part.slices(kd)[k] for kd in part.kinds}
-        if kind is None:
-            s = part.segments[k]
-            return _bytes_of({"scalars": self.src.off.latest_scalars(s.index),
-                              "crc": {kd: _crc(views[kd][sl]) for kd, sl in slices.items()}})
+        if kind is _CRC:
+            return torch.tensor([_crc(views[kd][sl]) for kd, sl in slices.items()],
+                                dtype=torch.int64)
         out = views[kind][slices[kind]].clone()
         self._last = out
         self.peak_live_bytes = max(self.peak_live_bytes, out.nbytes + sum(
@@ -750,6 +771,8 @@ class _WholeLoadPlanner(DefaultLoadPlanner):
         self._counts: dict[int, int] = {}
         self._read: dict[int, dict[str, str | None]] = {}  # part id -> kind -> read or None
         self.scalars: dict[int, dict] = {}  # segment index -> the saved scalars bytes
+        self.crcs: dict[int, torch.Tensor] = {}  # segment index -> its kinds' CRC32s
+        self._by_param: dict[int, list[str]] | None = None
         self.peak_staged = 0
         self.written = 0
 
@@ -761,23 +784,27 @@ class _WholeLoadPlanner(DefaultLoadPlanner):
         items: list[ReadItem] = [*_create_read_items(STEPS, md[STEPS], self._steps_buf)]
         for part, k, s, i in _whole_segments(self.src):
             read = self._read.setdefault(part.id, {})
-            fqn = _whole_fqn(i, "scalars")
-            if fqn not in md:
-                raise TierMemError(f"checkpoint {self.path} has no state of parameter {i} "
-                                   f"(no {fqn!r}): it is incomplete")
-            self._dest[fqn] = (part, k, None)
-            items += _create_read_items(fqn, md[fqn], None)
-            self._counts[part.id] = self._counts.get(part.id, 0) + 1
-            saved = {key.split("/", 1)[1] for key in self._keys_of(i, md)}
-            extra = saved - set(part.kinds) - {"master", "scalars"}
+            for fqn in (_scalars_fqn(i), _crc_fqn(i)):
+                if fqn not in md:
+                    raise TierMemError(f"checkpoint {self.path} has no {fqn!r} (of parameter "
+                                       f"{i}): it is incomplete")
+            self._dest[_scalars_fqn(i)] = (part, k, None)
+            items += _create_read_items(_scalars_fqn(i), md[_scalars_fqn(i)], None)
+            fqn = _crc_fqn(i)
+            self._dest[fqn] = (part, k, _CRC)
+            self.crcs[s.index] = torch.zeros(tuple(md[fqn].size), dtype=torch.int64)
+            items += _create_read_items(fqn, md[fqn], self.crcs[s.index])
+            self._counts[part.id] = self._counts.get(part.id, 0) + 2
+            saved = set(self._kinds_saved(i, md))
+            extra = saved - set(part.kinds) - {"master"}
             for kind in part.kinds:
                 fqn = _whole_fqn(i, kind)
                 if fqn not in md:
                     if kind != "master":
                         raise TierMemError(
                             f"checkpoint {self.path} has no state {kind!r} of parameter {i}, "
-                            f"which this optimizer keeps (it keeps {sorted(saved - {'scalars'})}"
-                            "): saved with other settings of the optimizer?")
+                            f"which this optimizer keeps (it keeps {sorted(saved)}): saved "
+                            "with other settings of the optimizer?")
                     if self.src.fsdp:
                         # an owner's buffer holds the weights its last step left, not an
                         # edit made since (the next step's gather takes that)
@@ -813,13 +840,14 @@ class _WholeLoadPlanner(DefaultLoadPlanner):
         self.plan = LoadPlan(items)
         return self.plan
 
-    def _keys_of(self, i: int, md: dict) -> list[str]:
-        if not hasattr(self, "_by_param"):
-            self._by_param: dict[int, list[str]] = {}
+    def _kinds_saved(self, i: int, md: dict) -> list[str]:
+        """The kinds the checkpoint holds of parameter i."""
+        if self._by_param is None:
+            self._by_param = {}
             for key in md:
-                if key.startswith("tiermem.whole."):
-                    head = key[len("tiermem.whole."):].split("/", 1)[0]
-                    self._by_param.setdefault(int(head), []).append(key)
+                head, slash, kind = key.removeprefix("tiermem.whole.").partition("/")
+                if key.startswith("tiermem.whole.") and slash and head.isdigit():
+                    self._by_param.setdefault(int(head), []).append(kind)
         return self._by_param.get(i, [])
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -835,6 +863,8 @@ class _WholeLoadPlanner(DefaultLoadPlanner):
             return self._steps_buf
         part, k, kind = self._dest[fqn]
         st = self._stage(part)
+        if kind is _CRC:
+            return self.crcs[part.segments[k].index]
         sl = part.slices(kind)[k]
         a = sl.start + read_item.dest_offsets[0]
         return st.views[kind][a: a + read_item.lengths[0]]
@@ -865,7 +895,7 @@ class _WholeLoadPlanner(DefaultLoadPlanner):
         st = self._staging.pop(part.id)
         read = self._read[part.id]
         for k, s in enumerate(part.segments):
-            crcs = self.scalars[s.index].get("crc", {})
+            crcs = dict(zip(self.scalars[s.index]["kinds"], self.crcs[s.index].tolist()))
             for kind, r in read.items():
                 if r is None:
                     continue
