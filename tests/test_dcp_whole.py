@@ -177,9 +177,9 @@ def two(shared):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_two_ranks_save_and_load_any_world_size(two, shared, tmp_path, name):
-    """2 ranks save (each the parameters it owns) and step on; the checkpoint loads on 2
-    ranks with other partitions and in one process (2 -> 1), and one process's loads on 2
-    ranks (1 -> 2): every run steps on as the plain optimizer on the mean gradient."""
+    """2 ranks save (each the parameters it owns) and step on; the checkpoint loads in one
+    process (2 -> 1), and one process's on 2 ranks (1 -> 2): every run steps on as the
+    plain optimizer on the mean gradient."""
     _skip_missing(name)
     outcome(two, f"two-ranks-{name}")
     one_process_load(name, str(tmp_path), str(shared / f"two-{name}"))
