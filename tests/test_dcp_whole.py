@@ -64,6 +64,36 @@ def test_round_trip_steps_on_as_the_plain_optimizer(tmp_path, name):
     params_equal(model2, ref, "the loading run")
 
 
+@pytest.mark.parametrize("saved, loaded", [("scratch", "crash_consistent"),
+                                           ("crash_consistent", "scratch")])
+def test_checkpoint_moves_between_durabilities(tmp_path, saved, loaded):
+    """crash_consistent records keep an fp32 master of every parameter, scratch ones of an
+    fp32 CPU model none: a master the checkpoint lacks is the model's weights, one the
+    loading run does not keep is left out; the loaded run commits what it loaded."""
+    model = Synthetic()
+    start, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["nested"](model), OPTIMIZERS["nested"](ref)
+    batches = make_batches(model, 4)
+
+    def cfg(name, durability):
+        c = _cfg(tmp_path / name, "threads", "64KiB")
+        c["swap"]["durability"] = durability
+        return c
+    with tiermem.offload(opt, cfg("a", saved), model=model) as tm:
+        train(model, opt, batches[:2])
+        dcp.save(tm, str(tmp_path / "ckpt"))
+    train(ref, ref_opt, batches[:2])
+    model2 = copy.deepcopy(start)
+    model2.load_state_dict(ref.state_dict())
+    opt2 = OPTIMIZERS["nested"](model2)
+    with tiermem.offload(opt2, cfg("b", loaded), model=model2) as tm2:
+        assert ("master" in tm2.offloaded.parts[0].kinds) == (loaded == "crash_consistent")
+        dcp.load(tm2, str(tmp_path / "ckpt"))
+        train(model2, opt2, batches[2:], start=2)
+    train(ref, ref_opt, batches[2:], start=2)
+    params_equal(model2, ref, f"saved {saved}, loaded {loaded}")
+
+
 def _saved(tmp_path, name, steps=2):
     model = Synthetic()
     opt = OPTIMIZERS[name](model)
