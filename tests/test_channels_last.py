@@ -169,6 +169,20 @@ def test_parity_table(tmp_path, name, placement):
     same_state(opt.state_dict(), ref_opt.state_dict())  # handed back at the exit
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov"])
+def test_overlap_backward(tmp_path, name):
+    """Partitions updated during backward, as each one's last gradient lands."""
+    model, ref, opt, ref_opt = pair(name)
+    data = batches(STEPS)
+    cfg = config(tmp_path, host="96KiB", buffer_count=3)
+    cfg["pipeline"]["overlap_backward"] = True
+    with tiermem.offload(opt, cfg):
+        train(model, opt, data)
+    train(ref, ref_opt, data)
+    same_weights(model, ref)
+    same_state(opt.state_dict(), ref_opt.state_dict())
+
+
 @pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("contiguous_grads", [False, True], ids=["cl-grads", "contig-grads"])
 def test_backends_and_grad_layouts(tmp_path, backend, contiguous_grads):
@@ -387,6 +401,18 @@ def test_parameter_tier_refuses(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     cfg = config(tmp_path)
     cfg["parameters"] = {"offload": "host"}
-    with pytest.raises(TierMemError, match="contiguous"):
+    # the parameter tier's own refusal (tiermem/params), by the parameter's name
+    with pytest.raises(TierMemError, match=r"conv1\.weight .*must be a non-empty contiguous"):
         with tiermem.offload(opt, cfg, model=model):
+            pass
+
+
+def test_distributed_refuses(tmp_path):
+    """The sharded path cuts shares in row-major order: refused before it starts (the
+    process group is never touched)."""
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(UnsupportedOptimizer, match=r"params\[0\] \(shape \(16, 3, 3, 3\), "
+                       r"strides \(27, 1, 9, 3\)\) is not contiguous.*torch.distributed"):
+        with tiermem.offload(opt, config(tmp_path), process_group=object()):
             pass
