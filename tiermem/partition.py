@@ -88,15 +88,6 @@ def flat_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return flat(torch.empty_like(like, dtype=t.dtype, device=t.device).copy_(t))
 
 
-def shaped_like(flat_t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The 1-D `flat_t` (a record's elements of the dense `like`, in memory order) as a
-    view with `like`'s shape and strides: state handed out lies as torch's would
-    (zeros_like(p, memory_format=torch.preserve_format))."""
-    if like.is_contiguous():
-        return flat_t.view(like.shape)
-    return flat_t.as_strided(like.shape, like.stride(), flat_t.storage_offset())
-
-
 def laid_out(shape: Sequence[int], stride: Sequence[int] | None, fill: float = 0.0
              ) -> torch.Tensor:
     """An fp32 tensor of `shape` filled with `fill`, with `stride` (a manifest's entry of a
