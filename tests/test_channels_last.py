@@ -170,6 +170,28 @@ def test_parity_table(tmp_path, name, placement):
     same_state(opt.state_dict(), ref_opt.state_dict())  # handed back at the exit
 
 
+def test_transposed_weight(tmp_path):
+    """Any dense layout, not only channels_last: a weight stored transposed."""
+    def make():
+        torch.manual_seed(2)
+        return nn.Parameter(torch.randn(96, 200).t())  # (200, 96), strides (1, 200)
+    w, ref_w = make(), make()
+    assert not w.is_contiguous()
+    opt, ref_opt = (torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1) for p in (w, ref_w))
+    x = torch.randn(3, 8, 200, generator=torch.Generator().manual_seed(3))
+    with tiermem.offload(opt, config(tmp_path, host=0)):
+        for xi in x:
+            (xi @ w).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for xi in x:
+        (xi @ ref_w).square().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    same(w.detach(), ref_w.detach(), "weight")
+    same_state(opt.state_dict(), ref_opt.state_dict())
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd-nesterov"])
 def test_overlap_backward(tmp_path, name):
     """Partitions updated during backward, as each one's last gradient lands."""
