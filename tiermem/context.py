@@ -22,8 +22,7 @@ from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim.handle import Offload, forget_kept, kept_dir, put_kept
 from tiermem.optim.hooks import HOOKED, installed
 from tiermem.optim.lifecycle import (ACTIVE, caller, check_arguments, check_swap_paths,
-                                     refuse_non_contiguous_shared,
-                                     explain_run_dir)
+                                     explain_run_dir, refuse_non_contiguous_shared)
 from tiermem.optim.offloaded import OffloadedOptimizer
 from tiermem.optim.wrappers import route_wrappers, unwrap
 from tiermem.signals import held, terminate_as_exception

@@ -61,9 +61,9 @@ class PreparedUpdate(ABC):
     @abstractmethod
     def run(self, *, grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
             group: dict[str, Any], threads: int | None) -> None:
-        """Update every segment in place: grads[k] (1-D, the parameter's whole gradient in
-        the parameter's memory order) and steps[k] (the count after this step's increment) of parameter
-        slots[k], the hyperparameters of `group` as they are now."""
+        """Update every segment in place: grads[k] (1-D: the parameter's whole gradient, in
+        the parameter's memory order) and steps[k] (the count after this step's increment)
+        of parameter slots[k], the hyperparameters of `group` as they are now."""
 
 
 class UnsupportedOptimizer(TierMemError, TypeError):
