@@ -23,6 +23,9 @@ exactly: what the model held at that step, loadable into a plain bf16 model), an
 optimizer's "master_param" what state_dict() gives, the weight plus its Kahan term
 added in fp32 (the value the next step's update starts from; without kahan, the weight).
 A scratch run's Kahan term is left out: its bf16 weights are the model's own checkpoint.
+A parameter that is not contiguous (a channels_last conv weight; the manifest keeps its
+strides) comes out, weights and state, with its strides, as torch's own state would: its
+records hold it in memory order.
 
 Runs of any other optimizer (the whole-parameter rules: Adafactor, Muon, and the generic
 path's third-party optimizers) come out the same way, from the layout the manifest keeps
