@@ -159,9 +159,10 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
                         continue
                     if k == "kahan":
                         src = st.get(keys["master"])
+                        at = slice(s.start, s.start + s.length)
                         dst.zero_() if src is None else dst.copy_(kahan_term(
-                            _in_memory_order(src, s.param, flats)[s.start: s.start + s.length].float(),
-                            flat(s.param.detach())[s.start: s.start + s.length]))
+                            _in_memory_order(src, s.param, flats)[at].float(),
+                            flat(s.param.detach())[at]))
                         continue
                     src = st.get(keys[k])
                     if src is None:
