@@ -83,6 +83,8 @@ def flat_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`t` (a gradient, a loaded state tensor: the shape of the dense `like`) as a 1-D
     tensor in `like`'s memory order: a view where `t` lies as `like` does, else a copy laid
     out as `like` (a contiguous gradient of a channels_last weight)."""
+    if t.is_contiguous() and like.is_contiguous():  # every step of most models: no loops
+        return t.view(-1)
     if is_dense(t) and same_layout(t, like):
         return flat(t)
     return flat(torch.empty_like(like, dtype=t.dtype, device=t.device).copy_(t))
