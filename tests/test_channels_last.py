@@ -155,8 +155,20 @@ def pair(name: str, dtype: torch.dtype = torch.float32):
     return model, ref, cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+# the rest of torch's elementwise family, on the mixed placement only (time)
+MORE = {
+    "adamax": (torch.optim.Adamax, dict(lr=0.01, weight_decay=0.01)),
+    "radam": (torch.optim.RAdam, dict(lr=0.01, decoupled_weight_decay=True,
+                                      weight_decay=0.01)),
+    "adadelta": (torch.optim.Adadelta, dict(lr=0.5)),
+    "asgd": (torch.optim.ASGD, dict(lr=0.01, t0=1)),
+}
+OPTIMIZERS.update(MORE)
+
+
+@pytest.mark.parametrize("name, placement",
+                         [(n, p) for n in OPTIMIZERS for p in PLACEMENTS
+                          if n not in MORE or p == "mixed"])
 def test_parity_table(tmp_path, name, placement):
     model, ref, opt, ref_opt = pair(name)
     data = batches(STEPS)
