@@ -145,6 +145,15 @@ def _check_rule(off: Any) -> None:
             f"torch's elementwise family), and {name} keeps whole-parameter state in its own "
             "shapes and dtypes, which a resharded load cannot cut: save "
             "optimizer.state_dict() instead (or resume a crash-consistent run)")
+    for i, p in enumerate(off.params):
+        # (a one-process run tiers channels_last weights in memory order; the checkpoint's
+        # 1-D tensors, and the weights this module reads by reshape, are row-major)
+        if not p.is_contiguous():
+            raise UnsupportedOptimizer(
+                f"tiermem.dist.dcp checkpoints parameters in row-major order, and parameter "
+                f"{i} (shape {tuple(p.shape)}, strides {tuple(p.stride())}) is not "
+                "contiguous (channels_last?): save optimizer.state_dict() instead (or "
+                "resume a crash-consistent run)")
 
 
 def _saved_kinds(part: Any) -> list[str]:
