@@ -1153,8 +1153,10 @@ class ParamTier:
             return func(*args, **kwargs)
         idx = [i for p in found if (i := self.index.get(id(p))) is not None]
         released = [i for i in idx if not self._ready(i)]
-        # under overlap the worker may evict a live weight while the call reads it: pinned
-        if not released and func != _DATA and not (idx and self.keep_grads):
+        # under overlap the worker may evict a live weight while the call reads it: pinned;
+        # a device model's weights in place may still be on their way (read ahead, or the
+        # step's upload): the compute stream waits for them
+        if not released and func != _DATA and not (idx and (self.keep_grads or self.dev)):
             return func(*args, **kwargs)
         if _tiers_own(sys._getframe(2)):
             return func(*args, **kwargs)
@@ -1189,8 +1191,8 @@ class ParamTier:
             for i in idx:
                 if not self._ready(i):
                     self._materialise(i, device=True)
-                    self._ready_for_compute([i])
                     self.stats.outside_forward += 1
+            self._ready_for_compute(idx)
         except BaseException:
             for i in idx:
                 self._unpin(i)
