@@ -1140,6 +1140,8 @@ class ParamTier:
     def _guarded(self, func: Any, args: Any, kwargs: Any,
                  found: list[torch.nn.Parameter]) -> Any:
         """A torch call `func` given parameters `found` (UseGuard)."""
+        if self.lock._is_owned():  # the tier's own work on this thread (a hook, the step)
+            return func(*args, **kwargs)
         if self._hooks_ctx:  # the model's forward (or a unit's called on its own)
             for p in found:
                 self._use(p)
