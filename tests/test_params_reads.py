@@ -28,7 +28,8 @@ STEPS = 3
 
 def _config(tmp_path, backend: str, *, overlap: bool = False, device: bool = False) -> dict:
     # (overlap: the window holds a partition's weights and grads next to the largest
-    # module's; a device model's records keep an fp32 master: more parameters a partition)
+    # module's; device: records with an fp32 master, a device model's or a crash-consistent
+    # run's, hold more parameters a partition). Below the model's weights either way.
     c = cfg(tmp_path, offload="nvme", backend=backend, state_host=False,
             window="256KiB" if overlap or device else "176KiB")
     c["pipeline"]["overlap_backward"] = overlap
@@ -185,4 +186,18 @@ def test_reads_of_a_device_model_between_steps(tmp_path):
         got = _train(model, opt, lambda m: _reads(m, other))
         assert tm.param_stats()["outside_forward"] > 0
     _same(got, want)
+    assert_same_model(ref, model)
+
+
+def test_edits_through_p_data_with_crash_consistent_commits(tmp_path):
+    # the commit keeps the weights of its step (the records' fp32 masters): the next step
+    # starts from the edited weights all the same
+    ref, model = twins()
+    want = _train(ref, make_opt(ref), lambda m: _edit_through_data(m, [0]))
+    opt = make_opt(model)
+    c = _config(tmp_path, "threads", device=True)  # (the masters: more bytes a partition)
+    c["swap"]["durability"] = "crash_consistent"
+    with tiermem.offload(opt, c, model=model):
+        got = _train(model, opt, lambda m: _edit_through_data(m, [0]))
+    assert got == want
     assert_same_model(ref, model)
