@@ -18,6 +18,12 @@ window buffer: a saved tensor that views a managed weight is packed as
 on demand if it was evicted, so backward always sees the right weights
 whatever the window holds.
 
+User code never sees a released weight on the thread that opened the block: a torch
+function mode (UseGuard) pushed there for the block's length materialises one handed
+to any torch call (in the model's forward or between steps), answers its shape from
+the record, and marks a weight whose p.data is taken as changed (a change through
+p.data moves no version counter), so that it is written back before its release.
+
 The order units are needed in (forward pre-hooks and backward unpacks) is
 recorded on the first iteration; afterwards each request is checked against it
 and the next `parameters.prefetch` units are read ahead. A unit out of the
