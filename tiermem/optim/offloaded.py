@@ -609,7 +609,8 @@ class OffloadedOptimizer:
             raise TierMemError(f"{type(self.opt).__name__} under tiermem does not support "
                                "sparse gradients")
         stats = self.begin_step(closure)  # refuses a group changed since the layout
-        with timed(stats, "step_seconds"), torch.no_grad():
+        aside = self.weights.guard_aside() if self.weights is not None else contextlib.nullcontext()
+        with timed(stats, "step_seconds"), torch.no_grad(), aside:
             self._count_all(stepped)  # only once nothing can refuse the step
             try:
                 order = self.tiers.order(

@@ -409,6 +409,7 @@ class ParamTier:
         # the guard of the block's thread (UseGuard), pushed once set up
         self._guard: UseGuard | None = None
         self._guard_thread = threading.get_ident()
+        self._metas: dict[int, torch.Tensor] = {}  # _meta's, by index
         taken: dict[int, torch.Tensor] = {}  # the gradients p.grad held at entry
         try:
             self._check_window()
@@ -1171,9 +1172,7 @@ class ParamTier:
         if func in _SHAPED:
             if not released:
                 return func(*args, **kwargs)
-            stand = {id(self.params[i]): torch.empty(self.records.metas[i].shape,
-                                                     dtype=self.records.metas[i].dtype,
-                                                     device="meta") for i in released}
+            stand = {id(self.params[i]): self._meta(i) for i in released}
             return func(*(stand.get(id(a), a) for a in args), **kwargs)
         self._read(idx)
         try:
@@ -1182,6 +1181,31 @@ class ParamTier:
             return func(*args, **kwargs)
         finally:
             self._unread(idx)
+
+    @contextlib.contextmanager
+    def guard_aside(self) -> Iterator[None]:
+        """The block's guard off this thread's mode stack for the optimizer step: tiermem's
+        own work, whose every torch call (thousands a step, most with no parameter) would
+        pass through it for nothing. Left where it is under a mode pushed after it."""
+        g = self._guard
+        if (g is None or threading.get_ident() != self._guard_thread
+                or torch.overrides._get_current_function_mode() is not g):
+            yield
+            return
+        g.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            if self._guard is g:  # (not closed meanwhile)
+                g.__enter__()
+
+    def _meta(self, i: int) -> torch.Tensor:
+        """A meta tensor of parameter `i`'s shape and dtype (no memory), made once."""
+        t = self._metas.get(i)
+        if t is None:
+            m = self.records.metas[i]
+            t = self._metas[i] = torch.empty(m.shape, dtype=m.dtype, device="meta")
+        return t
 
     def _ready(self, i: int) -> bool:
         """Parameter `i`'s weights are in p.data where the model computes."""
