@@ -201,3 +201,28 @@ def test_edits_through_p_data_with_crash_consistent_commits(tmp_path):
         got = _train(model, opt, lambda m: _edit_through_data(m, [0]))
     assert got == want
     assert_same_model(ref, model)
+
+
+def _round_trip(model: nn.Module) -> list:
+    # torch's flat-vector helpers (a weight perturbation, a merge): vector_to_parameters
+    # gives every parameter a view of one new vector through p.data
+    v = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.nn.utils.vector_to_parameters(v * 0.9, model.parameters())
+    return [v.sum().item()]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_parameters_to_vector_and_back_between_steps(tmp_path, overlap):
+    # The vector read the empty placeholders; and the parameters viewing one storage were
+    # taken for each other by the tier (backward rebuilt a saved weight at another's
+    # offset: an invalid storage offset under overlap)
+    ref, model = twins()
+    want = _train(ref, make_opt(ref), _round_trip)
+    opt = make_opt(model)
+    c = _config(tmp_path, "threads", overlap=True)  # (a window of 256 KiB either way)
+    c["pipeline"]["overlap_backward"] = overlap
+    with tiermem.offload(opt, c, model=model) as tm:
+        got = _train(model, opt, _round_trip)
+        assert tm.param_stats()["evictions"] > 0
+    assert got == want
+    assert_same_model(ref, model)

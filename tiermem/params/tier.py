@@ -647,6 +647,7 @@ class ParamTier:
         if kind is None:
             return False
         if kind == "assigned":
+            self._own_storage(i)
             if i not in self.live:
                 return True
             p = self.params[i]
@@ -657,6 +658,16 @@ class ParamTier:
             return False
         self._refuse_changes()
         return False  # (not reached)
+
+    def _own_storage(self, i: int) -> None:
+        """New weights assigned to parameter `i` that are a piece of a larger storage (the
+        views of one vector torch's vector_to_parameters gives every parameter) are copied
+        into one of their own: the tier finds a weight by its storage (saved tensors,
+        write-backs), and several parameters over one storage were taken for each other
+        (backward rebuilt a saved weight at another's offset)."""
+        p = self.params[i]
+        if p.storage_offset() or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            p.data = p.data.clone()
 
     def _change(self, i: int) -> str | None:
         """How parameter `i` was changed behind the tier: None (it was not, or only
