@@ -226,3 +226,19 @@ def test_parameters_to_vector_and_back_between_steps(tmp_path, overlap):
         assert tm.param_stats()["evictions"] > 0
     assert got == want
     assert_same_model(ref, model)
+
+
+def test_a_conversion_to_what_the_model_is_reads_nothing(tmp_path):
+    # model.to(its device), .float() of an fp32 model: torch gives each parameter itself
+    # back; the released ones are not read for it (a whole model's read each time)
+    ref, model = twins()
+    want = _train(ref, make_opt(ref), lambda m: [m.to("cpu").float() is m])
+    opt = make_opt(model)
+    with tiermem.offload(opt, _config(tmp_path, "threads"), model=model) as tm:
+        got = _train(model, opt, lambda m: [m.to("cpu").float() is m])
+        before = tm.param_stats()["outside_forward"]
+        model.to(torch.float32)
+        model.cpu()
+        assert tm.param_stats()["outside_forward"] == before == 0
+    assert got == want
+    assert_same_model(ref, model)

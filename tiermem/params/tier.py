@@ -167,8 +167,14 @@ _NO_VALUES = _getters(
     "_backward_hooks", "_post_accumulate_grad_hooks", "output_nr") | _methods(
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
     "is_floating_point", "is_complex", "element_size", "get_device", "retain_grad",
-    "is_inference")
+    "is_inference") | {torch._has_compatible_shallow_copy_type}  # (Module._apply's)
 _DATA = _T.data.__get__
+# Conversions that give the tensor itself when it has the dtype, device and layout asked
+# for: model.to(its device), .float() of an fp32 model (Lightning moves the model to its
+# device again) are tried on the empty placeholder first, and read no weights when that
+# comes back as itself
+_SELF_IF_SAME = _methods("to", "cpu", "cuda", "float", "double", "half", "bfloat16",
+                         "contiguous")
 # Module.state_dict() detaches every parameter before the tier's post-hook puts the current
 # weights in its place (fetched one by one): materialising them there read each twice
 _SAVE_CODE = torch.nn.Module._save_to_state_dict.__code__
@@ -1180,6 +1186,10 @@ class ParamTier:
             return func(*args, **kwargs)
         if _tiers_own(sys._getframe(2)):
             return func(*args, **kwargs)
+        if func in _SELF_IF_SAME and released and args and args[0] is found[0]:
+            out = func(*args, **kwargs)  # on the placeholder: no elements, nothing read
+            if out is args[0]:
+                return out
         if func in _SHAPED:
             if not released:
                 return func(*args, **kwargs)
