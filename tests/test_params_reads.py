@@ -19,6 +19,7 @@ import torch.nn as nn
 
 import tiermem
 from tiermem.device.lanes import DeferredBackend
+from tiermem.errors import TierMemError
 from offload_helpers import backend_params
 
 from test_params_parity import Net, assert_same_model, batches, cfg, loss_of, make_opt, twins
@@ -242,3 +243,39 @@ def test_a_conversion_to_what_the_model_is_reads_nothing(tmp_path):
         assert tm.param_stats()["outside_forward"] == before == 0
     assert got == want
     assert_same_model(ref, model)
+
+
+def test_tensors_like_a_released_weight_read_nothing(tmp_path):
+    # an EMA shadow or torch.distributed.checkpoint's zeros: shape, dtype and device only
+    ref, model = twins()
+    want = [torch.zeros_like(p) for p in ref.parameters()]
+    opt = make_opt(model)
+    with tiermem.offload(opt, _config(tmp_path, "threads"), model=model) as tm:
+        _train(model, opt, lambda m: [])
+        assert _released(model)
+        got = [torch.zeros_like(p) for p in model.parameters()]
+        got += [p.new_zeros(3) for p in model.parameters()]
+        assert tm.param_stats()["outside_forward"] == 0
+    assert [g.shape for g in got[:len(want)]] == [w.shape for w in want]
+
+
+def test_a_gradient_set_by_hand_is_refused(tmp_path):
+    # the step takes the tier's gradients: one set on p.grad after backward was passed over
+    # without a word where the parameter was live (a released one's is refused as set)
+    model = Net()
+    opt = make_opt(model)
+    (t, y), (t2, y2) = batches(2)
+    with tiermem.offload(opt, _config(tmp_path, "threads"), model=model):
+        _train(model, opt, lambda m: [])
+        loss_of(model, t, y).backward()
+        with torch._C.DisableTorchFunction():
+            live = next(p for p in model.parameters() if p.numel() > 0)
+            released = next(p for p in model.parameters() if p.numel() == 0)
+        live.grad = torch.ones_like(live)
+        with pytest.raises(TierMemError, match="set by hand inside the block"):
+            opt.step()
+        live.grad = None
+        with pytest.raises(TierMemError, match="set by hand inside the block"):
+            released.grad = torch.ones_like(released)
+        opt.step()
+        opt.zero_grad()

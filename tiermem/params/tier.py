@@ -167,8 +167,14 @@ _NO_VALUES = _getters(
     "_backward_hooks", "_post_accumulate_grad_hooks", "output_nr") | _methods(
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
     "is_floating_point", "is_complex", "element_size", "get_device", "retain_grad",
-    "is_inference") | {torch._has_compatible_shallow_copy_type}  # (Module._apply's)
+    "is_inference", "new_zeros", "new_ones", "new_empty", "new_full") | {
+    torch._has_compatible_shallow_copy_type}  # (Module._apply's)
 _DATA = _T.data.__get__
+_GRAD_SET = _T.grad.__set__
+# New tensors of a parameter's shape, dtype and device, which read none of its values
+# (torch.distributed.checkpoint's helpers and EMA shadows make zeros_like(p) of every one)
+_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+         torch.rand_like, torch.randn_like, torch.randint_like}
 # Conversions that give the tensor itself when it has the dtype, device and layout asked
 # for: model.to(its device), .float() of an fp32 model (Lightning moves the model to its
 # device again) are tried on the empty placeholder first, and read no weights when that
@@ -1175,7 +1181,10 @@ class ParamTier:
         if func in _NO_VALUES or self._closed:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        if name in ("__set__", "__delete__"):  # p.data = new, p.grad = ...: _check_param's
+        if name in ("__set__", "__delete__"):  # p.data = new (_check_param's), p.grad = ...
+            if (func == _GRAD_SET and len(args) > 1 and args[1] is not None
+                    and not _tiers_own(sys._getframe(2))):
+                self._refuse_grad_set(args[0])
             return func(*args, **kwargs)
         idx = [i for p in found if (i := self.index.get(id(p))) is not None]
         released = [i for i in idx if not self._ready(i)]
@@ -1190,6 +1199,10 @@ class ParamTier:
             out = func(*args, **kwargs)  # on the placeholder: no elements, nothing read
             if out is args[0]:
                 return out
+        if func in _LIKE and released:
+            # the weights' shape, dtype and device only
+            stand = {id(self.params[i]): self.stand_in(self.params[i]) for i in released}
+            return func(*(stand.get(id(a), a) for a in args), **kwargs)
         if func in _SHAPED:
             if not released:
                 return func(*args, **kwargs)
@@ -1227,6 +1240,20 @@ class ParamTier:
             m = self.records.metas[i]
             t = self._metas[i] = torch.empty(m.shape, dtype=m.dtype, device="meta")
         return t
+
+    def _refuse_grad_set(self, p: torch.Tensor) -> None:
+        """A gradient set by hand on a released parameter: torch refused it for the empty
+        placeholder's size, and the step would never see it (the gradients are the tier's)."""
+        i = self.index.get(id(p))
+        if i is None or self._ready(i):
+            return  # (a live one's: the step refuses it, before it would pass it over)
+        raise TierMemError(
+            f"parameters.offload: p.grad of {self.names[i]} was set by hand inside the block: "
+            "the gradients live in the parameter tier, which a p.grad set by hand never "
+            "reaches (the step would pass it over). Gradients come from backward. "
+            "torch.distributed.checkpoint's get_optimizer_state_dict, get_state_dict and "
+            "set_optimizer_state_dict set zeros to make a never-stepped optimizer's state: "
+            "call them after its first step, or before entering the block")
 
     def _ready(self, i: int) -> bool:
         """Parameter `i`'s weights are in p.data where the model computes."""
@@ -1495,6 +1522,11 @@ class ParamTier:
         uses): for code that needs only its shape."""
         m = self.records.metas[self.index[id(p)]]
         return torch.empty((), dtype=m.dtype, device=p.device).expand(m.shape)
+
+    def handed_out(self, p: torch.Tensor) -> bool:
+        """p.grad is the gradient the tier gave the step (one the step has not dropped yet,
+        as after a step that failed part-way), not one set by hand."""
+        return self.index.get(id(p)) in self.grads_out
 
     def weight_nbytes(self, p: torch.Tensor) -> int:
         """Bytes `p`'s weights take in the window when materialised."""
