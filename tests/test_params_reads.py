@@ -255,6 +255,7 @@ def test_tensors_like_a_released_weight_read_nothing(tmp_path):
         assert _released(model)
         got = [torch.zeros_like(p) for p in model.parameters()]
         got += [p.new_zeros(3) for p in model.parameters()]
+        assert torch.zeros_like(input=model.b1.fc1.weight).shape == model.b1.fc1.weight.shape
         assert tm.param_stats()["outside_forward"] == 0
     assert [g.shape for g in got[:len(want)]] == [w.shape for w in want]
 

@@ -1202,12 +1202,14 @@ class ParamTier:
         if func in _LIKE and released:
             # the weights' shape, dtype and device only
             stand = {id(self.params[i]): self.stand_in(self.params[i]) for i in released}
-            return func(*(stand.get(id(a), a) for a in args), **kwargs)
+            return func(*(stand.get(id(a), a) for a in args),
+                        **{k: stand.get(id(v), v) for k, v in kwargs.items()})
         if func in _SHAPED:
             if not released:
                 return func(*args, **kwargs)
             stand = {id(self.params[i]): self._meta(i) for i in released}
-            return func(*(stand.get(id(a), a) for a in args), **kwargs)
+            return func(*(stand.get(id(a), a) for a in args),
+                        **{k: stand.get(id(v), v) for k, v in kwargs.items()})
         self._read(idx)
         try:
             if func == _DATA:
