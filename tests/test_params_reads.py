@@ -280,3 +280,19 @@ def test_a_gradient_set_by_hand_is_refused(tmp_path):
             released.grad = torch.ones_like(released)
         opt.step()
         opt.zero_grad()
+
+
+def test_one_call_over_more_weights_than_the_window_is_refused(tmp_path):
+    # a foreach op over the whole model: its weights cannot all be in the window at once
+    ref, model = twins()
+    opt = make_opt(model)
+    (t, y), = batches(1)
+    with tiermem.offload(opt, _config(tmp_path, "threads"), model=model):
+        _train(model, opt, lambda m: [])
+        with pytest.raises(TierMemError, match="given 15 weights of the parameter tier at once"):
+            torch._foreach_norm(list(model.parameters()))
+        # one at a time, the same norms as the plain model's; the loop goes on
+        got = [torch.linalg.vector_norm(p) for p in model.parameters()]
+        _train(ref, make_opt(ref), lambda m: [])
+        assert got == [torch.linalg.vector_norm(p) for p in ref.parameters()]
+        _train(model, opt, lambda m: [])

@@ -1266,6 +1266,15 @@ class ParamTier:
         """Parameters `idx` materialised (on demand, out of the learned order) and pinned
         for a call outside the model's forward."""
         self._check_open()
+        need = sum(self._bytes(i) for i in idx) if len(idx) > 1 else 0
+        if need > self.window:
+            names = ", ".join(self.names[i] for i in idx[:4]) + (", ..." if idx[4:] else "")
+            raise TierMemError(
+                f"parameters.offload: a torch call outside the model's forward was given "
+                f"{len(idx)} weights of the parameter tier at once ({names}): they must be in "
+                f"memory together, {format_size(need)}, more than parameters.window "
+                f"({format_size(self.window)}) holds. Make the call over fewer at a time "
+                "(one per parameter), or raise parameters.window")
         self._busy = True
         try:
             for i in idx:
