@@ -595,15 +595,18 @@ class OffloadedOptimizer:
             # never reaches the tier: the step would pass over it without a word.
             # torch.distributed.checkpoint's state_dict helpers set zeros_like(p) and step
             # (lr 0) to make a never-stepped optimizer's state, which then stayed empty.
+            # (of the model's shape too: a released parameter's zeros_like is the real
+            # shape's, and a live one's always was; only the step's own are the tier's)
             stray = [self.names.get(id(p), "?") for p in self.params
-                     if p.grad is not None and p.grad.shape != self._shaped(p).shape]
+                     if p.grad is not None and (p.grad.shape != self._shaped(p).shape
+                                                or not self.weights.handed_out(p))]
             if stray:
                 raise TierMemError(
                     f"optimizer.step(): p.grad of {', '.join(stray[:3])}"
-                    f"{' and others' if len(stray) > 3 else ''} was set inside the block to "
-                    "a tensor of the empty stand-in's shape: with parameters.offload the "
-                    "gradients live in the parameter tier, which a p.grad set by hand never "
-                    "reaches. torch.distributed.checkpoint's get_optimizer_state_dict, "
+                    f"{' and others' if len(stray) > 3 else ''} was set by hand inside the "
+                    "block: with parameters.offload the gradients live in the parameter "
+                    "tier, which a p.grad set by hand never reaches (the step would pass it "
+                    "over). torch.distributed.checkpoint's get_optimizer_state_dict, "
                     "get_state_dict and set_optimizer_state_dict do that to make a "
                     "never-stepped optimizer's state: call them after its first step, or "
                     "before entering the block")
@@ -616,7 +619,8 @@ class OffloadedOptimizer:
             raise TierMemError(f"{type(self.opt).__name__} under tiermem does not support "
                                "sparse gradients")
         stats = self.begin_step(closure)  # refuses a group changed since the layout
-        with timed(stats, "step_seconds"), torch.no_grad():
+        aside = self.weights.guard_aside() if self.weights is not None else contextlib.nullcontext()
+        with timed(stats, "step_seconds"), torch.no_grad(), aside:
             self._count_all(stepped)  # only once nothing can refuse the step
             try:
                 order = self.tiers.order(
