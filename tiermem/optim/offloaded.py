@@ -1175,7 +1175,9 @@ class OffloadedOptimizer:
                    "dtype": str(p.dtype).removeprefix("torch.")}
                   for p, q in zip(self.params, shaped)]
         for i, (entry, q) in enumerate(zip(params, shaped)):
-            if not q.is_contiguous():  # recover lays its state out as torch's would be
+            # recover lays its state out as torch's would be; the parameter tier holds
+            # contiguous parameters only, and its stand-ins have a shape, not a layout
+            if self.weights is None and not q.is_contiguous():
                 entry["stride"] = list(q.stride())
             scalars = self.latest_scalars(i)
             if scalars:
