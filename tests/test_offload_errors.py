@@ -60,19 +60,24 @@ def test_adam_subclass_is_accepted(tmp_path):
     assert opt.state[model.fc1.weight]["exp_avg"].any()
 
 
-@pytest.mark.parametrize("case", ["differentiable", "non-contiguous", "complex", "float64-sgd",
-                                  "float64-adam", "float64-adafactor"])
+@pytest.mark.parametrize("case", ["differentiable", "non-dense", "non-contiguous-adafactor",
+                                  "complex", "float64-sgd", "float64-adam",
+                                  "float64-adafactor"])
 def test_unsupported_parameters_and_flags(tmp_path, case):
     """float64: the records keep fp32 state and masters, and each update of a float64
     parameter came back rounded to fp32 (every rule; the plain optimizer keeps float64)."""
     if case == "differentiable":
         opt = torch.optim.Adam(Synthetic().parameters(), differentiable=True)
         words = "differentiable"
-    elif case == "non-contiguous":
+    elif case == "non-dense":  # (a dense one, transposed or channels_last, is tiered)
+        p = torch.nn.Parameter(torch.randn(40, 60)[:, ::2])
+        opt = torch.optim.Adam([p])
+        words = "not dense"
+    elif case == "non-contiguous-adafactor":  # whole-parameter state: row-major only
         p = torch.nn.Parameter(torch.randn(40, 30).t())
         assert not p.is_contiguous()
-        opt = torch.optim.Adam([p])
-        words = "contiguous"
+        opt = torch.optim.Adafactor([p])
+        words = "not contiguous"
     elif case.startswith("float64"):
         make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                 "adam": torch.optim.Adam, "adafactor": torch.optim.Adafactor}[case[8:]]

@@ -22,7 +22,7 @@ from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim.handle import Offload, forget_kept, kept_dir, put_kept
 from tiermem.optim.hooks import HOOKED, installed
 from tiermem.optim.lifecycle import (ACTIVE, caller, check_arguments, check_swap_paths,
-                                     explain_run_dir)
+                                     explain_run_dir, refuse_non_contiguous_shared)
 from tiermem.optim.offloaded import OffloadedOptimizer
 from tiermem.optim.wrappers import route_wrappers, unwrap
 from tiermem.signals import held, terminate_as_exception
@@ -110,6 +110,7 @@ def offload(optimizer: torch.optim.Optimizer,
             if settings.parameters.offload != "none":
                 raise TierMemError("parameters.offload is not supported under "
                                    "torch.distributed yet; set parameters.offload: none")
+            refuse_non_contiguous_shared(optimizer)
             check_swap_paths(settings)
             handle: Offload = sharded.DistributedOffload(optimizer, settings, model=model,
                                                          name=name, resume=resume,

@@ -47,9 +47,62 @@ def align_up(n: int, to: int = RECORD_ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """`t`'s elements fill one run of its storage, each once (contiguous, channels_last,
+    any permutation of dims): an elementwise update may then walk them in memory order."""
+    if t.is_contiguous():
+        return True
+    step = 1
+    # size-1 dims may carry any stride; they do not move through memory
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim())
+                               if t.shape[d] != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of dense `t` in memory order, the order segments address a parameter in.
+    Not reshape(-1): on a channels_last tensor that is a copy in logical order, which an
+    update would step and then drop."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not is_dense(t):
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} and strides {tuple(t.stride())} "
+                         "is not dense: it has no memory order to address")
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` (one shape) lie in memory the same way: their memory orders match."""
+    return all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] != 1)
+
+
+def flat_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` (a gradient, a loaded state tensor: the shape of the dense `like`) as a 1-D
+    tensor in `like`'s memory order: a view where `t` lies as `like` does, else a copy laid
+    out as `like` (a contiguous gradient of a channels_last weight)."""
+    if t.is_contiguous() and like.is_contiguous():  # every step of most models: no loops
+        return t.view(-1)
+    if is_dense(t) and same_layout(t, like):
+        return flat(t)
+    return flat(torch.empty_like(like, dtype=t.dtype, device=t.device).copy_(t))
+
+
+def laid_out(shape: Sequence[int], stride: Sequence[int] | None, fill: float = 0.0
+             ) -> torch.Tensor:
+    """An fp32 tensor of `shape` filled with `fill`, with `stride` (a manifest's entry of a
+    non-contiguous parameter; None: contiguous): recovered state lies as torch's would."""
+    t = (torch.empty(tuple(shape)) if stride is None
+         else torch.empty_strided(tuple(shape), tuple(stride)))
+    return t.fill_(fill)
+
+
 @dataclass
 class Segment:
-    """Elements [start, start+length) of one parameter (flattened)."""
+    """Elements [start, start+length) of one parameter in memory order (flat(param): its
+    storage's order, which is the logical one unless it is channels_last or permuted)."""
 
     param: torch.Tensor
     index: int  # the param's position in the optimizer's flattened param order

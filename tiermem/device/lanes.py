@@ -38,7 +38,7 @@ import torch
 
 from tiermem.io.buffers import aligned_empty
 from tiermem.errors import TierMemError
-from tiermem.partition import Partition
+from tiermem.partition import Partition, flat, flat_like
 from tiermem.telemetry.stats import StepStats, timed
 
 SLOTS = 2  # double buffering: one slot is updated while the other is filled
@@ -245,6 +245,7 @@ class _Staged:
     slot: _Slot
     ready: Any  # event of the copy that filled the slot
     grads: list[torch.Tensor | None] = field(default_factory=list)  # cpu step: per segment
+    sources: list[torch.Tensor] = field(default_factory=list)  # what the d2h copies read
 
 
 def device_of(part: Partition) -> torch.device:
@@ -368,21 +369,28 @@ class DeviceLanes:
         slot = self._free_slot(self.grads)
         if slot is None:
             return
+        # Each grad in its parameter's memory order, the order segments address: a grad laid
+        # out otherwise (a contiguous one of a channels_last weight) is copied on the
+        # compute stream, so before the event the d2h stream waits, and kept alive (in
+        # _Staged) until that copy has been read.
+        whole: dict[int, torch.Tensor] = {}
+        for s in part.segments:
+            if s.param.grad is not None and s.index not in whole:
+                whole[s.index] = flat_like(s.param.grad.detach(), s.param)
         backward = self.backend.record(self.backend.current_stream())
         self._order(self.d2h, backward, "backward, which writes the grads")
         grads, pairs = [], []
         for s, at in zip(part.segments, _placed(part, self._width)):
-            g = s.param.grad
-            if g is None:
+            if s.index not in whole:
                 grads.append(None)
             else:
-                g = g.detach().reshape(-1)[s.start: s.start + s.length]
+                g = whole[s.index][s.start: s.start + s.length]
                 host = _slice(slot.buf, at, s.length, g.dtype)
                 pairs.append((host, g))
                 grads.append(host)
         ready = self._copies(self.d2h, "d2h", pairs)
         slot.holds, slot.last_use = part.id, ready
-        self._staged[part.id] = _Staged(slot, ready, grads)
+        self._staged[part.id] = _Staged(slot, ready, grads, list(whole.values()))
 
     def update_on_device(self, part: Partition, views: dict[str, torch.Tensor],
                          kernel: Callable[[dict[str, torch.Tensor], torch.Tensor], None],
@@ -443,7 +451,7 @@ class DeviceLanes:
             self._host_waits(slot.last_use, "the H2D that last read this weights slot")
             pairs, off = [], 0
             for s, master in masters:
-                w = s.param.detach().view(-1)[s.start: s.start + s.length]
+                w = flat(s.param.detach())[s.start: s.start + s.length]
                 host = _slice(slot.buf, off * self._width, s.length, w.dtype)
                 host.copy_(master)  # rounds to the model's dtype, as .copy_ would on the device
                 pairs.append((w, host))

@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
 from tiermem.dist.collectives import scalar_table
 from tiermem.errors import TierMemError
 from tiermem.kernels.lowbit import kahan_term, segment_values, store_segment
-from tiermem.optim.rules import group_values
+from tiermem.optim.rules import UnsupportedOptimizer, group_values
 from tiermem.optim.state_io import jsonable
 from tiermem.partition import SCALE_KINDS
 
@@ -144,16 +144,30 @@ def _source(tm: Any, op: str) -> _Source:
     from tiermem.dist.sharded import DistributedOffload
 
     if isinstance(tm, DistributedOffload):
+        _check_layout(tm.offloaded)
         tm.agree(op)  # every rank is here, not in a step (the planners' collectives follow)
         flat = [pc for pcs in tm.layout.pieces for pc in pcs]
         return _Source(tm.offloaded, tm.opt, tm.layout.params,
                        lambda s: (flat[s.index].index, flat[s.index].start + s.start),
                        tm.coll.group, tm.coll, tm.layout.fsdp)
     off = tm.offloaded
+    _check_layout(off)
     if off.overlap is not None:
         # Its worker may still be reading the next step ahead, or be half-way through a step.
         off.overlap.require_idle("a tiermem.dist.dcp checkpoint")
     return _Source(off, off.opt, off.params, lambda s: (s.index, s.start))
+
+
+def _check_layout(off: Any) -> None:
+    for i, p in enumerate(off.params):
+        # (a one-process run tiers channels_last weights in memory order; the checkpoint's
+        # 1-D tensors, and the weights this module reads by reshape, are row-major)
+        if not p.is_contiguous():
+            raise UnsupportedOptimizer(
+                f"tiermem.dist.dcp checkpoints parameters in row-major order, and parameter "
+                f"{i} (shape {tuple(p.shape)}, strides {tuple(p.stride())}) is not "
+                "contiguous (channels_last?): save optimizer.state_dict() instead (or "
+                "resume a crash-consistent run)")
 
 
 def _saved_kinds(part: Any) -> list[str]:

@@ -19,6 +19,7 @@ import torch
 from tiermem.config import Settings
 from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.optim.hooks import installed
+from tiermem.optim.rules.base import UnsupportedOptimizer
 from tiermem.swap.paths import check_paths
 from tiermem.swap.rundir import run_dirs
 from tiermem.swap.runs import describe, in_the_way
@@ -92,3 +93,20 @@ def explain_run_dir(settings: Settings, name: str, resume: bool) -> str | None:
         if why:
             return why
     return None
+
+
+def refuse_non_contiguous_shared(optimizer: torch.optim.Optimizer) -> None:
+    """Under torch.distributed each rank's share is a run of a parameter's elements in
+    row-major order, and its gradients are read by reshape: on a channels_last weight that
+    is a copy in logical order, whose pieces would not line up with the memory-order
+    records a single-process run keeps. Refused until the sharded path addresses memory
+    order too."""
+    for g, group in enumerate(optimizer.param_groups):
+        for n, p in enumerate(group["params"]):
+            if not p.is_contiguous():
+                raise UnsupportedOptimizer(
+                    f"param_groups[{g}]: params[{n}] (shape {tuple(p.shape)}, strides "
+                    f"{tuple(p.stride())}) is not contiguous (channels_last?): tiermem under "
+                    "torch.distributed tiers contiguous parameters only; convert the model "
+                    "with model.to(memory_format=torch.contiguous_format), or tier it in one "
+                    "process")

@@ -36,7 +36,7 @@ from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
 from tiermem.kernels.vml import resolve_vml_dispatch
 from tiermem.params.tier import ParamTier
-from tiermem.partition import Partition, Segment, build_partitions
+from tiermem.partition import Partition, Segment, build_partitions, flat, flat_like
 from tiermem.tiers.pipeline import Views
 from tiermem.signals import deferred
 from tiermem.telemetry.stats import StepStats, timed, update_range
@@ -595,15 +595,18 @@ class OffloadedOptimizer:
             # never reaches the tier: the step would pass over it without a word.
             # torch.distributed.checkpoint's state_dict helpers set zeros_like(p) and step
             # (lr 0) to make a never-stepped optimizer's state, which then stayed empty.
+            # (of the model's shape too: a released parameter's zeros_like is the real
+            # shape's, and a live one's always was; only the step's own are the tier's)
             stray = [self.names.get(id(p), "?") for p in self.params
-                     if p.grad is not None and p.grad.shape != self._shaped(p).shape]
+                     if p.grad is not None and (p.grad.shape != self._shaped(p).shape
+                                                or not self.weights.handed_out(p))]
             if stray:
                 raise TierMemError(
                     f"optimizer.step(): p.grad of {', '.join(stray[:3])}"
-                    f"{' and others' if len(stray) > 3 else ''} was set inside the block to "
-                    "a tensor of the empty stand-in's shape: with parameters.offload the "
-                    "gradients live in the parameter tier, which a p.grad set by hand never "
-                    "reaches. torch.distributed.checkpoint's get_optimizer_state_dict, "
+                    f"{' and others' if len(stray) > 3 else ''} was set by hand inside the "
+                    "block: with parameters.offload the gradients live in the parameter "
+                    "tier, which a p.grad set by hand never reaches (the step would pass it "
+                    "over). torch.distributed.checkpoint's get_optimizer_state_dict, "
                     "get_state_dict and set_optimizer_state_dict do that to make a "
                     "never-stepped optimizer's state: call them after its first step, or "
                     "before entering the block")
@@ -616,7 +619,8 @@ class OffloadedOptimizer:
             raise TierMemError(f"{type(self.opt).__name__} under tiermem does not support "
                                "sparse gradients")
         stats = self.begin_step(closure)  # refuses a group changed since the layout
-        with timed(stats, "step_seconds"), torch.no_grad():
+        aside = self.weights.guard_aside() if self.weights is not None else contextlib.nullcontext()
+        with timed(stats, "step_seconds"), torch.no_grad(), aside:
             self._count_all(stepped)  # only once nothing can refuse the step
             try:
                 order = self.tiers.order(
@@ -793,7 +797,7 @@ class OffloadedOptimizer:
             return
         for s, sl in zip(part.segments, part.slices("master")):
             if float(self.steps[s.index]) == 1.0 and self.has_grad(s.param):
-                master[sl].copy_(s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                master[sl].copy_(flat(s.param.detach())[s.start: s.start + s.length])
 
     def _together(self, parts: Sequence[Partition]) -> int:
         """How many of `parts`, from the first, one native update may run together:
@@ -863,8 +867,10 @@ class OffloadedOptimizer:
     def _run_plan(self, plan: TogetherPlan) -> None:
         grads = []
         for i in plan.prepared.slots:
-            g = self.params[i].grad
-            grads.append(g if g.is_contiguous() else g.contiguous())
+            # the native pass reads the gradient in the parameter's memory order (a
+            # channels_last weight's contiguous gradient is copied into its layout)
+            p = self.params[i]
+            grads.append(flat_like(p.grad, p))
         counts = self.steps.values()  # one read, not one .item() per parameter
         plan.prepared.run(grads=grads, steps=[counts[i] for i in plan.prepared.slots],
                           group=self.opt.param_groups[plan.group],
@@ -992,8 +998,8 @@ class OffloadedOptimizer:
                 if g is None:
                     continue
                 g = (host_grads[i] if host_grads is not None
-                     else g.reshape(-1)[s.start: s.start + s.length])
-                weights = s.param.detach().view(-1)[s.start: s.start + s.length]
+                     else flat_like(g, s.param)[s.start: s.start + s.length])
+                weights = flat(s.param.detach())[s.start: s.start + s.length]
                 if master is not None and host_grads is None and \
                         weights.dtype == torch.float32 and weights.device == master.device:
                     # as in _native_batch: the fp32 model's own weights are stepped, and the
@@ -1042,7 +1048,7 @@ class OffloadedOptimizer:
         with timed(stats, "transfer_seconds", f"weights out p{part.id}", part.id, track):
             for s, target in copies_back:
                 # Refresh the model's (low-precision or device) weights from the master.
-                s.param.detach().view(-1)[s.start: s.start + s.length].copy_(target)
+                flat(s.param.detach())[s.start: s.start + s.length].copy_(target)
         return None
 
     def _gather_counts(self, batch: Batch, s: Any) -> None:
@@ -1128,7 +1134,7 @@ class OffloadedOptimizer:
             if s.param.grad is None:
                 continue
             built.updated.append(n)
-            weights = s.param.detach().view(-1)[s.start: s.start + s.length]
+            weights = flat(s.param.detach())[s.start: s.start + s.length]
             # an fp32 CPU model's own weights are what the step starts from, as for the plain
             # optimizer (a clamp or a load_state_dict since the last step counts); the
             # record's master is only the copy a commit keeps
@@ -1140,7 +1146,7 @@ class OffloadedOptimizer:
                 built.to_device.append((s, master[sl]))
             else:
                 batch.weights_out.append(None if own else weights)
-                batch.grads.append(s.param.grad.reshape(-1)[s.start: s.start + s.length])
+                batch.grads.append(flat_like(s.param.grad, s.param)[s.start: s.start + s.length])
                 if master is not None and own:
                     built.copies.append((master[sl], weights))
             batch.steps.append(self.steps[s.index])
@@ -1168,7 +1174,11 @@ class OffloadedOptimizer:
         params = [{"name": self.names.get(id(p), ""), "shape": list(q.shape),
                    "dtype": str(p.dtype).removeprefix("torch.")}
                   for p, q in zip(self.params, shaped)]
-        for i, entry in enumerate(params):
+        for i, (entry, q) in enumerate(zip(params, shaped)):
+            # recover lays its state out as torch's would be; the parameter tier holds
+            # contiguous parameters only, and its stand-ins have a shape, not a layout
+            if self.weights is None and not q.is_contiguous():
+                entry["stride"] = list(q.stride())
             scalars = self.latest_scalars(i)
             if scalars:
                 entry["scalars"] = {k: scalar_to_json(v) for k, v in scalars.items()}
@@ -1235,7 +1245,7 @@ class OffloadedOptimizer:
             with self.tiers.record(part, write=True) as (views, _):
                 for s, sl in stale:
                     views["master"][sl].copy_(
-                        s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                        flat(s.param.detach())[s.start: s.start + s.length])
 
     def close_step(self, stats: StepStats) -> None:
         """The step happened, whether or not its commit (crash-consistent) then succeeds:
@@ -1310,7 +1320,7 @@ class OffloadedOptimizer:
                 kind = "master" if "master" in views else "weight"
                 with self._model_weights(part, changed=True):
                     for s, sl in zip(part.segments, part.slices(kind)):
-                        s.param.detach().view(-1)[s.start: s.start + s.length].copy_(
+                        flat(s.param.detach())[s.start: s.start + s.length].copy_(
                             views[kind][sl])
         # The weights are the commit's now, as after a commit: an edit from here on is one
         # the next commit must see (a resume never commits before its first step, so with no
@@ -1418,7 +1428,11 @@ class OffloadedOptimizer:
             tensors = ([(k, tuple(shaped.shape), dtype) for k in laid[i]] if i in laid
                        else self.rule.torch_state_tensors(shaped, group, dtype))
             for k, shape, kdtype in tensors:
-                st[k] = torch.zeros(shape, dtype=kdtype, device=p.device)
+                # torch keeps a non-contiguous (channels_last) parameter's state with its
+                # strides (zeros_like, preserve_format); gather fills it in memory order
+                st[k] = (torch.zeros_like(shaped, dtype=kdtype, device=p.device)
+                         if shape == tuple(shaped.shape) and not shaped.is_contiguous()
+                         else torch.zeros(shape, dtype=kdtype, device=p.device))
             if not st:
                 continue  # torch keeps nothing for it (SGD without momentum)
             if not model_dtype and p.dtype != torch.float32:
@@ -1581,7 +1595,7 @@ class OffloadedOptimizer:
                                                       if k != "master"})
                     slices = {k: part.slices(k) for k in part.kinds}
                     for i, s in enumerate(part.segments):
-                        weights = s.param.detach().view(-1)[s.start: s.start + s.length]
+                        weights = flat(s.param.detach())[s.start: s.start + s.length]
                         batch.params.append(weights if master is None
                                             else master[slices["master"][i]])
                         batch.segments.append(s)
@@ -1594,7 +1608,7 @@ class OffloadedOptimizer:
                     self.rule.run_method(name, batch)
                     if master is not None:
                         for s, m in zip(part.segments, batch.params):
-                            s.param.detach().view(-1)[s.start: s.start + s.length].copy_(m)
+                            flat(s.param.detach())[s.start: s.start + s.length].copy_(m)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.weights is not None:

@@ -27,6 +27,7 @@ state_dict, checkpoints, the exit) joins the queue first.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import threading
@@ -339,7 +340,9 @@ class BackwardOverlap:
                 if p.grad is not None and p.grad.is_sparse:
                     raise TierMemError(f"{type(off.opt).__name__} under tiermem does not "
                                        f"support sparse gradients ({self._name(i)})")
-            with torch.no_grad():
+            aside = (off.weights.guard_aside() if off.weights is not None
+                     else contextlib.nullcontext())
+            with torch.no_grad(), aside:
                 stats = self._round_stats()
                 rest = self._rest()
                 nvme = [p for p in rest if p.tier == "nvme"]

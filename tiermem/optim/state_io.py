@@ -14,7 +14,7 @@ import torch
 
 from tiermem.errors import TierMemError
 from tiermem.kernels.lowbit import kahan_term, segment_values, store_segment
-from tiermem.partition import SCALE_KINDS, SCALE_OF, Partition
+from tiermem.partition import SCALE_KINDS, SCALE_OF, Partition, flat, flat_like
 from tiermem.tiers.manager import TierManager
 
 
@@ -119,6 +119,23 @@ def torch_state_dict(opt: torch.optim.Optimizer, state: dict[torch.Tensor, dict[
         opt.state = saved
 
 
+def _in_memory_order(t: torch.Tensor, param: torch.Tensor,
+                     cache: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Loaded state tensor `t` of `param` as the 1-D run a record's segments address: in
+    the parameter's memory order when `t` is one value per element, whatever `t`'s own
+    layout (a channels_last weight's state saved contiguous, or the reverse); another
+    shape of as many elements counts in logical order, as reshape would read it. A
+    tensor of another size (a whole-parameter rule's factored statistics) is its own,
+    row-major. Kept per tensor: a parameter cut into many segments copies it once."""
+    if t.numel() != param.numel():
+        return t.reshape(-1)
+    kept = cache.get(id(t))
+    if kept is None or kept[0] is not t:  # (the tensor is kept too: its id is not reused)
+        shaped = t if t.shape == param.shape else t.reshape(param.shape)
+        kept = cache[id(t)] = (t, flat_like(shaped, param))
+    return kept[1]
+
+
 def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
             state: dict[torch.Tensor, dict[str, Any]]) -> None:
     """Write per-parameter `state` (torch's layout; `keys`: record kind -> state key) into
@@ -127,6 +144,7 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
     quantised (to nearest) with their scales. A Kahan term is what the fp32 master
     (keys["master"]) adds to the model's bf16 weight, rounded to nearest; a record's copy
     of the bf16 weights (kind "weight") is the model's weights."""
+    flats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for part in parts:
         with tiers.record(part, write=True) as (views, _):
             slices = {k: part.slices(k) for k in views}
@@ -137,13 +155,14 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
                         continue  # written with its moment
                     dst = views[k][slices[k][i]]
                     if k == "weight":  # the record's copy of the model's bf16 weights
-                        dst.copy_(s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                        dst.copy_(flat(s.param.detach())[s.start: s.start + s.length])
                         continue
                     if k == "kahan":
                         src = st.get(keys["master"])
+                        at = slice(s.start, s.start + s.length)
                         dst.zero_() if src is None else dst.copy_(kahan_term(
-                            src.reshape(-1)[s.start: s.start + s.length].float(),
-                            s.param.detach().reshape(-1)[s.start: s.start + s.length]))
+                            _in_memory_order(src, s.param, flats)[at].float(),
+                            flat(s.param.detach())[at]))
                         continue
                     src = st.get(keys[k])
                     if src is None:
@@ -154,11 +173,13 @@ def scatter(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str]
                             views[SCALE_OF[k]][slices[SCALE_OF[k]][i]].zero_()
                         else:
                             store_segment(views, slices, k, i,
-                                          src.reshape(-1)[s.start: s.start + s.length].cpu())
+                                          _in_memory_order(src, s.param, flats)[
+                                              s.start: s.start + s.length].cpu())
                     elif src is None:
                         dst.zero_()
                     else:
-                        dst.copy_(src.reshape(-1)[s.start: s.start + s.size(k)])
+                        dst.copy_(_in_memory_order(src, s.param, flats)[
+                            s.start: s.start + s.size(k)])
 
 
 def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
@@ -182,11 +203,11 @@ def gather(tiers: TierManager, parts: Sequence[Partition], keys: dict[str, str],
                         continue  # scales: read with their moment; weight: the model's own
                     if k == "kahan":
                         if keys["master"] in st:
-                            w = st[keys["master"]].view(-1)[s.start: s.start + s.length]
+                            w = flat(st[keys["master"]])[s.start: s.start + s.length]
                             w.copy_(w.float() + src[slices[k][i]].float())
                         continue
                     key = keys[k]
                     if key not in st:
                         continue
                     value = segment_values(views, slices, k, i)  # int8 codes: dequantised
-                    st[key].view(-1)[s.start: s.start + s.size(k)].copy_(value)
+                    flat(st[key])[s.start: s.start + s.size(k)].copy_(value)

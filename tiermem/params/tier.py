@@ -18,6 +18,12 @@ window buffer: a saved tensor that views a managed weight is packed as
 on demand if it was evicted, so backward always sees the right weights
 whatever the window holds.
 
+User code never sees a released weight on the thread that opened the block: a torch
+function mode (UseGuard) pushed there for the block's length materialises one handed
+to any torch call (in the model's forward or between steps), answers its shape from
+the record, and marks a weight whose p.data is taken as changed (a change through
+p.data moves no version counter), so that it is written back before its release.
+
 The order units are needed in (forward pre-hooks and backward unpacks) is
 recorded on the first iteration; afterwards each request is checked against it
 and the next `parameters.prefetch` units are read ahead. A unit out of the
@@ -46,6 +52,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -120,6 +127,8 @@ class ParamStats:
     on_demand: int = 0  # needed at once: not read ahead (first iteration, out of order)
     out_of_order: int = 0  # units requested against the learned order
     outside_hooks: int = 0  # weights used by a forward other than their module's own
+    outside_forward: int = 0  # released weights read by code outside the model's forward
+    data_taken: int = 0  # p.data taken of a weight: written back before its release
     evictions: int = 0
     grads_stored: int = 0
     grads_held: int = 0  # of those, kept in memory for an update during backward
@@ -133,27 +142,97 @@ class ParamStats:
         return dict(self.__dict__)
 
 
+_T = torch.Tensor
+
+
+def _getters(*names: str) -> set[Any]:
+    return {getattr(_T, n).__get__ for n in names if hasattr(_T, n)}
+
+
+def _methods(*names: str) -> set[Any]:
+    return {getattr(_T, n) for n in names if hasattr(_T, n)}
+
+
+# What a released parameter answers from its record's shape, without reading the weights:
+# a parameter count or a shape logged between steps is the model's, not the (0,) of the
+# empty tensor the tier leaves in p.data.
+_SHAPED = _getters("shape", "ndim", "nbytes") | _methods(
+    "size", "numel", "nelement", "dim", "ndimension", "__len__")
+# Reads that need neither the weights nor their shape: a released parameter stays released
+# (the optimizer's, autograd's and the modules' bookkeeping touch these on every parameter).
+_NO_VALUES = _getters(
+    "grad", "_grad", "requires_grad", "dtype", "device", "is_leaf", "_version", "grad_fn",
+    "_grad_fn", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+    "is_mkldnn", "is_nested", "is_xpu", "is_mps", "name", "itemsize", "retains_grad",
+    "_backward_hooks", "_post_accumulate_grad_hooks", "output_nr") | _methods(
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "is_floating_point", "is_complex", "element_size", "get_device", "retain_grad",
+    "is_inference", "new_zeros", "new_ones", "new_empty", "new_full") | {
+    torch._has_compatible_shallow_copy_type}  # (Module._apply's)
+_DATA = _T.data.__get__
+_GRAD_SET = _T.grad.__set__
+# New tensors of a parameter's shape, dtype and device, which read none of its values
+# (torch.distributed.checkpoint's helpers and EMA shadows make zeros_like(p) of every one)
+_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+         torch.rand_like, torch.randn_like, torch.randint_like}
+# Conversions that give the tensor itself when it has the dtype, device and layout asked
+# for: model.to(its device), .float() of an fp32 model (Lightning moves the model to its
+# device again) are tried on the empty placeholder first, and read no weights when that
+# comes back as itself
+_SELF_IF_SAME = _methods("to", "cpu", "cuda", "float", "double", "half", "bfloat16",
+                         "contiguous")
+# Module.state_dict() detaches every parameter before the tier's post-hook puts the current
+# weights in its place (fetched one by one): materialising them there read each twice
+_SAVE_CODE = torch.nn.Module._save_to_state_dict.__code__
+
+
+def _tiers_own(frame: Any) -> bool:
+    """The torch call being guarded comes from tiermem's own code (through torch's Python
+    layers, as the optimizer's kernels), which sees parameters as the tier left them, or
+    from Module._save_to_state_dict, whose copies the state-dict hook replaces."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("tiermem."):
+            return True
+        if frame.f_code is _SAVE_CODE:
+            return True
+        if not name.startswith("torch"):
+            return False
+        frame = frame.f_back
+    return False
+
+
 class UseGuard(TorchFunctionMode):
-    """During the model's forward, a released weight handed to any torch function (a
-    module's weight used from another module's forward, not through its own call) is
-    materialised first, on demand: no op ever sees an empty weight."""
+    """No torch function ever sees a released weight. Pushed on the thread that opened the
+    block for its whole length (or, on another thread, for the length of a forward):
+    during the model's forward a released weight handed to any torch function (a module's
+    weight used from another module's forward, not through its own call) is materialised
+    first, on demand; outside it (logging, metrics, an init, an EMA helper between steps)
+    a read of one is materialised too, pinned for the call, and its shape is answered
+    from the record without a read. A `p.data` taken of a weight marks it changed (an edit
+    through it moves no version counter), so that it is written back before release."""
 
     def __init__(self, tier: "ParamTier") -> None:
         super().__init__()
-        self.tier = tier
+        self.tier: ParamTier | None = tier
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         tier = self.tier
-        if not tier._busy:
-            for a in (*args, *(kwargs or {}).values()):
-                if type(a) is torch.nn.Parameter:
-                    tier._use(a)
-                elif type(a) in (list, tuple):
-                    for b in a:
-                        if type(b) is torch.nn.Parameter:
-                            tier._use(b)
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if tier is None or tier._busy:
+            return func(*args, **kwargs)
+        found: list[torch.nn.Parameter] | None = None
+        for a in ((*args, *kwargs.values()) if kwargs else args):
+            if type(a) is torch.nn.Parameter:
+                found = [a] if found is None else [*found, a]
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if type(b) is torch.nn.Parameter:
+                        found = [b] if found is None else [*found, b]
+        if found is None:
+            return func(*args, **kwargs)
+        return tier._guarded(func, args, kwargs, found)
 
 
 class Uploaded:
@@ -339,6 +418,10 @@ class ParamTier:
         self._running = [0] * len(self.units)  # forwards of each unit under way
         self._closed = False
         self._busy = False  # inside the tier's own work: UseGuard stands aside
+        # the guard of the block's thread (UseGuard), pushed once set up
+        self._guard: UseGuard | None = None
+        self._guard_thread = threading.get_ident()
+        self._metas: dict[int, torch.Tensor] = {}  # _meta's, by index
         taken: dict[int, torch.Tensor] = {}  # the gradients p.grad held at entry
         try:
             self._check_window()
@@ -357,6 +440,8 @@ class ParamTier:
                     taken[i], p.grad = p.grad, None
                     self.store_gradient(p, taken[i].detach().to("cpu"))
             self.records.drain()
+            self._guard = UseGuard(self)
+            self._guard.__enter__()
         except BaseException:
             self._accumulators.clear()
             self.records.drain()
@@ -527,10 +612,15 @@ class ParamTier:
         with torch.no_grad():
             reset()
 
+    def _guarding_here(self) -> bool:
+        return self._guard is not None and threading.get_ident() == self._guard_thread
+
     def _push_saved_hooks(self, mod: Any, args: Any, *,
                           unit: tuple[int, int] | None = None) -> None:
-        ctxs = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
-                UseGuard(self))
+        ctxs: tuple[Any, ...] = (
+            torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),)
+        if not self._guarding_here():  # a forward on another thread than the block's
+            ctxs += (UseGuard(self),)
         for c in ctxs:
             c.__enter__()
         self._hooks_ctx.append(ctxs)
@@ -569,6 +659,7 @@ class ParamTier:
         if kind is None:
             return False
         if kind == "assigned":
+            self._own_storage(i)
             if i not in self.live:
                 return True
             p = self.params[i]
@@ -579,6 +670,16 @@ class ParamTier:
             return False
         self._refuse_changes()
         return False  # (not reached)
+
+    def _own_storage(self, i: int) -> None:
+        """New weights assigned to parameter `i` that are a piece of a larger storage (the
+        views of one vector torch's vector_to_parameters gives every parameter) are copied
+        into one of their own: the tier finds a weight by its storage (saved tensors,
+        write-backs), and several parameters over one storage were taken for each other
+        (backward rebuilt a saved weight at another's offset)."""
+        p = self.params[i]
+        if p.storage_offset() or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            p.data = p.data.clone()
 
     def _change(self, i: int) -> str | None:
         """How parameter `i` was changed behind the tier: None (it was not, or only
@@ -1066,6 +1167,148 @@ class ParamTier:
                 "parameter tier takes no gradient for it; leave the block and enter a new "
                 "one after unfreezing it")
 
+    def _guarded(self, func: Any, args: Any, kwargs: Any,
+                 found: list[torch.nn.Parameter]) -> Any:
+        """A torch call `func` given parameters `found` (UseGuard)."""
+        if self.lock._is_owned():  # the tier's own work on this thread (a hook, the step)
+            return func(*args, **kwargs)
+        if self._hooks_ctx:  # the model's forward (or a unit's called on its own)
+            for p in found:
+                self._use(p)
+            if func == _DATA and not _tiers_own(sys._getframe(2)):
+                self._data_taken(found)
+            return func(*args, **kwargs)
+        if func in _NO_VALUES or self._closed:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in ("__set__", "__delete__"):  # p.data = new (_check_param's), p.grad = ...
+            if (func == _GRAD_SET and len(args) > 1 and args[1] is not None
+                    and not _tiers_own(sys._getframe(2))):
+                self._refuse_grad_set(args[0])
+            return func(*args, **kwargs)
+        idx = [i for p in found if (i := self.index.get(id(p))) is not None]
+        released = [i for i in idx if not self._ready(i)]
+        # under overlap the worker may evict a live weight while the call reads it: pinned;
+        # a device model's weights in place may still be on their way (read ahead, or the
+        # step's upload): the compute stream waits for them
+        if not released and func != _DATA and not (idx and (self.keep_grads or self.dev)):
+            return func(*args, **kwargs)
+        if _tiers_own(sys._getframe(2)):
+            return func(*args, **kwargs)
+        if func in _SELF_IF_SAME and released and args and args[0] is found[0]:
+            out = func(*args, **kwargs)  # on the placeholder: no elements, nothing read
+            if out is args[0]:
+                return out
+        if func in _LIKE and released:
+            # the weights' shape, dtype and device only
+            stand = {id(self.params[i]): self.stand_in(self.params[i]) for i in released}
+            return func(*(stand.get(id(a), a) for a in args),
+                        **{k: stand.get(id(v), v) for k, v in kwargs.items()})
+        if func in _SHAPED:
+            if not released:
+                return func(*args, **kwargs)
+            stand = {id(self.params[i]): self._meta(i) for i in released}
+            return func(*(stand.get(id(a), a) for a in args),
+                        **{k: stand.get(id(v), v) for k, v in kwargs.items()})
+        self._read(idx)
+        try:
+            if func == _DATA:
+                self._data_taken(found)
+            return func(*args, **kwargs)
+        finally:
+            self._unread(idx)
+
+    @contextlib.contextmanager
+    def guard_aside(self) -> Iterator[None]:
+        """The block's guard off this thread's mode stack for the optimizer step: tiermem's
+        own work, whose every torch call (thousands a step, most with no parameter) would
+        pass through it for nothing. Left where it is under a mode pushed after it."""
+        g = self._guard
+        if (g is None or threading.get_ident() != self._guard_thread
+                or torch.overrides._get_current_function_mode() is not g):
+            yield
+            return
+        g.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            if self._guard is g:  # (not closed meanwhile)
+                g.__enter__()
+
+    def _meta(self, i: int) -> torch.Tensor:
+        """A meta tensor of parameter `i`'s shape and dtype (no memory), made once."""
+        t = self._metas.get(i)
+        if t is None:
+            m = self.records.metas[i]
+            t = self._metas[i] = torch.empty(m.shape, dtype=m.dtype, device="meta")
+        return t
+
+    def _refuse_grad_set(self, p: torch.Tensor) -> None:
+        """A gradient set by hand on a released parameter: torch refused it for the empty
+        placeholder's size, and the step would never see it (the gradients are the tier's)."""
+        i = self.index.get(id(p))
+        if i is None or self._ready(i):
+            return  # (a live one's: the step refuses it, before it would pass it over)
+        raise TierMemError(
+            f"parameters.offload: p.grad of {self.names[i]} was set by hand inside the block: "
+            "the gradients live in the parameter tier, which a p.grad set by hand never "
+            "reaches (the step would pass it over). Gradients come from backward. "
+            "torch.distributed.checkpoint's get_optimizer_state_dict, get_state_dict and "
+            "set_optimizer_state_dict set zeros to make a never-stepped optimizer's state: "
+            "call them after its first step, or before entering the block")
+
+    def _ready(self, i: int) -> bool:
+        """Parameter `i`'s weights are in p.data where the model computes."""
+        return i in self.live and (self.dev is None or i in self.on_device)
+
+    @_locked
+    def _read(self, idx: list[int]) -> None:
+        """Parameters `idx` materialised (on demand, out of the learned order) and pinned
+        for a call outside the model's forward."""
+        self._check_open()
+        need = sum(self._bytes(i) for i in idx) if len(idx) > 1 else 0
+        if need > self.window:
+            names = ", ".join(self.names[i] for i in idx[:4]) + (", ..." if idx[4:] else "")
+            raise TierMemError(
+                f"parameters.offload: a torch call outside the model's forward was given "
+                f"{len(idx)} weights of the parameter tier at once ({names}): they must be in "
+                f"memory together, {format_size(need)}, more than parameters.window "
+                f"({format_size(self.window)}) holds. Make the call over fewer at a time "
+                "(one per parameter), or raise parameters.window")
+        self._busy = True
+        try:
+            for i in idx:
+                self._pin(i)
+            for i in idx:
+                if not self._ready(i):
+                    self._materialise(i, device=True)
+                    self.stats.outside_forward += 1
+            self._ready_for_compute(idx)
+        except BaseException:
+            for i in idx:
+                self._unpin(i)
+            raise
+        finally:
+            self._busy = False
+
+    @_locked
+    def _unread(self, idx: list[int]) -> None:
+        for i in idx:
+            self._unpin(i)
+
+    @_locked
+    def _data_taken(self, found: list[torch.nn.Parameter]) -> None:
+        """p.data taken of live weights: a change through it moves no version counter, so
+        they are written back before their release, as if changed. Host weights; a device
+        buffer's are not (the limits in docs/guide/parameters.md)."""
+        for p in found:
+            i = self.index.get(id(p))
+            if i is None or i not in self.live or i in self.on_device:
+                continue
+            self._settle(i)  # a write of them in flight lands before they change
+            self.dirty.add(i)
+            self.stats.data_taken += 1
+
     @_locked
     def _use(self, p: torch.Tensor) -> None:
         i = self.index.get(id(p))
@@ -1290,6 +1533,11 @@ class ParamTier:
         uses): for code that needs only its shape."""
         m = self.records.metas[self.index[id(p)]]
         return torch.empty((), dtype=m.dtype, device=p.device).expand(m.shape)
+
+    def handed_out(self, p: torch.Tensor) -> bool:
+        """p.grad is the gradient the tier gave the step (one the step has not dropped yet,
+        as after a step that failed part-way), not one set by hand."""
+        return self.index.get(id(p)) in self.grads_out
 
     def weight_nbytes(self, p: torch.Tensor) -> int:
         """Bytes `p`'s weights take in the window when materialised."""
@@ -1776,6 +2024,14 @@ class ParamTier:
         self._accumulators.clear()
         while self._hooks_ctx:
             self._pop_saved_hooks()
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.tier = None  # inert wherever it is on the stack
+            # popped when it is on top of this thread's stack; under a mode the caller
+            # pushed inside the block (and left open) it stays, inert, not to pop theirs
+            if (threading.get_ident() == self._guard_thread
+                    and torch.overrides._get_current_function_mode() is guard):
+                guard.__exit__(None, None, None)
         if self.dev is not None:
             self.dev.close()  # after the releases above: every queued copy and kernel ran
         self.records.close()

@@ -106,7 +106,9 @@ class Manifest:
     records: dict = field(default_factory=dict)  # partition id -> [file, offset, nbytes]
     files: list[str] = field(default_factory=list)  # the swap files records refer to
     checksums: bool = True
-    params: list[dict] = field(default_factory=list)  # name, shape, dtype per parameter
+    # name, shape, dtype per parameter, and its strides ("stride") where it is not
+    # contiguous (channels_last): the records hold it in memory order
+    params: list[dict] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # hyperparameters, params as indices
     rule: str = "AdamRule"  # the update rule whose state the records hold (optim/rules)
     version: int = VERSION
@@ -503,6 +505,19 @@ def _template(t, where: str, kinds: list, depth: int = 0) -> None:
             _template(child, f"{where}.{kind}[{j}]", kinds, depth + 1)
 
 
+def _stride(stride: Any, shape: list, w: str) -> None:
+    """A non-contiguous parameter's strides (recover lays its state out with them): one
+    per dim, of a dense layout (each element once, no gaps), as the records hold it."""
+    got = _list(stride, f"{w}.stride", len(shape))
+    for j, x in enumerate(got):
+        _uint(x, f"{w}.stride[{j}]")
+    step = 1
+    for x, dim in sorted((x, dim) for x, dim in zip(got, shape) if dim != 1):
+        _need(x == step, f"{w}.stride", f"the strides of a dense tensor of shape {shape}",
+              got)
+        step *= dim
+
+
 def _share(share: dict, n: int) -> list[int]:
     """A rank's share (Manifest.share), checked; returns each user parameter's elements."""
     _dict(share, "share", {"world", "rank", "ranks", "pieces", "params", "group_params"})
@@ -580,7 +595,7 @@ def _validate(d: dict, run_dir: str) -> None:
     for i, p in enumerate(params):
         w = f"params[{i}]"
         _dict(p, w)
-        extra, missing = set(p) - _PARAM_KEYS - {"scalars"}, _PARAM_KEYS - set(p)
+        extra, missing = set(p) - _PARAM_KEYS - {"scalars", "stride"}, _PARAM_KEYS - set(p)
         if extra or missing:
             raise _Invalid(f"{w} has the wrong fields (missing {sorted(missing)}, unexpected "
                            f"{sorted(extra)})")
@@ -597,8 +612,11 @@ def _validate(d: dict, run_dir: str) -> None:
                   "{tensor: number, dtype: ...}", v)
         _need(p["dtype"] in _DTYPES, f"{w}.dtype", f"one of {_DTYPES}", p["dtype"])
         n = 1
-        for j, dim in enumerate(_list(p["shape"], f"{w}.shape")):
+        shape = _list(p["shape"], f"{w}.shape")
+        for j, dim in enumerate(shape):
             n *= _uint(dim, f"{w}.shape[{j}]")
+        if "stride" in p:
+            _stride(p["stride"], shape, w)
         sizes.append(n)
     for j, (index, start) in enumerate(d["share"]["pieces"] if numels is not None else ()):
         _need(start + sizes[j] <= numels[index], f"share.pieces[{j}]",

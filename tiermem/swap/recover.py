@@ -23,6 +23,9 @@ exactly: what the model held at that step, loadable into a plain bf16 model), an
 optimizer's "master_param" what state_dict() gives, the weight plus its Kahan term
 added in fp32 (the value the next step's update starts from; without kahan, the weight).
 A scratch run's Kahan term is left out: its bf16 weights are the model's own checkpoint.
+A parameter that is not contiguous (a channels_last conv weight; the manifest keeps its
+strides) comes out, weights and state, with its strides, as torch's own state would: its
+records hold it in memory order.
 
 Runs of any other optimizer (the whole-parameter rules: Adafactor, Muon, and the generic
 path's third-party optimizers) come out the same way, from the layout the manifest keeps
@@ -55,8 +58,8 @@ from tiermem.swap.manifest import (RESIDENT_FILE, STATE_FILE, Manifest, Unkept,
                                     read_manifest, refuse_stale_paths, same_dir,
                                     scalar_from_json, value_from_json)
 from tiermem.kernels.lowbit import segment_values
-from tiermem.partition import (ORDER_KEY, SCALE_KINDS, Partition, Segment, laid,
-                               low_weight_dtypes)
+from tiermem.partition import (ORDER_KEY, SCALE_KINDS, Partition, Segment, flat, laid,
+                               laid_out, low_weight_dtypes)
 
 FORMAT = "tiermem-recover-1"
 # Rules whose records hold one value per element of each state kind, under torch's own
@@ -213,22 +216,22 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
     for i, step in enumerate(m.steps):
         if step == 0 and (not eager or i in stateless):
             continue  # never stepped: torch keeps no state for it either
-        shape = m.params[i]["shape"]
+        shape, stride = m.params[i]["shape"], m.params[i].get("stride")
         st: dict[str, Any] = {"step": torch.tensor(float(step))} if has_step else {}
         st.update({k: scalar_from_json(v) for k, v in (m.params[i].get("scalars") or {}).items()})
         for k in kinds_of.get(i, ()):
             if k not in WEIGHT_KINDS and k not in SCALE_KINDS:
                 # never stepped (Adagrad builds its state when made): torch's starting value
                 fill = _first_fill(run_dir, m, k, i) if step == 0 else 0.0
-                st[k] = torch.full(shape, fill, dtype=torch.float32)
+                st[k] = laid_out(shape, stride, fill)
         if m.params[i]["dtype"] != "float32" and (
                 {"master", "weight"} & set(kinds_of.get(i, ()))):
-            st["master_param"] = torch.zeros(shape, dtype=torch.float32)
+            st["master_param"] = laid_out(shape, stride)
         if st:  # SGD without momentum keeps nothing
             state[i] = st
     for i, p in enumerate(m.params):
         if {"master", "weight"} & set(kinds_of.get(i, ())):
-            weights[i] = torch.zeros(p["shape"], dtype=torch.float32)
+            weights[i] = laid_out(p["shape"], p.get("stride"))
     fresh = set(m.fresh)
     records = _Records(run_dir, m)
     try:
@@ -247,18 +250,18 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
                     # int8 codes: the fp32 moments torch keeps
                     value = segment_values(views, slices, k, n)
                     if k in ("master", "weight") and s.index in weights:
-                        weights[s.index].view(-1)[s.start: s.start + s.length].copy_(value)
+                        flat(weights[s.index])[s.start: s.start + s.length].copy_(value)
                     if m.steps[s.index] == 0:
                         continue
                     st = state.get(s.index, {})
                     if k == "kahan":
                         if "master_param" in st:  # weight + term, in fp32, as the update
-                            w = st["master_param"].view(-1)[s.start: s.start + s.length]
+                            w = flat(st["master_param"])[s.start: s.start + s.length]
                             w.copy_(w + value.float())
                         continue
                     key = "master_param" if k in ("master", "weight") else k
                     if key in st:
-                        st[key].view(-1)[s.start: s.start + s.length].copy_(value)
+                        flat(st[key])[s.start: s.start + s.length].copy_(value)
     finally:
         records.close()
     for i, st in state.items():

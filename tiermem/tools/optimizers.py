@@ -25,7 +25,7 @@ from tiermem.config import Settings
 from tiermem.errors import TierMemError
 from tiermem.optim.rules import AdamRule, UpdateRule, rule_class, rule_for, shadow_optimizer
 from tiermem.partition import (MOMENT_DTYPES, QUANT_BLOCK, SCALE_KINDS, Partition,
-                               kind_dtype)
+                               flat_like, kind_dtype)
 
 
 class UnknownOptimizer(TierMemError, ValueError):
@@ -296,7 +296,7 @@ def plain_reference(off: Any, part: Partition, rec: dict[str, torch.Tensor],
         sl = {k: part.slices(k)[i] for k in rec}
         cur = weights[i][1]
         p = (rec["master"][sl["master"]] if master else cur).clone().view(shape)
-        g = full.reshape(-1)[s.start: s.start + s.length]
+        g = flat_like(full, whole)[s.start: s.start + s.length]  # in memory order
         p.grad = g.to(p.dtype).clone().view(shape)
         params.append(p)
         entries.append((i, s, p, sl))

@@ -28,7 +28,7 @@ from tiermem.errors import TierMemError
 from tiermem.kernels.adam import adam_update, kernel_matching
 from tiermem.optim.rules import own_values
 from tiermem.optim.rules.adam import MOMENTS
-from tiermem.partition import Partition
+from tiermem.partition import Partition, flat, flat_like
 from tiermem.sizes import format_size
 from tiermem.swap.paths import check_paths
 from tiermem.tools.optimizers import make_optimizer, plain_reference, state_bytes, verifies_with_plain
@@ -365,7 +365,7 @@ class Verifier:
                 off.rule.init(part, rec)
         return {
             "record": rec,
-            "weights": [(s, _weights_of(off, s.param).reshape(-1)[s.start: s.start + s.length]
+            "weights": [(s, flat(_weights_of(off, s.param))[s.start: s.start + s.length]
                          .clone()) for s in part.segments],
             "steps": {s.index: off.steps[s.index].clone() for s in part.segments},
             "scalars": {s.index: {k: v.clone() if isinstance(v, torch.Tensor) else v
@@ -397,7 +397,7 @@ class Verifier:
             full = _grad_of(off, s.param)
             if full is None:
                 continue
-            grads[n] = full.reshape(-1)[s.start: s.start + s.length]
+            grads[n] = flat_like(full, s.param)[s.start: s.start + s.length]
             g = grads[n].float().clone()
             lists["params"].append(rec["master"][sl] if "master" in rec else cur)
             lists["grads"].append(g)
@@ -505,7 +505,7 @@ class Verifier:
                 for k, v in views.items():
                     self._check(step, part, k, v, ref["record"][k])
             for s, expected in ref["weights"]:
-                got = _weights_of(off, s.param).reshape(-1)[s.start: s.start + s.length]
+                got = flat(_weights_of(off, s.param))[s.start: s.start + s.length]
                 self._check(step, part, f"weights of param {s.index}", got, expected)
             self.checked += 1
         self._pending = []

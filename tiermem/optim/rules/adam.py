@@ -30,7 +30,7 @@ from tiermem.kernels.lowbit import CRC_ARRAYS, lowbit_update
 from tiermem.kernels.native_adam import AdamRunTable, state_seed, tail_len
 from tiermem.optim.rules.base import (Batch, PreparedUpdate, UpdateRule, Views,
                                       check_group_tensors)
-from tiermem.partition import QUANT_BLOCK, Partition, state_kinds
+from tiermem.partition import QUANT_BLOCK, Partition, flat, state_kinds
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"  # fp32 master weight of a low-precision param, in state_dict()
@@ -57,7 +57,7 @@ class AdamRule(UpdateRule):
     def check(self, opt: torch.optim.Optimizer) -> None:
         self._groups = opt.param_groups
         for g, group in enumerate(opt.param_groups):
-            check_group_tensors(g, group)
+            check_group_tensors(g, group, elementwise=True)
             if self.state_dtype == "int8" and group.get("amsgrad"):
                 raise TierMemError(
                     f"param_groups[{g}]: optimizer.state_dtype int8 keeps no max_exp_avg_sq; "
@@ -120,7 +120,7 @@ class AdamRule(UpdateRule):
                 off = 0
                 for s in part.segments:
                     views[k][off: off + s.length].copy_(
-                        s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                        flat(s.param.detach())[s.start: s.start + s.length])
                     off += s.length
 
     def lowbit(self, params) -> bool:

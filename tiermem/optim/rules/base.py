@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from tiermem.errors import TierMemError
-from tiermem.partition import Partition, Segment
+from tiermem.partition import Partition, Segment, flat, is_dense
 
 Views = dict[str, torch.Tensor]
 
@@ -61,19 +61,21 @@ class PreparedUpdate(ABC):
     @abstractmethod
     def run(self, *, grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
             group: dict[str, Any], threads: int | None) -> None:
-        """Update every segment in place: grads[k] (contiguous, the parameter's whole
-        gradient) and steps[k] (the count after this step's increment) of parameter
-        slots[k], the hyperparameters of `group` as they are now."""
+        """Update every segment in place: grads[k] (1-D: the parameter's whole gradient, in
+        the parameter's memory order) and steps[k] (the count after this step's increment)
+        of parameter slots[k], the hyperparameters of `group` as they are now."""
 
 
 class UnsupportedOptimizer(TierMemError, TypeError):
     """An optimizer (or a setting of one) no rule runs exactly."""
 
 
-def check_group_tensors(g: int, group: dict[str, Any]) -> None:
+def check_group_tensors(g: int, group: dict[str, Any], *, elementwise: bool = False) -> None:
     """What no rule runs: differentiable steps, a parameter listed twice in a group, and
-    parameters that are not real, contiguous floating-point tensors (a record holds them
-    flat)."""
+    parameters that are not real floating-point tensors laid out as a record holds them
+    (flat): dense (channels_last included) for an `elementwise` rule, whose segments
+    address a parameter in memory order, else contiguous (a whole-parameter rule hands the
+    optimizer its state shaped as the parameter, row-major)."""
     if group.get("differentiable"):
         raise UnsupportedOptimizer(f"param_groups[{g}]: differentiable=True is not supported")
     seen: set[int] = set()
@@ -96,9 +98,23 @@ def check_group_tensors(g: int, group: dict[str, Any]) -> None:
                 f"param_groups[{g}]: {p.dtype} parameters are not supported (tiermem keeps "
                 "optimizer state and master weights in fp32, which would round every "
                 "update); train in fp32, or leave this optimizer untiered")
-        if not p.is_contiguous():
-            raise UnsupportedOptimizer(f"param_groups[{g}]: a parameter of shape "
-                                       f"{tuple(p.shape)} is not contiguous")
+        if p.is_contiguous():
+            continue
+        if not is_dense(p):
+            raise UnsupportedOptimizer(
+                f"param_groups[{g}]: params[{n}] (shape {tuple(p.shape)}, strides "
+                f"{tuple(p.stride())}) is not dense (a view with gaps or overlaps, as "
+                "t.expand or t[:, ::2] make): tiermem keeps a parameter as one run of "
+                "memory; make it a tensor of its own (.contiguous())")
+        if not elementwise:
+            raise UnsupportedOptimizer(
+                f"param_groups[{g}]: params[{n}] (shape {tuple(p.shape)}, strides "
+                f"{tuple(p.stride())}) is not contiguous (channels_last?), and this "
+                "optimizer keeps whole-parameter state, which tiermem lays out row-major "
+                "only: tiermem tiers non-contiguous parameters for elementwise optimizers "
+                "(Adam, AdamW, torch's SGD ... Rprop); convert the model with "
+                "model.to(memory_format=torch.contiguous_format), or leave this optimizer "
+                "untiered")
 
 
 class UpdateRule(ABC):
@@ -273,8 +289,7 @@ class UpdateRule(ABC):
                 v.zero_()
         if "master" in views:
             for s, sl in zip(part.segments, part.slices("master")):
-                views["master"][sl].copy_(
-                    s.param.detach().reshape(-1)[s.start: s.start + s.length])
+                views["master"][sl].copy_(flat(s.param.detach())[s.start: s.start + s.length])
 
     @abstractmethod
     def update(self, batch: Batch, *, kernel: str) -> list[dict[str, int]] | None:

@@ -75,7 +75,7 @@ class TorchRule(UpdateRule):
 
     def _check(self, opt: torch.optim.Optimizer) -> None:
         for g, group in enumerate(opt.param_groups):
-            check_group_tensors(g, group)
+            check_group_tensors(g, group, elementwise=True)
             if group.get("capturable"):
                 raise UnsupportedOptimizer(f"param_groups[{g}]: capturable=True is for CUDA "
                                            "graphs; tiermem updates outside them")
