@@ -555,10 +555,11 @@ def load(tm: Any, path: str) -> dict[str, int]:
 # state: each record kind of parameter i is one whole DCP tensor, `tiermem.whole.<i>/<kind>`,
 # in the record's own shape (flat: the rule's tensor in the memory order the manifest's
 # ORDER_KEY scalar names) and dtype, written by its owner and read whole by whichever rank
-# owns the parameter at load. Beside it, `tiermem.whole.<i>/scalars` (torch.save bytes): the
+# owns the parameter at load. Beside it, `tiermem.whole.<i>#scalars` (torch.save bytes): the
 # parameter's host scalars (its step count and numbers in its state, the generic path's
-# memory orders) and a CRC32 of each kind's bytes; `tiermem.values`: every group's values
-# and what the step keeps on the optimizer itself (ShadowRule.step_values), replicated.
+# memory orders) and its kinds' names; `tiermem.whole.<i>#crc32`: each kind's CRC32;
+# `tiermem.values`: every group's values and what the step keeps on the optimizer itself
+# (ShadowRule.step_values), replicated.
 
 WHOLE_FORMAT = "tiermem-dcp-whole-1"
 VALUES = "tiermem.values"
