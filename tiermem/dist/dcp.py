@@ -596,7 +596,8 @@ def _unpickled(value: io.BytesIO, what: str, path: str) -> Any:
         return torch.load(value, weights_only=True)
     except Exception as exc:
         raise TierMemError(f"checkpoint {path}: {what} cannot be read ({type(exc).__name__}: "
-                           f"{exc}); the checkpoint is damaged") from exc
+                           f"{exc}): the checkpoint is damaged, or the optimizer keeps a "
+                           "value torch.load(weights_only=True) does not read") from exc
 
 
 def _optimizer_name(src: _Source) -> str:
