@@ -156,7 +156,8 @@ class Collectives:
         """Items 0..n-1, each from the lowest rank that offers it (`offers`: this rank's,
         item -> a picklable value), on every rank; an item no rank offers is absent. For
         the few small values a rank's step may know and another's not (a param group's
-        count on a rank that owns none of its parameters)."""
+        count on a rank that owns none of its parameters), and for whole-parameter state
+        entries, which only their owner offers. One item in flight at a time."""
         if self.world == 1:
             return {i: v for i, v in offers.items() if i < n}
         blobs = {i: pickle.dumps(v) for i, v in offers.items()}

@@ -28,7 +28,6 @@ of torch's to follow beyond that.
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 from typing import Any, Callable, Sequence
 
@@ -302,26 +301,9 @@ class FsdpWholeLayout:
         """Every parameter's entry from its owner (`shadow`: param index -> torch's entry, the
         owned ones), on every rank as DTensors like FSDP2's (see the module's doc). One
         entry in flight at a time."""
-        what = "gathering the optimizer state"
-        blobs = {}
-        for i, st in shadow.items():
-            buf = io.BytesIO()
-            torch.save(st, buf)
-            blobs[i] = buf.getvalue()
-        sizes = self.coll.table([float(len(blobs.get(i, b""))) for i in range(len(self.params))],
-                                what)
-        out: dict[int, dict[str, Any]] = {}
-        for i, p in enumerate(self.params):
-            owner = self.owner[i]
-            n = int(sizes[owner][i])
-            if n == 0:
-                continue  # never stepped: torch keeps no state for it either
-            data = (torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8)
-                    if owner == self.coll.rank else torch.empty(n, dtype=torch.uint8))
-            self.coll.wait(self.coll.broadcast(data, owner), what)
-            st = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-            out[i] = {k: self._dtensor(i, k, v) for k, v in st.items()}
-        return out
+        # only the owner offers a parameter's entry (none: never stepped, as torch keeps none)
+        got = self.coll.from_lowest(shadow, len(self.params), "gathering the optimizer state")
+        return {i: {k: self._dtensor(i, k, v) for k, v in st.items()} for i, st in got.items()}
 
     def _dtensor(self, i: int, key: str, v: Any) -> Any:
         p = self.params[i]

@@ -24,7 +24,6 @@ column statistics) moves whole, from its one owner (gather_whole).
 from __future__ import annotations
 
 import hashlib
-import io
 import time
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -249,25 +248,8 @@ class ZeroLayout:
         calls it with the state of the parameters it owns, `shadow`: param index -> torch's
         entry). Each parameter has one owner, which holds its whole entry in the rule's own
         shapes; every rank gets every entry. One parameter's entry in flight at a time."""
-        what = "gathering the optimizer state"
-        blobs = {}
-        for i, st in shadow.items():
-            buf = io.BytesIO()
-            torch.save(st, buf)
-            blobs[i] = buf.getvalue()
-        sizes = self.coll.table([float(len(blobs.get(i, b""))) for i in range(len(self.params))],
-                                what)
-        out: dict[int, dict[str, Any]] = {}
-        for i in range(len(self.params)):
-            owner = max(range(self.coll.world), key=lambda r: sizes[r][i])
-            n = int(sizes[owner][i])
-            if n == 0:
-                continue  # no state on its owner: never stepped, as torch keeps none
-            data = (torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8)
-                    if owner == self.coll.rank else torch.empty(n, dtype=torch.uint8))
-            self.coll.wait(self.coll.broadcast(data, owner), what)
-            out[i] = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-        return out
+        # only the owner offers a parameter's entry (none: never stepped, as torch keeps none)
+        return self.coll.from_lowest(shadow, len(self.params), "gathering the optimizer state")
 
     def gather_state(self, shadow: dict[int, dict[str, Any]], kinds_of: Sequence[Sequence[str]],
                      scalars_of: Sequence[Sequence[str]], *, model_dtype: bool,
