@@ -276,11 +276,7 @@ class _SavePlanner(DefaultSavePlanner):
                 for n, sl in enumerate(slices[k] if not fresh else ()):
                     got[k][sl].copy_(segment_values(views, slices, k, n))
             if fresh and "master" in got:  # never stepped: the weights are the model's
-                o = 0
-                for s in part.segments:
-                    got["master"][o: o + s.length].copy_(
-                        s.param.detach().reshape(-1)[s.start: s.start + s.length])
-                    o += s.length
+                got["master"].copy_(_model_weights(part))
             self._cache = (part.id, got)
         self.records_read += 1
         return self._cache[1]
@@ -301,13 +297,18 @@ def save(tm: Any, path: str) -> dict[str, int]:
     if not src.off.rule.elementwise:
         return _save_whole(src, path)
     planner = _SavePlanner(src)
+    _dcp_save(src, path, planner)
+    return {"records_read": planner.records_read, "peak_live_bytes": planner.peak_live_bytes}
+
+
+def _dcp_save(src: _Source, path: str, planner: Any) -> None:
     # One writer thread: items are resolved in plan order, one at a time.
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
     with warnings.catch_warnings():
+        # One process: DCP warns that it assumes so, which no_dist=True already says.
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save({}, storage_writer=writer, planner=planner, process_group=src.group,
                  no_dist=src.coll is None)
-    return {"records_read": planner.records_read, "peak_live_bytes": planner.peak_live_bytes}
 
 
 # -- load --------------------------------------------------------------------------------
@@ -944,11 +945,7 @@ def _refuse_weight_tier(src: _Source, op: str) -> None:
 def _save_whole(src: _Source, path: str) -> dict[str, int]:
     _refuse_weight_tier(src, "save")
     planner = _WholeSavePlanner(src)
-    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save({}, storage_writer=writer, planner=planner, process_group=src.group,
-                 no_dist=src.coll is None)
+    _dcp_save(src, path, planner)
     return {"records_read": planner.records_read, "peak_live_bytes": planner.peak_live_bytes}
 
 
