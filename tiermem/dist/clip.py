@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import weakref
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -80,14 +80,18 @@ class AveragedClip:
 
     def __init__(self, layout: ZeroLayout) -> None:
         self.layout = layout
-        self.index = {id(p): i for i, p in enumerate(layout.params)}
+        self.reindex()
         # (present, marks, comm figures) of the shares reduced at a clip, until a step
         # takes them
         self.early: tuple[set[int], Marks, dict] | None = None
 
     def reindex(self) -> None:
-        """After add_param_group: the new group's parameters clip too."""
-        self.index = {id(p): i for i, p in enumerate(self.layout.params)}
+        """At set-up, and after add_param_group: the new group's parameters clip too."""
+        lay = self.layout
+        self.index = {id(p): i for i, p in enumerate(lay.params)}
+        # parameter index -> this rank's view of its piece (whose .grad the reduce fills)
+        self.views = {pc.index: v for pcs, views in zip(lay.pieces, lay.views)
+                      for pc, v in zip(pcs, views)}
 
     def held(self, p: torch.Tensor) -> bool:
         return id(p) in self.index
@@ -154,15 +158,27 @@ class AveragedClip:
     def _mine(self, order: list[int], present: set[int]) -> list[tuple[int, torch.Tensor]]:
         """(parameter index, this rank's piece of its averaged gradient) for the parameters
         of `order` that have one, in `order`."""
-        lay = self.layout
-        where = {pc.index: v for pcs, views in zip(lay.pieces, lay.views)
-                 for pc, v in zip(pcs, views)}
-        return [(i, where[i].grad) for i in order if i in present and i in where
-                and where[i].grad is not None]
+        views = self.views
+        return [(i, views[i].grad) for i in order if i in present and i in views
+                and views[i].grad is not None]
 
-    def norm(self, order: list[int], present: set[int], norm_type: float,
-             error_if_nonfinite: bool) -> torch.Tensor:
-        """torch's total norm of the averaged gradients of `order`'s parameters."""
+    def clip_norm(self, order: list[int], present: set[int], max_norm: float,
+                  norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        """torch's clip_grad_norm_ of the averaged gradients of `order`'s parameters: the
+        total norm (returned), and this rank's shares scaled by torch's coefficient."""
+        mine = self._mine(order, present)
+        total = self._norm(order, present, mine, norm_type, error_if_nonfinite)
+        grads = [g for _, g in mine]
+        if grads:
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            for dt in dict.fromkeys(g.dtype for g in grads):
+                torch._foreach_mul_([g for g in grads if g.dtype == dt], coef)
+        return total
+
+    def _norm(self, order: list[int], present: set[int], mine: list[tuple[int, torch.Tensor]],
+              norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        """torch's total norm of the averaged gradients of `order`'s parameters (`mine`:
+        this rank's pieces of them)."""
         lay, coll = self.layout, self.layout.coll
         given = [i for i in order if i in present]
         if not given:
@@ -176,7 +192,6 @@ class AveragedClip:
                 if lay.params[i].dtype == dt:
                     for r, _ in lay.owners(i):
                         slots[(i, r)] = len(slots)
-        mine = self._mine(order, present)
         vec = torch.zeros(len(slots), dtype=torch.float64)
         if mine:
             norms = torch._foreach_norm([g for _, g in mine], norm_type)
@@ -193,16 +208,6 @@ class AveragedClip:
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         return total
 
-    def scale(self, order: list[int], present: set[int], max_norm: float,
-              total: torch.Tensor) -> None:
-        """torch's clip coefficient applied to this rank's shares of `order`'s parameters."""
-        grads = [g for _, g in self._mine(order, present)]
-        if not grads:
-            return
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for dt in dict.fromkeys(g.dtype for g in grads):
-            torch._foreach_mul_([g for g in grads if g.dtype == dt], coef)
-
     def clamp(self, order: list[int], present: set[int], value: float) -> None:
         """clip_grad_value_ on this rank's shares of `order`'s parameters."""
         grads = [g for _, g in self._mine(order, present)]
@@ -210,6 +215,3 @@ class AveragedClip:
             torch._foreach_clamp_min_(grads, -float(value))
             torch._foreach_clamp_max_(grads, float(value))
 
-
-def clip_args(params: Any) -> list[torch.Tensor]:
-    return [params] if isinstance(params, torch.Tensor) else list(params)

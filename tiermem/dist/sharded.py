@@ -628,8 +628,8 @@ class DistributedOffload(Offload):
                 "is not the norm of the parameters'. Use a positive norm_type (2.0, inf)")
         with torch.no_grad():
             order, present = self._clip_start(params, what)
-            total = self.clip.norm(order, present, norm_type, error_if_nonfinite)
-            self.clip.scale(order, present, max_norm, total)
+            total = self.clip.clip_norm(order, present, max_norm, norm_type,
+                                        error_if_nonfinite)
         return total
 
     def clip_value(self, params: list[torch.Tensor], clip_value: float, what: str) -> None:
