@@ -170,3 +170,36 @@ def test_a_step_on_the_gradients_a_failed_step_applied_is_refused(tmp_path, back
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()  # new gradients: no refusal
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_skipped_step_makes_adagrads_state_for_an_added_group(tmp_path, backend):
+    """torch's fused Adagrad makes the state of every parameter with a gradient before it
+    skips an inf step: a group added inside the block whose first gradients are skipped
+    holds state afterwards (state_dict()), as the plain optimizer's does. (Found by
+    test_scenarios' random draw.)"""
+    model = Synthetic()
+    ref = copy.deepcopy(model)
+    side = lambda m: [m.side.weight, m.side.bias]  # noqa: E731
+
+    def make(m):
+        return torch.optim.Adagrad([p for p in m.parameters()
+                                    if all(p is not q for q in side(m))], lr=1e-2, fused=True)
+
+    opt, ref_opt = make(model), make(ref)
+    batch = make_batches(model, 1)[0][0]
+    sds = []
+    with tiermem.offload(opt, config(tmp_path, backend=backend)):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.add_param_group({"params": side(m), "lr": 2e-3})
+            scaler = torch.amp.GradScaler("cpu", init_scale=1000.0)
+            loss = loss_of(m, *batch, True)
+            scaler.scale(loss * float("inf")).backward()
+            scaler.step(o)  # skipped: every gradient is inf
+            scaler.update()
+            sds.append(o.state_dict())
+    got, want = sds
+    assert set(got["state"]) == set(want["state"]) == set(range(7))
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)

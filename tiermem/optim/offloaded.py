@@ -574,6 +574,10 @@ class OffloadedOptimizer:
                            "the gradients are in the parameter tier, where GradScaler "
                            "cannot check them for inf/NaN")
             if amp.apply(self.opt, scaled):  # (before the lanes stage any gradient)
+                # torch's fused step makes the state of every parameter with a gradient
+                # (_init_group) before it skips: with eager state (Adagrad) a group added
+                # since then holds state, as the plain optimizer's does
+                self.stateless -= {i for i, p in enumerate(self.params) if p.grad is not None}
                 run_post_hooks(self.opt, args, kwargs)
                 step_called(self.opt)
                 return None
