@@ -715,7 +715,9 @@ def rank_dies(rank: int, world: int, tmp: str) -> None:
 def gradscaler(rank: int, world: int, tmp: str) -> None:
     """torch.amp.GradScaler over ranks. With gradients all-reduced before it (DDP's;
     distributed.grads: allreduced) a fused AdamW under it equals the plain one, bitwise,
-    its skipped step included (rank 0's inf reaches every rank through the all-reduce).
+    its skipped steps included (rank 0's inf reaches every rank through the all-reduce):
+    the first, after which torch's fused step has made the state of the parameters with
+    gradients (step 0, zero moments), and a later one.
     With reduce_scatter each rank's GradScaler sees only its own gradients: every rank
     refuses the step at step(), also where only rank 0 found an inf (its GradScaler would
     skip the step while the other's waits in a collective, were the hand-over not taken)."""
@@ -731,12 +733,19 @@ def gradscaler(rank: int, world: int, tmp: str) -> None:
             for m, o, scaler in ((model, opt, scalers[0]), (ref_model, ref_opt, scalers[1])):
                 for tokens, target in micro:
                     loss = loss_of(m, tokens, target, used_side(i, rank))
-                    scaler.scale(loss * float("inf") if i == 1 and rank == 0
+                    scaler.scale(loss * float("inf") if i in (0, 2) and rank == 0
                                  else loss).backward()
                 averaged(m, world)  # DDP's all-reduce
                 scaler.step(o)
                 scaler.update()
                 o.zero_grad()
+            if i == 0:  # a collective: every rank gathers the whole state
+                from offload_helpers import compare_state_dicts
+                want = ref_opt.state_dict()
+                assert want["state"] and all(float(st["step"]) == 0
+                                             for st in want["state"].values())
+                compare_state_dicts(opt.state_dict(), want, exact=True)
+                assert bool(opt.state)
     assert scalers[0].get_scale() == scalers[1].get_scale() < 1000.0
     compare_runs(model, opt, ref_model, ref_opt)
     for fused in (False, True):

@@ -18,9 +18,13 @@ import torch
 
 import tiermem
 from tiermem.errors import WeightsLost
+from tiermem.dist import dcp
+from tiermem.swap import recover as rec
 from faults import inject
 from offload_helpers import (Synthetic, backend_params, compare_runs, config, loss_of,
-                             make_batches)
+                             make_batches, swap_dir)
+from test_optimizer_rules import state_equal
+from test_recover_gaps import crash_cfg, kept, main_params, side_group, small
 
 STEPS = 6
 
@@ -203,3 +207,104 @@ def test_a_skipped_step_makes_adagrads_state_for_an_added_group(tmp_path, backen
     for i, st in want["state"].items():
         for k, v in st.items():
             assert torch.equal(got["state"][i][k], v), (i, k)
+
+
+# (name, fused optimizer whose skipped step makes state, as torch's does in _init_group)
+SKIP_MAKES_STATE = [
+    ("adam", lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)),
+    ("adamw_amsgrad", lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, fused=True)),
+]
+
+
+def _skipped_step(model, opt, batch, scaler):
+    """One step GradScaler skips (the loss made inf); the side branch gets no gradients."""
+    scaler.scale(loss_of(model, *batch, False) * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name, make", SKIP_MAKES_STATE, ids=[n for n, _ in SKIP_MAKES_STATE])
+def test_a_skipped_first_step_keeps_the_state_torchs_fused_step_made(tmp_path, monkeypatch,
+                                                                       backend, name, make):
+    """torch's fused Adam makes the state of every parameter with a gradient (step 0, zero
+    moments) before it skips a step GradScaler found inf in; the side branch, without
+    gradients, has none. tiermem's state_dict inside the block, opt.state's truth, recover
+    of the crash-consistent manifest, a resume from it, a state_dict loaded into another
+    tiered optimizer and the state handed back at exit all say the same; the next step
+    starts from it as torch's does. (Found by test_scenarios' random draw: an added group
+    whose first gradients were skipped.)"""
+    model = small()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make(main_params(model)), make(main_params(ref))
+    opt.add_param_group(side_group(model, lr=2e-3))
+    ref_opt.add_param_group(side_group(ref, lr=2e-3))
+    batches = make_batches(model, 2)
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2))
+    seen = {}
+
+    def body():
+        _skipped_step(model, opt, batches[0][0], scaler)
+        seen["sd"], seen["held"] = opt.state_dict(), bool(opt.state)
+
+    kept(tmp_path, monkeypatch, opt, model, body, backend)
+    _skipped_step(ref, ref_opt, batches[0][0], ref_scaler)
+    want = ref_opt.state_dict()
+    assert sorted(want["state"]) == [0, 1, 2, 3, 4]
+    assert all(float(st["step"]) == 0 for st in want["state"].values())
+    state_equal(seen["sd"], want, "state_dict after the skipped step")
+    assert seen["held"]
+    state_equal(rec.gather(str(swap_dir(tmp_path)))["optimizer"], want, "recovered")
+    other = make(main_params(copy.deepcopy(model)))
+    other.add_param_group(side_group(model, lr=2e-3))
+    with tiermem.offload(other, config(tmp_path / "other", backend=backend)) as tm:
+        other.load_state_dict(want)
+        state_equal(other.state_dict(), want, "loaded into another tiered optimizer")
+        dcp.save(tm, str(tmp_path / "ckpt"))
+    third = make(main_params(copy.deepcopy(model)))
+    third.add_param_group(side_group(model, lr=2e-3))
+    with tiermem.offload(third, config(tmp_path / "third", backend=backend)) as tm:
+        dcp.load(tm, str(tmp_path / "ckpt"))
+        state_equal(third.state_dict(), want, "through tiermem.dist.dcp")
+    opt2 = make(main_params(model))
+    opt2.add_param_group(side_group(model, lr=2e-3))
+    with tiermem.offload(opt2, crash_cfg(tmp_path, backend), model=model, resume=True):
+        state_equal(opt2.state_dict(), want, "state_dict after resume")
+        loss = loss_of(model, *batches[1][0], True)
+        scaler.scale(loss).backward()
+        scaler.step(opt2)
+        scaler.update()
+    loss = loss_of(ref, *batches[1][0], True)
+    ref_scaler.scale(loss).backward()
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+    compare_runs(model, opt2, ref, ref_opt)  # the state handed back at exit, and weights
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_skipped_first_step_of_fused_sgd_leaves_no_state(tmp_path, backend):
+    """torch's fused SGD keeps the momentum buffer of a parameter whose first step
+    GradScaler skipped from torch.empty_like (uninitialised memory) and steps on from it.
+    tiermem keeps what GradScaler means and gives the unfused SGD, which it never calls on
+    such a step: no state, and the next step is the first (the buffer starts from the
+    gradient): bitwise the fused SGD's that the skipped step never reached."""
+    model = small()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9,  # noqa: E731
+                                     dampening=0.5, fused=True)
+    opt, ref_opt = make(model), make(ref)
+    batches = make_batches(model, 2)
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2))
+    with tiermem.offload(opt, config(tmp_path, backend=backend)):
+        _skipped_step(model, opt, batches[0][0], scaler)
+        assert opt.state_dict()["state"] == {} and not opt.state
+        scaler.scale(loss_of(model, *batches[1][0], True)).backward()
+        scaler.step(opt)
+        scaler.update()
+    ref_scaler.scale(torch.ones(()))  # the skip, as GradScaler does it for unfused SGD
+    ref_scaler.update(scaler.get_scale())
+    ref_scaler.scale(loss_of(ref, *batches[1][0], True)).backward()
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+    compare_runs(model, opt, ref, ref_opt)

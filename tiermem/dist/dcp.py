@@ -118,7 +118,8 @@ class _Source:
         held = torch.zeros(len(self.params))
         for part in self.off.parts:
             for s in part.segments:
-                if self.off.steps[s.index] != 0 or not self.off.fills(s.index):
+                if (self.off.steps[s.index] != 0 or not self.off.fills(s.index)
+                        or s.index in self.off.unstepped_state):
                     held[self.locate(s)[0]] = 1.0
         if self.coll is not None and len(held):
             self.coll.wait(self.coll.all_reduce(held, torch.distributed.ReduceOp.MAX),
@@ -535,8 +536,11 @@ def load(tm: Any, path: str) -> dict[str, int]:
     stateless = planner.meta.get("stateless")
     if stateless is not None:
         gone = set(stateless)
-        src.off.set_stateless(s.index for part in src.off.parts for s in part.segments
-                              if src.locate(s)[0] in gone)
+        mine = [(s.index, src.locate(s)[0]) for part in src.off.parts for s in part.segments]
+        # (an earlier tiermem listed every never-stepped parameter of a rule without eager
+        # state: none holds any, as it kept none then)
+        src.off.set_stateless([j for j, i in mine if i in gone],
+                              held=[j for j, i in mine if i not in gone and steps[i] == 0])
     loaded = getattr(tm, "counts_loaded", None)
     if loaded is not None:  # under a process group: opt.state's truth on every rank alike
         loaded(steps, stateless)

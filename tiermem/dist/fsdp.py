@@ -128,7 +128,7 @@ class FsdpLayout:
 
     def gather_state(self, shadow: dict[int, dict[str, Any]], kinds_of: Sequence[Sequence[str]],
                      scalars_of: Sequence[Sequence[str]], *, model_dtype: bool,
-                     has_step: bool = True, eager: bool = False) -> dict[int, dict[str, Any]]:
+                     has_step: bool = True) -> dict[int, dict[str, Any]]:
         """State as DTensors sharded like their parameters; only the step counts and the
         per-parameter scalars are agreed on (a rank whose shard of a parameter is empty has
         no state of its own for it). Arguments as ZeroLayout.gather_state's."""
@@ -137,8 +137,8 @@ class FsdpLayout:
                                            "agreeing on per-parameter scalars")
         out: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
-            if steps[i] < 0 or (steps[i] == 0 and not eager):
-                continue
+            if steps[i] < 0:
+                continue  # no entry on any rank
             local_shape = p._local_tensor.shape
             st: dict[str, Any] = {"step": torch.tensor(float(steps[i]))} if has_step else {}
             st.update(scalars[i])

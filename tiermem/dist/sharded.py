@@ -405,9 +405,11 @@ class DistributedOffload(Offload):
         """tiermem.dist.dcp.load gave every parameter its step count (`steps`, the whole
         model's, the same on every rank) and named those holding no state (`stateless`;
         None from an earlier tiermem's checkpoint)."""
-        eager = self.rule.eager_state and (stateless is None
-                                           or len(set(stateless)) < len(self.layout.params))
-        self._held = bool(self.layout.params) and (eager or bool((steps != 0).any()))
+        if stateless is None:
+            held = self.rule.eager_state or bool((steps != 0).any())
+        else:  # every parameter it does not name holds state (stepped, or not: Adagrad's)
+            held = len(set(stateless)) < len(self.layout.params)
+        self._held = bool(self.layout.params) and held
 
     def values_loaded(self, restore: Callable[[], None]) -> None:
         """tiermem.dist.dcp.load set the user's groups' values from a checkpoint: they go to
@@ -530,6 +532,17 @@ class DistributedOffload(Offload):
                            "which steps to skip (DDP's all-reduced gradients, "
                            "distributed.grads: allreduced, work)")
             if amp.apply(opt, scaled):
+                # torch's fused step makes the state of the parameters with gradients before
+                # it skips (OffloadedOptimizer.skipped): of this rank's pieces of them. DDP
+                # gives every rank the same set, so opt.state's truth stays alike on all.
+                lay = self.layout
+                with_grads = [i for i, p in enumerate(lay.params) if p.grad is not None]
+                at = {id(v): j for j, v in enumerate(self.offloaded.params)}
+                self.offloaded.skipped(at[id(v)] for i in with_grads if i in self._at
+                                       for v in [lay.views[self._at[i][0]][self._at[i][1]]]
+                                       if id(v) in at)
+                if self.rule.skip_makes_state and with_grads:
+                    self._held = True
                 step_called(opt)
                 run_post_hooks(opt, args, kwargs)
                 return None
@@ -783,8 +796,7 @@ class DistributedOffload(Offload):
                        for _ in g["params"]]
         whole = self.layout.gather_state(mine, self._kinds(model_dtype=model_dtype),
                                          scalar_keys, model_dtype=model_dtype,
-                                         has_step=self.rule.has_step,
-                                         eager=self.rule.eager_state)
+                                         has_step=self.rule.has_step)
         return {self.layout.params[i]: st for i, st in whole.items()}
 
     def state_dict(self) -> dict[str, Any]:

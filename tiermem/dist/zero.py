@@ -253,7 +253,7 @@ class ZeroLayout:
 
     def gather_state(self, shadow: dict[int, dict[str, Any]], kinds_of: Sequence[Sequence[str]],
                      scalars_of: Sequence[Sequence[str]], *, model_dtype: bool,
-                     has_step: bool = True, eager: bool = False) -> dict[int, dict[str, Any]]:
+                     has_step: bool = True) -> dict[int, dict[str, Any]]:
         """Whole-parameter state from every rank's pieces (collective: every rank calls it
         with its own pieces' state, `shadow`: param index -> {step, scalars, kind: flat
         tensor}).
@@ -261,15 +261,16 @@ class ZeroLayout:
         kinds_of[i]: the state tensors parameter i has on its owners (one value per
         element); scalars_of[i]: its other per-parameter values (ASGD's eta); model_dtype:
         moments in the parameter's dtype (else fp32), as OffloadedOptimizer.export_state;
-        has_step: torch keeps the count in the state; eager: the optimizer makes the state
-        before the first step (Adagrad). Every rank ends up with the whole state; one
+        has_step: torch keeps the count in the state. A parameter whose owners export no
+        entry (never stepped, and holding no state: OffloadedOptimizer.has_state) has none.
+        Every rank ends up with the whole state; one
         all-gather per parameter and kind, so at most one parameter's state is in flight."""
         steps = self.coll.agreed_steps(len(self.params), shadow, "gathering the optimizer state")
         scalars = self.coll.agreed_scalars(scalars_of, shadow, "gathering the optimizer state")
         out: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(self.params):
-            if steps[i] < 0 or (steps[i] == 0 and not eager):
-                continue  # never stepped on any rank: torch keeps no state for it either
+            if steps[i] < 0:
+                continue  # no entry on any rank: torch keeps no state for it either
             owners = self.owners(i)
             width = max(pc.length for _, pc in owners)
             st: dict[str, Any] = {"step": torch.tensor(float(steps[i]))} if has_step else {}

@@ -250,6 +250,10 @@ class OffloadedOptimizer:
         # then starts from the first fill (what tiermem did before it kept them).
         self.stateless: set[int] = set()
         self.stateless_known = True
+        # Of any other rule's, the parameters never stepped that hold state all the same:
+        # a step GradScaler skipped, which torch's fused Adam makes their state in (step 0,
+        # zero moments) before it skips; an entry with step 0, loaded or held at entry.
+        self.unstepped_state: set[int] = set()
         # p._version of each parameter at the last commit, or since the weights were
         # restored from one (crash_consistent): which weights changed since, for
         # _refresh_edited_masters; None before either
@@ -574,10 +578,7 @@ class OffloadedOptimizer:
                            "the gradients are in the parameter tier, where GradScaler "
                            "cannot check them for inf/NaN")
             if amp.apply(self.opt, scaled):  # (before the lanes stage any gradient)
-                # torch's fused step makes the state of every parameter with a gradient
-                # (_init_group) before it skips: with eager state (Adagrad) a group added
-                # since then holds state, as the plain optimizer's does
-                self.stateless -= {i for i, p in enumerate(self.params) if p.grad is not None}
+                self.skipped(i for i, p in enumerate(self.params) if p.grad is not None)
                 run_post_hooks(self.opt, args, kwargs)
                 step_called(self.opt)
                 return None
@@ -1206,7 +1207,9 @@ class OffloadedOptimizer:
         if not self.stateless_known:
             return {"version": 3}
         return {"defaults": {str(k): _default_json(v) for k, v in self.opt.defaults.items()},
-                "stateless": sorted(i for i in self.stateless if self.steps[i].item() == 0)}
+                "stateless": sorted(i for i in self.stateless if self.steps[i].item() == 0),
+                "unstepped_state": sorted(i for i in self.unstepped_state
+                                          if self.steps[i].item() == 0)}
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""
@@ -1307,6 +1310,7 @@ class OffloadedOptimizer:
         self.steps = StepCounts(manifest.steps)
         self.stateless = self._without_state(manifest.stateless)
         self.stateless_known = manifest.version >= 4 or not self.rule.eager_state
+        self.unstepped_state = self._with_state(manifest.unstepped_state)
         self.scalars = [{k: scalar_from_json(v) for k, v in (entry.get("scalars") or {}).items()}
                         for entry in (manifest.params or [{} for _ in manifest.steps])]
         self._next_scalars = {}
@@ -1368,6 +1372,8 @@ class OffloadedOptimizer:
             i = index[id(p)]
             if "step" in st:
                 self.steps[i] = float(st["step"])
+                if self.steps[i].item() == 0:  # an entry all the same (a skipped step's)
+                    self.unstepped_state |= self._with_state([i])
             elif st and not self.rule.has_step:
                 # torch keeps no count (SGD): state present means the first step is done.
                 self.steps[i] = 1.0
@@ -1419,8 +1425,7 @@ class OffloadedOptimizer:
                 for s in part.segments:
                     laid.setdefault(s.index, keys)
         for i, p in enumerate(self.params):
-            if self.steps[i].item() == 0 and (not self.rule.eager_state
-                                              or i in self.stateless):
+            if not self.has_state(i):
                 continue  # never stepped: torch keeps no state for it either
             dtype = p.dtype if model_dtype else torch.float32
             st: dict[str, Any] = {"step": self.steps[i].clone()} if self.rule.has_step else {}
@@ -1462,8 +1467,29 @@ class OffloadedOptimizer:
         """Whether a plain optimizer would hold per-parameter state now (some parameter
         has stepped, or the optimizer makes its state eagerly): what `opt.state` answers
         to truth testing inside the block (hooks.HeldState)."""
-        return any(v != 0 or (self.rule.eager_state and i not in self.stateless)
-                   for i, v in enumerate(self.steps.values()))
+        return any(self.has_state(i) for i in range(len(self.params)))
+
+    def has_state(self, index: int) -> bool:
+        """Whether the plain optimizer would hold an entry for parameter `index` now (some
+        keys, as the rule keeps them: none for SGD without momentum): it has stepped, or it
+        holds state all the same (stateless, unstepped_state)."""
+        if self.steps[index].item() != 0:
+            return True
+        if self.rule.eager_state:
+            return index not in self.stateless
+        return index in self.unstepped_state
+
+    def skipped(self, indices: Iterable[int]) -> None:
+        """A step GradScaler skipped, of the parameters `indices` with gradients: torch's
+        fused step makes their state (_init_group) before it skips, where its rule says so
+        (skip_makes_state): Adagrad's of a group added since construction, Adam's step 0
+        and zero moments (which the records hold: the next step starts from them alike)."""
+        if not self.rule.skip_makes_state:
+            return
+        indices = set(indices)
+        self.stateless -= indices
+        self.unstepped_state |= self._with_state(i for i in indices
+                                                 if self.steps[i].item() == 0)
 
     def _refuse_unkept_keys(self, entries: dict[int, Any], groups: Sequence[dict],
                             where: str) -> None:
@@ -1477,10 +1503,18 @@ class OffloadedOptimizer:
         """`indices` as self.stateless keeps them: only a rule with eager state has any."""
         return set(indices) if self.rule.eager_state else set()
 
-    def set_stateless(self, indices: Iterable[int]) -> None:
-        """Parameters `indices` hold no state, every other one does (unless never stepped by
-        a rule without eager state): what a checkpoint loaded says (tiermem.dist.dcp)."""
+    def _with_state(self, indices: Iterable[int]) -> set[int]:
+        """`indices` as self.unstepped_state keeps them: a rule with eager state keeps the
+        others (stateless), and one without a step count has none (a loaded entry counts
+        as one step taken: _import)."""
+        return set(indices) if not self.rule.eager_state and self.rule.has_step else set()
+
+    def set_stateless(self, indices: Iterable[int], held: Iterable[int] = ()) -> None:
+        """Parameters `indices` hold no state, every other one does, but never-stepped ones
+        of a rule without eager state, which hold state only where listed in `held`: what
+        a checkpoint loaded says (tiermem.dist.dcp)."""
         self.stateless = self._without_state(indices)
+        self.unstepped_state = self._with_state(held)
         self.stateless_known = True
 
     def fills(self, index: int) -> bool:
@@ -1556,6 +1590,7 @@ class OffloadedOptimizer:
         self.stateless = self._without_state(i for i in range(len(self.params))
                                              if not entries.get(i))
         self.stateless_known = True
+        self.unstepped_state = set()  # (_import below adds the entries of step 0)
         if self.weights is not None and any(k in part.kinds for part in self.parts
                                             for k in ("master", "weight", "kahan")):
             # a master missing from the checkpoint, a record's copy of the weights and a

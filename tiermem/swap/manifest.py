@@ -50,9 +50,10 @@ RESIDENT_FILE = "resident.swap"
 # parameters it keeps no state for (`defaults`, `stateless`), which recover needs to give
 # Adagrad's never-stepped parameters the state torch gives them. Version 3 is still read
 # (resumed as before; recover refuses what only version 4 says, see swap/recover.py).
+# `unstepped_state` came later, optional in version 4 (absent: none).
 VERSION = 4
 READS = (3, 4)
-V4_FIELDS = ("defaults", "stateless")
+V4_FIELDS = ("defaults", "stateless", "unstepped_state")
 CRC_KEY = "crc32c"
 STATE_FILE = "state.swap"  # each run directory's swap file (the store creates it)
 
@@ -131,6 +132,10 @@ class Manifest:
     # makes state eagerly (an Adagrad group added after construction, an entry a loaded
     # state_dict left out): torch's state_dict has no entry for them (version 4)
     stateless: list[int] = field(default_factory=list)
+    # parameters never stepped that hold state all the same although their rule makes it
+    # at the first step (Adam's, made by a fused step GradScaler skipped: step 0, zero
+    # moments): torch's state_dict has an entry for them (version 4, optional)
+    unstepped_state: list[int] = field(default_factory=list)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -570,7 +575,8 @@ def _validate(d: dict, run_dir: str) -> None:
     _need(d.get("version") in READS and _is_int(d.get("version")), "version",
           f"one of {READS}", d.get("version"))
     old = set(V4_FIELDS) if d["version"] < 4 else set()
-    _dict(d, "the manifest", fields - old - {k for k in ("values", "share") if k not in d})
+    _dict(d, "the manifest", fields - old - {k for k in ("values", "share", "unstepped_state")
+                                             if k not in d})
     _need(d["durability"] in _DURABILITY, "durability", f"one of {_DURABILITY}", d["durability"])
     _need(isinstance(d["checksums"], bool), "checksums", "true or false", d["checksums"])
     _uint(d["step"], "step")
@@ -678,11 +684,12 @@ def _validate(d: dict, run_dir: str) -> None:
     for k, v in _dict(d.get("defaults", {}), "defaults").items():
         _need(_json_nest(v), f"defaults.{k}", "a number, string, boolean or null, or lists "
               "of them", v)
-    stateless = _list(d.get("stateless", []), "stateless")
-    for j, i in enumerate(stateless):
-        _need(_is_int(i) and 0 <= i < len(params) and steps[i] == 0, f"stateless[{j}]",
-              f"the index of a parameter never stepped (below {len(params)})", i)
-    _need(len(set(stateless)) == len(stateless), "stateless", "without repeats", stateless)
+    for key in ("stateless", "unstepped_state"):
+        listed = _list(d.get(key, []), key)
+        for j, i in enumerate(listed):
+            _need(_is_int(i) and 0 <= i < len(params) and steps[i] == 0, f"{key}[{j}]",
+                  f"the index of a parameter never stepped (below {len(params)})", i)
+        _need(len(set(listed)) == len(listed), key, "without repeats", listed)
 
     parts = _list(d["partitions"], "partitions")
     covered = [0] * len(params)

@@ -212,9 +212,9 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
     weights: dict[int, torch.Tensor] = {}
     parts = [_partition(e, m.params) for e in m.partitions]
     kinds_of = {s.index: part.kinds for part in parts for s in part.segments}
-    stateless = set(m.stateless)
+    stateless, unstepped = set(m.stateless), set(m.unstepped_state)
     for i, step in enumerate(m.steps):
-        if step == 0 and (not eager or i in stateless):
+        if step == 0 and (i in stateless if eager else i not in unstepped):
             continue  # never stepped: torch keeps no state for it either
         shape, stride = m.params[i]["shape"], m.params[i].get("stride")
         st: dict[str, Any] = {"step": torch.tensor(float(step))} if has_step else {}

@@ -364,7 +364,8 @@ class TierManager:
                   groups: list[dict], rule: str, records: dict[int, tuple[int, int]] | None = None,
                   resident: list[dict] | None = None, values: dict | None = None,
                   share: dict | None = None, defaults: dict | None = None,
-                  stateless: Sequence[int] = (), version: int = VERSION) -> Manifest:
+                  stateless: Sequence[int] = (), unstepped_state: Sequence[int] = (),
+                  version: int = VERSION) -> Manifest:
         store = self.store
         fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
         records = records if records is not None else (store.latest_records() if store else {})
@@ -377,7 +378,8 @@ class TierManager:
             files=[f.path for f in store.files] if store else [],
             checksums=self.settings.swap.checksums, params=params, groups=groups, rule=rule,
             values=values or {}, share=share or {}, defaults=defaults or {},
-            stateless=list(stateless), version=version)
+            stateless=list(stateless), unstepped_state=list(unstepped_state),
+            version=version)
 
     def moving(self) -> bool:
         """Whether a transfer to or from NVMe is under way now."""

@@ -47,6 +47,7 @@ class AdamRule(UpdateRule):
     elementwise = True
     torch_keys = {"master": MASTER_KEY, **{k: k for k in MOMENTS}}
     fixed_keys = True
+    skip_makes_state = True
 
     def __init__(self, *, state_dtype: str = "fp32", state_rounding: str = "nearest",
                  master_weights: str = "fp32") -> None:

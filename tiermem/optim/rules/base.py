@@ -131,6 +131,10 @@ class UpdateRule(ABC):
     #: torch builds every parameter's state when the optimizer is made, not at its first
     #: step (Adagrad): exported state includes parameters never stepped
     eager_state: ClassVar[bool] = False
+    #: torch's fused step makes the state of every parameter with a gradient
+    #: (_init_group: Adam's step 0 and zero moments) before it skips a step GradScaler
+    #: found inf/NaN in: such a parameter holds state although it never stepped
+    skip_makes_state: ClassVar[bool] = False
     #: what the rule keeps of a parameter's torch-format state is a fixed set of keys
     #: (see unkept_keys): a loaded key outside it is refused, never dropped. Rules laid
     #: out from the state itself (the generic path) refuse in from_torch_state instead.

@@ -169,6 +169,10 @@ class SGDRule(TorchRule):
     module, name, has_fused = sgd, "sgd", True
     all_kinds = ("momentum_buffer",)
     has_step = False
+    # (skip_makes_state stays False) torch's fused SGD leaves the buffer of a parameter
+    # whose first step GradScaler skips uninitialised (torch.empty_like) and steps on from
+    # it: tiermem keeps what GradScaler means, and what it gives the unfused SGD, which it
+    # never calls on such a step: no state, the next step is the first
     native_matches = ("fused", "single_tensor", "multi_tensor")
 
     def run_native(self, batch, group, checksums):
@@ -224,6 +228,7 @@ class AdagradRule(TorchRule):
     module, name, has_fused = adagrad, "adagrad", True
     all_kinds = ("sum",)
     eager_state = True
+    skip_makes_state = True  # (a group added after construction: its first step's)
     # torch's for-loop and foreach Adagrad round a few elements differently (addcdiv)
     native_matches = ("fused",)
 
