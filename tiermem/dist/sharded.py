@@ -535,13 +535,11 @@ class DistributedOffload(Offload):
                 # torch's fused step makes the state of the parameters with gradients before
                 # it skips (OffloadedOptimizer.skipped): of this rank's pieces of them. DDP
                 # gives every rank the same set, so opt.state's truth stays alike on all.
-                lay = self.layout
-                with_grads = [i for i, p in enumerate(lay.params) if p.grad is not None]
-                at = {id(v): j for j, v in enumerate(self.offloaded.params)}
-                self.offloaded.skipped(at[id(v)] for i in with_grads if i in self._at
-                                       for v in [lay.views[self._at[i][0]][self._at[i][1]]]
-                                       if id(v) in at)
-                if self.rule.skip_makes_state and with_grads:
+                graded = [p.grad is not None for p in self.layout.params]
+                # (origins: the user's parameter each of the shadow's pieces is of)
+                self.offloaded.skipped(j for j, (i, _) in enumerate(self.offloaded.origins)
+                                       if graded[i])
+                if self.rule.skip_makes_state and any(graded):
                     self._held = True
                 step_called(opt)
                 run_post_hooks(opt, args, kwargs)
