@@ -125,8 +125,10 @@ def _scaled_registry(cls: type) -> weakref.WeakSet:
             found.add(self)
 
     cls.__init__ = __init__
+    # type(obj), not isinstance: isinstance reads obj.__class__, which some objects answer
+    # with a deprecation warning (torch.distributed.reduce_op's) or other work of their own
     found.update(obj for obj in gc.get_objects()
-                 if isinstance(obj, cls) and getattr(obj, "scaler", None) is not None)
+                 if issubclass(type(obj), cls) and getattr(obj, "scaler", None) is not None)
     return found
 
 
