@@ -159,6 +159,41 @@ def test_adagrad_loaded_never_stepped_accumulator_is_kept(tmp_path):
         state_equal(opt.state_dict(), ref_opt.state_dict(), "after two steps")
 
 
+@pytest.mark.parametrize("where", ["loaded", "held_at_entry", "recovered"])
+def test_a_never_stepped_entry_of_a_lazy_rule_is_kept_and_started_from(tmp_path, monkeypatch,
+                                                                        where):
+    """An entry with step 0 of an optimizer that makes its state at the first step
+    (Rprop: its step sizes start at lr there): torch holds it, hands it back, and its first
+    step starts from it (len(state) != 0), not from the fill. tiermem must do the same,
+    whether the entry is loaded inside the block or held by the optimizer at entry, and
+    recover must give it from the records of a crash-consistent run."""
+    model = small()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.Rprop(m.parameters(), lr=0.01)  # noqa: E731
+    saved = make(copy.deepcopy(model)).state_dict()
+    saved["state"] = {i: {"step": torch.tensor(0.0), "prev": torch.zeros_like(p),
+                          "step_size": torch.full_like(p, 0.003 * (i + 1))}
+                      for i, p in enumerate(model.parameters()) if i != 2}
+    opt, ref_opt = make(model), make(ref)
+    ref_opt.load_state_dict(saved)
+    if where == "held_at_entry":
+        opt.load_state_dict(saved)
+    batches = make_batches(model, 2)
+    if where == "recovered":
+        kept(tmp_path, monkeypatch, opt, model, lambda: opt.load_state_dict(saved))
+        state_equal(rec.gather(str(swap_dir(tmp_path)))["optimizer"], ref_opt.state_dict(),
+                    "recovered")
+        return
+    with tiermem.offload(opt, config(tmp_path), model=model):
+        if where == "loaded":
+            opt.load_state_dict(saved)
+        state_equal(opt.state_dict(), ref_opt.state_dict(), "before a step")
+        train(model, opt, batches)
+        train(ref, ref_opt, batches)
+        params_equal(model, ref, "stepped from the entries of step 0")
+        state_equal(opt.state_dict(), ref_opt.state_dict(), "after two steps")
+
+
 def test_version_3_manifest_still_resumes_and_recover_refuses_what_it_lacks(
         tmp_path, monkeypatch):
     """A manifest of the previous version (no defaults, no stateless list) resumes; recover

@@ -118,8 +118,7 @@ class _Source:
         held = torch.zeros(len(self.params))
         for part in self.off.parts:
             for s in part.segments:
-                if (self.off.steps[s.index] != 0 or not self.off.fills(s.index)
-                        or s.index in self.off.unstepped_state):
+                if self.off.steps[s.index] != 0 or not self.off.fills(s.index):
                     held[self.locate(s)[0]] = 1.0
         if self.coll is not None and len(held):
             self.coll.wait(self.coll.all_reduce(held, torch.distributed.ReduceOp.MAX),

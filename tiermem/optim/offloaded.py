@@ -1521,7 +1521,11 @@ class OffloadedOptimizer:
         """Whether parameter `index`'s first step starts its state afresh (the rule's
         first_fill: Adagrad's accumulator) rather than from its record: always, but for
         a rule with eager state, whose optimizer starts from the state it holds (made in
-        __init__, or loaded) and fills only where it holds none."""
+        __init__, or loaded) and fills only where it holds none, and for a parameter
+        holding an entry of step 0 all the same (unstepped_state), which torch's step
+        starts from (len(state) != 0)."""
+        if index in self.unstepped_state:
+            return False  # it holds state (an entry of step 0): torch's step starts from it
         return (not self.rule.eager_state or not self.stateless_known
                 or index in self.stateless)
 

@@ -221,8 +221,10 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
         st.update({k: scalar_from_json(v) for k, v in (m.params[i].get("scalars") or {}).items()})
         for k in kinds_of.get(i, ()):
             if k not in WEIGHT_KINDS and k not in SCALE_KINDS:
-                # never stepped (Adagrad builds its state when made): torch's starting value
-                fill = _first_fill(run_dir, m, k, i) if step == 0 else 0.0
+                # never stepped (Adagrad builds its state when made): torch's starting value;
+                # an entry of step 0 all the same (unstepped): its record's, read below
+                fill = _first_fill(run_dir, m, k, i) if step == 0 and i not in unstepped \
+                    else 0.0
                 st[k] = laid_out(shape, stride, fill)
         if m.params[i]["dtype"] != "float32" and (
                 {"master", "weight"} & set(kinds_of.get(i, ()))):
@@ -241,7 +243,8 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
             views = part.views(records.read(part))
             slices = {k: part.slices(k) for k in views}
             for n, s in enumerate(part.segments):
-                if m.steps[s.index] == 0 and s.index not in weights:
+                fresh_state = m.steps[s.index] == 0 and s.index not in unstepped
+                if fresh_state and s.index not in weights:
                     continue  # never stepped: the starting state set above
                 # in record order: a "weight" kind comes before its "kahan" term
                 for k in views:
@@ -251,7 +254,7 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
                     value = segment_values(views, slices, k, n)
                     if k in ("master", "weight") and s.index in weights:
                         flat(weights[s.index])[s.start: s.start + s.length].copy_(value)
-                    if m.steps[s.index] == 0:
+                    if fresh_state:
                         continue
                     st = state.get(s.index, {})
                     if k == "kahan":
