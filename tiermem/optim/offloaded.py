@@ -1633,10 +1633,21 @@ class OffloadedOptimizer:
                     batch = Batch(part, group, state={k: [] for k in part.kinds
                                                       if k != "master"})
                     slices = {k: part.slices(k) for k in part.kinds}
+                    copies = []  # (to, from), once the method ran
                     for i, s in enumerate(part.segments):
                         weights = flat(s.param.detach())[s.start: s.start + s.length]
-                        batch.params.append(weights if master is None
-                                            else master[slices["master"][i]])
+                        if master is None:
+                            batch.params.append(weights)
+                        elif weights.dtype == torch.float32 and \
+                                weights.device == master.device:
+                            # as in a step (_gathered_update): an fp32 CPU model's own
+                            # weights, an edit since the last step included, are what the
+                            # method reads; the master is only the copy a commit keeps
+                            batch.params.append(weights)
+                            copies.append((master[slices["master"][i]], weights))
+                        else:
+                            batch.params.append(master[slices["master"][i]])
+                            copies.append((weights, master[slices["master"][i]]))
                         batch.segments.append(s)
                         batch.first.append(float(self.steps[s.index]) == 0)
                         batch.scalars.append({k: v.clone() if isinstance(v, torch.Tensor)
@@ -1645,9 +1656,8 @@ class OffloadedOptimizer:
                         for k, lst in batch.state.items():
                             lst.append(views[k][slices[k][i]])
                     self.rule.run_method(name, batch)
-                    if master is not None:
-                        for s, m in zip(part.segments, batch.params):
-                            flat(s.param.detach())[s.start: s.start + s.length].copy_(m)
+                    for to, src in copies:
+                        to.copy_(src)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.weights is not None:
