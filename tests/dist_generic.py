@@ -83,6 +83,25 @@ class CountingSGD(torch.optim.SGD):
         return None
 
 
+class ScaledSGD(CountingSGD):
+    """CountingSGD taking GradScaler's hand-over itself, as torch's fused kernels do: skip
+    on inf, else divide each gradient by the scale in place."""
+
+    _step_supports_amp_scaling = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if getattr(self, "found_inf", None) is not None and float(self.found_inf):
+            return None
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(scale)
+        return super().step(closure)
+
+
 class GroupNorm(LionLike):
     """Divides every gradient by the group's gradient norm: it couples the parameters."""
 

@@ -531,6 +531,8 @@ class DistributedOffload(Offload):
                            "before tiermem reduces them, so the ranks would disagree on "
                            "which steps to skip (DDP's all-reduced gradients, "
                            "distributed.grads: allreduced, work)")
+            if self.generic:  # every rank alike: each one's GradScaler handed it over
+                amp.refuse_own_step(opt)
             if amp.apply(opt, scaled):
                 # torch's fused step makes the state of the parameters with gradients before
                 # it skips (OffloadedOptimizer.skipped): of this rank's pieces of them. DDP

@@ -577,6 +577,8 @@ class OffloadedOptimizer:
                 amp.refuse(self.opt, "parameters.offload",
                            "the gradients are in the parameter tier, where GradScaler "
                            "cannot check them for inf/NaN")
+            if self.rule.own_step:
+                amp.refuse_own_step(self.opt)
             if amp.apply(self.opt, scaled):  # (before the lanes stage any gradient)
                 self.skipped(i for i, p in enumerate(self.params) if p.grad is not None)
                 run_post_hooks(self.opt, args, kwargs)
