@@ -76,6 +76,10 @@ OPTS = {
     "scaled-sgd": lambda ps: ScaledSGD(ps, lr=1e-2, momentum=0.9),
 }
 
+# whose step runs on fully_shard parameters without tiermem, elementwise (bitwise as one
+# process's): their state_dict under tiermem is compared with that one's, DTensor by DTensor
+ELEMENTWISE = ("lion", "schedulefree", "counting-sgd")
+
 MODULES = {"lion": "lion_pytorch", "lamb": "pytorch_optimizer", "adan": "pytorch_optimizer",
            "schedulefree": "schedulefree"}
 
@@ -134,6 +138,40 @@ def same_opt_state(model, opt, ref_model, ref_opt, what: str) -> None:
             {k: v for k, v in b.items() if k != "params"}, what
 
 
+def like_plain_fsdp2(rank: int, world: int, name: str, sd: dict, n: int) -> None:
+    """`sd` is what the plain optimizer over fully_shard parameters (no tiermem) holds after
+    the same `n` steps: the same keys, DTensors where it has DTensors, placed and shaped
+    as its, with the same local shards. Only for optimizers whose math is elementwise
+    (their step runs on DTensors, and a sharded norm would round otherwise)."""
+    model, _ = model_pair()
+    opt = OPTS[name](groups(model))
+    g = torch.Generator().manual_seed(20 + rank)
+    if callable(getattr(type(opt), "train", None)):
+        opt.train()
+    for _ in range(n):
+        x, y = torch.randn(8, 61, generator=g), torch.randn(8, 1, generator=g)
+        (model(x) - y).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    want = opt.state_dict()
+    assert set(sd["state"]) == set(want["state"]), (set(sd["state"]), set(want["state"]))
+    for i, sw in want["state"].items():
+        st = sd["state"][i]
+        assert set(st) == set(sw), (i, set(st), set(sw))
+        for k, w in sw.items():
+            got = st[k]
+            assert type(got) is type(w), (i, k, type(got), type(w))
+            if isinstance(w, DTensor):
+                assert got.placements == w.placements and got.shape == w.shape, (i, k)
+                assert torch.equal(got.to_local(), w.to_local()), (rank, name, i, k)
+            elif isinstance(w, torch.Tensor):
+                assert torch.equal(got, w), (rank, name, i, k)
+            else:
+                assert got == w, (rank, name, i, k, got, w)
+    for a, b in zip(sd["param_groups"], want["param_groups"]):
+        assert a == b, (a, b)
+
+
 def parity(rank: int, world: int, tmp: str, name: str, durability: str = "scratch") -> None:
     """Weights after every step equal the plain optimizer's on the full model fed the mean
     gradient; state_dict() inside the block (DTensors like FSDP2's; the values the step
@@ -164,6 +202,8 @@ def parity(rank: int, world: int, tmp: str, name: str, durability: str = "scratc
         same_weights(model, ref_model, f"rank {rank} {name}")
         sd = opt.state_dict()
         same_sd(model, sd, ref_opt.state_dict(), f"rank {rank} {name} state_dict")
+        if name in ELEMENTWISE:
+            like_plain_fsdp2(rank, world, name, sd, 2)
         if modes:
             opt.eval()
             ref_opt.eval()
