@@ -74,6 +74,7 @@ OPTS = {
     "lion-like": lambda ps: LionLike(ps, lr=1e-3, weight_decay=0.01),
     "adafactor-subclass": lambda ps: OwnAdafactor(ps, lr=1e-2, weight_decay=0.01),
     "scaled-sgd": lambda ps: ScaledSGD(ps, lr=1e-2, momentum=0.9),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.01),  # not generic
 }
 
 # whose step runs on fully_shard parameters without tiermem, elementwise (bitwise as one
@@ -313,6 +314,63 @@ def crash_resume(rank: int, world: int, tmp: str, name: str) -> None:
     same_opt_state(model, fresh, ref_model, ref_opt, f"rank {rank} after resume")
 
 
+class _Stop(Exception):
+    pass
+
+
+def resume_one_step_apart(rank: int, world: int, tmp: str, name: str) -> None:
+    """Crash-consistent ranks one step apart, as a crash between two ranks' commits of step
+    3 leaves them (made here by the last rank's manifest going back to its previous
+    commit): the resume takes every rank back to step 2, the owners' weights scattered
+    into the shards of a new model and the group values (CountingSGD's count of
+    param_groups[1], which rank 1 owns) from each group's owner, bitwise, and training
+    goes on equal to the reference. torch's Adafactor too (the whole-parameter rule, not
+    the generic path): the rank going back rebuilt its share with a collective in it
+    (the gather of DTensor state to the owners) that the other rank never entered."""
+    from tiermem.swap.manifest import read_manifest
+
+    model, _ = model_pair()
+    opt = OPTS[name](groups(model))
+    cfg = small_cfg(tmp)
+    cfg["swap"]["durability"] = "crash_consistent"
+    g = torch.Generator().manual_seed(80 + rank)
+    batches = [(torch.randn(8, 61, generator=g), torch.randn(8, 1, generator=g))
+               for _ in range(5)]
+
+    def train(model, opt, first, n, ref=False):
+        for x, y in batches[first:first + n]:
+            (model(x) - y).square().mean().backward()
+            if ref:
+                averaged(model, world)
+            opt.step()
+            opt.zero_grad()
+    try:
+        with tiermem.offload(opt, cfg, model=model, name="apart"):
+            train(model, opt, 0, 3)
+            raise _Stop()  # every rank keeps its share on disk
+    except _Stop:
+        pass
+    run_dir = os.path.join(tmp, f"tiermem-apart-rank{rank}")
+    assert read_manifest(run_dir, None).step == 3
+    if rank == world - 1:
+        os.replace(os.path.join(run_dir, "manifest.previous.json"),
+                   os.path.join(run_dir, "manifest.json"))
+    barrier()
+    _, ref_model = model_pair()
+    ref_opt = OPTS[name](groups(ref_model))
+    train(ref_model, ref_opt, 0, 2, ref=True)
+    model, _ = model_pair()  # the first weights: the resume puts step 2's back
+    opt = OPTS[name](groups(model))
+    with tiermem.offload(opt, cfg, model=model, name="apart", resume=True) as tm:
+        assert tm.resumed_step == 2, tm.resumed_step
+        same_weights(model, ref_model, f"rank {rank} step 2")
+        same_sd(model, opt.state_dict(), ref_opt.state_dict(), f"rank {rank} step 2")
+        train(model, opt, 2, 2)
+        train(ref_model, ref_opt, 2, 2, ref=True)
+        same_sd(model, opt.state_dict(), ref_opt.state_dict(), f"rank {rank} step 4")
+    same_weights(model, ref_model, f"rank {rank} step 4")
+
+
 def dcp_roundtrip(rank: int, world: int, tmp: str, name: str) -> None:
     """tiermem.dist.dcp.save of the owners' whole state at step 2; a new optimizer over the
     model (its weights at that step) loads it on 2 ranks, takes the group values (counts)
@@ -477,6 +535,10 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "crash-resume-schedulefree": lambda r, d: crash_resume(r, world, d, "schedulefree"),
         "crash-resume-counting-sgd": lambda r, d: crash_resume(r, world, d, "counting-sgd"),
         "dcp-counting-sgd": lambda r, d: dcp_roundtrip(r, world, d, "counting-sgd"),
+        "resume-one-step-apart": lambda r, d: resume_one_step_apart(r, world, d,
+                                                                    "counting-sgd"),
+        "resume-one-step-apart-adafactor": lambda r, d: resume_one_step_apart(
+            r, world, d, "adafactor"),
         "dcp-helpers-lion": lambda r, d: dcp_helpers(r, world, d, "lion"),
         "dcp-helpers-counting-sgd": lambda r, d: dcp_helpers(r, world, d, "counting-sgd"),
         "refusals": lambda r, d: refusals(r, world, d),

@@ -16,6 +16,7 @@ from test_distributed import outcome
 NAMES = ["lion", "lamb", "adan", "schedulefree", "counting-sgd",
          "schedulefree-crash-consistent", "adafactor-subclass", "closure",
          "crash-resume-schedulefree", "crash-resume-counting-sgd", "dcp-counting-sgd",
+         "resume-one-step-apart", "resume-one-step-apart-adafactor",
          "dcp-helpers-lion", "dcp-helpers-counting-sgd", "refusals",
          "gradscaler-allreduced-lion", "gradscaler-allreduced-counting-sgd",
          "gradscaler-allreduced-own-scaling"]

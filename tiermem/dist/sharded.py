@@ -263,7 +263,11 @@ class DistributedOffload(Offload):
         # (OffloadedOptimizer.stateless); kept, it started from zeros and state_dict()
         # listed it before torch's does. The state is exactly the user's, seeded next.
         self.shadow.state.clear()
-        self._seed(opt.state)
+        if not previous:
+            # (A rebuild one step back runs on the ranks ahead only, where _seed's
+            # collective, FSDP2 whole parameters' full_entries, would pair with another
+            # collective of the others; a resume drops this state anyway.)
+            self._seed(opt.state)
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._names = names  # for the pieces of a group added later
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
