@@ -469,7 +469,8 @@ def gradscaler(rank: int, world: int, tmp: str, name: str) -> None:
     _step_supports_amp_scaling is unscaled by GradScaler itself in p.grad (the mean, alike
     on every rank) and its step skipped by GradScaler on every rank alike (rank 0's inf
     reaches every rank through the all-reduce); equal to the plain run, bitwise, skipped
-    steps (the first, before any state, and a later one) included. One that sets it
+    steps (the first, before any state, and a later one) included, and steps the user
+    unscales first to clip. One that sets it
     (scaled-sgd) is refused at the step on every rank, naming the way out: the flag set
     False on it, after which it runs as the others."""
     model = Synthetic()
@@ -508,6 +509,9 @@ def gradscaler(rank: int, world: int, tmp: str, name: str) -> None:
                     scaler.scale(loss * float("inf") if i in (0, 2) and rank == 0
                                  else loss).backward()
                 averaged(m, world)  # DDP's all-reduce
+                if i in (1, 2):  # unscaled by the user, to clip (an inf step too)
+                    scaler.unscale_(o)
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
                 scaler.step(o)
                 scaler.update()
                 o.zero_grad()
