@@ -83,6 +83,25 @@ class CountingSGD(torch.optim.SGD):
         return None
 
 
+class ScaledSGD(CountingSGD):
+    """CountingSGD taking GradScaler's hand-over itself, as torch's fused kernels do: skip
+    on inf, else divide each gradient by the scale in place."""
+
+    _step_supports_amp_scaling = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if getattr(self, "found_inf", None) is not None and float(self.found_inf):
+            return None
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(scale)
+        return super().step(closure)
+
+
 class GroupNorm(LionLike):
     """Divides every gradient by the group's gradient norm: it couples the parameters."""
 
@@ -351,22 +370,6 @@ def loose_state_refused(rank: int, world: int, tmp: str) -> None:
         raise AssertionError("state a step makes under a key that is no parameter was tiered")
 
 
-def fsdp2_refused(rank: int, world: int, tmp: str) -> None:
-    """fully_shard parameters: a rank holds a shard of every parameter, never a whole one,
-    and the generic path's step needs whole ones."""
-    from dist_scenarios import sharded_pair
-
-    model, _ = sharded_pair()
-    opt = LionLike(model.parameters(), lr=1e-2)
-    try:
-        with tiermem.offload(opt, small_cfg(tmp)):
-            pass
-    except UnsupportedOptimizer as exc:
-        assert "LionLike over fully_shard parameters" in str(exc), exc
-    else:
-        raise AssertionError("the generic path over fully_shard parameters was tiered")
-
-
 def resume(rank: int, world: int, tmp: str, name: str) -> None:
     """A crash-consistent run kept on disk at exit resumes on every rank (the counts its
     step keeps in the groups and on itself too) and goes on as the uninterrupted plain
@@ -468,7 +471,6 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "coupling-refused": lambda r, d: coupling_refused(r, world, d),
         "added-group": lambda r, d: added_group(r, world, d),
         "loose-state-refused": lambda r, d: loose_state_refused(r, world, d),
-        "fsdp2-refused": lambda r, d: fsdp2_refused(r, world, d),
         "resume-schedulefree": lambda r, d: resume(r, world, d, "schedulefree"),
         "resume-after-crash": lambda r, d: resume_after_crash(r, world, d),
         "kept": lambda r, d: kept(r, world, d),

@@ -14,7 +14,6 @@ import os
 import torch
 
 import tiermem
-from tiermem.optim.rules import UnsupportedOptimizer
 
 from dist_scenarios import (averaged, barrier, groups_of, kept_at_exit, local_backward,
                              small_cfg, train_pair)
@@ -76,28 +75,6 @@ def whole_parity(rank: int, world: int, tmp: str, name: str, grads: str = "reduc
     assert sum(r["share_elements"] for r in plan["ranks"]) == sum(p.numel() for p in held)
 
 
-def fsdp2_refused(rank: int, world: int, tmp: str) -> None:
-    """fully_shard parameters: torch's Adafactor runs (tests/dist_fsdp_whole.py), a subclass
-    with a step of its own (the generic path) is refused as over replicated ones."""
-    from dist_scenarios import sharded_pair
-
-    class Own(torch.optim.Adafactor):
-        @torch.no_grad()
-        def step(self, closure=None):
-            return super().step(closure)
-
-    model, _ = sharded_pair()
-    opt = Own(model.parameters(), lr=1e-2)
-    try:
-        with tiermem.offload(opt, small_cfg(tmp)):
-            pass
-    except UnsupportedOptimizer as exc:
-        assert "with its own step()" in str(exc), exc
-    else:
-        raise AssertionError("an Adafactor subclass with its own step over fully_shard "
-                             "parameters was tiered")
-
-
 def kept(rank: int, world: int, tmp: str) -> None:
     """Crash-consistent Adafactor whose shares stay on disk at exit (no host memory for the
     whole state), for `tiermem recover` in the test process: rank 0 saves what the plain
@@ -126,7 +103,6 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "adafactor-crash-consistent": lambda r, d: whole_parity(
             r, world, d, "adafactor", durability="crash_consistent"),
         "muon": lambda r, d: whole_parity(r, world, d, "muon"),
-        "fsdp2-refused": lambda r, d: fsdp2_refused(r, world, d),
         "kept": lambda r, d: kept(r, world, d),
     }
 

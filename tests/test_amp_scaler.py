@@ -118,6 +118,38 @@ def test_gradscaler_where_tiermem_cannot_honour_it_is_refused_at_step(
     assert ("_step_supports_amp_scaling" in opt.__dict__) == fused
 
 
+def test_an_optimizer_with_its_own_step_that_takes_the_hand_over_is_refused(tmp_path):
+    """The generic path with an optimizer that sets _step_supports_amp_scaling (its own
+    step unscales and skips): tiermem honoured the hand-over, then each partition's copy of
+    the optimizer, given the same grad_scale, unscaled again (wrong from the first change
+    of scale on). Refused at step(), before anything moves, naming the flag to clear; with
+    it cleared GradScaler unscales and skips itself and the run equals the plain one."""
+    from dist_generic import ScaledSGD
+
+    model = Synthetic()
+    ref = copy.deepcopy(model)
+    opt = ScaledSGD(model.parameters(), lr=1e-2, momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+    (tokens, target), = make_batches(model, 1)[0]
+    with pytest.raises(tiermem.TierMemError, match="_step_supports_amp_scaling = False"):
+        with tiermem.offload(opt, config(tmp_path / "a", backend="threads"), model=model):
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale(loss_of(model, tokens, target, True)).backward()
+            scaler.step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    model.zero_grad()
+    opt = ScaledSGD(model.parameters(), lr=1e-2, momentum=0.9)
+    ref_opt = ScaledSGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    opt._step_supports_amp_scaling = ref_opt._step_supports_amp_scaling = False
+    batches = make_batches(model, STEPS)
+    with tiermem.offload(opt, config(tmp_path / "b", backend="threads"), model=model):
+        scale = _scaled_run(model, opt, batches, infs=(0, 3), unscale=False,
+                            init_scale=1000.0)
+    assert scale == _scaled_run(ref, ref_opt, batches, infs=(0, 3), unscale=False,
+                                init_scale=1000.0) < 1000.0
+    compare_runs(model, opt, ref, ref_opt, exact=True)
+
+
 @pytest.mark.parametrize("backend", backend_params())
 def test_a_failed_step_during_backward_leaves_no_gradient_reported_lost(tmp_path, backend):
     """overlap_backward + parameters.offload: a step that fails after backward's updates

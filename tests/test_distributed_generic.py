@@ -1,7 +1,7 @@
 """The generic path (third-party optimizers, subclasses with a step of their own) under a
 process group: ZeRO shares of whole parameters, each stepped by an optimizer of the user's
-class. One 2-rank gloo group runs every scenario of tests/dist_generic.py; each test
-reports one."""
+class (over fully_shard parameters: tests/test_distributed_fsdp_generic.py). One 2-rank
+gloo group runs every scenario of tests/dist_generic.py; each test reports one."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from test_distributed import outcome
 NAMES = ["lion-like", "lion-like-allreduced-io_uring", "counting-sgd",
          "counting-sgd-allreduced", "lion", "schedulefree",
          "schedulefree-allreduced-crash-consistent", "closure", "coupling-refused",
-         "added-group", "loose-state-refused", "fsdp2-refused", "resume-schedulefree",
+         "added-group", "loose-state-refused", "resume-schedulefree",
          "resume-after-crash", "kept"]
 
 

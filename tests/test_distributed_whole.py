@@ -15,8 +15,7 @@ from dist_harness import launch
 from offload_helpers import assert_same_tensor, compare_state_dicts
 from test_distributed import outcome
 
-NAMES = ["adafactor", "adafactor-allreduced", "adafactor-crash-consistent", "muon",
-         "fsdp2-refused", "kept"]
+NAMES = ["adafactor", "adafactor-allreduced", "adafactor-crash-consistent", "muon", "kept"]
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,35 @@ def test_train_eval_switches_equal_plain(tmp_path, backend, name, durability, pa
     assert opt.train.__func__ is cls.train and opt.eval.__func__ is cls.eval  # unhooked
 
 
+@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
+def test_eval_reads_weights_edited_since_the_step(tmp_path, durability):
+    """eval()/train() read the weights as they are, as the plain ones and a step do: an
+    edit since the last step (a load into the model, a clamp) counts. crash_consistent
+    keeps an fp32 master of an fp32 CPU model's weights only as the copy a commit keeps;
+    the methods read that stale master and wrote it over the edit."""
+    model = Synthetic()
+    ref = copy.deepcopy(model)
+    kw = dict(lr=1e-2, weight_decay=0.01, warmup_steps=2)
+    opt = schedulefree.AdamWScheduleFree(model.parameters(), **kw)
+    ref_opt = schedulefree.AdamWScheduleFree(ref.parameters(), **kw)
+    batches = make_batches(model, 3)
+    with tiermem.offload(opt, cfg(tmp_path, "threads", durability), model=model):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.train()
+            train(m, o, batches[:2])
+            with torch.no_grad():
+                m.fc1.weight.mul_(0.5)
+            o.eval()
+        params_equal(model, ref, "eval() after an edit")
+        for m, o in ((model, opt), (ref, ref_opt)):
+            with torch.no_grad():
+                m.fc2.weight.mul_(0.5)
+            o.train()
+            train(m, o, batches[2:], start=2)
+        params_equal(model, ref, "a step after train() after an edit")
+        state_equal(opt.state_dict(), ref_opt.state_dict(), "state_dict()")
+
+
 def test_step_in_eval_mode_is_refused_as_plain(tmp_path):
     """schedule-free's own error for a step in eval mode still reaches the user."""
     model = Synthetic()

@@ -1,7 +1,10 @@
-"""Whole-parameter rules (torch's Adafactor and Muon) over FSDP2 (fully_shard) parameters.
+"""Whole-parameter rules (torch's Adafactor and Muon, the generic path) over FSDP2
+(fully_shard) parameters.
 
 Adafactor's row and column statistics and Muon's Newton-Schulz orthogonalisation need the
-whole parameter, and under FSDP2 each rank holds a dim-0 shard of every one. So, as
+whole parameter, and so does the generic path (rules/generic.py: a third-party optimizer's
+own step(), which may take a norm of a whole parameter, as Lamb's trust ratio does);
+under FSDP2 each rank holds a dim-0 shard of every one. So, as
 distributed Muon does it (Moonlight, torchtitan), every parameter gets one owner rank
 (the bytes balanced, largest first). The owner keeps the whole parameter in a buffer of
 its own: that buffer is what its shadow optimizer steps and tiers, as whole parameters in
@@ -73,8 +76,9 @@ class FsdpWholeLayout:
             # would run on whichever ranks call it.
             raise TierMemError(
                 "optimizer.add_param_group() inside tiermem.offload is not supported for "
-                "torch's Adafactor or Muon over fully_shard parameters; add the group before "
-                "entering the block")
+                "optimizers stepped a whole parameter at a time (torch's Adafactor and Muon, "
+                "and third-party optimizers or subclasses with a step of their own) over "
+                "fully_shard parameters; add the group before entering the block")
         g, params = len(self.pieces), list(group["params"])
         starts = [FsdpLayout._start(p, g) for p in params]  # refused before anything changes
         mine = [self.coll.global_rank(r) for r in range(self.coll.world)]
@@ -253,6 +257,13 @@ class FsdpWholeLayout:
             w[start: start + k].copy_(outs[r][:k])
             gw[start: start + k].copy_(outs[r][width: width + k])
         return w, gw
+
+    def weights_in(self, stats: dict) -> None:
+        """Every parameter's shards into its owner's buffer, before an optimizer method
+        other than step() that reads the weights (schedule-free's train()/eval()): a change
+        made since the last step (a load, an edit) lives in the shards only, and the
+        buffers, scattered back after the method, would undo it."""
+        self.grads_in(set(), stats)
 
     def release_grads(self) -> None:
         for buf in self.buffer.values():

@@ -171,20 +171,12 @@ class DistributedOffload(Offload):
         rule = check_optimizer(opt)
         # A rule whose math spans a whole parameter steps whole parameters: ZeRO shares cut
         # between parameters give each rank whole ones; under FSDP2 each parameter is
-        # gathered to one owner rank (fsdp_whole.py), for torch's Adafactor and Muon.
+        # gathered to one owner rank (fsdp_whole.py), for torch's Adafactor and Muon and the
+        # generic path alike: the owner's step sees the whole parameter as one process's does.
         self.whole = not rule.elementwise
         # The generic path (a third-party optimizer, or a subclass with a step of its own):
         # a rank steps an optimizer of the user's class over its share (shadow_of_groups).
         self.generic = rule.optimizers[0] is torch.optim.Optimizer
-        if self.generic and fsdp:
-            raise UnsupportedOptimizer(
-                f"tiermem under torch.distributed runs elementwise optimizers (Adam, AdamW, "
-                f"torch's SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop) "
-                f"and torch's Adafactor and Muon over fully_shard parameters, not "
-                f"{type(opt).__module__}.{type(opt).__qualname__} over fully_shard "
-                "parameters, which tiermem steps a whole parameter at a time with its own "
-                "step() (a third-party optimizer, or a subclass with a step of its own); over "
-                "replicated parameters (ZeRO shares) and in one process it works")
         self.closure_refusal = None
         if self.generic:
             loose = loose_state_keys(opt) or rule.state_keys_made()
@@ -271,7 +263,11 @@ class DistributedOffload(Offload):
         # (OffloadedOptimizer.stateless); kept, it started from zeros and state_dict()
         # listed it before torch's does. The state is exactly the user's, seeded next.
         self.shadow.state.clear()
-        self._seed(opt.state)
+        if not previous:
+            # (A rebuild one step back runs on the ranks ahead only, where _seed's
+            # collective, FSDP2 whole parameters' full_entries, would pair with another
+            # collective of the others; a resume drops this state anyway.)
+            self._seed(opt.state)
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._names = names  # for the pieces of a group added later
         named = _Names([(names.get(id(lay.params[pc.index]), ""), v)
@@ -531,6 +527,8 @@ class DistributedOffload(Offload):
                            "before tiermem reduces them, so the ranks would disagree on "
                            "which steps to skip (DDP's all-reduced gradients, "
                            "distributed.grads: allreduced, work)")
+            if self.generic:  # every rank alike: each one's GradScaler handed it over
+                amp.refuse_own_step(opt)
             if amp.apply(opt, scaled):
                 # torch's fused step makes the state of the parameters with gradients before
                 # it skips (OffloadedOptimizer.skipped): of this rank's pieces of them. DDP
@@ -714,6 +712,8 @@ class DistributedOffload(Offload):
         self._check_groups(f"optimizer.{name}()")
         with torch.no_grad():
             before = self._values_from_user()
+            if self.whole and self.layout.fsdp:  # the owners' buffers are what it reads
+                self.layout.weights_in(self._fresh_comm())
             try:
                 self.offloaded.call_state_method(name, *args, **kwargs)
             except BaseException as exc:
@@ -809,8 +809,9 @@ class DistributedOffload(Offload):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (every rank given the whole state, or DTensors under FSDP2): each
         rank loads its pieces, between the optimizer's load_state_dict hooks. Not a
-        collective, except for torch's Adafactor and Muon over fully_shard parameters, whose
-        DTensor entries are gathered to each parameter's owner."""
+        collective, except for whole-parameter rules (torch's Adafactor and Muon, the
+        generic path) over fully_shard parameters, whose DTensor entries are gathered to
+        each parameter's owner."""
         self._check_groups("optimizer.load_state_dict()")
         load_with_hooks(self.opt, state_dict, self._load_state_dict)
 

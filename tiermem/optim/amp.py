@@ -58,6 +58,25 @@ def refuse(opt: torch.optim.Optimizer, setting: str, why: str) -> None:
             f"which needs no GradScaler, or without {setting}")
 
 
+def refuse_own_step(opt: torch.optim.Optimizer) -> None:
+    """Refuse a hand-over to an optimizer run by its own step() (the generic path): tiermem
+    honours it before the step (apply), and the optimizer's own step, which reads the same
+    attributes from its shadows, would honour it again; nor can tiermem leave it to that
+    step, whose way of unscaling (a quotient, a product with the reciprocal, in a kernel
+    without writing p.grad) and of skipping it cannot know."""
+    if handover(opt) is None:
+        return
+    name = f"{type(opt).__module__}.{type(opt).__qualname__}"
+    raise TierMemError(
+        f"{name} is stepped through a torch.amp.GradScaler that hands it the scale and the "
+        f"inf flag (it sets _step_supports_amp_scaling) for its own step() to unscale the "
+        f"gradients and skip: tiermem runs that step a partition at a time and cannot tell "
+        f"how it unscales, so the result would not be the plain optimizer's. Set "
+        f"optimizer._step_supports_amp_scaling = False before the first scaler.step() "
+        f"(GradScaler then unscales and skips for it, as for any optimizer), or train in "
+        f"bf16, which needs no GradScaler")
+
+
 def apply(opt: torch.optim.Optimizer, scaled: Handover) -> bool:
     """Honour a hand-over before the step: True when GradScaler found inf/NaN gradients
     (the step is skipped: torch's fused step leaves the weights and the state as they

@@ -577,6 +577,8 @@ class OffloadedOptimizer:
                 amp.refuse(self.opt, "parameters.offload",
                            "the gradients are in the parameter tier, where GradScaler "
                            "cannot check them for inf/NaN")
+            if self.rule.own_step:
+                amp.refuse_own_step(self.opt)
             if amp.apply(self.opt, scaled):  # (before the lanes stage any gradient)
                 self.skipped(i for i, p in enumerate(self.params) if p.grad is not None)
                 run_post_hooks(self.opt, args, kwargs)
@@ -1637,10 +1639,21 @@ class OffloadedOptimizer:
                     batch = Batch(part, group, state={k: [] for k in part.kinds
                                                       if k != "master"})
                     slices = {k: part.slices(k) for k in part.kinds}
+                    copies = []  # (to, from), once the method ran
                     for i, s in enumerate(part.segments):
                         weights = flat(s.param.detach())[s.start: s.start + s.length]
-                        batch.params.append(weights if master is None
-                                            else master[slices["master"][i]])
+                        if master is None:
+                            batch.params.append(weights)
+                        elif weights.dtype == torch.float32 and \
+                                weights.device == master.device:
+                            # as in a step (_gathered_update): an fp32 CPU model's own
+                            # weights, an edit since the last step included, are what the
+                            # method reads; the master is only the copy a commit keeps
+                            batch.params.append(weights)
+                            copies.append((master[slices["master"][i]], weights))
+                        else:
+                            batch.params.append(master[slices["master"][i]])
+                            copies.append((weights, master[slices["master"][i]]))
                         batch.segments.append(s)
                         batch.first.append(float(self.steps[s.index]) == 0)
                         batch.scalars.append({k: v.clone() if isinstance(v, torch.Tensor)
@@ -1649,9 +1662,8 @@ class OffloadedOptimizer:
                         for k, lst in batch.state.items():
                             lst.append(views[k][slices[k][i]])
                     self.rule.run_method(name, batch)
-                    if master is not None:
-                        for s, m in zip(part.segments, batch.params):
-                            flat(s.param.detach())[s.start: s.start + s.length].copy_(m)
+                    for to, src in copies:
+                        to.copy_(src)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.weights is not None:

@@ -135,6 +135,9 @@ class UpdateRule(ABC):
     #: (_init_group: Adam's step 0 and zero moments) before it skips a step GradScaler
     #: found inf/NaN in: such a parameter holds state although it never stepped
     skip_makes_state: ClassVar[bool] = False
+    #: the optimizer's own step() runs (the generic path), which would honour a GradScaler
+    #: hand-over tiermem honoured already: refused (amp.refuse_own_step)
+    own_step: ClassVar[bool] = False
     #: what the rule keeps of a parameter's torch-format state is a fixed set of keys
     #: (see unkept_keys): a loaded key outside it is refused, never dropped. Rules laid
     #: out from the state itself (the generic path) refuse in from_torch_state instead.

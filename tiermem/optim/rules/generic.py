@@ -303,6 +303,7 @@ class ShadowRule(UpdateRule):
     optimizers: ClassVar[tuple[type, ...]] = (torch.optim.Optimizer,)
     elementwise = False
     has_step = False  # the optimizer's own count, if it keeps one, is one of its scalars
+    own_step = True
     #: the class is known to treat each parameter on its own: no coupling probe
     per_parameter: ClassVar[bool] = False
 
