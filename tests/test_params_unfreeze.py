@@ -68,6 +68,13 @@ def _train(m, opt, batches, steps, *, at=None, clip=None, zero="opt", tm=None):
     return losses
 
 
+def _last_step(m, opt, batches) -> None:
+    """A step with no zero_grad after it."""
+    (tokens, target), = batches[0]
+    loss_of(m, tokens, target, False).backward()
+    opt.step()
+
+
 def _frozen_backbone(seed: int = 0) -> tuple[Synthetic, Synthetic]:
     m = _model(seed)
     for p in _backbone(m):
@@ -101,7 +108,15 @@ def test_unfreeze_a_backbone_and_add_its_group_equals_torch(tmp_path, backend, w
                          model=model) as tm:
         got = _train(model, opt, batches, range(STEPS), at=at(model, opt))
         compare_state_dicts(opt.state_dict(), ref_opt.state_dict())
-        assert len(tm.offloaded.parts) > 2
+        parts = tm.offloaded.parts
+        assert len(parts) > 2
+        if overlap:
+            # the new group's partitions are updated during backward too: the tier's hook
+            # stores each gradient before the overlap's finds it
+            for i, s in enumerate(tm.stats()[unfreeze:], start=unfreeze):
+                unused = set() if side_used(i) else {id(p) for p in model.side.parameters()}
+                assert s["early_partitions"] == sum(
+                    all(id(x.param) not in unused for x in p.segments) for p in parts), i
     assert got == want
     compare_runs(model, opt, ref, ref_opt)
 
@@ -128,11 +143,16 @@ def test_a_group_of_parameters_that_had_gradients_and_no_group_equals_torch(
     ref_opt = _adamw(_head(ref))
     want = _train(ref, ref_opt, batches, range(STEPS), at=at(ref, ref_opt), clip=clip,
                   zero=zero)
+    _last_step(ref, ref_opt, batches)
     opt = _adamw(_head(model))
     with tiermem.offload(opt, _cfg(tmp_path, backend, weights, overlap=overlap),
                          model=model):
         got = _train(model, opt, batches, range(STEPS), at=at(model, opt), clip=clip,
                      zero=zero)
+        _last_step(model, opt, batches)
+    # every gradient the last step took was consumed, the added group's too (p.grad None
+    # after the block, as documented)
+    assert all(p.grad is None for p in model.parameters())
     assert got == want
     compare_runs(model, opt, ref, ref_opt)
 
@@ -181,24 +201,32 @@ def test_a_parameter_frozen_at_entry_in_a_group_with_a_record_unfreezes(tmp_path
     compare_runs(model, opt, ref, ref_opt)
 
 
-def test_an_unfrozen_weight_used_outside_the_forward_first_takes_its_gradient(tmp_path):
-    """Unfrozen, its weights in the window, and used first by a loss term computed
-    outside the model's forward (before it): that call makes its gradient node, which
-    must carry the tier's hooks, or its gradient stays in p.grad."""
-    model, ref = _frozen_backbone(2)
+@pytest.mark.parametrize("unfreeze", [0, UNFREEZE], ids=["released", "live"])
+def test_an_unfrozen_weight_used_only_outside_the_forward_takes_its_gradient(tmp_path,
+                                                                            unfreeze):
+    """Unfrozen, then used by a loss term outside the model's forward, in steps whose
+    forward does not use it (the side branch runs on steps 1 and 4 only): that call
+    makes its gradient node, which must carry the tier's hooks, or its gradient stays in
+    p.grad. `unfreeze` 0: its weights are released then (read in for the call); 2: the
+    forward of step 1 left them in the window."""
+    model = _model(2)
+    model.side.weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
     batches = make_batches(model, STEPS, seed=5)
 
     def run(m, opt, steps):
         for i in steps:
-            if i == UNFREEZE:
-                m.fc1.weight.requires_grad_(True)
-            reg = m.fc1.weight.square().sum() * 1e-3
+            if i == unfreeze:
+                m.side.weight.requires_grad_(True)
             (tokens, target), = batches[i]
-            (reg + loss_of(m, tokens, target, side_used(i))).backward()
+            loss = loss_of(m, tokens, target, side_used(i))
+            if m.side.weight.requires_grad:
+                loss = loss + m.side.weight.square().sum() * 1e-3
+            loss.backward()
             opt.step()
             opt.zero_grad()
 
-    def make(m):
+    def make(m):  # (Adagrad lays out a record for a parameter frozen at entry)
         return torch.optim.Adagrad(m.parameters(), lr=0.05)
 
     ref_opt = make(ref)
@@ -317,3 +345,55 @@ def test_crash_consistent_resume_after_the_add(tmp_path, backend, weights, overl
         resumed = _train(again, opt, batches, range(kept_at, STEPS + 1))
     assert resumed == want[kept_at:]
     compare_runs(again, opt, ref, ref_opt)
+
+
+def test_a_group_added_to_a_model_on_a_gpu_is_refused(tmp_path, monkeypatch):
+    """The records' layout depends on the device a parameter trains on (a device model's
+    keep an fp32 master), which the released parameters no longer show: not built."""
+    model = _model()
+    for p in _backbone(model):
+        p.requires_grad_(False)
+    opt = _adamw(_head(model))
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", "host"), model=model) as tm:
+        monkeypatch.setattr(tm.offloaded.weights, "device", torch.device("cuda", 0))
+        with pytest.raises(tiermem.TierMemError,
+                           match="records inside the block for parameters of a model on "
+                                 "cuda:0 .* not built yet: add the param group before"):
+            _unfreeze_and_add(model, opt)
+        monkeypatch.undo()
+        assert len(opt.param_groups) == 1  # refused means not added
+        _train(model, opt, make_batches(model, 1), range(1))
+
+
+@pytest.mark.parametrize("weights", ["host", "nvme"])
+def test_lightning_backbone_finetuning_equals_plain(tmp_path, weights):
+    """Lightning's BackboneFinetuning freezes the backbone before the fit, unfreezes it at
+    epoch 1 and adds its group with add_param_group (at an lr of its own)."""
+    pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from test_integration_lightning import Tiny, fit
+    from tiermem.integrations.lightning import TiermemCallback
+
+    class Backbone(Tiny):
+        def __init__(self) -> None:
+            super().__init__(batches=2)
+            self.backbone = self.net[0]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad],
+                                     lr=1e-2, weight_decay=0.05)
+
+    c = config(tmp_path / "swap", host=0, kernel="match")
+    c["parameters"] = {"offload": weights}
+    fits = []
+    for tiered in (False, True):
+        unfreeze = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 1.5)
+        module = Backbone()
+        fits.append((module, fit(tmp_path / str(tiered), module, max_epochs=3, max_steps=-1,
+                                 callbacks=[TiermemCallback(c), unfreeze] if tiered
+                                 else [unfreeze])))
+    (plain, t_plain), (tiered, t_tiered) = fits
+    assert len(t_tiered.optimizers[0].param_groups) == 2
+    for (name, p), (_, q) in zip(tiered.named_parameters(), plain.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+    compare_state_dicts(t_tiered.optimizers[0].state_dict(), t_plain.optimizers[0].state_dict())
