@@ -121,13 +121,12 @@ def test_unfreeze_a_backbone_and_add_its_group_equals_torch(tmp_path, backend, w
     compare_runs(model, opt, ref, ref_opt)
 
 
-@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("weights", ["host", "nvme"])
 @pytest.mark.parametrize("clip, zero, overlap", [
     (None, "opt", False), (0.5, "opt", False), (None, "model", False), (None, "opt", True)],
     ids=["", "clip", "model-zero-grad", "overlap"])
 def test_a_group_of_parameters_that_had_gradients_and_no_group_equals_torch(
-        tmp_path, backend, weights, clip, zero, overlap):
+        tmp_path, weights, clip, zero, overlap):
     """The backbone requires a gradient all along but is in no group until UNFREEZE: its
     p.grad in torch adds up over the steps before (opt.zero_grad() leaves it, a clip over
     model.parameters() scales it), and the first step after the add takes the sum. The
@@ -145,7 +144,7 @@ def test_a_group_of_parameters_that_had_gradients_and_no_group_equals_torch(
                   zero=zero)
     _last_step(ref, ref_opt, batches)
     opt = _adamw(_head(model))
-    with tiermem.offload(opt, _cfg(tmp_path, backend, weights, overlap=overlap),
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", weights, overlap=overlap),
                          model=model):
         got = _train(model, opt, batches, range(STEPS), at=at(model, opt), clip=clip,
                      zero=zero)
@@ -174,10 +173,8 @@ def test_gradients_of_parameters_in_no_group_come_back_as_torchs(tmp_path, weigh
     assert all(p.grad is None for p in _head(model))
 
 
-@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
-def test_a_parameter_frozen_at_entry_in_a_group_with_a_record_unfreezes(tmp_path, backend,
-                                                                        overlap):
+def test_a_parameter_frozen_at_entry_in_a_group_with_a_record_unfreezes(tmp_path, overlap):
     """In the optimizer, frozen when the block opened: torch passes it over (grad None)
     until it is unfrozen. Adagrad makes its state in __init__, so tiermem laid out a
     record for it; the tier now takes its gradients from its first forward unfrozen."""
@@ -194,7 +191,7 @@ def test_a_parameter_frozen_at_entry_in_a_group_with_a_record_unfreezes(tmp_path
     ref_opt = make(ref)
     want = _train(ref, ref_opt, batches, range(STEPS), at=at(ref))
     opt = make(model)
-    with tiermem.offload(opt, _cfg(tmp_path, backend, "nvme", overlap=overlap,
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", "nvme", overlap=overlap,
                                    window="512KiB"), model=model):
         got = _train(model, opt, batches, range(STEPS), at=at(model))
     assert got == want
@@ -365,7 +362,7 @@ def test_a_group_added_to_a_model_on_a_gpu_is_refused(tmp_path, monkeypatch):
         _train(model, opt, make_batches(model, 1), range(1))
 
 
-@pytest.mark.parametrize("weights", ["host", "nvme"])
+@pytest.mark.parametrize("weights", ["nvme"])
 def test_lightning_backbone_finetuning_equals_plain(tmp_path, weights):
     """Lightning's BackboneFinetuning freezes the backbone before the fit, unfreezes it at
     epoch 1 and adds its group with add_param_group (at an lr of its own)."""
