@@ -198,6 +198,35 @@ def test_a_parameter_frozen_at_entry_in_a_group_with_a_record_unfreezes(tmp_path
     compare_runs(model, opt, ref, ref_opt)
 
 
+@pytest.mark.parametrize("weights", ["none", "nvme"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
+def test_a_group_added_frozen_and_unfrozen_later_equals_torch(tmp_path, weights, overlap):
+    """The backbone's group added while it is still frozen (torch passes it over until it
+    is unfrozen, two steps later): a group added inside the block lays out a record for
+    every parameter, frozen or not (it was refused at its first step as frozen at entry)."""
+    model, ref = _frozen_backbone(6)
+    batches = make_batches(model, STEPS + 1, seed=11)
+
+    def at(m, opt):
+        def now(i):
+            if i == 1:
+                opt.add_param_group({"params": _backbone(m), "lr": 5e-3})
+            if i == 3:
+                for p in _backbone(m):
+                    p.requires_grad_(True)
+        return now
+
+    ref_opt = _adamw(_head(ref))
+    want = _train(ref, ref_opt, batches, range(STEPS + 1), at=at(ref, ref_opt))
+    opt = _adamw(_head(model))
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", weights, overlap=overlap),
+                         model=model):
+        got = _train(model, opt, batches, range(STEPS + 1), at=at(model, opt))
+        compare_state_dicts(opt.state_dict(), ref_opt.state_dict())
+    assert got == want
+    compare_runs(model, opt, ref, ref_opt)
+
+
 @pytest.mark.parametrize("unfreeze", [0, UNFREEZE], ids=["released", "live"])
 def test_an_unfrozen_weight_used_only_outside_the_forward_takes_its_gradient(tmp_path,
                                                                             unfreeze):

@@ -1677,7 +1677,11 @@ class OffloadedOptimizer:
                     first_index=len(self.params), keep_master=self._keep_master,
                     state_dtype=self.settings.optimizer.state_dtype,
                     master_weights=self.settings.optimizer.master_weights,
-                    skip=self._skip, **self._layouts([group]))
+                    # every parameter, frozen or not: the user asked for them now (a
+                    # group added before its parameters are unfrozen, which torch passes
+                    # over until then), where _skip spares a LoRA run's frozen base weights
+                    # the records they never need
+                    **self._layouts([group]))
             for part in new:
                 part.group = first_group
             if self.weights is not None:
