@@ -423,3 +423,41 @@ def test_lightning_backbone_finetuning_equals_plain(tmp_path, weights):
     for (name, p), (_, q) in zip(tiered.named_parameters(), plain.named_parameters()):
         assert torch.equal(p.detach(), q.detach()), name
     compare_state_dicts(t_tiered.optimizers[0].state_dict(), t_plain.optimizers[0].state_dict())
+
+
+def test_new_weights_assigned_to_a_released_parameter_before_the_add_are_kept(tmp_path):
+    """p.data = tensor on a released parameter of the group (new weights, kept by the
+    tier), then the add: laid out from the new weights, which train on."""
+    model, ref = _frozen_backbone(8)
+    batches = make_batches(model, 3, seed=13)
+    new = torch.randn(ref.fc1.weight.shape, generator=torch.Generator().manual_seed(2))
+
+    def run(m, opt):
+        m.fc1.weight.data = new.clone()
+        _unfreeze_and_add(m, opt)
+        return _train(m, opt, batches, range(3))
+
+    ref_opt = _adamw(_head(ref))
+    want = run(ref, ref_opt)
+    opt = _adamw(_head(model))
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", "nvme"), model=model):
+        got = run(model, opt)
+    assert got == want
+    compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_group_with_a_parameter_changed_behind_the_tier_is_refused_and_not_added(tmp_path):
+    """A released parameter changed in place where the tier cannot see it (its empty
+    placeholder): refused by the add, before anything is laid out (laid out from the
+    placeholder's size it took no record, and its updates were lost), the group not added."""
+    model, _ = _frozen_backbone(8)
+    opt = _adamw(_head(model))
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", "nvme"), model=model):
+        with torch._C.DisableTorchFunction():
+            model.fc1.weight.add_(1.0)  # the empty placeholder: no weights reached
+        with pytest.raises(tiermem.TierMemError, match=r"fc1\.weight was changed in place "
+                                                       r"while the weights were out of memory"):
+            _unfreeze_and_add(model, opt)
+        assert len(opt.param_groups) == 1
+        _unfreeze_and_add(model, opt)  # the weights from before are kept: it goes on
+        _train(model, opt, make_batches(model, 1), range(1))

@@ -1822,8 +1822,14 @@ class ParamTier:
         with self.lock:
             self._check_open()
             for i in idx:
+                # a change made behind the tier first: kept (new weights assigned: live
+                # now) or refused, never laid out from the placeholder's size, which would
+                # give the parameter no record
+                if self._check_param(i):
+                    self._adopt(i)
+            for i in idx:
                 self._pin(i)
-                if i not in self.live and self._change(i) is None:
+                if i not in self.live:
                     # (set_data moves no version counter: the release's record stays right)
                     self.params[i].data = _untouched(self.records.metas[i])
                     swapped.append(i)
