@@ -1355,7 +1355,8 @@ class ParamTier:
         if i is None:
             return
         if self._ready(i):
-            self._hook_unfrozen([i])
+            if i not in self._grad_hooked:  # (every use in a forward passes here)
+                self._hook_unfrozen([i])
             return
         self._busy = True
         try:
