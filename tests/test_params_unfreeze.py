@@ -337,7 +337,7 @@ def test_state_dict_after_the_add_loads_into_a_fresh_tiered_optimizer(tmp_path, 
 def test_crash_consistent_resume_after_the_add(tmp_path, backend, weights, overlap):
     """The commit after the add holds the new group's records and weights: a copy of the
     run directory taken after a later step resumes, with the optimizer made again with
-    both groups (as Lightning restores them), bitwise to the plain run."""
+    both groups before the block, bitwise to the plain run."""
     model, ref = _frozen_backbone(4)
     batches = make_batches(model, STEPS + 1, seed=9)
     kept_at = UNFREEZE + 1  # steps done when the copy is taken
