@@ -461,3 +461,29 @@ def test_a_group_with_a_parameter_changed_behind_the_tier_is_refused_and_not_add
         assert len(opt.param_groups) == 1
         _unfreeze_and_add(model, opt)  # the weights from before are kept: it goes on
         _train(model, opt, make_batches(model, 1), range(1))
+
+
+@pytest.mark.parametrize("master, crash", [("fp32", True), ("kahan", False)])
+def test_a_bf16_backbone_added_equals_the_run_without_the_parameter_tier(tmp_path, master,
+                                                                         crash):
+    """A bf16 model's added group is laid out from the stand-ins' dtype (an fp32 master, or
+    a Kahan term): bitwise tiermem without the parameter tier (plain torch keeps no fp32
+    master to compare with)."""
+    model, ref = _frozen_backbone(10)
+    model.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    batches = make_batches(model, STEPS, seed=15)
+    runs = []
+    for m, weights in ((ref, "none"), (model, "nvme")):
+        opt = _adamw(_head(m))
+        c = _cfg(tmp_path / weights, "threads", weights, crash=crash)
+        c["optimizer"].update(kernel="fused", master_weights=master)
+        with tiermem.offload(opt, c, model=m):
+            losses = _train(m, opt, batches, range(STEPS),
+                            at=lambda i, m=m, opt=opt: (_unfreeze_and_add(m, opt)
+                                                        if i == UNFREEZE else None))
+            runs.append((losses, opt, opt.state_dict()))
+    (want, ref_opt, ref_sd), (got, opt, sd) = runs
+    assert got == want
+    compare_state_dicts(sd, ref_sd)
+    compare_runs(model, opt, ref, ref_opt)
