@@ -466,9 +466,9 @@ def test_a_group_with_a_parameter_changed_behind_the_tier_is_refused_and_not_add
 @pytest.mark.parametrize("master, crash", [("fp32", True), ("kahan", False)])
 def test_a_bf16_backbone_added_equals_the_run_without_the_parameter_tier(tmp_path, master,
                                                                          crash):
-    """A bf16 model's added group is laid out from the stand-ins' dtype (an fp32 master, or
-    a Kahan term): bitwise tiermem without the parameter tier (plain torch keeps no fp32
-    master to compare with)."""
+    """A bf16 model's group added before any forward (its weights released) is laid out
+    from the stand-ins' dtype (an fp32 master, or a Kahan term): bitwise tiermem without
+    the parameter tier (plain torch keeps no fp32 master to compare with)."""
     model, ref = _frozen_backbone(10)
     model.to(torch.bfloat16)
     ref.to(torch.bfloat16)
@@ -481,7 +481,7 @@ def test_a_bf16_backbone_added_equals_the_run_without_the_parameter_tier(tmp_pat
         with tiermem.offload(opt, c, model=m):
             losses = _train(m, opt, batches, range(STEPS),
                             at=lambda i, m=m, opt=opt: (_unfreeze_and_add(m, opt)
-                                                        if i == UNFREEZE else None))
+                                                        if i == 0 else None))
             runs.append((losses, opt, opt.state_dict()))
     (want, ref_opt, ref_sd), (got, opt, sd) = runs
     assert got == want
