@@ -1708,8 +1708,11 @@ class OffloadedOptimizer:
         if self.weights is not None:
             self.weights.optimizer_holds(group["params"])
             self.weights.expect_updates(_pieces(new))
-            # before the overlap's hooks below: the tier's stores each gradient first
-            self.weights.take_gradients(group["params"])
+            if self.overlap is not None:
+                # before the overlap's hooks below: the tier's stores each gradient first
+                # (without overlap the tier hooks them at their next forward, which reads
+                # their weights anyway)
+                self.weights.take_gradients(group["params"])
         if self.crash:
             self._initialise(new)
             self.commit()
