@@ -487,3 +487,20 @@ def test_a_bf16_backbone_added_equals_the_run_without_the_parameter_tier(tmp_pat
     assert got == want
     compare_state_dicts(sd, ref_sd)
     compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_group_whose_partition_the_window_cannot_hold_is_refused_and_not_added(tmp_path):
+    """The window holds the largest module (the block opens), not the weights and
+    gradients of the added group's partition holding emb.weight: refused naming it, the
+    group not added, the block going on."""
+    from tiermem.config import ConfigError
+
+    model, _ = _frozen_backbone()
+    opt = _adamw(_head(model))
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", "nvme", window="100KiB"),
+                         model=model):
+        with pytest.raises(ConfigError, match=r"parameters.window.*one optimizer partition.*"
+                                              r"\(emb\.weight, \.\.\.\)"):
+            _unfreeze_and_add(model, opt)
+        assert len(opt.param_groups) == 1
+        _train(model, opt, make_batches(model, 1), range(1))
