@@ -419,7 +419,8 @@ def test_a_submodule_called_outside_the_models_forward(tmp_path):
 def test_an_inference_mode_forward_keeps_its_grad_mode_inside_the_tier(tmp_path):
     # Leaving inference mode for the tier's own work turned grad mode on with it: a
     # parameter unfrozen inside the block was refused during an evaluation that computes
-    # no gradient, which runs as in torch (the training forward still refuses it).
+    # no gradient, which runs as in torch. (The tier takes an unfrozen parameter's
+    # gradients now; one the optimizer laid out no record for is refused at the step.)
     model = Net()
     model.b2.ln.weight.requires_grad_(False)
     opt = make_opt(model)
@@ -429,6 +430,8 @@ def test_an_inference_mode_forward_keeps_its_grad_mode_inside_the_tier(tmp_path)
         model.b2.ln.weight.requires_grad_(True)
         with torch.inference_mode():
             loss_of(model, t, y)
+        loss_of(model, t, y).backward()
         with pytest.raises(TierMemError, match="had requires_grad=False when the tiermem"):
-            loss_of(model, t, y)
+            opt.step()
+        opt.zero_grad()
         model.b2.ln.weight.requires_grad_(False)

@@ -91,8 +91,6 @@ def scenarios(draw):
         # fc2.weight clamped in place after the first step; a fused optimizer through a
         # GradScaler that skips step 2 (inf loss)
         edit=draw(st.booleans()), amp=draw(st.booleans()))
-    if sc["add_group"] is not None:
-        sc["weights"] = "none"  # refused with the weights in the tiers (tested apart)
     if sc["edit"] and (sc["weights"] != "none" or sc["lanes"] == "cpu"
                        or (sc["resume"] and sc["cut"] is not None)):
         # documented: the tier keeps its own copy of the weights, an fp32 master is what

@@ -142,6 +142,15 @@ def groups_changed(groups: Sequence[dict], sizes: Sequence[int],
     return now, [p for p in flat if id(p) not in known]
 
 
+def _pieces(parts: Iterable[Partition]) -> list[tuple[torch.Tensor, int]]:
+    """Each parameter of `parts` with the number of them holding a piece of it."""
+    pieces: dict[int, list] = {}
+    for part in parts:
+        for s in part.segments:
+            pieces.setdefault(id(s.param), [s.param, 0])[1] += 1
+    return [(p, n) for p, n in pieces.values()]
+
+
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
     """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
     return rule_for(opt)
@@ -389,11 +398,8 @@ class OffloadedOptimizer:
                 self.weights.keep_grads = settings.pipeline.overlap_backward
                 self.weights.check_partitions([s.param for s in part.segments]
                                               for part in self.parts)
-                pieces: dict[int, list] = {}
-                for part in self.parts:
-                    for s in part.segments:
-                        pieces.setdefault(id(s.param), [s.param, 0])[1] += 1
-                self.weights.expect_updates(map(tuple, pieces.values()))
+                self.weights.expect_updates(_pieces(self.parts))
+                self.weights.optimizer_holds(self.params)
                 if self.crash and resume:
                     # The committed records hold every weight the optimizer updates (fp32
                     # masters, or the bf16 copies of master_weights kahan/none): the tier's
@@ -1666,10 +1672,6 @@ class OffloadedOptimizer:
                         to.copy_(src)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if self.weights is not None:
-            raise TierMemError("add_param_group inside the block is not supported with "
-                               "parameters.offload yet: add every param group before "
-                               "tiermem.offload")
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.add_param_group()")
         self.check_groups("optimizer.add_param_group()")
@@ -1678,15 +1680,28 @@ class OffloadedOptimizer:
         group = self.opt.param_groups[-1]
         left = dict(self.budgets.left)
         try:
-            self.rule.check(self.opt)
-            new = build_partitions([group], self.names, self.settings.pipeline.partition_size,
-                                   self.settings.placement, first_id=len(self.parts),
-                                   first_index=len(self.params), keep_master=self._keep_master,
-                                   state_dtype=self.settings.optimizer.state_dtype,
-                                   master_weights=self.settings.optimizer.master_weights,
-                                   skip=self._skip, **self._layouts([group]))
+            if self.weights is not None:
+                self._check_weights_of(group["params"])
+            # with parameters.offload the new parameters are empty between uses: their
+            # records are laid out from their shapes, which the tier gives them meanwhile
+            with (self.weights.shaped(group["params"]) if self.weights is not None
+                  else contextlib.nullcontext()):
+                self.rule.check(self.opt)
+                new = build_partitions(
+                    [group], self.names, self.settings.pipeline.partition_size,
+                    self.settings.placement, first_id=len(self.parts),
+                    first_index=len(self.params), keep_master=self._keep_master,
+                    state_dtype=self.settings.optimizer.state_dtype,
+                    master_weights=self.settings.optimizer.master_weights,
+                    # every parameter, frozen or not: the user asked for them now (a
+                    # group added before its parameters are unfrozen, which torch passes
+                    # over until then), where _skip spares a LoRA run's frozen base weights
+                    # the records they never need
+                    **self._layouts([group]))
             for part in new:
                 part.group = first_group
+            if self.weights is not None:
+                self.weights.check_partitions([s.param for s in part.segments] for part in new)
             self.budgets.assign(new)
             self._refuse_routes(new)
             self._add_lanes(new)  # slots grow to the largest record: harmless if refused below
@@ -1706,8 +1721,27 @@ class OffloadedOptimizer:
         self.scalars.extend({} for _ in group["params"])
         self.parts.extend(new)
         self.unlaid |= self._unlaid(new, range(first, len(self.params)))
+        if self.weights is not None:
+            self.weights.optimizer_holds(group["params"])
+            self.weights.expect_updates(_pieces(new))
+            if self.overlap is not None:
+                # before the overlap's hooks below: the tier's stores each gradient first
+                # (without overlap the tier hooks them at their next forward, which reads
+                # their weights anyway)
+                self.weights.take_gradients(group["params"])
         if self.crash:
             self._initialise(new)
             self.commit()
         if self.overlap is not None:
             self.overlap.add(new)
+
+    def _check_weights_of(self, params: Sequence[torch.Tensor]) -> None:
+        """A group added inside the block with parameters.offload: its parameters must be
+        the model's, whose weights and gradients the tier holds (one made since, or of
+        another module, has no record: the step could not open it)."""
+        try:
+            self.weights.indices(params)
+        except TierMemError as e:
+            raise TierMemError(
+                f"optimizer.add_param_group() inside the block: {e}; add only parameters of "
+                "the model passed to tiermem.offload(model=...)") from e

@@ -52,6 +52,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import mmap
 import sys
 import threading
 from collections import OrderedDict
@@ -200,6 +201,15 @@ def _tiers_own(frame: Any) -> bool:
             return False
         frame = frame.f_back
     return False
+
+
+def _untouched(meta: Meta) -> torch.Tensor:
+    """A contiguous CPU tensor of `meta`'s shape and dtype whose pages are never touched
+    (an anonymous mapping: no memory is used until written), for code that reads only what
+    a tensor is (shape, dtype, device, strides) and may be given more than the window."""
+    pages = mmap.mmap(-1, max(meta.nbytes, 1))
+    return torch.frombuffer(pages, dtype=meta.dtype,
+                            count=meta.shape.numel()).view(meta.shape)
 
 
 class UseGuard(TorchFunctionMode):
@@ -363,6 +373,10 @@ class ParamTier:
         # record was ever written), so a step that failed after them cannot read them again
         self.spent: set[int] = set()
         self.pieces = [1] * len(self.params)  # optimizer partitions holding a piece of each
+        # the parameters the optimizer holds (None: every one), whose gradients a step
+        # consumes; another keeps its gradient across steps, as its p.grad would in torch,
+        # for an add_param_group to hand to the step after it (optimizer_holds)
+        self.optimized: set[int] | None = None
         self.updates: dict[int, int] = {}  # pieces updated this step
         self.grad_edits = 0  # zero_grad and clip calls: a gradient edited after its hook
         self.grad_stores = [0] * len(self.params)  # gradients stored (a backward's, each)
@@ -556,14 +570,34 @@ class ParamTier:
             # records the device its gradients come on
             p.data = p.data.to(self.device)
         if p.requires_grad:
-            # AccumulateGrad lays a gradient out like its parameter (a transposed one is
-            # copied into the parameter's strides): the weights must be there, and the node
-            # records the parameter's shape and device when made, so it is made now. It is
-            # held so that the same node (and its hook) serves every backward.
-            self._hook_accumulator(i)
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-            self._grad_hooked.add(i)
+            self._hook_grad(i)
         self._release_storage(i)
+
+    def _hook_grad(self, i: int) -> None:
+        """Parameter `i`'s gradients come to the tier from now on. Its weights must be in
+        p.data, where it trains: AccumulateGrad lays a gradient out like its parameter (a
+        transposed one is copied into the parameter's strides), and the node records the
+        parameter's shape and device when made, so it is made now. It is held so that the
+        same node (and its hook) serves every backward."""
+        self._hook_accumulator(i)
+        self._handles.append(self.params[i].register_post_accumulate_grad_hook(
+            self._grad_ready))
+        self._grad_hooked.add(i)
+
+    def _unhooked(self, indices: Iterable[int]) -> list[int]:
+        """Of `indices`, the parameters that require a gradient the tier takes none of yet:
+        frozen when the block opened, unfrozen since."""
+        return [i for i in indices
+                if i not in self._grad_hooked and self.params[i].requires_grad]
+
+    def _hook_unfrozen(self, indices: Iterable[int]) -> None:
+        """Parameters unfrozen since the block opened, whose weights are in place now (a
+        forward, a read between steps), hooked before autograd can make their gradient
+        node without the tier's hooks: their gradients would stay in p.grad, where
+        neither the step nor clip_grad_norm_ looks."""
+        for i in self._unhooked(indices):
+            if self._ready(i):
+                self._hook_grad(i)
 
     def _hook_accumulator(self, i: int) -> None:
         """Parameter i's gradient node (made now if autograd has none: its weights must be
@@ -972,7 +1006,8 @@ class ParamTier:
         return use
 
     def _awaits_update(self, i: int) -> bool:
-        return self.keep_grads and self.has_grad[i] and i not in self.finished
+        return (self.keep_grads and self.has_grad[i] and i not in self.finished
+                and (self.optimized is None or i in self.optimized))
 
     def _spill(self, i: int) -> None:
         """A held gradient to its record, out of the window."""
@@ -1152,20 +1187,23 @@ class ParamTier:
         else:
             self.pins.pop(i, None)
 
-    def _refuse_unhooked(self, indices: Iterable[int]) -> None:
-        """A parameter frozen when the block opened has no gradient hook: unfrozen since,
-        its gradient would stay in p.grad, where the step never looks (it would go
-        un-updated without a word). Refused at the forward, before its backward."""
-        if not torch.is_grad_enabled():
-            return
-        bad = [i for i in indices
-               if self.params[i].requires_grad and i not in self._grad_hooked]
-        if bad:
-            raise TierMemError(
-                f"parameters.offload: {self.names[bad[0]]} requires a gradient, but had "
-                "requires_grad=False when the tiermem.offload block was entered, so the "
-                "parameter tier takes no gradient for it; leave the block and enter a new "
-                "one after unfreezing it")
+    @_locked
+    def take_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """The parameters of `params` that require a gradient (unfrozen since the block
+        opened) have their gradients come to the tier from now on, before any other hook
+        is registered on them: a group added inside the block whose updates run during
+        backward (pipeline.overlap_backward) registers the overlap's hook next, which must
+        find the gradient stored when it fires. Each one's weights are read in for its
+        gradient node (_hook_grad), one at a time."""
+        self._check_open()
+        for i in self._unhooked(self.indices(params)):
+            self._pin(i)
+            try:
+                self._materialise(i, device=True)
+                self._ready_for_compute([i])
+                self._hook_grad(i)
+            finally:
+                self._unpin(i)
 
     def _guarded(self, func: Any, args: Any, kwargs: Any,
                  found: list[torch.nn.Parameter]) -> Any:
@@ -1191,7 +1229,8 @@ class ParamTier:
         # under overlap the worker may evict a live weight while the call reads it: pinned;
         # a device model's weights in place may still be on their way (read ahead, or the
         # step's upload): the compute stream waits for them
-        if not released and func != _DATA and not (idx and (self.keep_grads or self.dev)):
+        if (not released and func != _DATA and not (idx and (self.keep_grads or self.dev))
+                and not (torch.is_grad_enabled() and self._unhooked(idx))):
             return func(*args, **kwargs)
         if _tiers_own(sys._getframe(2)):
             return func(*args, **kwargs)
@@ -1284,6 +1323,7 @@ class ParamTier:
                     self._materialise(i, device=True)
                     self.stats.outside_forward += 1
             self._ready_for_compute(idx)
+            self._hook_unfrozen(idx)  # the call may make a gradient node (a loss term)
         except BaseException:
             for i in idx:
                 self._unpin(i)
@@ -1312,14 +1352,18 @@ class ParamTier:
     @_locked
     def _use(self, p: torch.Tensor) -> None:
         i = self.index.get(id(p))
-        if i is None or (i in self.live and (self.dev is None or i in self.on_device)):
+        if i is None:
+            return
+        if self._ready(i):
+            if i not in self._grad_hooked:  # (every use in a forward passes here)
+                self._hook_unfrozen([i])
             return
         self._busy = True
         try:
-            self._refuse_unhooked([i])
             self._request(self.unit_of[i])
             self._materialise(i, device=True)
             self._ready_for_compute([i])
+            self._hook_unfrozen([i])
             self.stats.outside_hooks += 1
         finally:
             self._busy = False
@@ -1330,14 +1374,14 @@ class ParamTier:
         self._busy = True  # the tier's own tensor work is not a use of a weight
         self._running[u] += 1
         try:
-            # (p.requires_grad too: read outside, UseGuard would count it a use)
-            self._refuse_unhooked(self.units[u])
             self._request(u)
             for i in self.units[u]:
                 self._pin(i)
             for i in self.units[u]:
                 self._materialise(i, device=True)
             self._ready_for_compute(self.units[u])
+            # (p.requires_grad too: read outside, UseGuard would count it a use)
+            self._hook_unfrozen(self.units[u])
             if not self._hooks_ctx and torch.is_grad_enabled() and _no_saved_hooks():
                 # A unit run outside the model's forward: a reentrant checkpoint's
                 # recomputation during backward, a submodule called on its own. What its
@@ -1760,6 +1804,47 @@ class ParamTier:
                 for i in idx:
                     self._unpin(i)
 
+    @contextlib.contextmanager
+    def shaped(self, params: Iterable[torch.Tensor]) -> Iterator[None]:
+        """`params` hold their shape for the duration, read or not: a released one a
+        stand-in of its shape, dtype and device that holds no memory (stand_in), a live one
+        its weights, pinned. Laying out the optimizer records of a group added inside the
+        block reads shapes only, and the group may be larger than the window."""
+        idx = self.indices(params)
+        if self.device.type != "cpu":
+            # The layout depends on the device a parameter trains on (a device model's
+            # records keep an fp32 master), and a stand-in there would take device memory.
+            raise TierMemError(
+                f"parameters.offload: laying out optimizer records inside the block for "
+                f"parameters of a model on {self.device} ({self.names[idx[0]]}, ...) is not "
+                "built yet: add the param group before tiermem.offload (a group whose "
+                "parameters are frozen until later is passed over by torch until then)")
+        swapped = []
+        with self.lock:
+            self._check_open()
+            for i in idx:
+                # a change made behind the tier first: kept (new weights assigned: live
+                # now) or refused, never laid out from the placeholder's size, which would
+                # give the parameter no record
+                if self._check_param(i):
+                    self._adopt(i)
+            for i in idx:
+                self._pin(i)
+                if i not in self.live:
+                    # (set_data moves no version counter: the release's record stays right)
+                    self.params[i].data = _untouched(self.records.metas[i])
+                    swapped.append(i)
+        try:
+            yield
+        finally:
+            with self.lock:
+                for i in swapped:
+                    p = self.params[i]
+                    p.data = torch.empty(0, dtype=self.records.metas[i].dtype,
+                                         device=p.device)
+                for i in idx:
+                    self._unpin(i)
+
     @_locked
     def _materialise_for(self, idx: list[int], changed: bool) -> None:
         for i in idx:
@@ -1772,6 +1857,12 @@ class ParamTier:
         """The step after backward is about to open `params`, in this order: a weight it
         still has to update is needed at its place there (eviction by next use)."""
         self.step_order = {i: k for k, i in enumerate(self.indices(params))}
+
+    @_locked
+    def optimizer_holds(self, params: Iterable[torch.Tensor]) -> None:
+        """The optimizer holds `params` (as well as any it held before): its steps consume
+        their gradients."""
+        self.optimized = (self.optimized or set()) | set(self.indices(params))
 
     @_locked
     def expect_updates(self, pieces: Iterable[tuple[torch.Tensor, int]]) -> None:
@@ -1828,6 +1919,7 @@ class ParamTier:
         """The step consumed every gradient: write the updated weights back, forget the
         gradients, and freeze (or follow) the learned order for the next iteration."""
         self._settle_grads()
+        kept = self._keep_unstepped()
         for i in list(self.live):
             self._note_edit(i)
             if i in self.dirty:
@@ -1846,8 +1938,8 @@ class ParamTier:
         self.unwritten.clear()
         self.spent.clear()
         self._drop_grads_inflight()
-        self.has_grad = [False] * len(self.params)
-        self.norms.clear()
+        self.has_grad = [i in kept for i in range(len(self.params))]
+        self.norms = {i: n for i, n in self.norms.items() if i in kept}
         self.clip_coef = None
         self.steps += 1
         if self.learned is None and self._recording:
@@ -1865,6 +1957,26 @@ class ParamTier:
             self._read_ahead(self._ahead(self.learned, 0), 0)
             if self.dev is not None:
                 self._advance()
+
+    def _keep_unstepped(self) -> set[int]:
+        """At a step's end: the gradients of parameters the optimizer does not hold stay,
+        as their p.grad would in torch (a backward adds to them; opt.zero_grad() leaves
+        them, model.zero_grad() drops them), in their records, clipped as torch's clip
+        scaled them in place: an add_param_group of those parameters hands them to the
+        next step. Returns their indices."""
+        if self.optimized is None:
+            return set()
+        kept = {i for i, h in enumerate(self.has_grad) if h and i not in self.optimized}
+        for i in sorted(kept):
+            if i in self.held:
+                self._spill(i)
+            if self.clip_coef is not None:
+                self.records.drain()
+                g = self.records.fetch(GRAD, i).wait().clone()
+                g.mul_(self.clip_coef)  # as the step scales the ones it reads
+                stored = self.records.accumulate(i, g, add=False)
+                self.norms[i] = torch.linalg.vector_norm(stored, 2)
+        return kept
 
     def plan(self) -> dict[str, Any]:
         """Where the weights and grads are and what the window holds (tm.plan())."""
