@@ -1,0 +1,78 @@
+"""Bugs found in review of the unstepped_state / skipped-step work: each test is red
+without its fix."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import tiermem
+from tiermem.swap import recover as rec
+from offload_helpers import compare_runs, config, loss_of, make_batches, swap_dir
+from test_optimizer_rules import state_equal
+from test_recover_gaps import crash_cfg, kept, main_params, side_group, small
+
+
+def _skip(model, opt, batch, scaler, use_side=True):
+    scaler.scale(loss_of(model, *batch, use_side) * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def _step(model, opt, batch, scaler, use_side=True):
+    scaler.scale(loss_of(model, *batch, use_side)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_a_skipped_step_fills_an_added_adagrad_groups_accumulator(tmp_path):
+    model = small()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.Adagrad(main_params(m), lr=0.05,  # noqa: E731
+                                         initial_accumulator_value=0.25, fused=True)
+    opt, ref_opt = make(model), make(ref)
+    batches = make_batches(model, 2)
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2))
+    with tiermem.offload(opt, config(tmp_path)):
+        opt.add_param_group(side_group(model, lr=2e-3))
+        _skip(model, opt, batches[0][0], scaler)
+        sd = opt.state_dict()
+        ref_opt.add_param_group(side_group(ref, lr=2e-3))
+        _skip(ref, ref_opt, batches[0][0], ref_scaler)
+        state_equal(sd, ref_opt.state_dict(), "after the skipped step")
+        _step(model, opt, batches[1][0], scaler)
+    _step(ref, ref_opt, batches[1][0], ref_scaler)
+    compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_skipped_step_fills_an_added_adagrad_groups_accumulator_across_a_crash(
+        tmp_path, monkeypatch):
+    """The same, the state kept on disk at the skipped step (crash_consistent): recover and
+    a resume read the starting accumulator torch made, and the resumed step starts from it."""
+    model = small()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.Adagrad(main_params(m), lr=0.05,  # noqa: E731
+                                         initial_accumulator_value=0.25, fused=True)
+    opt, ref_opt = make(model), make(ref)
+    batches = make_batches(model, 2)
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2))
+
+    def body():
+        opt.add_param_group(side_group(model, lr=2e-3))
+        _skip(model, opt, batches[0][0], scaler)
+
+    kept(tmp_path, monkeypatch, opt, model, body)
+    ref_opt.add_param_group(side_group(ref, lr=2e-3))
+    _skip(ref, ref_opt, batches[0][0], ref_scaler)
+    want = ref_opt.state_dict()
+    state_equal(rec.gather(str(swap_dir(tmp_path)))["optimizer"], want, "recovered")
+    opt2 = make(model)
+    opt2.add_param_group(side_group(model, lr=2e-3))
+    with tiermem.offload(opt2, crash_cfg(tmp_path), model=model, resume=True):
+        state_equal(opt2.state_dict(), want, "resumed")
+        _step(model, opt2, batches[1][0], scaler)
+    _step(ref, ref_opt, batches[1][0], ref_scaler)
+    compare_runs(model, opt2, ref, ref_opt)
