@@ -76,3 +76,28 @@ def test_a_skipped_step_fills_an_added_adagrad_groups_accumulator_across_a_crash
         _step(model, opt2, batches[1][0], scaler)
     _step(ref, ref_opt, batches[1][0], ref_scaler)
     compare_runs(model, opt2, ref, ref_opt)
+
+
+def test_recover_reads_a_loaded_never_stepped_adagrad_accumulator(tmp_path, monkeypatch):
+    """A state_dict loaded inside the block whose entry for a never-stepped parameter
+    holds an accumulator other than this optimizer's initial_accumulator_value (saved by
+    an Adagrad made with another): torch holds the loaded one, and so do tiermem's
+    state_dict and a resume; recover gave the defaults' fill instead."""
+    model = small()
+    ref = copy.deepcopy(model)
+    saved = torch.optim.Adagrad(ref.parameters(), lr=0.05, initial_accumulator_value=0.5)
+    sd = saved.state_dict()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+
+    def body():
+        opt.load_state_dict(sd)
+
+    kept(tmp_path, monkeypatch, opt, model, body)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    ref_opt.load_state_dict(sd)
+    want = ref_opt.state_dict()
+    recovered = rec.gather(str(swap_dir(tmp_path)))["optimizer"]
+    opt2 = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    with tiermem.offload(opt2, crash_cfg(tmp_path), model=model, resume=True):
+        state_equal(opt2.state_dict(), want, "resumed")
+    state_equal(recovered, want, "recovered")
