@@ -101,3 +101,27 @@ def test_recover_reads_a_loaded_never_stepped_adagrad_accumulator(tmp_path, monk
     with tiermem.offload(opt2, crash_cfg(tmp_path), model=model, resume=True):
         state_equal(opt2.state_dict(), want, "resumed")
     state_equal(recovered, want, "recovered")
+
+
+def test_a_loaded_asgd_entry_of_step_0_is_started_from_with_its_scalars(tmp_path):
+    """torch's ASGD starts a parameter holding an entry (len(state) != 0) from it, step 0
+    included, eta and mu too: its first step moves the weights by the entry's eta, not by
+    lr (an entry saved by an ASGD with another lr). tiermem started the first step from the
+    rule's initial scalars whatever the entry said."""
+    model = small()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.ASGD(m.parameters(), lr=0.01, t0=0.0)  # noqa: E731
+    opt, ref_opt = make(model), make(ref)
+    sd = ref_opt.state_dict()
+    sd["state"] = {i: {"step": torch.tensor(0.0), "eta": torch.tensor(0.5),
+                       "mu": torch.tensor(1.0), "ax": torch.zeros_like(p)}
+                   for i, p in enumerate(ref.parameters())}
+    ref_opt.load_state_dict(copy.deepcopy(sd))
+    batches = make_batches(model, 1)
+    with tiermem.offload(opt, config(tmp_path)):
+        opt.load_state_dict(copy.deepcopy(sd))
+        loss_of(model, *batches[0][0], True).backward()
+        opt.step()
+    loss_of(ref, *batches[0][0], True).backward()
+    ref_opt.step()
+    compare_runs(model, opt, ref, ref_opt)

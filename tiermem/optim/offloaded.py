@@ -1065,8 +1065,12 @@ class OffloadedOptimizer:
         step = self.steps[s.index]
         batch.steps.append(step)
         first = float(step) <= 1
-        batch.first.append(first and self.fills(s.index))
-        have = {} if first else self.scalars[s.index]
+        fills = first and self.fills(s.index)
+        batch.first.append(fills)
+        # an entry of step 0 (unstepped_state: loaded, held at entry) is started from,
+        # its scalars too (ASGD's eta, saved by an ASGD with another lr), as torch's
+        # step does for a parameter holding state: not the rule's starting values
+        have = {} if fills else self.scalars[s.index]
         mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in have.items()}
         start = self.rule.initial_scalars(batch.group)
         for k in self.rule.scalar_keys(batch.group):
