@@ -8,6 +8,7 @@ import copy
 import torch
 
 import tiermem
+from tiermem.dist import dcp
 from tiermem.swap import recover as rec
 from offload_helpers import compare_runs, config, loss_of, make_batches, swap_dir
 from test_optimizer_rules import state_equal
@@ -125,3 +126,33 @@ def test_a_loaded_asgd_entry_of_step_0_is_started_from_with_its_scalars(tmp_path
     loss_of(ref, *batches[0][0], True).backward()
     ref_opt.step()
     compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_whole_rule_checkpoint_of_no_step_loaded_under_a_process_group_holds_no_state(
+        tmp_path):
+    """tiermem.dist.dcp.load of a whole-parameter rule's checkpoint (torch's Adafactor)
+    saved before any step: no parameter holds state, so opt.state is empty (false), as the
+    plain optimizer's is. Under a process group counts_loaded took the whole path's
+    `stateless=[]` for 'every parameter holds state'."""
+    import torch.distributed as dist
+
+    tmp_path.chmod(0o700)  # tiermem refuses swap paths others can write
+    model = small()
+    c = config(tmp_path / "a")
+    c["distributed"] = {"grads": "allreduced"}
+    c2 = config(tmp_path / "b")
+    c2["distributed"] = {"grads": "allreduced"}
+    ckpt = str(tmp_path / "ckpt")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
+                            world_size=1)
+    try:
+        opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+        with tiermem.offload(opt, c, model=model, process_group=dist.group.WORLD) as tm:
+            dcp.save(tm, ckpt)
+        opt2 = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+        with tiermem.offload(opt2, c2, model=model, process_group=dist.group.WORLD) as tm:
+            dcp.load(tm, ckpt)
+            assert opt2.state_dict()["state"] == {}
+            assert not opt2.state
+    finally:
+        dist.destroy_process_group()
