@@ -156,3 +156,30 @@ def test_a_whole_rule_checkpoint_of_no_step_loaded_under_a_process_group_holds_n
             assert not opt2.state
     finally:
         dist.destroy_process_group()
+
+
+def test_an_empty_adagrad_state_loaded_under_a_process_group_holds_no_state(tmp_path):
+    """torch's load_state_dict replaces the state: an Adagrad given a state_dict with no
+    entries holds none (opt.state is false), eager state or not; one process says so, a
+    process group said true."""
+    import torch.distributed as dist
+
+    tmp_path.chmod(0o700)
+    model = small()
+    ref = torch.optim.Adagrad(copy.deepcopy(model).parameters(), lr=0.05)
+    sd = ref.state_dict()
+    sd["state"] = {}
+    ref.load_state_dict(copy.deepcopy(sd))
+    assert not ref.state
+    c = config(tmp_path / "a")
+    c["distributed"] = {"grads": "allreduced"}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
+                            world_size=1)
+    try:
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+        with tiermem.offload(opt, c, model=model, process_group=dist.group.WORLD):
+            opt.load_state_dict(copy.deepcopy(sd))
+            assert opt.state_dict()["state"] == {}
+            assert not opt.state
+    finally:
+        dist.destroy_process_group()
