@@ -183,3 +183,35 @@ def test_an_empty_adagrad_state_loaded_under_a_process_group_holds_no_state(tmp_
             assert not opt.state
     finally:
         dist.destroy_process_group()
+
+
+def test_a_skipped_step_fills_an_added_adagrad_group_under_a_process_group(tmp_path):
+    """The skipped step's Adagrad fill of an added group, through the distributed skip path
+    (DDP's all-reduced gradients, world size 1): state_dict and the next step as torch's."""
+    import torch.distributed as dist
+
+    tmp_path.chmod(0o700)
+    model = small()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.Adagrad(main_params(m), lr=0.05,  # noqa: E731
+                                         initial_accumulator_value=0.25, fused=True)
+    opt, ref_opt = make(model), make(ref)
+    batches = make_batches(model, 2)
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2))
+    c = config(tmp_path / "a")
+    c["distributed"] = {"grads": "allreduced"}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
+                            world_size=1)
+    try:
+        with tiermem.offload(opt, c, model=model, process_group=dist.group.WORLD):
+            opt.add_param_group(side_group(model, lr=2e-3))
+            _skip(model, opt, batches[0][0], scaler)
+            sd = opt.state_dict()
+            ref_opt.add_param_group(side_group(ref, lr=2e-3))
+            _skip(ref, ref_opt, batches[0][0], ref_scaler)
+            state_equal(sd, ref_opt.state_dict(), "after the skipped step")
+            _step(model, opt, batches[1][0], scaler)
+    finally:
+        dist.destroy_process_group()
+    _step(ref, ref_opt, batches[1][0], ref_scaler)
+    compare_runs(model, opt, ref, ref_opt)
