@@ -1022,7 +1022,9 @@ def _load_whole(tm: Any, src: _Source, path: str) -> dict[str, int]:
     loaded = getattr(tm, "values_loaded", None)
     if loaded is not None:  # under a process group: onto each rank's optimizer, and back
         loaded(lambda: src.off.rule.restore_step_values(values["step"]))
-        tm.counts_loaded(steps, [])
+        # (a whole-parameter rule keeps no entry of step 0: the parameters never stepped
+        # hold no state, and counts_loaded takes those it is not given as holding some)
+        tm.counts_loaded(steps, [i for i, n in enumerate(steps.tolist()) if n == 0])
     else:
         src.off.rule.restore_step_values(values["step"])
     if src.off.crash:

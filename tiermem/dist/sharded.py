@@ -833,9 +833,11 @@ class DistributedOffload(Offload):
                                                   "param_groups": state_dict["param_groups"]})
         self._sync_groups()
         shadow_state: dict[int, dict[str, Any]] = {}
-        # every rank is given the same state: the same answer on each (holds_state)
-        self._held = bool(self.layout.params) and (
-            self.rule.eager_state or any(entries.get(i) for i in range(len(self.layout.params))))
+        # every rank is given the same state: the same answer on each (holds_state). torch's
+        # load replaces the state, eager or not: a parameter without an entry holds none
+        # (Adagrad's too, as OffloadedOptimizer's stateless says in one process)
+        self._held = bool(self.layout.params) and any(
+            entries.get(i) for i in range(len(self.layout.params)))
         order = [i for g, pcs in enumerate(self.layout.pieces) for i in (pc.index for pc in pcs)]
         for j, i in enumerate(order):
             st = entries.get(i)

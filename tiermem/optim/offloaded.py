@@ -1071,8 +1071,12 @@ class OffloadedOptimizer:
         step = self.steps[s.index]
         batch.steps.append(step)
         first = float(step) <= 1
-        batch.first.append(first and self.fills(s.index))
-        have = {} if first else self.scalars[s.index]
+        fills = first and self.fills(s.index)
+        batch.first.append(fills)
+        # an entry of step 0 (unstepped_state: loaded, held at entry) is started from,
+        # its scalars too (ASGD's eta, saved by an ASGD with another lr), as torch's
+        # step does for a parameter holding state: not the rule's starting values
+        have = {} if fills else self.scalars[s.index]
         mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in have.items()}
         start = self.rule.initial_scalars(batch.group)
         for k in self.rule.scalar_keys(batch.group):
@@ -1495,9 +1499,35 @@ class OffloadedOptimizer:
         if not self.rule.skip_makes_state:
             return
         indices = set(indices)
+        made = {i for i in indices if i in self.stateless and self.steps[i].item() == 0}
+        if made:
+            # torch makes that state with the rule's starting value (Adagrad's accumulator,
+            # the defaults' initial_accumulator_value), and a parameter off `stateless`
+            # (eager state) is one whose record holds its state: state_dict(), the next
+            # step (fills), a commit's resume and recover all read the record from now
+            # on. A group added inside the block has zeros there: fill it first, or every
+            # one of them reads zeros where torch holds the starting value.
+            self._fill_first(made)
         self.stateless -= indices
         self.unstepped_state |= self._with_state(i for i in indices
                                                  if self.steps[i].item() == 0)
+
+    def _fill_first(self, indices: set[int]) -> None:
+        """Write the rule's starting state (first_fill; zeros elsewhere) into the records
+        of parameters `indices`, as torch makes it for a parameter holding none."""
+        for part in self.parts:
+            mine = [(n, s) for n, s in enumerate(part.segments) if s.index in indices]
+            if not mine:
+                continue
+            self._initialise([part])  # a never-written record: zeros, master from the model
+            fill = self.rule.first_fill(self.opt.param_groups[part.group])
+            with self.tiers.record(part, write=True) as (views, _):
+                for k in views:
+                    if k in ("master", "weight", "kahan"):
+                        continue  # the weights: no state of torch's
+                    sl = part.slices(k)
+                    for n, _s in mine:
+                        views[k][sl[n]].fill_(fill.get(k, 0.0))
 
     def _refuse_unkept_keys(self, entries: dict[int, Any], groups: Sequence[dict],
                             where: str) -> None:

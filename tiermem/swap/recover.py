@@ -213,6 +213,17 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
     parts = [_partition(e, m.params) for e in m.partitions]
     kinds_of = {s.index: part.kinds for part in parts for s in part.segments}
     stateless, unstepped = set(m.stateless), set(m.unstepped_state)
+    if eager and m.version >= 4:
+        # A never-stepped parameter a version-4 manifest does not list as stateless holds
+        # its state in its record (made in __init__ and imported at entry, loaded from a
+        # state_dict or a checkpoint, made by a skipped fused step), which is what a resume
+        # and the plain optimizer start from: a loaded accumulator need not be the
+        # defaults' fill (a state_dict of an Adagrad made with another
+        # initial_accumulator_value). Only a record never written (fresh) has none.
+        unwritten = {s.index for part in parts if part.id in set(m.fresh)
+                     for s in part.segments}
+        unstepped = {i for i, step in enumerate(m.steps)
+                     if step == 0 and i not in stateless and i not in unwritten}
     for i, step in enumerate(m.steps):
         if step == 0 and (i in stateless if eager else i not in unstepped):
             continue  # never stepped: torch keeps no state for it either
