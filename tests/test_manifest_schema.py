@@ -111,14 +111,16 @@ def mutate(body, path, op):
 
 def free(path, op) -> bool:
     """Values the schema leaves open: any string names a parameter; torch's optional group
-    flags may be missing or null; the values a step changes outside the state, and a
-    rank's share, are absent from the manifests of earlier versions (an Adam run keeps
-    none; one process has no share); the optimizer's defaults are any JSON its
+    flags may be missing or null; the values a step changes outside the state, a rank's
+    share and the never-stepped parameters holding state are absent from the manifests of
+    earlier versions (an Adam run keeps no values; one process has no share); the
+    optimizer's defaults are any JSON its
     constructor kept."""
     if path[0] == "params" and len(path) == 3 and path[2] == "name" and op == "path":
         return True
-    if path in (("values",), ("share",)) and op == "delete":
-        return True  # (a rank's share: absent in one process and in earlier versions)
+    if path in (("values",), ("share",), ("unstepped_state",)) and op == "delete":
+        # (a rank's share: absent in one process; all three: in earlier versions)
+        return True
     if path[0] == "defaults" and len(path) >= 2:
         return True  # whatever the constructor kept; only Adagrad's recover reads one
     return (path[0] == "groups" and len(path) == 3 and path[2] in OPTIONAL_GROUP_KEYS
@@ -338,3 +340,18 @@ def test_a_group_value_the_writer_keeps_the_reader_accepts(whole_kept, value):
         with open(os.path.join(run, name), "wb") as f:
             f.write(data)
     assert read_manifest(run, None).groups[0]["cache"] == jsonable(value)
+
+
+def test_a_parameter_listed_as_holding_state_and_not_is_refused(kept):
+    """stateless and unstepped_state name parameters that hold no state and parameters
+    that do: one listed in both would be read one way by recover and another by resume."""
+    body = json.loads(json.dumps(kept.body))
+    i = body["steps"].index(0) if 0 in body["steps"] else None
+    if i is None:  # every parameter stepped: make one never stepped for the check
+        i = 0
+        body["steps"][0] = 0
+    body["stateless"], body["unstepped_state"] = [i], [i]
+    kept.restore(encode(body))
+    with pytest.raises(ManifestError, match="unstepped_state must be no parameter"):
+        read_manifest(kept.run_dir, None)
+    kept.restore(encode(kept.body))

@@ -690,6 +690,10 @@ def _validate(d: dict, run_dir: str) -> None:
             _need(_is_int(i) and 0 <= i < len(params) and steps[i] == 0, f"{key}[{j}]",
                   f"the index of a parameter never stepped (below {len(params)})", i)
         _need(len(set(listed)) == len(listed), key, "without repeats", listed)
+    # (a parameter holds state or it does not: listed in both, recover and resume would
+    # each pick one)
+    both = sorted(set(d.get("stateless", [])) & set(d.get("unstepped_state", [])))
+    _need(not both, "unstepped_state", "no parameter the stateless list names", both)
 
     parts = _list(d["partitions"], "partitions")
     covered = [0] * len(params)
