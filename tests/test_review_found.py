@@ -29,14 +29,25 @@ def _step(model, opt, batch, scaler, use_side=True):
     opt.zero_grad()
 
 
-def test_a_skipped_step_fills_an_added_adagrad_groups_accumulator(tmp_path):
+def _adagrad(model):
+    """A fused Adagrad whose starting accumulator is not zero."""
+    return torch.optim.Adagrad(main_params(model), lr=0.05, initial_accumulator_value=0.25,
+                               fused=True)
+
+
+def _adagrad_runs():
+    """Two models alike, their Adagrads, the batches and a GradScaler for each."""
     model = small()
     ref = copy.deepcopy(model)
-    make = lambda m: torch.optim.Adagrad(main_params(m), lr=0.05,  # noqa: E731
-                                         initial_accumulator_value=0.25, fused=True)
-    opt, ref_opt = make(model), make(ref)
-    batches = make_batches(model, 2)
-    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2)]
+    return model, ref, _adagrad(model), _adagrad(ref), make_batches(model, 2), *scalers
+
+
+def test_a_skipped_step_fills_an_added_adagrad_groups_accumulator(tmp_path):
+    """torch's fused Adagrad makes an added group's accumulator (the defaults'
+    initial_accumulator_value) when a skipped step first sees its gradients: the
+    state_dict after the skip and the next step start from it."""
+    model, ref, opt, ref_opt, batches, scaler, ref_scaler = _adagrad_runs()
     with tiermem.offload(opt, config(tmp_path)):
         opt.add_param_group(side_group(model, lr=2e-3))
         _skip(model, opt, batches[0][0], scaler)
@@ -53,13 +64,7 @@ def test_a_skipped_step_fills_an_added_adagrad_groups_accumulator_across_a_crash
         tmp_path, monkeypatch):
     """The same, the state kept on disk at the skipped step (crash_consistent): recover and
     a resume read the starting accumulator torch made, and the resumed step starts from it."""
-    model = small()
-    ref = copy.deepcopy(model)
-    make = lambda m: torch.optim.Adagrad(main_params(m), lr=0.05,  # noqa: E731
-                                         initial_accumulator_value=0.25, fused=True)
-    opt, ref_opt = make(model), make(ref)
-    batches = make_batches(model, 2)
-    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2))
+    model, ref, opt, ref_opt, batches, scaler, ref_scaler = _adagrad_runs()
 
     def body():
         opt.add_param_group(side_group(model, lr=2e-3))
@@ -70,7 +75,7 @@ def test_a_skipped_step_fills_an_added_adagrad_groups_accumulator_across_a_crash
     _skip(ref, ref_opt, batches[0][0], ref_scaler)
     want = ref_opt.state_dict()
     state_equal(rec.gather(str(swap_dir(tmp_path)))["optimizer"], want, "recovered")
-    opt2 = make(model)
+    opt2 = _adagrad(model)
     opt2.add_param_group(side_group(model, lr=2e-3))
     with tiermem.offload(opt2, crash_cfg(tmp_path), model=model, resume=True):
         state_equal(opt2.state_dict(), want, "resumed")
@@ -191,13 +196,7 @@ def test_a_skipped_step_fills_an_added_adagrad_group_under_a_process_group(tmp_p
     import torch.distributed as dist
 
     tmp_path.chmod(0o700)
-    model = small()
-    ref = copy.deepcopy(model)
-    make = lambda m: torch.optim.Adagrad(main_params(m), lr=0.05,  # noqa: E731
-                                         initial_accumulator_value=0.25, fused=True)
-    opt, ref_opt = make(model), make(ref)
-    batches = make_batches(model, 2)
-    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=1000.0) for _ in range(2))
+    model, ref, opt, ref_opt, batches, scaler, ref_scaler = _adagrad_runs()
     c = config(tmp_path / "a")
     c["distributed"] = {"grads": "allreduced"}
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
