@@ -764,6 +764,26 @@ def gradscaler(rank: int, world: int, tmp: str) -> None:
             assert "GradScaler" in str(exc) and "reduce_scatter" in str(exc), exc
         else:
             raise AssertionError(f"rank {rank}: GradScaler with reduce_scatter not refused")
+    # grads: allreduced declared, but a loop without DDP: rank 0's GradScaler alone finds
+    # the inf and skips while rank 1 steps; both must say so, not pair rank 0's next step
+    # with rank 1's this one
+    from tiermem.dist.collectives import RankMismatch
+    model = Synthetic()
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, fused=True)
+    (tokens, target), = make_batches(model, 1, seed=10 + rank)[0]
+    d = os.path.join(tmp, "allreduced-not-reduced")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    with tiermem.offload(opt, small_cfg(d, grads="allreduced"), model=model):
+        scaler = torch.amp.GradScaler("cpu")
+        loss = loss_of(model, tokens, target, False)
+        scaler.scale(loss * float("inf") if rank == 0 else loss).backward()
+        try:
+            scaler.step(opt)
+        except RankMismatch as exc:
+            assert "skipped by GradScaler" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {rank}: a skip on one rank and a step on the other "
+                                 "went on")
 
 
 # -- torch.distributed.checkpoint.state_dict's helpers (torchtitan's, Accelerate's) ----------

@@ -530,6 +530,14 @@ class DistributedOffload(Offload):
             if self.generic:  # every rank alike: each one's GradScaler handed it over
                 amp.refuse_own_step(opt)
             if amp.apply(opt, scaled):
+                # Every rank must be skipping this step: DDP's all-reduced gradients give
+                # each one the same inf flag, but gradients that were not all-reduced (a
+                # loop without DDP, under grads: allreduced) would let one rank skip while
+                # another steps, pairing its next step's collectives with this one's
+                # without a word. One small all-reduce names the mismatch instead.
+                # (grads: allreduced here: the other modes were refused above)
+                self.agree("opt.step() skipped by GradScaler (inf/NaN gradients)"
+                           + self.layout.grads_signature(), self.steps_called + 1)
                 # torch's fused step makes the state of the parameters with gradients before
                 # it skips (OffloadedOptimizer.skipped): of this rank's pieces of them. DDP
                 # gives every rank the same set, so opt.state's truth stays alike on all.
