@@ -263,8 +263,8 @@ class ZeroLayout:
         moments in the parameter's dtype (else fp32), as OffloadedOptimizer.export_state;
         has_step: torch keeps the count in the state. A parameter whose owners export no
         entry (never stepped, and holding no state: OffloadedOptimizer.has_state) has none.
-        Every rank ends up with the whole state; one
-        all-gather per parameter and kind, so at most one parameter's state is in flight."""
+        Every rank ends up with the whole state; one all-gather per parameter and kind, so
+        at most one parameter's state is in flight."""
         steps = self.coll.agreed_steps(len(self.params), shadow, "gathering the optimizer state")
         scalars = self.coll.agreed_scalars(scalars_of, shadow, "gathering the optimizer state")
         out: dict[int, dict[str, Any]] = {}

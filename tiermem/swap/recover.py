@@ -212,7 +212,8 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
     weights: dict[int, torch.Tensor] = {}
     parts = [_partition(e, m.params) for e in m.partitions]
     kinds_of = {s.index: part.kinds for part in parts for s in part.segments}
-    stateless, unstepped = set(m.stateless), set(m.unstepped_state)
+    stateless, fresh = set(m.stateless), set(m.fresh)
+    # the never-stepped parameters whose state is read from their records
     if eager and m.version >= 4:
         # A never-stepped parameter a version-4 manifest does not list as stateless holds
         # its state in its record (made in __init__ and imported at entry, loaded from a
@@ -220,10 +221,11 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
         # and the plain optimizer start from: a loaded accumulator need not be the
         # defaults' fill (a state_dict of an Adagrad made with another
         # initial_accumulator_value). Only a record never written (fresh) has none.
-        unwritten = {s.index for part in parts if part.id in set(m.fresh)
-                     for s in part.segments}
+        unwritten = {s.index for part in parts if part.id in fresh for s in part.segments}
         unstepped = {i for i, step in enumerate(m.steps)
                      if step == 0 and i not in stateless and i not in unwritten}
+    else:
+        unstepped = set(m.unstepped_state)
     for i, step in enumerate(m.steps):
         if step == 0 and (i in stateless if eager else i not in unstepped):
             continue  # never stepped: torch keeps no state for it either
@@ -245,7 +247,6 @@ def _gather_one(run_dir: str, m: Manifest, swap_paths: Sequence[str] | None = No
     for i, p in enumerate(m.params):
         if {"master", "weight"} & set(kinds_of.get(i, ())):
             weights[i] = laid_out(p["shape"], p.get("stride"))
-    fresh = set(m.fresh)
     records = _Records(run_dir, m)
     try:
         for part in parts:
