@@ -296,3 +296,48 @@ def test_one_call_over_more_weights_than_the_window_is_refused(tmp_path):
         _train(ref, make_opt(ref), lambda m: [])
         assert got == [torch.linalg.vector_norm(p) for p in ref.parameters()]
         _train(model, opt, lambda m: [])
+
+
+def _edit_through_param(model: nn.Module, step: list[int]) -> list:
+    """In-place changes through the parameter itself (its version counter moves)."""
+    step[0] += 1
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            if k % 2 == step[0] % 2:
+                p.mul_(0.75).add_(0.01 * step[0])
+    return []
+
+
+def _edit_queued(streams: DeferredBackend | None):
+    """p.data.mul_() as a GPU runs it: a kernel queued on the compute stream, run when
+    something waits for that stream (at once on the plain model)."""
+    def edit(model: nn.Module, step: list[int]) -> list:
+        for k, p in enumerate(model.parameters()):
+            if k % 2 == 0:
+                d = p.data
+                if streams is None:
+                    d.mul_(0.5)
+                else:
+                    streams.run(streams.compute, lambda d=d: d.mul_(0.5))
+        return []
+    return edit
+
+
+@pytest.mark.parametrize("edit", ["p.data", "p", "queued"])
+def test_edits_of_a_device_model_are_kept(tmp_path, edit):
+    # A device buffer changed in place between steps was released with its record's old
+    # weights: the change was lost without a word. The release now copies it back, after
+    # the kernels queued to change it (red without that wait: "queued").
+    streams = DeferredBackend()
+    edits = {"p.data": (_edit_through_data,) * 2, "p": (_edit_through_param,) * 2,
+             "queued": (_edit_queued(None), _edit_queued(streams))}[edit]
+    ref, model = twins()
+    want = _train(ref, make_opt(ref), lambda m: edits[0](m, [0]))
+    opt = make_opt(model)
+    with tiermem.offload(opt, _config(tmp_path, "threads", device=True), model=model,
+                         streams=streams) as tm:
+        got = _train(model, opt, lambda m: edits[1](m, [0]))
+        stats = tm.param_stats()
+    assert stats["evictions"] > 0 and stats["d2h_bytes"] > 0
+    assert got == want
+    assert_same_model(ref, model)

@@ -16,6 +16,9 @@ One weight, parameter i, each time it is materialised for a forward or a backwar
     compute  wait ready[i] ─ the module's kernels (forward; backward's unpack) read dev[i]
     host     released: ●done recorded on the compute stream; dev[i] kept until done
              completed, then freed: no queued kernel can still read memory handed out again
+    (changed in place since it landed: p.data.mul_(), an EMA written into the model)
+    d2h      wait the compute stream ─ dev[i] -> pinned staging ─●; the host waits it,
+             then the record is written from the staging copy, before the release above
 
 One gradient, parameter i, each backward (its post-accumulate-grad hook):
 
@@ -163,6 +166,23 @@ class DeviceSide:
             _, _, n = self.retiring.popleft()
             self.retiring_bytes -= n
             self.device_bytes -= n
+
+    def download(self, dev: torch.Tensor) -> torch.Tensor:
+        """A device buffer's values as they are after every kernel queued so far (the
+        user's in-place change of a live weight among them), in host memory: a weight
+        changed on the device, on its way to its record before its buffer is released."""
+        b = self.backend
+        b.wait(self.d2h, b.record(b.current_stream()))  # the copy reads it after the edit
+        n = dev.numel() * dev.element_size()
+        host = self.staging.get(n).view(dev.dtype).view(dev.shape)
+        if self.emulated:
+            host.fill_(float("nan"))  # read before its copy ran: never right by luck
+        b.copy(self.d2h, host, dev)
+        # The host reads `host` next: the copy completed. `dev` itself is released by the
+        # caller after this, so no kernel queued later changes what was copied.
+        b.synchronize(b.record(self.d2h))
+        self.stats.d2h_bytes += n
+        return host
 
     # -- gradients ------------------------------------------------------------------------
 

@@ -847,14 +847,22 @@ class ParamTier:
         when the parameter still views it whole (no copy), else copied."""
         self.versions[i] = self.params[i]._version
         p, buf = self.params[i].detach(), self.bufs.get(i)
-        if (buf is not None and p.data_ptr() == buf.data_ptr() and p.is_contiguous()
+        if (i not in self.on_device and buf is not None and p.data_ptr() == buf.data_ptr()
+                and p.is_contiguous()
                 and p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
             # the buffer is the write's now: if the weights stay (_write_kept), a later
             # write-back of them copies
             self.bufs.pop(i)
             self.records.write_buffer(WEIGHT, i, buf)
         else:
-            self.records.write(WEIGHT, i, p)
+            self._write_copy(i)
+
+    def _write_copy(self, i: int) -> None:
+        """Parameter `i`'s weights to their record from a copy (they may change again while
+        the write is in flight): a device buffer's brought back first."""
+        self.versions[i] = self.params[i]._version
+        p = self.params[i].detach()
+        self.records.write(WEIGHT, i, self.dev.download(p) if i in self.on_device else p)
 
     def _write_kept(self, i: int) -> None:
         """Parameter `i`'s changed weights to their record while they stay in the window.
@@ -879,13 +887,11 @@ class ParamTier:
     def _note_edit(self, i: int) -> None:
         """Materialised weights changed in place through their parameter since they last
         matched their record (not by the tier: its own changes mark them dirty) are dirty:
-        written back before they are released, as torch would keep the change. Host
-        weights only: a device buffer is written by kernels queued on the model's streams,
-        which a copy from here would not wait for."""
+        written back before they are released, as torch would keep the change (a device
+        buffer's through a copy that waits the kernels queued to change it: _write_back)."""
         if i in self.live:
             self._check_param(i)
-        if (i in self.live and i not in self.on_device
-                and self.params[i]._version != self.versions.get(i)):
+        if i in self.live and self.params[i]._version != self.versions.get(i):
             self.dirty.add(i)
 
     def _evict(self, i: int) -> None:
@@ -1339,11 +1345,11 @@ class ParamTier:
     @_locked
     def _data_taken(self, found: list[torch.nn.Parameter]) -> None:
         """p.data taken of live weights: a change through it moves no version counter, so
-        they are written back before their release, as if changed. Host weights; a device
-        buffer's are not (the limits in docs/guide/parameters.md)."""
+        they are written back before their release, as if changed (a device buffer's
+        through a copy back: _write_back)."""
         for p in found:
             i = self.index.get(id(p))
-            if i is None or i not in self.live or i in self.on_device:
+            if i is None or i not in self.live:
                 continue
             self._settle(i)  # a write of them in flight lands before they change
             self.dirty.add(i)
@@ -1923,8 +1929,7 @@ class ParamTier:
         for i in list(self.live):
             self._note_edit(i)
             if i in self.dirty:
-                self.versions[i] = self.params[i]._version
-                self.records.write(WEIGHT, i, self.params[i].detach())
+                self._write_copy(i)
                 self.dirty.discard(i)
             self._drop_grad(i)
         for i in list(self.grads_out):
@@ -2065,7 +2070,7 @@ class ParamTier:
             for i in [i for i in self.live if i not in refused]:
                 self._note_edit(i)
                 if i in self.dirty:
-                    self.records.write(WEIGHT, i, self.params[i].detach())
+                    self._write_copy(i)
             self.dirty.clear()
             given = {i: self.params[i].grad for i in self.unwritten if i in self.grads_out}
             for i in list(self.grads_out):
