@@ -533,6 +533,8 @@ def torch_family(rank: int, world: int, tmp: str) -> None:
             # before any step: nothing, or Adagrad's accumulators as its __init__ made them
             compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
             train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+            # (SGD without momentum: torch keeps no entry, opt.state stays false)
+            assert bool(opt.state) == bool(ref_opt.state), cls.__name__
             sd = opt.state_dict()
             compare_state_dicts(sd, ref_opt.state_dict(), exact=exact)
             opt.load_state_dict(sd)
@@ -550,6 +552,7 @@ def fsdp2_torch_family(rank: int, world: int, tmp: str) -> None:
         g = torch.Generator().manual_seed(20 + rank)
         with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(n)))):
             sharded_steps(rank, world, model, opt, ref_model, ref_opt, g, 3)
+            assert bool(opt.state) == bool(ref_opt.state), cls.__name__
         for p, q in zip(model.parameters(), ref_model.parameters()):
             assert_close_tensor(p.full_tensor().detach(), q.detach(), f"{cls.__name__} {p.shape}")
             st, sr = opt.state.get(p, {}), ref_opt.state.get(q, {})

@@ -397,6 +397,13 @@ class DistributedOffload(Offload):
         (every rank is given the same state dict, or checkpoint)."""
         return self._held
 
+    def _keeps_entries(self, stepped: set[int]) -> bool:
+        """Parameters `stepped` (indices into the user's, the same on every rank) leave
+        torch an entry in opt.state (not of an SGD group without momentum)."""
+        ids = {id(self.layout.params[i]) for i in stepped}
+        return any(self.rule.keeps_entry(group) for group in self.opt.param_groups
+                   if any(id(p) in ids for p in group["params"]))
+
     def counts_loaded(self, steps: torch.Tensor, stateless: list[int] | None = None) -> None:
         """tiermem.dist.dcp.load gave every parameter its step count (`steps`, the whole
         model's, the same on every rank) and named those holding no state (`stateless`;
@@ -587,7 +594,7 @@ class DistributedOffload(Offload):
             gather = self._start_weights(comm)
             try:
                 self.shadow.step()  # the OffloadedOptimizer's tiered step over this share
-                self._held = self._held or bool(present)
+                self._held = self._held or self._keeps_entries(present)
             except BaseException as exc:
                 self.coll.post_failure(exc)  # the others are about to wait for this rank
                 raise

@@ -1479,7 +1479,10 @@ class OffloadedOptimizer:
         """Whether a plain optimizer would hold per-parameter state now (some parameter
         has stepped, or the optimizer makes its state eagerly): what `opt.state` answers
         to truth testing inside the block (hooks.HeldState)."""
-        return any(self.has_state(i) for i in range(len(self.params)))
+        # (check_group refuses a group whose settings changed the state it keeps)
+        return any(self.has_state(i)
+                   and self.rule.keeps_entry(self.opt.param_groups[self._group_of(i)])
+                   for i in range(len(self.params)))
 
     def has_state(self, index: int) -> bool:
         """Whether the plain optimizer would hold an entry for parameter `index` now (some

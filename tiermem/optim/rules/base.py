@@ -169,6 +169,11 @@ class UpdateRule(ABC):
         """The scalar_keys' values before a parameter's first step."""
         return {}
 
+    def keeps_entry(self, group: dict[str, Any]) -> bool:
+        """A parameter of a group with these flags, once stepped, has an entry in torch's
+        opt.state (SGD without momentum keeps none, and opt.state stays empty)."""
+        return True
+
     def torch_state_keys(self, group: dict[str, Any]) -> list[str]:
         """The per-parameter state tensors torch keeps for a group with these flags."""
         return [self.torch_keys[k] for k in self.kinds_for(group)]

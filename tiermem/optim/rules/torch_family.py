@@ -195,6 +195,9 @@ class SGDRule(TorchRule):
     def kinds_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
+    def keeps_entry(self, group: dict[str, Any]) -> bool:
+        return group["momentum"] != 0
+
     def run(self, fn, batch, steps, group, impl):
         bufs = batch.state.get("momentum_buffer")
         kw = dict(weight_decay=group["weight_decay"], momentum=group["momentum"],
