@@ -1975,8 +1975,9 @@ class ParamTier:
         for i in sorted(kept):
             if i in self.held:
                 self._spill(i)
-            if self.clip_coef is not None:
-                self.records.drain()
+        if self.clip_coef is not None and kept:
+            self.records.drain()  # the spills above land before their records are read
+            for i in sorted(kept):
                 g = self.records.fetch(GRAD, i).wait().clone()
                 g.mul_(self.clip_coef)  # as the step scales the ones it reads
                 stored = self.records.accumulate(i, g, add=False)
