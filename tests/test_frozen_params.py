@@ -1,9 +1,12 @@
 """Parameters frozen when the block opens (requires_grad=False, no state yet: a LoRA run
 handing the whole model to its optimizer) get no record, as a plain optimizer keeps no
-state for them; the rest trains bitwise as plain. A frozen parameter unfrozen inside the
-block is refused before anything of its step is applied (with overlap_backward, at the
-forward), and so is a state_dict giving it state; crash-consistent commits, resume and
-`tiermem recover` work on the records there are."""
+state for them; the rest trains bitwise as plain. One unfrozen inside the block (a
+backbone trained after some epochs, its parameters in the optimizer from the start) gets
+its records at its first step (with overlap_backward, at the forward before its first
+backward), as torch makes its state then, and trains bitwise as plain; so does one a
+loaded state_dict gives state. Crash-consistent commits keep such late lay-outs in the
+manifest: resume (with the parameter frozen again at entry, or not) and `tiermem recover`
+lay them out again. Each was refused before ("laid out no optimizer state")."""
 
 from __future__ import annotations
 
@@ -46,47 +49,98 @@ def _trained(model, opt, steps=3):
 @pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_frozen_parameters_take_no_record_and_an_unfrozen_one_is_refused(
+def test_frozen_parameters_take_no_record_until_unfrozen(
         tmp_path, backend, durability, overlap, name):
     make = OPTIMIZERS[name]
     model = _model()
     ref = copy.deepcopy(model)
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
-    _trained(ref, ref_opt)
+    _trained(ref, ref_opt, 2)
+    ref[0].weight.requires_grad_(True)
+    _trained(ref, ref_opt, 2)
     cfg = config(tmp_path, backend=backend, host="64KiB", kernel="match")
     cfg["swap"]["durability"] = durability
     cfg["pipeline"]["overlap_backward"] = overlap
     with tiermem.offload(opt, cfg, model=model) as tm:
         laid = {s.param for part in tm.offloaded.parts for s in part.segments}
         assert laid == {p for p in model.parameters() if p.requires_grad}
-        _trained(model, opt)
+        _trained(model, opt, 2)
         model[0].weight.requires_grad_(True)
-        with pytest.raises(tiermem.TierMemError, match="0.weight .*requires_grad=False"):
-            model(X).square().mean().backward()  # with overlap_backward: at the forward
-            opt.step()
-        opt.zero_grad()
-        model[0].weight.requires_grad_(False)
-    # nothing of the refused step was applied, crash-consistent or not
+        _trained(model, opt, 2)
+        laid = {s.param for part in tm.offloaded.parts for s in part.segments}
+        assert laid == {p for p in model.parameters() if p.requires_grad}
+        assert tm.offloaded.late == [[0]]
     compare_runs(model, opt, ref, ref_opt)
 
 
 @pytest.mark.parametrize("backend", backend_params())
-def test_a_state_dict_with_state_for_a_frozen_parameter_is_refused(tmp_path, backend):
+def test_a_state_dict_with_state_for_a_frozen_parameter_lays_it_out(tmp_path, backend):
     model = _model()
+    ref = copy.deepcopy(model)
     src = copy.deepcopy(model)
     for p in src.parameters():
         p.requires_grad_(True)
     src_opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
     _trained(src, src_opt, 1)  # state for every parameter
+    # (a copy each: torch's load keeps the loaded tensors, which its steps then change)
+    sd = src_opt.state_dict()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(copy.deepcopy(sd))
+    _trained(ref, ref_opt, 1)  # (torch keeps the frozen ones' state as loaded)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with tiermem.offload(opt, config(tmp_path, backend=backend, host=0), model=model):
-        with pytest.raises(tiermem.TierMemError, match="has state in the state_dict loaded"):
-            opt.load_state_dict(src_opt.state_dict())
-    # loaded before the block, that state is laid out, frozen or not
+    cfg = config(tmp_path, backend=backend, host=0, kernel="match")
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        opt.load_state_dict(copy.deepcopy(sd))
+        assert len({s.param for part in tm.offloaded.parts for s in part.segments}) == 6
+        _trained(model, opt, 1)
+    compare_runs(model, opt, ref, ref_opt)
+    # loaded before the block, that state is laid out at entry, frozen or not
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt.load_state_dict(src_opt.state_dict())
+    opt.load_state_dict(copy.deepcopy(sd))
     with tiermem.offload(opt, config(tmp_path, backend=backend, host=0), model=model) as tm:
         assert len({s.param for part in tm.offloaded.parts for s in part.segments}) == 6
+        assert tm.offloaded.late == []
+
+
+@pytest.mark.parametrize("frozen_at_resume", [True, False], ids=["refrozen", "unfrozen"])
+def test_a_late_lay_out_is_recovered_and_resumed(tmp_path, frozen_at_resume):
+    """The records of a parameter laid out inside the block follow all the others; a
+    resume, whose model may have it frozen again at entry (the script starts over) or not,
+    lays it out after them again, and `tiermem recover` reads its state."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _trained(ref, ref_opt, 1)
+    ref[2].weight.requires_grad_(True)  # the second layer's weight: in the middle
+    _trained(ref, ref_opt, 1)
+    cfg = config(tmp_path, host=0, kernel="match")
+    cfg["swap"]["durability"] = "crash_consistent"
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        _trained(model, opt, 1)
+        model[2].weight.requires_grad_(True)
+        _trained(model, opt, 1)
+        tm.offloaded.keep_on_disk()  # what a crash leaves: the committed records
+        tm.discard()
+    out = tmp_path / "ckpt.pt"
+    assert tiermem.tools.cli.main(["recover", str(tmp_path / "tiermem-default"),
+                                   "-o", str(out)]) == 0
+    ckpt = torch.load(out, weights_only=True)
+    want = ref_opt.state_dict()
+    assert set(ckpt["optimizer"]["state"]) == set(want["state"]) == {2, 4, 5}
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(ckpt["optimizer"]["state"][i][k]),
+                               torch.as_tensor(v)), (i, k)
+    model = _model()
+    model[2].weight.requires_grad_(not frozen_at_resume)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == 2 and tm.offloaded.late == [[2]]
+        model[2].weight.requires_grad_(True)
+        _trained(model, opt, 1)
+    _trained(ref, ref_opt, 1)
+    compare_runs(model, opt, ref, ref_opt)
 
 
 def test_a_crash_consistent_run_with_frozen_parameters_recovers_and_resumes(tmp_path):
@@ -114,4 +168,47 @@ def test_a_crash_consistent_run_with_frozen_parameters_recovers_and_resumes(tmp_
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
         assert tm.resumed_step == 2
+    compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_skipped_first_step_of_an_unfrozen_parameter_makes_its_state(tmp_path, backend):
+    """torch's fused Adam makes the state of a parameter with a gradient (step 0, zero
+    moments) before GradScaler's skip: one unfrozen inside the block is laid out there,
+    state_dict() holds its entry as torch's does, and a crash right after resumes to it
+    (the lay-out was committed with it)."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    make = lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)  # noqa: E731
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    cfg = config(tmp_path, backend=backend, host=0, kernel="match")
+    cfg["swap"]["durability"] = "crash_consistent"
+
+    def skip_then(m, o, scaler, infs):
+        for inf in infs:
+            scaler.scale(m(X).square().mean() * (float("inf") if inf else 1)).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    _trained(ref, ref_opt, 1)
+    ref[0].weight.requires_grad_(True)
+    skip_then(ref, ref_opt, ref_scaler, [True])
+    want = {i: float(st["step"]) for i, st in ref_opt.state_dict()["state"].items()}
+    skip_then(ref, ref_opt, ref_scaler, [False])
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        _trained(model, opt, 1)
+        model[0].weight.requires_grad_(True)
+        skip_then(model, opt, scaler, [True])
+        got = {i: float(st["step"]) for i, st in opt.state_dict()["state"].items()}
+        tm.offloaded.keep_on_disk()  # what a crash leaves: the committed records
+        tm.discard()
+    assert got == want == {0: 0.0, 4: 1.0, 5: 1.0}
+    model = _model()
+    model[0].weight.requires_grad_(True)
+    opt = make(model.parameters())
+    with tiermem.offload(opt, cfg, model=model, resume=True):
+        skip_then(model, opt, scaler, [False])
     compare_runs(model, opt, ref, ref_opt)

@@ -118,7 +118,7 @@ def free(path, op) -> bool:
     constructor kept."""
     if path[0] == "params" and len(path) == 3 and path[2] == "name" and op == "path":
         return True
-    if path in (("values",), ("share",), ("unstepped_state",)) and op == "delete":
+    if path in (("values",), ("share",), ("unstepped_state",), ("late",)) and op == "delete":
         # (a rank's share: absent in one process; all three: in earlier versions)
         return True
     if path[0] == "defaults" and len(path) >= 2:

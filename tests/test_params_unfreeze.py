@@ -264,27 +264,26 @@ def test_an_unfrozen_weight_used_only_outside_the_forward_takes_its_gradient(tmp
     compare_runs(model, opt, ref, ref_opt)
 
 
+@pytest.mark.parametrize("crash", [False, True], ids=["", "crash"])
+@pytest.mark.parametrize("weights", ["host", "nvme"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
-def test_a_parameter_frozen_at_entry_without_a_record_stays_refused(tmp_path, overlap):
+def test_a_parameter_frozen_at_entry_in_the_group_is_laid_out_when_unfrozen(
+        tmp_path, overlap, weights, crash):
     """Adam keeps no state for a parameter frozen when the block opened, and tiermem laid
-    out no record for it: unfrozen, it is refused before anything of its step is applied
-    (with overlap_backward at the forward), as without the parameter tier."""
+    out no record for it (refused once unfrozen, before): unfrozen in its group, it gets
+    its records at its first step (with overlap_backward at the forward before it), its
+    weights read from the tier for the lay-out, and trains as torch's."""
     model, ref = _frozen_backbone(2)
-    batches = make_batches(model, 3, seed=5)
+    batches = make_batches(model, 4, seed=5)
     ref_opt, opt = _adamw(ref.parameters()), _adamw(model.parameters())
-    _train(ref, ref_opt, batches, range(2))
-    with tiermem.offload(opt, _cfg(tmp_path, "threads", "nvme", overlap=overlap),
-                         model=model):
-        _train(model, opt, batches, range(2))
-        model.fc1.weight.requires_grad_(True)
-        with pytest.raises(tiermem.TierMemError,
-                           match=r"fc1\.weight .*requires_grad=False when the tiermem.offload "
-                                 r"block was entered.*laid out no optimizer state"):
-            (tokens, target), = batches[2]
-            loss_of(model, tokens, target, False).backward()
-            opt.step()
-        opt.zero_grad()
-        model.fc1.weight.requires_grad_(False)
+
+    def unfreeze(m):
+        return lambda i: m.fc1.weight.requires_grad_(True) if i == 2 else None
+    _train(ref, ref_opt, batches, range(4), at=unfreeze(ref))
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", weights, overlap=overlap,
+                                   crash=crash), model=model) as tm:
+        _train(model, opt, batches, range(4), at=unfreeze(model))
+        assert len(tm.offloaded.late) == 1
     compare_runs(model, opt, ref, ref_opt)
 
 

@@ -209,7 +209,7 @@ def test_version_3_manifest_still_resumes_and_recover_refuses_what_it_lacks(
     with open(path, "rb") as f:
         body = json.loads(f.read())
     assert body["version"] == 4 and body["defaults"]["initial_accumulator_value"] == 0.25
-    for k in ("defaults", "stateless", "unstepped_state", "crc32c"):
+    for k in ("defaults", "stateless", "unstepped_state", "late", "crc32c"):
         body.pop(k)
     body["version"] = 3
     with open(path, "wb") as f:

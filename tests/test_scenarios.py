@@ -8,8 +8,9 @@ one or two swap directories, both I/O backends, the pipeline's knobs, crash-cons
 commits, updates during backward, the weights in the tiers, a device model's lanes (their
 CPU emulation) with either step_device; gradient accumulation,
 clipping, an lr scheduler, a changed learning rate, a param group added mid-run, a
-parameter frozen and unfrozen between steps, zero_grad(set_to_none=False), a weight
-clamped between steps, a fused optimizer stepped through a GradScaler that skips a step,
+parameter frozen and unfrozen between steps (or frozen when the block opens),
+zero_grad(set_to_none=False), a weight clamped between steps, a fused optimizer stepped
+through a GradScaler that skips a step,
 and the run cut in two by a state_dict() handed to a new optimizer or by a resume from
 the state kept on disk. A scenario tiermem refuses with its error is fine; one it runs
 must end with the plain run's weights and state_dict. (A search like this found five bugs
@@ -86,8 +87,9 @@ def scenarios(draw):
         cut=draw(st.sampled_from([None, 1, 2])), resume=draw(st.booleans()),
         # the model counts as a device one, its lanes emulated on the CPU (step_device)
         lanes=draw(st.sampled_from([None, "cpu", "device"])),
-        # fc1.bias frozen before step `freeze`'s forward, unfrozen two steps later
-        zeros=draw(st.booleans()), freeze=draw(st.sampled_from([None, 0, 1])),
+        # fc1.bias frozen before step `freeze`'s forward, unfrozen two steps later (-1:
+        # frozen when the block opens, so laid out no record, and unfrozen before step 1)
+        zeros=draw(st.booleans()), freeze=draw(st.sampled_from([None, 0, 1, -1])),
         # fc2.weight clamped in place after the first step; a fused optimizer through a
         # GradScaler that skips step 2 (inf loss)
         edit=draw(st.booleans()), amp=draw(st.booleans()))
@@ -226,6 +228,8 @@ def test_a_drawn_run_equals_the_plain_run_or_is_refused(tmp_path_factory, monkey
     tmp_path = tmp_path_factory.mktemp("scenario")
     seed = zlib.crc32(repr(sorted(sc.items())).encode()) % 1000  # the same in every process
     model = Synthetic(vocab=300, hidden=130, out=9, seed=seed)
+    if sc["freeze"] == -1:
+        model.fc1.bias.requires_grad_(False)
     ref = copy.deepcopy(model)
     batches = make_batches(model, sc["steps"], micro=sc["micro"], seed=seed)
     ref_opt, ref_sched = _fresh(ref, sc, 0, OPTIMIZERS)

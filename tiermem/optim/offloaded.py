@@ -304,12 +304,24 @@ class OffloadedOptimizer:
         # nothing. A rank's shares are laid out whole (they are views, cut over the ranks).
         self._skip = None if share else (
             lambda p: not p.requires_grad and not optimizer.state.get(p))
+        # Parameters laid out inside the block after it opened (lay_out_late), in order:
+        # a resume lays them out after the others again, as the kept records are.
+        self.late: list[list[int]] = []
+        if resume and not share:
+            self.late = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], None,
+                                      previous=resume_previous).late
+        lately = {id(self.params[i]) for batch in self.late for i in batch
+                  if i < len(self.params)}
         self.parts = build_partitions(optimizer.param_groups, self.names,
                                       settings.pipeline.partition_size, settings.placement,
                                       keep_master=self._keep_master,
                                       state_dtype=settings.optimizer.state_dtype,
                                       master_weights=settings.optimizer.master_weights,
-                                      skip=self._skip, **self._layouts(optimizer.param_groups))
+                                      skip=(lambda p: id(p) in lately or self._skip(p))
+                                      if self._skip else None,
+                                      **self._layouts(optimizer.param_groups))
+        for batch in self.late:
+            self._late_parts([i for i in batch if i < len(self.params)])
         self.unlaid = self._unlaid(self.parts, range(len(self.params)))
         self.budgets = Budgets(settings.tiers.gpu.capacity, settings.tiers.host.capacity)
         self.budgets.assign(self.parts)
@@ -443,15 +455,69 @@ class OffloadedOptimizer:
                 "record); leave the block and enter a new one after unfreezing it (the state "
                 "is handed back and taken in again)")
 
-    def _layouts(self, groups: Sequence[dict]) -> dict[str, Any]:
+    def _layouts(self, groups: Sequence[dict], only: set[int] | None = None) -> dict[str, Any]:
         """build_partitions' layout arguments: what the rule keeps in a record for each
-        parameter (per element, or per whole parameter when its math spans one)."""
+        parameter (per element, or per whole parameter when its math spans one); with
+        `only` (ids), of those parameters only (the others are skipped: None)."""
+        def each(lay: Callable[[torch.Tensor, dict], Any]) -> list[list[Any]]:
+            return [[lay(p, g) if only is None or id(p) in only else None
+                     for p in g["params"]] for g in groups]
         if not self.rule.elementwise:
-            return {"whole": [[self.rule.whole_layout(p, g, keep_master=self._keep_master)
-                               for p in g["params"]] for g in groups],
+            return {"whole": each(lambda p, g: self.rule.whole_layout(
+                        p, g, keep_master=self._keep_master)),
                     "by_layout": not self.settings.pipeline.overlap_backward}
-        return {"kinds": [[self.rule.kinds(p, g, keep_master=self._keep_master)
-                           for p in g["params"]] for g in groups]}
+        return {"kinds": each(lambda p, g: self.rule.kinds(p, g, keep_master=self._keep_master))}
+
+    def _late_parts(self, indices: Sequence[int]) -> list[Partition]:
+        """Partitions of parameters `indices`, frozen when the block opened (no record) and
+        laid out since, after every partition there is: in their own groups, as
+        build_partitions lays out a group (a resume lays them out again the same way)."""
+        ids = {id(self.params[i]) for i in indices}
+        with (self.weights.shaped([self.params[i] for i in indices])
+              if self.weights is not None else contextlib.nullcontext()):
+            new = build_partitions(
+                self.opt.param_groups, self.names, self.settings.pipeline.partition_size,
+                self.settings.placement, first_id=len(self.parts),
+                keep_master=self._keep_master, state_dtype=self.settings.optimizer.state_dtype,
+                master_weights=self.settings.optimizer.master_weights,
+                skip=lambda p: id(p) not in ids, **self._layouts(self.opt.param_groups, ids))
+        self.parts.extend(new)
+        return new
+
+    def lay_out_late(self, indices: Iterable[int]) -> None:
+        """Parameters frozen when the block opened (no record: _skip spares a LoRA run's
+        frozen weights the room) that now have a gradient or are given state: their
+        records are laid out now, as torch makes their state at their first step (a model
+        whose backbone is unfrozen after some epochs, its parameters in the optimizer from
+        the start). Each such lay-out is kept in the manifest (`late`), so a resume lays
+        the partitions out in the same order."""
+        late = sorted(set(indices) & self.unlaid)
+        if not late:
+            return
+        if self.overlap is not None:
+            self.overlap.require_idle("a parameter unfrozen inside the block")
+        left, count = dict(self.budgets.left), len(self.parts)
+        try:
+            new = self._late_parts(late)
+            if self.weights is not None:
+                self.weights.check_partitions([s.param for s in part.segments] for part in new)
+            self.budgets.assign(new)
+            self._refuse_routes(new)
+            self._add_lanes(new)
+            self.tiers.add(new)
+        except BaseException:
+            del self.parts[count:]  # not laid out: refused at the step, as before
+            self.budgets.left = left
+            raise
+        self.unlaid -= set(late)
+        self.late.append(late)
+        if self.weights is not None:
+            self.weights.expect_updates(_pieces(new))
+        if self.crash:
+            self._initialise(new)
+            self.commit()
+        if self.overlap is not None:
+            self.overlap.add(new)
 
     def _route(self, part: Partition) -> str | None:
         """How `part` is updated: "device" (record streamed to the device, step_device
@@ -627,7 +693,7 @@ class OffloadedOptimizer:
             stepped = {i for i, p in enumerate(self.params) if self.weights.has_gradient(p)}
         else:
             stepped = {i for i, p in enumerate(self.params) if p.grad is not None}
-        self.refuse_unlaid(stepped)
+        self.lay_out_late(stepped)
         if self.weights is None and any(self.params[i].grad.is_sparse for i in stepped):
             raise TierMemError(f"{type(self.opt).__name__} under tiermem does not support "
                                "sparse gradients")
@@ -1221,7 +1287,8 @@ class OffloadedOptimizer:
         return {"defaults": {str(k): _default_json(v) for k, v in self.opt.defaults.items()},
                 "stateless": sorted(i for i in self.stateless if self.steps[i].item() == 0),
                 "unstepped_state": sorted(i for i in self.unstepped_state
-                                          if self.steps[i].item() == 0)}
+                                          if self.steps[i].item() == 0),
+                "late": [list(batch) for batch in self.late]}
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""
@@ -1374,8 +1441,7 @@ class OffloadedOptimizer:
 
         copy_ casts: with bf16 state the moments are rounded to nearest even here."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        self.refuse_unlaid((index[id(p)] for p, st in state.items() if st),
-                           "has state in the state_dict loaded")
+        self.lay_out_late(index[id(p)] for p, st in state.items() if st)
         state = {p: self.rule.from_torch_state(self._shaped(p), self.opt.param_groups[
             self._group_of(index[id(p)])], st) for p, st in state.items()}
         for p, st in state.items():
@@ -1502,6 +1568,7 @@ class OffloadedOptimizer:
         if not self.rule.skip_makes_state:
             return
         indices = set(indices)
+        self.lay_out_late(indices)  # frozen at entry, unfrozen since: the state is made now
         made = {i for i in indices if i in self.stateless and self.steps[i].item() == 0}
         if made:
             # torch makes that state with the rule's starting value (Adagrad's accumulator,

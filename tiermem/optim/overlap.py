@@ -155,12 +155,12 @@ class BackwardOverlap:
         """A forward of the model while backward's updates run would read weights being
         written (the next micro-batch's, outside tm.accumulating()): refuse it."""
         off = self.off
-        # a parameter unfrozen since the block opened (it has no record): refused before
-        # this forward's backward could update anything, which step() would be too late for
-        off.refuse_unlaid((i for i in off.unlaid if off.params[i].requires_grad),
-                          "requires a gradient")
         with self._lock:
             started = bool(self._fired)
+        if not started:
+            # a parameter unfrozen since the block opened (it has no record) is laid out
+            # before this forward's backward can update it, which step() would be too late for
+            off.lay_out_late(i for i in off.unlaid if off.params[i].requires_grad)
         if started:
             raise TierMemError(
                 "the model's forward ran between a backward and optimizer.step(): with "

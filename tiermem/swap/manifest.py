@@ -50,10 +50,11 @@ RESIDENT_FILE = "resident.swap"
 # parameters it keeps no state for (`defaults`, `stateless`), which recover needs to give
 # Adagrad's never-stepped parameters the state torch gives them. Version 3 is still read
 # (resumed as before; recover refuses what only version 4 says, see swap/recover.py).
-# `unstepped_state` came later, optional in version 4 (absent: none).
+# `unstepped_state` and `late` came later, optional in version 4 (absent: none).
 VERSION = 4
 READS = (3, 4)
-V4_FIELDS = ("defaults", "stateless", "unstepped_state")
+V4_FIELDS = ("defaults", "stateless", "unstepped_state", "late")
+OPTIONAL = ("values", "share", "unstepped_state", "late")  # absent: empty
 CRC_KEY = "crc32c"
 STATE_FILE = "state.swap"  # each run directory's swap file (the store creates it)
 
@@ -136,6 +137,10 @@ class Manifest:
     # at the first step (Adam's, made by a fused step GradScaler skipped: step 0, zero
     # moments): torch's state_dict has an entry for them (version 4, optional)
     unstepped_state: list[int] = field(default_factory=list)
+    # parameters frozen when the block opened, laid out inside it as they took their first
+    # step (or were given state), one list per lay-out in order: their partitions follow
+    # all the others, and a resume lays them out so again (version 4, optional)
+    late: list[list[int]] = field(default_factory=list)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -575,8 +580,7 @@ def _validate(d: dict, run_dir: str) -> None:
     _need(d.get("version") in READS and _is_int(d.get("version")), "version",
           f"one of {READS}", d.get("version"))
     old = set(V4_FIELDS) if d["version"] < 4 else set()
-    _dict(d, "the manifest", fields - old - {k for k in ("values", "share", "unstepped_state")
-                                             if k not in d})
+    _dict(d, "the manifest", fields - old - {k for k in OPTIONAL if k not in d})
     _need(d["durability"] in _DURABILITY, "durability", f"one of {_DURABILITY}", d["durability"])
     _need(isinstance(d["checksums"], bool), "checksums", "true or false", d["checksums"])
     _uint(d["step"], "step")
@@ -694,6 +698,14 @@ def _validate(d: dict, run_dir: str) -> None:
     # each pick one)
     both = sorted(set(d.get("stateless", [])) & set(d.get("unstepped_state", [])))
     _need(not both, "unstepped_state", "no parameter the stateless list names", both)
+    laid: list[int] = []
+    for j, batch in enumerate(_list(d.get("late", []), "late")):
+        _need(bool(_list(batch, f"late[{j}]")), f"late[{j}]", "a non-empty list", batch)
+        for i in batch:
+            _need(_is_int(i) and 0 <= i < len(params), f"late[{j}]",
+                  f"parameter indices (below {len(params)})", batch)
+        laid += batch
+    _need(len(set(laid)) == len(laid), "late", "each parameter once", d.get("late"))
 
     parts = _list(d["partitions"], "partitions")
     covered = [0] * len(params)
