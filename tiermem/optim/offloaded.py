@@ -304,24 +304,16 @@ class OffloadedOptimizer:
         # nothing. A rank's shares are laid out whole (they are views, cut over the ranks).
         self._skip = None if share else (
             lambda p: not p.requires_grad and not optimizer.state.get(p))
-        # Parameters laid out inside the block after it opened (lay_out_late), in order:
-        # a resume lays them out after the others again, as the kept records are.
-        self.late: list[list[int]] = []
+        # Parameters laid out inside the block after it opened (lay_out_late), in order,
+        # each lay-out with the partition count before it ("at"): a resume lays them out
+        # between the groups' partitions again (add_param_group's come after them), as the
+        # kept records are.
+        self.late: list[dict[str, Any]] = []
         if resume and not share:
             self.late = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], None,
                                       previous=resume_previous).late
-        lately = {id(self.params[i]) for batch in self.late for i in batch
-                  if i < len(self.params)}
-        self.parts = build_partitions(optimizer.param_groups, self.names,
-                                      settings.pipeline.partition_size, settings.placement,
-                                      keep_master=self._keep_master,
-                                      state_dtype=settings.optimizer.state_dtype,
-                                      master_weights=settings.optimizer.master_weights,
-                                      skip=(lambda p: id(p) in lately or self._skip(p))
-                                      if self._skip else None,
-                                      **self._layouts(optimizer.param_groups))
-        for batch in self.late:
-            self._late_parts([i for i in batch if i < len(self.params)])
+        self.parts = []
+        self._lay_out_groups(optimizer.param_groups)
         self.unlaid = self._unlaid(self.parts, range(len(self.params)))
         self.budgets = Budgets(settings.tiers.gpu.capacity, settings.tiers.host.capacity)
         self.budgets.assign(self.parts)
@@ -468,6 +460,42 @@ class OffloadedOptimizer:
                     "by_layout": not self.settings.pipeline.overlap_backward}
         return {"kinds": each(lambda p, g: self.rule.kinds(p, g, keep_master=self._keep_master))}
 
+    def _lay_out_groups(self, groups: Sequence[dict]) -> None:
+        """The partitions of `groups` at entry (all at once: the partition ids follow the
+        groups), or, resuming a run that laid out parameters inside its block (self.late),
+        group by group with those lay-outs where they came (a group laid out on its own
+        is the same partitions, as add_param_group's are)."""
+        kw = dict(keep_master=self._keep_master,
+                  state_dtype=self.settings.optimizer.state_dtype,
+                  master_weights=self.settings.optimizer.master_weights)
+        size, rules = self.settings.pipeline.partition_size, self.settings.placement
+        if not self.late:
+            self.parts = build_partitions(groups, self.names, size, rules, skip=self._skip,
+                                          **kw, **self._layouts(groups))
+            return
+        n = len(self.params)
+        later = {id(self.params[i]) for lay in self.late for i in lay["params"] if i < n}
+        pending = list(self.late)
+
+        def due() -> None:  # the late lay-outs made when the partitions were as now
+            while pending and pending[0]["at"] <= len(self.parts):
+                self._late_parts([i for i in pending.pop(0)["params"] if i < n])
+
+        first = 0
+        for g, group in enumerate(groups):
+            due()
+            new = build_partitions([group], self.names, size, rules, first_id=len(self.parts),
+                                   first_index=first, **kw, **self._layouts([group]),
+                                   skip=lambda p: id(p) in later or bool(
+                                       self._skip and self._skip(p)))
+            for part in new:
+                part.group = g
+            self.parts.extend(new)
+            first += len(group["params"])
+        due()
+        while pending:  # (kept at a count this layout never reaches: the check refuses)
+            self._late_parts([i for i in pending.pop(0)["params"] if i < n])
+
     def _late_parts(self, indices: Sequence[int]) -> list[Partition]:
         """Partitions of parameters `indices`, frozen when the block opened (no record) and
         laid out since, after every partition there is: in their own groups, as
@@ -510,7 +538,7 @@ class OffloadedOptimizer:
             self.budgets.left = left
             raise
         self.unlaid -= set(late)
-        self.late.append(late)
+        self.late.append({"at": count, "params": late})
         if self.weights is not None:
             self.weights.expect_updates(_pieces(new))
         if self.crash:
@@ -1288,7 +1316,8 @@ class OffloadedOptimizer:
                 "stateless": sorted(i for i in self.stateless if self.steps[i].item() == 0),
                 "unstepped_state": sorted(i for i in self.unstepped_state
                                           if self.steps[i].item() == 0),
-                "late": [list(batch) for batch in self.late]}
+                "late": [{"at": lay["at"], "params": list(lay["params"])}
+                         for lay in self.late]}
 
     def commit(self, step: int | None = None) -> None:
         """Make the state as it is now the one a crash resumes to (crash_consistent)."""

@@ -138,9 +138,9 @@ class Manifest:
     # moments): torch's state_dict has an entry for them (version 4, optional)
     unstepped_state: list[int] = field(default_factory=list)
     # parameters frozen when the block opened, laid out inside it as they took their first
-    # step (or were given state), one list per lay-out in order: their partitions follow
-    # all the others, and a resume lays them out so again (version 4, optional)
-    late: list[list[int]] = field(default_factory=list)
+    # step (or were given state): per lay-out in order, {"at": the partition count before
+    # it, "params": their indices}; a resume lays them out so again (version 4, optional)
+    late: list[dict] = field(default_factory=list)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -699,10 +699,17 @@ def _validate(d: dict, run_dir: str) -> None:
     both = sorted(set(d.get("stateless", [])) & set(d.get("unstepped_state", [])))
     _need(not both, "unstepped_state", "no parameter the stateless list names", both)
     laid: list[int] = []
-    for j, batch in enumerate(_list(d.get("late", []), "late")):
-        _need(bool(_list(batch, f"late[{j}]")), f"late[{j}]", "a non-empty list", batch)
+    at = 0
+    for j, lay in enumerate(_list(d.get("late", []), "late")):
+        lay = _dict(lay, f"late[{j}]", {"at", "params"})
+        _need(_is_int(lay["at"]) and at <= lay["at"] <= len(d["partitions"]),
+              f"late[{j}].at", f"a partition count from {at} to {len(d['partitions'])}",
+              lay["at"])
+        at = lay["at"]
+        batch = _list(lay["params"], f"late[{j}].params")
+        _need(bool(batch), f"late[{j}].params", "a non-empty list", batch)
         for i in batch:
-            _need(_is_int(i) and 0 <= i < len(params), f"late[{j}]",
+            _need(_is_int(i) and 0 <= i < len(params), f"late[{j}].params",
                   f"parameter indices (below {len(params)})", batch)
         laid += batch
     _need(len(set(laid)) == len(laid), "late", "each parameter once", d.get("late"))

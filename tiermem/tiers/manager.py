@@ -365,7 +365,7 @@ class TierManager:
                   resident: list[dict] | None = None, values: dict | None = None,
                   share: dict | None = None, defaults: dict | None = None,
                   stateless: Sequence[int] = (), unstepped_state: Sequence[int] = (),
-                  late: Sequence[Sequence[int]] = (), version: int = VERSION) -> Manifest:
+                  late: Sequence[dict] = (), version: int = VERSION) -> Manifest:
         store = self.store
         fresh = set(self.fresh) | (self.pipeline.fresh if self.pipeline else set())
         records = records if records is not None else (store.latest_records() if store else {})
@@ -379,7 +379,7 @@ class TierManager:
             checksums=self.settings.swap.checksums, params=params, groups=groups, rule=rule,
             values=values or {}, share=share or {}, defaults=defaults or {},
             stateless=list(stateless), unstepped_state=list(unstepped_state),
-            late=[list(b) for b in late], version=version)
+            late=[dict(b) for b in late], version=version)
 
     def moving(self) -> bool:
         """Whether a transfer to or from NVMe is under way now."""
