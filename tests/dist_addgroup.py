@@ -131,6 +131,45 @@ def zero_crash_resume(rank: int, world: int, tmp: str) -> None:
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
 
 
+def zero_differs(rank: int, world: int, tmp: str) -> None:
+    """Over ZeRO shares add_param_group is no collective: the ranks compare the groups they
+    added at their next agreement (the step's), where a group added with other settings, or
+    other parameters of the same count, on one rank is refused on every rank, the digests
+    saying which differs (both had gone on: the first with each owner's own lr, the second
+    into collectives of other sizes)."""
+    import re
+
+    from tiermem.dist.collectives import RankMismatch
+
+    first, added, make = ZERO["adafactor"]
+    cases = (("lr", lambda ps: {"params": [ps[n] for n in added],
+                                "lr": 5e-3 if rank == 0 else 1e-3}),
+             ("shapes", lambda ps: {"params": [ps["fc2.weight" if rank == 0 else
+                                                  "side.weight"]]}))
+    for k, (what, group) in enumerate(cases):
+        model = Synthetic()
+        ps = dict(model.named_parameters())
+        opt = make([ps[n] for n in first])
+        batch = make_batches(model, 1, seed=10 + rank)[0]
+        with tiermem.offload(opt, small_cfg(os.path.join(tmp, str(k)), timeout=20),
+                             model=model, name=f"differs{k}") as tm:
+            opt.add_param_group(group(ps))
+            local_backward(model, batch, 0, rank)
+            try:
+                opt.step()
+            except RankMismatch as exc:
+                assert "The ranks added param groups that differ" in str(exc), exc
+                said = re.findall(r"shapes and dtypes (\w+), settings (\w+)", str(exc))
+                assert len(said) == 2, exc
+                (s0, h0), (s1, h1) = said
+                assert (s0 == s1, h0 == h1) == ((True, False) if what == "lr" else
+                                                (False, True)), (what, said)
+            else:
+                raise AssertionError(f"rank {rank}: groups with other {what} were stepped")
+            tm.discard()
+        barrier()
+
+
 # -- over fully_shard parameters: each parameter owned whole by one rank -----------------
 
 def _fsdp_opts():
@@ -320,6 +359,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
             r, world, d, "adafactor", "allreduced", "io_uring"),
         "zero-muon": lambda r, d: zero_added(r, world, d, "muon"),
         "zero-crash-resume": lambda r, d: zero_crash_resume(r, world, d),
+        "zero-differs": lambda r, d: zero_differs(r, world, d),
         "fsdp-adafactor": lambda r, d: fsdp_added(r, world, d, "adafactor"),
         "fsdp-adafactor-io_uring": lambda r, d: fsdp_added(r, world, d, "adafactor",
                                                            "io_uring"),

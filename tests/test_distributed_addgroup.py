@@ -13,8 +13,8 @@ from dist_harness import launch
 from test_distributed import URING, outcome
 
 NAMES = ["zero-adafactor", "zero-adafactor-allreduced-io_uring", "zero-muon",
-         "zero-crash-resume", "fsdp-adafactor", "fsdp-adafactor-io_uring", "fsdp-muon",
-         "fsdp-counting-sgd", "fsdp-crash-resume", "fsdp-refusals"]
+         "zero-crash-resume", "zero-differs", "fsdp-adafactor", "fsdp-adafactor-io_uring",
+         "fsdp-muon", "fsdp-counting-sgd", "fsdp-crash-resume", "fsdp-refusals"]
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,21 @@ GRADS_WHY = ("distributed.grads: allreduced takes each rank's gradients as avera
              "counts a missing gradient as zero")
 
 
+ADDED_WHY = ("The ranks added param groups that differ (in the number of parameters, their "
+             "shapes and dtypes, or the group's settings: the digests say which): every rank "
+             "must call optimizer.add_param_group() with the same group, its parameters in "
+             "the same order and the same settings")
+
+
+def _described(g: int, group: dict) -> str:
+    """An added group as the ranks compare it at their next agreement: its parameters'
+    count, a digest of their shapes and dtypes, and one of its settings."""
+    shapes = hashlib.sha1(repr([(tuple(p.shape), str(p.dtype)) for p in group["params"]])
+                          .encode()).hexdigest()[:8]
+    return (f"param_groups[{g}] of {len(group['params'])} parameters (shapes and dtypes "
+            f"{shapes}, settings {value_digest(_hyper(group))[:8]})")
+
+
 def wanted(optimizer: torch.optim.Optimizer, process_group: Any) -> bool:
     """Shard when a group is given, torch.distributed is initialised, or the parameters are
     DTensors."""
@@ -226,6 +241,9 @@ class DistributedOffload(Offload):
         opt.state.clear()  # each rank's share of it is in the tiers now
         self.rank_plans = self._gather_plans()
         self._plans_stale = False  # a group added since: refreshed at the next step
+        # groups added (no collective) since the last agreement, as the next one compares
+        # them: a rank that added other parameters or settings is refused there
+        self._added: list[str] = []
         # Each rank's p.grad is its own until the step reduces it: torch's clipping would
         # clip it by its own norm before the average (dist/clip.py)
         self.clip = (AveragedClip(self.layout) if self._local_grads() and not self.layout.fsdp
@@ -475,6 +493,8 @@ class DistributedOffload(Offload):
         self._at.update({pc.index: (len(lay.pieces) - 1, k) for k, pc in enumerate(pieces)})
         self._covers = None  # new partitions, new windows
         self._plans_stale = True
+        if not (self.whole and lay.fsdp):  # (_add_together compared them already)
+            self._added.append(_described(len(opt.param_groups) - 1, group))
         if self.clip is not None:
             self.clip.reindex()
 
@@ -816,10 +836,15 @@ class DistributedOffload(Offload):
         groups = self.opt.param_groups
         op += (f" over {sum(len(g['params']) for g in groups)} parameters in {len(groups)} "
                "param groups")
+        if self._added:
+            op += ", after adding " + ", ".join(self._added)
         try:
             self.coll.agree(op, self.steps_called if step is None else step)
+            self._added = []
         except RankMismatch as exc:
             said = [d or "" for d in exc.doing]
+            if any(", after adding " in d for d in said):
+                raise RankMismatch(f"{exc}. {ADDED_WHY}", exc.doing) from None
             if any(INIT_STEP in d for d in said):
                 raise RankMismatch(f"{exc}. {INIT_WHY}", exc.doing) from None
             marker = " with gradients on "
