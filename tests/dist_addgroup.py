@@ -183,14 +183,17 @@ def _fsdp_opts():
     }
 
 
-def _fsdp_groups(m: torch.nn.Module, name: str) -> tuple[list, list]:
-    """The first layer's parameters, and the rest (frozen until added): 1031 and 33 rows
-    over 2 ranks, and a last layer of one row (rank 1's shard of it is empty). Muon is
-    given the matrices only."""
+def _fsdp_groups(m: torch.nn.Module, name: str) -> tuple[list, list[list]]:
+    """The first layer's parameters, and the two groups added later (frozen until then): the
+    second layer's (1031 x 33: both ranks own some, uneven shards), then the last layer's
+    (one row: rank 1's shard is empty; rank 1 owns all of it, so rank 0 steps that group
+    with no parameters). Muon is given the matrices only."""
     keep = (lambda p: p.dim() == 2) if name == "muon" else (lambda p: True)
     first = [p for p in m[0].parameters() if keep(p)]
-    rest = [p for layer in (m[2], m[4]) for p in layer.parameters() if keep(p)]
-    return first, rest
+    return first, [[p for p in m[k].parameters() if keep(p)] for k in (2, 4)]
+
+
+LRS = (5e-3, 2e-3)  # the added groups' lr
 
 
 def _whole_sd(sd: dict) -> dict:
@@ -200,12 +203,13 @@ def _whole_sd(sd: dict) -> dict:
             "param_groups": sd["param_groups"]}
 
 
-def _fsdp_add(model, opt, ref_model, ref_opt, name: str, lr: float = 5e-3) -> None:
+def _fsdp_add(model, opt, ref_model, ref_opt, name: str, k: int) -> None:
+    """The k-th later group unfrozen and added, to both optimizers."""
     for m, o in ((model, opt), (ref_model, ref_opt)):
-        rest = _fsdp_groups(m, name)[1]
-        for p in rest:
+        group = _fsdp_groups(m, name)[1][k]
+        for p in group:
             p.requires_grad_(True)
-        o.add_param_group({"params": rest, "lr": lr})
+        o.add_param_group({"params": group, "lr": LRS[k]})
 
 
 def _fsdp_start(name: str):
@@ -213,54 +217,64 @@ def _fsdp_start(name: str):
 
     model, ref_model = model_pair()
     for m in (model, ref_model):
-        for p in _fsdp_groups(m, name)[1]:
-            p.requires_grad_(False)
+        for group in _fsdp_groups(m, name)[1]:
+            for p in group:
+                p.requires_grad_(False)
     make = _fsdp_opts()[name]
     return model, make(_fsdp_groups(model, name)[0]), ref_model, \
         make(_fsdp_groups(ref_model, name)[0])
 
 
 def fsdp_added(rank: int, world: int, tmp: str, name: str, backend: str = "threads") -> None:
-    """A group of parameters frozen when the block opened is added on every rank after two
-    steps (a collective over fully_shard parameters: the owners of the new parameters are
-    chosen and their weights gathered to them); the weights after every step, state_dict()
-    after the add and later, and opt.state at exit (DTensors) equal the plain optimizer's
-    that added the same group. The generic path's group values too (CountingSGD's count)."""
+    """Groups of parameters frozen when the block opened are added on every rank, after two
+    steps and after three (a collective over fully_shard parameters: the owners of the new
+    parameters are chosen and their weights gathered to them); the weights after every
+    step, state_dict() after each add and later, and opt.state at exit (DTensors) equal the
+    plain optimizer's that added the same groups. The generic path's group values too
+    (CountingSGD's count of the last group, which rank 0 owns nothing of)."""
     from dist_fsdp_whole import same_weights, steps
 
     model, opt, ref_model, ref_opt = _fsdp_start(name)
     g = torch.Generator().manual_seed(20 + rank)
     with tiermem.offload(opt, small_cfg(tmp, backend=backend), name=name) as tm:
         steps(rank, world, model, [opt], ref_model, [ref_opt], g, 2)
-        _fsdp_add(model, opt, ref_model, ref_opt, name)
-        compare_state_dicts(_whole_sd(opt.state_dict()), ref_opt.state_dict(), exact=True)
-        for i in range(3):
+        for i in range(2, 6):
+            if i in (2, 3):
+                _fsdp_add(model, opt, ref_model, ref_opt, name, i - 2)
+                compare_state_dicts(_whole_sd(opt.state_dict()), ref_opt.state_dict(),
+                                    exact=True)
             steps(rank, world, model, [opt], ref_model, [ref_opt], g, 1)
-            same_weights(model, ref_model, f"rank {rank} step {3 + i}")
+            same_weights(model, ref_model, f"rank {rank} step {i + 1}")
         compare_state_dicts(_whole_sd(opt.state_dict()), ref_opt.state_dict(), exact=True)
         plan = tm.plan()
         held = [p for grp in opt.param_groups for p in grp["params"]]
         assert sum(r["share_elements"] for r in plan["ranks"]) == sum(p.numel() for p in held)
+        last = len(tm.layout.params) - len(opt.param_groups[-1]["params"])
+        assert set(tm.layout.owner[last:]) == {1}, tm.layout.owner
     compare_state_dicts(_whole_sd(opt.state_dict()), ref_opt.state_dict(), exact=True)
 
 
 def fsdp_crash_resume(rank: int, world: int, tmp: str) -> None:
-    """crash_consistent Adafactor over fully_shard parameters, a group added inside the
-    block (committed with the add), kept on disk at exit: a new run's optimizer built with
-    every group resumes on every rank (the added parameters' owners as at the add, their
-    weights from the owners' masters) and goes on equal; `tiermem recover` of one rank's
-    directory gives the plain optimizer's state_dict and weights."""
-    from dist_fsdp_whole import same_weights, steps
+    """crash_consistent Adafactor over fully_shard parameters, two groups added inside the
+    block (each committed with its add), saved with tiermem.dist.dcp and kept on disk at
+    exit: `tiermem recover` of one rank's directory gives the plain optimizer's state_dict
+    and weights; a new run's optimizer built with every group resumes on every rank (the
+    added parameters' owners as at the adds, their weights from the owners' masters) and
+    goes on equal, as does a fresh run that loads the checkpoint."""
+    from dist_fsdp_whole import model_pair, same_weights, steps
+    from tiermem.dist import dcp
     from tiermem.swap.recover import gather
 
     model, opt, ref_model, ref_opt = _fsdp_start("adafactor")
     g = torch.Generator().manual_seed(40 + rank)
     cfg = small_cfg(tmp)
     cfg["swap"]["durability"] = "crash_consistent"
-    with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="crash"):
+    with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="crash") as tm:
         steps(rank, world, model, [opt], ref_model, [ref_opt], g, 2)
-        _fsdp_add(model, opt, ref_model, ref_opt, "adafactor")
-        steps(rank, world, model, [opt], ref_model, [ref_opt], g, 2)
+        for k in range(2):
+            _fsdp_add(model, opt, ref_model, ref_opt, "adafactor", k)
+            steps(rank, world, model, [opt], ref_model, [ref_opt], g, 1)
+        dcp.save(tm, os.path.join(tmp, "ck"))
     assert not opt.state
     barrier()  # every rank's share kept
     got = gather(os.path.join(tmp, f"tiermem-crash-rank{rank}"))
@@ -268,19 +282,29 @@ def fsdp_crash_resume(rank: int, world: int, tmp: str) -> None:
     compare_state_dicts(got["optimizer"], ref_opt.state_dict(), exact=True)
     for k, v in ref_model.state_dict().items():
         assert torch.equal(got["model"][k], v), f"recovered {k}"
-    with torch.no_grad():  # the resume must put the committed weights back
-        for p in model.parameters():
-            p.to_local().zero_()
-    first, rest = _fsdp_groups(model, "adafactor")
-    fresh = _fsdp_opts()["adafactor"](first)
-    fresh.add_param_group({"params": rest, "lr": 5e-3})
-    with tiermem.offload(fresh, cfg, model=model, name="crash", resume=True) as tm:
-        assert tm.resumed_step == 4, tm.resumed_step
-        same_weights(model, ref_model, f"rank {rank} resumed")
-        compare_state_dicts(_whole_sd(fresh.state_dict()), ref_opt.state_dict(), exact=True)
-        steps(rank, world, model, [fresh], ref_model, [ref_opt], g, 2)
-    same_weights(model, ref_model, f"rank {rank}")
-    compare_state_dicts(_whole_sd(fresh.state_dict()), ref_opt.state_dict(), exact=True)
+    for how in ("resume", "dcp"):
+        fresh_model, _ = model_pair()  # the first weights: the resume must put them back
+        if how == "dcp":
+            with torch.no_grad():
+                for p, q in zip(fresh_model.parameters(), model.parameters()):
+                    p.to_local().copy_(q.to_local())
+        first, rest = _fsdp_groups(fresh_model, "adafactor")
+        fresh = _fsdp_opts()["adafactor"](first)
+        for group, lr in zip(rest, LRS):
+            fresh.add_param_group({"params": group, "lr": lr})
+        r_model, r_opt = copy.deepcopy((ref_model, ref_opt))
+        with tiermem.offload(fresh, cfg, model=fresh_model, name="crash" if how == "resume"
+                             else "fresh", resume=how == "resume") as tm:
+            if how == "dcp":
+                dcp.load(tm, os.path.join(tmp, "ck"))
+            else:
+                assert tm.resumed_step == 4, tm.resumed_step
+            same_weights(fresh_model, r_model, f"rank {rank} {how}")
+            compare_state_dicts(_whole_sd(fresh.state_dict()), r_opt.state_dict(), exact=True)
+            steps(rank, world, fresh_model, [fresh], r_model, [r_opt], g, 2)
+        same_weights(fresh_model, r_model, f"rank {rank} {how}, on")
+        compare_state_dicts(_whole_sd(fresh.state_dict()), r_opt.state_dict(), exact=True)
+        barrier()
 
 
 def fsdp_refusals(rank: int, world: int, tmp: str) -> None:
