@@ -20,6 +20,10 @@ So the memory beyond FSDP2's own is the owned parameters' whole weights (about 1
 of the model, kept) and, during a step, their gathered gradients, plus one parameter's
 padded shards in flight.
 
+A param group added inside the block (optimizer.add_param_group) is laid out as at
+set-up, which is a collective (the shard spans, the weights to their owners): every rank
+adds it together (DistributedOffload._add_together checks that they add the same group).
+
 State goes out in the form FSDP2's optimizers keep: DTensors sharded like their
 parameter (Shard(0)) where the state has the parameter's rows (Muon's momentum buffer,
 Adafactor's row statistics and its unfactored variance), replicated where it does not
@@ -64,31 +68,35 @@ class FsdpWholeLayout:
         self.buffer: dict[int, torch.Tensor] = {}  # param index -> whole buffer (owner)
         self._load = [0] * coll.world  # bytes owned by each rank
         self._stepped: list[int] = []
-        self._ready = False
         for group in opt.param_groups:
+            self.check_group(group)
             self.add_group(group)
-        self._ready = True
 
-    def add_group(self, group: dict) -> None:
-        if self._ready:
-            # Cutting a group means collectives (every rank's shard spans, the weights to
-            # their owners) that optimizer.add_param_group, not a collective elsewhere,
-            # would run on whichever ranks call it.
-            raise TierMemError(
-                "optimizer.add_param_group() inside tiermem.offload is not supported for "
-                "optimizers stepped a whole parameter at a time (torch's Adafactor and Muon, "
-                "and third-party optimizers or subclasses with a step of their own) over "
-                "fully_shard parameters; add the group before entering the block")
-        g, params = len(self.pieces), list(group["params"])
-        starts = [FsdpLayout._start(p, g) for p in params]  # refused before anything changes
+    def check_group(self, group: dict) -> None:
+        """Refuse a group (the optimizer's next) add_group cannot take, before any collective:
+        every rank holds the same group, so all refuse alike."""
+        g = len(self.pieces)
+        for p in group["params"]:
+            FsdpLayout._start(p, g)
         mine = [self.coll.global_rank(r) for r in range(self.coll.world)]
-        for p in params:
+        for p in group["params"]:
             ranks = dist.get_process_group_ranks(p.device_mesh.get_group())
             if sorted(ranks) != sorted(mine):
                 raise TierMemError(
                     f"param_groups[{g}]: a parameter sharded over ranks {ranks}, where "
                     f"tiermem's process group holds ranks {mine}: pass the FSDP2 mesh's "
                     "group as process_group=")
+
+    def add_group(self, group: dict) -> None:
+        """One more param group (the optimizer's next, check_group's already): its
+        parameters' owners, and the owned ones' weights gathered into their buffers. A
+        collective (every rank's shard spans, the weights to their owners): every rank adds
+        the same group together, at set-up and in DistributedOffload.add_param_group. The
+        owners of the groups before stay; the new group's are balanced on the bytes every
+        rank already owns, as at set-up, so a run built with the group from the start
+        (a resume) gives its parameters the same owners."""
+        g, params = len(self.pieces), list(group["params"])
+        starts = [FsdpLayout._start(p, g) for p in params]
         lengths = [p._local_tensor.numel() for p in params]
         table = self.coll.table([float(x) for x in starts + lengths],
                                 "sharing the FSDP2 shard spans")
@@ -124,8 +132,17 @@ class FsdpWholeLayout:
         self.group_sizes.append(n)
         self.share_elements += offset
 
-    def pop_group(self) -> None:  # add_group after set-up refuses before changing anything
-        raise AssertionError("unreachable")
+    def pop_group(self) -> None:
+        """Undo the last add_group (a group this rank's shadow optimizer refused)."""
+        n = self.group_sizes.pop()
+        first = len(self.params) - n
+        for i in range(first, len(self.params)):
+            p = self.params[i]
+            self._load[self.owner[i]] -= p.numel() * p.element_size()
+            self.buffer.pop(i, None)
+        del self.params[first:], self.owner[first:], self.spans[first:]
+        self.share_elements -= sum(pc.length for pc in self.pieces.pop())
+        self.views.pop()
 
     # -- moving one parameter ---------------------------------------------------------
 

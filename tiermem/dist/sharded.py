@@ -73,6 +73,21 @@ GRADS_WHY = ("distributed.grads: allreduced takes each rank's gradients as avera
              "counts a missing gradient as zero")
 
 
+ADDED_WHY = ("The ranks added param groups that differ (in the number of parameters, their "
+             "shapes and dtypes, or the group's settings: the digests say which): every rank "
+             "must call optimizer.add_param_group() with the same group, its parameters in "
+             "the same order and the same settings")
+
+
+def _described(g: int, group: dict) -> str:
+    """An added group as the ranks compare it at their next agreement: its parameters'
+    count, a digest of their shapes and dtypes, and one of its settings."""
+    shapes = hashlib.sha1(repr([(tuple(p.shape), str(p.dtype)) for p in group["params"]])
+                          .encode()).hexdigest()[:8]
+    return (f"param_groups[{g}] of {len(group['params'])} parameters (shapes and dtypes "
+            f"{shapes}, settings {value_digest(_hyper(group))[:8]})")
+
+
 def wanted(optimizer: torch.optim.Optimizer, process_group: Any) -> bool:
     """Shard when a group is given, torch.distributed is initialised, or the parameters are
     DTensors."""
@@ -226,6 +241,9 @@ class DistributedOffload(Offload):
         opt.state.clear()  # each rank's share of it is in the tiers now
         self.rank_plans = self._gather_plans()
         self._plans_stale = False  # a group added since: refreshed at the next step
+        # groups added (no collective) since the last agreement, as the next one compares
+        # them: a rank that added other parameters or settings is refused there
+        self._added: list[str] = []
         # Each rank's p.grad is its own until the step reduces it: torch's clipping would
         # clip it by its own norm before the average (dist/clip.py)
         self.clip = (AveragedClip(self.layout) if self._local_grads() and not self.layout.fsdp
@@ -425,12 +443,14 @@ class DistributedOffload(Offload):
             self._values_to_user()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Every rank adds the same group (not a collective; the next operation's agreement
-        refuses ranks that did not): torch's add_param_group on the user's optimizer, the
-        group cut into shares as at set-up (a group's cut depends on its own parameters
+        """Every rank adds the same group: torch's add_param_group on the user's optimizer,
+        the group cut into shares as at set-up (a group's cut depends on its own parameters
         only, so the groups before keep their shares), and this rank's pieces added to the
         shadow optimizer, whose OffloadedOptimizer partitions and tiers them (and commits,
-        under crash_consistent) as in one process."""
+        under crash_consistent) as in one process. Over ZeRO shares and FSDP2's own shards
+        it is no collective (the next operation's agreement refuses ranks that did not add
+        it); for whole-parameter rules over fully_shard parameters it is one (_add_together:
+        the new parameters' shard spans and weights go to their owners)."""
         opt, lay, off = self.opt, self.layout, self.offloaded
         self._check_groups("optimizer.add_param_group()")
         if self.clip is not None and self.clip.early is not None:
@@ -439,19 +459,22 @@ class DistributedOffload(Offload):
             raise TierMemError("optimizer.add_param_group() between a gradient clip and "
                                "opt.step() under distributed.grads: reduce_scatter: add the "
                                "group before clipping, or after the step")
-        type(opt).add_param_group(opt, param_group)
+        if self.whole and lay.fsdp:
+            self._add_together(param_group)
+        else:
+            type(opt).add_param_group(opt, param_group)
+            try:
+                if self.generic:
+                    # the new group probed on the user's optimizer, as at set-up: every rank
+                    # holds all of it, so all come to one answer (a rank's optimizer, which
+                    # its OffloadedOptimizer checks again, may hold none of the group)
+                    check_optimizer(opt)
+                lay.add_group(opt.param_groups[-1])
+            except BaseException:
+                opt.param_groups.pop()  # refused means not added at all
+                raise
         group = opt.param_groups[-1]
-        first = len(lay.params)
-        try:
-            if self.generic:
-                # the new group probed on the user's optimizer, as at set-up: every rank
-                # holds all of it, so all come to one answer (a rank's optimizer, which
-                # its OffloadedOptimizer checks again, may hold none of the group)
-                check_optimizer(opt)
-            lay.add_group(group)
-        except BaseException:
-            opt.param_groups.pop()  # refused means not added at all
-            raise
+        first = len(lay.params) - len(group["params"])
         pieces, views = lay.pieces[-1], lay.views[-1]
         shadow = len(off.origins)
         # Before the shadow's add, which may commit: the manifest's share and the pieces'
@@ -477,8 +500,83 @@ class DistributedOffload(Offload):
         self._at.update({pc.index: (len(lay.pieces) - 1, k) for k, pc in enumerate(pieces)})
         self._covers = None  # new partitions, new windows
         self._plans_stale = True
+        if not (self.whole and lay.fsdp):  # (_add_together compared them already)
+            self._added.append(_described(len(opt.param_groups) - 1, group))
         if self.clip is not None:
             self.clip.reindex()
+
+    def _add_together(self, param_group: dict[str, Any]) -> None:
+        """add_param_group of a whole-parameter rule over fully_shard parameters: a
+        collective. The ranks agree they are all adding a group; each checks the group as
+        the plain optimizer and set-up would (torch's add_param_group, the rule, the FSDP2
+        placement), and the ranks compare what they added (the parameters' shapes and
+        dtypes, the group's settings): a refusal on any rank, or groups that differ, is
+        raised on every rank, naming it, with nothing added anywhere. Then the layout
+        gives the new parameters owners and gathers their weights (collectives)."""
+        opt, lay = self.opt, self.layout
+        self.agree("opt.add_param_group()")
+        error: BaseException | None = None
+        added = False
+        try:
+            type(opt).add_param_group(opt, param_group)
+            added = True
+            check_optimizer(opt)  # the rule (the generic path's probe), as at set-up
+            lay.check_group(opt.param_groups[-1])
+        except BaseException as exc:
+            error = exc
+        if error is None:
+            group = opt.param_groups[-1]
+            mine: Any = ("added", [(tuple(p.shape), str(p.dtype)) for p in group["params"]],
+                         {k: value_digest(v) for k, v in _hyper(group).items()},
+                         {k: repr(v)[:80] for k, v in _hyper(group).items()})
+        else:
+            mine = ("refused", f"{type(error).__name__}: {error}"[:1000])
+        said = self.coll.from_lowest({self.coll.rank: mine}, self.coll.world,
+                                     "comparing the param group each rank adds")
+        rows = [said[r] for r in range(self.coll.world)]
+        if all(row[0] == "added" for row in rows) and all(row[1:3] == rows[0][1:3]
+                                                          for row in rows):
+            try:
+                lay.add_group(opt.param_groups[-1])  # collectives
+            except BaseException:
+                opt.param_groups.pop()
+                raise
+            return
+        if added:
+            opt.param_groups.pop()  # refused means not added at all, on every rank
+        if error is not None:
+            raise error
+        who = lambda r: f"rank {self.coll.global_rank(r)}"  # noqa: E731
+        refused = [f"{who(r)} refused it ({row[1]})" for r, row in enumerate(rows)
+                   if row[0] == "refused"]
+        if refused:
+            raise TierMemError(
+                "optimizer.add_param_group() inside tiermem.offload over fully_shard "
+                "parameters is a collective that adds the group on every rank or on none: "
+                + "; ".join(refused) + "; not added on any rank")
+        diff = []
+        if len({len(row[1]) for row in rows}) > 1:
+            diff.append("the number of parameters (" + ", ".join(
+                f"{who(r)}: {len(row[1])}" for r, row in enumerate(rows)) + ")")
+        else:
+            for k in range(len(rows[0][1])):
+                if len({row[1][k] for row in rows}) > 1:
+                    diff.append(f"parameter {k}'s shape and dtype (" + ", ".join(
+                        f"{who(r)}: {list(row[1][k][0])} {row[1][k][1]}"
+                        for r, row in enumerate(rows)) + ")")
+                    break
+        keys = sorted({k for row in rows for k in row[2]})
+        for k in keys:
+            if len({row[2].get(k) for row in rows}) > 1:
+                diff.append(f"{k!r} (" + ", ".join(
+                    f"{who(r)}: {row[3].get(k, 'absent')}" for r, row in enumerate(rows))
+                    + ")")
+        raise TierMemError(
+            "optimizer.add_param_group() inside tiermem.offload over fully_shard parameters "
+            "adds the same group on every rank (each parameter is stepped whole by one "
+            "owner rank), but the ranks' groups differ in " + "; ".join(diff)
+            + "; not added on any rank. Add the same group, with the same settings, on "
+            "every rank")
 
     def _check_groups(self, what: str) -> None:
         """The user's param groups hold the parameters the shares were cut from, group by
@@ -745,10 +843,15 @@ class DistributedOffload(Offload):
         groups = self.opt.param_groups
         op += (f" over {sum(len(g['params']) for g in groups)} parameters in {len(groups)} "
                "param groups")
+        if self._added:
+            op += ", after adding " + ", ".join(self._added)
         try:
             self.coll.agree(op, self.steps_called if step is None else step)
+            self._added = []
         except RankMismatch as exc:
             said = [d or "" for d in exc.doing]
+            if any(", after adding " in d for d in said):
+                raise RankMismatch(f"{exc}. {ADDED_WHY}", exc.doing) from None
             if any(INIT_STEP in d for d in said):
                 raise RankMismatch(f"{exc}. {INIT_WHY}", exc.doing) from None
             marker = " with gradients on "
