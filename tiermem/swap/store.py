@@ -127,12 +127,20 @@ class SwapStore:
         return added
 
     def add(self, parts: Sequence[Partition]) -> None:
-        """Room for more partitions (a new param group): grow the files, preallocated."""
-        added = self._place(parts)
-        self._check_space(added)
-        for f, size, extra in zip(self.files, self.sizes, added):
-            if extra:
-                self._allocate(f, size)
+        """Room for more partitions (a new param group): grow the files, preallocated.
+        Refused (no room), nothing is placed: a retry places them where a resume, which
+        places every record after the one before, looks for them."""
+        was = (dict(self.slots), list(self.sizes), dict(self.generation), dict(self.latest),
+               dict(self.committed))
+        try:
+            added = self._place(parts)
+            self._check_space(added)
+            for f, size, extra in zip(self.files, self.sizes, added):
+                if extra:
+                    self._allocate(f, size)
+        except BaseException:
+            self.slots, self.sizes, self.generation, self.latest, self.committed = was
+            raise
 
     def _check_space(self, sizes: Sequence[int] | None = None) -> None:
         need: dict[str, int] = {}
