@@ -4,11 +4,13 @@ opened, unfrozen inside it), the device weights' write-back and the distributed 
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
 
 import tiermem
+import tiermem.optim.offloaded
 import tiermem.swap.store
 from offload_helpers import compare_runs, config
 
@@ -61,5 +63,43 @@ def test_a_late_lay_out_refused_for_a_full_disk_then_retried_resumes(tmp_path, m
     with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
         assert tm.resumed_step == 2
         model[0].weight.requires_grad_(True)
+        _trained(model, opt)
+    compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_load_failing_after_a_late_lay_out_leaves_the_last_commit(tmp_path, monkeypatch):
+    """A state_dict loaded inside the block giving state to a parameter frozen when it
+    opened lays its records out. The lay-out committed at once, in the middle of the load:
+    every step count already reset and no loaded state in the records yet. A load that
+    then failed (or a crash before its own commit) resumed to that: the last committed
+    step's moments with the step counts at 0, where it must resume the last commit."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    src = copy.deepcopy(model)
+    src[0].weight.requires_grad_(True)
+    src_opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    _trained(src, src_opt)  # state for every parameter
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _trained(ref, ref_opt, 2)
+    cfg = config(tmp_path / "swap", host=0, kernel="match")
+    cfg["swap"]["durability"] = "crash_consistent"
+    image = tmp_path / "image"
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        _trained(model, opt)
+        with monkeypatch.context() as m:
+            m.setattr(tiermem.optim.offloaded, "scatter",
+                      lambda *a, **k: (_ for _ in ()).throw(OSError("the load failed")))
+            with pytest.raises(OSError, match="the load failed"):
+                opt.load_state_dict(src_opt.state_dict())
+        run = tm.offloaded.tiers.run_dir()
+        shutil.copytree(run, image)  # what a crash now leaves on disk
+        tm.discard()
+    shutil.rmtree(run, ignore_errors=True)  # (discard removed it)
+    shutil.copytree(image, run)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == 1
         _trained(model, opt)
     compare_runs(model, opt, ref, ref_opt)

@@ -512,13 +512,15 @@ class OffloadedOptimizer:
         self.parts.extend(new)
         return new
 
-    def lay_out_late(self, indices: Iterable[int]) -> None:
+    def lay_out_late(self, indices: Iterable[int], *, commit: bool = True) -> None:
         """Parameters frozen when the block opened (no record: _skip spares a LoRA run's
         frozen weights the room) that now have a gradient or are given state: their
         records are laid out now, as torch makes their state at their first step (a model
         whose backbone is unfrozen after some epochs, its parameters in the optimizer from
         the start). Each such lay-out is kept in the manifest (`late`), so a resume lays
-        the partitions out in the same order."""
+        the partitions out in the same order. commit: crash-consistent, commit the lay-out
+        now (False: the caller commits once the state it is in the middle of changing is
+        whole, as a load does: a commit here kept its reset step counts with no state)."""
         late = sorted(set(indices) & self.unlaid)
         if not late:
             return
@@ -543,7 +545,8 @@ class OffloadedOptimizer:
             self.weights.expect_updates(_pieces(new))
         if self.crash:
             self._initialise(new)
-            self.commit()
+            if commit:
+                self.commit()
         if self.overlap is not None:
             self.overlap.add(new)
 
@@ -1470,7 +1473,8 @@ class OffloadedOptimizer:
 
         copy_ casts: with bf16 state the moments are rounded to nearest even here."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        self.lay_out_late(index[id(p)] for p, st in state.items() if st)
+        # (committed by the caller with the state imported: a load, or the entry)
+        self.lay_out_late((index[id(p)] for p, st in state.items() if st), commit=False)
         state = {p: self.rule.from_torch_state(self._shaped(p), self.opt.param_groups[
             self._group_of(index[id(p)])], st) for p, st in state.items()}
         for p, st in state.items():
