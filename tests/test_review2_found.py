@@ -103,3 +103,29 @@ def test_a_load_failing_after_a_late_lay_out_leaves_the_last_commit(tmp_path, mo
         assert tm.resumed_step == 1
         _trained(model, opt)
     compare_runs(model, opt, ref, ref_opt)
+
+
+def test_an_evaluation_under_inference_mode_lays_out_normal_records(tmp_path):
+    """With overlap_backward a parameter unfrozen inside the block is laid out at the next
+    forward of the model, which may be an evaluation under torch.inference_mode(): the
+    records (pinned host memory, the swap pipeline's buffers) were made there as inference
+    tensors, and the next step's update failed writing them ("Inplace update to inference
+    tensor outside InferenceMode")."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    cfg = config(tmp_path, host="20KiB", kernel="match")
+    cfg["pipeline"]["overlap_backward"] = True
+
+    def run(m, o):
+        _trained(m, o)
+        m[0].weight.requires_grad_(True)
+        with torch.inference_mode():
+            m(X)
+        _trained(m, o, 2)
+
+    run(ref, ref_opt)
+    with tiermem.offload(opt, cfg, model=model):
+        run(model, opt)
+    compare_runs(model, opt, ref, ref_opt)

@@ -524,6 +524,17 @@ class OffloadedOptimizer:
         late = sorted(set(indices) & self.unlaid)
         if not late:
             return
+        if torch.is_inference_mode_enabled():
+            # (overlap_backward: at an evaluation's forward) records made under inference
+            # mode are inference tensors, which no update may write in place; leaving it
+            # turns grad mode on: kept as the caller had it
+            grad = torch.is_grad_enabled()
+            with torch.inference_mode(False), torch.set_grad_enabled(grad):
+                return self._lay_out(late, commit)
+        self._lay_out(late, commit)
+
+    def _lay_out(self, late: list[int], commit: bool) -> None:
+        """lay_out_late of parameters `late` (sorted, all unlaid)."""
         if self.overlap is not None:
             self.overlap.require_idle("a parameter unfrozen inside the block")
         left, count = dict(self.budgets.left), len(self.parts)
