@@ -12,6 +12,7 @@ import torch
 import tiermem
 import tiermem.optim.offloaded
 import tiermem.swap.store
+from tiermem.device.lanes import DeferredBackend
 from offload_helpers import compare_runs, config
 
 
@@ -128,4 +129,53 @@ def test_an_evaluation_under_inference_mode_lays_out_normal_records(tmp_path):
     run(ref, ref_opt)
     with tiermem.offload(opt, cfg, model=model):
         run(model, opt)
+    compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["", "device"])
+def test_an_edit_of_a_weight_that_takes_no_step_is_committed(tmp_path, device):
+    """With parameters.offload, a weight the optimizer holds changed in place between steps
+    (p.mul_() under no_grad; on a device model, copied back since the last change) and
+    then taking no step (frozen again): the crash-consistent commit kept its record's
+    master of before the change, and a resume put those weights back (torch's model has
+    the changed ones). The commit copies such weights into their masters, as it does on
+    an fp32 CPU model without the tier."""
+    def made():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 200), torch.nn.Tanh(),
+                                   torch.nn.Linear(200, 8))
+
+    model = made()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    cfg = config(tmp_path / "swap", host="20KiB", kernel="match")
+    cfg["swap"]["durability"] = "crash_consistent"
+    cfg["parameters"] = {"offload": "nvme"}
+
+    def run(m, o):
+        _trained(m, o)
+        with torch.no_grad():
+            m[0].weight.mul_(0.5)
+        m[0].weight.requires_grad_(False)
+        _trained(m, o)
+
+    run(ref, ref_opt)
+    _trained(ref, ref_opt)
+    image = tmp_path / "image"
+    with tiermem.offload(opt, cfg, model=model,
+                         streams=DeferredBackend() if device else None) as tm:
+        run(model, opt)
+        run_dir = tm.offloaded.tiers.run_dir()
+        shutil.copytree(run_dir, image)  # what a crash now leaves on disk
+        tm.discard()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(image, run_dir)
+    model = made()  # (the script started over; the resume writes the committed weights)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, cfg, model=model, resume=True,
+                         streams=DeferredBackend() if device else None) as tm:
+        assert tm.resumed_step == 2
+        model[0].weight.requires_grad_(False)
+        _trained(model, opt)
     compare_runs(model, opt, ref, ref_opt)

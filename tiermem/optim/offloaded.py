@@ -1359,8 +1359,11 @@ class OffloadedOptimizer:
         weights of before the change: copy them in before the commit (the version counter
         says which changed; a rank's all-gather of its peers' pieces does not:
         weights_synced)."""
+        if self.weights is not None:
+            self._refresh_tier_masters()
+            return
         seen = self._versions
-        if seen is None or self.weights is not None:
+        if seen is None:
             return
         for part in self.parts:
             if "master" not in part.kinds or self._route(part) is not None \
@@ -1372,6 +1375,24 @@ class OffloadedOptimizer:
             if not stale:
                 continue
             with self.tiers.record(part, write=True) as (views, _):
+                for s, sl in stale:
+                    views["master"][sl].copy_(
+                        flat(s.param.detach())[s.start: s.start + s.length])
+
+    def _refresh_tier_masters(self) -> None:
+        """_refresh_edited_masters with parameters.offload: the tier says which weights were
+        changed other than by a step since the last commit (an edit of a parameter that
+        took no step since: a resume put back its weights of before the change)."""
+        edited = self.weights.take_edited()
+        for part in self.parts if edited else ():
+            if "master" not in part.kinds or self.tiers.is_fresh(part):
+                continue
+            stale = [(s, sl) for s, sl in zip(part.segments, part.slices("master"))
+                     if s.index in edited and s.param.dtype == torch.float32]
+            if not stale:
+                continue
+            with self.tiers.record(part, write=True) as (views, _), \
+                    self.weights.materialised([s.param for s, _ in stale]):
                 for s, sl in stale:
                     views["master"][sl].copy_(
                         flat(s.param.detach())[s.start: s.start + s.length])
