@@ -12,6 +12,7 @@ import torch
 import tiermem
 import tiermem.optim.offloaded
 import tiermem.swap.store
+import tiermem.tiers.manager
 from tiermem.device.lanes import DeferredBackend
 from offload_helpers import compare_runs, config
 
@@ -177,5 +178,43 @@ def test_an_edit_of_a_weight_that_takes_no_step_is_committed(tmp_path, device):
                          streams=DeferredBackend() if device else None) as tm:
         assert tm.resumed_step == 2
         model[0].weight.requires_grad_(False)
+        _trained(model, opt)
+    compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_late_lay_out_failing_for_its_buffers_then_retried_resumes(tmp_path, monkeypatch):
+    """As the full disk above, a step later: the lay-out's records were placed in the swap
+    file, then the larger pipeline buffers they need could not be had (pinned memory): the
+    retry placed the records again further on, where a resume did not look."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _trained(ref, ref_opt)
+    ref[0].weight.requires_grad_(True)
+    _trained(ref, ref_opt, 2)
+    cfg = config(tmp_path, host=0, kernel="match")
+    cfg["swap"]["durability"] = "crash_consistent"
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no pinned memory for the buffers")
+
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        _trained(model, opt)
+        model[0].weight.requires_grad_(True)
+        model(X).square().mean().backward()
+        with monkeypatch.context() as m:
+            m.setattr(tiermem.tiers.manager, "BufferPool", no_memory)
+            with pytest.raises(MemoryError):
+                opt.step()
+        opt.step()  # memory again: the same gradients
+        opt.zero_grad()
+        tm.offloaded.keep_on_disk()  # what a crash leaves: the committed records
+        tm.discard()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == 2
+        model[0].weight.requires_grad_(True)
         _trained(model, opt)
     compare_runs(model, opt, ref, ref_opt)
