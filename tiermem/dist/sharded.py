@@ -74,18 +74,23 @@ GRADS_WHY = ("distributed.grads: allreduced takes each rank's gradients as avera
 
 
 ADDED_WHY = ("The ranks added param groups that differ (in the number of parameters, their "
-             "shapes and dtypes, or the group's settings: the digests say which): every rank "
-             "must call optimizer.add_param_group() with the same group, its parameters in "
-             "the same order and the same settings")
+             "shapes and dtypes, the group's settings, or which of the model's parameters "
+             "they are: the digests say which): every rank must call "
+             "optimizer.add_param_group() with the same group, its parameters in the same "
+             "order (not the order of a set) and the same settings")
 
 
-def _described(g: int, group: dict) -> str:
+def _described(g: int, group: dict, names: dict[int, str]) -> str:
     """An added group as the ranks compare it at their next agreement: its parameters'
-    count, a digest of their shapes and dtypes, and one of its settings."""
+    count, a digest of their shapes and dtypes, one of its settings, and one of the
+    parameters' names in the model (`names`, by id; none without a model): parameters of
+    one shape in another order are other parameters."""
     shapes = hashlib.sha1(repr([(tuple(p.shape), str(p.dtype)) for p in group["params"]])
                           .encode()).hexdigest()[:8]
+    named = hashlib.sha1(repr([names.get(id(p), "") for p in group["params"]])
+                         .encode()).hexdigest()[:8]
     return (f"param_groups[{g}] of {len(group['params'])} parameters (shapes and dtypes "
-            f"{shapes}, settings {value_digest(_hyper(group))[:8]})")
+            f"{shapes}, settings {value_digest(_hyper(group))[:8]}, names {named})")
 
 
 def wanted(optimizer: torch.optim.Optimizer, process_group: Any) -> bool:
@@ -501,7 +506,7 @@ class DistributedOffload(Offload):
         self._covers = None  # new partitions, new windows
         self._plans_stale = True
         if not (self.whole and lay.fsdp):  # (_add_together compared them already)
-            self._added.append(_described(len(opt.param_groups) - 1, group))
+            self._added.append(_described(len(opt.param_groups) - 1, group, self._names))
         if self.clip is not None:
             self.clip.reindex()
 
@@ -528,14 +533,16 @@ class DistributedOffload(Offload):
             group = opt.param_groups[-1]
             mine: Any = ("added", [(tuple(p.shape), str(p.dtype)) for p in group["params"]],
                          {k: value_digest(v) for k, v in _hyper(group).items()},
-                         {k: repr(v)[:80] for k, v in _hyper(group).items()})
+                         {k: repr(v)[:80] for k, v in _hyper(group).items()},
+                         # parameters of one shape in another order are other parameters
+                         [self._names.get(id(p), "") for p in group["params"]])
         else:
             mine = ("refused", f"{type(error).__name__}: {error}"[:1000])
         said = self.coll.from_lowest({self.coll.rank: mine}, self.coll.world,
                                      "comparing the param group each rank adds")
         rows = [said[r] for r in range(self.coll.world)]
-        if all(row[0] == "added" for row in rows) and all(row[1:3] == rows[0][1:3]
-                                                          for row in rows):
+        if all(row[0] == "added" for row in rows) and all(
+                row[1:3] == rows[0][1:3] and row[4] == rows[0][4] for row in rows):
             try:
                 lay.add_group(opt.param_groups[-1])  # collectives
             except BaseException:
@@ -565,6 +572,12 @@ class DistributedOffload(Offload):
                         f"{who(r)}: {list(row[1][k][0])} {row[1][k][1]}"
                         for r, row in enumerate(rows)) + ")")
                     break
+            else:  # the same shapes: which parameters of the model they are
+                for k in range(len(rows[0][4])):
+                    if len({row[4][k] for row in rows}) > 1:
+                        diff.append(f"parameter {k} (" + ", ".join(
+                            f"{who(r)}: {row[4][k]}" for r, row in enumerate(rows)) + ")")
+                        break
         keys = sorted({k for row in rows for k in row[2]})
         for k in keys:
             if len({row[2].get(k) for row in rows}) > 1:

@@ -512,16 +512,29 @@ class OffloadedOptimizer:
         self.parts.extend(new)
         return new
 
-    def lay_out_late(self, indices: Iterable[int]) -> None:
+    def lay_out_late(self, indices: Iterable[int], *, commit: bool = True) -> None:
         """Parameters frozen when the block opened (no record: _skip spares a LoRA run's
         frozen weights the room) that now have a gradient or are given state: their
         records are laid out now, as torch makes their state at their first step (a model
         whose backbone is unfrozen after some epochs, its parameters in the optimizer from
         the start). Each such lay-out is kept in the manifest (`late`), so a resume lays
-        the partitions out in the same order."""
+        the partitions out in the same order. commit: crash-consistent, commit the lay-out
+        now (False: the caller commits once the state it is in the middle of changing is
+        whole, as a load does: a commit here kept its reset step counts with no state)."""
         late = sorted(set(indices) & self.unlaid)
         if not late:
             return
+        if torch.is_inference_mode_enabled():
+            # (overlap_backward: at an evaluation's forward) records made under inference
+            # mode are inference tensors, which no update may write in place; leaving it
+            # turns grad mode on: kept as the caller had it
+            grad = torch.is_grad_enabled()
+            with torch.inference_mode(False), torch.set_grad_enabled(grad):
+                return self._lay_out(late, commit)
+        self._lay_out(late, commit)
+
+    def _lay_out(self, late: list[int], commit: bool) -> None:
+        """lay_out_late of parameters `late` (sorted, all unlaid)."""
         if self.overlap is not None:
             self.overlap.require_idle("a parameter unfrozen inside the block")
         left, count = dict(self.budgets.left), len(self.parts)
@@ -543,7 +556,8 @@ class OffloadedOptimizer:
             self.weights.expect_updates(_pieces(new))
         if self.crash:
             self._initialise(new)
-            self.commit()
+            if commit:
+                self.commit()
         if self.overlap is not None:
             self.overlap.add(new)
 
@@ -1345,8 +1359,11 @@ class OffloadedOptimizer:
         weights of before the change: copy them in before the commit (the version counter
         says which changed; a rank's all-gather of its peers' pieces does not:
         weights_synced)."""
+        if self.weights is not None:
+            self._refresh_tier_masters()
+            return
         seen = self._versions
-        if seen is None or self.weights is not None:
+        if seen is None:
             return
         for part in self.parts:
             if "master" not in part.kinds or self._route(part) is not None \
@@ -1358,6 +1375,24 @@ class OffloadedOptimizer:
             if not stale:
                 continue
             with self.tiers.record(part, write=True) as (views, _):
+                for s, sl in stale:
+                    views["master"][sl].copy_(
+                        flat(s.param.detach())[s.start: s.start + s.length])
+
+    def _refresh_tier_masters(self) -> None:
+        """_refresh_edited_masters with parameters.offload: the tier says which weights were
+        changed other than by a step since the last commit (an edit of a parameter that
+        took no step since: a resume put back its weights of before the change)."""
+        edited = self.weights.take_edited()
+        for part in self.parts if edited else ():
+            if "master" not in part.kinds or self.tiers.is_fresh(part):
+                continue
+            stale = [(s, sl) for s, sl in zip(part.segments, part.slices("master"))
+                     if s.index in edited and s.param.dtype == torch.float32]
+            if not stale:
+                continue
+            with self.tiers.record(part, write=True) as (views, _), \
+                    self.weights.materialised([s.param for s, _ in stale]):
                 for s, sl in stale:
                     views["master"][sl].copy_(
                         flat(s.param.detach())[s.start: s.start + s.length])
@@ -1470,7 +1505,8 @@ class OffloadedOptimizer:
 
         copy_ casts: with bf16 state the moments are rounded to nearest even here."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        self.lay_out_late(index[id(p)] for p, st in state.items() if st)
+        # (committed by the caller with the state imported: a load, or the entry)
+        self.lay_out_late((index[id(p)] for p, st in state.items() if st), commit=False)
         state = {p: self.rule.from_torch_state(self._shaped(p), self.opt.param_groups[
             self._group_of(index[id(p)])], st) for p, st in state.items()}
         for p, st in state.items():

@@ -355,6 +355,11 @@ class ParamTier:
         # p.detach().copy_()) makes it dirty too, where it was lost at the release or
         # the exit that gave the model its records back (_note_edit)
         self.versions: dict[int, int] = {}
+        # Weights changed by someone other than the optimizer's update (an edit in place,
+        # p.data taken, new weights assigned, model.load_state_dict()) and not updated by a
+        # step since: a crash-consistent commit copies them into their records' masters
+        # (take_edited), or a resume puts back the weights of before the change
+        self.edited: set[int] = set()
         # (p._version, device) of each released parameter as the release left it: a change
         # since went to its empty placeholder, not to the weights (_check_param)
         self.released: dict[int, tuple[int, torch.device]] = {}
@@ -700,6 +705,7 @@ class ParamTier:
             self.bufs.pop(i, None)
             self._by_storage[p.untyped_storage().data_ptr()] = i
             self.dirty.add(i)
+            self.edited.add(i)
             self.versions[i] = p._version
             return False
         self._refuse_changes()
@@ -893,6 +899,7 @@ class ParamTier:
             self._check_param(i)
         if i in self.live and self.params[i]._version != self.versions.get(i):
             self.dirty.add(i)
+            self.edited.add(i)
 
     def _evict(self, i: int) -> None:
         self._note_edit(i)
@@ -1096,6 +1103,7 @@ class ParamTier:
         self._take(self._bytes(i))
         self._install_weight(i, value, None)
         self.dirty.add(i)
+        self.edited.add(i)
 
     def _await(self, fetch: Fetch) -> torch.Tensor:
         """fetch.wait(); while updates run during backward, the read is waited for outside
@@ -1353,6 +1361,7 @@ class ParamTier:
                 continue
             self._settle(i)  # a write of them in flight lands before they change
             self.dirty.add(i)
+            self.edited.add(i)
             self.stats.data_taken += 1
 
     @_locked
@@ -1898,6 +1907,7 @@ class ParamTier:
         for i in opened:
             if self.has_grad[i]:
                 self.dirty.add(i)
+                self.edited.discard(i)  # the update started from them: in its master
                 self.updates[i] = self.updates.get(i, 0) + 1
                 if self.updates[i] >= self.pieces[i]:
                     if i in self.unwritten:
@@ -1919,6 +1929,15 @@ class ParamTier:
                 # least-recently-used order would evict the weights the rest of the step
                 # still needs instead (read again)
                 self.live.move_to_end(i, last=False)
+
+    @_locked
+    def take_edited(self) -> set[int]:
+        """The parameters whose weights were changed since the last call other than by a
+        step's update (see `edited`); forgotten here."""
+        for i in list(self.live):
+            self._note_edit(i)
+        edited, self.edited = self.edited, set()
+        return edited
 
     @_locked
     def step_done(self) -> None:
@@ -2038,6 +2057,7 @@ class ParamTier:
     def _leave_load(self, u: int) -> None:
         for i in self.units[u]:
             self.dirty.add(i)
+            self.edited.add(i)
             self._unpin(i)
 
     # -- leaving ----------------------------------------------------------------------

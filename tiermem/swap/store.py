@@ -127,12 +127,35 @@ class SwapStore:
         return added
 
     def add(self, parts: Sequence[Partition]) -> None:
-        """Room for more partitions (a new param group): grow the files, preallocated."""
-        added = self._place(parts)
-        self._check_space(added)
-        for f, size, extra in zip(self.files, self.sizes, added):
-            if extra:
-                self._allocate(f, size)
+        """Room for more partitions (a new param group): grow the files, preallocated.
+        Refused (no room), nothing is placed: a retry places them where a resume, which
+        places every record after the one before, looks for them."""
+        was = self.placement()
+        try:
+            added = self._place(parts)
+            self._check_space(added)
+            for f, size, extra in zip(self.files, self.sizes, added):
+                if extra:
+                    self._allocate(f, size)
+        except BaseException:
+            self.restore_placement(was)
+            raise
+
+    def placement(self) -> tuple:
+        """Where every record is placed now, for restore_placement."""
+        return (dict(self.slots), list(self.sizes), dict(self.generation), dict(self.latest),
+                dict(self.committed))
+
+    def restore_placement(self, was: tuple | None = None) -> None:
+        """Undo the placements since `placement()` gave `was` (None: every one): partitions
+        added and then refused are placed again where a resume, which places each record
+        after the one before, looks for them. (The files keep the size they grew to.)"""
+        if was is None:
+            was = ({}, [0] * len(self.dirs), {}, {}, {})
+        slots, sizes, generation, latest, committed = was
+        self.slots, self.sizes = dict(slots), list(sizes)
+        self.generation, self.latest, self.committed = (dict(generation), dict(latest),
+                                                        dict(committed))
 
     def _check_space(self, sizes: Sequence[int] | None = None) -> None:
         need: dict[str, int] = {}

@@ -107,10 +107,18 @@ class TierManager:
                 self.fresh.add(p.id)  # NVMe partitions: the pipeline tracks its own
         nvme = [p for p in parts if p.tier == "nvme"]
         on_disk = list(parts) if self.crash else nvme
-        if on_disk:
-            self._add_to_store(on_disk)
-        if nvme:
-            self._add_to_pipeline(nvme)
+        placed = self.store.placement() if self.store is not None else None
+        try:
+            if on_disk:
+                self._add_to_store(on_disk)
+            if nvme:
+                self._add_to_pipeline(nvme)
+        except BaseException:
+            # refused (no room on disk, no memory for larger buffers): placed nowhere, so
+            # that a retry places them where a resume looks for them
+            if self.store is not None:
+                self.store.restore_placement(placed)
+            raise
         self.parts.extend(parts)
         self._by_id.update((p.id, p) for p in parts)
 
