@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import tiermem
+from tiermem.device.lanes import DeferredBackend
 from tiermem.errors import TierMemError
 from tiermem.params import compiled
 
@@ -29,7 +30,7 @@ STEPS = 3
 GRAPHS = 7  # the test model's graphs: embedding, layer_norm, linear x3 shapes, relu, add
 
 
-def compiled_run(model, data, config, form: str = "whole"):
+def compiled_run(model, data, config, form: str = "whole", **offload_kw):
     """Train `model` compiled in `form` (whole: torch.compile(model); method:
     model.compile(); given: the OptimizedModule passed as model=; sub: one block only;
     backward: a compiled function of the loss and its backward) under the tier; the
@@ -41,7 +42,7 @@ def compiled_run(model, data, config, form: str = "whole"):
     if form == "sub":
         model.b1 = torch.compile(model.b1, backend="aot_eager")
     losses, graphs, frames = [], [], []
-    with tiermem.offload(opt, config, model=given) as tm:
+    with tiermem.offload(opt, config, model=given, **offload_kw) as tm:
         run = torch.compile(model, backend="aot_eager") if form == "whole" else given
         if form == "method":
             model.compile(backend="aot_eager")
@@ -103,6 +104,21 @@ def test_other_forms_of_compile(tmp_path, form):
     # a block compiled alone: no embedding, no head; a compiled loss: the loss's graph too
     assert graphs == [{"sub": GRAPHS - 2, "backward": GRAPHS + 1}.get(form, GRAPHS)] * 2
     assert stats["frames"][1] == stats["frames"][0]
+
+
+def test_a_compiled_device_model_on_the_emulation(tmp_path):
+    """A device model (the emulated streams: a fresh device buffer holds NaN until its copy
+    ran): the graphs read the device buffers the hooks installed, bitwise."""
+    ref, model = twins()
+    data = batches(STEPS)
+    want, _ = plain_run(ref, data)
+    got, stats, graphs = compiled_run(model, data, cfg(tmp_path, offload="nvme",
+                                                       window="256KiB"),
+                                      streams=DeferredBackend())
+    assert got == want
+    assert_same_model(ref, model)
+    assert stats["h2d_bytes"] > 0 and stats["evictions"] > 0
+    assert graphs == [GRAPHS] * STEPS
 
 
 class Shapes(Net):
