@@ -47,6 +47,7 @@ class CompiledRead(TierMemError, AssertionError):
 _OPEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _patched: str | None = None  # "yes", or why dynamo could not be hooked
 _eager: Callable[..., Any] | None = None  # _call, under torch.compiler.disable
+_callback: Callable[[], Any] = lambda: None  # dynamo's frame callback (None: none set)
 
 
 def untraced(fn: F) -> F:
@@ -59,8 +60,8 @@ def untraced(fn: F) -> F:
     (register: dynamo hooked)."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _eager is None:
-            return fn(*args, **kwargs)
+        if _eager is None or (not torch.compiler.is_compiling() and _callback() is None):
+            return fn(*args, **kwargs)  # (not under a compiled call: 0.15 us, not 0.45)
         return _eager(fn, *args, **kwargs)
     return run  # type: ignore[return-value]
 
@@ -109,16 +110,18 @@ def _released_name(value: Any) -> str | None:
 
 
 def _hook_dynamo() -> None:
-    global _patched, _eager
+    global _patched, _eager, _callback
     if _patched is not None:
         return
     try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
         _eager = torch.compiler.disable(_call)
+        _callback = get_eval_frame_callback
         from torch._dynamo.eval_frame import skip_code
         from torch._dynamo.variables.builder import VariableBuilder
         wrap = VariableBuilder.wrap_tensor
     except (ImportError, AttributeError) as e:
-        _patched = f"no torch._dynamo VariableBuilder.wrap_tensor or skip_code: {e}"
+        _patched = f"no dynamo hooks where tiermem knows them: {e}"
         return
 
     @functools.wraps(wrap)
@@ -130,7 +133,8 @@ def _hook_dynamo() -> None:
                 "are out of memory: the parameter tier brings a module's weights in for its "
                 "own forward, and this code reads them from outside it (a parent's forward "
                 "using a child's weight or its shape, a compiled function reading a "
-                "parameter); traced, the read would see the empty tensor the tier leaves in "
+                "parameter or calling opt.step()); traced, the read would see the empty "
+                "tensor the tier leaves in "
                 "p.data. Compile only modules whose forward uses their own weights (a child's "
                 "through calling the child), leave that read out of the compiled code, or use "
                 "parameters.offload: none with torch.compile")
