@@ -1,11 +1,12 @@
 """torch.compile with the parameter tier (parameters.offload: host | nvme).
 
-The tier's hooks are graph breaks: each module's forward is a graph of its own, traced
-and run with its weights in place, and the tier's work runs eagerly between the graphs
-(tiermem/params/compiled.py). aot_eager keeps eager's arithmetic, so the reference is the
-eager plain run: losses and final weights bitwise, with a window smaller than the model
-(weights released and read again during forward and backward), and the number of graphs
-dynamo made does not grow with the steps (no recompilation once every module ran).
+The tier's hooks are graph breaks: each module owning parameters is a graph of its own,
+traced and run with its weights in place, and the tier's work runs eagerly between the
+graphs (tiermem/params/compiled.py). aot_eager keeps eager's arithmetic, so the reference
+is the eager plain run (for the test model, whose module boundaries split no sum of
+gradients; else the plain model compiled module by module): losses and final weights
+bitwise, with a window smaller than the model (weights released and read again during
+forward and backward), and dynamo compiles nothing after the first step.
 """
 
 from __future__ import annotations
@@ -104,6 +105,40 @@ def test_other_forms_of_compile(tmp_path, form):
     # a block compiled alone: no embedding, no head; a compiled loss: the loss's graph too
     assert graphs == [{"sub": GRAPHS - 2, "backward": GRAPHS + 1}.get(form, GRAPHS)] * 2
     assert stats["frames"][1] == stats["frames"][0]
+
+
+class RMSNorm(torch.nn.Module):
+    """Llama's: several ops, so a module's input gradient is a sum of terms."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float32)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_bitwise_the_plain_model_compiled_module_by_module(tmp_path):
+    """The blocks' LayerNorms made RMS norms, fed by the residual stream: the gradient of
+    the stream sums the residual's and the norm's terms, and a graph that ends at the norm
+    (the tier's graph breaks) sums them in another order than eager, or the whole model
+    compiled, do (the last bits differ). The reference is the plain model with the same
+    graphs: every module owning parameters compiled on its own."""
+    torch.manual_seed(0)
+    ref = Net()
+    ref.b1.ln, ref.b2.ln = RMSNorm(64), RMSNorm(64)
+    model = copy.deepcopy(ref)
+    data = batches(STEPS)
+    torch._dynamo.reset()
+    for m in ref.modules():
+        if next(m.parameters(recurse=False), None) is not None:
+            m.compile(backend="aot_eager")
+    want, _ = plain_run(ref, data)
+    got, _, graphs = compiled_run(model, data, cfg(tmp_path, offload="nvme"))
+    assert got == want
+    assert_same_model(ref, model)
+    assert graphs[-1] == graphs[0]
 
 
 def test_a_compiled_device_model_on_the_emulation(tmp_path):
