@@ -1,7 +1,7 @@
 """A torch.compile'd model whose optimizer state is tiered (dynamo traces the forward and
 backward; the step and, with overlap_backward, the gradient hooks stay eager) equals the
 plain run. aot_eager keeps the arithmetic eager's, so the reference is the eager plain
-run; the parameter tier (parameters.offload) is documented as not running under compile."""
+run. The parameter tier (parameters.offload) under compile: tests/test_compile_params.py."""
 
 from __future__ import annotations
 

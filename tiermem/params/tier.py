@@ -65,6 +65,7 @@ from torch.overrides import TorchFunctionMode
 from tiermem.config import ConfigError, Settings
 from tiermem.device.lanes import CudaBackend, DeferredBackend
 from tiermem.errors import TierMemError, WeightsLost
+from tiermem.params.compiled import register, traced_use, untraced, unregister
 from tiermem.params.device import DeviceSide
 from tiermem.params.records import GRAD, WEIGHT, Fetch, Meta, Records
 from tiermem.sizes import format_size
@@ -242,7 +243,24 @@ class UseGuard(TorchFunctionMode):
                         found = [b] if found is None else [*found, b]
         if found is None:
             return func(*args, **kwargs)
-        return tier._guarded(func, args, kwargs, found)
+        if torch.compiler.is_compiling():
+            return _traced_use(tier, func, args, kwargs, found)
+        return tier._guarded(func, args, kwargs, found, sys._getframe(1))
+
+
+def _traced_use(tier: "ParamTier", func: Any, args: Any, kwargs: Any,
+                found: list[torch.nn.Parameter]) -> Any:
+    """A torch call given parameters, in code torch.compile traces (UseGuard's, run at
+    trace time). The tier's hooks are graph breaks (compiled.untraced), so no tier code runs
+    inside a compiled graph, and dynamo guards each graph on its inputs' shapes and devices
+    at its entry: a weight materialised when the graph is traced is one when it runs (a
+    released one is refused when dynamo first reads it: compiled.py). Such a use is traced
+    as it is; `p.data` taken (which marks the weight changed) leaves the graph, and runs
+    eagerly through the guard, as without compile (and so would a released weight)."""
+    traced_use()
+    if func == _DATA or any(p.numel() == 0 for p in found):
+        return tier._guarded(func, args, kwargs, found, None)  # (untraced: a graph break)
+    return func(*args, **kwargs)
 
 
 class Uploaded:
@@ -461,6 +479,7 @@ class ParamTier:
             self.records.drain()
             self._guard = UseGuard(self)
             self._guard.__enter__()
+            register(self)  # (released weights kept out of what torch.compile traces)
         except BaseException:
             self._accumulators.clear()
             self.records.drain()
@@ -523,9 +542,9 @@ class ParamTier:
     def _install(self) -> None:
         for u, m in enumerate(self._unit_modules):
             self._handles.append(m.register_forward_pre_hook(
-                lambda mod, args, u=u: self._enter(u)))
+                untraced(lambda mod, args, u=u: self._enter(u))))
             self._handles.append(m.register_forward_hook(
-                lambda mod, args, out, u=u: self._leave(u), always_call=True))
+                untraced(lambda mod, args, out, u=u: self._leave(u)), always_call=True))
             self._handles.append(m.register_state_dict_post_hook(
                 lambda mod, sd, prefix, meta, u=u: self._fill_state_dict(u, sd, prefix)))
             self._handles.append(m.register_load_state_dict_pre_hook(
@@ -533,10 +552,10 @@ class ParamTier:
             self._handles.append(m.register_load_state_dict_post_hook(
                 lambda mod, keys, u=u: self._leave_load(u)))
         # the root brackets a forward with the saved-tensor hooks
-        self._handles.append(self.model.register_forward_pre_hook(self._push_saved_hooks,
-                                                                  prepend=True))
+        self._handles.append(self.model.register_forward_pre_hook(
+            untraced(self._push_saved_hooks), prepend=True))
         self._handles.append(self.model.register_forward_hook(
-            lambda mod, args, out: self._pop_saved_hooks(), always_call=True))
+            untraced(lambda mod, args, out: self._pop_saved_hooks()), always_call=True))
         model, tier = self.model, self
         had = model.__dict__.get("zero_grad")
 
@@ -586,7 +605,7 @@ class ParamTier:
         same node (and its hook) serves every backward."""
         self._hook_accumulator(i)
         self._handles.append(self.params[i].register_post_accumulate_grad_hook(
-            self._grad_ready))
+            untraced(self._grad_ready)))
         self._grad_hooked.add(i)
 
     def _unhooked(self, indices: Iterable[int]) -> list[int]:
@@ -614,7 +633,7 @@ class ParamTier:
             return
         self._accumulators[i] = node
         self._handles.append(node.register_prehook(
-            lambda grads, i=i: self._before_accumulate(i)))
+            untraced(lambda grads, i=i: self._before_accumulate(i))))
 
     def _on_device_again(self, i: int) -> None:
         """Parameter i of a device model has its device weights back after host ones (the
@@ -656,8 +675,8 @@ class ParamTier:
 
     def _push_saved_hooks(self, mod: Any, args: Any, *,
                           unit: tuple[int, int] | None = None) -> None:
-        ctxs: tuple[Any, ...] = (
-            torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),)
+        ctxs: tuple[Any, ...] = (torch.autograd.graph.saved_tensors_hooks(
+            untraced(self._pack), untraced(self._unpack)),)
         if not self._guarding_here():  # a forward on another thread than the block's
             ctxs += (UseGuard(self),)
         for c in ctxs:
@@ -1219,15 +1238,17 @@ class ParamTier:
             finally:
                 self._unpin(i)
 
+    @untraced
     def _guarded(self, func: Any, args: Any, kwargs: Any,
-                 found: list[torch.nn.Parameter]) -> Any:
-        """A torch call `func` given parameters `found` (UseGuard)."""
+                 found: list[torch.nn.Parameter], caller: Any) -> Any:
+        """A torch call `func` given parameters `found` (UseGuard), made from frame `caller`
+        (None: code torch.compile traced, the model's forward or the user's)."""
         if self.lock._is_owned():  # the tier's own work on this thread (a hook, the step)
             return func(*args, **kwargs)
         if self._hooks_ctx:  # the model's forward (or a unit's called on its own)
             for p in found:
                 self._use(p)
-            if func == _DATA and not _tiers_own(sys._getframe(2)):
+            if func == _DATA and not _tiers_own(caller):
                 self._data_taken(found)
             return func(*args, **kwargs)
         if func in _NO_VALUES or self._closed:
@@ -1235,7 +1256,7 @@ class ParamTier:
         name = getattr(func, "__name__", "")
         if name in ("__set__", "__delete__"):  # p.data = new (_check_param's), p.grad = ...
             if (func == _GRAD_SET and len(args) > 1 and args[1] is not None
-                    and not _tiers_own(sys._getframe(2))):
+                    and not _tiers_own(caller)):
                 self._refuse_grad_set(args[0])
             return func(*args, **kwargs)
         idx = [i for p in found if (i := self.index.get(id(p))) is not None]
@@ -1246,7 +1267,7 @@ class ParamTier:
         if (not released and func != _DATA and not (idx and (self.keep_grads or self.dev))
                 and not (torch.is_grad_enabled() and self._unhooked(idx))):
             return func(*args, **kwargs)
-        if _tiers_own(sys._getframe(2)):
+        if _tiers_own(caller):
             return func(*args, **kwargs)
         if func in _SELF_IF_SAME and released and args and args[0] is found[0]:
             out = func(*args, **kwargs)  # on the placeholder: no elements, nothing read
@@ -1309,6 +1330,14 @@ class ParamTier:
             "torch.distributed.checkpoint's get_optimizer_state_dict, get_state_dict and "
             "set_optimizer_state_dict set zeros to make a never-stepped optimizer's state: "
             "call them after its first step, or before entering the block")
+
+    def released_name(self, p: torch.Tensor) -> str | None:
+        """The name of `p` if it is this open tier's and its weights are not in p.data where
+        the model computes (compiled.py keeps such a parameter out of dynamo's graphs)."""
+        i = self.index.get(id(p))
+        if i is None or self._closed or self._ready(i):
+            return None
+        return self.names[i]
 
     def _ready(self, i: int) -> bool:
         """Parameter `i`'s weights are in p.data where the model computes."""
@@ -2156,6 +2185,7 @@ class ParamTier:
 
     def _unhook(self) -> None:
         """The end of close() and abandon(): hooks, saved-tensor hooks and records gone."""
+        unregister(self)
         for h in self._handles:
             h.remove()
         self._handles.clear()
