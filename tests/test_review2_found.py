@@ -34,11 +34,10 @@ def _trained(model, opt, steps=1):
         opt.zero_grad()
 
 
-def test_a_late_lay_out_refused_for_a_full_disk_then_retried_resumes(tmp_path, monkeypatch):
-    """The first lay-out of an unfrozen parameter's records fails (the swap path is full);
-    the step is retried once there is room. The store had placed the failed records all
-    the same (the file grew, their slots were kept): the retry placed them again further
-    on, where a resume, which places each record after the one before, did not look."""
+def _retried_then_resumed(tmp_path, monkeypatch, where, name, fake, error, match):
+    """The first lay-out of an unfrozen parameter's records fails (`where.name` replaced by
+    `fake` for that step, raising `error`); the step is retried with the fault gone, the
+    state kept as a crash leaves it, and resumed: it goes on as the plain run."""
     model = _model()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -53,10 +52,10 @@ def test_a_late_lay_out_refused_for_a_full_disk_then_retried_resumes(tmp_path, m
         model[0].weight.requires_grad_(True)
         model(X).square().mean().backward()
         with monkeypatch.context() as m:
-            m.setattr(tiermem.swap.store, "free_bytes", lambda path: 0)
-            with pytest.raises(tiermem.TierMemError, match="free"):
+            m.setattr(where, name, fake)
+            with pytest.raises(error, match=match):
                 opt.step()
-        opt.step()  # room again: the same gradients
+        opt.step()  # the fault gone: the same gradients
         opt.zero_grad()
         tm.offloaded.keep_on_disk()  # what a crash leaves: the committed records
         tm.discard()
@@ -67,6 +66,25 @@ def test_a_late_lay_out_refused_for_a_full_disk_then_retried_resumes(tmp_path, m
         model[0].weight.requires_grad_(True)
         _trained(model, opt)
     compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_late_lay_out_refused_for_a_full_disk_then_retried_resumes(tmp_path, monkeypatch):
+    """The swap path is full at the lay-out. The store had placed the failed records all
+    the same (the file grew, their slots were kept): the retry placed them again further
+    on, where a resume, which places each record after the one before, did not look."""
+    _retried_then_resumed(tmp_path, monkeypatch, tiermem.swap.store, "free_bytes",
+                          lambda path: 0, tiermem.TierMemError, "free")
+
+
+def test_a_late_lay_out_failing_for_its_buffers_then_retried_resumes(tmp_path, monkeypatch):
+    """As the full disk above, a step later: the lay-out's records were placed in the swap
+    file, then the larger pipeline buffers they need could not be had (pinned memory): the
+    retry placed the records again further on, where a resume did not look."""
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no pinned memory for the buffers")
+
+    _retried_then_resumed(tmp_path, monkeypatch, tiermem.tiers.manager, "BufferPool",
+                          no_memory, MemoryError, "pinned")
 
 
 def test_a_load_failing_after_a_late_lay_out_leaves_the_last_commit(tmp_path, monkeypatch):
@@ -182,39 +200,3 @@ def test_an_edit_of_a_weight_that_takes_no_step_is_committed(tmp_path, device):
     compare_runs(model, opt, ref, ref_opt)
 
 
-def test_a_late_lay_out_failing_for_its_buffers_then_retried_resumes(tmp_path, monkeypatch):
-    """As the full disk above, a step later: the lay-out's records were placed in the swap
-    file, then the larger pipeline buffers they need could not be had (pinned memory): the
-    retry placed the records again further on, where a resume did not look."""
-    model = _model()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    _trained(ref, ref_opt)
-    ref[0].weight.requires_grad_(True)
-    _trained(ref, ref_opt, 2)
-    cfg = config(tmp_path, host=0, kernel="match")
-    cfg["swap"]["durability"] = "crash_consistent"
-
-    def no_memory(*args, **kwargs):
-        raise MemoryError("no pinned memory for the buffers")
-
-    with tiermem.offload(opt, cfg, model=model) as tm:
-        _trained(model, opt)
-        model[0].weight.requires_grad_(True)
-        model(X).square().mean().backward()
-        with monkeypatch.context() as m:
-            m.setattr(tiermem.tiers.manager, "BufferPool", no_memory)
-            with pytest.raises(MemoryError):
-                opt.step()
-        opt.step()  # memory again: the same gradients
-        opt.zero_grad()
-        tm.offloaded.keep_on_disk()  # what a crash leaves: the committed records
-        tm.discard()
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
-        assert tm.resumed_step == 2
-        model[0].weight.requires_grad_(True)
-        _trained(model, opt)
-    compare_runs(model, opt, ref, ref_opt)
