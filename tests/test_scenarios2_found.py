@@ -159,12 +159,13 @@ def test_a_frozen_parameters_gradient_dropped_after_an_update_during_backward_is
 
 
 @pytest.mark.parametrize("backend", backend_params())
-def test_a_resume_refused_for_a_parameter_frozen_since_says_so_and_unfrozen_resumes(
-        tmp_path, backend, monkeypatch):
+@pytest.mark.parametrize("frozen", [True, False], ids=["still-frozen", "unfrozen"])
+def test_a_resume_with_a_parameter_frozen_since_lays_out_its_kept_state(
+        tmp_path, backend, monkeypatch, frozen):
     """A parameter frozen mid-run keeps its state; the state kept on disk at the block's
-    end holds it. A resume with it still frozen lays out no record for it and was refused
-    naming only partitions and segments; the refusal now says which parameters and how to
-    resume, and resuming that way continues as the plain run does."""
+    end holds it. A resume with it still frozen laid out no record for it and was refused
+    (after a first fix, naming it); it now lays out what the kept records hold, frozen
+    now or not, and continues as the plain run does."""
     model = Synthetic(vocab=300, hidden=130, out=9)
     ref = copy.deepcopy(model)
     batches = make_batches(model, 3)
@@ -188,12 +189,10 @@ def test_a_resume_refused_for_a_parameter_frozen_since_says_so_and_unfrozen_resu
             run(model, opt, range(2))
     monkeypatch.undo()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    with pytest.raises(tiermem.TierMemError, match=r"Parameters \[4\] .* frozen"):
-        with tiermem.offload(opt, cfg, model=model, resume=True):
-            pass
-    model.fc2.bias.requires_grad_(True)
-    with tiermem.offload(opt, cfg, model=model, resume=True):
-        model.fc2.bias.requires_grad_(False)
+    model.fc2.bias.requires_grad_(not frozen)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.offloaded.late == []
+        model.fc2.bias.requires_grad_(False)  # (frozen in the rest of the run either way)
         run(model, opt, range(2, 3))
     compare_runs(model, opt, ref, ref_opt)
 

@@ -310,8 +310,16 @@ class OffloadedOptimizer:
         # kept records are.
         self.late: list[dict[str, Any]] = []
         if resume and not share:
-            self.late = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], None,
-                                      previous=resume_previous).late
+            # A resume lays out the parameters the kept records hold, frozen now or not (a
+            # parameter frozen mid-run keeps its state, as in torch), and no other: one
+            # unfrozen since gets its records at its first step, as inside the block.
+            kept = read_manifest(run_dirs(settings.swap.paths, swap_name)[0], None,
+                                 previous=resume_previous)
+            self.late = kept.late
+            if len(kept.steps) == len(self.params):  # (else the layout check refuses)
+                held = {s[0] for part in kept.partitions for s in part["segments"]}
+                index = {id(p): i for i, p in enumerate(self.params)}
+                self._skip = lambda p: index[id(p)] not in held
         self.parts = []
         self._lay_out_groups(optimizer.param_groups)
         self.unlaid = self._unlaid(self.parts, range(len(self.params)))
