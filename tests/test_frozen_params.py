@@ -253,3 +253,25 @@ def test_late_lay_outs_around_an_added_group_resume_in_their_order(tmp_path):
         assert tm.resumed_step == 4
         run(model, opt, 5, at_entry=4)
     compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_resume_with_more_parameters_than_the_kept_run_is_refused(tmp_path):
+    """A resume lays out the parameters the kept records hold; an optimizer given more
+    (a group the kept run never had) is refused by the layout check, naming the
+    partitions, not laid out late as if unfrozen (a first version of that crashed with an
+    IndexError reading the kept step counts)."""
+    model = _model()
+    ps = list(model.parameters())
+    cfg = config(tmp_path, host=0, kernel="match")
+    cfg["swap"]["durability"] = "crash_consistent"
+    opt = torch.optim.AdamW(ps[4:], lr=1e-2)
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        _trained(model, opt, 1)
+        tm.offloaded.keep_on_disk()
+        tm.discard()
+    for p in ps[:2]:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW([{"params": ps[4:]}, {"params": ps[:2]}], lr=1e-2)
+    with pytest.raises(tiermem.TierMemError, match="cannot resume .* lays out"):
+        with tiermem.offload(opt, cfg, model=model, resume=True):
+            _trained(model, opt, 1)
