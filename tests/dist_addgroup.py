@@ -41,6 +41,37 @@ ZERO = {
 }
 
 
+def _zero_pair(first, added, make):
+    """The model and its reference copy, the `added` parameters frozen in both, and the
+    optimizer of the `first` ones for each."""
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    for m in (model, ref_model):
+        _frozen(m, added, True)
+    named, ref_named = dict(model.named_parameters()), dict(ref_model.named_parameters())
+    return model, ref_model, make([named[n] for n in first]), make([ref_named[n] for n in first])
+
+
+def _unfreeze_and_add(pairs, added) -> None:
+    """BackboneFinetuning's unfreeze_and_add_param_group, on each (model, optimizer)."""
+    for m, o in pairs:
+        _frozen(m, added, False)
+        ps = dict(m.named_parameters())
+        o.add_param_group({"params": [ps[n] for n in added], "lr": 5e-3})
+
+
+def _recovered_equal(tmp, rank, ref_model, ref_opt) -> None:
+    """`tiermem recover` of this rank's kept directory: step 4, the plain run's state and
+    weights."""
+    from tiermem.swap.recover import gather
+
+    got = gather(os.path.join(tmp, f"tiermem-crash-rank{rank}"))
+    assert got["step"] == 4, got["step"]
+    compare_state_dicts(got["optimizer"], ref_opt.state_dict(), exact=True)
+    for k, v in ref_model.state_dict().items():
+        assert torch.equal(got["model"][k], v), f"recovered {k}"
+
+
 def _zero_steps(rank, world, pairs, batches, steps, allreduced) -> None:
     for i in steps:
         for m, o, ref in pairs:
@@ -58,22 +89,14 @@ def zero_added(rank: int, world: int, tmp: str, name: str, grads: str = "reduce_
     weights after every step, state_dict() after the add and the state at exit equal the
     plain optimizer's that added the same group."""
     first, added, make = ZERO[name]
-    model = Synthetic()
-    ref_model = copy.deepcopy(model)
-    for m in (model, ref_model):
-        _frozen(m, added, True)
-    named, ref_named = dict(model.named_parameters()), dict(ref_model.named_parameters())
-    opt, ref_opt = make([named[n] for n in first]), make([ref_named[n] for n in first])
+    model, ref_model, opt, ref_opt = _zero_pair(first, added, make)
     allreduced = grads == "allreduced"
     batches = make_batches(model, 6, seed=10 + rank)
     pairs = ((model, opt, False), (ref_model, ref_opt, True))
     with tiermem.offload(opt, small_cfg(tmp, backend=backend, grads=grads), model=model) as tm:
         _zero_steps(rank, world, pairs, batches, range(2), allreduced)
         before = tm.plan()["share_elements"]
-        for m, o in ((model, opt), (ref_model, ref_opt)):
-            _frozen(m, added, False)
-            ps = dict(m.named_parameters())
-            o.add_param_group({"params": [ps[n] for n in added], "lr": 5e-3})
+        _unfreeze_and_add(((model, opt), (ref_model, ref_opt)), added)
         compare_state_dicts(opt.state_dict(), ref_opt.state_dict(), exact=True)
         for i in range(2, 6):
             _zero_steps(rank, world, pairs, batches, [i], allreduced)
@@ -93,32 +116,18 @@ def zero_crash_resume(rank: int, world: int, tmp: str) -> None:
     the block (committed with the add), kept on disk at exit: `tiermem recover` of one
     rank's directory gives the plain optimizer's state_dict and weights, and a run whose
     optimizer is built with every group resumes on every rank and goes on equal."""
-    from tiermem.swap.recover import gather
-
     first, added, make = ZERO["adafactor"]
-    model = Synthetic()
-    ref_model = copy.deepcopy(model)
-    for m in (model, ref_model):
-        _frozen(m, added, True)
-    named, ref_named = dict(model.named_parameters()), dict(ref_model.named_parameters())
-    opt, ref_opt = make([named[n] for n in first]), make([ref_named[n] for n in first])
+    model, ref_model, opt, ref_opt = _zero_pair(first, added, make)
     batches = make_batches(model, 6, seed=10 + rank)
     pairs = ((model, opt, False), (ref_model, ref_opt, True))
     cfg = small_cfg(tmp)
     cfg["swap"]["durability"] = "crash_consistent"
     with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="crash"):
         _zero_steps(rank, world, pairs, batches, range(2), False)
-        for m, o in ((model, opt), (ref_model, ref_opt)):
-            _frozen(m, added, False)
-            ps = dict(m.named_parameters())
-            o.add_param_group({"params": [ps[n] for n in added], "lr": 5e-3})
+        _unfreeze_and_add(((model, opt), (ref_model, ref_opt)), added)
         _zero_steps(rank, world, pairs, batches, range(2, 4), False)
     barrier()  # every rank's share kept
-    got = gather(os.path.join(tmp, f"tiermem-crash-rank{rank}"))
-    assert got["step"] == 4, got["step"]
-    compare_state_dicts(got["optimizer"], ref_opt.state_dict(), exact=True)
-    for k, v in ref_model.state_dict().items():
-        assert torch.equal(got["model"][k], v), f"recovered {k}"
+    _recovered_equal(tmp, rank, ref_model, ref_opt)
     model = Synthetic(seed=1)  # the resume must put the committed weights back
     named = dict(model.named_parameters())
     opt = make([named[n] for n in first])
@@ -263,7 +272,6 @@ def fsdp_crash_resume(rank: int, world: int, tmp: str) -> None:
     goes on equal, as does a fresh run that loads the checkpoint."""
     from dist_fsdp_whole import model_pair, same_weights, steps
     from tiermem.dist import dcp
-    from tiermem.swap.recover import gather
 
     model, opt, ref_model, ref_opt = _fsdp_start("adafactor")
     g = torch.Generator().manual_seed(40 + rank)
@@ -277,11 +285,7 @@ def fsdp_crash_resume(rank: int, world: int, tmp: str) -> None:
         dcp.save(tm, os.path.join(tmp, "ck"))
     assert not opt.state
     barrier()  # every rank's share kept
-    got = gather(os.path.join(tmp, f"tiermem-crash-rank{rank}"))
-    assert got["step"] == 4, got["step"]
-    compare_state_dicts(got["optimizer"], ref_opt.state_dict(), exact=True)
-    for k, v in ref_model.state_dict().items():
-        assert torch.equal(got["model"][k], v), f"recovered {k}"
+    _recovered_equal(tmp, rank, ref_model, ref_opt)
     for how in ("resume", "dcp"):
         fresh_model, _ = model_pair()  # the first weights: the resume must put them back
         if how == "dcp":
