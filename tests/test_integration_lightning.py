@@ -59,6 +59,19 @@ class Tiny(L.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=4, shuffle=False, num_workers=0)
 
 
+class Backbone(Tiny):
+    """Tiny whose first layer is the backbone BackboneFinetuning freezes and unfreezes; its
+    optimizer holds the trainable parameters only (the callback adds the backbone's)."""
+
+    def __init__(self) -> None:
+        super().__init__(batches=2)
+        self.backbone = self.net[0]
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad],
+                                 lr=1e-2, weight_decay=0.05)
+
+
 def fit(root: Path, module: Tiny, *, callbacks=(), ckpt_every: int | None = None,
         ckpt_path: str | None = None, max_steps: int = 4, **trainer_kw) -> L.Trainer:
     cbs = list(callbacks)

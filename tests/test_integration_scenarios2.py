@@ -281,18 +281,9 @@ def test_lightning_backbone_finetuning_fit_and_a_refused_resume(tmp_path):
     # the checkpoint failed with KeyError: 2. Refused, naming what changed.
     _lightning()
     from lightning.pytorch.callbacks import BackboneFinetuning
-    from test_integration_lightning import Tiny, fit
+    from test_integration_lightning import Backbone, fit
     from tiermem.errors import TierMemError
     from tiermem.integrations.lightning import TiermemCallback
-
-    class Backbone(Tiny):
-        def __init__(self) -> None:
-            super().__init__(batches=2)
-            self.backbone = self.net[0]
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad],
-                                     lr=1e-2, weight_decay=0.05)
 
     def callbacks(tiered: bool) -> list:
         unfreeze = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 1.5)

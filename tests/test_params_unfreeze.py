@@ -396,17 +396,8 @@ def test_lightning_backbone_finetuning_equals_plain(tmp_path, weights):
     epoch 1 and adds its group with add_param_group (at an lr of its own)."""
     pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
     from lightning.pytorch.callbacks import BackboneFinetuning
-    from test_integration_lightning import Tiny, fit
+    from test_integration_lightning import Backbone, fit
     from tiermem.integrations.lightning import TiermemCallback
-
-    class Backbone(Tiny):
-        def __init__(self) -> None:
-            super().__init__(batches=2)
-            self.backbone = self.net[0]
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad],
-                                     lr=1e-2, weight_decay=0.05)
 
     c = config(tmp_path / "swap", host=0, kernel="match")
     c["parameters"] = {"offload": weights}

@@ -40,6 +40,14 @@ def main_params(m: Synthetic) -> list:
 ADAGRAD = dict(lr=0.05, initial_accumulator_value=0.25)
 
 
+def _trained_alike(model, opt, ref, ref_opt, batches, what: str) -> None:
+    """Both sides trained on `batches`: weights (`what`) and state_dicts equal after."""
+    train(model, opt, batches)
+    train(ref, ref_opt, batches)
+    params_equal(model, ref, what)
+    state_equal(opt.state_dict(), ref_opt.state_dict(), "after two steps")
+
+
 def crash_cfg(tmp_path, backend="threads") -> dict:
     c = config(tmp_path, backend=backend)
     c["swap"]["durability"] = "crash_consistent"
@@ -153,10 +161,7 @@ def test_adagrad_loaded_never_stepped_accumulator_is_kept(tmp_path):
                          model=model):
         opt.load_state_dict(saved)
         state_equal(opt.state_dict(), ref_opt.state_dict(), "loaded")
-        train(model, opt, batches)
-        train(ref, ref_opt, batches)
-        params_equal(model, ref, "stepped from the loaded accumulators")
-        state_equal(opt.state_dict(), ref_opt.state_dict(), "after two steps")
+        _trained_alike(model, opt, ref, ref_opt, batches, "stepped from the loaded accumulators")
 
 
 @pytest.mark.parametrize("where", ["loaded", "held_at_entry", "recovered"])
@@ -188,10 +193,7 @@ def test_a_never_stepped_entry_of_a_lazy_rule_is_kept_and_started_from(tmp_path,
         if where == "loaded":
             opt.load_state_dict(saved)
         state_equal(opt.state_dict(), ref_opt.state_dict(), "before a step")
-        train(model, opt, batches)
-        train(ref, ref_opt, batches)
-        params_equal(model, ref, "stepped from the entries of step 0")
-        state_equal(opt.state_dict(), ref_opt.state_dict(), "after two steps")
+        _trained_alike(model, opt, ref, ref_opt, batches, "stepped from the entries of step 0")
 
 
 def test_version_3_manifest_still_resumes_and_recover_refuses_what_it_lacks(

@@ -35,6 +35,19 @@ def _adagrad(model):
                                fused=True)
 
 
+def _add_skip_step(model, ref, opt, ref_opt, batches, scaler, ref_scaler):
+    """Inside the block: the side group added on both sides, a step GradScaler skips (the
+    state_dicts then equal), and the tiered side's next step (the plain one's is taken
+    after the block)."""
+    opt.add_param_group(side_group(model, lr=2e-3))
+    _skip(model, opt, batches[0][0], scaler)
+    sd = opt.state_dict()
+    ref_opt.add_param_group(side_group(ref, lr=2e-3))
+    _skip(ref, ref_opt, batches[0][0], ref_scaler)
+    state_equal(sd, ref_opt.state_dict(), "after the skipped step")
+    _step(model, opt, batches[1][0], scaler)
+
+
 def _adagrad_runs():
     """Two models alike, their Adagrads, the batches and a GradScaler for each."""
     model = small()
@@ -49,13 +62,7 @@ def test_a_skipped_step_fills_an_added_adagrad_groups_accumulator(tmp_path):
     state_dict after the skip and the next step start from it."""
     model, ref, opt, ref_opt, batches, scaler, ref_scaler = _adagrad_runs()
     with tiermem.offload(opt, config(tmp_path)):
-        opt.add_param_group(side_group(model, lr=2e-3))
-        _skip(model, opt, batches[0][0], scaler)
-        sd = opt.state_dict()
-        ref_opt.add_param_group(side_group(ref, lr=2e-3))
-        _skip(ref, ref_opt, batches[0][0], ref_scaler)
-        state_equal(sd, ref_opt.state_dict(), "after the skipped step")
-        _step(model, opt, batches[1][0], scaler)
+        _add_skip_step(model, ref, opt, ref_opt, batches, scaler, ref_scaler)
     _step(ref, ref_opt, batches[1][0], ref_scaler)
     compare_runs(model, opt, ref, ref_opt)
 
@@ -203,13 +210,7 @@ def test_a_skipped_step_fills_an_added_adagrad_group_under_a_process_group(tmp_p
                             world_size=1)
     try:
         with tiermem.offload(opt, c, model=model, process_group=dist.group.WORLD):
-            opt.add_param_group(side_group(model, lr=2e-3))
-            _skip(model, opt, batches[0][0], scaler)
-            sd = opt.state_dict()
-            ref_opt.add_param_group(side_group(ref, lr=2e-3))
-            _skip(ref, ref_opt, batches[0][0], ref_scaler)
-            state_equal(sd, ref_opt.state_dict(), "after the skipped step")
-            _step(model, opt, batches[1][0], scaler)
+            _add_skip_step(model, ref, opt, ref_opt, batches, scaler, ref_scaler)
     finally:
         dist.destroy_process_group()
     _step(ref, ref_opt, batches[1][0], ref_scaler)
