@@ -529,7 +529,9 @@ class OffloadedOptimizer:
         the partitions out in the same order. commit: crash-consistent, commit the lay-out
         now (False: the caller commits once the state it is in the middle of changing is
         whole, as a load does: a commit here kept its reset step counts with no state)."""
-        late = sorted(set(indices) & self.unlaid)
+        if not self.unlaid:  # (every step asks: a set of every stepped parameter for nothing)
+            return
+        late = sorted(self.unlaid.intersection(indices))
         if not late:
             return
         if torch.is_inference_mode_enabled():
