@@ -184,7 +184,15 @@ class DeferredBackend:
         stream.enqueue(fn)
 
     def copy(self, stream: DeferredStream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        stream.enqueue(lambda: dst.copy_(src))
+        # dst's version counter moves now, as a CUDA copy's does when it is queued: the
+        # optimizer reads it after queueing the weights' copies (their last writer), and
+        # the deferred run leaves it as it is.
+        torch.autograd.graph.increment_version(dst)
+
+        def run() -> None:
+            with torch.autograd._unsafe_preserve_version_counter(dst):
+                dst.copy_(src)
+        stream.enqueue(run)
 
     def synchronize(self, event: DeferredEvent) -> None:
         event.stream.drain(event.position)

@@ -151,6 +151,21 @@ def _pieces(parts: Iterable[Partition]) -> list[tuple[torch.Tensor, int]]:
     return [(p, n) for p, n in pieces.values()]
 
 
+def take_edits(master: torch.Tensor, weights: torch.Tensor) -> None:
+    """The fp32 `master` takes the elements of `weights` changed since they were written
+    from it: those that are not what it rounds to (every step writes the weights rounded to
+    nearest, as copy_ does). An element left as it was keeps the master's fp32 value, so a
+    change of some elements (a clamp, a mask), or a write of the same weights (a model
+    checkpoint loaded again), costs the others no precision. fp32 weights are taken whole.
+    `weights` may be on another device (a device model's, updated on the host)."""
+    if weights.dtype == master.dtype:
+        master.copy_(weights)
+        return
+    w = weights.to(master.device)
+    changed = w != master.to(w.dtype)  # (a NaN is taken: it stays NaN)
+    master.copy_(torch.where(changed, w.to(master.dtype), master))
+
+
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
     """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
     return rule_for(opt)
@@ -263,10 +278,19 @@ class OffloadedOptimizer:
         # a step GradScaler skipped, which torch's fused Adam makes their state in (step 0,
         # zero moments) before it skips; an entry with step 0, loaded or held at entry.
         self.unstepped_state: set[int] = set()
-        # p._version of each parameter at the last commit, or since the weights were
-        # restored from one (crash_consistent): which weights changed since, for
-        # _refresh_edited_masters; None before either
+        # p._version of each parameter when its record's master last agreed with its
+        # weights (a step's update wrote the one from the other, a commit refreshed it, a
+        # resume restored the weights): which weights were changed since by someone else
+        # (a clamp, a pruning mask, model.load_state_dict()), for the masters a step starts
+        # from (_take_edits) and the ones a commit keeps (_refresh_edited_masters); None
+        # until set up at the end of __init__
         self._versions: dict[int, int] | None = None
+        # Of this step's parameters, those _take_edits has looked at, and of them the ones
+        # found edited (a parameter cut over several partitions is looked at once: the
+        # update of its first piece writes its weights)
+        self._edit_seen: set[int] = set()
+        self._edits_now: set[int] = set()
+        self.edits_taken = 0  # parameters whose edited weights a step took into the master
         # parameters a scratch step has updated so far (a failed one uncounts the rest)
         self.updated_now: set[int] = set()
         # After a scratch step failed part-way: the gradients (grad_marks) its updated
@@ -388,6 +412,8 @@ class OffloadedOptimizer:
             # A failed resume must leave the kept state exactly as it was.
             self.close_tiers(remove_swap=not resume)
             raise
+        if self._versions is None:  # (a resume's _restore_weights set them)
+            self._versions = {i: p._version for i, p in enumerate(self.params)}
         self._hooks = Installed(optimizer, self)
         if settings.pipeline.overlap_backward or settings.parameters.offload != "none":
             self._hooks.claim_amp()  # so a GradScaler's step reaches the refusal (optim/amp.py)
@@ -830,6 +856,7 @@ class OffloadedOptimizer:
         self.rule.begin_step(self.opt.param_groups, closure=closure)
         stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None,
                           update_threads=self.threads.count())
+        self._edit_seen, self._edits_now = set(), set()
         self.tiers.begin_step(stats)
         return stats
 
@@ -907,6 +934,7 @@ class OffloadedOptimizer:
                 elif self._route(rec.part) != "device":  # (that one: on the device, below)
                     self._first_step_masters(rec.part, rec.views)
                 digest = self._update(rec.part, rec.views, stats)
+                self._synced(rec.part)
                 self.updated_now.update(s.index for s in rec.part.segments)
             finally:
                 # also when the update failed: the window must not keep them pinned (a
@@ -918,17 +946,58 @@ class OffloadedOptimizer:
                 after(rec.part)
 
     def _first_step_masters(self, part: Partition, views: Views) -> None:
-        """The master of a parameter taking its first step, from the model's weights, as a
-        record written now would have it: a record written earlier (at the block's entry
-        under crash_consistent, or at the first step of another parameter it holds) kept
-        the weights of then, and a change to them since (a model.load_state_dict(), a
-        clamp) counted or not as the layout fell."""
+        """The masters `part`'s update starts from, as the model's weights have them.
+
+        A parameter taking its first step: from its weights, as a record written now would
+        have it (a record written earlier, at the block's entry under crash_consistent or
+        at the first step of another parameter it holds, kept the weights of then, and a
+        change since counted or not as the layout fell). A later step: the elements of
+        its weights changed since the last update wrote them (_take_edits)."""
         master = views.get("master")
         if master is None:
             return
         for s, sl in zip(part.segments, part.slices("master")):
-            if float(self.steps[s.index]) == 1.0 and self.has_grad(s.param):
-                master[sl].copy_(flat(s.param.detach())[s.start: s.start + s.length])
+            if not self.has_grad(s.param):
+                continue
+            weights = flat(s.param.detach())[s.start: s.start + s.length]
+            if float(self.steps[s.index]) == 1.0:
+                master[sl].copy_(weights)
+            elif self._edited(part, s, master):
+                take_edits(master[sl], weights)
+
+    def _edited(self, part: Partition, s: Segment, master: torch.Tensor) -> bool:
+        """The weights of `s`'s parameter were changed since its last update by someone
+        other than tiermem, where the update starts from the master (low-precision
+        weights, or a device model's updated on the host): the step would overwrite the
+        change, where the plain optimizer steps from it. Looked at once per step for a
+        parameter cut over several partitions. p._version counts every in-place change
+        through the parameter or a view of it (`with torch.no_grad(): p.clamp_(...)`,
+        p.detach().copy_(), model.load_state_dict()), not one made through p.data, whose
+        counter is its own: such a change is lost (docs/guide/numerics.md)."""
+        p = s.param
+        if p.dtype == torch.float32 and p.device == master.device \
+                and self._route(part) != "offload":
+            return False  # its own weights are what the update starts from
+        i = s.index
+        if i not in self._edit_seen:
+            self._edit_seen.add(i)
+            if self.weights is not None:
+                edited = self.weights.edited_since_update(p)
+            else:
+                edited = p._version != self._versions.get(i, p._version)
+            if edited:
+                self._edits_now.add(i)
+                self.edits_taken += 1
+        return i in self._edits_now
+
+    def _synced(self, part: Partition) -> None:
+        """`part`'s update wrote the weights of its parameters that took the step from their
+        masters (or the masters from them): they agree, until someone changes the weights.
+        (With parameters.offload the tier keeps this: edited_since_update.)"""
+        if self.weights is None:
+            for s in part.segments:
+                if s.param.grad is not None:
+                    self._versions[s.index] = s.param._version
 
     def _together(self, parts: Sequence[Partition]) -> int:
         """How many of `parts`, from the first, one native update may run together:
@@ -964,6 +1033,8 @@ class OffloadedOptimizer:
         label = f"update p{parts[0].id}-p{parts[-1].id}"
         with timed(stats, "update_seconds", label), update_range(label):
             run()
+        for rec in held:
+            self._synced(rec.part)
         self.updated_now.update(s.index for rec in held for s in rec.part.segments)
         for rec in held:
             self.tiers.release(rec, stats)
@@ -1072,6 +1143,9 @@ class OffloadedOptimizer:
                 # the record was staged before this update: its master, on the device
                 self._first_step_masters(part, dev_views)
                 self._gathered_update(part, dev_views, scratch)
+                # (the emulated compute stream runs this when the host waits for it: after
+                # the caller's _synced, which saw the weights before these writes)
+                self._synced(part)
 
             self.lanes.update_on_device(part, views, on_device, stats)
             return None
@@ -1362,13 +1436,14 @@ class OffloadedOptimizer:
             seen[index] = after
 
     def _refresh_edited_masters(self) -> None:
-        """An fp32 CPU model's records keep a master only as the copy a commit keeps: its
-        own weights are what a step starts from (a clamp or a load_state_dict between steps
-        counts), and an update copies them into the master. A parameter that took no step
-        since its weights were changed kept the master of before, so a resume put back its
-        weights of before the change: copy them in before the commit (the version counter
-        says which changed; a rank's all-gather of its peers' pieces does not:
-        weights_synced)."""
+        """A parameter that took no step since its weights were changed (a clamp, a
+        load_state_dict) kept the master of before, so a resume put back its weights of
+        before the change: the masters take the changes before the commit (take_edits; the
+        version counter says which changed since the master and the weights last agreed,
+        and a rank's all-gather of its peers' pieces is no change: weights_synced). An fp32
+        CPU model's master is only the copy a commit keeps (its own weights are what a
+        step starts from); any other's is what the next step starts from, which would take
+        the change all the same (_first_step_masters)."""
         if self.weights is not None:
             self._refresh_tier_masters()
             return
@@ -1376,18 +1451,17 @@ class OffloadedOptimizer:
         if seen is None:
             return
         for part in self.parts:
-            if "master" not in part.kinds or self._route(part) is not None \
-                    or self.tiers.is_fresh(part):
+            if "master" not in part.kinds or self.tiers.is_fresh(part):
                 continue
             stale = [(s, sl) for s, sl in zip(part.segments, part.slices("master"))
-                     if s.param.grad is None and s.param.dtype == torch.float32
-                     and s.param._version != seen.get(s.index)]
+                     if s.param._version != seen.get(s.index)]
             if not stale:
                 continue
             with self.tiers.record(part, write=True) as (views, _):
                 for s, sl in stale:
-                    views["master"][sl].copy_(
-                        flat(s.param.detach())[s.start: s.start + s.length])
+                    take_edits(views["master"][sl],
+                               flat(s.param.detach())[s.start: s.start + s.length])
+                    seen[s.index] = s.param._version
 
     def _refresh_tier_masters(self) -> None:
         """_refresh_edited_masters with parameters.offload: the tier says which weights were
@@ -1398,14 +1472,14 @@ class OffloadedOptimizer:
             if "master" not in part.kinds or self.tiers.is_fresh(part):
                 continue
             stale = [(s, sl) for s, sl in zip(part.segments, part.slices("master"))
-                     if s.index in edited and s.param.dtype == torch.float32]
+                     if s.index in edited]
             if not stale:
                 continue
             with self.tiers.record(part, write=True) as (views, _), \
                     self.weights.materialised([s.param for s, _ in stale]):
                 for s, sl in stale:
-                    views["master"][sl].copy_(
-                        flat(s.param.detach())[s.start: s.start + s.length])
+                    take_edits(views["master"][sl],
+                               flat(s.param.detach())[s.start: s.start + s.length])
 
     def close_step(self, stats: StepStats) -> None:
         """The step happened, whether or not its commit (crash-consistent) then succeeds:
@@ -1808,6 +1882,7 @@ class OffloadedOptimizer:
         if self.overlap is not None:
             self.overlap.require_idle(f"optimizer.{name}()")
         self.rule.begin_step(self.opt.param_groups)
+        self._edit_seen, self._edits_now = set(), set()
         with torch.no_grad(), deferred():
             for part in self.parts:
                 group = self.opt.param_groups[part.group]
@@ -1833,6 +1908,8 @@ class OffloadedOptimizer:
                             batch.params.append(weights)
                             copies.append((master[slices["master"][i]], weights))
                         else:
+                            if not fresh and self._edited(part, s, master):
+                                take_edits(master[slices["master"][i]], weights)
                             batch.params.append(master[slices["master"][i]])
                             copies.append((weights, master[slices["master"][i]]))
                         batch.segments.append(s)
@@ -1845,6 +1922,9 @@ class OffloadedOptimizer:
                     self.rule.run_method(name, batch)
                     for to, src in copies:
                         to.copy_(src)
+                    if self.weights is None:
+                        for s in part.segments:
+                            self._versions[s.index] = s.param._version
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.overlap is not None:

@@ -378,6 +378,10 @@ class ParamTier:
         # step since: a crash-consistent commit copies them into their records' masters
         # (take_edited), or a resume puts back the weights of before the change
         self.edited: set[int] = set()
+        # The same, kept until the parameter's next update rather than the next commit: the
+        # update of a low-precision weight starts from its master, which takes the change
+        # first (edited_since_update)
+        self.edits_pending: set[int] = set()
         # (p._version, device) of each released parameter as the release left it: a change
         # since went to its empty placeholder, not to the weights (_check_param)
         self.released: dict[int, tuple[int, torch.device]] = {}
@@ -724,7 +728,7 @@ class ParamTier:
             self.bufs.pop(i, None)
             self._by_storage[p.untyped_storage().data_ptr()] = i
             self.dirty.add(i)
-            self.edited.add(i)
+            self._mark_edited(i)
             self.versions[i] = p._version
             return False
         self._refuse_changes()
@@ -918,7 +922,7 @@ class ParamTier:
             self._check_param(i)
         if i in self.live and self.params[i]._version != self.versions.get(i):
             self.dirty.add(i)
-            self.edited.add(i)
+            self._mark_edited(i)
 
     def _evict(self, i: int) -> None:
         self._note_edit(i)
@@ -1122,7 +1126,7 @@ class ParamTier:
         self._take(self._bytes(i))
         self._install_weight(i, value, None)
         self.dirty.add(i)
-        self.edited.add(i)
+        self._mark_edited(i)
 
     def _await(self, fetch: Fetch) -> torch.Tensor:
         """fetch.wait(); while updates run during backward, the read is waited for outside
@@ -1390,7 +1394,7 @@ class ParamTier:
                 continue
             self._settle(i)  # a write of them in flight lands before they change
             self.dirty.add(i)
-            self.edited.add(i)
+            self._mark_edited(i)
             self.stats.data_taken += 1
 
     @_locked
@@ -1936,7 +1940,9 @@ class ParamTier:
         for i in opened:
             if self.has_grad[i]:
                 self.dirty.add(i)
-                self.edited.discard(i)  # the update started from them: in its master
+                # the update started from them, or from a master that took them first
+                self.edited.discard(i)
+                self.edits_pending.discard(i)
                 self.updates[i] = self.updates.get(i, 0) + 1
                 if self.updates[i] >= self.pieces[i]:
                     if i in self.unwritten:
@@ -1958,6 +1964,18 @@ class ParamTier:
                 # least-recently-used order would evict the weights the rest of the step
                 # still needs instead (read again)
                 self.live.move_to_end(i, last=False)
+
+    def _mark_edited(self, i: int) -> None:
+        self.edited.add(i)
+        self.edits_pending.add(i)
+
+    @_locked
+    def edited_since_update(self, p: torch.Tensor) -> bool:
+        """Whether parameter p's weights were changed since its last update other than by
+        one (see `edited`; a change counted conservatively, as p.data taken, is one too)."""
+        i = self.index[id(p)]
+        self._note_edit(i)
+        return i in self.edits_pending
 
     @_locked
     def take_edited(self) -> set[int]:
@@ -2086,7 +2104,7 @@ class ParamTier:
     def _leave_load(self, u: int) -> None:
         for i in self.units[u]:
             self.dirty.add(i)
-            self.edited.add(i)
+            self._mark_edited(i)
             self._unpin(i)
 
     # -- leaving ----------------------------------------------------------------------

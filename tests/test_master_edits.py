@@ -1,0 +1,200 @@
+"""A change made to the model's weights between steps counts where the step starts from a
+master: low-precision models (fp32 master in the record) and device models updated on the
+host (step_device cpu), as it does for the plain optimizer, which steps the weights it is
+given.
+
+The reference is torch's fused AdamW: on an fp32 twin with the same edits (a device model
+updated on the host: bitwise torch's), or on fp32 master copies whose elements take the
+edited weights' elements that are not what the master rounds to (a low-precision model:
+tiermem.optim.offloaded.take_edits, the rule its docs state). Edits cover in-place ops
+through the parameter, a copy into a view, model.load_state_dict(), a mask, and a write of
+the same values, which must leave the masters as they were (no precision lost)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.device.lanes import DeferredBackend
+
+from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config,
+                             compare_runs, loss_of, make_batches, side_used, train, twin)
+
+STEPS = 5
+EDIT_AT = (1, 3)  # after these steps
+
+
+def _clamp(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model.fc1.weight.clamp_(-0.02, 0.02)
+
+
+def _mask(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        w = model.fc2.weight  # (a parameter cut over several partitions)
+        w.mul_((torch.arange(w.numel()).reshape(w.shape) % 3 != 0).to(w.dtype))
+
+
+def _copy_into_view(model: torch.nn.Module) -> None:
+    w = model.emb.weight.detach()
+    gen = torch.Generator().manual_seed(7)
+    w[5:9].copy_(torch.randn(w[5:9].shape, generator=gen))
+
+
+def _load(model: torch.nn.Module) -> None:
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["fc1.bias"] = sd["fc1.bias"] * 0.5
+    sd["side.weight"] = -sd["side.weight"]  # (a parameter without a gradient some steps)
+    model.load_state_dict(sd)
+
+
+def _same(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.detach().copy_(p.detach().clone())
+
+
+def _through_data(model: torch.nn.Module) -> None:
+    model.fc1.weight.data.clamp_(-0.02, 0.02)  # (p.data's version counter is its own)
+
+
+EDITS = {"clamp": _clamp, "mask": _mask, "view": _copy_into_view, "load": _load,
+         "same": _same, "data": _through_data}
+
+
+def _cfg(tmp_path, backend, **kw):
+    cfg = config(tmp_path, backend=backend, host="192KiB",
+                 kernel=kw.pop("kernel", "match"))
+    for section, values in kw.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def _lowp_reference(dtype, edit, steps):
+    """fp32 masters under fused AdamW with the spec's edit rule; returns the masters."""
+    shadow = Synthetic().to(dtype)
+    masters = [p.detach().float().clone().requires_grad_() for p in shadow.parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.05, fused=True)
+    with torch.no_grad():
+        for q, m in zip(shadow.parameters(), masters):
+            q.copy_(m)
+    for i, micro in enumerate(make_batches(shadow, steps)):
+        tokens, target = micro[0]
+        loss_of(shadow, tokens, target, side_used(i)).backward()
+        stepped = [(q, m) for q, m in zip(shadow.parameters(), masters) if q.grad is not None]
+        with torch.no_grad():
+            for q, m in stepped:  # the rule, at the parameter's next step
+                w = q.detach()
+                m.copy_(torch.where(w != m.to(dtype), w.float(), m))
+                m.grad = q.grad.float()
+        ref.step()
+        ref.zero_grad()
+        shadow.zero_grad()
+        with torch.no_grad():
+            for q, m in stepped:
+                q.copy_(m)
+        if i in EDIT_AT and edit is not None:
+            EDITS[edit](shadow)
+    return masters
+
+
+def _lowp_run(tmp_path, backend, dtype, edit, *, streams=None, steps=STEPS, **cfg_kw):
+    model = Synthetic().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    batches = make_batches(model, steps)
+
+    def after(i):
+        if i in EDIT_AT and edit is not None:
+            EDITS[edit](model)
+
+    with tiermem.offload(opt, _cfg(tmp_path, backend, **cfg_kw), model=model,
+                         streams=streams) as tm:
+        train(model, opt, batches, after_step=after)
+        taken = tm.offloaded.edits_taken
+        masters = [opt.state_dict()["state"][i]["master_param"].clone()
+                   for i in range(len(list(model.parameters())))]
+    return model, masters, taken
+
+
+LOWP = {  # where a low-precision model's update runs
+    "host-native": dict(kernel="native"),
+    "host-torch": dict(kernel="fused"),
+    "lanes-host": dict(streams=True, kernel="fused", optimizer={"step_device": "cpu"}),
+    "lanes-device": dict(streams=True, kernel="fused", optimizer={"step_device": "device"}),
+    "overlap": dict(kernel="fused", pipeline={"overlap_backward": True}),
+    # the weights in the parameter tier, which sees changes made through p.data too
+    "params": dict(kernel="fused", parameters={"offload": "nvme", "window": "512KiB"}),
+}
+SEEN = {where: [e for e in EDITS if e != "data" or where == "params"] for where in LOWP}
+
+
+@pytest.mark.parametrize("where, edit", [(w, e) for w in LOWP for e in SEEN[w]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_edit_is_taken(tmp_path, dtype, where, edit):
+    """The weights after every later step are the reference masters rounded, and the
+    masters are the reference's: the edit counted, elements not edited kept their fp32
+    masters. A write of the same values takes nothing."""
+    kw = dict(LOWP[where])
+    streams = DeferredBackend() if kw.pop("streams", False) else None
+    model, masters, taken = _lowp_run(tmp_path, "threads", dtype, edit, streams=streams, **kw)
+    ref = _lowp_reference(dtype, edit, STEPS)
+    names = [n for n, _ in model.named_parameters()]
+    for n, p, m, r in zip(names, model.parameters(), masters, ref):
+        assert_same_tensor(m, r.detach(), f"{n} master")
+        assert_same_tensor(p.detach(), r.detach().to(dtype), f"{n} weight")
+    assert taken > 0  # ("same" too: an in-place write, which the rule finds unchanged)
+
+
+@pytest.mark.parametrize("where", list(LOWP))
+def test_no_edit_takes_nothing(tmp_path, where):
+    """Without an edit no parameter is taken for edited: tiermem's own writes of the
+    weights (on the emulated streams too, whose copies run later) are not edits."""
+    kw = dict(LOWP[where])
+    streams = DeferredBackend() if kw.pop("streams", False) else None
+    _, _, taken = _lowp_run(tmp_path, "threads", torch.bfloat16, None, streams=streams, **kw)
+    assert taken == 0
+
+
+@pytest.mark.parametrize("edit", ["clamp", "mask", "load"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_device_model_updated_on_host_keeps_edits(tmp_path, backend, edit):
+    """An fp32 device model (emulated lanes) updated on the host: bitwise torch's fused
+    AdamW on an fp32 twin given the same edits."""
+    model, ref_model = twin(Synthetic)
+    kw = dict(lr=1e-2, weight_decay=0.05)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True, **kw)
+    batches = make_batches(model, STEPS)
+    cfg = _cfg(tmp_path, backend, kernel="fused", optimizer={"step_device": "cpu"})
+    with tiermem.offload(opt, cfg, streams=DeferredBackend()) as tm:
+        train(model, opt, batches,
+              after_step=lambda i: EDITS[edit](model) if i in EDIT_AT else None)
+        assert tm.offloaded.edits_taken > 0
+    train(ref_model, ref, batches,
+          after_step=lambda i: EDITS[edit](ref_model) if i in EDIT_AT else None)
+    compare_runs(model, opt, ref_model, ref)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_edit_of_a_parameter_without_a_step_survives_a_resume(tmp_path, backend):
+    """crash_consistent, a bf16 model: `side` takes no step in odd steps; its weights
+    edited then are committed with that step (its master takes them), so a resume from
+    that commit starts from them."""
+    model = Synthetic().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = make_batches(model, 4)
+    cfg = _cfg(tmp_path, backend)
+    cfg["swap"]["durability"] = "crash_consistent"
+    odd = next(i for i in range(1, 4) if not side_used(i))
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        train(model, opt, batches[:odd])
+        with torch.no_grad():
+            model.side.weight.mul_(-1)  # before a step `side` takes no part in
+        train(model, opt, batches[odd: odd + 1], start=odd)
+        edited = model.side.weight.detach().clone()
+        tm.offloaded.keep_on_disk()  # what a crash leaves: the committed records
+        tm.discard()
+    fresh = Synthetic().to(torch.bfloat16)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with tiermem.offload(opt2, cfg, model=fresh, resume=True):
+        assert_same_tensor(fresh.side.weight.detach(), edited, "side.weight resumed")
