@@ -177,10 +177,11 @@ def test_device_model_updated_on_host_keeps_edits(tmp_path, backend, edit):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_edit_of_a_parameter_without_a_step_survives_a_resume(tmp_path, backend):
-    """crash_consistent, a bf16 model: `side` takes no step in odd steps; its weights
+    """crash_consistent, a bf16 model: `side` takes no step in some steps; its weights
     edited then are committed with that step (its master takes them), so a resume from
-    that commit starts from them."""
-    model = Synthetic().to(torch.bfloat16)
+    that commit starts from them. side.weight is cut over several partitions: each piece
+    takes them."""
+    model = Synthetic(out=300).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = make_batches(model, 4)
     cfg = _cfg(tmp_path, backend)
@@ -194,7 +195,9 @@ def test_edit_of_a_parameter_without_a_step_survives_a_resume(tmp_path, backend)
         edited = model.side.weight.detach().clone()
         tm.offloaded.keep_on_disk()  # what a crash leaves: the committed records
         tm.discard()
-    fresh = Synthetic().to(torch.bfloat16)
+    assert len({part.id for part in tm.offloaded.parts for sg in part.segments
+                if sg.param is model.side.weight}) > 1
+    fresh = Synthetic(out=300).to(torch.bfloat16)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     with tiermem.offload(opt2, cfg, model=fresh, resume=True):
         assert_same_tensor(fresh.side.weight.detach(), edited, "side.weight resumed")

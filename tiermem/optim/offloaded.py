@@ -959,11 +959,10 @@ class OffloadedOptimizer:
         for s, sl in zip(part.segments, part.slices("master")):
             if not self.has_grad(s.param):
                 continue
-            weights = flat(s.param.detach())[s.start: s.start + s.length]
             if float(self.steps[s.index]) == 1.0:
-                master[sl].copy_(weights)
+                master[sl].copy_(flat(s.param.detach())[s.start: s.start + s.length])
             elif self._edited(part, s, master):
-                take_edits(master[sl], weights)
+                take_edits(master[sl], flat(s.param.detach())[s.start: s.start + s.length])
 
     def _edited(self, part: Partition, s: Segment, master: torch.Tensor) -> bool:
         """The weights of `s`'s parameter were changed since its last update by someone
@@ -1461,7 +1460,6 @@ class OffloadedOptimizer:
                 for s, sl in stale:
                     take_edits(views["master"][sl],
                                flat(s.param.detach())[s.start: s.start + s.length])
-                    seen[s.index] = s.param._version
 
     def _refresh_tier_masters(self) -> None:
         """_refresh_edited_masters with parameters.offload: the tier says which weights were
