@@ -10,6 +10,7 @@ lay them out again. Each was refused before ("laid out no optimizer state")."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -275,3 +276,46 @@ def test_a_resume_with_more_parameters_than_the_kept_run_is_refused(tmp_path):
     with pytest.raises(tiermem.TierMemError, match="cannot resume .* lays out"):
         with tiermem.offload(opt, cfg, model=model, resume=True):
             _trained(model, opt, 1)
+
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("how", ["left", "by-hand"])
+def test_a_frozen_parameter_holding_a_gradient_is_stepped_as_torch_does(
+        tmp_path, how, overlap):
+    """torch steps any parameter with a p.grad, frozen or not: a frozen one holding a
+    gradient (left by a backward from before it was frozen, at the block's entry, or set
+    by hand inside it before a forward) is laid out and stepped with the rest, bitwise as
+    plain. With overlap_backward the step refused it only after backward had updated the
+    other partitions (a partial step)."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    cfg = config(tmp_path, host="64KiB")
+    cfg["pipeline"]["overlap_backward"] = overlap
+
+    def give(m: torch.nn.Module) -> None:
+        if how == "left":  # a backward, then the base frozen: its gradients stay
+            for p in m.parameters():
+                p.requires_grad_(True)
+            m(X).square().mean().backward()
+            for p in list(m.parameters())[:4]:
+                p.requires_grad_(False)
+        else:
+            m[0].weight.grad = torch.full_like(m[0].weight, 1e-3)
+
+    def steps(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+        for _ in range(2):  # the frozen ones' gradients stay, and are stepped again
+            m(X).square().mean().backward()
+            o.step()
+        o.zero_grad()
+        _trained(m, o, 1)
+
+    for m, o in ((ref, ref_opt), (model, opt)):
+        if how == "left":
+            give(m)
+        with tiermem.offload(o, cfg, model=m) if m is model else contextlib.nullcontext():
+            if how == "by-hand":
+                give(m)
+            steps(m, o)
+    compare_runs(model, opt, ref, ref_opt)

@@ -326,8 +326,10 @@ class OffloadedOptimizer:
         # a LoRA run's base weights) gets no record: a plain optimizer keeps no state for
         # it, and a record would take host or NVMe room (Adam's 8-12 B a parameter) for
         # nothing. A rank's shares are laid out whole (they are views, cut over the ranks).
+        # One holding a gradient (left by a backward from before it was frozen) is
+        # stepped by torch all the same: laid out.
         self._skip = None if share else (
-            lambda p: not p.requires_grad and not optimizer.state.get(p))
+            lambda p: not p.requires_grad and p.grad is None and not optimizer.state.get(p))
         # Parameters laid out inside the block after it opened (lay_out_late), in order,
         # each lay-out with the partition count before it ("at"): a resume lays them out
         # between the groups' partitions again (add_param_group's come after them), as the

@@ -158,9 +158,11 @@ class BackwardOverlap:
         with self._lock:
             started = bool(self._fired)
         if not started:
-            # a parameter unfrozen since the block opened (it has no record) is laid out
-            # before this forward's backward can update it, which step() would be too late for
-            off.lay_out_late(i for i in off.unlaid if off.params[i].requires_grad)
+            # a parameter unfrozen since the block opened (it has no record), or given a
+            # gradient by hand (torch steps a frozen one too), is laid out before this
+            # forward's backward can update the others, which step() would be too late for
+            off.lay_out_late(i for i in off.unlaid if off.params[i].requires_grad
+                             or off.params[i].grad is not None)
         if started:
             raise TierMemError(
                 "the model's forward ran between a backward and optimizer.step(): with "
