@@ -183,7 +183,11 @@ def setup_offload(prob: Problem, stack: contextlib.ExitStack,
     tiermem.offload with the default config but for a host tier that holds all of it."""
     import tiermem
 
-    params = [p for p, _, _ in _cut(prob.weight, prob.grad, tensor_elems)]
+    # bf16-mixed: weights of its own. The other rows write the shared bf16 weights from
+    # their masters between its steps, which its step would take for edits made to its
+    # model (their masters are not its), paying that pass every step.
+    weights = prob.weight.clone() if prob.mixed else prob.weight
+    params = [p for p, _, _ in _cut(weights, prob.grad, tensor_elems)]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     # fp32 model: two fp32 moments (8 B/param); bf16: plus the fp32 master (12 B/param).
     host = (12 * prob.n + (256 << 20)) if prob.mixed else (8 * prob.n + (256 << 20))

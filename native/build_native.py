@@ -24,7 +24,7 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ["io_engine.c", "memory.c", "thread_pool.c", "adam.c", "adam_lowbit.c", "crc32c.c",
-           "rules.c"]
+           "rules.c", "edits.c"]
 
 MISSING_LIBURING = (
     "tiermem: cannot build the native I/O engine: liburing development files "

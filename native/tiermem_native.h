@@ -179,3 +179,9 @@ int tm_rules_set_isa(int isa);
 int tm_adagrad_step(float *p, float *state_sum, const float *grad, int64_t n, double lr,
                     double lr_decay, double weight_decay, double eps, double step,
                     int maximize, int nthreads, int crc_mask, uint32_t *crcs);
+
+/* A low-precision model's fp32 masters take the elements of its weights (w_dtype: 1 =
+ * bf16, 2 = fp16) that are not their masters rounded to nearest even (edits.c). Returns
+ * how many it took, or -EINVAL. */
+int64_t tm_take_edits(float *master, const uint16_t *weights, int64_t n, int w_dtype,
+                      int nthreads);

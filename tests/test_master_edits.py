@@ -6,17 +6,22 @@ given.
 The reference is torch's fused AdamW: on an fp32 twin with the same edits (a device model
 updated on the host: bitwise torch's), or on fp32 master copies whose elements take the
 edited weights' elements that are not what the master rounds to (a low-precision model:
-tiermem.optim.offloaded.take_edits, the rule its docs state). Edits cover in-place ops
+tiermem.kernels.edits.take_edits, the rule its docs state; its native pass is held to
+the same rule in torch ops by a property test). Edits cover in-place ops
 through the parameter, a copy into a view, model.load_state_dict(), a mask, and a write of
 the same values, which must leave the masters as they were (no precision lost)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tiermem
 from tiermem.device.lanes import DeferredBackend
+from tiermem.kernels.edits import take_edits
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config,
                              compare_runs, loss_of, make_batches, side_used, train, twin)
@@ -201,3 +206,34 @@ def test_edit_of_a_parameter_without_a_step_survives_a_resume(tmp_path, backend)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     with tiermem.offload(opt2, cfg, model=fresh, resume=True):
         assert_same_tensor(fresh.side.weight.detach(), edited, "side.weight resumed")
+
+
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3e-8, 65504.0,
+           65519.0, 65520.0, 7e4, 1.0, -2.5]
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       n=st.integers(0, 2100), seed=st.integers(0, 2**31 - 1),
+       special=st.floats(0, 0.3), edited=st.floats(0, 1), threads=st.sampled_from([1, 2]))
+def test_take_edits_native_is_the_rule(dtype, n, seed, special, edited, threads):
+    """The native pass (a vector body and a scalar tail, on one or two threads) gives the
+    rule written in torch ops, bit for bit but for NaN payloads: special values (NaNs,
+    signed zeros, infinities, subnormals, fp16's overflow edge) on either side, weights
+    rounded from the masters, then some edited."""
+    rng = np.random.default_rng(seed)
+    master = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 4)
+    pick = torch.from_numpy(rng.random(n) < special)
+    master[pick] = torch.tensor(rng.choice(SPECIAL, int(pick.sum())), dtype=torch.float32)
+    weights = master.to(dtype)
+    change = torch.from_numpy(rng.random(n) < edited)
+    weights[change] = torch.tensor(rng.choice(SPECIAL + [0.5, -7.0], int(change.sum())),
+                                   dtype=torch.float32).to(dtype)
+    want = master.clone()
+    differs = weights != want.to(dtype)
+    want.copy_(torch.where(differs, weights.float(), want))
+    got = master.clone()
+    assert take_edits(got, weights, threads=threads) == int(differs.sum())
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(got[keep].view(torch.int32), want[keep].view(torch.int32))

@@ -34,6 +34,7 @@ from tiermem.optim.state_io import (drop_param_state, gather, jsonable, param_en
                                     refuse_unkept_keys, scatter, torch_state_dict)
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
+from tiermem.kernels.edits import take_edits
 from tiermem.kernels.vml import resolve_vml_dispatch
 from tiermem.params.tier import ParamTier
 from tiermem.partition import Partition, Segment, build_partitions, flat, flat_like
@@ -149,21 +150,6 @@ def _pieces(parts: Iterable[Partition]) -> list[tuple[torch.Tensor, int]]:
         for s in part.segments:
             pieces.setdefault(id(s.param), [s.param, 0])[1] += 1
     return [(p, n) for p, n in pieces.values()]
-
-
-def take_edits(master: torch.Tensor, weights: torch.Tensor) -> None:
-    """The fp32 `master` takes the elements of `weights` changed since they were written
-    from it: those that are not what it rounds to (every step writes the weights rounded to
-    nearest, as copy_ does). An element left as it was keeps the master's fp32 value, so a
-    change of some elements (a clamp, a mask), or a write of the same weights (a model
-    checkpoint loaded again), costs the others no precision. fp32 weights are taken whole.
-    `weights` may be on another device (a device model's, updated on the host)."""
-    if weights.dtype == master.dtype:
-        master.copy_(weights)
-        return
-    w = weights.to(master.device)
-    changed = w != master.to(w.dtype)  # (a NaN is taken: it stays NaN)
-    master.copy_(torch.where(changed, w.to(master.dtype), master))
 
 
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
