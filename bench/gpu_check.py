@@ -100,7 +100,7 @@ def _streams(device: str) -> Any:
 
 def parity(args: argparse.Namespace, device: str) -> list[dict]:
     """(a): every tier mix x step device x overlap against torch's fused AdamW on the same
-    device."""
+    device, a weight clamped in place after the first step."""
     rows = []
     for overlap in (False, True):
         for mix in MIXES:
@@ -136,16 +136,26 @@ def parity_one(args: argparse.Namespace, device: str, mix: str, step_device: str
     cfg = _config(tempfile.mkdtemp(dir=args.work), mix=mix, state_bytes=state,
                   step_device=step_device, partition_size=part_size, overlap=overlap)
     batches = [torch.randn(16, width, device=device) for _ in range(args.parity_steps)]
+
+    def edit(m: Any, i: int) -> None:
+        # An in-place edit between steps: the next step starts from it, as the plain
+        # optimizer's does (a record's master on the host takes it, step_device cpu).
+        if i == 0:
+            with torch.no_grad():
+                m[1].weight.clamp_(-0.01, 0.01)
+
     with tiermem.offload(opt, cfg, streams=_streams(device)) as tm:
         plan = tm.plan()
-        for x in batches:
+        for i, x in enumerate(batches):
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    for x in batches:
+            edit(model, i)
+    for i, x in enumerate(batches):
         ref_model(x).square().mean().backward()
         ref.step()
         ref.zero_grad()
+        edit(ref_model, i)
     pairs = [(p, q) for p, q in zip(model.parameters(), ref_model.parameters())]
     pairs += [(opt.state[p][k], ref.state[q][k])
               for p, q in zip(model.parameters(), ref_model.parameters())
