@@ -17,7 +17,8 @@ def take_edits(master: Tensor, weights: Tensor, *, threads: int | None = None) -
     """`master` (fp32) takes each element of `weights` that is not what it rounds to
     (nearest even), compared as values as torch's `!=` compares them; fp32 weights are
     taken whole. `weights` may be on another device (a device model's, updated on the
-    host). Returns the elements taken (all of them for fp32 weights)."""
+    host). Returns the elements taken (all of them for fp32 weights), or -1 for a master
+    on a device, where counting them would make the host wait for the device."""
     if weights.dtype == master.dtype:
         master.copy_(weights)
         return master.numel()
@@ -35,4 +36,4 @@ def take_edits(master: Tensor, weights: Tensor, *, threads: int | None = None) -
         return int(got)
     changed = w != master.to(w.dtype)  # (a device's master: its kernels are fast enough)
     master.copy_(torch.where(changed, w.to(master.dtype), master))
-    return int(changed.sum())
+    return int(changed.sum()) if master.is_cpu else -1
