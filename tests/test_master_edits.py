@@ -59,12 +59,17 @@ def _same(model: torch.nn.Module) -> None:
         p.detach().copy_(p.detach().clone())
 
 
+def _assign(model: torch.nn.Module) -> None:
+    w = model.fc2.weight  # new weights, as an init assigns them (no version counter moves)
+    w.data = (w.detach().float() * 0.5 + 0.01).to(w.dtype)
+
+
 def _through_data(model: torch.nn.Module) -> None:
     model.fc1.weight.data.clamp_(-0.02, 0.02)  # (p.data's version counter is its own)
 
 
 EDITS = {"clamp": _clamp, "mask": _mask, "view": _copy_into_view, "load": _load,
-         "same": _same, "data": _through_data}
+         "same": _same, "assign": _assign, "data": _through_data}
 
 
 def _cfg(tmp_path, backend, **kw):
@@ -160,7 +165,7 @@ def test_no_edit_takes_nothing(tmp_path, where):
     assert taken == 0
 
 
-@pytest.mark.parametrize("edit", ["clamp", "mask", "load"])
+@pytest.mark.parametrize("edit", ["clamp", "mask", "load", "assign"])
 @pytest.mark.parametrize("backend", backend_params())
 def test_device_model_updated_on_host_keeps_edits(tmp_path, backend, edit):
     """An fp32 device model (emulated lanes) updated on the host: bitwise torch's fused

@@ -152,6 +152,13 @@ def _pieces(parts: Iterable[Partition]) -> list[tuple[torch.Tensor, int]]:
     return [(p, n) for p, n in pieces.values()]
 
 
+def weights_mark(p: torch.Tensor) -> tuple[int, int]:
+    """What tells a parameter's weights from an edit of them: its version counter, which
+    every in-place change through it or a view of it moves, and where its data lives, which
+    new weights assigned to p.data change (an assignment moves no counter)."""
+    return p._version, p.data_ptr()
+
+
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
     """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
     return rule_for(opt)
@@ -264,13 +271,13 @@ class OffloadedOptimizer:
         # a step GradScaler skipped, which torch's fused Adam makes their state in (step 0,
         # zero moments) before it skips; an entry with step 0, loaded or held at entry.
         self.unstepped_state: set[int] = set()
-        # p._version of each parameter when its record's master last agreed with its
+        # weights_mark of each parameter when its record's master last agreed with its
         # weights (a step's update wrote the one from the other, a commit refreshed it, a
         # resume restored the weights): which weights were changed since by someone else
         # (a clamp, a pruning mask, model.load_state_dict()), for the masters a step starts
         # from (_take_edits) and the ones a commit keeps (_refresh_edited_masters); None
         # until set up at the end of __init__
-        self._versions: dict[int, int] | None = None
+        self._versions: dict[int, tuple[int, int]] | None = None
         # Of this step's parameters, those _take_edits has looked at, and of them the ones
         # found edited (a parameter cut over several partitions is looked at once: the
         # update of its first piece writes its weights)
@@ -401,7 +408,7 @@ class OffloadedOptimizer:
             self.close_tiers(remove_swap=not resume)
             raise
         if self._versions is None:  # (a resume's _restore_weights set them)
-            self._versions = {i: p._version for i, p in enumerate(self.params)}
+            self._versions = {i: weights_mark(p) for i, p in enumerate(self.params)}
         self._hooks = Installed(optimizer, self)
         if settings.pipeline.overlap_backward or settings.parameters.offload != "none":
             self._hooks.claim_amp()  # so a GradScaler's step reaches the refusal (optim/amp.py)
@@ -957,10 +964,11 @@ class OffloadedOptimizer:
         other than tiermem, where the update starts from the master (low-precision
         weights, or a device model's updated on the host): the step would overwrite the
         change, where the plain optimizer steps from it. Looked at once per step for a
-        parameter cut over several partitions. p._version counts every in-place change
+        parameter cut over several partitions. weights_mark sees every in-place change
         through the parameter or a view of it (`with torch.no_grad(): p.clamp_(...)`,
-        p.detach().copy_(), model.load_state_dict()), not one made through p.data, whose
-        counter is its own: such a change is lost (docs/guide/numerics.md)."""
+        p.detach().copy_(), model.load_state_dict()) and new weights assigned to p.data,
+        not an in-place change made through p.data, whose counter is its own: such a
+        change is lost (docs/guide/numerics.md)."""
         p = s.param
         if p.dtype == torch.float32 and p.device == master.device \
                 and self._route(part) != "offload":
@@ -971,7 +979,8 @@ class OffloadedOptimizer:
             if self.weights is not None:
                 edited = self.weights.edited_since_update(p)
             else:
-                edited = p._version != self._versions.get(i, p._version)
+                mark = weights_mark(p)
+                edited = mark != self._versions.get(i, mark)
             if edited:
                 self._edits_now.add(i)
                 self.edits_taken += 1
@@ -984,7 +993,7 @@ class OffloadedOptimizer:
         if self.weights is None:
             for s in part.segments:
                 if s.param.grad is not None:
-                    self._versions[s.index] = s.param._version
+                    self._versions[s.index] = weights_mark(s.param)
 
     def _together(self, parts: Sequence[Partition]) -> int:
         """How many of `parts`, from the first, one native update may run together:
@@ -1410,7 +1419,7 @@ class OffloadedOptimizer:
         meta = self._meta(step)
         self.tiers.commit(**meta)
         self.committed_step = meta["step"]
-        self._versions = {i: p._version for i, p in enumerate(self.params)}  # as committed
+        self._versions = {i: weights_mark(p) for i, p in enumerate(self.params)}  # as committed
 
     def weights_synced(self, index: int, before: int, after: int) -> None:
         """Parameter `index`'s weights went from version `before` to `after` by writes that
@@ -1419,8 +1428,8 @@ class OffloadedOptimizer:
         need not copy them into the master. An edit before it still counts: the version
         then no longer is the one the last commit saw."""
         seen = self._versions
-        if seen is not None and seen.get(index) == before:
-            seen[index] = after
+        if seen is not None and index in seen and seen[index][0] == before:
+            seen[index] = (after, seen[index][1])
 
     def _refresh_edited_masters(self) -> None:
         """A parameter that took no step since its weights were changed (a clamp, a
@@ -1441,7 +1450,7 @@ class OffloadedOptimizer:
             if "master" not in part.kinds or self.tiers.is_fresh(part):
                 continue
             stale = [(s, sl) for s, sl in zip(part.segments, part.slices("master"))
-                     if s.param._version != seen.get(s.index)]
+                     if weights_mark(s.param) != seen.get(s.index)]
             if not stale:
                 continue
             with self.tiers.record(part, write=True) as (views, _):
@@ -1546,7 +1555,7 @@ class OffloadedOptimizer:
         # The weights are the commit's now, as after a commit: an edit from here on is one
         # the next commit must see (a resume never commits before its first step, so with no
         # snapshot an edit made before a step some parameters take no part in was lost)
-        self._versions = {i: p._version for i, p in enumerate(self.params)}
+        self._versions = {i: weights_mark(p) for i, p in enumerate(self.params)}
 
     def _model_weights(self, part: Partition, *, changed: bool = False
                        ) -> contextlib.AbstractContextManager:
@@ -1910,7 +1919,7 @@ class OffloadedOptimizer:
                         to.copy_(src)
                     if self.weights is None:
                         for s in part.segments:
-                            self._versions[s.index] = s.param._version
+                            self._versions[s.index] = weights_mark(s.param)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.overlap is not None:
