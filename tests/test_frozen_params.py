@@ -319,3 +319,22 @@ def test_a_frozen_parameter_holding_a_gradient_is_stepped_as_torch_does(
                 give(m)
             steps(m, o)
     compare_runs(model, opt, ref, ref_opt)
+
+
+def test_a_gradient_given_to_a_frozen_parameter_after_the_forward_is_refused_by_name(
+        tmp_path):
+    """overlap_backward lays a parameter out at the forward: one given a gradient after it
+    has no record when backward has updated the others. Refused naming it and saying to
+    give it before the forward (the message said to leave the block and enter a new one)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = config(tmp_path, host="64KiB")
+    cfg["pipeline"]["overlap_backward"] = True
+    cfg["swap"]["durability"] = "crash_consistent"  # (the step is rolled back)
+    with tiermem.offload(opt, cfg, model=model):
+        model(X).square().mean().backward()
+        model[0].weight.grad = torch.ones_like(model[0].weight)
+        with pytest.raises(tiermem.TierMemError,
+                           match="0.weight has a gradient but no optimizer record.*before the "
+                                 "forward"):
+            opt.step()

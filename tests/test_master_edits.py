@@ -13,6 +13,9 @@ the same values, which must leave the masters as they were (no precision lost)."
 
 from __future__ import annotations
 
+import copy
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -21,7 +24,8 @@ from hypothesis import strategies as st
 
 import tiermem
 from tiermem.device.lanes import DeferredBackend
-from tiermem.kernels.edits import take_edits
+from tiermem.kernels.edits import keep_kahan_terms, take_edits
+from tiermem.optim.edits import moved, weights_mark
 
 from offload_helpers import (Synthetic, assert_same_tensor, backend_params, config,
                              compare_runs, loss_of, make_batches, side_used, train, twin)
@@ -242,3 +246,227 @@ def test_take_edits_native_is_the_rule(dtype, n, seed, special, edited, threads)
     assert torch.equal(got.isnan(), want.isnan())
     keep = ~want.isnan()
     assert torch.equal(got[keep].view(torch.int32), want[keep].view(torch.int32))
+
+
+# -- found by review: loads, failures, shared buffers, state methods, resumes, Kahan terms --
+
+
+def _masters(opt, model):
+    sd = opt.state_dict()["state"]
+    return [sd[i]["master_param"].clone() for i in range(len(list(model.parameters())))]
+
+
+@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
+def test_a_load_supersedes_an_edit_made_before_it(tmp_path, durability):
+    """An edit, then opt.load_state_dict() and model.load_state_dict() of a checkpoint:
+    the masters are the checkpoint's. The load's commit (crash_consistent) took the edit
+    made before it into the masters it had just loaded."""
+    model = Synthetic().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = _cfg(tmp_path, "threads", kernel="fused")
+    cfg["swap"]["durability"] = durability
+    with tiermem.offload(opt, cfg, model=model):
+        train(model, opt, make_batches(model, 2))
+        osd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+        train(model, opt, make_batches(model, 2, seed=3), start=2)
+        _clamp(model)
+        opt.load_state_dict(osd)
+        model.load_state_dict(msd)
+        for i, m in enumerate(_masters(opt, model)):
+            assert_same_tensor(m, osd["state"][i]["master_param"], f"master {i}")
+
+
+def test_a_step_failing_part_way_leaves_the_rest_of_an_edit_for_the_next(tmp_path, monkeypatch):
+    """scratch: a mask, then a step that fails at the second of fc2.weight's pieces; the
+    retry's pieces the failed step had not reached take the mask too (lr 0: the masters
+    are the masked weights). The failed step's first piece marked the whole parameter
+    taken."""
+    model = Synthetic().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    batches = make_batches(model, 3)
+    original = tiermem.optim.offloaded.OffloadedOptimizer._update
+    seen = []
+
+    def failing(self, part, views, stats):
+        if any(s.param is model.fc2.weight for s in part.segments):
+            seen.append(part.id)
+            if len(seen) == 2:
+                raise RuntimeError("injected")
+        return original(self, part, views, stats)
+
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", kernel="fused"), model=model) as tm:
+        assert len({p.id for p in tm.offloaded.parts for s in p.segments
+                    if s.param is model.fc2.weight}) > 2
+        train(model, opt, batches[:1])
+        _mask(model)
+        masked = model.fc2.weight.detach().clone()
+        tokens, target = batches[1][0]
+        loss_of(model, tokens, target, side_used(1)).backward()
+        with monkeypatch.context() as m:
+            m.setattr(tiermem.optim.offloaded.OffloadedOptimizer, "_update", failing)
+            with pytest.raises(RuntimeError, match="injected"):
+                opt.step()
+        opt.zero_grad()
+        loss_of(model, tokens, target, side_used(1)).backward()
+        opt.step()
+        fc2 = [n for n, _ in model.named_parameters()].index("fc2.weight")
+        # (as values: lr 0's update adds +0 to a masked -0)
+        assert torch.equal(_masters(opt, model)[fc2], masked.float())
+
+
+def test_a_mark_tells_new_weights_at_a_freed_address():
+    """New weights assigned to p.data at the address of storage freed since the mark was
+    kept (no version counter moved) are an edit: the mark holds the storage weakly."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    mark = weights_mark(p)
+    assert not moved(mark, p)
+    other = torch.zeros(8)
+    stale = (p._version, p.data_ptr(), weakref.ref(other.untyped_storage()))
+    del other  # a storage that lived at that address, gone
+    assert moved(stale, p)
+    p.data = torch.ones(8)
+    assert moved(mark, p)
+
+
+class _Views(torch.nn.Module):
+    """Parameters that are views of one buffer: one version counter for all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        buf = (torch.randn(4 * 3000, generator=g) * 0.1).to(torch.bfloat16)
+        self.ws = torch.nn.ParameterList(
+            [torch.nn.Parameter(buf[i * 3000:(i + 1) * 3000].view(60, 50)) for i in range(4)])
+
+    def forward(self, x):
+        for w in self.ws:
+            x = torch.tanh(x @ w.t() @ w)
+        return x
+
+
+@pytest.mark.parametrize("kernel", ["fused", "native"])
+def test_views_of_one_buffer_are_not_taken_for_edited(tmp_path, kernel):
+    """An update of one moves the version counter of all: none is an edit (each step
+    took them all, a pass over every weight, a D2H copy of each on a GPU)."""
+    model = _Views()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    with tiermem.offload(opt, _cfg(tmp_path, "threads", kernel=kernel), model=model) as tm:
+        for _ in range(4):
+            model(torch.randn(8, 50, generator=g).to(torch.bfloat16)).float().square().mean() \
+                .backward()
+            opt.step()
+            opt.zero_grad()
+        assert tm.offloaded.edits_taken == 0
+
+
+@pytest.mark.parametrize("what", ["resume", "state-methods"])
+def test_the_parameter_tier_takes_no_edit_of_its_own(tmp_path, what):
+    """With parameters.offload, the tier's own writes of the weights (a resume's restore,
+    schedule-free's train()/eval() through the records) are no edits."""
+    cls = torch.optim.AdamW
+    if what == "state-methods":
+        schedulefree = pytest.importorskip("schedulefree")
+        cls = schedulefree.AdamWScheduleFree
+    cfg = _cfg(tmp_path, "threads", kernel="auto",
+               parameters={"offload": "nvme", "window": "4MiB"})
+    cfg["swap"]["durability"] = "crash_consistent" if what == "resume" else "scratch"
+    batches = make_batches(Synthetic(), 4)
+    model = Synthetic().to(torch.bfloat16)
+    opt = cls(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        if what == "state-methods":
+            opt.train()
+            train(model, opt, batches[:2], after_step=lambda i: (opt.eval(), opt.train()))
+            assert tm.offloaded.edits_taken == 0
+            return
+        train(model, opt, batches[:2])
+        tm.offloaded.keep_on_disk()
+        tm.discard()
+    model = Synthetic().to(torch.bfloat16)
+    opt = cls(model.parameters(), lr=1e-2)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        train(model, opt, batches[2:], start=2)
+        assert tm.offloaded.edits_taken == 0
+
+
+@pytest.mark.parametrize("master_weights", ["kahan", "none"])
+def test_an_edit_without_a_step_survives_a_resume_without_masters(tmp_path, master_weights):
+    """master_weights kahan/none keep a copy of the weights in the records
+    (crash_consistent): the commit after an edit of a parameter that took no step takes
+    it there, so a resume has it."""
+    model = Synthetic().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = _cfg(tmp_path, "threads", kernel="auto", optimizer={"master_weights": master_weights})
+    cfg["swap"]["durability"] = "crash_consistent"
+    batches = make_batches(model, 4)
+    odd = next(i for i in range(1, 4) if not side_used(i))
+    with tiermem.offload(opt, cfg, model=model) as tm:
+        train(model, opt, batches[:odd])
+        with torch.no_grad():
+            model.side.weight.mul_(-1)
+        train(model, opt, batches[odd: odd + 1], start=odd)
+        edited = model.side.weight.detach().clone()
+        tm.offloaded.keep_on_disk()
+        tm.discard()
+    fresh = Synthetic().to(torch.bfloat16)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with tiermem.offload(opt2, cfg, model=fresh, resume=True):
+        assert_same_tensor(fresh.side.weight.detach(), edited, "side.weight resumed")
+
+
+def test_kahan_terms_that_no_longer_fit_an_edited_weight_are_dropped(tmp_path):
+    """master_weights kahan: opt.load_state_dict() computes each Kahan term against the
+    weights of the moment; model.load_state_dict() after it moves the weights, and the
+    terms (0.04 off) no longer fit them: dropped, a step with lr 0 leaves the loaded
+    weights as they are (they were 0.04 off). Terms that fit are kept: a write of the
+    same weights changes no weight, a step with lr 0 neither."""
+    model = Synthetic().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    batches = make_batches(model, 6)
+    cfg = _cfg(tmp_path, "threads", kernel="auto", optimizer={"master_weights": "kahan"})
+    with tiermem.offload(opt, cfg, model=model):
+        train(model, opt, batches[:2])
+        osd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+        train(model, opt, batches[2:4], start=2)
+        opt.load_state_dict(osd)
+        model.load_state_dict(msd)
+        for g in opt.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        train(model, opt, batches[4:5], start=4)
+        for n, p in model.named_parameters():
+            assert_same_tensor(p.detach(), msd[n], n)
+        _same(model)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        train(model, opt, batches[5:6], start=5)
+        for n, p in model.named_parameters():
+            assert_same_tensor(p.detach(), before[n], n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), n=st.integers(1, 500),
+       seed=st.integers(0, 2**31 - 1))
+def test_kahan_terms_a_step_writes_are_kept_but_at_ties(dtype, n, seed):
+    """keep_kahan_terms keeps the terms of weights rounded from fp32 values (what a step
+    writes: near ties and at powers of two included) but the exact ties (a term of half a
+    spacing beside an odd weight, which the weight plus it rounds away from), and drops
+    those of weights moved off (a mask to 0)."""
+    from tiermem.kernels.lowbit import kahan_term
+    rng = np.random.default_rng(seed)
+    p = torch.from_numpy((rng.standard_normal(n) * 4).astype(np.float32))
+    near = torch.from_numpy(rng.random(n) < 0.3)
+    p[near] = p[near].to(dtype).float() * (1 + 2.0 ** -9)  # near ties and powers of two
+    w = p.to(dtype)
+    comp = kahan_term(p, w)
+    kept = comp.clone()
+    keep_kahan_terms(kept, w)
+    dropped = kept != comp
+    up = torch.nextafter(w, torch.full_like(w, float("inf"))).float() - w.float()
+    down = w.float() - torch.nextafter(w, torch.full_like(w, float("-inf"))).float()
+    half = torch.where(comp > 0, up, down) / 2
+    assert torch.equal(dropped, dropped & (comp.float().abs() == half))  # ties only
+    assert (kept[dropped] == 0).all()
+    masked = w.clone()
+    masked[::2] = 0
+    keep_kahan_terms(kept, masked)
+    assert (kept[::2] == 0).all()

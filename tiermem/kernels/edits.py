@@ -37,3 +37,13 @@ def take_edits(master: Tensor, weights: Tensor, *, threads: int | None = None) -
     changed = w != master.to(w.dtype)  # (a device's master: its kernels are fast enough)
     master.copy_(torch.where(changed, w.to(master.dtype), master))
     return int(changed.sum()) if master.is_cpu else -1
+
+
+def keep_kahan_terms(comp: Tensor, weights: Tensor) -> None:
+    """An edited low-precision weight's Kahan terms (master_weights kahan: what the fp32
+    value adds to the weight) kept only where they still fit it: where the weight plus its
+    term rounds to the weight, as every term a step writes does but one at an exact tie
+    (half a spacing, the weight odd). Where an edit moved the weight (a mask to 0, a clamp,
+    a model loaded after the optimizer's state), the term belonged to the weight of before
+    and is dropped: the edited weight is the value, as it is for the plain optimizer."""
+    comp.masked_fill_((weights.float() + comp.float()).to(weights.dtype) != weights, 0)

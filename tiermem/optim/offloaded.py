@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -25,6 +25,7 @@ from tiermem.swap.manifest import (read_manifest, refuse_stale_paths, scalar_fro
                                     value_from_json, write_manifest)
 from tiermem.optim import amp
 from tiermem.optim.counts import StepCounts
+from tiermem.optim.edits import EditedWeights
 from tiermem.optim.hooks import (Installed, load_with_hooks, run_post_hooks, run_pre_hooks,
                                  step_called)
 from tiermem.optim.overlap import BackwardOverlap
@@ -34,7 +35,7 @@ from tiermem.optim.state_io import (drop_param_state, gather, jsonable, param_en
                                     refuse_unkept_keys, scatter, torch_state_dict)
 from tiermem.optim.threads import UpdateThreads
 from tiermem.kernels.checksum import record_digest
-from tiermem.kernels.edits import take_edits
+from tiermem.kernels.edits import keep_kahan_terms, take_edits
 from tiermem.kernels.vml import resolve_vml_dispatch
 from tiermem.params.tier import ParamTier
 from tiermem.partition import Partition, Segment, build_partitions, flat, flat_like
@@ -152,13 +153,6 @@ def _pieces(parts: Iterable[Partition]) -> list[tuple[torch.Tensor, int]]:
     return [(p, n) for p, n in pieces.values()]
 
 
-def weights_mark(p: torch.Tensor) -> tuple[int, int]:
-    """What tells a parameter's weights from an edit of them: its version counter, which
-    every in-place change through it or a view of it moves, and where its data lives, which
-    new weights assigned to p.data change (an assignment moves no counter)."""
-    return p._version, p.data_ptr()
-
-
 def check_optimizer(opt: torch.optim.Optimizer) -> UpdateRule:
     """The rule that runs `opt` (refusing, with UnsupportedOptimizer, what none runs)."""
     return rule_for(opt)
@@ -271,19 +265,11 @@ class OffloadedOptimizer:
         # a step GradScaler skipped, which torch's fused Adam makes their state in (step 0,
         # zero moments) before it skips; an entry with step 0, loaded or held at entry.
         self.unstepped_state: set[int] = set()
-        # weights_mark of each parameter when its record's master last agreed with its
-        # weights (a step's update wrote the one from the other, a commit refreshed it, a
-        # resume restored the weights): which weights were changed since by someone else
-        # (a clamp, a pruning mask, model.load_state_dict()), for the masters a step starts
-        # from (_take_edits) and the ones a commit keeps (_refresh_edited_masters); None
-        # until set up at the end of __init__
-        self._versions: dict[int, tuple[int, int]] | None = None
-        # Of this step's parameters, those _take_edits has looked at, and of them the ones
-        # found edited (a parameter cut over several partitions is looked at once: the
-        # update of its first piece writes its weights)
-        self._edit_seen: set[int] = set()
-        self._edits_now: set[int] = set()
-        self.edits_taken = 0  # parameters whose edited weights a step took into the master
+        # The weights changed since the records last took them (optim/edits.py): the
+        # masters a step starts from take them first (_first_step_masters), and a commit
+        # those of the parameters that took no step (_refresh_edited_masters)
+        self.edits = EditedWeights(self.params)
+        self._pieces: tuple[int, Counter[int]] = (-1, Counter())  # (len(parts), count)
         # parameters a scratch step has updated so far (a failed one uncounts the rest)
         self.updated_now: set[int] = set()
         # After a scratch step failed part-way: the gradients (grad_marks) its updated
@@ -407,8 +393,7 @@ class OffloadedOptimizer:
             # A failed resume must leave the kept state exactly as it was.
             self.close_tiers(remove_swap=not resume)
             raise
-        if self._versions is None:  # (a resume's _restore_weights set them)
-            self._versions = {i: weights_mark(p) for i, p in enumerate(self.params)}
+        self.edits.record()  # the weights as the block found them (or a resume put them)
         self._hooks = Installed(optimizer, self)
         if settings.pipeline.overlap_backward or settings.parameters.offload != "none":
             self._hooks.claim_amp()  # so a GradScaler's step reaches the refusal (optim/amp.py)
@@ -462,19 +447,21 @@ class OffloadedOptimizer:
         covered = {s.index for part in parts for s in part.segments}
         return {i for i in indices if i not in covered and self.params[i].numel() > 0}
 
-    def refuse_unlaid(self, stepped: Iterable[int], what: str = "has a gradient") -> None:
-        """A parameter laid out no record (frozen at entry) cannot take a step: refuse
+    def refuse_unlaid(self, stepped: Iterable[int]) -> None:
+        """With pipeline.overlap_backward a parameter is laid out at the forward (unfrozen,
+        or given a gradient, by then: lay_out_late); one that got its gradient after the
+        forward has no record when backward has already updated the others: refuse it
         rather than leave it un-updated."""
         bad = sorted(set(stepped) & self.unlaid)
         if bad:
             p = self.params[bad[0]]
             name = self.names.get(id(p)) or f"parameter {bad[0]} (shape {tuple(p.shape)})"
             raise TierMemError(
-                f"{name}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''} {what}, but "
-                "had requires_grad=False when the tiermem.offload block was entered, so "
-                "tiermem laid out no optimizer state for it (a frozen parameter takes no "
-                "record); leave the block and enter a new one after unfreezing it (the state "
-                "is handed back and taken in again)")
+                f"{name}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''} has a gradient "
+                "but no optimizer record: it was frozen, with no gradient, when this step's "
+                "forward ran, and with pipeline.overlap_backward a parameter's record is laid "
+                "out at the forward, before backward starts updating the others. Unfreeze "
+                "it, or give it its gradient, before the forward")
 
     def _layouts(self, groups: Sequence[dict], only: set[int] | None = None) -> dict[str, Any]:
         """build_partitions' layout arguments: what the rule keeps in a record for each
@@ -851,7 +838,9 @@ class OffloadedOptimizer:
         self.rule.begin_step(self.opt.param_groups, closure=closure)
         stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None,
                           update_threads=self.threads.count())
-        self._edit_seen, self._edits_now = set(), set()
+        # the weights' changes since the last step, before this step's own writes
+        self.edits.note(self.weights.take_pending_edits() if self.weights is not None else None)
+        self.edits.begin(self._piece_counts())
         self.tiers.begin_step(stats)
         return stats
 
@@ -946,54 +935,54 @@ class OffloadedOptimizer:
         A parameter taking its first step: from its weights, as a record written now would
         have it (a record written earlier, at the block's entry under crash_consistent or
         at the first step of another parameter it holds, kept the weights of then, and a
-        change since counted or not as the layout fell). A later step: the elements of
-        its weights changed since the last update wrote them (_take_edits)."""
+        change since counted or not as the layout fell). A later step: the elements of its
+        weights changed since the records last took them (optim/edits.py: take_edits).
+        Without a master (master_weights kahan), the weights are what the update starts
+        from, and an edited element drops a Kahan term that no longer fits it
+        (keep_kahan_terms)."""
         master = views.get("master")
-        if master is None:
+        kahan = views.get("kahan") if master is None else None
+        if master is None and kahan is None:
             return
-        for s, sl in zip(part.segments, part.slices("master")):
+        kind = "master" if master is not None else "kahan"
+        for s, sl in zip(part.segments, part.slices(kind)):
             if not self.has_grad(s.param):
                 continue
-            if float(self.steps[s.index]) == 1.0:
+            if master is not None and float(self.steps[s.index]) == 1.0:
                 master[sl].copy_(flat(s.param.detach())[s.start: s.start + s.length])
             elif self._edited(part, s, master):
-                take_edits(master[sl], flat(s.param.detach())[s.start: s.start + s.length])
+                weights = flat(s.param.detach())[s.start: s.start + s.length]
+                if master is not None:
+                    take_edits(master[sl], weights)
+                else:
+                    keep_kahan_terms(kahan[sl], weights)
 
-    def _edited(self, part: Partition, s: Segment, master: torch.Tensor) -> bool:
-        """The weights of `s`'s parameter were changed since its last update by someone
-        other than tiermem, where the update starts from the master (low-precision
-        weights, or a device model's updated on the host): the step would overwrite the
-        change, where the plain optimizer steps from it. Looked at once per step for a
-        parameter cut over several partitions. weights_mark sees every in-place change
-        through the parameter or a view of it (`with torch.no_grad(): p.clamp_(...)`,
-        p.detach().copy_(), model.load_state_dict()) and new weights assigned to p.data,
-        not an in-place change made through p.data, whose counter is its own: such a
-        change is lost (docs/guide/numerics.md)."""
+    def _edited(self, part: Partition, s: Segment, master: torch.Tensor | None) -> bool:
+        """The weights of `s`'s parameter were changed since the records last took them
+        by someone other than tiermem, where the update starts from the master
+        (low-precision weights, or a device model's updated on the host: the step would
+        overwrite the change, where the plain optimizer steps from it), or from weights
+        whose Kahan term no longer fits them. optim/edits.py says which: not an in-place
+        change made through p.data without the parameter tier (its counter is its own:
+        docs/guide/numerics.md)."""
         p = s.param
-        if p.dtype == torch.float32 and p.device == master.device \
+        if master is not None and p.dtype == torch.float32 and p.device == master.device \
                 and self._route(part) != "offload":
             return False  # its own weights are what the update starts from
-        i = s.index
-        if i not in self._edit_seen:
-            self._edit_seen.add(i)
-            if self.weights is not None:
-                edited = self.weights.edited_since_update(p)
-            else:
-                mark = weights_mark(p)
-                edited = mark != self._versions.get(i, mark)
-            if edited:
-                self._edits_now.add(i)
-                self.edits_taken += 1
-        return i in self._edits_now
+        return self.edits.take(s.index)
 
     def _synced(self, part: Partition) -> None:
         """`part`'s update wrote the weights of its parameters that took the step from their
-        masters (or the masters from them): they agree, until someone changes the weights.
-        (With parameters.offload the tier keeps this: edited_since_update.)"""
-        if self.weights is None:
-            for s in part.segments:
-                if s.param.grad is not None:
-                    self._versions[s.index] = weights_mark(s.param)
+        masters (or the masters from them): a parameter all of whose pieces were updated
+        has its changes in its records."""
+        self.edits.updated(s.index for s in part.segments if self.has_grad(s.param))
+
+    def _piece_counts(self) -> Counter[int]:
+        """Each parameter's partitions (kept while the layout is the same)."""
+        if self._pieces[0] != len(self.parts):
+            self._pieces = (len(self.parts), Counter(s.index for part in self.parts
+                                                     for s in part.segments))
+        return self._pieces[1]
 
     def _together(self, parts: Sequence[Partition]) -> int:
         """How many of `parts`, from the first, one native update may run together:
@@ -1139,9 +1128,6 @@ class OffloadedOptimizer:
                 # the record was staged before this update: its master, on the device
                 self._first_step_masters(part, dev_views)
                 self._gathered_update(part, dev_views, scratch)
-                # (the emulated compute stream runs this when the host waits for it: after
-                # the caller's _synced, which saw the weights before these writes)
-                self._synced(part)
 
             self.lanes.update_on_device(part, views, on_device, stats)
             return None
@@ -1419,44 +1405,56 @@ class OffloadedOptimizer:
         meta = self._meta(step)
         self.tiers.commit(**meta)
         self.committed_step = meta["step"]
-        self._versions = {i: weights_mark(p) for i, p in enumerate(self.params)}  # as committed
+        self.edits.settled()  # (the records took every change: _refresh_edited_masters)
 
     def weights_synced(self, index: int, before: int, after: int) -> None:
         """Parameter `index`'s weights went from version `before` to `after` by writes that
         changed none of this optimizer's elements of it (a rank's all-gather of its peers'
         pieces into the parameter its own piece is a view of): no edit, so the next commit
-        need not copy them into the master. An edit before it still counts: the version
-        then no longer is the one the last commit saw."""
-        seen = self._versions
-        if seen is not None and index in seen and seen[index][0] == before:
-            seen[index] = (after, seen[index][1])
+        need not take them (EditedWeights.synced)."""
+        self.edits.synced(index, before, after)
 
     def _refresh_edited_masters(self) -> None:
         """A parameter that took no step since its weights were changed (a clamp, a
-        load_state_dict) kept the master of before, so a resume put back its weights of
-        before the change: the masters take the changes before the commit (take_edits; the
-        version counter says which changed since the master and the weights last agreed,
-        and a rank's all-gather of its peers' pieces is no change: weights_synced). An fp32
-        CPU model's master is only the copy a commit keeps (its own weights are what a
-        step starts from); any other's is what the next step starts from, which would take
-        the change all the same (_first_step_masters)."""
+        load_state_dict) kept the record of before, so a resume put back its weights of
+        before the change: the records take the changes before the commit (optim/edits.py
+        says which; a rank's all-gather of its peers' pieces is no change: weights_synced).
+        An fp32 CPU model's master is only the copy a commit keeps (its own weights are
+        what a step starts from); any other's is what the next step starts from, which
+        would take the change all the same (_first_step_masters). master_weights
+        kahan/none keep a copy of the weights instead (_take_into_record)."""
         if self.weights is not None:
             self._refresh_tier_masters()
             return
-        seen = self._versions
-        if seen is None:
+        self.edits.note()
+        pending = self.edits.pending
+        for part in self.parts if pending else ():
+            self._take_into_record(part, pending)
+
+    def _take_into_record(self, part: Partition, edited: set[int],
+                          weights: Any = None) -> None:
+        """The record of `part` takes the changed weights of its parameters in `edited`:
+        its masters (take_edits), or its copy of the weights and the Kahan terms that
+        still fit them. `weights`: the parameter tier, which materialises them."""
+        kind = "master" if "master" in part.kinds else "weight" if "weight" in part.kinds \
+            else None
+        if kind is None or self.tiers.is_fresh(part):
             return
-        for part in self.parts:
-            if "master" not in part.kinds or self.tiers.is_fresh(part):
-                continue
-            stale = [(s, sl) for s, sl in zip(part.segments, part.slices("master"))
-                     if weights_mark(s.param) != seen.get(s.index)]
-            if not stale:
-                continue
-            with self.tiers.record(part, write=True) as (views, _):
-                for s, sl in stale:
-                    take_edits(views["master"][sl],
-                               flat(s.param.detach())[s.start: s.start + s.length])
+        stale = [(n, s) for n, s in enumerate(part.segments) if s.index in edited]
+        if not stale:
+            return
+        there = (weights.materialised([s.param for _, s in stale]) if weights is not None
+                 else contextlib.nullcontext())
+        with self.tiers.record(part, write=True) as (views, _), there:
+            slices = {k: part.slices(k) for k in views}
+            for n, s in stale:
+                w = flat(s.param.detach())[s.start: s.start + s.length]
+                if kind == "master":
+                    take_edits(views["master"][slices["master"][n]], w)
+                    continue
+                views["weight"][slices["weight"][n]].copy_(w)
+                if "kahan" in views:
+                    keep_kahan_terms(views["kahan"][slices["kahan"][n]], w)
 
     def _refresh_tier_masters(self) -> None:
         """_refresh_edited_masters with parameters.offload: the tier says which weights were
@@ -1464,23 +1462,17 @@ class OffloadedOptimizer:
         took no step since: a resume put back its weights of before the change)."""
         edited = self.weights.take_edited()
         for part in self.parts if edited else ():
-            if "master" not in part.kinds or self.tiers.is_fresh(part):
-                continue
-            stale = [(s, sl) for s, sl in zip(part.segments, part.slices("master"))
-                     if s.index in edited]
-            if not stale:
-                continue
-            with self.tiers.record(part, write=True) as (views, _), \
-                    self.weights.materialised([s.param for s, _ in stale]):
-                for s, sl in stale:
-                    take_edits(views["master"][sl],
-                               flat(s.param.detach())[s.start: s.start + s.length])
+            self._take_into_record(part, edited, self.weights)
 
     def close_step(self, stats: StepStats) -> None:
         """The step happened, whether or not its commit (crash-consistent) then succeeds:
         count it and keep its figures first."""
         if self.lanes is not None:
             self.lanes.end_step(stats)
+        # The step's own writes of the weights are no edits (a parameter that is a view of
+        # one buffer with others moved their version counters too); the changes its updates
+        # did not take stay pending.
+        self.edits.record()
         self.history.append(stats)
         self.steps_taken += 1
         if self.crash:
@@ -1555,7 +1547,7 @@ class OffloadedOptimizer:
         # The weights are the commit's now, as after a commit: an edit from here on is one
         # the next commit must see (a resume never commits before its first step, so with no
         # snapshot an edit made before a step some parameters take no part in was lost)
-        self._versions = {i: weights_mark(p) for i, p in enumerate(self.params)}
+        self.edits.settled()
 
     def _model_weights(self, part: Partition, *, changed: bool = False
                        ) -> contextlib.AbstractContextManager:
@@ -1603,6 +1595,12 @@ class OffloadedOptimizer:
             self.scalars[i] = self.rule.host_scalars(st, group)
             self._next_scalars.pop(i, None)
         scatter(self.tiers, self.parts, self.rule.torch_keys, state)
+        # the loaded state's masters (or the weights, where it has none) are the records
+        # now: a change made to the weights before the load is superseded by it
+        loaded = [index[id(p)] for p in state]
+        self.edits.settled(loaded)
+        if self.weights is not None:
+            self.weights.forget_edits(self.params[i] for i in loaded)
 
     def _refuse_misshapen(self, i: int, st: dict[str, Any]) -> None:
         """Refuse state of parameter `i` that is not the size of what its record holds
@@ -1860,6 +1858,11 @@ class OffloadedOptimizer:
             self.commit()
 
     @property
+    def edits_taken(self) -> int:
+        """Parameters whose changed weights an update took into its records so far."""
+        return self.edits.taken
+
+    @property
     def state_methods(self) -> tuple[str, ...]:
         """The optimizer's methods besides step() that use the per-parameter state
         (schedule-free's train()/eval()): the hooks route them to call_state_method."""
@@ -1877,7 +1880,9 @@ class OffloadedOptimizer:
         if self.overlap is not None:
             self.overlap.require_idle(f"optimizer.{name}()")
         self.rule.begin_step(self.opt.param_groups)
-        self._edit_seen, self._edits_now = set(), set()
+        # the weights' changes since the last step, taken by the masters the method reads
+        self.edits.note(self.weights.take_pending_edits() if self.weights is not None else None)
+        self.edits.begin(self._piece_counts())
         with torch.no_grad(), deferred():
             for part in self.parts:
                 group = self.opt.param_groups[part.group]
@@ -1917,9 +1922,9 @@ class OffloadedOptimizer:
                     self.rule.run_method(name, batch)
                     for to, src in copies:
                         to.copy_(src)
-                    if self.weights is None:
-                        for s in part.segments:
-                            self._versions[s.index] = weights_mark(s.param)
+            # the weights and the records agree: the method wrote the one from the other
+            # (every piece of a parameter cut over partitions took its changes first)
+            self.edits.settled({s.index for part in self.parts for s in part.segments})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.overlap is not None:

@@ -378,9 +378,9 @@ class ParamTier:
         # step since: a crash-consistent commit copies them into their records' masters
         # (take_edited), or a resume puts back the weights of before the change
         self.edited: set[int] = set()
-        # The same, kept until the parameter's next update rather than the next commit: the
-        # update of a low-precision weight starts from its master, which takes the change
-        # first (edited_since_update)
+        # The same, kept until the optimizer takes them (take_pending_edits, as a step
+        # begins) rather than until the next commit: the update of a low-precision weight
+        # starts from its master, which takes the change first
         self.edits_pending: set[int] = set()
         # (p._version, device) of each released parameter as the release left it: a change
         # since went to its empty placeholder, not to the weights (_check_param)
@@ -1847,6 +1847,9 @@ class ParamTier:
             if changed:
                 with self.lock:
                     self.dirty.update(idx)
+                    for i in idx:  # (tiermem's own writes: no edit of the user's)
+                        if i in self.live:
+                            self.versions[i] = self.params[i]._version
         finally:
             with self.lock:
                 for i in idx:
@@ -1942,7 +1945,8 @@ class ParamTier:
                 self.dirty.add(i)
                 # the update started from them, or from a master that took them first
                 self.edited.discard(i)
-                self.edits_pending.discard(i)
+                if i in self.live:  # its writes of the weights are no edit (dirty, above)
+                    self.versions[i] = self.params[i]._version
                 self.updates[i] = self.updates.get(i, 0) + 1
                 if self.updates[i] >= self.pieces[i]:
                     if i in self.unwritten:
@@ -1970,12 +1974,25 @@ class ParamTier:
         self.edits_pending.add(i)
 
     @_locked
-    def edited_since_update(self, p: torch.Tensor) -> bool:
-        """Whether parameter p's weights were changed since its last update other than by
-        one (see `edited`; a change counted conservatively, as p.data taken, is one too)."""
-        i = self.index[id(p)]
-        self._note_edit(i)
-        return i in self.edits_pending
+    def take_pending_edits(self) -> set[int]:
+        """The parameters whose weights were changed since the last call other than by the
+        optimizer (see `edited`; a change counted conservatively, as p.data taken, is one
+        too), forgotten here: the optimizer keeps them until its records took them."""
+        for i in list(self.live):
+            self._note_edit(i)
+        pending, self.edits_pending = self.edits_pending, set()
+        return pending
+
+    @_locked
+    def forget_edits(self, params: Iterable[torch.Tensor]) -> None:
+        """The records of `params` were given new state (a load): the changes made to their
+        weights before it are superseded, for the next step and the next commit."""
+        for i in self.indices(params):
+            if i in self.live:
+                self._note_edit(i)
+                self.versions[i] = self.params[i]._version
+            self.edited.discard(i)
+            self.edits_pending.discard(i)
 
     @_locked
     def take_edited(self) -> set[int]:
