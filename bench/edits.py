@@ -9,8 +9,8 @@ every parameter and takes nothing: the most it costs); and after a clamp that ch
 one element in a thousand (the pass takes those). Each of --rounds rounds times a block
 of --steps steps of each, in a shuffled order; the table gives the median block's time
 per step, per parameter, and its ratio to the no-edit step (median of the rounds' paired
-ratios). torch's fused AdamW stepping the same bf16 model (no master, the edits are its
-weights) is shown beside, as a reference measured in the same run.
+ratios). torch's fused AdamW stepping the same low-precision model (no master, the edits
+are its weights) is shown beside, as a reference measured in the same run.
 
 Usage: python bench/edits.py [--params 50M] [--dtype bf16|fp16] [--rounds 5] [--steps 3]
        [--quick] [--json out.json]
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (parse_count, parser, run_header, save, settings,  # noqa: E402
                       show_table)
 
-SETUPS = ("no edit", "every weight written", "1 in 1000 changed", "torch fused (bf16 model)")
+SETUPS = ("no edit", "every weight written", "1 in 1000 changed", "torch fused, same model")
 TENSOR = 1 << 22  # elements per parameter
 
 

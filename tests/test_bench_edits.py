@@ -24,7 +24,7 @@ def test_edits_bench_smoke(tmp_path, dtype):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(out.read_text())["results"]
     setups = ("no edit", "every weight written", "1 in 1000 changed",
-              "torch fused (bf16 model)")
+              "torch fused, same model")
     for s in setups:
         assert s in proc.stdout
         assert len(r[s]["steps"]) == 2 and all(t > 0 for t in r[s]["steps"])
