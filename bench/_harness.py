@@ -376,6 +376,22 @@ def time_calls(fn: Callable[[], Any], n: int, warmup: int = 0) -> dict[str, list
     return {"seconds": times, "cpu_seconds": cpu}
 
 
+def shuffled_rounds(runs: Mapping[str, Callable[[], float]], rounds: int,
+                    seed: int = 0) -> dict[str, list[float]]:
+    """Each run's figure in each of `rounds` rounds, the runs taken in a shuffled order
+    each round (seeded), so that the machine's drift hits all alike."""
+    import random
+
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        order = list(runs)
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(runs[name]())
+    return times
+
+
 def steady(items: Sequence[Any]) -> Sequence[Any]:
     """The steps after the first (which only writes fresh records), or all if one."""
     return items[1:] or items

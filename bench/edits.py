@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import random
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (parse_count, parser, run_header, save, settings,  # noqa: E402
-                      show_table)
+                      show_table, shuffled_rounds)
 
 SETUPS = ("no edit", "every weight written", "1 in 1000 changed", "torch fused, same model")
 TENSOR = 1 << 22  # elements per parameter
@@ -96,13 +95,7 @@ def measure(args) -> dict[str, Any]:
             for s in SETUPS:
                 runs[s]()
         taken0 = {s: handles[s].offloaded.edits_taken for s in SETUPS[:3]}
-        rng = random.Random(0)
-        times: dict[str, list[float]] = {s: [] for s in SETUPS}
-        for _ in range(args.rounds):
-            order = list(SETUPS)
-            rng.shuffle(order)
-            for s in order:
-                times[s].append(runs[s]())
+        times = shuffled_rounds(runs, args.rounds)
         taken = {s: handles[s].offloaded.edits_taken - taken0[s] for s in SETUPS[:3]}
         for h in handles.values():
             h.discard()

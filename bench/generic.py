@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import random
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (add_pipeline_args, offload_config, parser, run_header,  # noqa: E402
-                      save, settings, show_table)
+                      save, settings, show_table, shuffled_rounds)
 
 # name -> (module, class, constructor arguments; "steps" is replaced by --steps)
 OPTIMIZERS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -96,13 +95,7 @@ def measure(name: str, args) -> dict[str, Any]:
         for _ in range(2):  # warm-up: set-up steps, compilation, fresh records written
             for s in SETUPS:
                 opts[s].step()
-        rng = random.Random(0)
-        times: dict[str, list[float]] = {s: [] for s in SETUPS}
-        for _ in range(args.rounds):
-            order = list(SETUPS)
-            rng.shuffle(order)
-            for s in order:
-                times[s].append(runs[s]())
+        times = shuffled_rounds(runs, args.rounds)
         assert all(p.grad is not None for m in models.values() for p in m)
         on_disk = handles["nvme"].plan()["state_bytes"]["nvme"]
         for h in handles.values():
