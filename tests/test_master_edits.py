@@ -328,6 +328,19 @@ def test_a_mark_tells_new_weights_at_a_freed_address():
     assert moved(mark, p)
 
 
+def test_a_tensor_without_storage_has_a_mark_of_its_version_only():
+    """A parameter without a storage of its own (a sparse one, frozen in a group) is
+    marked by its version counter: taking its address raised at set-up."""
+    p = torch.nn.Parameter(torch.sparse_coo_tensor(torch.tensor([[0, 2]]),
+                                                   torch.tensor([1.0, 2.0]), (4,)),
+                           requires_grad=False)
+    mark = weights_mark(p)
+    assert not moved(mark, p)
+    with torch.no_grad():
+        p.mul_(2)
+    assert moved(mark, p)
+
+
 class _Views(torch.nn.Module):
     """Parameters that are views of one buffer: one version counter for all of them."""
 

@@ -31,14 +31,20 @@ def weights_mark(p: torch.Tensor) -> tuple[int, int, Any]:
     every in-place change through it or a view of it moves, and where its data lives,
     which new weights assigned to p.data change (an assignment moves no counter): the
     address, and the storage itself (weakly: one freed since may have left its address
-    to the new weights)."""
-    return p._version, p.data_ptr(), weakref.ref(p.untyped_storage())
+    to the new weights). A tensor without a storage of its own (a sparse one) has
+    neither: its version counter only."""
+    try:
+        return p._version, p.data_ptr(), weakref.ref(p.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return p._version, 0, None
 
 
 def moved(mark: tuple[int, int, Any] | None, p: torch.Tensor) -> bool:
     if mark is None:
         return False  # (a parameter added since: its first step starts from its weights)
     version, ptr, storage = mark
+    if storage is None:
+        return version != p._version
     return (version != p._version or ptr != p.data_ptr()
             or storage() is not p.untyped_storage())
 
