@@ -142,8 +142,11 @@ LOWP = {  # where a low-precision model's update runs
 SEEN = {where: [e for e in EDITS if e != "data" or where == "params"] for where in LOWP}
 
 
-@pytest.mark.parametrize("where, edit", [(w, e) for w in LOWP for e in SEEN[w]])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype, where, edit", [
+    (dtype, w, e) for w in LOWP for e in SEEN[w]
+    for dtype in ([torch.bfloat16, torch.float16] if e in ("clamp", "same", "assign")
+                  else [torch.bfloat16])],  # (fp16 rounds by the same rule: a few of them)
+    ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None)
 def test_low_precision_edit_is_taken(tmp_path, dtype, where, edit):
     """The weights after every later step are the reference masters rounded, and the
     masters are the reference's: the edit counted, elements not edited kept their fp32
@@ -328,6 +331,7 @@ def test_a_mark_tells_new_weights_at_a_freed_address():
     assert moved(mark, p)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_a_tensor_without_storage_has_a_mark_of_its_version_only():
     """A parameter without a storage of its own (a sparse one, frozen in a group) is
     marked by its version counter: taking its address raised at set-up."""
