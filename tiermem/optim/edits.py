@@ -50,7 +50,8 @@ def moved(mark: tuple[int, int, Any] | None, p: torch.Tensor) -> bool:
 
 
 class EditedWeights:
-    """The marks and the pending set of an optimizer's parameters (see the module)."""
+    """The marks and the pending set of an optimizer's parameters (see the module). No
+    mark is kept until the first record(): the owner's, once its set-up is done."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = params  # (the optimizer's list: parameters added later are in it)
@@ -60,7 +61,6 @@ class EditedWeights:
         self._taking: set[int] = set()  # of this step's pending, those counted in `taken`
         self._pieces: Counter[int] = Counter()  # per parameter, its partitions
         self._done: Counter[int] = Counter()  # per parameter, its pieces updated this step
-        self.record()
 
     def record(self, indices: Iterable[int] | None = None) -> None:
         """The weights and the records agree now (tiermem wrote the one from the other)."""
@@ -78,9 +78,9 @@ class EditedWeights:
             if moved(self.marks.get(i), p):
                 self.pending.add(i)
 
-    def begin(self, pieces: Counter[int]) -> None:
-        """A step begins (after note): `pieces`, each parameter's partitions."""
-        self._pieces = pieces
+    def begin(self, parts: Sequence[Any]) -> None:
+        """A step begins (after note) over the layout `parts` (partitions of segments)."""
+        self._pieces = Counter(s.index for part in parts for s in part.segments)
         self._done.clear()
         self._taking.clear()
 

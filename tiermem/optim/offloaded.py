@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -269,7 +269,6 @@ class OffloadedOptimizer:
         # masters a step starts from take them first (_first_step_masters), and a commit
         # those of the parameters that took no step (_refresh_edited_masters)
         self.edits = EditedWeights(self.params)
-        self._pieces: tuple[int, Counter[int]] = (-1, Counter())  # (len(parts), count)
         # parameters a scratch step has updated so far (a failed one uncounts the rest)
         self.updated_now: set[int] = set()
         # After a scratch step failed part-way: the gradients (grad_marks) its updated
@@ -838,9 +837,7 @@ class OffloadedOptimizer:
         self.rule.begin_step(self.opt.param_groups, closure=closure)
         stats = StepStats(step=self.steps_taken + 1, events=[] if self.record_events else None,
                           update_threads=self.threads.count())
-        # the weights' changes since the last step, before this step's own writes
-        self.edits.note(self.weights.take_pending_edits() if self.weights is not None else None)
-        self.edits.begin(self._piece_counts())
+        self._note_edits()  # (before this step's own writes of the weights)
         self.tiers.begin_step(stats)
         return stats
 
@@ -977,12 +974,11 @@ class OffloadedOptimizer:
         has its changes in its records."""
         self.edits.updated(s.index for s in part.segments if self.has_grad(s.param))
 
-    def _piece_counts(self) -> Counter[int]:
-        """Each parameter's partitions (kept while the layout is the same)."""
-        if self._pieces[0] != len(self.parts):
-            self._pieces = (len(self.parts), Counter(s.index for part in self.parts
-                                                     for s in part.segments))
-        return self._pieces[1]
+    def _note_edits(self) -> None:
+        """The weights' changes since the last step (optim/edits.py; with parameters.offload
+        the tier's), pending for the update about to begin."""
+        self.edits.note(self.weights.take_pending_edits() if self.weights is not None else None)
+        self.edits.begin(self.parts)
 
     def _together(self, parts: Sequence[Partition]) -> int:
         """How many of `parts`, from the first, one native update may run together:
@@ -1880,9 +1876,7 @@ class OffloadedOptimizer:
         if self.overlap is not None:
             self.overlap.require_idle(f"optimizer.{name}()")
         self.rule.begin_step(self.opt.param_groups)
-        # the weights' changes since the last step, taken by the masters the method reads
-        self.edits.note(self.weights.take_pending_edits() if self.weights is not None else None)
-        self.edits.begin(self._piece_counts())
+        self._note_edits()  # (taken by the masters the method reads)
         with torch.no_grad(), deferred():
             for part in self.parts:
                 group = self.opt.param_groups[part.group]
