@@ -1,7 +1,7 @@
 """Record checksum cost, measured in one run: XXH3-64 (python xxhash, what tiermem used
 before CRC32C; skipped if not installed) against CRC32C in C (each path the CPU has:
-table, SSE4.2 3-way, AVX-512 VPCLMULQDQ folding; the one tiermem picks on 1 and 2
-threads), a plain read of the buffer (torch sum: what one core reads from DRAM), and
+table, SSE4.2 3-way, 128-bit PCLMULQDQ folding, AVX-512 VPCLMULQDQ folding; the one
+tiermem picks on 1 and 2 threads), a plain read of the buffer (torch sum: what one core reads from DRAM), and
 the native Adam update with and without the CRCs computed in its own pass.
 
     python3 bench/checksum.py --mib 512 --params 64M
@@ -15,7 +15,8 @@ import torch
 
 from _harness import parse_count, parser, ratio, run_header, save, show_table, time_calls
 from tiermem.kernels import native_adam as na
-from tiermem.kernels.checksum import crc32c, crc32c_portable, crc32c_sse42, has_fold, has_sse42
+from tiermem.kernels.checksum import (crc32c, crc32c_clmul, crc32c_portable, crc32c_sse42, crc_path,
+                                      has_clmul, has_sse42)
 
 
 def best_of(fn, repeat: int) -> float:
@@ -44,12 +45,13 @@ def main(argv=None) -> int:
     rows["crc32c table, 1 thread"] = best_of(lambda: crc32c_portable(mv), 1)
     if has_sse42():
         rows["crc32c sse4.2 3-way, 1 thread"] = best_of(lambda: crc32c_sse42(mv), a.repeat)
+    if has_clmul():
+        rows["crc32c pclmul fold, 1 thread"] = best_of(lambda: crc32c_clmul(mv), a.repeat)
     torch.set_num_threads(1)
     as_float = buf.view(torch.float32)
     rows["read (torch sum), 1 thread"] = best_of(lambda: as_float.sum(), a.repeat)
     torch.set_num_threads(threads)
-    picked = "vpclmul fold" if has_fold() else "sse4.2 3-way" if has_sse42() else "table"
-    rows[f"crc32c ({picked}), 1 thread"] = best_of(lambda: crc32c(buf), a.repeat)
+    rows[f"crc32c ({crc_path()}), 1 thread"] = best_of(lambda: crc32c(buf), a.repeat)
     rows["crc32c, 2 threads"] = best_of(lambda: crc32c(buf, threads=2), a.repeat)
     out = {"hash_gbps": {name: buf.numel() / t / 1e9 for name, t in rows.items()}}
     tables = [show_table(["hash", "GB/s"], [[k, f"{v:.1f}"] for k, v in out["hash_gbps"].items()],

@@ -28,11 +28,20 @@
  * what one core reads from DRAM here, 12 of 25 GB/s, and records are hashed
  * straight from DRAM when read back). Its constants x^k mod P are computed at
  * start-up with multmodp, not copied from tables; the folded 128 bits are turned
- * back into a CRC register with two crc32 instructions. */
+ * back into a CRC register with two crc32 instructions.
+ *
+ * Where the CPU has PCLMULQDQ but not that (AVX2 hosts: AMD Zen 1/2, Intel before Ice
+ * Lake), a 128-bit folding path (raw_fold128: four 16-byte accumulators, 64 bytes per
+ * iteration) can beat the 3-way path: on Zen 1 the crc32 instruction issues one word
+ * every three cycles, so three chains hash no faster than one (6 GB/s here, against 10
+ * for the carry-less fold, both in L2); on Intel cores since Skylake the two are about
+ * even. Which one tm_crc32c takes there is measured once at start-up (pick_path) over a
+ * buffer in cache: both give the same value, so the choice moves only the speed. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "parallel.h"
 #include "tiermem_native.h"
@@ -55,13 +64,19 @@ static uint32_t shift1[4][256];      /* multiply by x^(8*LANE) mod P */
 static uint32_t shift2[4][256];      /* multiply by x^(8*2*LANE) mod P */
 static int use_hw;
 static int use_fold;                 /* AVX-512F + VPCLMULQDQ + SSE4.2 */
+static int use_clmul;                /* PCLMULQDQ + SSE4.2: raw_fold128 can run */
+static int path;                     /* what tm_crc32c takes: pick_path */
 #define FOLD_MIN 1024                /* shorter buffers: the 3-way path */
+#define FOLD128_MIN 256              /* the same for raw_fold128 */
 /* Folding constants, each x^e mod P as a 32-bit reflected value placed in the
  * upper half of a 64-bit lane (so a 64x64 carry-less product lines up, see
  * fold_consts). fold_loop: by 2048 bits (256 bytes); fold_end[j]: lane j of
  * the final 16 lanes moved by (15 - j) * 128 bits to the last lane. */
 static uint64_t fold_loop[2];
 static uint64_t fold_end[16][2];
+/* raw_fold128's: by 512 bits (64 bytes), and lane j of four moved (3 - j) * 128 bits. */
+static uint64_t fold128_loop[2];
+static uint64_t fold128_end[3][2];
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
 /* a * b mod P, reflected (bit 31 is x^0), as in zlib's multmodp. */
@@ -128,6 +143,9 @@ static inline uint32_t shift(uint32_t t[4][256], uint32_t c)
     return t[0][c & 0xff] ^ t[1][(c >> 8) & 0xff] ^ t[2][(c >> 16) & 0xff] ^ t[3][c >> 24];
 }
 
+enum { PATH_TABLE, PATH_SSE42, PATH_CLMUL, PATH_FOLD };
+static void pick_path(void);
+
 static void init(void)
 {
     for (uint32_t n = 0; n < 256; n++) {
@@ -150,11 +168,16 @@ static void init(void)
     use_hw = __builtin_cpu_supports("sse4.2");
     use_fold = use_hw && __builtin_cpu_supports("avx512f") &&
                __builtin_cpu_supports("vpclmulqdq");
+    use_clmul = use_hw && __builtin_cpu_supports("pclmul");
 #endif
     fold_consts(fold_loop, 2048);
     for (int j = 0; j < 15; j++)
         fold_consts(fold_end[j], (uint64_t)(15 - j) * 128);
     fold_end[15][0] = fold_end[15][1] = 0;  /* the last lane stays where it is */
+    fold_consts(fold128_loop, 512);
+    for (int j = 0; j < 3; j++)
+        fold_consts(fold128_end[j], (uint64_t)(3 - j) * 128);
+    pick_path();
 }
 
 /* The raw register (no pre/post inversion) over buf, table-driven. */
@@ -283,26 +306,137 @@ static uint32_t raw_fold(uint32_t c, const unsigned char *p, size_t len)
 }
 #endif
 
-enum { PATH_TABLE, PATH_SSE42, PATH_FOLD };
-
-static uint32_t crc_with(int path, uint32_t crc, const void *buf, size_t len)
+#if TM_CRC_X86
+/* The 128-bit folding path over len >= FOLD128_MIN bytes (any alignment): the same
+ * scheme as raw_fold with one 16-byte lane per accumulator; returns the raw register. */
+__attribute__((target("pclmul,sse4.2")))
+static uint32_t raw_fold128(uint32_t c, const unsigned char *p, size_t len)
 {
-    pthread_once(&init_once, init);
+    const __m128i k = _mm_set_epi64x((long long)fold128_loop[1], (long long)fold128_loop[0]);
+    __m128i a0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)c));
+    __m128i a1 = _mm_loadu_si128((const __m128i *)(p + 16));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(p + 32));
+    __m128i a3 = _mm_loadu_si128((const __m128i *)(p + 48));
+    p += 64;
+    len -= 64;
+#define TM_FOLD128(acc, src, kk) \
+    acc = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(acc, kk, 0x00), \
+                                      _mm_clmulepi64_si128(acc, kk, 0x11)), (src))
+    while (len >= 64) {
+        TM_FOLD128(a0, _mm_loadu_si128((const __m128i *)p), k);
+        TM_FOLD128(a1, _mm_loadu_si128((const __m128i *)(p + 16)), k);
+        TM_FOLD128(a2, _mm_loadu_si128((const __m128i *)(p + 32)), k);
+        TM_FOLD128(a3, _mm_loadu_si128((const __m128i *)(p + 48)), k);
+        p += 64;
+        len -= 64;
+    }
+    /* Lanes a0..a2 moved to a3's place and added to it. */
+    __m128i k0 = _mm_set_epi64x((long long)fold128_end[0][1], (long long)fold128_end[0][0]);
+    __m128i k1 = _mm_set_epi64x((long long)fold128_end[1][1], (long long)fold128_end[1][0]);
+    __m128i k2 = _mm_set_epi64x((long long)fold128_end[2][1], (long long)fold128_end[2][0]);
+    TM_FOLD128(a0, a3, k0);
+    TM_FOLD128(a1, a0, k1);
+    TM_FOLD128(a2, a1, k2);
+#undef TM_FOLD128
+    /* As in raw_fold: two crc32 instructions turn the 128 bits into the register. */
+    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(a2));
+    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(a2, 1));
+    return raw_hw((uint32_t)r, p, len);
+}
+#endif
+
+/* The standard CRC by one path; the tables and constants must be ready (init). */
+static uint32_t crc_by(int which, uint32_t crc, const void *buf, size_t len)
+{
     uint32_t c = ~crc;
 #if TM_CRC_X86
-    if (path == PATH_FOLD && len >= FOLD_MIN)
+    if (which == PATH_FOLD && len >= FOLD_MIN)
         return ~raw_fold(c, buf, len);
-    if (path != PATH_TABLE)
+    if (which == PATH_CLMUL && len >= FOLD128_MIN)
+        return ~raw_fold128(c, buf, len);
+    if (which != PATH_TABLE)
         return ~raw_hw(c, buf, len);
 #endif
-    (void)path;
+    (void)which;
     return ~raw_sw(c, buf, len);
+}
+
+static uint32_t crc_with(int which, uint32_t crc, const void *buf, size_t len)
+{
+    pthread_once(&init_once, init);
+    return crc_by(which, crc, buf, len);
+}
+
+#define PICK_BYTES (32u << 10)
+
+static double seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Seconds of the fastest of `reps` hashes of buf by `which` (warm: each rep reads the
+ * same 32 KiB, in L1/L2 after the first). */
+static double best_of(int which, const unsigned char *buf, int reps)
+{
+    double best = 1e30;
+    volatile uint32_t sink = 0;
+    for (int r = 0; r < reps; r++) {
+        double t = seconds();
+        sink ^= crc_by(which, 0, buf, PICK_BYTES);  /* inside init: no pthread_once */
+        t = seconds() - t;
+        if (t < best)
+            best = t;
+    }
+    (void)sink;
+    return best;
+}
+
+/* AVX-512 folding where it runs; else, where both run, whichever of the 3-way crc32 path
+ * and the 128-bit fold hashes 32 KiB in cache faster here (a few tens of microseconds,
+ * once: the two alternate so a clock ramp or a preemption hits both); else SSE4.2, else
+ * the table. */
+static void pick_path(void)
+{
+    path = use_fold ? PATH_FOLD : use_hw ? PATH_SSE42 : PATH_TABLE;
+    if (use_fold || !use_clmul)
+        return;
+    static unsigned char buf[PICK_BYTES];
+    for (size_t i = 0; i < sizeof buf; i++)
+        buf[i] = (unsigned char)(i * 2654435761u >> 24);
+    double hw = 1e30, clmul = 1e30;
+    for (int round = 0; round < 4; round++) {
+        double a = best_of(PATH_SSE42, buf, 3), b = best_of(PATH_CLMUL, buf, 3);
+        hw = a < hw ? a : hw;
+        clmul = b < clmul ? b : clmul;
+    }
+    if (clmul < hw)
+        path = PATH_CLMUL;
 }
 
 uint32_t tm_crc32c(uint32_t crc, const void *buf, size_t len)
 {
     pthread_once(&init_once, init);
-    return crc_with(use_fold ? PATH_FOLD : use_hw ? PATH_SSE42 : PATH_TABLE, crc, buf, len);
+    return crc_with(path, crc, buf, len);
+}
+
+int tm_crc32c_path(void)
+{
+    pthread_once(&init_once, init);
+    return path;
+}
+
+int tm_crc32c_clmul_supported(void)
+{
+    pthread_once(&init_once, init);
+    return use_clmul;
+}
+
+uint32_t tm_crc32c_clmul(uint32_t crc, const void *buf, size_t len)
+{
+    /* Only where tm_crc32c_clmul_supported(); elsewhere the portable path answers. */
+    return crc_with(tm_crc32c_clmul_supported() ? PATH_CLMUL : PATH_TABLE, crc, buf, len);
 }
 
 int tm_crc32c_fold_supported(void)

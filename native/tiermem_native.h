@@ -154,14 +154,20 @@ int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *co
  * value continues it. _sw is the portable table path; _hw the SSE4.2 one where
  * tm_crc32c_hw_supported() (elsewhere it answers with the portable path).
  * tm_crc32c picks the fastest the CPU has: AVX-512 VPCLMULQDQ folding for
- * buffers of 1 KiB and more where tm_crc32c_fold_supported(), else SSE4.2.
- * _threads splits buf over up to nthreads threads and combines. The GIL is
- * released by cffi around each call. */
+ * buffers of 1 KiB and more where tm_crc32c_fold_supported(); else, where
+ * tm_crc32c_clmul_supported(), whichever of SSE4.2 and the 128-bit PCLMULQDQ
+ * fold (_clmul, buffers of 256 bytes and more) measured faster at start-up;
+ * else SSE4.2. tm_crc32c_path() says which: 0 table, 1 SSE4.2, 2 PCLMULQDQ,
+ * 3 AVX-512. _threads splits buf over up to nthreads threads and combines.
+ * The GIL is released by cffi around each call. */
 uint32_t tm_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t tm_crc32c_sw(uint32_t crc, const void *buf, size_t len);
 uint32_t tm_crc32c_hw(uint32_t crc, const void *buf, size_t len);
 int tm_crc32c_hw_supported(void);
 int tm_crc32c_fold_supported(void);
+uint32_t tm_crc32c_clmul(uint32_t crc, const void *buf, size_t len);
+int tm_crc32c_clmul_supported(void);
+int tm_crc32c_path(void);
 uint32_t tm_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 uint32_t tm_crc32c_threads(const void *buf, size_t len, int nthreads);
 

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tiermem.kernels import native_adam as na
-from tiermem.kernels.checksum import (RecordDigest, combine, crc32c, crc32c_portable, crc32c_sse42,
-                              has_fold, has_sse42)
+from tiermem.kernels.checksum import (RecordDigest, combine, crc32c, crc32c_clmul, crc32c_portable,
+                                      crc32c_sse42, crc_path, has_clmul, has_fold, has_sse42)
 
 from adam_helpers import on_another_thread, on_team_and_pool
 
@@ -60,6 +60,35 @@ def test_fold_path_equals_the_table_path_at_every_length_and_alignment():
 @given(st.binary(min_size=1024, max_size=70000), st.integers(0, 2**32 - 1))
 def test_fold_path_equals_the_table_path_on_any_bytes(data, crc):
     assert crc32c(data, crc) == crc32c_portable(data, crc)
+
+
+@pytest.mark.skipif(not has_clmul(), reason="no PCLMULQDQ on this CPU")
+def test_clmul_path_equals_the_table_path_at_every_length_and_alignment():
+    # Around its thresholds: 256 bytes (fold at all), 64-byte rounds, tails of 0..63.
+    data = os.urandom(4096 + 64)
+    for start in range(0, 64, 3):
+        for n in [*range(0, 700), 1023, 1024, 1025, 4096 - 1, len(data) - start]:
+            piece = data[start: start + n]
+            assert crc32c_clmul(piece) == crc32c_portable(piece), (start, n)
+            assert crc32c_clmul(piece, 0xDEADBEEF) == crc32c_portable(piece, 0xDEADBEEF)
+
+
+@pytest.mark.skipif(not has_clmul(), reason="no PCLMULQDQ on this CPU")
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=200, max_size=70000), st.integers(0, 2**32 - 1))
+def test_clmul_path_equals_the_table_path_on_any_bytes(data, crc):
+    assert crc32c_clmul(data, crc) == crc32c_portable(data, crc)
+
+
+def test_the_picked_path_is_one_this_cpu_has():
+    # crc32c() answers through it; a path the CPU lacks would fault, not differ.
+    has = {"table": True, "sse4.2 3-way": has_sse42(), "pclmul fold": has_clmul(),
+           "vpclmul fold": has_fold()}
+    assert has[crc_path()]
+    if has_fold():
+        assert crc_path() == "vpclmul fold"
+    data = os.urandom(100000)
+    assert crc32c(data, 7) == crc32c_portable(data, 7)
 
 
 def test_threaded_hash_equals_one_thread():

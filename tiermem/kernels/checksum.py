@@ -59,6 +59,21 @@ def has_sse42() -> bool:
     return bool(lib.tm_crc32c_hw_supported())
 
 
+def crc32c_clmul(data: bytes, crc: int = 0) -> int:
+    """The 128-bit PCLMULQDQ folding path (the portable one where the CPU lacks it: see
+    has_clmul())."""
+    return lib.tm_crc32c_clmul(crc, ffi.from_buffer(data), len(data))
+
+
+def has_clmul() -> bool:
+    return bool(lib.tm_crc32c_clmul_supported())
+
+
+def crc_path() -> str:
+    """Which path crc32c() takes on this CPU (native/crc32c.c picks it at start-up)."""
+    return ("table", "sse4.2 3-way", "pclmul fold", "vpclmul fold")[lib.tm_crc32c_path()]
+
+
 def has_fold() -> bool:
     """crc32c() folds buffers of 1 KiB and more with AVX-512 VPCLMULQDQ on this CPU."""
     return bool(lib.tm_crc32c_fold_supported())
