@@ -62,7 +62,7 @@
  * adam.c, vmax = max(vmax, v) with any NaN giving NaN, the step uses it, and a bf16
  * vmax is rounded with exp_avg_sq's bits, so rounding keeps vmax >= exp_avg_sq.
  *
- * Paths: AVX-512 (F, BW, VL) and portable scalar C, bitwise the same (every
+ * Paths: AVX-512 (F, BW, VL), AVX2 (+ FMA, F16C) and portable scalar C, bitwise the same (every
  * operation is correctly rounded, -ffp-contract=off, fmaf() where the vector
  * path uses an FMA). Large calls are split over threads by chunks of whole
  * blocks; CRC32C of each array written (crc_mask) is taken chunk by chunk right
@@ -287,6 +287,15 @@ static inline void store_p1(const lb_job *j, int64_t i, float p)
     }
 }
 
+/* Pass 1 on element i of an int8 block: its moments dequantised in *m, *v, the Adam step,
+ * the weight stored; the new fp32 moments come back in *m, *v. */
+static inline void update1(const lb_job *j, int64_t i, float *m, float *v)
+{
+    float g = load_g1(j, i), p = load_p1(j, i);
+    tm_moments1(&j->k, &g, &p, m, v);
+    store_p1(j, i, tm_param_step1(&j->k, p, *m, *v));
+}
+
 static void block_scalar(const lb_job *j, int64_t b0, int len)
 {
     float tm[QB], tv[QB];
@@ -294,11 +303,8 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
     float ms = j->ms[blk], vs = j->vs[blk], am = 0.0f, av = 0.0f;
     for (int k = 0; k < len; k++) {
         int64_t i = b0 + k;
-        float g = load_g1(j, i), p = load_p1(j, i);
         float m = dec_m(j->m[i], ms), v = dec_v(j->v[i], vs);
-        tm_moments1(&j->k, &g, &p, &m, &v);
-        p = tm_param_step1(&j->k, p, m, v);
-        store_p1(j, i, p);
+        update1(j, i, &m, &v);
         tm[k] = m;
         tv[k] = v;
         float a = fabsf(m);
@@ -1028,6 +1034,489 @@ static TGT_LB void lowbit_avx512(const lb_job *j, int64_t begin, int64_t end)
     else
         LB_MW(LB_F16);
 }
+
+/* -- AVX2 + FMA + F16C (8 lanes) ----------------------------------------------------
+ *
+ * For CPUs without AVX-512 (AMD before Zen 4, most Intel desktop parts): on this project's
+ * Zen 1 host the scalar pass took 12x the fp32 update. The same arithmetic as the scalar
+ * path, in the same order, 8 elements at a time; what is rare goes through the scalar
+ * helpers lane by lane, so it is their result by construction: decoding a group of codes
+ * of which one is 0 or NaN, encoding a group in which one moment is non-finite or below
+ * the smallest code, fp16 weights rounded stochastically, and a block's last elements when
+ * it is not a multiple of 8 long. */
+
+#define TGT_LB2 __attribute__((target("avx2,fma,f16c")))
+#define LB2_INLINE static inline TGT_LB2 __attribute__((always_inline))
+
+LB2_INLINE __m256 bf16x8(__m128i h)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+LB2_INLINE __m256 w16x8(__m128i h, int w16)
+{
+    return w16 ? _mm256_cvtph_ps(h) : bf16x8(h);
+}
+
+/* 8 32-bit lanes (each < 2^16) to 8 uint16, NaN lanes of x set to nan16. */
+LB2_INLINE __m128i pack16x8(__m256i r, __m256 x, int nan16)
+{
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(nan16),
+                           _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* f32_to_bf16 on 8 lanes */
+LB2_INLINE __m128i bf16_rne8(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return pack16x8(_mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16), x, 0x7FC0);
+}
+
+/* f32_to_bf16_sr on 8 lanes (r16: 16 random bits per lane) */
+LB2_INLINE __m128i bf16_sr8(__m256 x, __m256i r16)
+{
+    return pack16x8(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r16), 16), x,
+                    0x7FC0);
+}
+
+/* f16w_rne on 8 lanes: vcvtps2ph rounds as f32_to_f16 does; NaN lanes 0x7E00. */
+LB2_INLINE __m128i f16_rne8(__m256 x)
+{
+    __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
+    return _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan16);
+}
+
+/* The sr_bits of consecutive groups of 8 from a running Weyl step (as range512 steps its
+ * own): idx * SR_W + k0 for the first group, 8 * SR_W more for each next one (the same
+ * value mod 2^32), saving one of the hash's three multiplies. */
+LB2_INLINE __m256i sr_weyl8(uint32_t idx, uint32_t k0)
+{
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)idx),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_W)),
+                            _mm256_set1_epi32((int)k0));
+}
+
+LB2_INLINE __m256i sr_mix8(__m256i x, uint32_t k1)
+{
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M1));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_xor_si256(x, _mm256_set1_epi32((int)k1));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M2));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* sr_bits of the 8 indices idx .. idx+7 */
+LB2_INLINE __m256i sr_bits8(uint32_t idx, uint32_t k0, uint32_t k1)
+{
+    return sr_mix8(sr_weyl8(idx, k0), k1);
+}
+
+/* Both moments of 8 int8 codes at i, dequantised at scales ms, vs: dec_m and dec_v. */
+LB2_INLINE void dec8(const lb_job *j, int64_t i, float ms, float vs, __m256 *m, __m256 *v)
+{
+    __m128i bm = _mm_loadl_epi64((const __m128i *)(j->m + i));
+    __m128i bv = _mm_loadl_epi64((const __m128i *)(j->v + i));
+    /* a number: exp_avg's magnitude >= 8, exp_avg_sq's code >= 8 */
+    __m128i zm = _mm_cmpeq_epi8(_mm_and_si128(bm, _mm_set1_epi8(0x78)), _mm_setzero_si128());
+    __m128i zv = _mm_cmpeq_epi8(_mm_and_si128(bv, _mm_set1_epi8((char)0xF8)), _mm_setzero_si128());
+    if ((_mm_movemask_epi8(_mm_or_si128(zm, zv)) & 0xFF) == 0) {
+        /* (c << 20) + (bias << 23) as an OR (no bits overlap); exp_avg's sign extended
+         * code has its sign in bits 27-31, which the mask keeps in bit 31 only */
+        __m256i cm = _mm256_cvtepi8_epi32(bm), cv = _mm256_cvtepu8_epi32(bv);
+        __m256i um = _mm256_and_si256(
+            _mm256_or_si256(_mm256_slli_epi32(cm, 20), _mm256_set1_epi32((int)(M_EBIAS << 23))),
+            _mm256_set1_epi32((int)0xBFF00000u));
+        __m256i uv = _mm256_or_si256(_mm256_slli_epi32(cv, 20),
+                                     _mm256_set1_epi32((int)(V_EBIAS << 23)));
+        *m = _mm256_mul_ps(_mm256_castsi256_ps(um), _mm256_set1_ps(ms));
+        *v = _mm256_mul_ps(_mm256_castsi256_ps(uv), _mm256_set1_ps(vs));
+        return;
+    }
+    float tm[8], tv[8];
+    for (int k = 0; k < 8; k++) {
+        tm[k] = dec_m(j->m[i + k], ms);
+        tv[k] = dec_v(j->v[i + k], vs);
+    }
+    *m = _mm256_loadu_ps(tm);
+    *v = _mm256_loadu_ps(tv);
+}
+
+/* update1 on the 8 elements at i; amsgrad (vx non-NULL): *vx holds the old max and gets
+ * the new one (lb_max_nan's NaN: all bits set). */
+LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, int odt,
+                        __m256 *mo, __m256 *vo, __m256 *vx)
+{
+    __m256 g;
+    if (gdt == LB_F32) {
+        g = _mm256_loadu_ps((const float *)j->g + i);
+    } else {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)j->g + i));
+        g = gdt == LB_BF16 ? bf16x8(h) : _mm256_cvtph_ps(h);
+    }
+    __m256 p;
+    if (mw == MW_FP32) {
+        p = _mm256_loadu_ps((const float *)j->p + i);
+    } else {
+        p = w16x8(_mm_loadu_si128((const __m128i *)((const uint16_t *)j->p + i)), w16);
+        if (mw == MW_KAHAN)
+            p = _mm256_add_ps(p, w16x8(_mm_loadu_si128((const __m128i *)(j->comp + i)), w16));
+    }
+    __m256 m = *mo, v = *vo;
+    const tm_adam_coef *c = &j->k;
+    if (c->maximize)
+        g = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
+    if (c->wd_mode == 1)
+        g = _mm256_fmadd_ps(p, _mm256_set1_ps(c->wd), g);
+    else if (c->wd_mode == 2)
+        p = _mm256_mul_ps(p, _mm256_set1_ps(c->decay));
+    __m256 d = _mm256_sub_ps(g, m);
+    m = c->small ? _mm256_fmadd_ps(_mm256_set1_ps(c->c1), d, m)
+                 : _mm256_fmadd_ps(_mm256_set1_ps(c->c1m1), d, g);
+    __m256 cg = _mm256_mul_ps(_mm256_set1_ps(c->c2), g);
+    v = _mm256_fmadd_ps(cg, g, _mm256_mul_ps(v, _mm256_set1_ps(c->b2)));
+    __m256 vv = v;
+    if (vx) {
+        vv = _mm256_or_ps(_mm256_max_ps(*vx, v), _mm256_cmp_ps(*vx, v, _CMP_UNORD_Q));
+        *vx = vv;
+    }
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(c->bc2s)),
+                                 _mm256_set1_ps(c->eps));
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->nss), m), denom));
+    uint16_t *w = (uint16_t *)j->p + i;
+    if (mw == MW_FP32) {
+        _mm256_storeu_ps((float *)j->p + i, p);
+        if (odt >= 0)
+            _mm_storeu_si128((__m128i *)((uint16_t *)j->out + i),
+                             odt == LB_BF16 ? bf16_rne8(p)
+                                            : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT |
+                                                                     _MM_FROUND_NO_EXC));
+    } else if (mw == MW_KAHAN && w16) {
+        __m128i nb = f16_rne8(p);
+        __m128i t = f16_rne8(_mm256_sub_ps(p, _mm256_cvtph_ps(nb)));
+        /* no term once the weight overflowed to inf */
+        __m128i inf = _mm_cmpeq_epi16(_mm_and_si128(nb, _mm_set1_epi16(0x7FFF)),
+                                      _mm_set1_epi16(0x7C00));
+        _mm_storeu_si128((__m128i *)w, nb);
+        _mm_storeu_si128((__m128i *)(j->comp + i), _mm_andnot_si128(inf, t));
+    } else if (mw == MW_KAHAN) {
+        __m128i nb = bf16_rne8(p);
+        _mm_storeu_si128((__m128i *)w, nb);
+        _mm_storeu_si128((__m128i *)(j->comp + i), bf16_rne8(_mm256_sub_ps(p, bf16x8(nb))));
+    } else if (w16) {  /* none, fp16: rare, lane by lane */
+        float t[8];
+        _mm256_storeu_ps(t, p);
+        for (int k = 0; k < 8; k++)
+            store_none1(j, i + k, t[k]);
+    } else {
+        __m256i rw = _mm256_and_si256(sr_bits8(j->idx0 + (uint32_t)i, j->k0 ^ W_KEY, j->k1),
+                                      _mm256_set1_epi32(0xFFFF));
+        _mm_storeu_si128((__m128i *)w, bf16_sr8(p, rw));
+    }
+    *mo = m;
+    *vo = v;
+}
+
+/* 8 codes (32-bit lanes, each <= 255) stored as bytes at dst */
+LB2_INLINE void store_codes8(uint8_t *dst, __m256i c)
+{
+    __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)dst, _mm_packus_epi16(h, h));
+}
+
+/* enc_norm on 8 lanes whose a = |x| / scale has bits u at or above the smallest code */
+LB2_INLINE __m256i enc_norm8(__m256i u, uint32_t ebias, int sr, __m256i r16, uint32_t top)
+{
+    __m256i t = _mm256_sub_epi32(u, _mm256_set1_epi32((int)(ebias << 23)));
+    __m256i rnd = sr ? _mm256_or_si256(_mm256_slli_epi32(r16, 4), _mm256_set1_epi32(8))
+                     : _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF), _mm256_and_si256(
+                           _mm256_srli_epi32(t, 20), _mm256_set1_epi32(1)));
+    __m256i c = _mm256_srli_epi32(_mm256_add_epi32(t, rnd), 20);
+    return _mm256_min_epu32(c, _mm256_set1_epi32((int)top));
+}
+
+/* enc_m and enc_v of the 8 elements at i (fp32 moments m, v; inverse scales ims, ivs; r:
+ * their sr_bits, exp_avg the low 16, exp_avg_sq the high 16). */
+LB2_INLINE void encode8(const lb_job *j, int64_t i, __m256 m, __m256 v, float ims, float ivs,
+                        int sr, __m256i r)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    __m256 axm = _mm256_andnot_ps(sign, m), axv = _mm256_andnot_ps(sign, v);
+    __m256i um = _mm256_castps_si256(_mm256_mul_ps(axm, _mm256_set1_ps(ims)));
+    __m256i uv = _mm256_castps_si256(_mm256_mul_ps(axv, _mm256_set1_ps(ivs)));
+    /* every lane finite and at or above its smallest code (the bits of a magnitude, sign
+     * clear, order as signed integers) */
+    __m256 fin = _mm256_and_ps(_mm256_cmp_ps(axm, inf, _CMP_LT_OQ),
+                               _mm256_cmp_ps(axv, inf, _CMP_LT_OQ));
+    __m256i norm = _mm256_and_si256(
+        _mm256_cmpgt_epi32(um, _mm256_set1_epi32((int)(((M_EBIAS + 1) << 23) - 1))),
+        _mm256_cmpgt_epi32(uv, _mm256_set1_epi32((int)(((V_EBIAS + 1) << 23) - 1))));
+    if (_mm256_movemask_ps(_mm256_and_ps(fin, _mm256_castsi256_ps(norm))) == 0xFF) {
+        __m256i r16m = sr ? _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)) : r;
+        __m256i r16v = sr ? _mm256_srli_epi32(r, 16) : r;
+        __m256i cm = enc_norm8(um, M_EBIAS, sr, r16m, 0x7F);
+        __m256i cv = enc_norm8(uv, V_EBIAS, sr, r16v, 0xFF);
+        /* the code is >= 8 here, so a negative x takes the sign bit */
+        cm = _mm256_or_si256(cm, _mm256_and_si256(
+            _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ)),
+            _mm256_set1_epi32(0x80)));
+        store_codes8(j->m + i, cm);
+        store_codes8(j->v + i, cv);
+        return;
+    }
+    float tm[8], tv[8];
+    uint32_t tr[8];
+    _mm256_storeu_ps(tm, m);
+    _mm256_storeu_ps(tv, v);
+    _mm256_storeu_si256((__m256i *)tr, r);
+    for (int k = 0; k < 8; k++) {
+        j->m[i + k] = enc_m(tm[k], ims, sr, tr[k] & 0xFFFFu);
+        j->v[i + k] = enc_v(tv[k], ivs, sr, tr[k] >> 16);
+    }
+}
+
+/* encode8 on 8 elements of a block that lb2_scale() cleared, as encode16_fast does it
+ * (see there): integer adds on the moments' bits, no multiply, no per-lane tests. */
+LB2_INLINE void encode8_fast(const lb_job *j, int64_t i, __m256 m, __m256 v, uint32_t cm_add,
+                             uint32_t cv_add, int sr, __m256i r)
+{
+    __m256i um = _mm256_castps_si256(m), uv = _mm256_castps_si256(v), rm, rv;
+    if (sr) {
+        const __m256i mask = _mm256_set1_epi32(0xFFFF0);
+        rm = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(r, 4), mask),
+                             _mm256_set1_epi32((int)cm_add));
+        rv = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(r, 12), mask),
+                             _mm256_set1_epi32((int)cv_add));
+    } else {
+        const __m256i one = _mm256_set1_epi32(1);
+        rm = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(um, 20), one),
+                              _mm256_set1_epi32((int)cm_add));
+        rv = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(uv, 20), one),
+                              _mm256_set1_epi32((int)cv_add));
+    }
+    __m256i sm = _mm256_add_epi32(um, rm), sv = _mm256_add_epi32(uv, rv);
+    __m256i cm = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi32(sm, 20), _mm256_set1_epi32(0x7F)),
+        _mm256_and_si256(_mm256_srli_epi32(sm, 24), _mm256_set1_epi32(0x80)));
+    store_codes8(j->m + i, cm);
+    store_codes8(j->v + i, _mm256_srli_epi32(sv, 20));
+}
+
+/* The largest finite magnitude among n floats (a block with NaN or infinity) */
+static inline float lb2_finite_max(const float *x, int n)
+{
+    float am = 0.0f;
+    for (int k = 0; k < n; k++) {
+        float a = fabsf(x[k]);
+        if (a < INFINITY && a > am)
+            am = a;
+    }
+    return am;
+}
+
+/* moment_scale with the block's largest and smallest magnitude bits already reduced */
+static inline int lb2_scale(uint32_t hi, uint32_t lo, const float *x, int n, float lowest,
+                            uint32_t minexp, int sr, float *scale, float *inv, uint32_t *add)
+{
+    int finite = hi < 0x7F800000u;
+    block_scale(finite ? f32_from_bits(hi) : lb2_finite_max(x, n), scale, inv);
+    uint32_t sb = f32_bits(*scale);
+    *add = (sr ? 8u : 0x7FFFFu) - (sb - (minexp << 23));
+    return finite && *inv > 0.0f && f32_from_bits(lo) * *inv >= lowest &&
+           f32_from_bits(hi) * *inv <= Q_TOP && (sb >> 23) >= minexp;
+}
+
+LB2_INLINE uint32_t hmax8u(__m256i a)
+{
+    __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(x);
+}
+
+LB2_INLINE uint32_t hmin8u(__m256i a)
+{
+    __m128i x = _mm_min_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(x);
+}
+
+/* block_scalar's result on the blocks of [begin, end), 8 elements at a time. Pass 1 keeps
+ * each moment's largest and smallest magnitude bits (range_add's rule: exp_avg_sq's bits
+ * as they are, so a negative one counts as non-finite), so pass 2 codes nearly every block
+ * with encode8_fast. Unlike range512, the two passes are not interleaved: with 16 vector
+ * registers the interleaved loop spilled and ran 10-25% slower on the Zen 1 host. */
+LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16,
+                         int odt, int sr)
+{
+    lb_job c = *jin;  /* a local whose address never escapes: fields stay in registers */
+    const lb_job *j = &c;
+    float tm[QB] __attribute__((aligned(32))), tv[QB] __attribute__((aligned(32)));
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i step = _mm256_set1_epi32((int)(8u * SR_W));
+    for (int64_t b = begin; b < end; b += QB) {
+        int len = (int)(end - b < QB ? end - b : QB), full = len & ~7;
+        int64_t blk = b / QB;
+        float ms = j->ms[blk], vs = j->vs[blk];
+        __m256i mmax = _mm256_setzero_si256(), vmax = mmax;
+        __m256i mmin = _mm256_set1_epi32(-1), vmin = mmin;
+        for (int k = 0; k < full; k += 8) {
+            __m256 m, v;
+            dec8(j, b + k, ms, vs, &m, &v);
+            update8(j, b + k, gdt, mw, w16, odt, &m, &v, NULL);
+            _mm256_store_ps(tm + k, m);
+            _mm256_store_ps(tv + k, v);
+            __m256i am = _mm256_and_si256(_mm256_castps_si256(m), absmask);
+            __m256i av = _mm256_castps_si256(v);
+            mmax = _mm256_max_epu32(mmax, am);
+            mmin = _mm256_min_epu32(mmin, am);
+            vmax = _mm256_max_epu32(vmax, av);
+            vmin = _mm256_min_epu32(vmin, av);
+        }
+        uint32_t mhi = hmax8u(mmax), mlo = hmin8u(mmin), vhi = hmax8u(vmax), vlo = hmin8u(vmin);
+        for (int k = full; k < len; k++) {
+            float m = dec_m(j->m[b + k], ms), v = dec_v(j->v[b + k], vs);
+            update1(j, b + k, &m, &v);
+            tm[k] = m;
+            tv[k] = v;
+            uint32_t am = f32_bits(m) & 0x7FFFFFFFu, av = f32_bits(v);
+            mhi = am > mhi ? am : mhi;
+            mlo = am < mlo ? am : mlo;
+            vhi = av > vhi ? av : vhi;
+            vlo = av < vlo ? av : vlo;
+        }
+        float ims, ivs;
+        uint32_t madd, vadd;
+        int fast = lb2_scale(mhi, mlo, tm, len, 0x1p-14f, 127u - M_EBIAS, sr, &ms, &ims, &madd);
+        fast &= lb2_scale(vhi, vlo, tv, len, 0x1p-30f, 127u - V_EBIAS, sr, &vs, &ivs, &vadd);
+        j->ms[blk] = ms;
+        j->vs[blk] = vs;
+        __m256i x = sr ? sr_weyl8(j->idx0 + (uint32_t)b, j->k0) : _mm256_setzero_si256();
+        for (int k = 0; k < full; k += 8) {
+            __m256i r = sr ? sr_mix8(x, j->k1) : _mm256_setzero_si256();
+            __m256 m = _mm256_load_ps(tm + k), v = _mm256_load_ps(tv + k);
+            if (fast)
+                encode8_fast(j, b + k, m, v, madd, vadd, sr, r);
+            else
+                encode8(j, b + k, m, v, ims, ivs, sr, r);
+            x = _mm256_add_epi32(x, step);
+        }
+        for (int k = full; k < len; k++) {
+            int64_t i = b + k;
+            uint32_t r = sr ? sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1) : 0u;
+            j->m[i] = enc_m(tm[k], ims, sr, r & 0xFFFFu);
+            j->v[i] = enc_v(tv[k], ivs, sr, r >> 16);
+        }
+    }
+}
+
+/* dense_scalar's result on [begin, end), 8 elements at a time (the last few: dense_scalar) */
+LB2_INLINE void dense256(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16,
+                         int odt, int mf, int sr)
+{
+    lb_job c = *jin;
+    const lb_job *j = &c;
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 m, v, vx = _mm256_setzero_ps();
+        if (mf == MF_F32) {
+            m = _mm256_loadu_ps((const float *)j->m + i);
+            v = _mm256_loadu_ps((const float *)j->v + i);
+            if (j->vmax)
+                vx = _mm256_loadu_ps((const float *)j->vmax + i);
+        } else {
+            m = bf16x8(_mm_loadu_si128((const __m128i *)((const uint16_t *)j->m + i)));
+            v = bf16x8(_mm_loadu_si128((const __m128i *)((const uint16_t *)j->v + i)));
+            if (j->vmax)
+                vx = bf16x8(_mm_loadu_si128((const __m128i *)((const uint16_t *)j->vmax + i)));
+        }
+        update8(j, i, gdt, mw, w16, odt, &m, &v, j->vmax ? &vx : NULL);
+        if (mf == MF_F32) {
+            _mm256_storeu_ps((float *)j->m + i, m);
+            _mm256_storeu_ps((float *)j->v + i, v);
+            if (j->vmax)
+                _mm256_storeu_ps((float *)j->vmax + i, vx);
+            continue;
+        }
+        __m128i hm, hv, hx = _mm_setzero_si128();
+        if (sr) {
+            __m256i r = sr_bits8(j->idx0 + (uint32_t)i, j->k0, j->k1);
+            __m256i rv = _mm256_srli_epi32(r, 16);
+            hm = bf16_sr8(m, _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)));
+            hv = bf16_sr8(v, rv);
+            if (j->vmax)
+                hx = bf16_sr8(vx, rv);
+        } else {
+            hm = bf16_rne8(m);
+            hv = bf16_rne8(v);
+            if (j->vmax)
+                hx = bf16_rne8(vx);
+        }
+        _mm_storeu_si128((__m128i *)((uint16_t *)j->m + i), hm);
+        _mm_storeu_si128((__m128i *)((uint16_t *)j->v + i), hv);
+        if (j->vmax)
+            _mm_storeu_si128((__m128i *)((uint16_t *)j->vmax + i), hx);
+    }
+    if (i < end)
+        dense_scalar(j, i, end);
+}
+
+/* One loop per (weights, moments, rounding) with those as constants; the gradient's and
+ * the copy's dtypes stay run-time branches, predicted the same way every element. */
+#define LB2_NAME(MW, W, MF, SR) lb2_##MW##_##W##_##MF##_##SR
+#define LB2_DEF(MW, W, MF, SR)                                                         \
+    static TGT_LB2 __attribute__((noinline)) void                                     \
+    LB2_NAME(MW, W, MF, SR)(const lb_job *j, int64_t begin, int64_t end)             \
+    {                                                                                  \
+        int odt = j->out ? j->out_dtype : -1;                                          \
+        if (MF == MF_INT8)                                                             \
+            range256(j, begin, end, j->g_dtype, MW, W, odt, SR);                       \
+        else                                                                           \
+            dense256(j, begin, end, j->g_dtype, MW, W, odt, MF, SR);                   \
+    }
+#define LB2_DEF_MF(MW, W)                                                              \
+    LB2_DEF(MW, W, MF_F32, 0) LB2_DEF(MW, W, MF_BF16, 1) LB2_DEF(MW, W, MF_BF16, 0)    \
+    LB2_DEF(MW, W, MF_INT8, 1) LB2_DEF(MW, W, MF_INT8, 0)
+LB2_DEF_MF(MW_FP32, 0)
+LB2_DEF_MF(MW_KAHAN, 1)
+LB2_DEF_MF(MW_KAHAN, 0)
+LB2_DEF_MF(MW_NONE, 1)
+LB2_DEF_MF(MW_NONE, 0)
+
+#define LB2_SR(MW, W)                                                                  \
+    do {                                                                               \
+        if (j->mf == MF_F32)                                                           \
+            LB2_NAME(MW, W, MF_F32, 0)(j, begin, end);                                 \
+        else if (j->mf == MF_BF16 && j->sr)                                            \
+            LB2_NAME(MW, W, MF_BF16, 1)(j, begin, end);                                \
+        else if (j->mf == MF_BF16)                                                     \
+            LB2_NAME(MW, W, MF_BF16, 0)(j, begin, end);                                \
+        else if (j->sr)                                                                \
+            LB2_NAME(MW, W, MF_INT8, 1)(j, begin, end);                                \
+        else                                                                           \
+            LB2_NAME(MW, W, MF_INT8, 0)(j, begin, end);                                \
+    } while (0)
+
+static void lowbit_avx2(const lb_job *j, int64_t begin, int64_t end)
+{
+    if (j->mw == MW_FP32)
+        LB2_SR(MW_FP32, 0);
+    else if (j->mw == MW_KAHAN && j->w16)
+        LB2_SR(MW_KAHAN, 1);
+    else if (j->mw == MW_KAHAN)
+        LB2_SR(MW_KAHAN, 0);
+    else if (j->w16)
+        LB2_SR(MW_NONE, 1);
+    else
+        LB2_SR(MW_NONE, 0);
+}
 #endif /* TM_X86 */
 
 static void lowbit_scalar(const lb_job *j, int64_t begin, int64_t end)
@@ -1167,8 +1656,11 @@ int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *co
     };
     lb_fn fn = lowbit_scalar;
 #if TM_X86
-    if (tm_adam_get_isa() == 2)
+    int isa = tm_adam_get_isa();
+    if (isa == 2)
         fn = lowbit_avx512;
+    else if (isa == 1)
+        fn = lowbit_avx2;
 #endif
     int64_t nchunks = (n + LB_CHUNK - 1) / LB_CHUNK;
     uint32_t *chunk_crcs = NULL;

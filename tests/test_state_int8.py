@@ -25,7 +25,7 @@ from tiermem.kernels import native_adam as na
 
 from adam_helpers import assert_bitwise, isa, on_team_and_pool
 
-ISAS = [i for i in na.supported_isas() if i in ("scalar", "avx512")]
+ISAS = na.supported_isas()
 # optimizer.state_dtype -> the moments' tensor dtype in kernels.lowbit (int8: codes + scales)
 MOMENTS = {"int8": torch.uint8, "fp32": torch.float32, "bf16": torch.bfloat16}
 
