@@ -168,7 +168,7 @@ static void adam_scalar(const adam_job *jin, int64_t begin, int64_t end)
 
 /* -- AVX2 + FMA + F16C path (8 lanes; the ragged tail goes through a stack copy) - */
 
-#define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TGT_AVX2 TM_TGT_AVX2
 
 /* Moments: 8 fp32, or 8 bf16 widened (exact). */
 static inline TGT_AVX2 __attribute__((always_inline)) __m256
@@ -176,49 +176,7 @@ load8(const void *src, int sdt)
 {
     if (sdt == ST_F32)
         return _mm256_loadu_ps((const float *)src);
-    __m128i h = _mm_loadu_si128((const __m128i *)src);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* 32-bit results (each < 2^16) packed to 8 uint16 with NaN lanes set to 0x7FC0. */
-static inline TGT_AVX2 __attribute__((always_inline)) __m128i
-pack_bf16_8(__m256i r, __m256 x)
-{
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-static inline TGT_AVX2 __attribute__((always_inline)) __m128i
-bf16_rne8(__m256 x)
-{
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return pack_bf16_8(_mm256_srli_epi32(
-        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16), x);
-}
-
-static inline TGT_AVX2 __attribute__((always_inline)) __m128i
-bf16_sr8(__m256 x, __m256i r)
-{
-    __m256i u = _mm256_castps_si256(x);
-    return pack_bf16_8(_mm256_srli_epi32(_mm256_add_epi32(u, r), 16), x);
-}
-
-/* sr_bits for the 8 indices idx .. idx+7 (mod 2^32). */
-static inline TGT_AVX2 __attribute__((always_inline)) __m256i
-sr_bits8(uint32_t idx, uint32_t k0, uint32_t k1)
-{
-    __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)idx),
-                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    x = _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_W)),
-                         _mm256_set1_epi32((int)k0));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M1));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_xor_si256(x, _mm256_set1_epi32((int)k1));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M2));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    return bf16x8(_mm_loadu_si128((const __m128i *)src));
 }
 
 /* Store 8 moments as the job stores them; r: sr_bits lanes (ST_BF16_SR), `hi`
@@ -251,7 +209,7 @@ adam8(const adam_job *j, float *pp, void *mp, void *vp, void *vmp, const void *g
     } else {
         __m128i h = _mm_loadu_si128((const __m128i *)gp);
         if (j->g_dtype == DT_BF16)
-            g = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            g = bf16x8(h);
         else
             g = _mm256_cvtph_ps(h);
     }

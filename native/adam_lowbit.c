@@ -1045,41 +1045,12 @@ static TGT_LB void lowbit_avx512(const lb_job *j, int64_t begin, int64_t end)
  * the smallest code, fp16 weights rounded stochastically, and a block's last elements when
  * it is not a multiple of 8 long. */
 
-#define TGT_LB2 __attribute__((target("avx2,fma,f16c")))
+#define TGT_LB2 TM_TGT_AVX2
 #define LB2_INLINE static inline TGT_LB2 __attribute__((always_inline))
-
-LB2_INLINE __m256 bf16x8(__m128i h)
-{
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 LB2_INLINE __m256 w16x8(__m128i h, int w16)
 {
     return w16 ? _mm256_cvtph_ps(h) : bf16x8(h);
-}
-
-/* 8 32-bit lanes (each < 2^16) to 8 uint16, NaN lanes of x set to nan16. */
-LB2_INLINE __m128i pack16x8(__m256i r, __m256 x, int nan16)
-{
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(nan16),
-                           _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-/* f32_to_bf16 on 8 lanes */
-LB2_INLINE __m128i bf16_rne8(__m256 x)
-{
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return pack16x8(_mm256_srli_epi32(
-        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16), x, 0x7FC0);
-}
-
-/* f32_to_bf16_sr on 8 lanes (r16: 16 random bits per lane) */
-LB2_INLINE __m128i bf16_sr8(__m256 x, __m256i r16)
-{
-    return pack16x8(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r16), 16), x,
-                    0x7FC0);
 }
 
 /* f16w_rne on 8 lanes: vcvtps2ph rounds as f32_to_f16 does; NaN lanes 0x7E00. */
@@ -1089,33 +1060,6 @@ LB2_INLINE __m128i f16_rne8(__m256 x)
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
     return _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan16);
-}
-
-/* The sr_bits of consecutive groups of 8 from a running Weyl step (as range512 steps its
- * own): idx * SR_W + k0 for the first group, 8 * SR_W more for each next one (the same
- * value mod 2^32), saving one of the hash's three multiplies. */
-LB2_INLINE __m256i sr_weyl8(uint32_t idx, uint32_t k0)
-{
-    __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)idx),
-                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    return _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_W)),
-                            _mm256_set1_epi32((int)k0));
-}
-
-LB2_INLINE __m256i sr_mix8(__m256i x, uint32_t k1)
-{
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M1));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_xor_si256(x, _mm256_set1_epi32((int)k1));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M2));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
-/* sr_bits of the 8 indices idx .. idx+7 */
-LB2_INLINE __m256i sr_bits8(uint32_t idx, uint32_t k0, uint32_t k1)
-{
-    return sr_mix8(sr_weyl8(idx, k0), k1);
 }
 
 /* Both moments of 8 int8 codes at i, dequantised at scales ms, vs: dec_m and dec_v. */

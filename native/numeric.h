@@ -269,6 +269,67 @@ tm_param_step16(const tm_adam_coef *c, __m512 p, __m512 m, __m512 vv)
 }
 
 #undef TGT_AVX512_H
+
+/* AVX2 forms (8 lanes) of the same helpers, for adam.c's and adam_lowbit.c's AVX2 paths. */
+#define TM_TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TM_AVX2_INLINE static inline TM_TGT_AVX2 __attribute__((always_inline))
+
+/* 8 bf16 widened to fp32 (exact) */
+TM_AVX2_INLINE __m256 bf16x8(__m128i h)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* 32-bit results (each < 2^16) packed to 8 uint16 with NaN lanes of x set to 0x7FC0. */
+TM_AVX2_INLINE __m128i pack_bf16_8(__m256i r, __m256 x)
+{
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* f32_to_bf16 on 8 lanes */
+TM_AVX2_INLINE __m128i bf16_rne8(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return pack_bf16_8(_mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16), x);
+}
+
+/* f32_to_bf16_sr on 8 lanes (r: 16 random bits per lane) */
+TM_AVX2_INLINE __m128i bf16_sr8(__m256 x, __m256i r)
+{
+    return pack_bf16_8(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16), x);
+}
+
+/* sr_bits in two parts, as sr_weyl16 / sr_mix16: a loop over consecutive groups adds
+ * 8 * SR_W to the Weyl step instead of multiplying again. */
+TM_AVX2_INLINE __m256i sr_weyl8(uint32_t idx, uint32_t k0)
+{
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)idx),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_W)),
+                            _mm256_set1_epi32((int)k0));
+}
+
+TM_AVX2_INLINE __m256i sr_mix8(__m256i x, uint32_t k1)
+{
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M1));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_xor_si256(x, _mm256_set1_epi32((int)k1));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M2));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* sr_bits for the 8 indices idx .. idx+7 (mod 2^32) */
+TM_AVX2_INLINE __m256i sr_bits8(uint32_t idx, uint32_t k0, uint32_t k1)
+{
+    return sr_mix8(sr_weyl8(idx, k0), k1);
+}
+
+#undef TM_AVX2_INLINE
 #endif /* TM_X86 */
 
 #endif /* TM_NUMERIC_H */

@@ -136,7 +136,7 @@ static void *pool_worker(void *arg)
     tm_pool *p = a->pool;
     pthread_mutex_lock(&p->lock);
     for (;;) {
-        uint64_t off, len;
+        uint64_t off = 0, len = 0;  /* read only where take_piece returns a piece */
         tm_request *r = take_piece(p, a->op, &off, &len);
         a->cur = r;
         a->cur_off = off;
