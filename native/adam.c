@@ -214,27 +214,13 @@ adam8(const adam_job *j, float *pp, void *mp, void *vp, void *vmp, const void *g
             g = _mm256_cvtph_ps(h);
     }
     __m256 p = _mm256_loadu_ps(pp), m = load8(mp, sdt), v = load8(vp, sdt);
-    if (j->k.maximize)
-        g = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
-    if (j->k.wd_mode == 1)
-        g = _mm256_fmadd_ps(p, _mm256_set1_ps(j->k.wd), g);
-    else if (j->k.wd_mode == 2)
-        p = _mm256_mul_ps(p, _mm256_set1_ps(j->k.decay));
-    __m256 d = _mm256_sub_ps(g, m);
-    m = j->k.small ? _mm256_fmadd_ps(_mm256_set1_ps(j->k.c1), d, m)
-                   : _mm256_fmadd_ps(_mm256_set1_ps(j->k.c1m1), d, g);
-    __m256 cg = _mm256_mul_ps(_mm256_set1_ps(j->k.c2), g);
-    __m256 vb = _mm256_mul_ps(v, _mm256_set1_ps(j->k.b2));
-    v = _mm256_fmadd_ps(cg, g, vb);
+    tm_moments8(&j->k, &g, &p, &m, &v);
     __m256 vv = v;
     if (j->amsgrad) {
         __m256 a = load8(vmp, sdt);
         vv = _mm256_or_ps(_mm256_max_ps(a, v), _mm256_cmp_ps(a, v, _CMP_UNORD_Q));
     }
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(j->k.bc2s)),
-                                 _mm256_set1_ps(j->k.eps));
-    __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(j->k.nss), m), denom);
-    p = _mm256_add_ps(p, upd);
+    p = tm_param_step8(&j->k, p, m, vv);
     _mm256_storeu_ps(pp, p);
     __m256i r = sdt == ST_BF16_SR ? sr_bits8(idx, j->k0, j->k1) : _mm256_setzero_si256();
     store8(mp, m, sdt, r, 0);

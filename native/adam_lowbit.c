@@ -1113,26 +1113,13 @@ LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, in
             p = _mm256_add_ps(p, w16x8(_mm_loadu_si128((const __m128i *)(j->comp + i)), w16));
     }
     __m256 m = *mo, v = *vo;
-    const tm_adam_coef *c = &j->k;
-    if (c->maximize)
-        g = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
-    if (c->wd_mode == 1)
-        g = _mm256_fmadd_ps(p, _mm256_set1_ps(c->wd), g);
-    else if (c->wd_mode == 2)
-        p = _mm256_mul_ps(p, _mm256_set1_ps(c->decay));
-    __m256 d = _mm256_sub_ps(g, m);
-    m = c->small ? _mm256_fmadd_ps(_mm256_set1_ps(c->c1), d, m)
-                 : _mm256_fmadd_ps(_mm256_set1_ps(c->c1m1), d, g);
-    __m256 cg = _mm256_mul_ps(_mm256_set1_ps(c->c2), g);
-    v = _mm256_fmadd_ps(cg, g, _mm256_mul_ps(v, _mm256_set1_ps(c->b2)));
+    tm_moments8(&j->k, &g, &p, &m, &v);
     __m256 vv = v;
     if (vx) {
         vv = _mm256_or_ps(_mm256_max_ps(*vx, v), _mm256_cmp_ps(*vx, v, _CMP_UNORD_Q));
         *vx = vv;
     }
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(c->bc2s)),
-                                 _mm256_set1_ps(c->eps));
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->nss), m), denom));
+    p = tm_param_step8(&j->k, p, m, vv);
     uint16_t *w = (uint16_t *)j->p + i;
     if (mw == MW_FP32) {
         _mm256_storeu_ps((float *)j->p + i, p);

@@ -131,7 +131,7 @@ static inline uint16_t f32_to_f16(float f)
  *   p  = p + ((-lr/bc1) * m) / (sqrt(v') / sqrt(bc2) + eps)   (v' = v, or amsgrad's max)
  *
  * tm_moments* is the part up to v, tm_param_step* the last line; both kernels call
- * exactly these, on one element (scalar paths) or 16 lanes (AVX-512). */
+ * exactly these, on one element (scalar paths), 8 lanes (AVX2) or 16 (AVX-512). */
 typedef struct tm_adam_coef {
     int maximize;
     int wd_mode;              /* 0 none, 1 L2 (Adam), 2 decoupled (AdamW) */
@@ -321,6 +321,31 @@ TM_AVX2_INLINE __m256i sr_mix8(__m256i x, uint32_t k1)
     x = _mm256_xor_si256(x, _mm256_set1_epi32((int)k1));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)SR_M2));
     return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* tm_moments1 / tm_param_step1 on 8 lanes (the vector loops' arithmetic: no torch_tail) */
+TM_AVX2_INLINE void tm_moments8(const tm_adam_coef *c, __m256 *g, __m256 *p, __m256 *m,
+                                __m256 *v)
+{
+    if (c->maximize)
+        *g = _mm256_xor_ps(*g, _mm256_set1_ps(-0.0f));
+    if (c->wd_mode == 1)
+        *g = _mm256_fmadd_ps(*p, _mm256_set1_ps(c->wd), *g);
+    else if (c->wd_mode == 2)
+        *p = _mm256_mul_ps(*p, _mm256_set1_ps(c->decay));
+    __m256 d = _mm256_sub_ps(*g, *m);
+    *m = c->small ? _mm256_fmadd_ps(_mm256_set1_ps(c->c1), d, *m)
+                  : _mm256_fmadd_ps(_mm256_set1_ps(c->c1m1), d, *g);
+    __m256 cg = _mm256_mul_ps(_mm256_set1_ps(c->c2), *g);
+    __m256 vb = _mm256_mul_ps(*v, _mm256_set1_ps(c->b2));
+    *v = _mm256_fmadd_ps(cg, *g, vb);
+}
+
+TM_AVX2_INLINE __m256 tm_param_step8(const tm_adam_coef *c, __m256 p, __m256 m, __m256 vv)
+{
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(c->bc2s)),
+                                 _mm256_set1_ps(c->eps));
+    return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->nss), m), denom));
 }
 
 /* sr_bits for the 8 indices idx .. idx+7 (mod 2^32) */
