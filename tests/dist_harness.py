@@ -1,8 +1,8 @@
-"""Run a function in `world` spawned processes joined by a gloo process group, with deadlines.
+"""Run a function in `world` fresh processes joined by a gloo process group, with deadlines.
 
-Spawning costs seconds per process (importing torch), so a test module starts one
-group and runs all its scenarios in it (`scenario_results`), each rank reporting, per
-scenario, "ok" or the traceback. A rank that hangs is killed at the deadline; its
+Starting a rank costs time (a fresh one imports torch; tests/zygote.py forks them with it
+imported), so a test module starts one group and runs all its scenarios in it
+(`scenario_results`), each rank reporting, per scenario, "ok" or the traceback. A rank that hangs is killed at the deadline; its
 scenarios report that instead of hanging the suite. A rank that dies (a scenario kills
 it on purpose) reports through a file what it finished before: every scenario's
 outcome is written there as soon as it is known, since a killed process sends nothing.
@@ -19,7 +19,6 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-import torch.multiprocessing as mp
 
 PG_TIMEOUT = 60  # seconds; gloo's own bound on any collective the tests issue directly
 _partial: str | None = None  # this rank's file of scenario outcomes so far
@@ -53,7 +52,11 @@ def launch(world: int, module: str, fn: str, *args: Any, deadline: float = 300
            ) -> dict[int, tuple[str, Any]]:
     """fn(rank, world, *args) on every rank; {rank: ("ok", result) | ("error", traceback) |
     ("lost", {"why", "exitcode", "scenarios": outcomes it finished before})}."""
-    ctx = mp.get_context("spawn")
+    # Forked from tests/zygote.py's server: clean processes, as spawn's, without each rank
+    # importing torch again (seconds a rank on a 2-core host).
+    from zygote import context
+
+    ctx = context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "store")

@@ -8,6 +8,8 @@ has run nothing else, and forks each child from it: the child gets a clean inter
 with the modules loaded and none of pytest's threads, open engines or patched functions
 (forking pytest itself would copy all of those).
 
+Also the distributed tests' ranks (dist_harness.py), which import torch.distributed.
+
 Only for children that die by a signal or exit through the script's own end: a forked
 child leaves through os._exit (multiprocessing's bootstrap), so a script whose test is
 about interpreter shutdown (atexit hooks, finalizers: test_exit_open_block.py,
@@ -26,7 +28,7 @@ from pathlib import Path
 # torch._dynamo: torch.optim.Optimizer.__init__ imports it (3.7 s of a crash child's 4.5).
 # Not tiermem's native library: loaded before a fork, it marks every child as forked and
 # runs it on its own thread pool instead of OpenMP's, which a fresh process would not.
-PRELOAD = ["torch", "torch._dynamo", "crash_run"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "crash_run", "dist_harness"]
 _ctx = None
 
 
@@ -38,7 +40,9 @@ class Finished:
     stderr: str
 
 
-def _context():
+def context():
+    """The forkserver context (started on first use), for multiprocessing's Process and
+    Queue: dist_harness.py starts its ranks from it."""
     global _ctx
     if _ctx is None:
         ctx = multiprocessing.get_context("forkserver")
@@ -72,7 +76,7 @@ def run_script(script: str | Path, *argv: str, timeout: float = 120) -> Finished
 
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        proc = _context().Process(target=_child, args=(str(script), list(argv), out, err))
+        proc = context().Process(target=_child, args=(str(script), list(argv), out, err))
         proc.start()
         proc.join(timeout)
         if proc.is_alive():
