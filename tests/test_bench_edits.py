@@ -5,11 +5,11 @@ one after a write of every weight (the pass ran), every one after a change of so
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from zygote import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_edits_bench_smoke(tmp_path, dtype):
     out = tmp_path / "edits.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "edits.py"), "--quick", "--params", "3M",
+    proc = run_python(
+        *[str(REPO / "bench" / "edits.py"), "--quick", "--params", "3M",
          "--dtype", dtype, "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
+        cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(out.read_text())["results"]
     setups = ("no edit", "every weight written", "1 in 1000 changed",

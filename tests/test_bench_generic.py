@@ -5,22 +5,22 @@ named as skipped."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from zygote import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_generic_bench_smoke(tmp_path):
     out = tmp_path / "generic.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "generic.py"), "--quick",
+    proc = run_python(
+        *[str(REPO / "bench" / "generic.py"), "--quick",
          "--optimizers", "soap,lion,torchao_adamw8bit", "--backend", "threads",
          "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
+        cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert set(result["results"]) | set(result["skipped"]) == {"soap", "lion",

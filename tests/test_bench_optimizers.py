@@ -20,6 +20,7 @@ sys.path.append(str(REPO / "bench"))  # after everything else: never shadows a m
 
 import io_vs_fio as bench_io_vs_fio  # noqa: E402  (bench/io_vs_fio.py)
 import pipeline as bench_pipeline  # noqa: E402  (bench/pipeline.py)
+from zygote import run_python  # noqa: E402  (tests/zygote.py)
 
 needs_fio = pytest.mark.skipif(
     shutil.which("fio") is None or os.geteuid() != 0,
@@ -29,12 +30,12 @@ needs_fio = pytest.mark.skipif(
 @needs_fio
 def test_optimizers_bench_smoke(tmp_path):
     out = tmp_path / "optimizers.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "optimizers.py"), "--params", "6M",
+    proc = run_python(
+        *[str(REPO / "bench" / "optimizers.py"), "--params", "6M",
          "--rounds", "2", "--steps", "2", "--memory-steps", "1", "--partition-size", "4MiB",
          "--buffers", "4", "--prefetch", "2", "--queue-depth", "4",
          "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
+        cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step / max(floors)" in proc.stdout
     result = json.loads(out.read_text())
@@ -71,12 +72,12 @@ def test_optimizers_bench_stand_in(tmp_path):
     update takes no time are timed too, and the real steps of the next round still read
     good records after them."""
     out = tmp_path / "optimizers.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "optimizers.py"), "--params", "6M",
+    proc = run_python(
+        *[str(REPO / "bench" / "optimizers.py"), "--params", "6M",
          "--rounds", "2", "--steps", "2", "--memory-steps", "1", "--partition-size", "4MiB",
          "--buffers", "4", "--prefetch", "2", "--queue-depth", "4", "--optimizers", "sgd",
          "--stand-in", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
+        cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step / stand-in step" in proc.stdout
     res = json.loads(out.read_text())["results"]["sgd"]
@@ -182,10 +183,10 @@ def test_disk_contention_bench_smoke(tmp_path):
     """bench/disk_contention.py at a tiny size: every load measured beside fio in every
     round, fio alone its own reference, the memory loads' rates measured."""
     out = tmp_path / "contention.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "disk_contention.py"), "--quick", "--rounds", "2",
+    proc = run_python(
+        *[str(REPO / "bench" / "disk_contention.py"), "--quick", "--rounds", "2",
          "--gb", "0.1", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
+        cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())["results"]
     assert set(res) == {"none", "spin", "in cache", "read", "write", "triad"}

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from zygote import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,11 +28,11 @@ pytestmark = pytest.mark.skipif(
                          ids=["records-read-back", "all-in-buffers"])
 def test_pipeline_bench_smoke(tmp_path, params, reads):
     out = tmp_path / "pipeline.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "pipeline.py"), "--params", params,
+    proc = run_python(
+        *[str(REPO / "bench" / "pipeline.py"), "--params", params,
          "--steps", "3", "--partition-size", "4MiB", "--buffers", "4", "--prefetch", "2",
          "--queue-depth", "4", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=300)
+        cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step / max(floors)" in proc.stdout
     result = json.loads(out.read_text())

@@ -7,14 +7,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tiermem.config import load_config
+
+from zygote import run_python
 
 
 def shipped_configs():
@@ -23,8 +23,8 @@ def shipped_configs():
 
 
 def tiermem(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tiermem", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)
+    # `python -m tiermem`, forked with torch imported (tests/zygote.py)
+    return run_python("-m", "tiermem", *args, cwd=cwd, timeout=120)
 
 
 def _one_error_line(proc, needle):

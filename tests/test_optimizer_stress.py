@@ -4,8 +4,6 @@ what each rule's records hold, and an unknown name is one error line."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from tiermem.tools.stress import StressArgs, Verifier, run_stress
 from tiermem.tools.synthetic import choose_shape, param_shapes
 
 from offload_helpers import backend_params
+from zygote import run_python
 
 
 def _config(tmp_path, backend="threads", host="1MiB", durability="scratch", params="none",
@@ -125,8 +124,8 @@ def test_plan_bytes_of_factored_and_matrix_only_rules():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tiermem.tools.cli", *args],
-                          capture_output=True, text=True)
+    # forked with torch imported (tests/zygote.py)
+    return run_python("-m", "tiermem.tools.cli", *args, timeout=300)
 
 
 @pytest.mark.parametrize("command", ["stress", "plan"])

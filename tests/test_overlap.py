@@ -22,6 +22,7 @@ from faults import inject
 from offload_helpers import (Synthetic, backend_params, compare_runs, config, listdir,
                              loss_of, make_batches, side_used, twin)
 from tiermem.optim.offloaded import OffloadedOptimizer
+from zygote import run_python
 
 STEPS = 6
 
@@ -570,18 +571,17 @@ def test_train_loop_bench_smoke(tmp_path):
     left empty."""
     import json
     import shutil
-    import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "train_loop.json"
-    proc = subprocess.run(
-        [sys.executable, str(repo / "bench" / "train_loop.py"), "--dim", "64", "--heads", "2",
+    proc = run_python(
+        *[str(repo / "bench" / "train_loop.py"), "--dim", "64", "--heads", "2",
          "--layers", "1", "--vocab", "128", "--seq", "16", "--iters", "2", "--rounds", "2",
          "--warmup", "1", "--partition-size", "64KiB", "--buffers", "3", "--prefetch", "1",
          "--batch", "auto", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
-        capture_output=True, text=True, cwd=repo, timeout=300)
+        cwd=repo, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     # fwd_bwd_io (fwd+bwd beside fio at the overlap's rates) runs where fio is installed.

@@ -4,14 +4,14 @@ its JSON, and verification catching a deliberately corrupted partition."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tiermem.tools import cli
 from tiermem.config import load_config
+
+from zygote import run_python
 from tiermem.tools.stress import Mismatch, StressArgs, Verifier, run_stress
 
 
@@ -27,8 +27,8 @@ pipeline: {{partition_size: 4MiB, buffer_count: 3, prefetch_depth: 2}}
 
 
 def _run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tiermem.tools.cli", "stress", "--no-progress", *args],
-                          capture_output=True, text=True)
+    # forked with torch imported (tests/zygote.py)
+    return run_python("-m", "tiermem.tools.cli", "stress", "--no-progress", *args, timeout=300)
 
 
 @pytest.mark.parametrize("args, needle", [
