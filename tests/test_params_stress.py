@@ -91,9 +91,11 @@ def test_plan_counts_this_process_and_the_verify_copies(tmp_path):
 
 @pytest.mark.parametrize("synthetic", [False, True], ids=["backward", "synthetic-grads"])
 def test_peak_rss_within_the_plan(tmp_path, synthetic):
-    """A fresh process training a model whose weights and grads (400 MB) are several times
+    """A fresh process training a model whose weights and grads (160 MB) are several times
     its window: its peak RSS stays within 1.1x the plan's host figure, which would not
-    hold if any phase (build, backward, step, verify) held the whole model."""
+    hold if any phase (build, backward, step, verify) held the whole model (+160 MB on a
+    ~500 MB figure; 1.05x measured). 40M parameters, not 100M: a bf16 backward on a CPU
+    without AVX-512 BF16 took 84 s of the suite at 100M."""
     import json
     import os
     import subprocess
@@ -103,13 +105,13 @@ def test_peak_rss_within_the_plan(tmp_path, synthetic):
     cfg.write_text(f"swap: {{paths: [{tmp_path / 'swap'}]}}\n"
                    "tiers: {host: {capacity: 0}}\n"
                    "pipeline: {partition_size: 16MiB, buffer_count: 3, prefetch_depth: 2}\n"
-                   "parameters: {offload: nvme, window: 80MiB, prefetch: 2}\n")
+                   "parameters: {offload: nvme, window: 32MiB, prefetch: 2}\n")
     out = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
         + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     proc = subprocess.run(
-        [sys.executable, "-m", "tiermem", "stress", "--config", str(cfg), "--params", "100M",
+        [sys.executable, "-m", "tiermem", "stress", "--config", str(cfg), "--params", "40M",
          "--layers", "4", "--dtype", "bf16", "--steps", "1", "--verify", "--no-progress",
          "--json", str(out)] + (["--synthetic-grads"] if synthetic else []),
         capture_output=True, text=True, env=env, timeout=600)
