@@ -18,7 +18,7 @@ STAMP := build/.installed
 ISTAMP := build/.integrations
 NATIVE := $(wildcard native/*.c native/*.h) native/build_native.py setup.py pyproject.toml
 
-.PHONY: setup run test clean
+.PHONY: setup run test test-full clean
 setup: $(STAMP)
 
 $(STAMP): $(NATIVE)
@@ -55,6 +55,12 @@ run: setup
 test: setup $(ISTAMP)
 	$(PYTHON) -c "from importlinter.cli import lint_imports_command as c; c()"   # the layer contracts in pyproject.toml
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
+
+# The full tier: every sweep's whole cross (each case on both I/O backends) and the tests
+# marked long (docs/dev/testing.md, "Two tiers"); about 1.6x the default tier's time.
+test-full: setup $(ISTAMP)
+	$(PYTHON) -c "from importlinter.cli import lint_imports_command as c; c()"
+	TIERMEM_FULL_SWEEP=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf build tiermem/_native*.so tiermem/_native.c tiermem/_native.o *.egg-info

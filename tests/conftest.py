@@ -185,3 +185,66 @@ def run_without_ipc_lock(script: str, *args: str) -> dict:
     if out.get("cap"):
         pytest.skip("the child kept CAP_IPC_LOCK")
     return out
+
+
+# -- the suite's length (docs/dev/testing.md, "Two tiers") ---------------------------------
+
+# Files whose subject is the I/O backends themselves: every case on both, always.
+BACKEND_SUBJECT = {
+    "test_io_engine.py", "test_io_errors.py", "test_io_follow.py", "test_faults.py",
+    "test_buffers.py", "test_backend_selection.py", "test_integrity.py",
+    "test_durability.py", "test_drive_failure.py", "test_powerloss.py", "test_swap_safety.py",
+}
+
+
+def _backend_twins(items: list) -> list:
+    """The items to leave out of the default tier: of each case parametrized over the two
+    backends in a file whose subject is not the backends, the twin on one backend, taking
+    the backends in turn case by case, so that every table still runs on both."""
+    groups: dict[tuple, list] = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is None or "backend" not in spec.params or item.path.name in BACKEND_SUBJECT:
+            continue
+        rest = tuple(sorted((k, repr(v)) for k, v in spec.params.items() if k != "backend"))
+        groups.setdefault((item.nodeid.split("[", 1)[0], rest), []).append(item)
+    turn: dict[str, int] = {}
+    drop = []
+    for (function, _), twins in groups.items():
+        if len(twins) < 2:
+            continue
+        if not _URING_OK:  # io_uring's twins are skipped here: run the thread backend's
+            keep = next(t for t in twins if t.callspec.params["backend"] != "io_uring")
+        else:
+            keep = twins[turn.get(function, 0) % len(twins)]
+            turn[function] = turn.get(function, 0) + 1
+        drop += [t for t in twins if t is not keep]
+    return drop
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "long: in the full tier only (TIERMEM_FULL_SWEEP=1, `make test-full`): a "
+        "slower variant of what a default-tier test also checks")
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL_SWEEP:
+        return
+    drop = _backend_twins(items)
+    drop_ids = {id(t) for t in drop}
+    long = [t for t in items if id(t) not in drop_ids and t.get_closest_marker("long")]
+    drop_ids |= {id(t) for t in long}
+    if drop_ids:
+        config.hook.pytest_deselected(items=[t for t in items if id(t) in drop_ids])
+        items[:] = [t for t in items if id(t) not in drop_ids]
+    config._tiermem_left = (len(drop), len(long))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    twins, long = getattr(config, "_tiermem_left", (0, 0))
+    if twins or long:
+        terminalreporter.write_line(
+            f"tiermem: the default tier left out {twins} backend twins (each case ran on one "
+            f"backend, in turn) and {long} long tests; TIERMEM_FULL_SWEEP=1 (make test-full) "
+            "runs them")

@@ -14,7 +14,7 @@ from zygote import run_python
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.long)])
 def test_edits_bench_smoke(tmp_path, dtype):
     out = tmp_path / "edits.json"
     proc = run_python(

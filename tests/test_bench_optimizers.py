@@ -179,6 +179,7 @@ def test_a_complete_fio_run_is_the_floor(monkeypatch, tmp_path):
 
 
 @needs_fio
+@pytest.mark.long  # a measurement bench (docs/dev/benchmarks.md), not an issue's goal
 def test_disk_contention_bench_smoke(tmp_path):
     """bench/disk_contention.py at a tiny size: every load measured beside fio in every
     round, fio alone its own reference, the memory loads' rates measured."""

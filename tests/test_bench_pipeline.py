@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     reason="the fio floor needs fio, and root for its huge-page buffers")
 
 
-@pytest.mark.parametrize("params, reads", [("6M", True), ("2M", False)],
+@pytest.mark.parametrize("params, reads", [("6M", True), pytest.param("2M", False, marks=pytest.mark.long)],
                          ids=["records-read-back", "all-in-buffers"])
 def test_pipeline_bench_smoke(tmp_path, params, reads):
     out = tmp_path / "pipeline.json"

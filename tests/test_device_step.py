@@ -522,6 +522,7 @@ def test_gpu_check_smoke(tmp_path):
     assert listdir(tmp_path / "swap") == []
 
 
+@pytest.mark.long  # the bench script's time budget, not tiermem
 def test_gpu_check_skips_the_big_model_without_time_for_it(tmp_path):
     """The big-model runs cannot be cut short once started (minutes each at 2B on a GPU):
     with less of --budget left than one needs they are skipped and said so, and the run

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import BACKEND_PARAMS, FULL_SWEEP
+from conftest import BACKEND_PARAMS, FULL_SWEEP, sweep
 
 SCRIPT = r"""
 import sys, torch, tiermem
@@ -42,8 +42,11 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# Each signal with one durability (the other pair with TIERMEM_FULL_SWEEP=1): the handler
+# does not depend on the durability, the hand-back does and each runs once.
+@pytest.mark.parametrize("sig,durability", [
+    pytest.param(s, d, id=f"{s.name}-{d}")
+    for s, d in sweep(["scratch", "crash_consistent"], [signal.SIGINT, signal.SIGTERM])])
 def test_signal_mid_training_hands_state_back(tmp_path, sig, durability):
     """Scratch mode abandons the step where it stood; crash-consistent mode rolls it back
     to the last commit. Either way the state comes back whole and the directory goes."""
