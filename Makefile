@@ -57,7 +57,7 @@ test: setup $(ISTAMP)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
 
 # The full tier: every sweep's whole cross (each case on both I/O backends) and the tests
-# marked long (docs/dev/testing.md, "Two tiers"); about 1.6x the default tier's time.
+# marked long (docs/dev/testing.md, "Two tiers").
 test-full: setup $(ISTAMP)
 	$(PYTHON) -c "from importlinter.cli import lint_imports_command as c; c()"
 	TIERMEM_FULL_SWEEP=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
