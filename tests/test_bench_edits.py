@@ -14,7 +14,8 @@ from zygote import run_python
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.long)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.long  # a bench script at a toy size: the full tier (docs/dev/testing.md)
 def test_edits_bench_smoke(tmp_path, dtype):
     out = tmp_path / "edits.json"
     proc = run_python(

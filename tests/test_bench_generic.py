@@ -14,6 +14,7 @@ from zygote import run_python
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.long  # a bench script at a toy size: the full tier (docs/dev/testing.md)
 def test_generic_bench_smoke(tmp_path):
     out = tmp_path / "generic.json"
     proc = run_python(

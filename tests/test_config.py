@@ -16,6 +16,8 @@ import tiermem
 from tiermem.config import (ConfigError, IOSettings, PipelineSettings, PlacementRule, Settings,
                             load_config)
 
+from conftest import FULL_SWEEP
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -266,7 +268,8 @@ def _settings_or_config_error(source):
     return s
 
 
-FUZZ = settings(max_examples=300, deadline=None,
+# 300 examples in the full tier, 100 in the default one (docs/dev/testing.md, "Two tiers")
+FUZZ = settings(max_examples=300 if FULL_SWEEP else 100, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
 

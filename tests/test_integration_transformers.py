@@ -100,17 +100,33 @@ def _needs(module: str, *names: str) -> list:
         for n in names]
 
 
+# Rows whose path another row takes too (bitsandbytes' optimizers all run the generic path
+# on codes and scales, as adamw_bnb_8bit does; torch's Adagrad and RMSprop rules as SGD's
+# torch-family rule; 4-bit torchao as 8-bit): the full tier (docs/dev/testing.md).
+LONG_OPTIM = {"paged_adamw_32bit", "lion_8bit", "rmsprop_bnb_8bit", "ademamix_8bit", "adagrad",
+              "rmsprop", "adamw_torch_4bit"}
+
+
+def _tiered(rows: list) -> list:
+    out = []
+    for row in rows:
+        row = row if hasattr(row, "marks") else pytest.param(row)
+        long = [pytest.mark.long] if row.values[0] in LONG_OPTIM else []
+        out.append(pytest.param(*row.values, marks=[*row.marks, *long], id=row.values[0]))
+    return out
+
+
 # The Trainer's optim= names that build an optimizer on the CPU with what the test extras
 # install: torch's (the Adam rule, the torch-family rules, Adafactor on the generic path),
 # bitsandbytes' 8- and 32-bit ones (generic path: uint8 codes, code maps, block scales)
 # and schedule-free AdamW, whose train()/eval() the Trainer calls.
-@pytest.mark.parametrize("optim", [
+@pytest.mark.parametrize("optim", _tiered([
     "adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor",
     *_needs("bitsandbytes", "adamw_bnb_8bit", "paged_adamw_32bit", "lion_8bit",
             "rmsprop_bnb_8bit", "ademamix_8bit"),
     *_needs("schedulefree", "schedule_free_adamw"),
     # torchao's low-bit AdamW: state in tensor subclasses made of codes and block scales
-    *_needs("torchao", "adamw_torch_8bit", "adamw_torch_4bit")])
+    *_needs("torchao", "adamw_torch_8bit", "adamw_torch_4bit")]))
 def test_trainer_built_optimizer_checkpoint_and_resume_equal_plain(tmp_path, optim):
     extra = dict(optim=optim, max_grad_norm=0.05, gradient_accumulation_steps=2)
     # torchao quantises the state of parameters its block size divides (else: fp32)

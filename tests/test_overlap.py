@@ -565,6 +565,7 @@ def test_dcp_checkpoint_waits_for_the_worker(tmp_path):
             assert torch.equal(sd["state"][i][k], reference.state[p][k])
 
 
+@pytest.mark.long  # a bench script at a toy size: the full tier (docs/dev/testing.md)
 def test_train_loop_bench_smoke(tmp_path):
     """bench/train_loop.py at a tiny size: the batch is sized automatically, every variant
     runs, each overlapped iteration is paired with a fwd+bwd alone, the swap directory is

@@ -497,6 +497,7 @@ def test_cuda_model_found_without_streams(tmp_path):
 # -- bench/gpu_check.py's parameter-tier section ------------------------------------------
 
 
+@pytest.mark.long  # a bench script at a toy size: the full tier (docs/dev/testing.md)
 def test_gpu_check_param_tier_smoke(tmp_path):
     """Section (e) of the GPU check, on the CPU emulation at tiny sizes: it runs, the
     tiered transformer tracks plain training, and weights and grads crossed the lanes."""
