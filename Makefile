@@ -43,7 +43,10 @@ $(STAMP): $(NATIVE)
 $(ISTAMP): $(STAMP)
 	@echo "setup: installing the integrations and third-party optimizer extras (lightning, accelerate, transformers; lion-pytorch, torch-optimizer, pytorch-optimizer, schedulefree, bitsandbytes, torchao, adam-atan2-pytorch, came-pytorch, prodigyopt)"
 	@$(PYTHON) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > build/torch-constraint.txt
-	@$(PYTHON) -m pip install -q --no-build-isolation -c build/torch-constraint.txt -e ".[test,integrations,thirdparty]"
+	@# the extras' requirements from pyproject.toml, not `pip install -e ".[...]"`: that
+	@# would build tiermem's native library a second time (a minute on a 2-core machine)
+	@$(PYTHON) -c 'import sys; tomllib = __import__("tomllib" if sys.version_info >= (3, 11) else "pip._vendor.tomli", fromlist=["load"]); x = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print("\n".join(x["test"] + x["integrations"] + x["thirdparty"]))' > build/extras.txt
+	@$(PYTHON) -m pip install -q --no-build-isolation -c build/torch-constraint.txt -r build/extras.txt
 	@touch $(ISTAMP)
 
 # 500M fp32 parameters: 4 GB of optimizer state, 2 GiB of it in the default host
