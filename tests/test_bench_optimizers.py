@@ -28,6 +28,9 @@ needs_fio = pytest.mark.skipif(
 
 
 @needs_fio
+# The full tier: the fio floors' path, which test_bench_pipeline.py's smoke also takes; #17's
+# goal command (--stand-in) is the default tier's, below.
+@pytest.mark.long
 def test_optimizers_bench_smoke(tmp_path):
     out = tmp_path / "optimizers.json"
     proc = run_python(
