@@ -2,10 +2,11 @@
 
 Starting a rank costs time (a fresh one imports torch; tests/zygote.py forks them with it
 imported), so a test module starts one group and runs all its scenarios in it
-(`scenario_results`), each rank reporting, per scenario, "ok" or the traceback. A rank that hangs is killed at the deadline; its
-scenarios report that instead of hanging the suite. A rank that dies (a scenario kills
-it on purpose) reports through a file what it finished before: every scenario's
-outcome is written there as soon as it is known, since a killed process sends nothing.
+(`scenario_results`), each rank reporting, per scenario, "ok" or the traceback. A rank
+that hangs is killed at the deadline; its scenarios report that instead of hanging the
+suite. A rank that dies (a scenario kills it on purpose) reports through a file what it
+finished before: every scenario's outcome is written there as soon as it is known, since
+a killed process sends nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import tempfile
 import traceback
 from datetime import timedelta
 from typing import Any
-
 
 PG_TIMEOUT = 60  # seconds; gloo's own bound on any collective the tests issue directly
 _partial: str | None = None  # this rank's file of scenario outcomes so far

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(
     reason="the fio floor needs fio, and root for its huge-page buffers")
 
 
-@pytest.mark.parametrize("params, reads", [("6M", True), pytest.param("2M", False, marks=pytest.mark.long)],
-                         ids=["records-read-back", "all-in-buffers"])
+@pytest.mark.parametrize("params, reads", [
+    pytest.param("6M", True, id="records-read-back"),
+    pytest.param("2M", False, marks=pytest.mark.long, id="all-in-buffers")])
 def test_pipeline_bench_smoke(tmp_path, params, reads):
     out = tmp_path / "pipeline.json"
     proc = run_python(
