@@ -82,9 +82,9 @@ def crash_config(swap: str, backend: str, state_dtype: str = "fp32",
 def run_killed(swap, backend: str, spec: str, steps: int, *extra: str) -> list[str]:
     """Run this script as a child (from a test) and return the words it printed; it must
     have died of the SIGKILL it sent itself at `spec`."""
-    from zygote import run_script  # forked with torch imported (tests/zygote.py)
+    from zygote import run_python  # forked with torch imported (tests/zygote.py)
 
-    proc = run_script(__file__, str(swap), backend, spec, str(steps), *extra, timeout=120)
+    proc = run_python(__file__, swap, backend, spec, steps, *extra, timeout=120)
     assert proc.returncode == -9, f"child was not killed at {spec}:\n{proc.stdout}{proc.stderr}"
     return proc.stdout.split()
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import BACKEND_PARAMS, sweep
+from conftest import BACKEND_PARAMS
 
 CHILD = r"""
 import atexit, contextlib, copy, json, os, sys, torch, tiermem
@@ -86,17 +86,10 @@ def _run(tmp_path, backend, extra, blocks, env=None):
     return proc, swap
 
 
-def on_backends(cases: list) -> list:
-    """(backend, *case) params: with TIERMEM_FULL_SWEEP=1 every case on both backends, else
-    each case once with the backends taken in turn, so both still run here (each case is
-    a fresh `python`, seconds of the suite on a 2-core host; the exit hook does not depend
-    on the backend, the engines' shutdown does and each runs with several cases)."""
-    return [pytest.param(b.values[0], *c.values, marks=[*b.marks, *c.marks],
-                         id=f"{c.id}-{b.values[0]}")
-            for b, c in sweep(cases, BACKEND_PARAMS)]
-
-
-@pytest.mark.parametrize("backend,extra,blocks", on_backends(CASES))
+# The default tier runs each case on one backend, in turn (tests/conftest.py's backend
+# twins): each is a fresh `python`, seconds of the suite on a 2-core host.
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("extra,blocks", CASES)
 def test_block_open_at_exit_is_left_before_teardown(tmp_path, backend, extra, blocks):
     _verify(*_run(tmp_path, backend, extra, blocks), blocks)
 
@@ -171,8 +164,8 @@ print("PARENT OK", flush=True)
 """
 
 
-@pytest.mark.parametrize("backend,how", on_backends([pytest.param("with", id="with"),
-                                                      pytest.param("atexit", id="atexit")]))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("how", ["with", "atexit"])
 def test_a_child_forked_inside_a_block_never_leaves_it(tmp_path, backend, how):
     """A child forked with the block open (a subprocess spawned by fork, a worker) exits
     without handing back or deleting the parent's state: only the process that opened a

@@ -111,11 +111,6 @@ def run_python(*args: str, cwd: str | Path | None = None, env: dict | None = Non
         return Finished(proc.exitcode, _read(out), _read(err))
 
 
-def run_script(script: str | Path, *argv: str, timeout: float = 120) -> Finished:
-    """`python script argv...` as a forked child (run_python)."""
-    return run_python(str(script), *argv, timeout=timeout)
-
-
 def _read(path: str) -> str:
     # absent when the child died before its first line ran (the server could not fork)
     return Path(path).read_text() if os.path.exists(path) else ""
