@@ -23,8 +23,14 @@
  * into a step of lr * m / eps. A block whose scale would be 0 or subnormal is
  * all zeros.
  *
- * Per block: dequantise (code value * old scale), the Adam arithmetic of adam.c
- * in fp32 (the parameter step uses those fp32 moments), then the new scales from
+ * Per block: dequantise (code value * old scale), the Adam moments of adam.c in
+ * fp32, the parameter step from those fp32 moments with the bias corrections folded
+ * into one division (param_step_q1: p + nssq * m / (sqrt(v) + epsq), nssq = -(lr / bc1)
+ * * sqrt(bc2) and epsq = eps * sqrt(bc2) rounded once from doubles; adam.c's
+ * p + nss * m / (sqrt(v) / sqrt(bc2) + eps) is the same quantity with two divisions,
+ * which made the divider this pass's bottleneck on an AVX2 CPU (Zen 1: 1.71 against
+ * 1.53 ns/param); the two differ by an ulp or so, far inside the codes' 1/16), then
+ * the new scales from
  * the block's fp32 moments and the codes, rounded to nearest even or
  * stochastically: 16 random bits per element and moment from the counter-based
  * hash of numeric.h (exp_avg the low 16, exp_avg_sq the high 16 of
@@ -113,6 +119,7 @@ typedef struct lb_job {
     int w16;             /* MW_KAHAN / MW_NONE: the weights (and term) are fp16, not bf16 */
     uint32_t idx0, k0, k1;
     tm_adam_coef k;      /* the Adam arithmetic's coefficients (numeric.h) */
+    float nssq, epsq;    /* int8 moments' parameter step (param_step_q1) */
 } lb_job;
 
 /* -- scalar ------------------------------------------------------------------------ */
@@ -287,13 +294,19 @@ static inline void store_p1(const lb_job *j, int64_t i, float p)
     }
 }
 
+/* The parameter step of int8 moments (the top of the file): one division, not two. */
+static inline float param_step_q1(const lb_job *j, float p, float m, float v)
+{
+    return p + (j->nssq * m) / (sqrtf(v) + j->epsq);
+}
+
 /* Pass 1 on element i of an int8 block: its moments dequantised in *m, *v, the Adam step,
  * the weight stored; the new fp32 moments come back in *m, *v. */
 static inline void update1(const lb_job *j, int64_t i, float *m, float *v)
 {
     float g = load_g1(j, i), p = load_p1(j, i);
     tm_moments1(&j->k, &g, &p, m, v);
-    store_p1(j, i, tm_param_step1(&j->k, p, *m, *v));
+    store_p1(j, i, param_step_q1(j, p, *m, *v));
 }
 
 static void block_scalar(const lb_job *j, int64_t b0, int len)
@@ -573,10 +586,19 @@ w16x16(__m256i h, int w16)
     return w16 ? _mm512_cvtph_ps(h) : bf16x16(h);
 }
 
+/* param_step_q1 on 16 lanes */
+static inline TGT_LB __attribute__((always_inline)) __m512
+param_step_q16(const lb_job *j, __m512 p, __m512 m, __m512 v)
+{
+    __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(j->epsq));
+    return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(j->nssq), m), denom));
+}
+
 /* Pass 1 on 16 elements (lanes km) at i, their moments dequantised in *mo, *vo: the Adam
- * step, the weights stored; the new fp32 moments come back in *mo, *vo. */
+ * step (q: int8 moments', param_step_q16; else adam.c's), the weights stored; the new fp32
+ * moments come back in *mo, *vo. */
 static inline TGT_LB __attribute__((always_inline)) void
-update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int w16, int odt,
+update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int w16, int odt, int q,
          __m512 *mo, __m512 *vo, __m512 *vx)
 {
     __m512 g;
@@ -603,7 +625,7 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int w16, int
                                 _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
         *vx = vv;
     }
-    p = tm_param_step16(&j->k, p, m, vv);
+    p = q ? param_step_q16(j, p, m, vv) : tm_param_step16(&j->k, p, m, vv);
     if (mw == MW_FP32) {
         _mm512_mask_storeu_ps((float *)j->p + i, km, p);
         if (odt >= 0) {
@@ -830,7 +852,7 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16
                 if (b + k + LB_PF < end)                                               \
                     prefetch16(j, b + k, gdt, mw);                                     \
                 DECODE;                                                                \
-                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, w16, odt, &m, &v, NULL);           \
+                update16(j, b + k, (__mmask16)0xFFFF, gdt, mw, w16, odt, 1, &m, &v, NULL);        \
                 _mm512_store_ps(tm + k, m);                                            \
                 _mm512_store_ps(tv + k, v);                                            \
                 range_add(&q, m, v, (__mmask16)0xFFFF);                                \
@@ -864,7 +886,7 @@ range512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16
                 __mmask16 km = lanes(len - k);
                 __m512 m, v;
                 dec16(j, b + k, km, ms, vs, &m, &v);
-                update16(j, b + k, km, gdt, mw, w16, odt, &m, &v, NULL);
+                update16(j, b + k, km, gdt, mw, w16, odt, 1, &m, &v, NULL);
                 _mm512_store_ps(tm + k, m);
                 _mm512_store_ps(tv + k, v);
                 range_add(&q, m, v, km);
@@ -927,7 +949,7 @@ dense512(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16
             vx = mf == MF_F32 ? _mm512_maskz_loadu_ps(km, (const float *)j->vmax + i)
                               : bf16x16(_mm256_maskz_loadu_epi16(km,
                                                                  (const uint16_t *)j->vmax + i));
-        update16(j, i, km, gdt, mw, w16, odt, &m, &v, j->vmax ? &vx : NULL);
+        update16(j, i, km, gdt, mw, w16, odt, 0, &m, &v, j->vmax ? &vx : NULL);
         if (mf == MF_F32) {
             _mm512_mask_storeu_ps((float *)j->m + i, km, m);
             _mm512_mask_storeu_ps((float *)j->v + i, km, v);
@@ -1092,9 +1114,51 @@ LB2_INLINE void dec8(const lb_job *j, int64_t i, float ms, float vs, __m256 *m, 
     *v = _mm256_loadu_ps(tv);
 }
 
-/* update1 on the 8 elements at i; amsgrad (vx non-NULL): *vx holds the old max and gets
- * the new one (lb_max_nan's NaN: all bits set). */
-LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, int odt,
+/* Whether dec8_fast may decode the full block at b: block_decodes_fast's test, 32 codes
+ * at a time. *vbias: what dec8_fast adds to exp_avg_sq's code bits. */
+LB2_INLINE int block_decodes_fast8(const lb_job *j, int64_t b, float vs, __m256i *vbias)
+{
+    uint32_t sb = f32_bits(vs);
+    if ((sb & 0x807FFFFFu) || (sb >> 23) < 31u || (sb >> 23) > 254u)
+        return 0;
+    __m256i bad = _mm256_setzero_si256();
+    for (int q = 0; q < QB; q += 32) {
+        __m256i bm = _mm256_loadu_si256((const __m256i *)(j->m + b + q));
+        __m256i bv = _mm256_loadu_si256((const __m256i *)(j->v + b + q));
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(
+            _mm256_and_si256(bm, _mm256_set1_epi8(0x78)), _mm256_setzero_si256()));
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(
+            _mm256_and_si256(bv, _mm256_set1_epi8((char)0xF8)), _mm256_setzero_si256()));
+    }
+    *vbias = _mm256_set1_epi32((int)(sb - (31u << 23)));
+    return _mm256_movemask_epi8(bad) == 0;
+}
+
+/* dec8 on 8 codes of a block that block_decodes_fast8() cleared: dec16_fast's arithmetic
+ * (exp_avg_sq's power-of-two scale an add to the exponent), so bit for bit dec8. */
+LB2_INLINE void dec8_fast(const lb_job *j, int64_t i, float ms, __m256i vbias, __m256 *m,
+                          __m256 *v)
+{
+    __m256i cm = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(j->m + i)));
+    __m256i cv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(j->v + i)));
+    __m256i um = _mm256_and_si256(
+        _mm256_or_si256(_mm256_slli_epi32(cm, 20), _mm256_set1_epi32((int)(M_EBIAS << 23))),
+        _mm256_set1_epi32((int)0xBFF00000u));
+    *m = _mm256_mul_ps(_mm256_castsi256_ps(um), _mm256_set1_ps(ms));
+    *v = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(cv, 20), vbias));
+}
+
+/* param_step_q1 on 8 lanes */
+LB2_INLINE __m256 param_step_q8(const lb_job *j, __m256 p, __m256 m, __m256 v)
+{
+    __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(j->epsq));
+    return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(j->nssq), m), denom));
+}
+
+/* update1 on the 8 elements at i (q: int8 moments' step, param_step_q8; else adam.c's);
+ * amsgrad (vx non-NULL): *vx holds the old max and gets the new one (lb_max_nan's NaN: all
+ * bits set). */
+LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, int odt, int q,
                         __m256 *mo, __m256 *vo, __m256 *vx)
 {
     __m256 g;
@@ -1119,7 +1183,7 @@ LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, in
         vv = _mm256_or_ps(_mm256_max_ps(*vx, v), _mm256_cmp_ps(*vx, v, _CMP_UNORD_Q));
         *vx = vv;
     }
-    p = tm_param_step8(&j->k, p, m, vv);
+    p = q ? param_step_q8(j, p, m, vv) : tm_param_step8(&j->k, p, m, vv);
     uint16_t *w = (uint16_t *)j->p + i;
     if (mw == MW_FP32) {
         _mm256_storeu_ps((float *)j->p + i, p);
@@ -1279,17 +1343,37 @@ LB2_INLINE uint32_t hmin8u(__m256i a)
     return (uint32_t)_mm_cvtsi128_si32(x);
 }
 
+/* The lines LB_PF elements ahead (as prefetch16: the hardware prefetcher stops at each
+ * 4 KiB page), one prefetch per 64-byte line of each array. */
+LB2_INLINE void prefetch8(const lb_job *j, int64_t i, int gdt, int mw)
+{
+    if (i & 15)
+        return;
+    _mm_prefetch((const char *)j->g + (i + LB_PF) * (gdt == LB_F32 ? 4 : 2), _MM_HINT_T0);
+    _mm_prefetch((const char *)j->p + (i + LB_PF) * (mw == MW_FP32 ? 4 : 2), _MM_HINT_T0);
+    if (mw == MW_KAHAN)
+        _mm_prefetch((const char *)(j->comp + i + LB_PF), _MM_HINT_T0);
+    if (!(i & 63)) {
+        _mm_prefetch((const char *)(j->m + i + LB_PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(j->v + i + LB_PF), _MM_HINT_T0);
+    }
+}
+
 /* block_scalar's result on the blocks of [begin, end), 8 elements at a time. Pass 1 keeps
  * each moment's largest and smallest magnitude bits (range_add's rule: exp_avg_sq's bits
  * as they are, so a negative one counts as non-finite), so pass 2 codes nearly every block
  * with encode8_fast. Unlike range512, the two passes are not interleaved: with 16 vector
- * registers the interleaved loop spilled and ran 10-25% slower on the Zen 1 host. */
+ * registers the interleaved loop spilled and ran 10-25% slower on the Zen 1 host. Only the
+ * random bits move to pass 1: they depend on no value, and there they run on the integer
+ * units while the divider bounds the pass (pass 2 then loads them; 32M elements on the
+ * Zen 1 host, 2 threads: 2.03 -> 1.86 ns/param). */
 LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16,
                          int odt, int sr)
 {
     lb_job c = *jin;  /* a local whose address never escapes: fields stay in registers */
     const lb_job *j = &c;
     float tm[QB] __attribute__((aligned(32))), tv[QB] __attribute__((aligned(32)));
+    uint32_t tr[QB] __attribute__((aligned(32)));  /* the block's random bits */
     const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i step = _mm256_set1_epi32((int)(8u * SR_W));
     for (int64_t b = begin; b < end; b += QB) {
@@ -1298,19 +1382,35 @@ LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt,
         float ms = j->ms[blk], vs = j->vs[blk];
         __m256i mmax = _mm256_setzero_si256(), vmax = mmax;
         __m256i mmin = _mm256_set1_epi32(-1), vmin = mmin;
-        for (int k = 0; k < full; k += 8) {
-            __m256 m, v;
-            dec8(j, b + k, ms, vs, &m, &v);
-            update8(j, b + k, gdt, mw, w16, odt, &m, &v, NULL);
-            _mm256_store_ps(tm + k, m);
-            _mm256_store_ps(tv + k, v);
-            __m256i am = _mm256_and_si256(_mm256_castps_si256(m), absmask);
-            __m256i av = _mm256_castps_si256(v);
-            mmax = _mm256_max_epu32(mmax, am);
-            mmin = _mm256_min_epu32(mmin, am);
-            vmax = _mm256_max_epu32(vmax, av);
-            vmin = _mm256_min_epu32(vmin, av);
+        __m256i x = sr ? sr_weyl8(j->idx0 + (uint32_t)b, j->k0) : _mm256_setzero_si256();
+        __m256i vbias;
+        int dfast = len == QB && block_decodes_fast8(j, b, vs, &vbias);
+#define LB2_PASS1(DECODE)                                                              \
+        for (int k = 0; k < full; k += 8) {                                            \
+            __m256 m, v;                                                               \
+            if (b + k + LB_PF < end)                                                   \
+                prefetch8(j, b + k, gdt, mw);                                          \
+            if (sr) {                                                                  \
+                _mm256_store_si256((__m256i *)(tr + k), sr_mix8(x, j->k1));            \
+                x = _mm256_add_epi32(x, step);                                         \
+            }                                                                          \
+            DECODE;                                                                    \
+            update8(j, b + k, gdt, mw, w16, odt, 1, &m, &v, NULL);                     \
+            _mm256_store_ps(tm + k, m);                                                \
+            _mm256_store_ps(tv + k, v);                                                \
+            __m256i am = _mm256_and_si256(_mm256_castps_si256(m), absmask);            \
+            __m256i av = _mm256_castps_si256(v);                                       \
+            mmax = _mm256_max_epu32(mmax, am);                                         \
+            mmin = _mm256_min_epu32(mmin, am);                                         \
+            vmax = _mm256_max_epu32(vmax, av);                                         \
+            vmin = _mm256_min_epu32(vmin, av);                                         \
         }
+        if (dfast) {
+            LB2_PASS1(dec8_fast(j, b + k, ms, vbias, &m, &v))
+        } else {
+            LB2_PASS1(dec8(j, b + k, ms, vs, &m, &v))
+        }
+#undef LB2_PASS1
         uint32_t mhi = hmax8u(mmax), mlo = hmin8u(mmin), vhi = hmax8u(vmax), vlo = hmin8u(vmin);
         for (int k = full; k < len; k++) {
             float m = dec_m(j->m[b + k], ms), v = dec_v(j->v[b + k], vs);
@@ -1329,15 +1429,14 @@ LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt,
         fast &= lb2_scale(vhi, vlo, tv, len, 0x1p-30f, 127u - V_EBIAS, sr, &vs, &ivs, &vadd);
         j->ms[blk] = ms;
         j->vs[blk] = vs;
-        __m256i x = sr ? sr_weyl8(j->idx0 + (uint32_t)b, j->k0) : _mm256_setzero_si256();
         for (int k = 0; k < full; k += 8) {
-            __m256i r = sr ? sr_mix8(x, j->k1) : _mm256_setzero_si256();
+            __m256i r = sr ? _mm256_load_si256((const __m256i *)(tr + k))
+                           : _mm256_setzero_si256();
             __m256 m = _mm256_load_ps(tm + k), v = _mm256_load_ps(tv + k);
             if (fast)
                 encode8_fast(j, b + k, m, v, madd, vadd, sr, r);
             else
                 encode8(j, b + k, m, v, ims, ivs, sr, r);
-            x = _mm256_add_epi32(x, step);
         }
         for (int k = full; k < len; k++) {
             int64_t i = b + k;
@@ -1368,7 +1467,7 @@ LB2_INLINE void dense256(const lb_job *jin, int64_t begin, int64_t end, int gdt,
             if (j->vmax)
                 vx = bf16x8(_mm_loadu_si128((const __m128i *)((const uint16_t *)j->vmax + i)));
         }
-        update8(j, i, gdt, mw, w16, odt, &m, &v, j->vmax ? &vx : NULL);
+        update8(j, i, gdt, mw, w16, odt, 0, &m, &v, j->vmax ? &vx : NULL);
         if (mf == MF_F32) {
             _mm256_storeu_ps((float *)j->m + i, m);
             _mm256_storeu_ps((float *)j->v + i, v);
@@ -1584,6 +1683,8 @@ int tm_adam_lowbit_step(void *p, int master_mode, int weight_dtype, uint16_t *co
         .w16 = weight_dtype == LB_F16, .vmax = max_exp_avg_sq,
         .idx0 = (uint32_t)index0, .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
         .k = tm_adam_coef_make(lr, beta1, beta2, eps, weight_decay, step, maximize, decoupled),
+        .nssq = (float)(-(lr / (1.0 - pow(beta1, step))) * sqrt(1.0 - pow(beta2, step))),
+        .epsq = (float)(eps * sqrt(1.0 - pow(beta2, step))),
     };
     lb_fn fn = lowbit_scalar;
 #if TM_X86

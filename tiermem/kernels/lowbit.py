@@ -275,8 +275,11 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
                          math.nan, torch.maximum(max_exp_avg_sq.reshape(-1).float(), v))
     # torch's fp32 sqrt is not correctly rounded on every CPU build; float64's is, and
     # rounding it to fp32 is then too (53 >= 2 * 24 + 2 bits).
-    denom = torch.sqrt(vv.double()).float() / bc2s + eps32
-    p = p + (nss * m) / denom
+    root = torch.sqrt(vv.double()).float()
+    if dense:  # adam.c's step
+        p = p + (nss * m) / (root / bc2s + eps32)
+    else:  # int8 moments: the bias corrections folded into one division (adam_lowbit.c)
+        p = p + (_f32(-(lr / bc1) * math.sqrt(bc2)) * m) / (root + _f32(eps * math.sqrt(bc2)))
     idx = torch.arange(n, dtype=torch.int64, device=p.device) + (offset & M32)
     k0, k1 = _keys(seed, offset)
     if master == "fp32":
