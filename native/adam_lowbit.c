@@ -30,13 +30,24 @@
  * p + nss * m / (sqrt(v) / sqrt(bc2) + eps) is the same quantity with two divisions,
  * which made the divider this pass's bottleneck on an AVX2 CPU (Zen 1: 1.71 against
  * 1.53 ns/param); the two differ by an ulp or so, far inside the codes' 1/16), then
- * the new scales from
- * the block's fp32 moments and the codes, rounded to nearest even or
- * stochastically: 16 random bits per element and moment from the counter-based
- * hash of numeric.h (exp_avg the low 16, exp_avg_sq the high 16 of
- * sr_bits(index0 + i)), added below the kept mantissa, then truncated, so the
- * rounding is unbiased and a decaying exp_avg_sq keeps moving instead of
- * freezing at a code.
+ * the new scales from the block's fp32 moments and the codes, rounded to nearest even
+ * or stochastically: 16 random bits per element and moment (code_bits(index0 + i):
+ * exp_avg the low 16, exp_avg_sq the high 16), added below the kept mantissa, then
+ * truncated, so the rounding is unbiased and a decaying exp_avg_sq keeps moving
+ * instead of freezing at a code.
+ *
+ * The codes' random bits are the Weyl step x = idx * SR_W + k0 of numeric.h's sr_bits
+ * without its mixing: exp_avg takes x's top half, exp_avg_sq the top half of x + k1.
+ * Stochastic rounding needs, for each element over the steps, bits uniform and
+ * independent of the value and of the other moment's bits: k0 and k1 are a fresh
+ * splitmix64 key each step (state_seed: step and parameter), so for every idx x is
+ * uniform, and x + k1 uniform and independent of it. Within one step the elements' bits
+ * form a lattice (SR_W / 2^32 is the golden ratio's fraction, a low-discrepancy
+ * sequence) instead of independent draws: each element still rounds without bias, and
+ * a block of equal values rounds up in a share nearer its expectation. sr_bits' mixing
+ * (two 32-bit multiplies per element) was the largest single cost of the AVX2 pass on
+ * Zen 1 (vpmulld: 4 cycles per 8 lanes): 1.58 against 1.38 ns/param, 32M elements,
+ * 2 threads. bf16 moments and master_weights none keep sr_bits.
  *
  * Weights (master_mode): 0 fp32 p (a master in the record, or an fp32 model),
  * with an optional bf16/fp16 copy written out as adam.c does; 1 kahan: p is the
@@ -49,9 +60,9 @@
  * The same weight formats also run with dense moments (moment_dtype fp32 or bf16:
  * optimizer.state_dtype fp32/bf16 with master_weights kahan/none): no blocks and no
  * scales, each element's moments read, updated by the same arithmetic and stored back,
- * bf16 ones rounded to nearest even or stochastically with the bits the codes would
- * use (exp_avg the low 16, exp_avg_sq the high 16 of sr_bits(index0 + i)). Only the
- * moments' load and store differ from the int8 pass.
+ * bf16 ones rounded to nearest even or stochastically with sr_bits' bits (exp_avg the
+ * low 16, exp_avg_sq the high 16 of sr_bits(index0 + i)). Only the moments' load and
+ * store, and those bits, differ from the int8 pass.
  *
  * fp16 weights (w16: kahan with an fp16 term, none rounded stochastically to fp16) take
  * the same steps with fp16's rounding: nearest even (subnormals and overflow to inf
@@ -148,6 +159,13 @@ static inline uint32_t enc_norm(uint32_t u, uint32_t ebias, int sr, uint32_t r16
     uint32_t rnd = sr ? ((r16 << 4) | 8u) : (0x7FFFFu + ((t >> 20) & 1u));
     uint32_t c = (t + rnd) >> 20;
     return c > top ? top : c;
+}
+
+/* The codes' random bits of element idx (the top of the file): exp_avg the low 16. */
+static inline uint32_t code_bits(uint32_t idx, uint32_t k0, uint32_t k1)
+{
+    uint32_t x = idx * SR_W + k0;
+    return (x >> 16) | ((x + k1) & 0xFFFF0000u);
 }
 
 static inline uint8_t enc_m(float x, float inv, int sr, uint32_t r16)
@@ -334,7 +352,7 @@ static void block_scalar(const lb_job *j, int64_t b0, int len)
     j->vs[blk] = vs;
     for (int k = 0; k < len; k++) {
         int64_t i = b0 + k;
-        uint32_t r = j->sr ? sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1) : 0u;
+        uint32_t r = j->sr ? code_bits(j->idx0 + (uint32_t)i, j->k0, j->k1) : 0u;
         j->m[i] = enc_m(tm[k], ims, j->sr, r & 0xFFFFu);
         j->v[i] = enc_v(tv[k], ivs, j->sr, r >> 16);
     }
@@ -660,13 +678,22 @@ update16(const lb_job *j, int64_t i, __mmask16 km, int gdt, int mw, int w16, int
     *vo = v;
 }
 
+/* code_bits from the Weyl step x of 16 elements */
+static inline TGT_LB __attribute__((always_inline)) __m512i
+code_mix16(__m512i x, uint32_t k1)
+{
+    return _mm512_or_si512(_mm512_srli_epi32(x, 16),
+                           _mm512_and_si512(_mm512_add_epi32(x, _mm512_set1_epi32((int)k1)),
+                                            _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* Pass 2 on 16 elements, any values: the codes of fp32 moments m, v at the block's new
  * scales (inverses ims, ivs), stored; x: the Weyl step of their random bits. */
 static inline TGT_LB __attribute__((always_inline)) void
 encode16(const lb_job *j, int64_t i, __mmask16 km, __m512 m, __m512 v, float ims, float ivs,
          int sr, __m512i x)
 {
-    __m512i r = sr ? sr_mix16(x, j->k1) : _mm512_setzero_si512();
+    __m512i r = sr ? code_mix16(x, j->k1) : _mm512_setzero_si512();
     __m512i cm = enc_m16(m, ims, sr, _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)));
     __m512i cv = enc_v16(v, ivs, sr, _mm512_srli_epi32(r, 16));
     _mm512_mask_cvtepi32_storeu_epi8(j->m + i, km, cm);
@@ -688,7 +715,7 @@ encode16_fast(const lb_job *j, int64_t i, __m512 m, __m512 v, uint32_t cm_add,
 {
     __m512i um = _mm512_castps_si512(m), uv = _mm512_castps_si512(v), rm, rv;
     if (sr) {
-        __m512i r = sr_mix16(x, j->k1);
+        __m512i r = code_mix16(x, j->k1);
         rm = _mm512_ternarylogic_epi32(_mm512_slli_epi32(r, 4), _mm512_set1_epi32(0xFFFF0),
                                        _mm512_set1_epi32((int)cm_add), 0xEA);
         rv = _mm512_ternarylogic_epi32(_mm512_srli_epi32(r, 12), _mm512_set1_epi32(0xFFFF0),
@@ -1237,7 +1264,7 @@ LB2_INLINE __m256i enc_norm8(__m256i u, uint32_t ebias, int sr, __m256i r16, uin
 }
 
 /* enc_m and enc_v of the 8 elements at i (fp32 moments m, v; inverse scales ims, ivs; r:
- * their sr_bits, exp_avg the low 16, exp_avg_sq the high 16). */
+ * their code_bits, exp_avg the low 16, exp_avg_sq the high 16). */
 LB2_INLINE void encode8(const lb_job *j, int64_t i, __m256 m, __m256 v, float ims, float ivs,
                         int sr, __m256i r)
 {
@@ -1343,6 +1370,14 @@ LB2_INLINE uint32_t hmin8u(__m256i a)
     return (uint32_t)_mm_cvtsi128_si32(x);
 }
 
+/* code_bits from the Weyl step x of 8 elements */
+LB2_INLINE __m256i code_mix8(__m256i x, uint32_t k1)
+{
+    return _mm256_or_si256(_mm256_srli_epi32(x, 16),
+                           _mm256_and_si256(_mm256_add_epi32(x, _mm256_set1_epi32((int)k1)),
+                                            _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* The lines LB_PF elements ahead (as prefetch16: the hardware prefetcher stops at each
  * 4 KiB page), one prefetch per 64-byte line of each array. */
 LB2_INLINE void prefetch8(const lb_job *j, int64_t i, int gdt, int mw)
@@ -1363,10 +1398,11 @@ LB2_INLINE void prefetch8(const lb_job *j, int64_t i, int gdt, int mw)
  * each moment's largest and smallest magnitude bits (range_add's rule: exp_avg_sq's bits
  * as they are, so a negative one counts as non-finite), so pass 2 codes nearly every block
  * with encode8_fast. Unlike range512, the two passes are not interleaved: with 16 vector
- * registers the interleaved loop spilled and ran 10-25% slower on the Zen 1 host. Only the
- * random bits move to pass 1: they depend on no value, and there they run on the integer
- * units while the divider bounds the pass (pass 2 then loads them; 32M elements on the
- * Zen 1 host, 2 threads: 2.03 -> 1.86 ns/param). */
+ * registers the interleaved loop spilled and ran 10-25% slower on the Zen 1 host (and again
+ * after the changes below). Only the random bits move to pass 1: they depend on no value,
+ * and there they run on the integer units while the divider bounds the pass (pass 2 then
+ * loads them; with sr_bits' multiplies, 32M elements on the Zen 1 host, 2 threads: 2.03 ->
+ * 1.86 ns/param). */
 LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16,
                          int odt, int sr)
 {
@@ -1391,7 +1427,7 @@ LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt,
             if (b + k + LB_PF < end)                                                   \
                 prefetch8(j, b + k, gdt, mw);                                          \
             if (sr) {                                                                  \
-                _mm256_store_si256((__m256i *)(tr + k), sr_mix8(x, j->k1));            \
+                _mm256_store_si256((__m256i *)(tr + k), code_mix8(x, j->k1));          \
                 x = _mm256_add_epi32(x, step);                                         \
             }                                                                          \
             DECODE;                                                                    \
@@ -1440,7 +1476,7 @@ LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt,
         }
         for (int k = full; k < len; k++) {
             int64_t i = b + k;
-            uint32_t r = sr ? sr_bits(j->idx0 + (uint32_t)i, j->k0, j->k1) : 0u;
+            uint32_t r = sr ? code_bits(j->idx0 + (uint32_t)i, j->k0, j->k1) : 0u;
             j->m[i] = enc_m(tm[k], ims, sr, r & 0xFFFFu);
             j->v[i] = enc_v(tv[k], ivs, sr, r >> 16);
         }

@@ -120,6 +120,13 @@ def sr_bits(idx: Tensor, k0: int, k1: int) -> Tensor:
     return x ^ (x >> 16)
 
 
+def code_bits(idx: Tensor, k0: int, k1: int) -> Tensor:
+    """native/adam_lowbit.c's code_bits, the int8 codes' random bits: sr_bits' Weyl step x
+    unmixed, exp_avg the top half of x (in the low 16 bits), exp_avg_sq that of x + k1."""
+    x = (_mul32(idx & M32, 0x9E3779B1) + k0) & M32
+    return (x >> 16) | ((x + k1) & 0xFFFF0000)
+
+
 def _keys(seed: int, offset: int) -> tuple[int, int]:
     key = splitmix64(seed ^ splitmix64(offset >> 32))
     return key & M32, key >> 32
@@ -208,13 +215,13 @@ def _encode(x: Tensor, inv: Tensor, r16: Tensor | None, *, signed: bool) -> Tens
 def quantize(x: Tensor, *, signed: bool, rounding: str = "nearest", seed: int = 0,
              offset: int = 0, high: bool = False) -> tuple[Tensor, Tensor]:
     """(codes, scales) of one segment's fp32 values; stochastic rounding draws the
-    low (`high` False: exp_avg) or high 16 bits of sr_bits(offset + i)."""
+    low (`high` False: exp_avg) or high 16 bits of code_bits(offset + i)."""
     x = x.float().reshape(-1)
     s, inv = _scales(x)
     r16 = None
     if rounding == "stochastic":
         k0, k1 = _keys(seed, offset)
-        r = sr_bits(torch.arange(x.numel(), dtype=torch.int64) + (offset & M32), k0, k1)
+        r = code_bits(torch.arange(x.numel(), dtype=torch.int64) + (offset & M32), k0, k1)
         r16 = r >> 16 if high else r & 0xFFFF
     return _encode(x, inv, r16, signed=signed), s
 
@@ -295,7 +302,9 @@ def adam_lowbit_reference(*, param: Tensor, grad: Tensor, exp_avg: Tensor,
         rw = sr_bits(idx, k0 ^ W_KEY, k1) & 0xFFFF
         param.view(-1).copy_(bf16_stochastic(p, rw) if param.dtype == torch.bfloat16
                              else f16_stochastic(p, rw))
-    r = sr_bits(idx, k0, k1) if rounding == "stochastic" else None
+    r = None
+    if rounding == "stochastic":  # bf16 moments: sr_bits; int8 codes: code_bits
+        r = (sr_bits if dense else code_bits)(idx, k0, k1)
     if dense:
         pairs = [(exp_avg, m, 0), (exp_avg_sq, v, 16)]
         if max_exp_avg_sq is not None:  # rounded with exp_avg_sq's bits: stays >= it
