@@ -1398,11 +1398,11 @@ LB2_INLINE void prefetch8(const lb_job *j, int64_t i, int gdt, int mw)
  * each moment's largest and smallest magnitude bits (range_add's rule: exp_avg_sq's bits
  * as they are, so a negative one counts as non-finite), so pass 2 codes nearly every block
  * with encode8_fast. Unlike range512, the two passes are not interleaved: with 16 vector
- * registers the interleaved loop spilled and ran 10-25% slower on the Zen 1 host (and again
- * after the changes below). Only the random bits move to pass 1: they depend on no value,
- * and there they run on the integer units while the divider bounds the pass (pass 2 then
- * loads them; with sr_bits' multiplies, 32M elements on the Zen 1 host, 2 threads: 2.03 ->
- * 1.86 ns/param). */
+ * registers the interleaved loop spilled and ran 10-25% slower on the Zen 1 host, and with
+ * the one-division step and the block-level decode no faster than this one. Only the
+ * random bits move to pass 1: they depend on no value, and there they run on the integer
+ * units while the divider bounds the pass (pass 2 then loads them; with sr_bits' two
+ * multiplies then, 32M elements on the Zen 1 host, 2 threads: 2.03 -> 1.86 ns/param). */
 LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16,
                          int odt, int sr)
 {
