@@ -434,6 +434,38 @@ def test_stochastic_rounding_is_unbiased():
     assert lb.dequantize(qn, sn, signed=True)[mask].unique().numel() == 1
 
 
+@pytest.mark.parametrize("signed", [True, False], ids=["exp_avg", "exp_avg_sq"])
+def test_stochastic_rounding_is_unbiased_per_element_over_steps(signed):
+    """Each element on its own rounds without bias over the steps (fresh keys per step):
+    the codes' bits are a lattice within one step (docs/guide/numerics.md), so the mean
+    over a block's elements alone would not show bits that stay fixed per element."""
+    x = torch.full((256,), 0.3)
+    x[0] = 1.875  # block max: scale 1; 0.3 lies 0.6 of the way from 0.28125 to 0.3125
+    steps = 2000
+    total = torch.zeros(256, dtype=torch.float64)
+    for step in range(steps):
+        q, s = lb.quantize(x, signed=signed, rounding="stochastic", seed=step,
+                           offset=(1 << 20) + 3, high=not signed)
+        total += lb.dequantize(q, s, signed=signed).double()
+    mean = (total / steps)[1:]
+    sd = 0.03125 * math.sqrt(0.6 * 0.4 / steps)  # one element's mean over the steps
+    assert (mean - 0.3).abs().max().item() < 6 * sd, (mean.min(), mean.max())
+
+
+def test_code_bits_of_the_two_moments_are_independent():
+    """Over fresh keys, an element's exp_avg and exp_avg_sq bits are uniform and
+    uncorrelated (exp_avg_sq's come from x + k1, not from x)."""
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randint(0, 1 << 32, (4000, 2), generator=gen, dtype=torch.int64)
+    for idx in (0, 1, 12345, (1 << 32) - 1):
+        r = torch.stack([lb.code_bits(torch.tensor([idx]), int(k0), int(k1))[0]
+                         for k0, k1 in keys.tolist()])
+        lo, hi = (r & 0xFFFF).double() / 65536, (r >> 16).double() / 65536
+        for u in (lo, hi):
+            assert abs(u.mean().item() - 0.5) < 0.02
+        assert abs(torch.corrcoef(torch.stack([lo, hi]))[0, 1].item()) < 0.08
+
+
 def test_second_moment_never_rounds_to_zero():
     """A positive exp_avg_sq far below its block's largest comes back as the smallest
     code, never 0 (a zero denominator would make a huge step)."""
