@@ -441,7 +441,7 @@ def test_stochastic_rounding_is_unbiased_per_element_over_steps(signed):
     over a block's elements alone would not show bits that stay fixed per element."""
     x = torch.full((256,), 0.3)
     x[0] = 1.875  # block max: scale 1; 0.3 lies 0.6 of the way from 0.28125 to 0.3125
-    steps = 2000
+    steps = 1000
     total = torch.zeros(256, dtype=torch.float64)
     for step in range(steps):
         q, s = lb.quantize(x, signed=signed, rounding="stochastic", seed=step,
@@ -456,14 +456,14 @@ def test_code_bits_of_the_two_moments_are_independent():
     """Over fresh keys, an element's exp_avg and exp_avg_sq bits are uniform and
     uncorrelated (exp_avg_sq's come from x + k1, not from x)."""
     gen = torch.Generator().manual_seed(4)
-    keys = torch.randint(0, 1 << 32, (4000, 2), generator=gen, dtype=torch.int64)
+    keys = torch.randint(0, 1 << 32, (2000, 2), generator=gen, dtype=torch.int64)
     for idx in (0, 1, 12345, (1 << 32) - 1):
         r = torch.stack([lb.code_bits(torch.tensor([idx]), int(k0), int(k1))[0]
                          for k0, k1 in keys.tolist()])
         lo, hi = (r & 0xFFFF).double() / 65536, (r >> 16).double() / 65536
         for u in (lo, hi):
-            assert abs(u.mean().item() - 0.5) < 0.02
-        assert abs(torch.corrcoef(torch.stack([lo, hi]))[0, 1].item()) < 0.08
+            assert abs(u.mean().item() - 0.5) < 0.03
+        assert abs(torch.corrcoef(torch.stack([lo, hi]))[0, 1].item()) < 0.1
 
 
 def test_second_moment_never_rounds_to_zero():
