@@ -2,8 +2,8 @@
 (kahan / none, with int8, fp32 or bf16 moments: table-driven over MOMENTS).
 
 1. the native kernel (native/adam_lowbit.c) equals the plain-torch reference
-   (tiermem.kernels.lowbit.adam_lowbit_reference) bit for bit on both paths (AVX-512,
-   scalar), over hypothesis-drawn lengths (tails), offsets, seeds, thread counts and
+   (tiermem.kernels.lowbit.adam_lowbit_reference) bit for bit on every path this CPU
+   has (AVX-512, AVX2, scalar), over hypothesis-drawn lengths (tails), offsets, seeds, thread counts and
    values (zeros, huge and tiny magnitudes, NaN and inf gradients); the code itself:
    round trips, bounds, unbiased stochastic rounding, NaN policy;
 2. tiermem.offload with int8 state on both I/O backends, host and NVMe partitions: the
