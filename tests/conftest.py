@@ -222,6 +222,9 @@ def _backend_twins(items: list) -> list:
     return drop
 
 
+_LEFT_OUT = pytest.StashKey[tuple]()  # (backend twins, long tests) the default tier left out
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "long: in the full tier only (TIERMEM_FULL_SWEEP=1, `make test-full`): a "
@@ -238,11 +241,11 @@ def pytest_collection_modifyitems(config, items):
     if drop_ids:
         config.hook.pytest_deselected(items=[t for t in items if id(t) in drop_ids])
         items[:] = [t for t in items if id(t) not in drop_ids]
-    config._tiermem_left = (len(drop), len(long))
+    config.stash[_LEFT_OUT] = (len(drop), len(long))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    twins, long = getattr(config, "_tiermem_left", (0, 0))
+    twins, long = config.stash.get(_LEFT_OUT, (0, 0))
     if twins or long:
         terminalreporter.write_line(
             f"tiermem: the default tier left out {twins} backend twins (each case ran on one "

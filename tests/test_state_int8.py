@@ -3,8 +3,9 @@
 
 1. the native kernel (native/adam_lowbit.c) equals the plain-torch reference
    (tiermem.kernels.lowbit.adam_lowbit_reference) bit for bit on every path this CPU
-   has (AVX-512, AVX2, scalar), over hypothesis-drawn lengths (tails), offsets, seeds, thread counts and
-   values (zeros, huge and tiny magnitudes, NaN and inf gradients); the code itself:
+   has (AVX-512, AVX2, scalar), over hypothesis-drawn lengths (tails), offsets, seeds,
+   thread counts and values (zeros, huge and tiny magnitudes, NaN and inf gradients); the
+   code itself:
    round trips, bounds, unbiased stochastic rounding, NaN policy;
 2. tiermem.offload with int8 state on both I/O backends, host and NVMe partitions: the
    model and its state equal the reference run segment by segment;

@@ -89,9 +89,10 @@ def _child(args: list[str], out: str, err: str, cwd: str | None, env: dict | Non
         sys.stderr.flush()
 
 
-def run_python(*args: str, cwd: str | Path | None = None, env: dict | None = None,
+def run_python(*args: object, cwd: str | Path | None = None, env: dict | None = None,
                timeout: float = 120) -> Finished:
-    """`python *args` (a script and its arguments, or "-m", a module and its arguments) as
+    """`python *args` (a script and its arguments, or "-m", a module and its arguments; each
+    taken as its str(), so paths and numbers may be passed as they are) as
     a forked child, with `env` as its whole environment when given; raises TimeoutError
     (after killing it) when it runs past `timeout` seconds."""
     import tempfile
