@@ -1046,7 +1046,7 @@ class DistributedOffload(Offload):
             if self._discard:
                 off.close_tiers(remove_swap=True)
                 return
-            if off.broken:
+            if off.unusable:  # memory's state must reach no manifest
                 self.kept_on_disk = off.tiers.run_dir()
                 off.close_tiers(remove_swap=False, flush=False)
             else:
@@ -1068,8 +1068,8 @@ class DistributedOffload(Offload):
         state, failed = None, None
         fits = self._full_state_nbytes() <= available_memory() * 0.8
         try:
-            if off.broken:
-                raise TierMemError(off.broken)
+            if off.unusable:
+                raise TierMemError(off.unusable)
             off.tiers.flush()
             if fits:
                 state = off.export_state(model_dtype=True)

@@ -187,10 +187,11 @@ class Installed:
             target = opt_self.__dict__.get(ATTR)
             if target is None:
                 return after_the_block(opt_self, load_state_dict, state_dict)
-            out = target.load_state_dict(state_dict)
-            if held is not None:  # torch's own load, called inside, made a new opt.state
-                hold_state(opt_self, held)
-            return out
+            try:
+                return target.load_state_dict(state_dict)
+            finally:
+                if held is not None:  # torch's own load, called inside, made a new opt.state
+                    hold_state(opt_self, held)  # (a load failing after it too)
 
         def add_param_group(opt_self, param_group):
             target = opt_self.__dict__.get(ATTR)

@@ -241,6 +241,10 @@ class OffloadedOptimizer:
         self.keep_previous = keep_previous
         # Set when a failed step could not be rolled back: why no step may run any more.
         self.broken: str | None = None
+        # Set when a load_state_dict() failed after it began replacing the state: the
+        # records hold some of the loaded state and some of the old. Why nothing may step
+        # or read it before a load succeeds (which replaces all of it).
+        self.half_loaded: str | None = None
         # Set when a step rolled back had taken gradients that exist nowhere else: why no
         # step may run before a backward gives them again (cleared by zero_grad()).
         self.gradients_gone: str | None = None
@@ -688,10 +692,20 @@ class OffloadedOptimizer:
             f"{which}. tiermem would not update them; add a group with "
             "optimizer.add_param_group(), or set param_groups before entering the block")
 
+    @property
+    def unusable(self) -> str | None:
+        """Why memory holds state that is neither one step's nor another's (a failed step
+        that could not be rolled back, a load that failed part-way), or None."""
+        return self.broken or self.half_loaded
+
+    def refuse_unusable(self, what: str) -> None:
+        """Refuse `what` on such state (`unusable`): nothing may step it or hand it out."""
+        if self.unusable:
+            raise TierMemError(f"{what}: {self.unusable}")
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.check_groups("optimizer.step()")
-        if self.broken:
-            raise TierMemError(self.broken)
+        self.refuse_unusable("optimizer.step()")
         if self.gradients_gone:
             raise TierMemError(self.gradients_gone)
         self._refuse_applied()
@@ -1793,6 +1807,8 @@ class OffloadedOptimizer:
         if self.overlap is not None:
             self.overlap.require_idle("optimizer.state_dict()")
         self.check_groups("optimizer.state_dict()")
+        # (a half-applied step's or a half-done load's records would be handed out as state)
+        self.refuse_unusable("optimizer.state_dict()")
         return torch_state_dict(self.opt, self.export_state(model_dtype=False))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1828,6 +1844,27 @@ class OffloadedOptimizer:
         groups_only = {**{k: v for k, v in state_dict.items()
                           if k not in ("state", "param_groups")},
                        "state": others, "param_groups": state_dict["param_groups"]}
+        try:
+            self._replace_state(groups_only, entries)
+        except BaseException as exc:
+            # From torch's load on, the groups, the counts and the records are replaced one
+            # after another: a failure leaves some loaded and some not, which no step and no
+            # state_dict() may take for either. A load that succeeds replaces every piece.
+            kept = (f", or leave the block and resume committed step {self.committed_step} "
+                    f"from {self.tiers.run_dir()}" if self.committed_step is not None else "")
+            self.half_loaded = (
+                f"optimizer.load_state_dict() failed part-way ({type(exc).__name__}: {exc}), "
+                "leaving the optimizer state partly loaded; load a state dict again (a load "
+                f"that succeeds replaces all of it){kept}")
+            exc.add_note(f"tiermem: {self.half_loaded}")
+            raise
+        self.half_loaded = None
+        if self.crash:
+            self.commit()
+
+    def _replace_state(self, groups_only: dict[str, Any], entries: dict[int, Any]) -> None:
+        """load_state_dict's replacing part: the groups (torch's own load), the counts and
+        every record."""
         type(self.opt).load_state_dict(self.opt, groups_only)
         by_index = dict(enumerate(self.params))
         state = {by_index[i]: v for i, v in entries.items()}
@@ -1850,8 +1887,6 @@ class OffloadedOptimizer:
         else:
             self._import(state)
         drop_param_state(self.opt)
-        if self.crash:
-            self.commit()
 
     @property
     def edits_taken(self) -> int:
@@ -1871,8 +1906,7 @@ class OffloadedOptimizer:
         if args or kwargs:
             raise TierMemError(f"optimizer.{name}() under tiermem takes no arguments")
         self.check_groups(f"optimizer.{name}()")
-        if self.broken:
-            raise TierMemError(self.broken)
+        self.refuse_unusable(f"optimizer.{name}()")
         if self.overlap is not None:
             self.overlap.require_idle(f"optimizer.{name}()")
         self.rule.begin_step(self.opt.param_groups)

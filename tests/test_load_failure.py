@@ -1,0 +1,137 @@
+"""optimizer.load_state_dict() failing part-way inside the block.
+
+A load replaces the groups, the step counts and every record one after another, so a
+failure in the middle (an I/O error writing a record) leaves some of the loaded state and
+some of the old. Nothing may step or read that state as either (never silently wrong):
+the step, state_dict() and the exit refuse it, naming the failed load, until a load
+succeeds, which replaces all of it. The model here has a parameter frozen when the block
+opened, so the load also lays records out late (the case where a failed load followed by
+a failed step used to leave the optimizer broken)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiermem
+import tiermem.optim.offloaded
+from offload_helpers import backend_params, compare_runs, config
+
+X = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+DURABILITY = ["scratch", "crash_consistent"]
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+    m[0].weight.requires_grad_(False)  # frozen when the block opens: no record
+    return m
+
+
+def _train(model, opt, steps=1):
+    for _ in range(steps):
+        model(X).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _source() -> dict:
+    """A state dict with state for every parameter (the frozen one's too)."""
+    src = _model()
+    src[0].weight.requires_grad_(True)
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    _train(src, opt, 3)
+    return opt.state_dict()
+
+
+def _half_scatter(monkeypatch):
+    """The load's write of the records fails after the first half of the partitions."""
+    real = tiermem.optim.offloaded.scatter
+
+    def half(tiers, parts, keys, state):
+        real(tiers, parts[: len(parts) // 2], keys, state)
+        raise OSError("injected: writing a record failed")
+
+    monkeypatch.setattr(tiermem.optim.offloaded, "scatter", half)
+
+
+def _cfg(tmp_path, backend, durability):
+    cfg = config(tmp_path, backend=backend, host=0, kernel="match")
+    cfg["swap"]["durability"] = durability
+    return cfg
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("durability", DURABILITY)
+def test_a_load_failing_part_way_is_refused_until_a_load_succeeds(tmp_path, monkeypatch,
+                                                                  backend, durability):
+    """The step and state_dict() refuse the half-loaded state, naming the load; a load that
+    then succeeds goes on as the plain optimizer that loaded once, and a step failing after
+    it (crash_consistent) rolls back to that load's commit, late records included."""
+    sd = _source()
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(ref, ref_opt, 2)
+    ref_opt.load_state_dict(copy.deepcopy(sd))  # (torch's load steps sd's own tensors)
+    ref[0].weight.requires_grad_(True)
+    _train(ref, ref_opt, 2)
+    with tiermem.offload(opt, _cfg(tmp_path, backend, durability), model=model) as tm:
+        _train(model, opt, 2)
+        with monkeypatch.context() as m:
+            _half_scatter(m)
+            with pytest.raises(OSError, match="injected") as raised:
+                opt.load_state_dict(sd)
+        assert any("failed part-way" in n for n in raised.value.__notes__)
+        model(X).square().mean().backward()
+        with pytest.raises(tiermem.TierMemError, match=r"load_state_dict\(\) failed part-way"):
+            opt.step()
+        with pytest.raises(tiermem.TierMemError, match=r"load_state_dict\(\) failed part-way"):
+            opt.state_dict()
+        opt.zero_grad()
+        assert type(opt.state).__name__ == "HeldState"  # not taken for a replaced opt.state
+        opt.load_state_dict(sd)  # succeeds: replaces all of it
+        model[0].weight.requires_grad_(True)
+        if durability == "crash_consistent":
+            model(X).square().mean().backward()
+            with monkeypatch.context() as m:
+                m.setattr(tm.offloaded, "update", lambda *a, **k: (_ for _ in ()).throw(
+                    OSError("injected: the step failed")))
+                with pytest.raises(OSError, match="the step failed"):
+                    opt.step()
+            assert tm.offloaded.broken is None
+            opt.zero_grad()
+        _train(model, opt, 2)
+    compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("durability", DURABILITY)
+def test_a_block_left_after_a_load_failed_part_way(tmp_path, monkeypatch, durability):
+    """Leaving the block with the load still half done hands nothing back: the last commit
+    stays on disk to resume (crash_consistent), or the state is gone and opt.step() says so
+    (scratch), rather than the mixed state reaching opt.state or a manifest."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(ref, ref_opt, 3)
+    cfg = _cfg(tmp_path, "threads", durability)
+    with pytest.warns(tiermem.TierMemWarning, match="failed part-way"):
+        with tiermem.offload(opt, cfg, model=model):
+            _train(model, opt, 2)
+            with monkeypatch.context() as m:
+                _half_scatter(m)
+                with pytest.raises(OSError, match="injected"):
+                    opt.load_state_dict(_source())
+    assert not opt.state
+    if durability == "scratch":
+        with pytest.raises(tiermem.TierMemError, match="state is lost"):
+            opt.step()
+        return
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == 2
+        _train(model, opt)
+    compare_runs(model, opt, ref, ref_opt)
