@@ -996,6 +996,12 @@ class ParamTier:
                 self.grads_inflight.pop(early).wait()  # read again when it is needed
                 self.used -= self._bytes(early)
                 continue
+            if spare is None and wait and self.backlog:
+                # every weight is pinned, some by an update running during backward: it
+                # unpins them when done (a compiled module's backward unpacks all its
+                # saved weights at once, so it may ask while one runs)
+                self.room.wait(0.001)
+                continue
             if spare is None:
                 pinned = [self.names[i] for i in self.live if self.pins.get(i)]
                 raise TierMemError(
