@@ -354,18 +354,8 @@ class Offload:
 
     def _exit_state(self) -> None:
         off = self.offloaded
-        if off.broken:
-            # A failed step could not be rolled back: memory holds a half-applied step, the
-            # disk the last committed one. Keep the disk's, untouched.
-            self.kept_on_disk = off.tiers.run_dir()
-            off.detach()
-            off.close_tiers(remove_swap=False, flush=False)
-            self._mark_kept()
-            warnings.warn(f"tiermem: a failed step could not be rolled back; "
-                          f"{self.where_state_is()}", TierMemWarning, stacklevel=3)
-            return
-        if off.half_loaded:
-            self._exit_half_loaded()
+        if off.unusable:
+            self._exit_unusable()
             return
         try:
             off.tiers.flush()
@@ -404,12 +394,12 @@ class Offload:
             f"{resume_call(self.name)} and the same model, optimizer and config.",
             TierMemWarning, stacklevel=3)
 
-    def _exit_half_loaded(self) -> None:
-        """A load_state_dict() failed part-way and none succeeded since: memory holds some
-        of the loaded state and some of the old, which must reach neither opt.state nor a
-        manifest. crash_consistent: the last commit stays on disk, untouched, to resume.
-        scratch: nothing else holds the state before the load: it is gone, and opt.step()
-        says so rather than start the optimizer over."""
+    def _exit_unusable(self) -> None:
+        """Memory holds state that is neither one step's nor another's (a failed step or
+        state method that could not be rolled back, a load that failed part-way): it must
+        reach neither opt.state nor a manifest. crash_consistent: the last commit stays on
+        disk, untouched, to resume. scratch: nothing else holds the state: it is gone, and
+        opt.step() says so rather than start the optimizer over."""
         off = self.offloaded
         run_dir = off.tiers.run_dir()
         off.detach()
@@ -417,21 +407,20 @@ class Offload:
             self.kept_on_disk = run_dir
             off.close_tiers(remove_swap=False, flush=False)
             self._mark_kept()
-            warnings.warn("tiermem: the block ended after an optimizer.load_state_dict() "
-                          f"that failed part-way; {self.where_state_is()}", TierMemWarning,
+            warnings.warn(f"tiermem: the block ended with the optimizer state unusable "
+                          f"({off.unusable}); {self.where_state_is()}", TierMemWarning,
                           stacklevel=4)
             return
         off.close_tiers(remove_swap=True)
-        message = ("opt.step(): an optimizer.load_state_dict() failed part-way before its "
+        message = (f"opt.step(): the optimizer state is lost: {off.unusable}, before its "
                    "tiermem.offload block ended, and swap.durability scratch keeps no other "
-                   "copy: the optimizer state "
-                   "is lost and opt.state is empty. Load a state dict into the optimizer, "
-                   "then call tiermem.optim.handle.forget_kept(optimizer) (which also lets "
-                   "it start over on purpose)")
+                   "copy; opt.state is empty. Load a state dict into the optimizer, then "
+                   "call tiermem.optim.handle.forget_kept(optimizer) (which also lets it "
+                   "start over on purpose)")
         put_kept(off.opt, (run_dir, message))
-        warnings.warn("tiermem: the block ended after an optimizer.load_state_dict() that "
-                      "failed part-way; the optimizer state is lost (swap.durability scratch "
-                      "keeps no committed copy)", TierMemWarning, stacklevel=4)
+        warnings.warn(f"tiermem: the block ended with the optimizer state unusable "
+                      f"({off.unusable}); it is lost (swap.durability scratch keeps no "
+                      "committed copy)", TierMemWarning, stacklevel=4)
 
     @property
     def name(self) -> str:

@@ -1498,9 +1498,11 @@ class OffloadedOptimizer:
                 f"step {step} completed but could not be committed to disk ({exc}); a crash "
                 f"now would resume at step {self.committed_step}") from exc
 
-    def roll_back(self, exc: BaseException, step: int) -> None:
-        """A step failed part-way: reopen the last committed step, as a resume would, so the
-        optimizer and the model are back where that step left them."""
+    def roll_back(self, exc: BaseException, step: int, what: str | None = None) -> None:
+        """A step (or `what`, a state method) failed part-way: reopen the last committed
+        step, as a resume would, so the optimizer and the model are back where that step
+        left them."""
+        what = what or f"step {step}"
         run_dir = self.tiers.run_dir()
         try:
             # The failed step's writes went to copies no manifest names: drop them.
@@ -1512,12 +1514,12 @@ class OffloadedOptimizer:
             self._restore_weights()
             self.rule.undo_step_values()
         except BaseException as err:
-            self.broken = (f"step {step} failed part-way and rolling back to committed step "
+            self.broken = (f"{what} failed part-way and rolling back to committed step "
                            f"{self.committed_step} failed too ({err}); that step stays on disk "
                            f"in {run_dir}: leave the offload block and resume from it")
             exc.add_note(f"tiermem: {self.broken}")
             return
-        exc.add_note(f"tiermem: step {step} failed part-way; the optimizer state and the "
+        exc.add_note(f"tiermem: {what} failed part-way; the optimizer state and the "
                      f"model's weights were rolled back to committed step {manifest.step}")
         if self.overlap is not None and self.weights is not None:
             # The updates during backward took their gradients from memory, where nothing
@@ -1911,6 +1913,24 @@ class OffloadedOptimizer:
             self.overlap.require_idle(f"optimizer.{name}()")
         self.rule.begin_step(self.opt.param_groups)
         self._note_edits()  # (taken by the masters the method reads)
+        try:
+            self._run_state_method(name)
+        except BaseException as exc:
+            # The partitions before the failure went through the method (schedule-free's
+            # eval() swapped their weights, its groups say eval) and the rest did not:
+            # neither state, and calling it again would run it twice on the first ones.
+            if self.crash:
+                self.roll_back(exc, self.steps_taken, f"optimizer.{name}()")
+            else:
+                self.broken = (
+                    f"optimizer.{name}() failed part-way ({type(exc).__name__}: {exc}): some "
+                    "partitions' weights and state went through it and the rest did not, "
+                    "and swap.durability scratch keeps no copy to go back to")
+                exc.add_note(f"tiermem: {self.broken}")
+            raise
+
+    def _run_state_method(self, name: str) -> None:
+        """call_state_method's pass over every partition."""
         with torch.no_grad(), deferred():
             for part in self.parts:
                 group = self.opt.param_groups[part.group]

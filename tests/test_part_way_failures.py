@@ -1,15 +1,22 @@
-"""optimizer.load_state_dict() failing part-way inside the block.
+"""Operations inside the block that fail part-way: optimizer.load_state_dict() and the
+optimizer's own state methods (schedule-free's train()/eval()).
 
-A load replaces the groups, the step counts and every record one after another, so a
-failure in the middle (an I/O error writing a record) leaves some of the loaded state and
-some of the old. Nothing may step or read that state as either (never silently wrong):
-the step, state_dict() and the exit refuse it, naming the failed load, until a load
-succeeds, which replaces all of it. The model here has a parameter frozen when the block
-opened, so the load also lays records out late (the case where a failed load followed by
-a failed step used to leave the optimizer broken)."""
+Each runs partition by partition, so a failure in the middle (an I/O error on a record)
+leaves some partitions changed and the rest not. Nothing may step or read that state as
+either (never silently wrong).
+
+- A load replaces the groups, the step counts and every record. The step, state_dict() and
+  the exit refuse the mix, naming the failed load, until a load succeeds, which replaces
+  all of it. The model here has a parameter frozen when the block opened, so the load also
+  lays records out late (the case where a failed load followed by a failed step used to
+  leave the optimizer broken).
+- A state method swaps weights and state. crash_consistent rolls back to the last commit
+  as a failed step does; scratch keeps no copy to go back to, so the state is unusable
+  from then on, and says so."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -135,3 +142,58 @@ def test_a_block_left_after_a_load_failed_part_way(tmp_path, monkeypatch, durabi
         assert tm.resumed_step == 2
         _train(model, opt)
     compare_runs(model, opt, ref, ref_opt)
+
+
+@pytest.mark.parametrize("durability", DURABILITY)
+def test_a_state_method_failing_part_way(tmp_path, monkeypatch, durability):
+    """schedule-free's eval() failing on its second partition: crash_consistent goes on
+    from the last commit, bitwise the plain run that never called it; scratch refuses
+    every later use, naming it (before, both went on with half the weights swapped)."""
+    schedulefree = pytest.importorskip("schedulefree")
+
+    def make(m):
+        return schedulefree.AdamWScheduleFree(m.parameters(), lr=1e-2, warmup_steps=2)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 8))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make(model), make(ref)
+    ref_opt.train()
+    _train(ref, ref_opt, 3)
+    cfg = _cfg(tmp_path, "threads", durability)
+    with pytest.warns(tiermem.TierMemWarning) if durability == "scratch" else \
+            contextlib.nullcontext():
+        with tiermem.offload(opt, cfg, model=model) as tm:
+            opt.train()
+            _train(model, opt, 2)
+            off = tm.offloaded
+            assert len(off.parts) >= 2
+            real, calls = off.rule.run_method, []
+
+            def second_fails(name, batch):
+                calls.append(name)
+                if len(calls) == 2:
+                    raise OSError("injected: reading a record failed")
+                return real(name, batch)
+
+            with monkeypatch.context() as m:
+                m.setattr(off.rule, "run_method", second_fails)
+                with pytest.raises(OSError, match="injected") as raised:
+                    opt.eval()
+            if durability == "scratch":
+                for call in (opt.train, opt.step, opt.state_dict):
+                    with pytest.raises(tiermem.TierMemError, match=r"eval\(\) failed part-way"):
+                        call()
+            else:
+                opt.train()
+                _train(model, opt)
+    notes = "".join(getattr(raised.value, "__notes__", []))
+    if durability == "scratch":
+        with pytest.raises(tiermem.TierMemError, match="state is lost"):
+            opt.step()
+        assert "eval() failed part-way" in notes
+        return
+    compare_runs(model, opt, ref, ref_opt)
+    assert "eval() failed part-way; the optimizer state and the model's weights were rolled " \
+        "back to committed step 2" in notes
