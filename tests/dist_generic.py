@@ -341,6 +341,65 @@ def coupling_refused(rank: int, world: int, tmp: str) -> None:
         raise AssertionError(f"rank {rank} tiered an optimizer another rank refused")
 
 
+def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
+    """A load that fails part-way on one rank only (its records' write): the next step is
+    refused on every rank, naming that rank's failed load, before any of its collectives
+    (the others used to enter them and wait for that rank until the timeout); a load that
+    then succeeds everywhere lets the run go on, bitwise the plain optimizer."""
+    import tiermem.optim.offloaded as offloaded
+    from tiermem.dist.collectives import RankMismatch
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = LionLike(groups_of(model), lr=1e-3, weight_decay=0.01)
+    ref_opt = LionLike(groups_of(ref_model), lr=1e-3, weight_decay=0.01)
+    batches = make_batches(model, 3, seed=10 + rank)
+
+    def step(i: int) -> None:
+        local_backward(model, batches[i], i, rank)
+        opt.step()
+        opt.zero_grad()
+        local_backward(ref_model, batches[i], i, rank)
+        averaged(ref_model, world)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    with tiermem.offload(opt, small_cfg(tmp, timeout=20)):
+        step(0)
+        sd = opt.state_dict()
+        real = offloaded.scatter
+
+        def half(tiers, parts, keys, state):
+            real(tiers, parts[: len(parts) // 2], keys, state)
+            raise OSError("injected: writing a record failed")
+
+        if rank == world - 1:
+            offloaded.scatter = half
+        try:
+            opt.load_state_dict(sd)
+        except OSError:
+            assert rank == world - 1
+        finally:
+            offloaded.scatter = real
+        local_backward(model, batches[1], 1, rank)
+        try:
+            opt.step()
+        except RankMismatch as exc:
+            assert "load_state_dict() failed part-way" in str(exc), exc
+        except PeerError as exc:
+            raise AssertionError(f"rank {rank} waited for the refusing rank: {exc}") from exc
+        else:
+            raise AssertionError(f"rank {rank} stepped while rank {world - 1}'s state was "
+                                 "half loaded")
+        opt.zero_grad()
+        opt.load_state_dict(sd)
+        ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+        step(1)
+        step(2)
+        _equal(rank, model, ref_model, "after the load")
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
 def loose_state_refused(rank: int, world: int, tmp: str) -> None:
     """State under a key that is no parameter (MADGRAD's state['k']) is no rank's share."""
     model = Synthetic()
@@ -471,6 +530,7 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "coupling-refused": lambda r, d: coupling_refused(r, world, d),
         "added-group": lambda r, d: added_group(r, world, d),
         "loose-state-refused": lambda r, d: loose_state_refused(r, world, d),
+        "half-loaded-one-rank": lambda r, d: half_loaded_one_rank(r, world, d),
         "resume-schedulefree": lambda r, d: resume(r, world, d, "schedulefree"),
         "resume-after-crash": lambda r, d: resume_after_crash(r, world, d),
         "kept": lambda r, d: kept(r, world, d),

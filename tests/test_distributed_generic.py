@@ -18,7 +18,7 @@ from test_distributed import outcome
 NAMES = ["lion-like", "lion-like-allreduced-io_uring", "counting-sgd",
          "counting-sgd-allreduced", "lion", "schedulefree",
          "schedulefree-allreduced-crash-consistent", "closure", "coupling-refused",
-         "added-group", "loose-state-refused", "resume-schedulefree",
+         "added-group", "loose-state-refused", "half-loaded-one-rank", "resume-schedulefree",
          "resume-after-crash", "kept"]
 
 

@@ -684,7 +684,7 @@ class DistributedOffload(Offload):
                 op += self.layout.grads_signature()
             if self.clip is not None:
                 op += self.clip.state()
-            self.agree(op, called)
+            self.agree(op + self._unusable_here(), called)
         if self.clip is not None:
             self.clip.refuse_edited("opt.step()")  # every rank agreed on what it found
         self._check_groups("optimizer.step()")
@@ -848,6 +848,14 @@ class DistributedOffload(Offload):
             self._share_values(before)
             self.layout.weights_out(self._fresh_comm(), self.offloaded.weights_synced)
 
+    def _unusable_here(self) -> str:
+        """What an operation's agreement adds when this rank's share is unusable (a load
+        that failed part-way here, a failed step that could not be rolled back): the other
+        ranks then refuse it with this one, naming why, instead of entering collectives
+        that this rank leaves at its refusal (they would wait for it until the timeout)."""
+        why = self.offloaded.unusable
+        return f", refused on this rank: {why}" if why else ""
+
     def agree(self, op: str, step: int | None = None) -> None:
         """Before an operation's collectives (a step, a state_dict, a DCP checkpoint, the
         exit): every rank must be entering the same one (Collectives.agree), or all raise."""
@@ -932,7 +940,7 @@ class DistributedOffload(Offload):
         """torch's optimizer state_dict of the whole model (fp32 moments), gathered from every
         rank's share: a collective every rank must call; each gets the whole state (DTensors
         under FSDP2). For states larger than RAM use tiermem.dist.dcp.save."""
-        self.agree("opt.state_dict()")
+        self.agree("opt.state_dict()" + self._unusable_here())
         self._check_groups("optimizer.state_dict()")
         return torch_state_dict(self.opt, self._whole_state(
             self.offloaded.export_state(model_dtype=False), model_dtype=False))
