@@ -239,7 +239,9 @@ class OffloadedOptimizer:
         self.swap_name = swap_name
         self.crash = settings.swap.durability == "crash_consistent"
         self.keep_previous = keep_previous
-        # Set when a failed step could not be rolled back: why no step may run any more.
+        # Set when a failed step could not be rolled back, a state method failed part-way
+        # with nothing to roll back to (scratch), or a DCP load failed after writing: why
+        # no step may run any more.
         self.broken: str | None = None
         # Set when a load_state_dict() failed after it began replacing the state: the
         # records hold some of the loaded state and some of the old. Why nothing may step
@@ -694,8 +696,8 @@ class OffloadedOptimizer:
 
     @property
     def unusable(self) -> str | None:
-        """Why memory holds state that is neither one step's nor another's (a failed step
-        that could not be rolled back, a load that failed part-way), or None."""
+        """Why memory holds state that is neither one step's nor another's (`broken`, or a
+        load that failed part-way), or None."""
         return self.broken or self.half_loaded
 
     def refuse_unusable(self, what: str) -> None:
