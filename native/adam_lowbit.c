@@ -1182,11 +1182,10 @@ LB2_INLINE __m256 param_step_q8(const lb_job *j, __m256 p, __m256 m, __m256 v)
     return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(j->nssq), m), denom));
 }
 
-/* update1 on the 8 elements at i (q: int8 moments' step, param_step_q8; else adam.c's);
- * amsgrad (vx non-NULL): *vx holds the old max and gets the new one (lb_max_nan's NaN: all
- * bits set). */
-LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, int odt, int q,
-                        __m256 *mo, __m256 *vo, __m256 *vx)
+/* update1's moments of the 8 elements at i: *mo, *vo in, updated out; *po: the weights
+ * the step starts from (weight decay applied, a Kahan term added) */
+LB2_INLINE void moments8(const lb_job *j, int64_t i, int gdt, int mw, int w16, __m256 *po,
+                         __m256 *mo, __m256 *vo)
 {
     __m256 g;
     if (gdt == LB_F32) {
@@ -1203,14 +1202,14 @@ LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, in
         if (mw == MW_KAHAN)
             p = _mm256_add_ps(p, w16x8(_mm_loadu_si128((const __m128i *)(j->comp + i)), w16));
     }
-    __m256 m = *mo, v = *vo;
-    tm_moments8(&j->k, &g, &p, &m, &v);
-    __m256 vv = v;
-    if (vx) {
-        vv = _mm256_or_ps(_mm256_max_ps(*vx, v), _mm256_cmp_ps(*vx, v, _CMP_UNORD_Q));
-        *vx = vv;
-    }
-    p = q ? param_step_q8(j, p, m, vv) : tm_param_step8(&j->k, p, m, vv);
+    tm_moments8(&j->k, &g, &p, mo, vo);
+    *po = p;
+}
+
+/* update1's stores of the 8 stepped weights p at i: the fp32 master and its low-precision
+ * copy, the bf16/fp16 weights with their Kahan term, or rounded stochastically (none) */
+LB2_INLINE void store_param8(const lb_job *j, int64_t i, int mw, int w16, int odt, __m256 p)
+{
     uint16_t *w = (uint16_t *)j->p + i;
     if (mw == MW_FP32) {
         _mm256_storeu_ps((float *)j->p + i, p);
@@ -1241,8 +1240,22 @@ LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, in
                                       _mm256_set1_epi32(0xFFFF));
         _mm_storeu_si128((__m128i *)w, bf16_sr8(p, rw));
     }
-    *mo = m;
-    *vo = v;
+}
+
+/* update1 on the 8 elements at i with adam.c's parameter step (dense moments); amsgrad
+ * (vx non-NULL): *vx holds the old max and gets the new one (lb_max_nan's NaN: all bits
+ * set). */
+LB2_INLINE void update8(const lb_job *j, int64_t i, int gdt, int mw, int w16, int odt,
+                        __m256 *mo, __m256 *vo, __m256 *vx)
+{
+    __m256 p;
+    moments8(j, i, gdt, mw, w16, &p, mo, vo);
+    __m256 vv = *vo;
+    if (vx) {
+        vv = _mm256_or_ps(_mm256_max_ps(*vx, *vo), _mm256_cmp_ps(*vx, *vo, _CMP_UNORD_Q));
+        *vx = vv;
+    }
+    store_param8(j, i, mw, w16, odt, tm_param_step8(&j->k, p, *mo, vv));
 }
 
 /* 8 codes (32-bit lanes, each <= 255) stored as bytes at dst */
@@ -1399,16 +1412,20 @@ LB2_INLINE void prefetch8(const lb_job *j, int64_t i, int gdt, int mw)
  * as they are, so a negative one counts as non-finite), so pass 2 codes nearly every block
  * with encode8_fast. Unlike range512, the two passes are not interleaved: with 16 vector
  * registers the interleaved loop spilled and ran 10-25% slower on the Zen 1 host, and with
- * the one-division step and the block-level decode no faster than this one. Only the
- * random bits move to pass 1: they depend on no value, and there they run on the integer
- * units while the divider bounds the pass (pass 2 then loads them; with sr_bits' two
- * multiplies then, 32M elements on the Zen 1 host, 2 threads: 2.03 -> 1.86 ns/param). */
+ * the one-division step and the block-level decode no faster than this one. Instead the
+ * work is balanced between them: the random bits move to pass 1 (they depend on no value;
+ * with sr_bits' two multiplies then, 32M elements on the Zen 1 host, 2 threads: 2.03 ->
+ * 1.86 ns/param), and the parameter step, square root and division, to pass 2, where the
+ * codes' integer arithmetic runs while the divider works (pass 1 keeps the weights the
+ * step starts from in tp; the same host, alternated in one process: 0.93-0.94x the time
+ * with stochastic rounding, no change with nearest). Bit for bit the same either way. */
 LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16,
                          int odt, int sr)
 {
     lb_job c = *jin;  /* a local whose address never escapes: fields stay in registers */
     const lb_job *j = &c;
     float tm[QB] __attribute__((aligned(32))), tv[QB] __attribute__((aligned(32)));
+    float tp[QB] __attribute__((aligned(32)));     /* the weights the step starts from */
     uint32_t tr[QB] __attribute__((aligned(32)));  /* the block's random bits */
     const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i step = _mm256_set1_epi32((int)(8u * SR_W));
@@ -1431,7 +1448,9 @@ LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt,
                 x = _mm256_add_epi32(x, step);                                         \
             }                                                                          \
             DECODE;                                                                    \
-            update8(j, b + k, gdt, mw, w16, odt, 1, &m, &v, NULL);                     \
+            __m256 p;                                                                  \
+            moments8(j, b + k, gdt, mw, w16, &p, &m, &v);                              \
+            _mm256_store_ps(tp + k, p);                                                \
             _mm256_store_ps(tm + k, m);                                                \
             _mm256_store_ps(tv + k, v);                                                \
             __m256i am = _mm256_and_si256(_mm256_castps_si256(m), absmask);            \
@@ -1469,6 +1488,8 @@ LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt,
             __m256i r = sr ? _mm256_load_si256((const __m256i *)(tr + k))
                            : _mm256_setzero_si256();
             __m256 m = _mm256_load_ps(tm + k), v = _mm256_load_ps(tv + k);
+            store_param8(j, b + k, mw, w16, odt,
+                         param_step_q8(j, _mm256_load_ps(tp + k), m, v));
             if (fast)
                 encode8_fast(j, b + k, m, v, madd, vadd, sr, r);
             else
@@ -1503,7 +1524,7 @@ LB2_INLINE void dense256(const lb_job *jin, int64_t begin, int64_t end, int gdt,
             if (j->vmax)
                 vx = bf16x8(_mm_loadu_si128((const __m128i *)((const uint16_t *)j->vmax + i)));
         }
-        update8(j, i, gdt, mw, w16, odt, 0, &m, &v, j->vmax ? &vx : NULL);
+        update8(j, i, gdt, mw, w16, odt, &m, &v, j->vmax ? &vx : NULL);
         if (mf == MF_F32) {
             _mm256_storeu_ps((float *)j->m + i, m);
             _mm256_storeu_ps((float *)j->v + i, v);
