@@ -1417,7 +1417,7 @@ LB2_INLINE void prefetch8(const lb_job *j, int64_t i, int gdt, int mw)
  * with sr_bits' two multiplies then, 32M elements on the Zen 1 host, 2 threads: 2.03 ->
  * 1.86 ns/param), and the parameter step, square root and division, to pass 2, where the
  * codes' integer arithmetic runs while the divider works (pass 1 keeps the weights the
- * step starts from in tp; the same host, alternated in one process: 0.93-0.94x the time
+ * step starts from in tp; the same host, alternated in one process: 0.92-0.94x the time
  * with stochastic rounding, no change with nearest). Bit for bit the same either way. */
 LB2_INLINE void range256(const lb_job *jin, int64_t begin, int64_t end, int gdt, int mw, int w16,
                          int odt, int sr)
