@@ -353,19 +353,8 @@ def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
     ref_model = copy.deepcopy(model)
     opt = LionLike(groups_of(model), lr=1e-3, weight_decay=0.01)
     ref_opt = LionLike(groups_of(ref_model), lr=1e-3, weight_decay=0.01)
-    batches = make_batches(model, 3, seed=10 + rank)
-
-    def step(i: int) -> None:
-        local_backward(model, batches[i], i, rank)
-        opt.step()
-        opt.zero_grad()
-        local_backward(ref_model, batches[i], i, rank)
-        averaged(ref_model, world)
-        ref_opt.step()
-        ref_opt.zero_grad()
-
     with tiermem.offload(opt, small_cfg(tmp, timeout=20)):
-        step(0)
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
         sd = opt.state_dict()
         real = offloaded.scatter
 
@@ -381,7 +370,7 @@ def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
             assert rank == world - 1
         finally:
             offloaded.scatter = real
-        local_backward(model, batches[1], 1, rank)
+        local_backward(model, make_batches(model, 2, seed=10 + rank)[1], 1, rank)
         try:
             opt.step()
         except RankMismatch as exc:
@@ -394,8 +383,7 @@ def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
         opt.zero_grad()
         opt.load_state_dict(sd)
         ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
-        step(1)
-        step(2)
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=1)
         _equal(rank, model, ref_model, "after the load")
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
 
