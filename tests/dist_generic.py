@@ -342,46 +342,55 @@ def coupling_refused(rank: int, world: int, tmp: str) -> None:
 
 
 def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
-    """A load that fails part-way on one rank only (its records' write): the next step is
-    refused on every rank, naming that rank's failed load, before any of its collectives
-    (the others used to enter them and wait for that rank until the timeout); a load that
-    then succeeds everywhere lets the run go on, bitwise the plain optimizer."""
+    """A load that fails part-way on one rank only (its records' write, or tiermem.dist's
+    own cutting of the share once the groups are loaded): the next step is refused on every
+    rank, naming that rank's failed load, before any of its collectives (the others used
+    to enter them and wait for that rank until the timeout); a load that then succeeds
+    everywhere lets the run go on, bitwise the plain optimizer."""
     import tiermem.optim.offloaded as offloaded
     from tiermem.dist.collectives import RankMismatch
+    from tiermem.dist.sharded import DistributedOffload
 
     model = Synthetic()
     ref_model = copy.deepcopy(model)
     opt = LionLike(groups_of(model), lr=1e-3, weight_decay=0.01)
     ref_opt = LionLike(groups_of(ref_model), lr=1e-3, weight_decay=0.01)
+
+    def half(tiers, parts, keys, state):
+        real_scatter(tiers, parts[: len(parts) // 2], keys, state)
+        raise OSError("injected: writing a record failed")
+
+    def no_piece(*args, **kwargs):
+        raise OSError("injected: cutting the share failed")
+
+    real_scatter = offloaded.scatter
     with tiermem.offload(opt, small_cfg(tmp, timeout=20)):
         train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
         sd = opt.state_dict()
-        real = offloaded.scatter
-
-        def half(tiers, parts, keys, state):
-            real(tiers, parts[: len(parts) // 2], keys, state)
-            raise OSError("injected: writing a record failed")
-
-        if rank == world - 1:
-            offloaded.scatter = half
-        try:
+        for where, name, fault in [(offloaded, "scatter", half),
+                                   (DistributedOffload, "_piece", no_piece)]:
+            real = getattr(where, name)
+            if rank == world - 1:
+                setattr(where, name, fault)
+            try:
+                opt.load_state_dict(sd)
+            except OSError:
+                assert rank == world - 1
+            finally:
+                setattr(where, name, real)
+            local_backward(model, make_batches(model, 2, seed=10 + rank)[1], 1, rank)
+            try:
+                opt.step()
+            except RankMismatch as exc:
+                assert "load_state_dict() failed part-way" in str(exc), exc
+            except PeerError as exc:
+                raise AssertionError(f"rank {rank} waited for the refusing rank ({name}): "
+                                     f"{exc}") from exc
+            else:
+                raise AssertionError(f"rank {rank} stepped while rank {world - 1}'s state "
+                                     f"was half loaded ({name})")
+            opt.zero_grad()
             opt.load_state_dict(sd)
-        except OSError:
-            assert rank == world - 1
-        finally:
-            offloaded.scatter = real
-        local_backward(model, make_batches(model, 2, seed=10 + rank)[1], 1, rank)
-        try:
-            opt.step()
-        except RankMismatch as exc:
-            assert "load_state_dict() failed part-way" in str(exc), exc
-        except PeerError as exc:
-            raise AssertionError(f"rank {rank} waited for the refusing rank: {exc}") from exc
-        else:
-            raise AssertionError(f"rank {rank} stepped while rank {world - 1}'s state was "
-                                 "half loaded")
-        opt.zero_grad()
-        opt.load_state_dict(sd)
         ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
         train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=1)
         _equal(rank, model, ref_model, "after the load")

@@ -968,6 +968,17 @@ class DistributedOffload(Offload):
                            lambda i: state_dict["param_groups"][group_of[i]],
                            lambda i: "of the whole model", "loaded has")
         self._refuse_misshapen(entries)
+        try:
+            self._replace_state(state_dict, entries)
+        except BaseException as exc:
+            # the user's groups replaced and this rank's share not (or partly: the shadow's
+            # load names its own failure): no step or state_dict() may take the mix
+            self.offloaded.load_failed(exc)
+            raise
+
+    def _replace_state(self, state_dict: dict[str, Any], entries: dict[int, Any]) -> None:
+        """_load_state_dict's replacing part: the user's groups, then this rank's share in
+        the shadow optimizer."""
         type(self.opt).load_state_dict(self.opt, {"state": {},
                                                   "param_groups": state_dict["param_groups"]})
         self._sync_groups()

@@ -1854,17 +1854,25 @@ class OffloadedOptimizer:
             # From torch's load on, the groups, the counts and the records are replaced one
             # after another: a failure leaves some loaded and some not, which no step and no
             # state_dict() may take for either. A load that succeeds replaces every piece.
-            kept = (f", or leave the block and resume committed step {self.committed_step} "
-                    f"from {self.tiers.run_dir()}" if self.committed_step is not None else "")
-            self.half_loaded = (
-                f"optimizer.load_state_dict() failed part-way ({type(exc).__name__}: {exc}), "
-                "leaving the optimizer state partly loaded; load a state dict again (a load "
-                f"that succeeds replaces all of it){kept}")
-            exc.add_note(f"tiermem: {self.half_loaded}")
+            self.load_failed(exc)
             raise
         self.half_loaded = None
         if self.crash:
             self.commit()
+
+    def load_failed(self, exc: BaseException) -> None:
+        """A load failed after it began replacing the state: `half_loaded` (the first such
+        failure's, until a load succeeds), named on `exc`."""
+        if self.half_loaded:
+            exc.add_note(f"tiermem: {self.half_loaded}")
+            return
+        kept = (f", or leave the block and resume committed step {self.committed_step} "
+                f"from {self.tiers.run_dir()}" if self.committed_step is not None else "")
+        self.half_loaded = (
+            f"optimizer.load_state_dict() failed part-way ({type(exc).__name__}: {exc}), "
+            "leaving the optimizer state partly loaded; load a state dict again (a load "
+            f"that succeeds replaces all of it){kept}")
+        exc.add_note(f"tiermem: {self.half_loaded}")
 
     def _replace_state(self, groups_only: dict[str, Any], entries: dict[int, Any]) -> None:
         """load_state_dict's replacing part: the groups (torch's own load), the counts and
