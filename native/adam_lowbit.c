@@ -164,7 +164,7 @@ static inline uint32_t enc_norm(uint32_t u, uint32_t ebias, int sr, uint32_t r16
 /* The codes' random bits of element idx (the top of the file): exp_avg the low 16. */
 static inline uint32_t code_bits(uint32_t idx, uint32_t k0, uint32_t k1)
 {
-    uint32_t x = idx * SR_W + k0;
+    uint32_t x = sr_weyl(idx, k0);
     return (x >> 16) | ((x + k1) & 0xFFFF0000u);
 }
 

@@ -72,9 +72,16 @@ static inline uint16_t f32_to_bf16_sr(float f, uint32_t r)
 #define SR_M1 0x7FEB352Du
 #define SR_M2 0x846CA68Bu
 
+/* The Weyl step of element idx: sr_bits mixes it, adam_lowbit.c's code_bits takes it as
+ * it is (sr_weyl8 / sr_weyl16: 8 or 16 consecutive ones). */
+static inline uint32_t sr_weyl(uint32_t idx, uint32_t k0)
+{
+    return idx * SR_W + k0;
+}
+
 static inline uint32_t sr_bits(uint32_t idx, uint32_t k0, uint32_t k1)
 {
-    uint32_t x = idx * SR_W + k0;
+    uint32_t x = sr_weyl(idx, k0);
     x ^= x >> 16;
     x *= SR_M1;
     x ^= x >> 15;

@@ -109,9 +109,15 @@ def _mul32(x: Tensor, c: int) -> Tensor:
     return (lo + hi) & M32
 
 
+def _weyl(idx: Tensor, k0: int) -> Tensor:
+    """numeric.h's sr_weyl: the Weyl step idx * SR_W + k0 mod 2^32 that sr_bits mixes and
+    code_bits takes as it is."""
+    return (_mul32(idx & M32, 0x9E3779B1) + k0) & M32
+
+
 def sr_bits(idx: Tensor, k0: int, k1: int) -> Tensor:
     """numeric.h's sr_bits on int64 indices (taken mod 2^32)."""
-    x = (_mul32(idx & M32, 0x9E3779B1) + k0) & M32
+    x = _weyl(idx, k0)
     x ^= x >> 16
     x = _mul32(x, 0x7FEB352D)
     x ^= x >> 15
@@ -123,7 +129,7 @@ def sr_bits(idx: Tensor, k0: int, k1: int) -> Tensor:
 def code_bits(idx: Tensor, k0: int, k1: int) -> Tensor:
     """native/adam_lowbit.c's code_bits, the int8 codes' random bits: sr_bits' Weyl step x
     unmixed, exp_avg the top half of x (in the low 16 bits), exp_avg_sq that of x + k1."""
-    x = (_mul32(idx & M32, 0x9E3779B1) + k0) & M32
+    x = _weyl(idx, k0)
     return (x >> 16) | ((x + k1) & 0xFFFF0000)
 
 
