@@ -346,7 +346,8 @@ def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
     own cutting of the share once the groups are loaded): the next step is refused on every
     rank, naming that rank's failed load, before any of its collectives (the others used
     to enter them and wait for that rank until the timeout); a load that then succeeds
-    everywhere lets the run go on, bitwise the plain optimizer."""
+    everywhere lets the run go on, bitwise the plain optimizer. A load the optimizer class
+    refuses before changing anything leaves that rank's state usable."""
     import tiermem.optim.offloaded as offloaded
     from tiermem.dist.collectives import RankMismatch
     from tiermem.dist.sharded import DistributedOffload
@@ -362,6 +363,9 @@ def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
 
     def no_piece(*args, **kwargs):
         raise OSError("injected: cutting the share failed")
+
+    def no_load(*args, **kwargs):
+        raise ValueError("injected: the optimizer class refused the state dict")
 
     real_scatter = offloaded.scatter
     with tiermem.offload(opt, small_cfg(tmp, timeout=20)):
@@ -391,6 +395,17 @@ def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
                                      f"was half loaded ({name})")
             opt.zero_grad()
             opt.load_state_dict(sd)
+        # The class's own load refusing before it changed anything, on that rank: its state
+        # is as it was, so no rank refuses the steps after it
+        real_load = torch.optim.Optimizer.load_state_dict
+        if rank == world - 1:
+            torch.optim.Optimizer.load_state_dict = no_load
+        try:
+            opt.load_state_dict(sd)
+        except ValueError as exc:
+            assert rank == world - 1 and "the load changed nothing" in str(exc.__notes__)
+        finally:
+            torch.optim.Optimizer.load_state_dict = real_load
         ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
         train_pair(rank, world, model, opt, ref_model, ref_opt, 2, first=1)
         _equal(rank, model, ref_model, "after the load")

@@ -197,3 +197,41 @@ def test_a_state_method_failing_part_way(tmp_path, monkeypatch, durability):
     compare_runs(model, opt, ref, ref_opt)
     assert "eval() failed part-way; the optimizer state and the model's weights were rolled " \
         "back to committed step 2" in notes
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("where, half", [("before", False), ("after", True)])
+def test_a_load_the_optimizer_class_refuses(tmp_path, monkeypatch, backend, where, half):
+    """The optimizer class's own load_state_dict raising: before it changed anything (its
+    own checks), the state is as it was and training goes on, bitwise the plain run that
+    never loaded; after torch's load put the groups in place, it is half-loaded."""
+    sd = _source()
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(ref, ref_opt, 4)
+    real = torch.optim.AdamW.load_state_dict
+
+    def refusing(self, state_dict):
+        if where == "before":
+            raise ValueError("injected: the class refused the state dict")
+        real(self, state_dict)
+        raise ValueError("injected: the class refused the state dict")
+
+    with tiermem.offload(opt, _cfg(tmp_path, backend, "crash_consistent"), model=model) as tm:
+        _train(model, opt, 2)
+        with monkeypatch.context() as m:
+            m.setattr(torch.optim.AdamW, "load_state_dict", refusing)
+            with pytest.raises(ValueError, match="injected") as raised:
+                opt.load_state_dict(sd)
+        notes = "".join(raised.value.__notes__)
+        assert ("failed part-way" in notes) == half
+        assert ("the load changed nothing" in notes) == (not half)
+        assert bool(tm.offloaded.half_loaded) == half
+        if half:
+            with pytest.raises(tiermem.TierMemError, match="failed part-way"):
+                opt.state_dict()
+            return
+        _train(model, opt, 2)
+    compare_runs(model, opt, ref, ref_opt)

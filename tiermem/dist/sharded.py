@@ -39,8 +39,9 @@ from tiermem.dist.fsdp import FsdpLayout, is_dtensor
 from tiermem.dist.fsdp_whole import FsdpWholeLayout
 from tiermem.optim import amp, clipping
 from tiermem.optim.handle import Offload, mark_kept, resume_call
-from tiermem.optim.hooks import (AMP, Installed, in_torch_state_init, load_with_hooks,
-                                 run_post_hooks, run_pre_hooks, step_called)
+from tiermem.optim.hooks import (AMP, Installed, changed_since, in_torch_state_init,
+                                 load_snapshot, load_with_hooks, run_post_hooks,
+                                 run_pre_hooks, step_called)
 from tiermem.optim.offloaded import (HISTORY, OffloadedOptimizer, check_optimizer,
                                      groups_changed)
 from tiermem.optim.state_io import param_entries, refuse_unkept_keys, torch_state_dict
@@ -968,12 +969,13 @@ class DistributedOffload(Offload):
                            lambda i: state_dict["param_groups"][group_of[i]],
                            lambda i: "of the whole model", "loaded has")
         self._refuse_misshapen(entries)
+        before = load_snapshot(self.opt)
         try:
             self._replace_state(state_dict, entries)
         except BaseException as exc:
             # the user's groups replaced and this rank's share not (or partly: the shadow's
             # load names its own failure): no step or state_dict() may take the mix
-            self.offloaded.load_failed(exc)
+            self.offloaded.load_failed(exc, changed_since(self.opt, before))
             raise
 
     def _replace_state(self, state_dict: dict[str, Any], entries: dict[int, Any]) -> None:

@@ -135,6 +135,24 @@ def hold_state(opt: torch.optim.Optimizer, held: Callable[[], bool]) -> None:
     opt.state.held = held
 
 
+def load_snapshot(opt: torch.optim.Optimizer) -> list[tuple[Any, Any]]:
+    """What a load of `opt` replaces (its attributes, its groups and their entries,
+    opt.state's entries), the objects themselves, for changed_since."""
+    return [*vars(opt).items(), *enumerate(opt.param_groups),
+            *(item for group in opt.param_groups for item in group.items()),
+            *dict.items(opt.state)]
+
+
+def changed_since(opt: torch.optim.Optimizer, snapshot: list[tuple[Any, Any]]) -> bool:
+    """Whether a load that raised changed `opt` since `snapshot`: torch's own load puts the
+    new groups and state in place at its very end, so one that raised before it (an
+    optimizer class's own checks) left the optimizer as it was. The snapshot holds the
+    objects, so none compared here can be a new one at a freed one's address."""
+    now = load_snapshot(opt)
+    return len(now) != len(snapshot) or any(
+        k != k0 or v is not v0 for (k, v), (k0, v0) in zip(now, snapshot))
+
+
 def release_state(opt: torch.optim.Optimizer, original: Any) -> None:
     """opt.state the object it was before hold_state (a reference taken before the block
     still sees the state handed back into it), holding the entries opt.state holds now."""

@@ -26,8 +26,8 @@ from tiermem.swap.manifest import (read_manifest, refuse_stale_paths, scalar_fro
 from tiermem.optim import amp
 from tiermem.optim.counts import StepCounts
 from tiermem.optim.edits import EditedWeights
-from tiermem.optim.hooks import (Installed, load_with_hooks, run_post_hooks, run_pre_hooks,
-                                 step_called)
+from tiermem.optim.hooks import (Installed, changed_since, load_snapshot, load_with_hooks,
+                                 run_post_hooks, run_pre_hooks, step_called)
 from tiermem.optim.overlap import BackwardOverlap
 from tiermem.optim.rules import AdamRule, Batch, PreparedUpdate, UpdateRule, rule_class, rule_for
 from tiermem.optim.rules.nested import json_exact, value_digest
@@ -1848,21 +1848,28 @@ class OffloadedOptimizer:
         groups_only = {**{k: v for k, v in state_dict.items()
                           if k not in ("state", "param_groups")},
                        "state": others, "param_groups": state_dict["param_groups"]}
+        before = load_snapshot(self.opt)
         try:
             self._replace_state(groups_only, entries)
         except BaseException as exc:
             # From torch's load on, the groups, the counts and the records are replaced one
             # after another: a failure leaves some loaded and some not, which no step and no
             # state_dict() may take for either. A load that succeeds replaces every piece.
-            self.load_failed(exc)
+            self.load_failed(exc, changed_since(self.opt, before))
             raise
         self.half_loaded = None
         if self.crash:
             self.commit()
 
-    def load_failed(self, exc: BaseException) -> None:
-        """A load failed after it began replacing the state: `half_loaded` (the first such
-        failure's, until a load succeeds), named on `exc`."""
+    def load_failed(self, exc: BaseException, changed: bool) -> None:
+        """A load failed after it began replacing the state (`changed`: torch's load of the
+        groups, first, did not refuse it before changing anything): `half_loaded` (the
+        first such failure's, until a load succeeds), named on `exc`."""
+        if not changed:
+            # the records come after torch's load, so they were not touched either
+            exc.add_note("tiermem: the load changed nothing; the optimizer state is as "
+                         "it was before it")
+            return
         if self.half_loaded:
             exc.add_note(f"tiermem: {self.half_loaded}")
             return
