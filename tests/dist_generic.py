@@ -412,6 +412,71 @@ def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
 
 
+def unusable_share_left(rank: int, world: int, tmp: str, durability: str,
+                        on_error: bool) -> None:
+    """A block left (normally, or on an exception on every rank) with one rank's share half
+    loaded: that share reaches no manifest. scratch: it is lost, and that rank's opt.step()
+    says so (it used to start the optimizer over there, the others' steps refused);
+    crash_consistent: its last commit stays on disk, and every rank resumes it, bitwise the
+    plain optimizer."""
+    import tiermem.optim.offloaded as offloaded
+
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = LionLike(groups_of(model), lr=1e-3, weight_decay=0.01)
+    ref_opt = LionLike(groups_of(ref_model), lr=1e-3, weight_decay=0.01)
+    cfg = small_cfg(tmp, timeout=20)
+    cfg["swap"]["durability"] = durability
+    real_scatter = offloaded.scatter
+
+    def half(tiers, parts, keys, state):
+        real_scatter(tiers, parts[: len(parts) // 2], keys, state)
+        raise OSError("injected: writing a record failed")
+
+    last = rank == world - 1
+    try:
+        with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="u"):
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
+            sd = opt.state_dict()
+            if last:
+                offloaded.scatter = half
+            try:
+                opt.load_state_dict(sd)
+            except OSError:
+                assert last
+            finally:
+                offloaded.scatter = real_scatter
+            if on_error:
+                raise _Crash
+    except _Crash as exc:
+        notes = str(getattr(exc, "__notes__", ""))
+        assert not last or ("lost" if durability == "scratch" else "committed step 1") \
+            in notes, notes
+    except tiermem.TierMemError as exc:
+        assert not on_error
+        if last:
+            assert ("its share is lost" if durability == "scratch" else
+                    "its share was unusable") in str(exc), exc
+        else:
+            assert f"rank(s) [{world - 1}]" in str(exc), exc
+    else:
+        raise AssertionError("the block was left without a word")
+    try:
+        opt.step()
+    except tiermem.TierMemError as exc:
+        lost = last and durability == "scratch"
+        assert ("is lost" if lost else "was kept on disk") in str(exc), exc
+    else:
+        raise AssertionError(f"rank {rank} stepped after its share was left unusable")
+    if durability == "scratch":
+        return
+    tiermem.optim.handle.forget_kept(opt)
+    with tiermem.offload(opt, cfg, model=model, name="u", resume=True) as tm:
+        assert tm.resumed_step == 1, tm.resumed_step
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=1)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
 def loose_state_refused(rank: int, world: int, tmp: str) -> None:
     """State under a key that is no parameter (MADGRAD's state['k']) is no rank's share."""
     model = Synthetic()
@@ -546,6 +611,10 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
         "resume-schedulefree": lambda r, d: resume(r, world, d, "schedulefree"),
         "resume-after-crash": lambda r, d: resume_after_crash(r, world, d),
         "kept": lambda r, d: kept(r, world, d),
+        **{f"unusable-share-left-{durability}{'-on-error' * on_error}":
+           (lambda r, d, durability=durability, on_error=on_error:
+            unusable_share_left(r, world, d, durability, on_error))
+           for durability in ("scratch", "crash_consistent") for on_error in (False, True)},
     }
 
     return run_in_dirs(rank, base, table, names)

@@ -19,7 +19,9 @@ NAMES = ["lion-like", "lion-like-allreduced-io_uring", "counting-sgd",
          "counting-sgd-allreduced", "lion", "schedulefree",
          "schedulefree-allreduced-crash-consistent", "closure", "coupling-refused",
          "added-group", "loose-state-refused", "half-loaded-one-rank", "resume-schedulefree",
-         "resume-after-crash", "kept"]
+         "resume-after-crash", "kept", "unusable-share-left-scratch",
+         "unusable-share-left-scratch-on-error", "unusable-share-left-crash_consistent",
+         "unusable-share-left-crash_consistent-on-error"]
 
 
 def _missing(name: str) -> str | None:

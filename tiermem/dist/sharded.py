@@ -38,7 +38,7 @@ from tiermem.errors import TierMemError, TierMemWarning
 from tiermem.dist.fsdp import FsdpLayout, is_dtensor
 from tiermem.dist.fsdp_whole import FsdpWholeLayout
 from tiermem.optim import amp, clipping
-from tiermem.optim.handle import Offload, mark_kept, resume_call
+from tiermem.optim.handle import Offload, mark_kept, mark_lost, resume_call
 from tiermem.optim.hooks import (AMP, Installed, changed_since, in_torch_state_init,
                                  load_snapshot, load_with_hooks, run_post_hooks,
                                  run_pre_hooks, step_called)
@@ -1067,17 +1067,34 @@ class DistributedOffload(Offload):
             if self._discard:
                 off.close_tiers(remove_swap=True)
                 return
-            if off.unusable:  # memory's state must reach no manifest
-                self.kept_on_disk = off.tiers.run_dir()
-                off.close_tiers(remove_swap=False, flush=False)
+            if off.unusable:
+                where = self._leave_unusable()
             else:
                 self.kept_on_disk = off.keep_on_disk()
+                self._mark_kept()  # a caught exception must not let opt.step() start over
+                where = self.where_state_is()
         except BaseException as err:
             exc.add_note(f"tiermem: rank {self.rank} could not keep its share on disk ({err})")
             return
-        self._mark_kept()  # a caught exception must not let opt.step() start the state over
-        exc.add_note(f"tiermem: rank {self.rank} left on {type(exc).__name__}; "
-                     f"{self.where_state_is()}")
+        exc.add_note(f"tiermem: rank {self.rank} left on {type(exc).__name__}; {where}")
+
+    def _leave_unusable(self) -> str:
+        """This rank's share is neither one step's nor another's (a failed load or state
+        method): it must reach no manifest (handle.Offload._exit_unusable). crash_consistent:
+        the last commit stays on disk, untouched, to resume; scratch: nothing else holds the
+        share, it is gone, and opt.step() says so rather than start it over. Returns where
+        the state is, in a sentence."""
+        off = self.offloaded
+        run_dir = off.tiers.run_dir()
+        if off.committed_step is not None:
+            self.kept_on_disk = run_dir
+            off.close_tiers(remove_swap=False, flush=False)
+            self._mark_kept()
+            return f"its share was unusable ({off.unusable}); {self.where_state_is()}"
+        off.close_tiers(remove_swap=True)
+        mark_lost(self.opt, run_dir, off.unusable, rank=self.rank)
+        return (f"its share is lost ({off.unusable}; swap.durability scratch keeps no "
+                "committed copy)")
 
     def _exit(self) -> None:
         off = self.offloaded
@@ -1111,6 +1128,9 @@ class DistributedOffload(Offload):
             self.opt.state.update(whole)
             off.close_tiers(remove_swap=True)
             return
+        if off.unusable:
+            raise TierMemError(f"rank {self.rank}: leaving tiermem.offload, "
+                               f"{self._leave_unusable()}") from failed
         if failed is not None:
             dirs = ", ".join(off.tiers.store.dirs) if off.tiers.store else "-"
             off.close_tiers(remove_swap=False, flush=False)

@@ -53,6 +53,22 @@ def mark_kept(opt: torch.optim.Optimizer, run_dir: str, name: str, step: int | N
     put_kept(opt, (run_dir, message))
 
 
+def mark_lost(opt: torch.optim.Optimizer, run_dir: str, unusable: str, *,
+              rank: int | None = None) -> None:
+    """After a block ended with the state unusable (neither one step's nor another's) and
+    swap.durability scratch, which keeps no committed copy: opt.step() says the state is
+    lost rather than start the optimizer over. rank: under torch.distributed, the rank
+    whose share it was."""
+    what = ("the optimizer state" if rank is None
+            else f"rank {rank}'s share of the optimizer state")
+    message = (f"opt.step(): {what} is lost: {unusable}, before its tiermem.offload block "
+               "ended, and swap.durability scratch keeps no other copy; opt.state is empty. "
+               "Load a state dict into the optimizer, then call "
+               "tiermem.optim.handle.forget_kept(optimizer) (which also lets it start over "
+               "on purpose)")
+    put_kept(opt, (run_dir, message))
+
+
 def put_kept(opt: torch.optim.Optimizer, kept: tuple[str, str]) -> None:
     """Install the guard `kept` = (run directory, the error opt.step() raises)."""
     message = kept[1]
@@ -412,12 +428,7 @@ class Offload:
                           stacklevel=4)
             return
         off.close_tiers(remove_swap=True)
-        message = (f"opt.step(): the optimizer state is lost: {off.unusable}, before its "
-                   "tiermem.offload block ended, and swap.durability scratch keeps no other "
-                   "copy; opt.state is empty. Load a state dict into the optimizer, then "
-                   "call tiermem.optim.handle.forget_kept(optimizer) (which also lets it "
-                   "start over on purpose)")
-        put_kept(off.opt, (run_dir, message))
+        mark_lost(off.opt, run_dir, off.unusable)
         warnings.warn(f"tiermem: the block ended with the optimizer state unusable "
                       f"({off.unusable}); it is lost (swap.durability scratch keeps no "
                       "committed copy)", TierMemWarning, stacklevel=4)
