@@ -53,6 +53,14 @@ def _source() -> dict:
     return opt.state_dict()
 
 
+def _pair():
+    """A source state dict, and the model and AdamW to offload beside their plain copies."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    return (_source(), model, torch.optim.AdamW(model.parameters(), lr=1e-2), ref,
+            torch.optim.AdamW(ref.parameters(), lr=1e-2))
+
+
 def _half_scatter(monkeypatch):
     """The load's write of the records fails after the first half of the partitions."""
     real = tiermem.optim.offloaded.scatter
@@ -77,11 +85,7 @@ def test_a_load_failing_part_way_is_refused_until_a_load_succeeds(tmp_path, monk
     """The step and state_dict() refuse the half-loaded state, naming the load; a load that
     then succeeds goes on as the plain optimizer that loaded once, and a step failing after
     it (crash_consistent) rolls back to that load's commit, late records included."""
-    sd = _source()
-    model = _model()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sd, model, opt, ref, ref_opt = _pair()
     _train(ref, ref_opt, 2)
     ref_opt.load_state_dict(copy.deepcopy(sd))  # (torch's load steps sd's own tensors)
     ref[0].weight.requires_grad_(True)
@@ -205,11 +209,7 @@ def test_a_load_the_optimizer_class_refuses(tmp_path, monkeypatch, backend, wher
     """The optimizer class's own load_state_dict raising: before it changed anything (its
     own checks), the state is as it was and training goes on, bitwise the plain run that
     never loaded; after torch's load put the groups in place, it is half-loaded."""
-    sd = _source()
-    model = _model()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sd, model, opt, ref, ref_opt = _pair()
     _train(ref, ref_opt, 4)
     real = torch.optim.AdamW.load_state_dict
 
