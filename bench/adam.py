@@ -1,5 +1,5 @@
 """One Adam/AdamW step on the CPU, in ns per parameter: tiermem's update path against
-torch's fused and foreach AdamW, DeepSpeed's CPU Adam, and the memory-bandwidth bound.
+torch's fused and foreach AdamW, DeepSpeed's CPU Adam, and the memory floor.
 
 Every implementation runs AdamW (lr 1e-4, weight decay 0.1) on one flat tensor of N
 parameters. They share one set of weights, gradients and moments (values do not
@@ -32,10 +32,13 @@ peak RSS with foreach's temporaries).
   one flat tensor, where torch's per-tensor work is least.
 - DeepSpeed CPU Adam: `deepspeed.ops.adam.DeepSpeedCPUAdam` (AdamW mode) when it
   imports and builds; otherwise the row says why not.
-- bandwidth bound: the bytes one step must move (fp32: read p, g, m, v and write
-  p, m, v = 28 B/param; bf16-mixed: read a bf16 grad and fp32 master, m, v, write
-  master, m, v and a bf16 weight = also 28 B/param) divided by the bandwidth of an
-  in-place triad, a += alpha * b, over two fp32 arrays of N elements (12 B/element).
+- memory floor: the bytes one step must move (fp32: read p, g, m, v and write p, m, v =
+  28 B/param; bf16-mixed: read a bf16 grad and fp32 master, m, v, write master, m, v and
+  a bf16 weight = also 28 B/param), moved by one C pass with one multiply-add per array
+  and nothing else, on torch's thread count, chunks taken in turn (bench/_floor.py). No
+  update can move fewer bytes in one pass, so no row can be faster (the bf16-mixed cast
+  path moves about 40 B). A line under the table gives the offload row and torch fused
+  against it round by round.
 
 dtype fp32: fp32 parameters and gradients, updated in place.
 dtype bf16-mixed: bf16 gradients in, fp32 master weights and moments, bf16 weights
@@ -44,7 +47,7 @@ copied into an fp32 buffer, the update runs on the fp32 master, and the bf16 wei
 refreshed with param_bf16.copy_(master) (tiermem's fused path does exactly this today).
 
 Each figure is the median of --reps timed steps after one untimed warm-up step; each
-round of steps starts with one timed triad pass, and the bound uses their median.
+round of steps starts with one timed floor pass, and the floor row is their median.
 Quick smoke test:  python3 bench/adam.py --params 10M --reps 2
 One dtype, no DeepSpeed (quick iterations): python3 bench/adam.py --params 100M --dtypes fp32 --no-deepspeed
 Full run:          python3 bench/adam.py            (100M and 400M, fp32 and bf16-mixed)
@@ -70,10 +73,9 @@ from _harness import (count_list, elapsed, parser, peak_rss, ratio, ratio_text, 
 DTYPES = ("fp32", "bf16-mixed")
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
 BYTES_PER_PARAM = {"fp32": 28, "bf16-mixed": 28}  # what an ideal one-pass kernel moves
-TRIAD_BYTES_PER_ELEM = 12  # a += alpha * b: read a, read b, write a (fp32)
 TIERMEM, NATIVE, OFFLOAD, FUSED, FOREACH, DEEPSPEED, BOUND = (
     "tiermem fused (adam_update)", "tiermem native", "tiermem offload (default config)",
-    "torch AdamW fused", "torch AdamW foreach", "DeepSpeedCPUAdam", "bandwidth bound")
+    "torch AdamW fused", "torch AdamW foreach", "DeepSpeedCPUAdam", "memory floor")
 # optimizer.state_dtype int8: the same native pass on 8-bit blockwise moments (the issue's
 # goal: within 1.3x of the fp32-state native row's time per parameter)
 NATIVE_INT8 = "tiermem native, int8 state"
@@ -291,22 +293,13 @@ SETUPS = {TIERMEM: setup_tiermem, NATIVE: setup_native, NATIVE_INT8: setup_nativ
 # -- timing ----------------------------------------------------------------------------------
 
 
-class Triad:
-    """a += alpha * b over two fp32 arrays of n elements, 12 bytes moved per element, in
-    place like the Adam update, on torch's threads (the ones its kernels use).
+def make_floor(prob: Problem) -> Callable[[], None]:
+    """One pass of the memory floor (bench/_floor.py) over the problem's own arrays: what
+    its update must read and write, with no arithmetic to speak of."""
+    from _floor import Floor
 
-    The arrays are the problem's first moment and fp32 gradient buffer: same size, no
-    extra memory, and their values do not change the timing (alpha alternates in sign,
-    so the moment stays bounded however many passes run)."""
-
-    def __init__(self, prob: Problem):
-        self.n = prob.n
-        self.a, self.b = prob.exp_avg, prob.grad32
-        self.alpha = 1e-3
-
-    def __call__(self) -> None:
-        torch.add(self.a, self.b, alpha=self.alpha, out=self.a)
-        self.alpha = -self.alpha
+    return Floor(prob.master, prob.grad, prob.exp_avg, prob.exp_avg_sq,
+                 prob.weight if prob.mixed else None)
 
 
 def _failure(exc: BaseException) -> str:
@@ -318,14 +311,14 @@ def _failure(exc: BaseException) -> str:
 def measure_group(prob: Problem, reps: int,
                   skip: dict[str, str]) -> tuple[dict[str, dict], list[float]]:
     """Set up every implementation, run each once untimed (warm-up: first touch, lazy
-    builds), then `reps` rounds of: one triad pass, one step of each implementation
-    (in a seeded random order each round). Returns {implementation: result} and the triad times."""
-    triad = Triad(prob)
+    builds), then `reps` rounds of: one memory-floor pass, one step of each implementation
+    (in a seeded random order each round). Returns {implementation: result} and the floor's
+    times (empty, with the reason in results[BOUND], where the floor cannot be built)."""
     with contextlib.ExitStack() as stack:  # the offload block, open while all take turns
-        return _measure_group(prob, reps, skip, triad, stack)
+        return _measure_group(prob, reps, skip, stack)
 
 
-def _measure_group(prob: Problem, reps: int, skip: dict[str, str], triad: Triad,
+def _measure_group(prob: Problem, reps: int, skip: dict[str, str],
                    stack: contextlib.ExitStack) -> tuple[dict[str, dict], list[float]]:
     results: dict[str, dict] = {}
     runs: dict[str, Callable[[], None]] = {}
@@ -341,11 +334,16 @@ def _measure_group(prob: Problem, reps: int, skip: dict[str, str], triad: Triad,
             continue
         runs[name] = run
         results[name] = {"status": "measured", "seconds": []}
-    triad()
-    triad_times = []
+    try:
+        floor: Callable[[], None] | None = make_floor(prob)
+        floor()
+    except Exception as exc:  # noqa: BLE001 - no compiler: the bound row says so
+        floor, results[BOUND] = None, {"status": _failure(exc)}
+    floor_times = []
     order = list(runs)
     for rep in range(reps):
-        triad_times.append(elapsed(triad))
+        if floor is not None:
+            floor_times.append(elapsed(floor))
         # A fresh order each round (seeded: a rerun repeats it): rotating one list would
         # give each implementation the same predecessor in every round, and what runs
         # just before a step (foreach's gigabyte of temporaries freed, another's cache
@@ -363,7 +361,7 @@ def _measure_group(prob: Problem, reps: int, skip: dict[str, str], triad: Triad,
             r["seconds_median"] = statistics.median(r["seconds"])
             r["seconds_min"] = min(r["seconds"])
             r["ns_per_param"] = r["seconds_median"] / prob.n * 1e9
-    return results, triad_times
+    return results, floor_times
 
 
 def measure(sizes: Sequence[tuple[str, int]], reps: int,
@@ -374,24 +372,28 @@ def measure(sizes: Sequence[tuple[str, int]], reps: int,
     for label, n in sizes:
         for dtype in dtypes:
             prob = Problem(n, dtype)
-            results, triad_times = measure_group(prob, reps, skip)
+            results, floor_times = measure_group(prob, reps, skip)
             del prob
             gc.collect()
-            bps = TRIAD_BYTES_PER_ELEM * n / statistics.median(triad_times)
-            bound_ns = BYTES_PER_PARAM[dtype] / bps * 1e9
+            bound = results.pop(BOUND, None)
             group = [{"implementation": name, "dtype": dtype, "params": label, "n": n, **r}
                      for name, r in results.items()]
+            bound_ns = (statistics.median(floor_times) / n * 1e9 if floor_times else None)
             group.append({"implementation": BOUND, "dtype": dtype, "params": label, "n": n,
-                          "status": "measured", "ns_per_param": bound_ns,
-                          "bytes_per_param": BYTES_PER_PARAM[dtype],
-                          "triad_bytes_per_second": bps, "triad_seconds": triad_times})
+                          **(bound or {"status": "measured", "ns_per_param": bound_ns,
+                                       "seconds": floor_times,
+                                       "seconds_median": statistics.median(floor_times),
+                                       "bytes_per_second":
+                                           BYTES_PER_PARAM[dtype] / bound_ns * 1e9}),
+                          "bytes_per_param": BYTES_PER_PARAM[dtype]})
             ref = results.get(FUSED, {}).get("ns_per_param")
             refs = [results[k]["ns_per_param"] for k in REFERENCES
                     if results.get(k, {}).get("status") == "measured"]
             for r in group:
                 ok = r["status"] == "measured"
                 r["vs_torch_fused"] = ratio(r["ns_per_param"], ref) if ok else None
-                r["vs_bound"] = ratio(r["ns_per_param"], bound_ns) if ok else None
+                r["vs_bound"] = (ratio(r["ns_per_param"], bound_ns)
+                                 if ok and bound_ns is not None else None)
                 # speedup over the best reference (the one it must beat for fp32, the
                 # tighter of the two for bf16-mixed): > 1 is faster
                 r["speedup_vs_best_ref"] = (ratio(min(refs), r["ns_per_param"])
@@ -432,7 +434,7 @@ def show_results(rows: Sequence[dict]) -> str:
              ratio_text(r.get("speedup_vs_best_ref"))] for r in rows]
     print()
     table = show_table(["implementation", "dtype", "params", "ns/param (median)",
-                        "vs torch fused", "vs bandwidth bound",
+                        "vs torch fused", "vs memory floor",
                         "speedup vs best of fused/DeepSpeed"], body)
     goals = {"fp32": 1.0, "bf16-mixed": 1.5}  # issue #18's targets for the default config
     for r in rows:
@@ -452,6 +454,17 @@ def show_results(rows: Sequence[dict]) -> str:
                       f"{TENSOR_ELEMS >> 20}M-element tensors: {same['from_medians']:.2f}x, "
                       f"paired {same['median']:.2f}x (rounds {same['min']:.2f}-"
                       f"{same['max']:.2f})")
+    floors = {(r["params"], r["dtype"]): r["seconds"] for r in rows
+              if r["implementation"] == BOUND and r["status"] == "measured"}
+    for r in rows:
+        floor = floors.get((r["params"], r["dtype"]))
+        if (r["implementation"] not in (OFFLOAD, FUSED) or r["status"] != "measured"
+                or floor is None or len(floor) != len(r["seconds"])):
+            continue
+        rounds = [f / t for f, t in zip(floor, r["seconds"])]
+        print(f"{r['params']} {r['dtype']}: {r['implementation']} at "
+              f"{statistics.median(rounds):.3f}x the memory floor's speed, round by round "
+              f"({min(rounds):.3f}-{max(rounds):.3f})")
     native = {(r["params"], r["dtype"]): r for r in rows
               if r["implementation"] == NATIVE and r["status"] == "measured"}
     for r in rows:
@@ -509,8 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = measure(args.sizes, args.reps, skip, args.dtype_list)
     table = show_results(rows)
     print(f"\nns/param: median of {args.reps} step(s) after a warm-up, "
-          f"{torch.get_num_threads()} torch threads; bound = 28 B/param / in-place triad "
-          "bandwidth of the same run")
+          f"{torch.get_num_threads()} torch threads; memory floor: one pass moving the "
+          "update's 28 B/param with no arithmetic to speak of (bench/_floor.py), same rounds")
     header["machine"].update(torch_threads=torch.get_num_threads(),
                              deepspeed=deepspeed_version(),
                              omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
