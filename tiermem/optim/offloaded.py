@@ -1868,7 +1868,8 @@ class OffloadedOptimizer:
         if not changed:
             # the records come after torch's load, so they were not touched either
             exc.add_note("tiermem: the load changed nothing; the optimizer state is as "
-                         "it was before it")
+                         "it was before it" + (f" ({self.half_loaded})" if self.half_loaded
+                                               else ""))
             return
         if self.half_loaded:
             exc.add_note(f"tiermem: {self.half_loaded}")
