@@ -161,7 +161,7 @@ def pipeline_figures(d: dict) -> list[list[str]]:
 
 def adam_figures(d: dict) -> list[list[str]]:
     """Each of tiermem's updates (torch's fused kernel through adam_update, the native one)
-    beside torch fused, DeepSpeed and the bandwidth bound, per (params, dtype)."""
+    beside torch fused, DeepSpeed and the memory floor, per (params, dtype)."""
     rows = []
     groups: dict[tuple[str, str], dict[str, dict]] = {}
     for r in d["rows"]:
