@@ -477,6 +477,53 @@ def unusable_share_left(rank: int, world: int, tmp: str, durability: str,
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
 
 
+def write_back_failed_at_exit(rank: int, world: int, tmp: str, durability: str) -> None:
+    """One rank's write-back fails for good as the block ends (its flush raises): that
+    rank's records are in buffers only. scratch: its share is lost, and its opt.step() says
+    so (it used to start the optimizer over there); crash_consistent: its last commit stays
+    on disk, the other rank keeps its share, and every rank resumes, bitwise the plain
+    optimizer."""
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    opt = LionLike(groups_of(model), lr=1e-3, weight_decay=0.01)
+    ref_opt = LionLike(groups_of(ref_model), lr=1e-3, weight_decay=0.01)
+    cfg = small_cfg(tmp, timeout=20)
+    cfg["swap"]["durability"] = durability
+    last = rank == world - 1
+
+    def broken_disk():
+        raise tiermem.TierMemError("injected: a write-back failed for good")
+
+    try:
+        with tiermem.offload(opt, cfg, model=model, name="w") as tm:
+            train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+            if last:
+                tm.offloaded.tiers.flush = broken_disk
+    except tiermem.TierMemError as exc:
+        if last:
+            assert "could not be written back (injected" in str(exc), exc
+            assert ("its share is lost" if durability == "scratch" else
+                    "of committed step 2 stays on disk") in str(exc), exc
+        else:
+            assert f"rank(s) [{world - 1}]" in str(exc), exc
+    else:
+        raise AssertionError("the block was left without a word")
+    try:
+        opt.step()
+    except tiermem.TierMemError as exc:
+        lost = last and durability == "scratch"
+        assert ("is lost" if lost else "was kept on disk") in str(exc), exc
+    else:
+        raise AssertionError(f"rank {rank} stepped with its share on disk or lost")
+    if durability == "scratch":
+        return
+    tiermem.optim.handle.forget_kept(opt)
+    with tiermem.offload(opt, cfg, model=model, name="w", resume=True) as tm:
+        assert tm.resumed_step == 2, tm.resumed_step
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=2)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
 def loose_state_refused(rank: int, world: int, tmp: str) -> None:
     """State under a key that is no parameter (MADGRAD's state['k']) is no rank's share."""
     model = Synthetic()
@@ -615,6 +662,10 @@ def run_named(rank: int, world: int, base: str, names: list[str], extra: dict) -
            (lambda r, d, durability=durability, on_error=on_error:
             unusable_share_left(r, world, d, durability, on_error))
            for durability in ("scratch", "crash_consistent") for on_error in (False, True)},
+        **{f"write-back-failed-at-exit-{durability}":
+           (lambda r, d, durability=durability: write_back_failed_at_exit(r, world, d,
+                                                                          durability))
+           for durability in ("scratch", "crash_consistent")},
     }
 
     return run_in_dirs(rank, base, table, names)

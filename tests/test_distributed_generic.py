@@ -21,7 +21,8 @@ NAMES = ["lion-like", "lion-like-allreduced-io_uring", "counting-sgd",
          "added-group", "loose-state-refused", "half-loaded-one-rank", "resume-schedulefree",
          "resume-after-crash", "kept", "unusable-share-left-scratch",
          "unusable-share-left-scratch-on-error", "unusable-share-left-crash_consistent",
-         "unusable-share-left-crash_consistent-on-error"]
+         "unusable-share-left-crash_consistent-on-error", "write-back-failed-at-exit-scratch",
+         "write-back-failed-at-exit-crash_consistent"]
 
 
 def _missing(name: str) -> str | None:

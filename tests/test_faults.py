@@ -326,3 +326,63 @@ def test_a_scratch_step_that_fails_part_way_counts_only_what_it_updated(tmp_path
             assert torch.equal(st[key], ref_sd["state"][i][key]), (i, k, key)
         assert torch.equal(params[i].detach(), list(ref.parameters())[i].detach()), (i, k)
     assert taken[1] and taken[2], taken  # the fault landed mid-step
+
+
+@pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_broken_disk_and_no_memory_to_hand_back(tmp_path, backend, durability,
+                                                 monkeypatch):
+    """Write-backs fail for good and the state does not fit in free memory to be handed
+    back. scratch: it is whole nowhere, the exit says so, and opt.step() after the block
+    says the state is lost (it used to start the optimizer over, silently).
+    crash_consistent: the step whose writes failed was rolled back to the last commit,
+    which the block keeps on disk (no write needed), and a resume goes on from it, bitwise
+    the plain optimizer at that step."""
+    import tiermem.optim.handle as handle
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 200), torch.nn.Linear(200, 128))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model, opt, steps, g):
+        for _ in range(steps):
+            model(torch.randn(4, 128, generator=g)).square().mean().backward()
+            try:
+                opt.step()
+            except tiermem.TierMemIOError:
+                pass  # a write-back of the step failed
+            opt.zero_grad()
+
+    ref, ref_opt = make()
+    g_ref = torch.Generator().manual_seed(1)
+    train(ref, ref_opt, 2, g_ref)
+    model, opt = make()
+    g = torch.Generator().manual_seed(1)
+    cfg = _cfg(tmp_path, backend, 1)
+    cfg["swap"]["durability"] = durability
+    cfg["optimizer"] = {"kernel": "match"}  # torch's own arithmetic: the plain run's bits
+    lost = durability == "scratch"
+    with monkeypatch.context() as m:
+        m.setattr(handle, "available_memory", lambda: 0)
+        with (pytest.raises(tiermem.TierMemError, match="could not be written back") if lost
+              else pytest.warns(tiermem.TierMemWarning, match="does not fit")):
+            with tiermem.offload(opt, cfg, model=model) as tm:
+                train(model, opt, 2, g)
+                tm.stats()  # the two steps' write-backs (and commits) landed
+                inject(tm, "write", 0, times=10**6)  # every write from here on fails
+                train(model, opt, 1, g)
+    with pytest.raises(tiermem.TierMemError, match="is lost" if lost else "was kept on disk"):
+        opt.step()
+    if lost:
+        return
+    handle.forget_kept(opt)
+    with tiermem.offload(opt, cfg, model=model, resume=True) as tm:
+        assert tm.resumed_step == 2
+        state = opt.state_dict()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+    want = ref_opt.state_dict()["state"]
+    for i, entry in want.items():
+        for k, v in entry.items():
+            assert torch.equal(state["state"][i][k], v), (i, k)

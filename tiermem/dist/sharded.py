@@ -1092,9 +1092,34 @@ class DistributedOffload(Offload):
             self._mark_kept()
             return f"its share was unusable ({off.unusable}); {self.where_state_is()}"
         off.close_tiers(remove_swap=True)
-        mark_lost(self.opt, run_dir, off.unusable, rank=self.rank)
+        mark_lost(self.opt, run_dir, f"{off.unusable}, before its tiermem.offload block "
+                  "ended", rank=self.rank)
         return (f"its share is lost ({off.unusable}; swap.durability scratch keeps no "
                 "committed copy)")
+
+    def _leave_failed(self, flushed: bool) -> str:
+        """This rank's share could not be handed back: a record could not be read back
+        (`flushed`: every record reached the disk, which keeps them with a manifest, as when
+        the state does not fit in memory), or some write-backs failed for good, and those
+        records are in buffers only: crash_consistent keeps the last commit (the failed
+        writes went to records no commit names), and under scratch the share is lost.
+        opt.step() says which rather than start the optimizer over. Returns it in a
+        sentence."""
+        off = self.offloaded
+        if flushed:
+            self.kept_on_disk = off.keep_on_disk()
+            self._mark_kept()
+            return self.where_state_is()
+        run_dir = off.tiers.run_dir()
+        off.close_tiers(remove_swap=False, flush=False)
+        if off.committed_step is not None:
+            self.kept_on_disk = run_dir
+            self._mark_kept()
+            return self.where_state_is()
+        mark_lost(self.opt, run_dir, "writing it back to swap failed as its tiermem.offload "
+                  "block ended", rank=self.rank)
+        return ("its share is lost: the records whose writes failed are lost with this "
+                "process (swap.durability scratch keeps no committed copy)")
 
     def _exit(self) -> None:
         off = self.offloaded
@@ -1103,12 +1128,13 @@ class DistributedOffload(Offload):
             off.detach()
             off.close_tiers(remove_swap=True)
             return
-        state, failed = None, None
+        state, failed, flushed = None, None, False
         fits = self._full_state_nbytes() <= available_memory() * 0.8
         try:
             if off.unusable:
                 raise TierMemError(off.unusable)
             off.tiers.flush()
+            flushed = True
             if fits:
                 state = off.export_state(model_dtype=True)
         except TierMemError as exc:
@@ -1132,11 +1158,9 @@ class DistributedOffload(Offload):
             raise TierMemError(f"rank {self.rank}: leaving tiermem.offload, "
                                f"{self._leave_unusable()}") from failed
         if failed is not None:
-            dirs = ", ".join(off.tiers.store.dirs) if off.tiers.store else "-"
-            off.close_tiers(remove_swap=False, flush=False)
-            raise TierMemError(f"rank {self.rank}: the optimizer state could not be written "
-                               f"back or gathered ({failed}); the swap files were kept in "
-                               f"{dirs}") from failed
+            raise TierMemError(f"rank {self.rank}: its share of the optimizer state could not "
+                               f"be {'gathered' if flushed else 'written back'} ({failed}); "
+                               f"{self._leave_failed(flushed)}") from failed
         self.kept_on_disk = off.keep_on_disk()
         self._mark_kept()
         bad = [self.coll.global_rank(r) for r, row in enumerate(flags) if not row[0]]

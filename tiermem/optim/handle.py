@@ -53,16 +53,16 @@ def mark_kept(opt: torch.optim.Optimizer, run_dir: str, name: str, step: int | N
     put_kept(opt, (run_dir, message))
 
 
-def mark_lost(opt: torch.optim.Optimizer, run_dir: str, unusable: str, *,
+def mark_lost(opt: torch.optim.Optimizer, run_dir: str, why: str, *,
               rank: int | None = None) -> None:
-    """After a block ended with the state unusable (neither one step's nor another's) and
-    swap.durability scratch, which keeps no committed copy: opt.step() says the state is
-    lost rather than start the optimizer over. rank: under torch.distributed, the rank
-    whose share it was."""
+    """After a block ended with the state not whole anywhere (`why`: unusable, neither one
+    step's nor another's, or records lost with the disk) under swap.durability scratch,
+    which keeps no committed copy: opt.step() says the state is lost rather than start the
+    optimizer over. rank: under torch.distributed, the rank whose share it was."""
     what = ("the optimizer state" if rank is None
             else f"rank {rank}'s share of the optimizer state")
-    message = (f"opt.step(): {what} is lost: {unusable}, before its tiermem.offload block "
-               "ended, and swap.durability scratch keeps no other copy; opt.state is empty. "
+    message = (f"opt.step(): {what} is lost: {why}, and swap.durability scratch keeps no "
+               "other copy; opt.state is empty. "
                "Load a state dict into the optimizer, then call "
                "tiermem.optim.handle.forget_kept(optimizer) (which also lets it start over "
                "on purpose)")
@@ -293,8 +293,10 @@ class Offload:
 
     def _exit_after_failed_writes(self, exc: TierMemError) -> None:
         """Some write-backs failed for good: the records they carried are in buffers only.
-        Hand everything back into the optimizer from memory if it fits; else keep what the
-        disk has. Either way, raise saying which."""
+        Hand everything back into the optimizer from memory if it fits; else the state is
+        not whole anywhere: crash_consistent keeps its last commit (the failed writes went
+        to records no commit names) for a resume, and under scratch it is lost; either way
+        opt.step() says so rather than start the optimizer over. Raise saying which."""
         off = self.offloaded
         dirs = off.tiers.store.dirs if off.tiers.store else []
         off.detach()
@@ -310,9 +312,23 @@ class Offload:
                 raise TierMemError(f"writing optimizer state to swap failed ({exc}); the state "
                                    "was gathered from memory and handed back to the optimizer, "
                                    "and the swap files were removed") from exc
+        if self._discard:
+            off.close_tiers(remove_swap=True, flush=False)
+            raise TierMemError(f"optimizer state could not be written back ({exc})") from exc
+        run_dir = off.tiers.run_dir()
+        off.close_tiers(remove_swap=False, flush=False)
+        if off.committed_step is not None:
+            self.kept_on_disk = run_dir
+            self._mark_kept()
+            raise TierMemError(f"optimizer state could not be written back ({exc}), and it "
+                               "does not fit in free memory to hand back; "
+                               f"{self.where_state_is()}") from exc
+        mark_lost(off.opt, run_dir, "writing it back to swap failed as its tiermem.offload "
+                  "block ended, and it did not fit in free memory to be handed back")
         raise TierMemError(f"optimizer state could not be written back ({exc}); swap files "
-                           f"were kept in {', '.join(dirs)}, and the records that failed "
-                           "were lost with this process") from exc
+                           f"were kept in {', '.join(dirs)}, but the records that failed are "
+                           "lost with this process (swap.durability scratch keeps no "
+                           "committed copy), so the optimizer state is lost") from exc
 
     def _state_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() * 2 for p in self.offloaded.params)
@@ -428,7 +444,8 @@ class Offload:
                           stacklevel=4)
             return
         off.close_tiers(remove_swap=True)
-        mark_lost(off.opt, run_dir, off.unusable)
+        mark_lost(off.opt, run_dir,
+                  f"{off.unusable}, before its tiermem.offload block ended")
         warnings.warn(f"tiermem: the block ended with the optimizer state unusable "
                       f"({off.unusable}); it is lost (swap.durability scratch keeps no "
                       "committed copy)", TierMemWarning, stacklevel=4)
