@@ -412,6 +412,55 @@ def half_loaded_one_rank(rank: int, world: int, tmp: str) -> None:
     compare_runs(model, opt, ref_model, ref_opt, exact=True)
 
 
+def _lion_pair(tmp: str, durability: str):
+    """A model, a LionLike over it, their plain copies, and a config of that durability."""
+    model = Synthetic()
+    ref_model = copy.deepcopy(model)
+    cfg = small_cfg(tmp, timeout=20)
+    cfg["swap"]["durability"] = durability
+    return (model, LionLike(groups_of(model), lr=1e-3, weight_decay=0.01), ref_model,
+            LionLike(groups_of(ref_model), lr=1e-3, weight_decay=0.01), cfg)
+
+
+def _left_faulty(rank: int, world: int, durability: str, run, step: int,
+                 on_error: bool = False, last_says: str = "") -> None:
+    """`run(last)` trains `step` steps in a block named "f" and makes the last rank's share
+    unusable or unwritable there (raising _Crash on every rank when `on_error`). After the
+    block: the last rank said `last_says` (scratch: that its share is lost), the others
+    named it; opt.step() is refused on every rank (scratch, on the last one: the state is
+    lost); crash_consistent: every rank resumes step `step` and goes on bitwise the plain
+    optimizer. `run` returns (model, opt, ref_model, ref_opt, cfg)."""
+    last = rank == world - 1
+    said = ""
+    try:
+        model, opt, ref_model, ref_opt, cfg = run(last)
+    except (_Crash, tiermem.TierMemError) as exc:
+        assert on_error == isinstance(exc, _Crash), exc
+        said = str(exc) + str(getattr(exc, "__notes__", ""))
+        model, opt, ref_model, ref_opt, cfg = exc.pair
+    else:
+        raise AssertionError("the block was left without a word")
+    lost = last and durability == "scratch"
+    if last:
+        want = ("lost" if on_error else "its share is lost") if lost else last_says
+        assert want in said, said
+    elif not on_error:
+        assert f"rank(s) [{world - 1}]" in said, said
+    try:
+        opt.step()
+    except tiermem.TierMemError as exc:
+        assert ("is lost" if lost else "was kept on disk") in str(exc), exc
+    else:
+        raise AssertionError(f"rank {rank} stepped with its share on disk or lost")
+    if durability == "scratch":
+        return
+    tiermem.optim.handle.forget_kept(opt)
+    with tiermem.offload(opt, cfg, model=model, name="f", resume=True) as tm:
+        assert tm.resumed_step == step, tm.resumed_step
+        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=step)
+    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+
+
 def unusable_share_left(rank: int, world: int, tmp: str, durability: str,
                         on_error: bool) -> None:
     """A block left (normally, or on an exception on every rank) with one rank's share half
@@ -421,60 +470,36 @@ def unusable_share_left(rank: int, world: int, tmp: str, durability: str,
     plain optimizer."""
     import tiermem.optim.offloaded as offloaded
 
-    model = Synthetic()
-    ref_model = copy.deepcopy(model)
-    opt = LionLike(groups_of(model), lr=1e-3, weight_decay=0.01)
-    ref_opt = LionLike(groups_of(ref_model), lr=1e-3, weight_decay=0.01)
-    cfg = small_cfg(tmp, timeout=20)
-    cfg["swap"]["durability"] = durability
     real_scatter = offloaded.scatter
 
     def half(tiers, parts, keys, state):
         real_scatter(tiers, parts[: len(parts) // 2], keys, state)
         raise OSError("injected: writing a record failed")
 
-    last = rank == world - 1
-    try:
-        with kept_at_exit(), tiermem.offload(opt, cfg, model=model, name="u"):
-            train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
-            sd = opt.state_dict()
-            if last:
-                offloaded.scatter = half
-            try:
-                opt.load_state_dict(sd)
-            except OSError:
-                assert last
-            finally:
-                offloaded.scatter = real_scatter
-            if on_error:
-                raise _Crash
-    except _Crash as exc:
-        notes = str(getattr(exc, "__notes__", ""))
-        assert not last or ("lost" if durability == "scratch" else "committed step 1") \
-            in notes, notes
-    except tiermem.TierMemError as exc:
-        assert not on_error
-        if last:
-            assert ("its share is lost" if durability == "scratch" else
-                    "its share was unusable") in str(exc), exc
-        else:
-            assert f"rank(s) [{world - 1}]" in str(exc), exc
-    else:
-        raise AssertionError("the block was left without a word")
-    try:
-        opt.step()
-    except tiermem.TierMemError as exc:
-        lost = last and durability == "scratch"
-        assert ("is lost" if lost else "was kept on disk") in str(exc), exc
-    else:
-        raise AssertionError(f"rank {rank} stepped after its share was left unusable")
-    if durability == "scratch":
-        return
-    tiermem.optim.handle.forget_kept(opt)
-    with tiermem.offload(opt, cfg, model=model, name="u", resume=True) as tm:
-        assert tm.resumed_step == 1, tm.resumed_step
-        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=1)
-    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+    def run(last):
+        pair = _lion_pair(tmp, durability)
+        model, opt, ref_model, ref_opt, cfg = pair
+        try:
+            with tiermem.offload(opt, cfg, model=model, name="f"):
+                train_pair(rank, world, model, opt, ref_model, ref_opt, 1)
+                sd = opt.state_dict()
+                if last:
+                    offloaded.scatter = half
+                try:
+                    opt.load_state_dict(sd)
+                except OSError:
+                    assert last
+                finally:
+                    offloaded.scatter = real_scatter
+                if on_error:
+                    raise _Crash
+        except BaseException as exc:
+            exc.pair = pair
+            raise
+        return pair
+
+    _left_faulty(rank, world, durability, run, 1, on_error,
+                 "committed step 1" if on_error else "its share was unusable")
 
 
 def write_back_failed_at_exit(rank: int, world: int, tmp: str, durability: str) -> None:
@@ -483,45 +508,25 @@ def write_back_failed_at_exit(rank: int, world: int, tmp: str, durability: str) 
     so (it used to start the optimizer over there); crash_consistent: its last commit stays
     on disk, the other rank keeps its share, and every rank resumes, bitwise the plain
     optimizer."""
-    model = Synthetic()
-    ref_model = copy.deepcopy(model)
-    opt = LionLike(groups_of(model), lr=1e-3, weight_decay=0.01)
-    ref_opt = LionLike(groups_of(ref_model), lr=1e-3, weight_decay=0.01)
-    cfg = small_cfg(tmp, timeout=20)
-    cfg["swap"]["durability"] = durability
-    last = rank == world - 1
-
     def broken_disk():
         raise tiermem.TierMemError("injected: a write-back failed for good")
 
-    try:
-        with tiermem.offload(opt, cfg, model=model, name="w") as tm:
-            train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+    def run(last):
+        pair = _lion_pair(tmp, durability)
+        model, opt, ref_model, ref_opt, cfg = pair
+        try:
+            with tiermem.offload(opt, cfg, model=model, name="f") as tm:
+                train_pair(rank, world, model, opt, ref_model, ref_opt, 2)
+                if last:
+                    tm.offloaded.tiers.flush = broken_disk
+        except BaseException as exc:
+            exc.pair = pair
             if last:
-                tm.offloaded.tiers.flush = broken_disk
-    except tiermem.TierMemError as exc:
-        if last:
-            assert "could not be written back (injected" in str(exc), exc
-            assert ("its share is lost" if durability == "scratch" else
-                    "of committed step 2 stays on disk") in str(exc), exc
-        else:
-            assert f"rank(s) [{world - 1}]" in str(exc), exc
-    else:
-        raise AssertionError("the block was left without a word")
-    try:
-        opt.step()
-    except tiermem.TierMemError as exc:
-        lost = last and durability == "scratch"
-        assert ("is lost" if lost else "was kept on disk") in str(exc), exc
-    else:
-        raise AssertionError(f"rank {rank} stepped with its share on disk or lost")
-    if durability == "scratch":
-        return
-    tiermem.optim.handle.forget_kept(opt)
-    with tiermem.offload(opt, cfg, model=model, name="w", resume=True) as tm:
-        assert tm.resumed_step == 2, tm.resumed_step
-        train_pair(rank, world, model, opt, ref_model, ref_opt, 1, first=2)
-    compare_runs(model, opt, ref_model, ref_opt, exact=True)
+                assert "could not be written back (injected" in str(exc), exc
+            raise
+        return pair
+
+    _left_faulty(rank, world, durability, run, 2, last_says="of committed step 2 stays on disk")
 
 
 def loose_state_refused(rank: int, world: int, tmp: str) -> None:
