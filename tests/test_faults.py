@@ -328,15 +328,17 @@ def test_a_scratch_step_that_fails_part_way_counts_only_what_it_updated(tmp_path
     assert taken[1] and taken[2], taken  # the fault landed mid-step
 
 
+@pytest.mark.parametrize("where", ["in-a-step", "at-the-exit"])
 @pytest.mark.parametrize("durability", ["scratch", "crash_consistent"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_broken_disk_and_no_memory_to_hand_back(tmp_path, backend, durability,
+def test_a_broken_disk_and_no_memory_to_hand_back(tmp_path, backend, durability, where,
                                                  monkeypatch):
-    """Write-backs fail for good and the state does not fit in free memory to be handed
-    back. scratch: it is whole nowhere, the exit says so, and opt.step() after the block
-    says the state is lost (it used to start the optimizer over, silently).
-    crash_consistent: the step whose writes failed was rolled back to the last commit,
-    which the block keeps on disk (no write needed), and a resume goes on from it, bitwise
+    """Write-backs fail for good (from a step on, or only the exit's) and the state does
+    not fit in free memory to be handed back. scratch: it is whole nowhere, the exit says
+    so, and opt.step() after the block says the state is lost (it used to start the
+    optimizer over, silently). crash_consistent: the last commit stays on disk (a step
+    whose writes failed was rolled back to it; the exit's failed writes went to records
+    no commit names), opt.step() names the resume, and the resume goes on from it, bitwise
     the plain optimizer at that step."""
     import tiermem.optim.handle as handle
 
@@ -354,6 +356,10 @@ def test_a_broken_disk_and_no_memory_to_hand_back(tmp_path, backend, durability,
                 pass  # a write-back of the step failed
             opt.zero_grad()
 
+    def broken_disk():
+        raise tiermem.TierMemIOError("injected: a write-back failed for good", op="write",
+                                     errno=errno.EIO)
+
     ref, ref_opt = make()
     g_ref = torch.Generator().manual_seed(1)
     train(ref, ref_opt, 2, g_ref)
@@ -363,15 +369,21 @@ def test_a_broken_disk_and_no_memory_to_hand_back(tmp_path, backend, durability,
     cfg["swap"]["durability"] = durability
     cfg["optimizer"] = {"kernel": "match"}  # torch's own arithmetic: the plain run's bits
     lost = durability == "scratch"
+    # a step rolled back to the commit leaves nothing to write: the exit keeps it as it
+    # keeps any state that does not fit
+    clean = not lost and where == "in-a-step"
     with monkeypatch.context() as m:
         m.setattr(handle, "available_memory", lambda: 0)
-        with (pytest.raises(tiermem.TierMemError, match="could not be written back") if lost
-              else pytest.warns(tiermem.TierMemWarning, match="does not fit")):
+        with (pytest.warns(tiermem.TierMemWarning, match="does not fit") if clean
+              else pytest.raises(tiermem.TierMemError, match="could not be written back")):
             with tiermem.offload(opt, cfg, model=model) as tm:
                 train(model, opt, 2, g)
                 tm.stats()  # the two steps' write-backs (and commits) landed
-                inject(tm, "write", 0, times=10**6)  # every write from here on fails
-                train(model, opt, 1, g)
+                if where == "in-a-step":
+                    inject(tm, "write", 0, times=10**6)  # every write from here on fails
+                    train(model, opt, 1, g)
+                else:
+                    tm.offloaded.tiers.flush = broken_disk
     with pytest.raises(tiermem.TierMemError, match="is lost" if lost else "was kept on disk"):
         opt.step()
     if lost:
