@@ -1042,6 +1042,9 @@ class DistributedOffload(Offload):
         mark_kept(self.opt, self.kept_on_disk, self.name, self.offloaded.committed_step,
                   rank=self.rank)
 
+    def _mark_lost(self, run_dir: str, why: str) -> None:
+        mark_lost(self.opt, run_dir, why, rank=self.rank)  # the user's optimizer, as above
+
     def _full_state_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() * 2 for p in self.layout.params)
 
@@ -1085,15 +1088,9 @@ class DistributedOffload(Offload):
         share, it is gone, and opt.step() says so rather than start it over. Returns where
         the state is, in a sentence."""
         off = self.offloaded
-        run_dir = off.tiers.run_dir()
-        if off.committed_step is not None:
-            self.kept_on_disk = run_dir
-            off.close_tiers(remove_swap=False, flush=False)
-            self._mark_kept()
+        if self._commit_or_lost(f"{off.unusable}, before its tiermem.offload block ended",
+                                remove_swap=True):
             return f"its share was unusable ({off.unusable}); {self.where_state_is()}"
-        off.close_tiers(remove_swap=True)
-        mark_lost(self.opt, run_dir, f"{off.unusable}, before its tiermem.offload block "
-                  "ended", rank=self.rank)
         return (f"its share is lost ({off.unusable}; swap.durability scratch keeps no "
                 "committed copy)")
 
@@ -1110,14 +1107,9 @@ class DistributedOffload(Offload):
             self.kept_on_disk = off.keep_on_disk()
             self._mark_kept()
             return self.where_state_is()
-        run_dir = off.tiers.run_dir()
-        off.close_tiers(remove_swap=False, flush=False)
-        if off.committed_step is not None:
-            self.kept_on_disk = run_dir
-            self._mark_kept()
+        if self._commit_or_lost("writing it back to swap failed as its tiermem.offload "
+                                "block ended", remove_swap=False):
             return self.where_state_is()
-        mark_lost(self.opt, run_dir, "writing it back to swap failed as its tiermem.offload "
-                  "block ended", rank=self.rank)
         return ("its share is lost: the records whose writes failed are lost with this "
                 "process (swap.durability scratch keeps no committed copy)")
 

@@ -315,16 +315,12 @@ class Offload:
         if self._discard:
             off.close_tiers(remove_swap=True, flush=False)
             raise TierMemError(f"optimizer state could not be written back ({exc})") from exc
-        run_dir = off.tiers.run_dir()
-        off.close_tiers(remove_swap=False, flush=False)
-        if off.committed_step is not None:
-            self.kept_on_disk = run_dir
-            self._mark_kept()
+        if self._commit_or_lost("writing it back to swap failed as its tiermem.offload "
+                                "block ended, and it did not fit in free memory to be "
+                                "handed back", remove_swap=False):
             raise TierMemError(f"optimizer state could not be written back ({exc}), and it "
                                "does not fit in free memory to hand back; "
                                f"{self.where_state_is()}") from exc
-        mark_lost(off.opt, run_dir, "writing it back to swap failed as its tiermem.offload "
-                  "block ended, and it did not fit in free memory to be handed back")
         raise TierMemError(f"optimizer state could not be written back ({exc}); swap files "
                            f"were kept in {', '.join(dirs)}, but the records that failed are "
                            "lost with this process (swap.durability scratch keeps no "
@@ -433,22 +429,35 @@ class Offload:
         disk, untouched, to resume. scratch: nothing else holds the state: it is gone, and
         opt.step() says so rather than start the optimizer over."""
         off = self.offloaded
-        run_dir = off.tiers.run_dir()
         off.detach()
-        if off.committed_step is not None:
-            self.kept_on_disk = run_dir
-            off.close_tiers(remove_swap=False, flush=False)
-            self._mark_kept()
+        if self._commit_or_lost(f"{off.unusable}, before its tiermem.offload block ended",
+                                remove_swap=True):
             warnings.warn(f"tiermem: the block ended with the optimizer state unusable "
                           f"({off.unusable}); {self.where_state_is()}", TierMemWarning,
                           stacklevel=4)
             return
-        off.close_tiers(remove_swap=True)
-        mark_lost(off.opt, run_dir,
-                  f"{off.unusable}, before its tiermem.offload block ended")
         warnings.warn(f"tiermem: the block ended with the optimizer state unusable "
                       f"({off.unusable}); it is lost (swap.durability scratch keeps no "
                       "committed copy)", TierMemWarning, stacklevel=4)
+
+    def _commit_or_lost(self, why: str, *, remove_swap: bool) -> bool:
+        """Memory's state must reach no manifest, and no whole copy is on disk but the last
+        commit: crash_consistent keeps that commit, untouched, for a resume (True);
+        scratch has none, and opt.step() says the state is lost, `why` (False; the swap
+        files removed with remove_swap). The tiers are closed either way."""
+        off = self.offloaded
+        run_dir = off.tiers.run_dir()
+        if off.committed_step is not None:
+            self.kept_on_disk = run_dir
+            off.close_tiers(remove_swap=False, flush=False)
+            self._mark_kept()
+            return True
+        off.close_tiers(remove_swap=remove_swap, flush=False)
+        self._mark_lost(run_dir, why)
+        return False
+
+    def _mark_lost(self, run_dir: str, why: str) -> None:
+        mark_lost(self.offloaded.opt, run_dir, why)
 
     @property
     def name(self) -> str:
